@@ -1,0 +1,127 @@
+"""Engine and model configuration."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from transformers import AutoConfig, GenerationConfig, PretrainedConfig
+
+_DTYPES = {
+    "float32": torch.float32,
+    "fp32": torch.float32,
+    "float16": torch.float16,
+    "fp16": torch.float16,
+    "half": torch.float16,
+    "bfloat16": torch.bfloat16,
+    "bf16": torch.bfloat16,
+}
+
+# The KV cache budget on platforms that have no memory query (the CPU), like vLLM's
+# VLLM_CPU_KVCACHE_SPACE; capped by what max_num_seqs full-length sequences could use.
+DEFAULT_HOST_KV_CACHE_BYTES = 2 << 30
+
+
+@dataclass
+class EngineConfig:
+    """User-facing engine options, named as vLLM users know them."""
+
+    model: str | None = None  # HF directory or .gguf file; None: the embedded default model
+    tokenizer: str | None = None
+    dtype: str = "auto"
+    device: str = "auto"
+    max_model_len: int | None = None
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int | None = None
+    block_size: int | None = None
+    enable_prefix_caching: bool = True
+    gpu_memory_utilization: float = 0.9
+    enforce_eager: bool = False
+    seed: int = 0
+    num_kv_blocks: int | None = None
+    attention_backend: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.max_num_seqs < 1:
+            raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
+        if self.block_size is not None and (self.block_size < 1 or self.block_size & (self.block_size - 1)):
+            raise ValueError(f"block_size must be a power of two, got {self.block_size}")
+        if not 0.0 < self.gpu_memory_utilization <= 1.0:
+            raise ValueError(
+                f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}"
+            )
+        if self.num_kv_blocks is not None and self.num_kv_blocks < 2:
+            raise ValueError(f"num_kv_blocks must be >= 2, got {self.num_kv_blocks}")
+        if self.max_num_batched_tokens is not None and self.max_num_batched_tokens < 1:
+            raise ValueError(
+                f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}"
+            )
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """What the engine needs to know about a checkpoint."""
+
+    path: Path
+    hf_config: PretrainedConfig
+    dtype: torch.dtype
+    max_model_len: int
+    eos_token_ids: frozenset[int] = field(default_factory=frozenset)
+
+    @property
+    def architecture(self) -> str:
+        return (getattr(self.hf_config, "architectures", None) or ["<none>"])[0]
+
+    @property
+    def vocab_size(self) -> int:
+        return self.hf_config.vocab_size
+
+    @classmethod
+    def from_path(
+        cls, path: Path, dtype: str, device: torch.device, max_model_len: int | None
+    ) -> ModelConfig:
+        if not (path / "config.json").is_file():
+            raise ValueError(f"{path} is not a model directory: it has no config.json")
+        hf_config = AutoConfig.from_pretrained(path)
+        return cls(
+            path=path,
+            hf_config=hf_config,
+            dtype=_resolve_dtype(dtype, hf_config, device),
+            max_model_len=_resolve_max_model_len(hf_config, max_model_len),
+            eos_token_ids=_eos_token_ids(path, hf_config),
+        )
+
+
+def _resolve_dtype(dtype: str, hf_config: PretrainedConfig, device: torch.device) -> torch.dtype:
+    if dtype != "auto":
+        try:
+            return _DTYPES[dtype]
+        except KeyError:
+            raise ValueError(f"dtype must be auto or one of {sorted(_DTYPES)}, got {dtype!r}") from None
+    if device.type == "cpu":
+        return torch.float32
+    stored = getattr(hf_config, "dtype", None) or getattr(hf_config, "torch_dtype", None)
+    return stored if stored in (torch.float16, torch.bfloat16) else torch.bfloat16
+
+
+def _resolve_max_model_len(hf_config: PretrainedConfig, requested: int | None) -> int:
+    limit = getattr(hf_config, "max_position_embeddings", None) or 2048
+    if requested is None:
+        return limit
+    if not 1 <= requested <= limit:
+        raise ValueError(f"max_model_len must be in [1, {limit}] for this model, got {requested}")
+    return requested
+
+
+def _eos_token_ids(path: Path, hf_config: PretrainedConfig) -> frozenset[int]:
+    ids: set[int] = set()
+    sources = [getattr(hf_config, "eos_token_id", None)]
+    if (path / "generation_config.json").is_file():
+        sources.append(GenerationConfig.from_pretrained(path).eos_token_id)
+    for value in sources:
+        if isinstance(value, int):
+            ids.add(value)
+        elif value:
+            ids.update(value)
+    return frozenset(ids)

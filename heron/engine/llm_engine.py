@@ -1,0 +1,235 @@
+"""LLMEngine: requests in, outputs out, one step at a time."""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+
+import torch
+from transformers import AutoTokenizer
+
+from heron.config import DEFAULT_HOST_KV_CACHE_BYTES, EngineConfig, ModelConfig
+from heron.engine.detokenizer import IncrementalDetokenizer
+from heron.engine.kv_cache_manager import KVCacheManager
+from heron.engine.request import FinishReason, Request
+from heron.engine.scheduler import Scheduler, SchedulerConfig
+from heron.engine.stopping import check_stop
+from heron.execution.model_runner import ModelRunner
+from heron.loader.resolve import resolve_model_path
+from heron.outputs import CompletionOutput, RequestOutput
+from heron.platforms import platform_for, resolve_device
+from heron.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+# With chunked prefill a step never exceeds this many tokens unless the user says otherwise.
+DEFAULT_MAX_NUM_BATCHED_TOKENS = 2048
+
+
+@dataclass(eq=False)
+class _Parent:
+    """A user request and its ``n`` samples."""
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    children: list[Request]
+    detokenizers: list[IncrementalDetokenizer]
+    arrival_time: float = field(default_factory=time.monotonic)
+
+    def output(self) -> RequestOutput:
+        outputs = [
+            CompletionOutput(
+                index=child.sample_index,
+                text=detok.text if child.is_finished else detok.text_safe_to_stream,
+                token_ids=list(child.output_token_ids),
+                finish_reason=child.finish_reason.value if child.finish_reason else None,
+                stop_reason=child.stop_reason,
+                logprobs=list(child.logprobs)
+                if child.sampling_params.logprobs is not None
+                else None,
+            )
+            for child, detok in zip(self.children, self.detokenizers)
+        ]
+        first = self.children[0]
+        return RequestOutput(
+            request_id=self.request_id,
+            prompt=self.prompt,
+            prompt_token_ids=self.prompt_token_ids,
+            outputs=outputs,
+            finished=all(c.is_finished for c in self.children),
+            prompt_logprobs=list(first.prompt_logprobs) if first.wants_prompt_logprobs else None,
+            num_cached_tokens=first.num_cached_tokens,
+        )
+
+
+class LLMEngine:
+    """Continuous-batching engine over a paged KV cache (synchronous; one ``step`` at a time)."""
+
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        device = resolve_device(config.device)
+        self.platform = platform_for(device)
+        path = resolve_model_path(config.model)
+        self.model_config = ModelConfig.from_path(path, config.dtype, device, config.max_model_len)
+        self.tokenizer = AutoTokenizer.from_pretrained(config.tokenizer or path)
+        self.block_size = config.block_size or self.platform.default_block_size
+        backend = config.attention_backend or self.platform.default_attention_backend()
+        self.runner = ModelRunner(self.model_config, self.platform, self.block_size, backend, config.seed)
+        num_blocks = self._num_kv_blocks()
+        self.runner.allocate_kv_cache(num_blocks)
+        self.kv_cache = KVCacheManager(num_blocks, self.block_size, config.enable_prefix_caching)
+        max_len = self.model_config.max_model_len
+        self.scheduler = Scheduler(
+            SchedulerConfig(
+                max_num_seqs=config.max_num_seqs,
+                max_num_batched_tokens=config.max_num_batched_tokens
+                or DEFAULT_MAX_NUM_BATCHED_TOKENS,
+                max_model_len=max_len,
+            ),
+            self.kv_cache,
+        )
+        self._parents: dict[str, _Parent] = {}
+        self._eos_token_ids = self.model_config.eos_token_ids | (
+            {self.tokenizer.eos_token_id} if self.tokenizer.eos_token_id is not None else set()
+        )
+        logger.info(
+            "model %s (%s), dtype %s, device %s; KV cache: %d blocks of %d tokens (%d tokens)",
+            path,
+            self.model_config.architecture,
+            self.model_config.dtype,
+            device,
+            num_blocks - 1,
+            self.block_size,
+            (num_blocks - 1) * self.block_size,
+        )
+
+    def _num_kv_blocks(self) -> int:
+        per_block = self.runner.kv_cache_bytes_per_block()
+        max_len = self.model_config.max_model_len
+        blocks_per_seq = -(-max_len // self.block_size)
+        if self.config.num_kv_blocks is not None:
+            num_blocks = self.config.num_kv_blocks
+        else:
+            budget = self.platform.memory_available_for_cache(self.config.gpu_memory_utilization)
+            if budget is None:
+                wanted = self.config.max_num_seqs * blocks_per_seq + 1
+                num_blocks = min(wanted, DEFAULT_HOST_KV_CACHE_BYTES // per_block)
+            else:
+                num_blocks = budget // per_block
+        if num_blocks - 1 < blocks_per_seq:
+            raise ValueError(
+                f"the KV cache holds {num_blocks - 1} blocks of {self.block_size} tokens, fewer than "
+                f"one sequence of max_model_len={max_len} needs ({blocks_per_seq}); lower "
+                "max_model_len or give the cache more memory"
+            )
+        return num_blocks
+
+    # ----------------------------------------------------------------- requests
+
+    def tokenize_prompt(self, prompt: str | list[int]) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, str):
+            return prompt, self.tokenizer.encode(prompt)
+        return None, list(prompt)
+
+    def add_request(
+        self, request_id: str, prompt: str | list[int], params: SamplingParams | None = None
+    ) -> None:
+        """Queue a request; raise ``ValueError`` (and queue nothing) if it is invalid."""
+        if request_id in self._parents:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        params = (params or SamplingParams()).clone()
+        params.eos_token_ids = frozenset(self._eos_token_ids)
+        text, token_ids = self.tokenize_prompt(prompt)
+        self._validate_prompt(token_ids)
+        children = []
+        for index in range(params.n):
+            child = Request(
+                f"{request_id}-{index}" if params.n > 1 else request_id,
+                token_ids,
+                params,
+                parent_id=request_id,
+                sample_index=index,
+            )
+            if params.seed is not None:
+                # Distinct samples of one seeded request, each reproducible on its own.
+                child.generator = torch.Generator(self.platform.device).manual_seed(
+                    params.seed + index
+                )
+            children.append(child)
+        detokenizers = [IncrementalDetokenizer(self.tokenizer, token_ids, params) for _ in children]
+        self._parents[request_id] = _Parent(request_id, text, token_ids, children, detokenizers)
+        for child in children:
+            self.scheduler.add(child)
+
+    def _validate_prompt(self, token_ids: list[int]) -> None:
+        if not token_ids:
+            raise ValueError("the prompt is empty")
+        max_len = self.model_config.max_model_len
+        if len(token_ids) > max_len:
+            raise ValueError(
+                f"the prompt has {len(token_ids)} tokens, more than the context length "
+                f"(max_model_len={max_len})"
+            )
+        vocab = self.model_config.vocab_size
+        bad = next((t for t in token_ids if not isinstance(t, int) or not 0 <= t < vocab), None)
+        if bad is not None:
+            raise ValueError(f"prompt token id {bad!r} is outside the vocabulary [0, {vocab})")
+
+    def abort_request(self, request_id: str) -> RequestOutput | None:
+        """Stop a request now; its blocks return to the pool. Unknown ids are ignored."""
+        parent = self._parents.pop(request_id, None)
+        if parent is None:
+            return None
+        for child in parent.children:
+            if not child.is_finished:
+                child.finish(FinishReason.ABORT)
+                self.scheduler.remove(child)
+        return parent.output()
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self._parents)
+
+    @property
+    def num_unfinished_requests(self) -> int:
+        return len(self._parents)
+
+    # ----------------------------------------------------------------- the step
+
+    def step(self) -> list[RequestOutput]:
+        """Run one step; return the outputs of every user request it advanced."""
+        schedule = self.scheduler.schedule()
+        if not schedule.scheduled:
+            return []
+        result = self.runner.execute(schedule, self.kv_cache.block_table)
+        self.scheduler.finish_step(schedule)
+        now = time.monotonic()
+
+        touched: dict[str, _Parent] = {}
+        for request, lps in result.prompt_logprobs:
+            if not request.prompt_logprobs:
+                request.prompt_logprobs.append(None)  # the first token has no context
+            request.prompt_logprobs.extend(lps)
+        for request, token_id, logprob in result.sampled:
+            parent = self._parents[request.parent_id]
+            request.append_output_token(token_id)
+            if logprob is not None:
+                request.logprobs.append(logprob)
+            if request.first_token_time is None:
+                request.first_token_time = now
+            stop_string = parent.detokenizers[request.sample_index].update([token_id])
+            stop = check_stop(request, token_id, stop_string, self.model_config.max_model_len)
+            if stop is not None:
+                request.finish(*stop)
+                parent.detokenizers[request.sample_index].finish()
+                self.scheduler.remove(request)
+            touched[parent.request_id] = parent
+
+        outputs = []
+        for parent in touched.values():
+            output = parent.output()
+            if output.finished:
+                del self._parents[parent.request_id]
+            outputs.append(output)
+        return outputs

@@ -1,0 +1,53 @@
+"""Linear layers whose checkpoint shards are packed into one matrix at load time."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+class Linear(nn.Module):
+    """``y = x W^T (+ b)``; weights load through :meth:`weight_loader`."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = False) -> None:
+        super().__init__()
+        self.in_features, self.out_features = in_features, out_features
+        self.weight = nn.Parameter(torch.empty(out_features, in_features), requires_grad=False)
+        self.bias = nn.Parameter(torch.empty(out_features), requires_grad=False) if bias else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias)
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard: str | None) -> None:
+        _copy_checked(param.data, loaded, param)
+
+
+class PackedLinear(Linear):
+    """Several checkpoint matrices stacked along the output dimension (fused qkv, gate_up).
+
+    ``shards`` maps each checkpoint shard name to its number of output rows, in order.
+    """
+
+    def __init__(self, in_features: int, shards: dict[str, int], bias: bool = False) -> None:
+        super().__init__(in_features, sum(shards.values()), bias)
+        self.shard_offsets: dict[str, tuple[int, int]] = {}
+        start = 0
+        for name, size in shards.items():
+            self.shard_offsets[name] = (start, size)
+            start += size
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard: str | None) -> None:
+        if shard not in self.shard_offsets:
+            raise ValueError(f"unknown shard {shard!r}; expected one of {list(self.shard_offsets)}")
+        start, size = self.shard_offsets[shard]
+        _copy_checked(param.data.narrow(0, start, size), loaded, param)
+
+
+def _copy_checked(target: torch.Tensor, loaded: torch.Tensor, param: nn.Parameter) -> None:
+    if target.shape != loaded.shape:
+        raise ValueError(
+            f"checkpoint tensor of shape {tuple(loaded.shape)} does not fit a parameter slice of "
+            f"shape {tuple(target.shape)} (parameter {tuple(param.shape)})"
+        )
+    target.copy_(loaded)

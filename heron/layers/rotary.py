@@ -1,0 +1,57 @@
+"""Rotary position embedding, with every scaling type transformers defines."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from transformers import PretrainedConfig
+from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+
+class RotaryEmbedding(nn.Module):
+    """Applies RoPE (rotate-half layout) to q and k at the given positions.
+
+    The inverse frequencies come from transformers' own initialisers (default, linear, dynamic,
+    yarn, longrope, llama3), so every ``rope_scaling`` a config declares means what it means in
+    HF. A cos/sin table covers ``max_positions``.
+    """
+
+    def __init__(self, config: PretrainedConfig, head_dim: int, max_positions: int) -> None:
+        super().__init__()
+        rope_params = getattr(config, "rope_parameters", None) or {}
+        rope_type = rope_params.get("rope_type", "default")
+        if rope_type == "default":
+            inv_freq, scaling = _default_inv_freq(rope_params, config, head_dim)
+        else:
+            if rope_type not in ROPE_INIT_FUNCTIONS:
+                raise ValueError(f"unsupported rope_type {rope_type!r}")
+            inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](config, "cpu")
+        positions = torch.arange(max_positions, dtype=torch.float32)
+        freqs = torch.outer(positions, inv_freq.float())
+        self.register_buffer("cos", (freqs.cos() * scaling), persistent=False)
+        self.register_buffer("sin", (freqs.sin() * scaling), persistent=False)
+
+    def forward(
+        self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """q: [tokens, heads, head_dim], k: [tokens, kv_heads, head_dim]."""
+        cos = self.cos[positions.long()].unsqueeze(1)
+        sin = self.sin[positions.long()].unsqueeze(1)
+        return _rotate(q, cos, sin), _rotate(k, cos, sin)
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    half = cos.shape[-1]
+    x1, x2 = x[..., :half].float(), x[..., half : 2 * half].float()
+    rotated = torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).to(x.dtype)
+    # Partial rotary: dimensions past the rotated ones pass through unchanged.
+    return rotated if x.shape[-1] == 2 * half else torch.cat((rotated, x[..., 2 * half :]), -1)
+
+
+def _default_inv_freq(
+    rope_params: dict, config: PretrainedConfig, head_dim: int
+) -> tuple[torch.Tensor, float]:
+    base = rope_params.get("rope_theta", getattr(config, "rope_theta", 10000.0))
+    rot_dim = int(head_dim * rope_params.get("partial_rotary_factor", 1.0))
+    exponent = torch.arange(0, rot_dim, 2, dtype=torch.int64).float() / rot_dim
+    return 1.0 / (base**exponent), 1.0

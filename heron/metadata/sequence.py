@@ -1,0 +1,109 @@
+"""Per-step shared metadata: the host-side StepBatch and the device-side SequenceMetadata."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+
+class StepBatch:
+    """One step's batch on the host, laid out in a single packed int32 array.
+
+    The runner writes token ids, positions, slots, per-request query/KV lengths, block tables
+    and the rows to compute logits for into the named views; :meth:`finish` fills both
+    cumulative-length arrays with one cumsum over the stacked lengths. The packed array then
+    travels to the device in one copy (:meth:`SequenceMetadata.from_step_batch`).
+    """
+
+    def __init__(
+        self, num_reqs: int, num_tokens: int, num_logits: int, table_width: int, block_size: int
+    ) -> None:
+        self.num_reqs, self.num_tokens = num_reqs, num_tokens
+        self.num_logits, self.table_width, self.block_size = num_logits, table_width, block_size
+        sizes = {
+            "start_locs": 2 * (num_reqs + 1),
+            "lens": 2 * num_reqs,
+            "token_ids": num_tokens,
+            "positions": num_tokens,
+            "slot_mapping": num_tokens,
+            "logits_indices": num_logits,
+            "block_tables": num_reqs * table_width,
+        }
+        self.packed = torch.zeros(sum(sizes.values()), dtype=torch.int32)
+        flat = self.packed.numpy()
+        self.offsets: dict[str, tuple[int, int]] = {}
+        start = 0
+        for name, size in sizes.items():
+            self.offsets[name] = (start, start + size)
+            start += size
+        view = lambda name: flat[self.offsets[name][0] : self.offsets[name][1]]
+        self.start_locs = view("start_locs").reshape(2, num_reqs + 1)
+        self.lens = view("lens").reshape(2, num_reqs)
+        self.query_lens, self.kv_lens = self.lens[0], self.lens[1]
+        self.token_ids = view("token_ids")
+        self.positions = view("positions")
+        self.slot_mapping = view("slot_mapping")
+        self.logits_indices = view("logits_indices")
+        self.block_tables = view("block_tables").reshape(num_reqs, table_width)
+
+    def finish(self) -> None:
+        """Compute the cumulative query and KV lengths (one cumsum over both)."""
+        np.cumsum(self.lens, axis=1, out=self.start_locs[:, 1:])
+
+
+@dataclass(frozen=True)
+class SequenceMetadata:
+    """The step's sequence facts on the device, built once per step from a :class:`StepBatch`.
+
+    Builders derive their groups' views from this; operators never read it directly.
+    Host copies of the lengths are kept for eager kernels that loop over requests.
+    """
+
+    num_reqs: int
+    num_tokens: int
+    max_query_len: int
+    max_kv_len: int
+    block_size: int
+    is_decode: bool  # every request has exactly one query token
+    query_lens_host: np.ndarray
+    kv_lens_host: np.ndarray
+    query_start_host: np.ndarray
+    token_ids: torch.Tensor
+    positions: torch.Tensor
+    slot_mapping: torch.Tensor
+    query_lens: torch.Tensor
+    kv_lens: torch.Tensor
+    query_start_loc: torch.Tensor
+    kv_start_loc: torch.Tensor
+    block_tables: torch.Tensor
+    logits_indices: torch.Tensor
+
+    @classmethod
+    def from_step_batch(cls, batch: StepBatch, device: torch.device) -> SequenceMetadata:
+        packed = batch.packed.to(device, non_blocking=True)
+        part = lambda name: packed[batch.offsets[name][0] : batch.offsets[name][1]]
+        start_locs = part("start_locs").view(2, batch.num_reqs + 1)
+        lens = part("lens").view(2, batch.num_reqs)
+        query_lens = batch.query_lens
+        return cls(
+            num_reqs=batch.num_reqs,
+            num_tokens=batch.num_tokens,
+            max_query_len=int(query_lens.max()) if batch.num_reqs else 0,
+            max_kv_len=int(batch.kv_lens.max()) if batch.num_reqs else 0,
+            block_size=batch.block_size,
+            is_decode=batch.num_tokens == batch.num_reqs,
+            query_lens_host=query_lens,
+            kv_lens_host=batch.kv_lens,
+            query_start_host=batch.start_locs[0],
+            token_ids=part("token_ids"),
+            positions=part("positions"),
+            slot_mapping=part("slot_mapping"),
+            query_lens=lens[0],
+            kv_lens=lens[1],
+            query_start_loc=start_locs[0],
+            kv_start_loc=start_locs[1],
+            block_tables=part("block_tables").view(batch.num_reqs, batch.table_width),
+            logits_indices=part("logits_indices"),
+        )

@@ -1,0 +1,125 @@
+"""The paged-attention view and its builder, shared by paged attention backends."""
+
+from __future__ import annotations
+
+from collections.abc import Hashable
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from heron.metadata import GraphSupport, MetadataBuilder, SequenceMetadata
+
+
+@dataclass(frozen=True)
+class PagedAttentionView:
+    """What a paged attention operator reads each step.
+
+    Device tensors cover ``num_reqs`` rows (padded rows of a graph batch have KV length 0 and
+    point at the null block 0). The host arrays serve eager kernels that loop over requests.
+    """
+
+    is_decode: bool
+    num_reqs: int
+    block_size: int
+    sliding_window: int | None
+    slot_mapping: torch.Tensor  # [tokens]
+    block_tables: torch.Tensor  # [reqs, table width]
+    kv_lens: torch.Tensor  # [reqs]
+    query_start_loc: torch.Tensor  # [reqs + 1]
+    query_start_host: np.ndarray
+    query_lens_host: np.ndarray
+    kv_lens_host: np.ndarray
+
+
+@dataclass(frozen=True)
+class PagedGraphBuffers:
+    """Persistent decode buffers, sized once for the largest graph batch."""
+
+    slot_mapping: torch.Tensor
+    block_tables: torch.Tensor
+    kv_lens: torch.Tensor
+    query_start_loc: torch.Tensor
+
+
+class PagedAttentionBuilder(MetadataBuilder):
+    """Builds :class:`PagedAttentionView` for one (block size, sliding window) configuration.
+
+    Decode steps are graph-capturable: ``fill`` copies the step into persistent buffers whose
+    block-table width is bounded by ``max_model_len / block_size``; padded rows get length 0 and
+    the null block. Eager steps use ``build``; both end in :meth:`_view`.
+    """
+
+    graph_support = GraphSupport.DECODE_ONLY
+
+    def __init__(
+        self, backend: str, block_size: int, sliding_window: int | None, max_model_len: int
+    ) -> None:
+        self.backend = backend
+        self.block_size = block_size
+        self.sliding_window = sliding_window
+        self.max_blocks_per_seq = -(-max_model_len // block_size)
+
+    @property
+    def key(self) -> Hashable:
+        return (self.backend, self.block_size, self.sliding_window)
+
+    def describe(self) -> str:
+        return f"{type(self).__name__}({self.backend})"
+
+    def build(self, seq: SequenceMetadata) -> PagedAttentionView:
+        return self._view(
+            seq, seq.slot_mapping, seq.block_tables, seq.kv_lens, seq.query_start_loc, seq.num_reqs
+        )
+
+    def make_graph_buffers(self, max_batch: int, device: torch.device) -> PagedGraphBuffers:
+        zeros = lambda *shape: torch.zeros(*shape, dtype=torch.int32, device=device)
+        return PagedGraphBuffers(
+            slot_mapping=zeros(max_batch),
+            block_tables=zeros(max_batch, self.max_blocks_per_seq),
+            kv_lens=zeros(max_batch),
+            query_start_loc=torch.arange(max_batch + 1, dtype=torch.int32, device=device),
+        )
+
+    def fill(
+        self, seq: SequenceMetadata, buffers: PagedGraphBuffers, batch: int
+    ) -> PagedAttentionView:
+        n, width = seq.num_reqs, seq.block_tables.shape[1]
+        # Padded rows write their (garbage) K/V into the null block and attend to nothing.
+        buffers.slot_mapping[n:batch].zero_()
+        buffers.slot_mapping[:n].copy_(seq.slot_mapping)
+        buffers.block_tables[:batch].zero_()
+        buffers.block_tables[:n, :width].copy_(seq.block_tables)
+        buffers.kv_lens[n:batch].zero_()
+        buffers.kv_lens[:n].copy_(seq.kv_lens)
+        return self._view(
+            seq,
+            buffers.slot_mapping[:batch],
+            buffers.block_tables[:batch],
+            buffers.kv_lens[:batch],
+            buffers.query_start_loc[: batch + 1],
+            batch,
+        )
+
+    def _view(
+        self,
+        seq: SequenceMetadata,
+        slot_mapping: torch.Tensor,
+        block_tables: torch.Tensor,
+        kv_lens: torch.Tensor,
+        query_start_loc: torch.Tensor,
+        num_reqs: int,
+    ) -> PagedAttentionView:
+        return PagedAttentionView(
+            is_decode=seq.is_decode,
+            num_reqs=num_reqs,
+            block_size=self.block_size,
+            sliding_window=self.sliding_window,
+            slot_mapping=slot_mapping,
+            block_tables=block_tables,
+            kv_lens=kv_lens,
+            query_start_loc=query_start_loc,
+            query_start_host=seq.query_start_host,
+            query_lens_host=seq.query_lens_host,
+            kv_lens_host=seq.kv_lens_host,
+        )

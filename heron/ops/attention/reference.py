@@ -1,0 +1,92 @@
+"""Reference paged attention in plain PyTorch: any device, every feature, readable first."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from heron.metadata import ModelBuildContext
+from heron.ops.attention.base import AttentionOperator, AttentionSpec
+from heron.ops.attention.paged import PagedAttentionBuilder, PagedAttentionView
+
+
+class ReferenceAttention(AttentionOperator):
+    """Paged attention written with torch ops; the default on CPU and the kernels' reference.
+
+    Decode gathers each request's blocks into a padded dense tensor and masks by length, with
+    no host synchronisation (so it can be captured in a graph). Extend loops over requests and
+    calls SDPA with a causal mask offset by the request's KV history.
+    """
+
+    def __init__(
+        self,
+        layer_name: str,
+        spec: AttentionSpec,
+        block_size: int,
+        max_model_len: int,
+        build_context: ModelBuildContext | None = None,
+    ) -> None:
+        super().__init__(layer_name, spec, build_context)
+        self._builder = PagedAttentionBuilder(
+            "reference", block_size, spec.sliding_window, max_model_len
+        )
+
+    def metadata_builder(self) -> PagedAttentionBuilder:
+        return self._builder
+
+    def write_kv(self, k: torch.Tensor, v: torch.Tensor, view: PagedAttentionView) -> None:
+        _, num_blocks, block_size, kv_heads, head_dim = self.kv_cache.shape
+        slots = view.slot_mapping.long()
+        n = k.shape[0]
+        self.kv_cache[0].view(-1, kv_heads, head_dim)[slots[:n]] = k.to(self.kv_cache.dtype)
+        self.kv_cache[1].view(-1, kv_heads, head_dim)[slots[:n]] = v.to(self.kv_cache.dtype)
+
+    def _gather(self, block_tables: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """K and V of the given blocks as [..., blocks * block_size, kv_heads, head_dim]."""
+        k = self.kv_cache[0][block_tables.long()]
+        v = self.kv_cache[1][block_tables.long()]
+        shape = (*block_tables.shape[:-1], -1, *k.shape[-2:])
+        return k.reshape(shape), v.reshape(shape)
+
+    def forward_decode(self, q: torch.Tensor, view: PagedAttentionView) -> torch.Tensor:
+        spec = self.spec
+        k, v = self._gather(view.block_tables)  # [reqs, L, kv_heads, D]
+        positions = torch.arange(k.shape[1], device=q.device)
+        kv_lens = view.kv_lens[:, None]
+        visible = positions[None, :] < kv_lens
+        if spec.sliding_window is not None:
+            visible &= positions[None, :] > kv_lens - 1 - spec.sliding_window
+        group = spec.num_heads // spec.num_kv_heads
+        qg = q.view(-1, spec.num_kv_heads, group, spec.head_dim).float()
+        scores = torch.einsum("bhgd,blhd->bhgl", qg, k.float()) * spec.scale
+        scores = scores.masked_fill(~visible[:, None, None, :], float("-inf"))
+        # Padded rows see no key at all; give them zeros instead of NaNs.
+        probs = torch.softmax(scores, dim=-1).nan_to_num(0.0)
+        out = torch.einsum("bhgl,blhd->bhgd", probs, v.float())
+        return out.reshape(q.shape).to(q.dtype)
+
+    def forward_extend(self, q: torch.Tensor, view: PagedAttentionView) -> torch.Tensor:
+        spec = self.spec
+        out = torch.empty_like(q)
+        for i in range(view.num_reqs):
+            q_start, q_len = int(view.query_start_host[i]), int(view.query_lens_host[i])
+            kv_len = int(view.kv_lens_host[i])
+            num_blocks = -(-kv_len // view.block_size)
+            k, v = self._gather(view.block_tables[i, :num_blocks])
+            k, v = k[:kv_len], v[:kv_len]
+            q_pos = torch.arange(kv_len - q_len, kv_len, device=q.device)[:, None]
+            k_pos = torch.arange(kv_len, device=q.device)[None, :]
+            mask = k_pos <= q_pos
+            if spec.sliding_window is not None:
+                mask &= k_pos > q_pos - spec.sliding_window
+            qi = q[q_start : q_start + q_len].transpose(0, 1)
+            attn = F.scaled_dot_product_attention(
+                qi.float(),
+                k.transpose(0, 1).float(),
+                v.transpose(0, 1).float(),
+                attn_mask=mask,
+                scale=spec.scale,
+                enable_gqa=True,
+            )
+            out[q_start : q_start + q_len] = attn.transpose(0, 1).to(q.dtype)
+        return out
