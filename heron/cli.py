@@ -1,0 +1,172 @@
+"""Command line: heron generate | chat | plan."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+from dataclasses import fields
+
+from heron.config import EngineConfig
+from heron.sampling_params import SamplingParams
+
+# Engine flags, named like vLLM's: --max-num-seqs, --enable-prefix-caching/--no-..., ...
+_ENGINE_FLAG_HELP = {
+    "model": "HF directory or .gguf file (default: the embedded SmolLM2-135M-Instruct)",
+    "tokenizer": "tokenizer directory (default: the model's)",
+    "dtype": "auto, float32, float16 or bfloat16",
+    "device": "auto, cpu or cuda[:N]",
+    "max_model_len": "context length (default: the model's)",
+    "max_num_seqs": "most requests running at once",
+    "max_num_batched_tokens": "token budget of one step (chunked prefill)",
+    "block_size": "tokens per KV cache block",
+    "enable_prefix_caching": "reuse KV blocks of shared prompt prefixes",
+    "gpu_memory_utilization": "fraction of GPU memory Heron may use",
+    "enforce_eager": "never use CUDA graphs",
+    "seed": "seed of requests that have none",
+    "num_kv_blocks": "fix the KV pool size in blocks",
+    "attention_backend": "attention operator (default: the platform's)",
+}
+
+
+def add_engine_args(parser: argparse.ArgumentParser) -> None:
+    for f in fields(EngineConfig):
+        flag = "--" + f.name.replace("_", "-")
+        help_text = _ENGINE_FLAG_HELP[f.name]
+        if f.type in ("bool", bool):
+            parser.add_argument(
+                flag, action=argparse.BooleanOptionalAction, default=f.default, help=help_text
+            )
+        else:
+            kind = {"int": int, "float": float, "int | None": int, "float | None": float}.get(
+                str(f.type), str
+            )
+            parser.add_argument(flag, type=kind, default=f.default, help=help_text)
+
+
+def engine_config(args: argparse.Namespace) -> EngineConfig:
+    return EngineConfig(**{f.name: getattr(args, f.name) for f in fields(EngineConfig)})
+
+
+def add_sampling_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--max-tokens", type=int, default=256)
+    parser.add_argument("--temperature", type=float, default=0.0)
+    parser.add_argument("--top-p", type=float, default=1.0)
+    parser.add_argument("--top-k", type=int, default=0)
+    parser.add_argument("--min-p", type=float, default=0.0)
+    parser.add_argument("--repetition-penalty", type=float, default=1.0)
+    parser.add_argument("--sample-seed", type=int, default=None, help="seed of this request")
+    parser.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
+
+
+def sampling_params(args: argparse.Namespace) -> SamplingParams:
+    return SamplingParams(
+        max_tokens=args.max_tokens,
+        temperature=args.temperature,
+        top_p=args.top_p,
+        top_k=args.top_k,
+        min_p=args.min_p,
+        repetition_penalty=args.repetition_penalty,
+        seed=args.sample_seed,
+        stop=args.stop,
+    )
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    from heron.llm import LLM
+
+    llm = LLM(**vars(engine_config(args)))
+    prompts = args.prompt or [sys.stdin.read()]
+    for output in llm.generate(prompts, sampling_params(args), use_tqdm=len(prompts) > 1):
+        if output.error:
+            print(f"error: {output.error}", file=sys.stderr)
+            return 1
+        print(output.outputs[0].text)
+    return 0
+
+
+def cmd_chat(args: argparse.Namespace) -> int:
+    from heron.llm import LLM
+
+    llm = LLM(**vars(engine_config(args)))
+    params = sampling_params(args)
+    messages: list[dict[str, str]] = []
+    if args.system:
+        messages.append({"role": "system", "content": args.system})
+    if args.prompt:
+        messages.append({"role": "user", "content": " ".join(args.prompt)})
+        print(llm.chat(messages, params, use_tqdm=False)[0].outputs[0].text)
+        return 0
+    print("heron chat: type a message, Ctrl-D to quit", file=sys.stderr)
+    while True:
+        try:
+            line = input("> ")
+        except EOFError:
+            print(file=sys.stderr)
+            return 0
+        if not line.strip():
+            continue
+        messages.append({"role": "user", "content": line})
+        output = llm.chat(messages, params, use_tqdm=False)[0]
+        if output.error:
+            print(f"error: {output.error}", file=sys.stderr)
+            messages.pop()
+            continue
+        reply = output.outputs[0].text
+        print(reply)
+        messages.append({"role": "assistant", "content": reply})
+
+
+def cmd_plan(args: argparse.Namespace) -> int:
+    from heron.engine.llm_engine import LLMEngine
+
+    engine = LLMEngine(engine_config(args))
+    plan = engine.runner.plan.describe()
+    if args.json:
+        print(json.dumps(plan, indent=2))
+        return 0
+    for group in plan["groups"]:
+        print(
+            f"group {group['group']}: {group['builder']}  key={group['key']}  "
+            f"graphs={group['graph_support']}{'  (fallback)' if group['fallback'] else ''}"
+        )
+        for layer in group["layers"]:
+            print(f"    {layer}")
+    print(f"fallback: {plan['fallback_reason'] or 'none'}")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="heron", description=__doc__)
+    parser.add_argument("--log-level", default="WARNING")
+    sub = parser.add_subparsers(dest="command", required=True)
+    gen = sub.add_parser("generate", help="complete prompts")
+    gen.add_argument("--prompt", action="append", help="prompt text (repeatable; default: stdin)")
+    chat = sub.add_parser("chat", help="chat with the model (interactive, or one-shot with --prompt)")
+    chat.add_argument("--prompt", nargs="*", help="one message; answer it and exit")
+    chat.add_argument("--system", default=None, help="system message")
+    plan = sub.add_parser("plan", help="show the model's resolved step-metadata plan")
+    plan.add_argument("--json", action="store_true")
+    for p in (gen, chat, plan):
+        add_engine_args(p)
+    for p in (gen, chat):
+        add_sampling_args(p)
+    gen.set_defaults(func=cmd_generate)
+    chat.set_defaults(func=cmd_chat)
+    plan.set_defaults(func=cmd_plan)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
+    try:
+        return args.func(args)
+    except (ValueError, FileNotFoundError) as e:
+        print(f"heron: error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

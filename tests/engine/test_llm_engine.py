@@ -1,0 +1,136 @@
+"""Engine behaviour end to end on a tiny model: leaks, aborts, bad input, n, seeds, stops."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import transformers as tf
+
+from heron import LLM, SamplingParams
+
+
+@pytest.fixture(scope="module")
+def llm(tiny_model_dir):
+    return LLM(str(tiny_model_dir("qwen2")), max_model_len=128, num_kv_blocks=40)
+
+
+def _assert_pool_idle(llm: LLM) -> None:
+    kv = llm.engine.kv_cache
+    kv.check_invariants()
+    assert kv.num_free_blocks == kv.num_blocks - 1
+    assert kv.usage == 0.0
+    assert not llm.engine.has_unfinished_requests()
+
+
+def test_no_block_leak_after_finish_and_abort(llm):
+    engine = llm.engine
+    params = SamplingParams(temperature=0.8, max_tokens=30, ignore_eos=True, seed=1)
+    for i in range(6):
+        engine.add_request(f"leak-{i}", list(range(5, 25 + 7 * i)), params)
+    for _ in range(5):
+        engine.step()
+    assert llm.engine.kv_cache.usage > 0
+    engine.abort_request("leak-1")
+    aborted = engine.abort_request("leak-4")
+    assert aborted.outputs[0].finish_reason == "abort"
+    while engine.has_unfinished_requests():
+        engine.step()
+    _assert_pool_idle(llm)
+
+
+def test_bad_prompts_rejected_alone(llm):
+    params = SamplingParams(temperature=0, max_tokens=5)
+    outputs = llm.generate(
+        [[1, 2, 3], [], list(range(5, 200)), [1, 99999], "hello world"], params, use_tqdm=False
+    )
+    assert [o.error is None for o in outputs] == [True, False, False, False, True]
+    assert "empty" in outputs[1].error
+    assert "195 tokens" in outputs[2].error and "max_model_len=128" in outputs[2].error
+    assert "99999" in outputs[3].error
+    assert len(outputs[0].outputs[0].token_ids) == 5 and outputs[4].outputs[0].text
+    _assert_pool_idle(llm)
+
+
+def test_engine_add_request_raises_and_queues_nothing(llm):
+    with pytest.raises(ValueError, match="outside the vocabulary"):
+        llm.engine.add_request("bad", [-1], SamplingParams())
+    assert not llm.engine.has_unfinished_requests()
+
+
+def test_seed_reproducible_whatever_the_batch(llm):
+    seeded = SamplingParams(temperature=1.0, top_p=0.9, max_tokens=12, ignore_eos=True, seed=123)
+    other = SamplingParams(temperature=1.0, max_tokens=12, ignore_eos=True)
+    prompt = [10, 11, 12, 13]
+    alone = llm.generate(prompt, seeded, use_tqdm=False)[0].outputs[0].token_ids
+    batch = llm.generate(
+        [[40, 41], prompt, [50, 51, 52, 53, 54, 55]], [other, seeded, other], use_tqdm=False
+    )
+    assert batch[1].outputs[0].token_ids == alone
+
+
+def test_n_samples_share_prompt_blocks(llm):
+    kv = llm.engine.kv_cache
+    hits = kv.prefix_cache_hits
+    params = SamplingParams(n=3, temperature=1.0, max_tokens=8, ignore_eos=True, seed=7)
+    prompt = list(range(100, 150))  # three full blocks
+    out = llm.generate(prompt, params, use_tqdm=False)[0]
+    assert [c.index for c in out.outputs] == [0, 1, 2]
+    assert all(len(c.token_ids) == 8 for c in out.outputs)
+    assert len({tuple(c.token_ids) for c in out.outputs}) > 1  # distinct samples
+    # The later samples found the first one's prompt blocks.
+    assert kv.prefix_cache_hits - hits >= 2 * 48
+    again = llm.generate(prompt, params, use_tqdm=False)[0]
+    assert [c.token_ids for c in again.outputs] == [c.token_ids for c in out.outputs]
+    _assert_pool_idle(llm)
+
+
+def test_stop_string_and_stop_token(llm):
+    greedy = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
+    prompt = "The quick brown fox"
+    full = llm.generate(prompt, greedy, use_tqdm=False)[0].outputs[0]
+    stop = full.text[6:9]
+    assert len(stop) == 3
+    cut = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True, stop=[stop])
+    out = llm.generate(prompt, cut, use_tqdm=False)[0].outputs[0]
+    assert out.text == full.text[: full.text.index(stop)]
+    assert (out.finish_reason, out.stop_reason) == ("stop", stop)
+    keep = SamplingParams(
+        temperature=0, max_tokens=20, ignore_eos=True, stop=[stop], include_stop_str_in_output=True
+    )
+    out = llm.generate(prompt, keep, use_tqdm=False)[0].outputs[0]
+    assert out.text == full.text[: full.text.index(stop) + len(stop)]
+
+    stop_id = full.token_ids[4]
+    by_id = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True, stop_token_ids=[stop_id])
+    out = llm.generate(prompt, by_id, use_tqdm=False)[0].outputs[0]
+    assert out.token_ids == full.token_ids[: full.token_ids.index(stop_id) + 1]
+    assert (out.finish_reason, out.stop_reason) == ("stop", stop_id)
+
+
+def test_length_limits(llm):
+    out = llm.generate([5] * 120, SamplingParams(max_tokens=50, ignore_eos=True), use_tqdm=False)
+    assert len(out[0].outputs[0].token_ids) == 8  # prompt + output fill max_model_len=128
+    assert out[0].outputs[0].finish_reason == "length"
+
+
+def test_logprobs_equal_hf_log_softmax(llm, tiny_model_dir):
+    hf = tf.AutoModelForCausalLM.from_pretrained(tiny_model_dir("qwen2"), dtype=torch.float32)
+    prompt = [7, 8, 9, 10, 11]
+    params = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True, logprobs=4)
+    out = llm.generate(prompt, params, use_tqdm=False)[0].outputs[0]
+    ids = prompt + out.token_ids
+    with torch.no_grad():
+        ref = torch.log_softmax(hf(torch.tensor([ids])).logits[0].float(), -1)
+    for step, lp in enumerate(out.logprobs):
+        row = ref[len(prompt) - 1 + step]
+        assert lp.token_id == out.token_ids[step] and lp.rank == 1
+        assert lp.logprob == pytest.approx(row[lp.token_id].item(), abs=1e-4)
+        assert set(lp.top) == set(row.topk(4).indices.tolist())
+
+
+def test_chat_applies_template(llm):
+    messages = [{"role": "user", "content": "hi"}]
+    ids = llm.apply_chat_template(messages)
+    assert llm.tokenizer.decode(ids) == "<|user|>hi<|end|><|assistant|>"
+    out = llm.chat(messages, SamplingParams(temperature=0, max_tokens=4), use_tqdm=False)[0]
+    assert out.prompt_token_ids == ids and len(out.outputs[0].token_ids) <= 4
