@@ -5,27 +5,17 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
-import numpy as np
 import torch
 
 from heron.config import ModelConfig
 from heron.engine.request import Logprob, Request
 from heron.engine.scheduler import SchedulerOutput
 from heron.execution.sampler import Sampler, prompt_logprobs
-from heron.metadata import SequenceMetadata, StepBatch, StepMetaPlan
+from heron.execution.step_inputs import StepInputBuilder
+from heron.metadata import StepMetaPlan
 from heron.models.build import build_model
 from heron.ops.attention.base import AttentionOperator
 from heron.platforms import Platform
-
-
-@dataclass(frozen=True)
-class PreparedStep:
-    """A step ready for the forward pass: shared metadata plus how to read its logits."""
-
-    seq: SequenceMetadata
-    sample_requests: list[Request]
-    sample_rows: torch.Tensor  # rows of the step's logits that are sampled
-    prompt_rows: list[tuple[Request, int, int, int]]  # request, first row, first position, count
 
 
 @dataclass(frozen=True)
@@ -55,6 +45,7 @@ class ModelRunner:
         self.sampler = Sampler()
         self.generator = torch.Generator(self.device).manual_seed(seed)
         self.num_blocks = 0
+        self.inputs = StepInputBuilder(self.plan, block_size, self.device)
 
     def kv_cache_bytes_per_block(self) -> int:
         elem = torch.tensor([], dtype=self.model_config.dtype).element_size()
@@ -78,74 +69,11 @@ class ModelRunner:
                 )
             )
 
-    def prepare(
-        self, output: SchedulerOutput, block_table: Callable[[str], list[int]]
-    ) -> PreparedStep:
-        """Host work of a step: the packed StepBatch, its one copy, every group's view."""
-        items = output.scheduled
-        bs = self.block_size
-        tables = [block_table(item.request.request_id) for item in items]
-        sample_requests: list[Request] = []
-        prompt_spans: list[tuple[Request, int, int, int]] = []  # request, token offset, pos, count
-        num_tokens = 0
-        for item in items:
-            r, c = item.request, item.request.num_computed_tokens
-            if r.wants_prompt_logprobs and c < r.num_prompt_tokens - 1:
-                count = min(c + item.num_new_tokens, r.num_prompt_tokens - 1) - c
-                prompt_spans.append((r, num_tokens, c, count))
-            if item.samples:
-                sample_requests.append(r)
-            num_tokens += item.num_new_tokens
-        num_prompt_rows = sum(span[3] for span in prompt_spans)
-        batch = StepBatch(
-            len(items),
-            num_tokens,
-            num_prompt_rows + len(sample_requests),
-            max(map(len, tables), default=0),
-            bs,
-        )
-        offset = 0
-        rows = num_prompt_rows
-        for i, (item, table) in enumerate(zip(items, tables)):
-            r, c, n = item.request, item.request.num_computed_tokens, item.num_new_tokens
-            batch.query_lens[i] = n
-            batch.kv_lens[i] = c + n
-            batch.block_tables[i, : len(table)] = table
-            if n == 1:  # decode: scalar writes are cheaper than array ops
-                batch.token_ids[offset] = r.all_token_ids[c]
-                batch.positions[offset] = c
-                batch.slot_mapping[offset] = table[c // bs] * bs + c % bs
-            else:
-                positions = np.arange(c, c + n, dtype=np.int32)
-                batch.token_ids[offset : offset + n] = r.all_token_ids[c : c + n]
-                batch.positions[offset : offset + n] = positions
-                batch.slot_mapping[offset : offset + n] = (
-                    batch.block_tables[i, positions // bs] * bs + positions % bs
-                )
-            offset += n
-            if item.samples:
-                batch.logits_indices[rows] = offset - 1
-                rows += 1
-        row = 0
-        prompt_rows = []
-        for r, token_offset, position, count in prompt_spans:
-            batch.logits_indices[row : row + count] = np.arange(
-                token_offset, token_offset + count, dtype=np.int32
-            )
-            prompt_rows.append((r, row, position, count))
-            row += count
-        batch.finish()
-
-        seq = SequenceMetadata.from_step_batch(batch, self.device)
-        self.plan.build_views(seq)
-        sample_rows = torch.arange(num_prompt_rows, rows, device=self.device)
-        return PreparedStep(seq, sample_requests, sample_rows, prompt_rows)
-
     @torch.inference_mode()
     def execute(
         self, output: SchedulerOutput, block_table: Callable[[str], list[int]]
     ) -> StepResult:
-        step = self.prepare(output, block_table)
+        step = self.inputs.prepare(output, block_table)
         seq = step.seq
         hidden = self.model(seq.token_ids, seq.positions)
         logits = self.model.compute_logits(hidden[seq.logits_indices.long()]).float()
