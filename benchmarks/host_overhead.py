@@ -77,7 +77,9 @@ def main() -> None:
     args = parser.parse_args()
     device = torch.device(args.device)
     print(f"host time per decode step (median of {args.steps}), µs, device={device}")
-    print("| running requests | schedule | StepBatch + SequenceMetadata + builders | token update | total |")
+    print(
+        "| running requests | schedule | StepBatch + SequenceMetadata + builders | token update | total |"
+    )
     print("| --- | --- | --- | --- | --- |")
     for batch in args.batches:
         r = measure(batch, args.steps, device)

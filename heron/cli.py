@@ -143,7 +143,9 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     gen = sub.add_parser("generate", help="complete prompts")
     gen.add_argument("--prompt", action="append", help="prompt text (repeatable; default: stdin)")
-    chat = sub.add_parser("chat", help="chat with the model (interactive, or one-shot with --prompt)")
+    chat = sub.add_parser(
+        "chat", help="chat with the model (interactive, or one-shot with --prompt)"
+    )
     chat.add_argument("--prompt", nargs="*", help="one message; answer it and exit")
     chat.add_argument("--system", default=None, help="system message")
     plan = sub.add_parser("plan", help="show the model's resolved step-metadata plan")

@@ -45,7 +45,9 @@ class EngineConfig:
     def __post_init__(self) -> None:
         if self.max_num_seqs < 1:
             raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
-        if self.block_size is not None and (self.block_size < 1 or self.block_size & (self.block_size - 1)):
+        if self.block_size is not None and (
+            self.block_size < 1 or self.block_size & (self.block_size - 1)
+        ):
             raise ValueError(f"block_size must be a power of two, got {self.block_size}")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ValueError(
@@ -98,7 +100,9 @@ def _resolve_dtype(dtype: str, hf_config: PretrainedConfig, device: torch.device
         try:
             return _DTYPES[dtype]
         except KeyError:
-            raise ValueError(f"dtype must be auto or one of {sorted(_DTYPES)}, got {dtype!r}") from None
+            raise ValueError(
+                f"dtype must be auto or one of {sorted(_DTYPES)}, got {dtype!r}"
+            ) from None
     if device.type == "cpu":
         return torch.float32
     stored = getattr(hf_config, "dtype", None) or getattr(hf_config, "torch_dtype", None)

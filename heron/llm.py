@@ -79,7 +79,9 @@ class LLM:
         prompts = [self.apply_chat_template(c, add_generation_prompt) for c in conversations]
         return self.generate(prompts, sampling_params, use_tqdm)
 
-    def apply_chat_template(self, conversation: Conversation, add_generation_prompt: bool = True) -> list[int]:
+    def apply_chat_template(
+        self, conversation: Conversation, add_generation_prompt: bool = True
+    ) -> list[int]:
         if not getattr(self.tokenizer, "chat_template", None):
             raise ValueError("this model's tokenizer has no chat template")
         text = self.tokenizer.apply_chat_template(

@@ -76,7 +76,9 @@ class LLMEngine:
         self.tokenizer = AutoTokenizer.from_pretrained(config.tokenizer or path)
         self.block_size = config.block_size or self.platform.default_block_size
         backend = config.attention_backend or self.platform.default_attention_backend()
-        self.runner = ModelRunner(self.model_config, self.platform, self.block_size, backend, config.seed)
+        self.runner = ModelRunner(
+            self.model_config, self.platform, self.block_size, backend, config.seed
+        )
         num_blocks = self._num_kv_blocks()
         self.runner.allocate_kv_cache(num_blocks)
         self.kv_cache = KVCacheManager(num_blocks, self.block_size, config.enable_prefix_caching)

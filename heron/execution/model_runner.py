@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -16,6 +17,8 @@ from heron.metadata import StepMetaPlan
 from heron.models.build import build_model
 from heron.ops.attention.base import AttentionOperator
 from heron.platforms import Platform
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -46,6 +49,9 @@ class ModelRunner:
         self.generator = torch.Generator(self.device).manual_seed(seed)
         self.num_blocks = 0
         self.inputs = StepInputBuilder(self.plan, block_size, self.device)
+        self._coverage_checked = False
+        if self.plan.fallback_reason:
+            logger.warning("compatibility metadata fallback: %s", self.plan.fallback_reason)
 
     def kv_cache_bytes_per_block(self) -> int:
         elem = torch.tensor([], dtype=self.model_config.dtype).element_size()
@@ -73,6 +79,11 @@ class ModelRunner:
     def execute(
         self, output: SchedulerOutput, block_table: Callable[[str], list[int]]
     ) -> StepResult:
+        if not self._coverage_checked:
+            # Operators added after the build (or outside its scope) must fail loudly, not run
+            # on stale metadata.
+            self.plan.check_coverage(self.model)
+            self._coverage_checked = True
         step = self.inputs.prepare(output, block_table)
         seq = step.seq
         hidden = self.model(seq.token_ids, seq.positions)

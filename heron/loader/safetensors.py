@@ -17,7 +17,9 @@ def checkpoint_files(path: Path) -> list[Path]:
         return [path / shard for shard in shards]
     files = sorted(path.glob("*.safetensors"))
     if not files:
-        others = sorted(p.name for p in path.glob("*.bin")) or sorted(p.name for p in path.iterdir())
+        others = sorted(p.name for p in path.glob("*.bin")) or sorted(
+            p.name for p in path.iterdir()
+        )
         raise ValueError(
             f"no *.safetensors checkpoint in {path} (found: {', '.join(others) or 'nothing'}); "
             "Heron loads safetensors and GGUF files"

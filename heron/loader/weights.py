@@ -40,7 +40,9 @@ def load_weights(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]]) 
                 break
         param = params.get(target)
         if param is None:
-            raise ValueError(f"checkpoint tensor {name!r} has no parameter in {type(model).__name__}")
+            raise ValueError(
+                f"checkpoint tensor {name!r} has no parameter in {type(model).__name__}"
+            )
         owner = owners[target]
         loader = owner.weight_loader if isinstance(owner, Linear) else None
         with torch.no_grad():

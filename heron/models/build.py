@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 from typing import Protocol
 
 import torch
@@ -16,14 +17,14 @@ from heron.ops.attention.paged import PagedAttentionBuilder
 from heron.ops.selector import OperatorRuntime
 from heron.platforms import Platform
 
+logger = logging.getLogger(__name__)
+
 
 class PlanHolder(Protocol):
     plan: StepMetaPlan | None
 
 
-def compatibility_builder(
-    model_config: ModelConfig, block_size: int
-) -> MetadataBuilder:
+def compatibility_builder(model_config: ModelConfig, block_size: int) -> MetadataBuilder:
     """Metadata derived from the model configuration, as engines before Heron did.
 
     One sliding window for the whole model, if the config names one: exactly the guess that
@@ -68,5 +69,7 @@ def build_model(
             fallback_reason=f"platform {platform.name!r} does not collect operator metadata",
         )
     plan.check_coverage(model)
+    if plan.fallback_reason:
+        logger.warning("metadata plan uses the compatibility fallback: %s", plan.fallback_reason)
     target.plan = plan
     return model

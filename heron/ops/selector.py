@@ -21,7 +21,9 @@ class OperatorRuntime:
     build_context: ModelBuildContext
 
 
-def make_attention(layer_name: str, spec: AttentionSpec, runtime: OperatorRuntime) -> AttentionOperator:
+def make_attention(
+    layer_name: str, spec: AttentionSpec, runtime: OperatorRuntime
+) -> AttentionOperator:
     """The attention operator for one layer, registered in the runtime's build scope."""
     try:
         cls = ATTENTION_BACKENDS[runtime.attention_backend]

@@ -7,6 +7,9 @@ import torch
 import transformers as tf
 
 from heron import LLM, SamplingParams
+from heron.metadata import ModelBuildContext, StepMetadataError
+from heron.ops.attention.base import AttentionSpec
+from heron.ops.attention.reference import ReferenceAttention
 
 
 @pytest.fixture(scope="module")
@@ -134,3 +137,14 @@ def test_chat_applies_template(llm):
     assert llm.tokenizer.decode(ids) == "<|user|>hi<|end|><|assistant|>"
     out = llm.chat(messages, SamplingParams(temperature=0, max_tokens=4), use_tqdm=False)[0]
     assert out.prompt_token_ids == ids and len(out.outputs[0].token_ids) <= 4
+
+
+def test_engine_checks_coverage_before_first_step(tiny_model_dir):
+    llm = LLM(str(tiny_model_dir("llama")), max_model_len=64, num_kv_blocks=8)
+    with ModelBuildContext():  # registered, but in a scope no plan was made from
+        stray = ReferenceAttention("extra.attn", AttentionSpec(4, 2, 16, 0.25), 16, 64)
+    llm.engine.runner.model.model.layers[0].add_module("extra", stray)
+    out = None
+    with pytest.raises(StepMetadataError, match="extra.attn"):
+        out = llm.generate([1, 2, 3], SamplingParams(max_tokens=2), use_tqdm=False)
+    assert out is None

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 import transformers as tf
-
 from conftest import FAMILIES
+
 from heron import LLM, SamplingParams
 
 MAX_NEW = 24

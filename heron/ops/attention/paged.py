@@ -8,7 +8,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from heron.metadata import GraphSupport, MetadataBuilder, SequenceMetadata
+from heron.metadata import GraphSupport, MetadataBuilder, SequenceMetadata, StepMetadataError
 
 
 @dataclass(frozen=True)
@@ -62,12 +62,19 @@ class PagedAttentionBuilder(MetadataBuilder):
 
     @property
     def key(self) -> Hashable:
-        return (self.backend, self.block_size, self.sliding_window)
+        return (
+            type(self).__name__,
+            self.backend,
+            self.block_size,
+            self.sliding_window,
+            self.max_blocks_per_seq,
+        )
 
     def describe(self) -> str:
         return f"{type(self).__name__}({self.backend})"
 
     def build(self, seq: SequenceMetadata) -> PagedAttentionView:
+        self._check_layout(seq)
         return self._view(
             seq, seq.slot_mapping, seq.block_tables, seq.kv_lens, seq.query_start_loc, seq.num_reqs
         )
@@ -84,6 +91,12 @@ class PagedAttentionBuilder(MetadataBuilder):
     def fill(
         self, seq: SequenceMetadata, buffers: PagedGraphBuffers, batch: int
     ) -> PagedAttentionView:
+        self._check_layout(seq)
+        if not seq.is_decode or batch < seq.num_reqs:
+            raise StepMetadataError(
+                f"graph buffers take decode steps of at most {batch} requests, got "
+                f"{seq.num_reqs} requests with {seq.num_tokens} tokens"
+            )
         n, width = seq.num_reqs, seq.block_tables.shape[1]
         # Padded rows write their (garbage) K/V into the null block and attend to nothing.
         buffers.slot_mapping[n:batch].zero_()
@@ -100,6 +113,14 @@ class PagedAttentionBuilder(MetadataBuilder):
             buffers.query_start_loc[: batch + 1],
             batch,
         )
+
+    def _check_layout(self, seq: SequenceMetadata) -> None:
+        # Block tables and slots in SequenceMetadata are laid out for one block size.
+        if seq.block_size != self.block_size:
+            raise StepMetadataError(
+                f"{self.describe()} needs block size {self.block_size}, the step was laid out "
+                f"for {seq.block_size}"
+            )
 
     def _view(
         self,

@@ -54,8 +54,8 @@ class ReferenceAttention(AttentionOperator):
         positions = torch.arange(k.shape[1], device=q.device)
         kv_lens = view.kv_lens[:, None]
         visible = positions[None, :] < kv_lens
-        if spec.sliding_window is not None:
-            visible &= positions[None, :] > kv_lens - 1 - spec.sliding_window
+        if view.sliding_window is not None:
+            visible &= positions[None, :] > kv_lens - 1 - view.sliding_window
         group = spec.num_heads // spec.num_kv_heads
         qg = q.view(-1, spec.num_kv_heads, group, spec.head_dim).float()
         scores = torch.einsum("bhgd,blhd->bhgl", qg, k.float()) * spec.scale
@@ -77,8 +77,8 @@ class ReferenceAttention(AttentionOperator):
             q_pos = torch.arange(kv_len - q_len, kv_len, device=q.device)[:, None]
             k_pos = torch.arange(kv_len, device=q.device)[None, :]
             mask = k_pos <= q_pos
-            if spec.sliding_window is not None:
-                mask &= k_pos > q_pos - spec.sliding_window
+            if view.sliding_window is not None:
+                mask &= k_pos > q_pos - view.sliding_window
             qi = q[q_start : q_start + q_len].transpose(0, 1)
             attn = F.scaled_dot_product_attention(
                 qi.float(),
