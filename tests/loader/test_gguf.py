@@ -26,6 +26,7 @@ from transformers import (
     Qwen3Config,
 )
 
+from heron import LLM, SamplingParams
 from heron.loader import gguf as heron_gguf
 from heron.loader.gguf import default_model_file, resolve_gguf
 
@@ -243,7 +244,11 @@ def _write_gguf(path: Path, arch: str, model: torch.nn.Module, tok_fields: dict)
     ("arch", "tie"), [("llama", False), ("qwen2", True), ("qwen3", False)], ids=str
 )
 def test_convert_tiny_model(
-    arch: str, tie: bool, tmp_path: Path, smollm_tokenizer_fields: dict
+    arch: str,
+    tie: bool,
+    tmp_path: Path,
+    smollm_tokenizer_fields: dict,
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     vocab = len(smollm_tokenizer_fields["tokenizer.ggml.tokens"])
     model = _build_model(arch, tie, vocab)
@@ -300,6 +305,16 @@ def test_convert_tiny_model(
         torch.testing.assert_close(converted(ids).logits, reference(ids).logits)
         # Against the unquantised original, only up to quantisation noise.
         assert (converted(ids).logits - model(ids).logits).abs().max() < 0.05
+
+    # Heron, given the .gguf file itself, generates what transformers generates from the
+    # converted directory (the same cache is found through HERON_CACHE_DIR).
+    monkeypatch.setenv("HERON_CACHE_DIR", str(tmp_path / "cache"))
+    converted.generation_config.eos_token_id = None
+    want = converted.generate(ids, max_new_tokens=8, do_sample=False, pad_token_id=0)
+    llm = LLM(str(src), max_model_len=64)
+    greedy = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    got = llm.generate(ids[0].tolist(), greedy, use_tqdm=False)[0].outputs[0].token_ids
+    assert got == want[0, ids.shape[1] :].tolist()
 
 
 def test_tokenizer_matches_gguf(tmp_path: Path, smollm_tokenizer_fields: dict) -> None:
