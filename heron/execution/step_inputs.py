@@ -43,9 +43,13 @@ class StepInputBuilder:
         num_tokens = 0
         for item in items:
             r, c = item.request, item.request.num_computed_tokens
-            if r.wants_prompt_logprobs and c < r.num_prompt_tokens - 1:
-                count = min(c + item.num_new_tokens, r.num_prompt_tokens - 1) - c
-                prompt_spans.append((r, num_tokens, c, count))
+            if r.wants_prompt_logprobs:
+                # A preempted request recomputes its prompt; positions that already have their
+                # logprob are not computed twice.
+                first = max(c, len(r.prompt_logprobs) - 1)
+                count = min(c + item.num_new_tokens, r.num_prompt_tokens - 1) - first
+                if count > 0:
+                    prompt_spans.append((r, num_tokens + first - c, first, count))
             if item.samples:
                 sample_requests.append(r)
             num_tokens += item.num_new_tokens
@@ -56,6 +60,7 @@ class StepInputBuilder:
             num_prompt_rows + len(sample_requests),
             max(map(len, tables), default=0),
             bs,
+            pin_memory=self.device.type == "cuda",
         )
         offset = 0
         rows = num_prompt_rows

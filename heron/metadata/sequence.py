@@ -18,7 +18,13 @@ class StepBatch:
     """
 
     def __init__(
-        self, num_reqs: int, num_tokens: int, num_logits: int, table_width: int, block_size: int
+        self,
+        num_reqs: int,
+        num_tokens: int,
+        num_logits: int,
+        table_width: int,
+        block_size: int,
+        pin_memory: bool = False,
     ) -> None:
         self.num_reqs, self.num_tokens = num_reqs, num_tokens
         self.num_logits, self.table_width, self.block_size = num_logits, table_width, block_size
@@ -31,7 +37,9 @@ class StepBatch:
             "logits_indices": num_logits,
             "block_tables": num_reqs * table_width,
         }
-        self.packed = torch.zeros(sum(sizes.values()), dtype=torch.int32)
+        # Pinned so the copy to a GPU is one asynchronous DMA; torch's caching host allocator
+        # recycles these buffers (and keeps them alive until their copy completed).
+        self.packed = torch.zeros(sum(sizes.values()), dtype=torch.int32, pin_memory=pin_memory)
         flat = self.packed.numpy()
         self.offsets: dict[str, tuple[int, int]] = {}
         start = 0
