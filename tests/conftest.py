@@ -120,6 +120,19 @@ def tiny_model_dir(tmp_path_factory):
     return get
 
 
+@pytest.fixture(scope="session", autouse=True)
+def cpu_unless_asked():
+    """Tests run on the CPU even on a GPU machine; ``gpu`` tests name their device."""
+    import heron.engine.llm_engine as llm_engine
+
+    real = llm_engine.resolve_device
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(
+            llm_engine, "resolve_device", lambda d: real("cpu" if d in (None, "auto") else d)
+        )
+        yield
+
+
 def pytest_collection_modifyitems(config, items):
     """``gpu``-marked tests need CUDA; elsewhere they are reported as skipped, never passed."""
     if torch.cuda.is_available():

@@ -26,8 +26,9 @@ class RotaryEmbedding(nn.Module):
             if rope_type not in ROPE_INIT_FUNCTIONS:
                 raise ValueError(f"unsupported rope_type {rope_type!r}")
             inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](config, "cpu")
-        positions = torch.arange(max_positions, dtype=torch.float32)
-        freqs = torch.outer(positions, inv_freq.float())
+        # Built on the CPU whatever the default device; the model's .to(device) moves it.
+        positions = torch.arange(max_positions, dtype=torch.float32, device="cpu")
+        freqs = torch.outer(positions, inv_freq.float().cpu())
         self.register_buffer("cos", (freqs.cos() * scaling), persistent=False)
         self.register_buffer("sin", (freqs.sin() * scaling), persistent=False)
 
@@ -53,5 +54,5 @@ def _default_inv_freq(
 ) -> tuple[torch.Tensor, float]:
     base = rope_params.get("rope_theta", getattr(config, "rope_theta", 10000.0))
     rot_dim = int(head_dim * rope_params.get("partial_rotary_factor", 1.0))
-    exponent = torch.arange(0, rot_dim, 2, dtype=torch.int64).float() / rot_dim
+    exponent = torch.arange(0, rot_dim, 2, dtype=torch.int64, device="cpu").float() / rot_dim
     return 1.0 / (base**exponent), 1.0

@@ -122,7 +122,14 @@ def _first_divergence_is_a_near_tie(hf, prompt: list[int], got: list[int], want:
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_greedy_on_cuda(family_case, dtype):
     path, _, refs = family_case
-    llm = LLM(str(path), device="cuda", dtype=dtype, max_model_len=256, max_num_batched_tokens=32)
+    llm = LLM(
+        str(path),
+        device="cuda",
+        dtype=dtype,
+        max_model_len=256,
+        max_num_batched_tokens=32,
+        num_kv_blocks=64,
+    )
     got = _greedy_tokens(llm)
     if dtype == "float32":
         assert got == refs
