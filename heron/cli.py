@@ -1,4 +1,4 @@
-"""Command line: heron generate | chat | plan."""
+"""Command line: heron generate | chat | plan | serve."""
 
 from __future__ import annotations
 
@@ -137,6 +137,19 @@ def cmd_plan(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_serve(args: argparse.Namespace) -> int:
+    from heron.server.serve import serve
+
+    return serve(
+        engine_config(args),
+        host=args.host,
+        port=args.port,
+        api_key=args.api_key,
+        served_model_name=args.served_model_name,
+        log_level=args.log_level,
+    )
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="heron", description=__doc__)
     parser.add_argument("--log-level", default="WARNING")
@@ -150,13 +163,21 @@ def build_parser() -> argparse.ArgumentParser:
     chat.add_argument("--system", default=None, help="system message")
     plan = sub.add_parser("plan", help="show the model's resolved step-metadata plan")
     plan.add_argument("--json", action="store_true")
-    for p in (gen, chat, plan):
+    serve = sub.add_parser("serve", help="serve the OpenAI-compatible HTTP API")
+    serve.add_argument("--host", default="127.0.0.1")
+    serve.add_argument("--port", type=int, default=8000)
+    serve.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY'")
+    serve.add_argument(
+        "--served-model-name", default=None, help="model name of the API (default: --model)"
+    )
+    for p in (gen, chat, plan, serve):
         add_engine_args(p)
     for p in (gen, chat):
         add_sampling_args(p)
     gen.set_defaults(func=cmd_generate)
     chat.set_defaults(func=cmd_chat)
     plan.set_defaults(func=cmd_plan)
+    serve.set_defaults(func=cmd_serve)
     return parser
 
 

@@ -190,6 +190,10 @@ class LLMEngine:
                 self.scheduler.remove(child)
         return parent.output()
 
+    def samples(self, request_id: str) -> list[Request]:
+        """The sequences (one per sample) of an unfinished user request."""
+        return self._parents[request_id].children
+
     def has_unfinished_requests(self) -> bool:
         return bool(self._parents)
 

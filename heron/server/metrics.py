@@ -1,0 +1,140 @@
+"""Prometheus metrics of one server, in its own registry (two apps in one process never clash)."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator, Iterator
+from contextlib import aclosing
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from heron.engine.llm_engine import LLMEngine
+from heron.outputs import RequestOutput
+
+_LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0, 10.0, 20.0, 60.0)
+_TOKEN_LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.08, 0.15, 0.3, 0.6, 1.0, 2.5)
+
+
+class _EngineCollector(Collector):
+    """Engine state read at scrape time, so the engine needs no metrics hooks of its own.
+
+    The reads are of plain ints and list lengths, consistent enough under the GIL while the
+    engine thread steps.
+    """
+
+    def __init__(self, engine: LLMEngine) -> None:
+        self.engine = engine
+
+    def collect(self) -> Iterator[Metric]:
+        scheduler, kv = self.engine.scheduler, self.engine.kv_cache
+        gauges = {
+            "num_requests_running": ("requests being generated", len(scheduler.running)),
+            "num_requests_waiting": ("requests waiting to be scheduled", len(scheduler.waiting)),
+            "kv_cache_usage_perc": ("fraction of KV cache blocks in use (0-1)", kv.usage),
+            "kv_cache_free_blocks": ("KV cache blocks allocatable now", kv.num_free_blocks),
+            "kv_cache_total_blocks": ("usable KV cache blocks", kv.num_blocks - 1),
+        }
+        for name, (doc, value) in gauges.items():
+            yield GaugeMetricFamily(f"heron:{name}", doc, value=value)
+        counters = {
+            "prefix_cache_queries": (
+                "prompt tokens looked up in the prefix cache",
+                kv.prefix_cache_queries,
+            ),
+            "prefix_cache_hits": ("prompt tokens found in the prefix cache", kv.prefix_cache_hits),
+            "num_preemptions": (
+                "requests preempted for lack of KV blocks",
+                scheduler.num_preemptions,
+            ),
+        }
+        for name, (doc, value) in counters.items():
+            yield CounterMetricFamily(f"heron:{name}", doc, value=value)
+
+
+class ServerMetrics:
+    """Request-level metrics, observed as outputs stream out, plus the engine's state."""
+
+    def __init__(self, engine: LLMEngine) -> None:
+        self.registry = CollectorRegistry()
+        self.registry.register(_EngineCollector(engine))
+        reg = self.registry
+        self.prompt_tokens = Counter("heron:prompt_tokens", "prompt tokens", registry=reg)
+        self.generation_tokens = Counter(
+            "heron:generation_tokens", "generated tokens", registry=reg
+        )
+        self.request_success = Counter(
+            "heron:request_success",
+            "finished requests by finish reason",
+            ["finished_reason"],
+            registry=reg,
+        )
+        self.ttft = Histogram(
+            "heron:time_to_first_token_seconds",
+            "arrival to first token",
+            buckets=_LATENCY_BUCKETS,
+            registry=reg,
+        )
+        self.itl = Histogram(
+            "heron:inter_token_latency_seconds",
+            "time between output tokens",
+            buckets=_TOKEN_LATENCY_BUCKETS,
+            registry=reg,
+        )
+        self.e2e = Histogram(
+            "heron:e2e_request_latency_seconds",
+            "arrival to finish",
+            buckets=_LATENCY_BUCKETS,
+            registry=reg,
+        )
+        self.queue_time = Histogram(
+            "heron:request_queue_time_seconds",
+            "arrival to first schedule",
+            buckets=_LATENCY_BUCKETS,
+            registry=reg,
+        )
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
+
+    async def track(self, outputs: AsyncIterator[RequestOutput]) -> AsyncIterator[RequestOutput]:
+        """Pass ``outputs`` through, observing token latencies and the finished request."""
+        # received: the request was accepted (a rejected one raises before any output).
+        last_time, last_count, received, finished = None, 0, False, False
+        async with aclosing(outputs):
+            try:
+                async for output in outputs:
+                    received = True
+                    now = time.monotonic()
+                    count = sum(len(c.token_ids) for c in output.outputs)
+                    if count > last_count:
+                        if last_time is not None and last_count > 0:
+                            # One step may add several tokens (n > 1): spread the gap over them.
+                            gap = (now - last_time) / (count - last_count)
+                            for _ in range(count - last_count):
+                                self.itl.observe(gap)
+                        last_time, last_count = now, count
+                    if output.finished:
+                        finished = True
+                        self._observe_finished(output, count)
+                    yield output
+            finally:
+                if received and not finished:
+                    # The consumer left early (client disconnect): the request was aborted.
+                    self.request_success.labels(finished_reason="abort").inc()
+
+    def _observe_finished(self, output: RequestOutput, num_generated: int) -> None:
+        self.prompt_tokens.inc(len(output.prompt_token_ids))
+        self.generation_tokens.inc(num_generated)
+        reason = output.outputs[0].finish_reason if output.outputs else "abort"
+        self.request_success.labels(finished_reason=reason).inc()
+        timings = output.metrics
+        arrival = timings.get("arrival_time")
+        if arrival is None:
+            return
+        self.e2e.observe(timings["finished_time"] - arrival)
+        if "first_token_time" in timings:
+            self.ttft.observe(timings["first_token_time"] - arrival)
+        if "first_scheduled_time" in timings:
+            self.queue_time.observe(timings["first_scheduled_time"] - arrival)

@@ -1,0 +1,79 @@
+"""``heron serve``: build the engine and run the API under uvicorn until SIGTERM / Ctrl-C."""
+
+from __future__ import annotations
+
+import logging
+import signal
+from types import FrameType
+
+import uvicorn
+
+from heron.config import EngineConfig
+from heron.engine.async_engine import AsyncLLMEngine
+from heron.engine.llm_engine import LLMEngine
+from heron.server.app import build_app
+
+logger = logging.getLogger(__name__)
+
+
+class _Server(uvicorn.Server):
+    """uvicorn's server, ending in-flight generations as soon as a shutdown signal arrives.
+
+    uvicorn's graceful shutdown waits for open responses to complete; without this a long
+    stream would hold the shutdown until it ran out of tokens.
+    """
+
+    def __init__(self, config: uvicorn.Config, engine: AsyncLLMEngine) -> None:
+        super().__init__(config)
+        self.engine = engine
+
+    def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+        super().handle_exit(sig, frame)
+        # A signal handler must not block: the lifespan's exit joins the engine thread.
+        self.engine.shutdown(timeout=0)
+
+
+def _graph_mode(engine: LLMEngine) -> str:
+    if engine.platform.device.type == "cpu" or engine.config.enforce_eager:
+        return "eager"
+    return f"graphs ({engine.runner.plan.graph_support.name.lower()})"
+
+
+def serve(
+    config: EngineConfig,
+    host: str,
+    port: int,
+    api_key: str | None,
+    served_model_name: str | None,
+    log_level: str,
+) -> int:
+    """Serve until a shutdown signal; returns the exit code."""
+    logging.getLogger("heron").setLevel(min(logging.INFO, logging.getLogger().level))
+    llm_engine = LLMEngine(config)
+    mc, kv = llm_engine.model_config, llm_engine.kv_cache
+    name = served_model_name or config.model or mc.path.stem
+    engine = AsyncLLMEngine(llm_engine)
+    logger.info(
+        "serving %s as %r: dtype %s, device %s, max_model_len %d, KV cache %d blocks x %d = %d "
+        "tokens, graph mode %s",
+        mc.path,
+        name,
+        str(mc.dtype).removeprefix("torch."),
+        llm_engine.platform.device,
+        mc.max_model_len,
+        kv.num_blocks - 1,
+        llm_engine.block_size,
+        (kv.num_blocks - 1) * llm_engine.block_size,
+        _graph_mode(llm_engine),
+    )
+    logger.info("listening on http://%s:%d (OpenAI API under /v1)", host, port)
+    app = build_app(engine, name, api_key)
+    uv_config = uvicorn.Config(
+        app, host=host, port=port, log_level=log_level.lower(), timeout_graceful_shutdown=30
+    )
+    # uvicorn re-raises the shutdown signal once it has shut down gracefully; the default
+    # handlers would then turn a clean shutdown into a nonzero exit status.
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: None)
+    _Server(uv_config, engine).run()
+    return 0

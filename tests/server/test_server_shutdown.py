@@ -1,0 +1,34 @@
+"""SIGTERM during a stream: the stream ends with finish_reason "abort" and the process exits 0."""
+
+from __future__ import annotations
+
+import json
+import socket
+
+import httpx
+from conftest import MODEL_NAME, start_server, stop_server
+
+
+def test_sigterm_during_stream(tiny_model_dir):
+    server = start_server(tiny_model_dir("qwen2"))
+    body = {"model": MODEL_NAME, "prompt": "Paris", "max_tokens": 450, "stream": True}
+    body["ignore_eos"] = True
+    events = []
+    try:
+        with httpx.stream(
+            "POST", f"{server.base_url}/v1/completions", json=body, timeout=30
+        ) as response:
+            for line in response.iter_lines():
+                if not line.startswith("data: "):
+                    continue
+                events.append(line.removeprefix("data: "))
+                if len(events) == 3:
+                    server.proc.terminate()
+    finally:
+        code = stop_server(server)
+    assert events[-1] == "[DONE]"
+    finishes = [json.loads(e)["choices"][0]["finish_reason"] for e in events[:-1]]
+    assert finishes[-1] == "abort"
+    assert code == 0
+    with socket.socket() as s:  # the port was released
+        s.bind(("127.0.0.1", server.port))
