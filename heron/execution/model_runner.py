@@ -86,7 +86,7 @@ class ModelRunner:
             self._coverage_checked = True
         step = self.inputs.prepare(output, block_table)
         seq = step.seq
-        hidden = self.model(seq.token_ids, seq.positions)
+        hidden = self.model(seq.token_ids)
         logits = self.model.compute_logits(hidden[seq.logits_indices.long()]).float()
         sampled = []
         if step.sample_requests:

@@ -41,6 +41,32 @@ class RotaryEmbedding(nn.Module):
         return _rotate(q, cos, sin), _rotate(k, cos, sin)
 
 
+class QKTransform(nn.Module):
+    """What happens to q and k between the projection and attention.
+
+    Optional per-head RMS norms (Qwen3's qk-norm), then RoPE at the step's positions. Attention
+    operators own it, so a GPU operator can fuse it with the KV-cache write.
+    """
+
+    def __init__(
+        self,
+        rotary: RotaryEmbedding,
+        q_norm: nn.Module | None = None,
+        k_norm: nn.Module | None = None,
+    ) -> None:
+        super().__init__()
+        self.rotary = rotary
+        self.q_norm = q_norm
+        self.k_norm = k_norm
+
+    def forward(
+        self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        return self.rotary(positions, q, k)
+
+
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     half = cos.shape[-1]
     x1, x2 = x[..., :half].float(), x[..., half : 2 * half].float()

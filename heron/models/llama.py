@@ -16,7 +16,7 @@ from heron.layers.activation import SiluAndMul
 from heron.layers.embedding import LMHead, VocabEmbedding
 from heron.layers.linear import Linear, PackedLinear
 from heron.layers.norm import RMSNorm
-from heron.layers.rotary import RotaryEmbedding
+from heron.layers.rotary import QKTransform, RotaryEmbedding
 from heron.ops.attention.base import AttentionSpec
 from heron.ops.selector import OperatorRuntime, make_attention
 
@@ -69,11 +69,9 @@ class LlamaAttention(nn.Module):
             config.hidden_size, {"q": q_size, "k": kv_size, "v": kv_size}, bias=family.qkv_bias
         )
         self.o_proj = Linear(q_size, config.hidden_size, bias=family.o_bias)
-        if family.qk_norm:
-            self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
-            self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
-        self.qk_norm = family.qk_norm
-        self.rotary = rotary
+        # Registered here first so their checkpoint names are self_attn.{q,k}_norm.
+        self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if family.qk_norm else None
+        self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if family.qk_norm else None
         spec = AttentionSpec(
             num_heads=self.num_heads,
             num_kv_heads=self.num_kv_heads,
@@ -81,20 +79,11 @@ class LlamaAttention(nn.Module):
             scale=self.head_dim**-0.5,
             sliding_window=family.sliding_windows[layer_idx],
         )
-        self.attn = make_attention(f"{prefix}.attn", spec, runtime)
+        transform = QKTransform(rotary, self.q_norm, self.k_norm)
+        self.attn = make_attention(f"{prefix}.attn", spec, runtime, transform)
 
-    def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-        tokens = x.shape[0]
-        q, k, v = self.qkv_proj(x).split(
-            [self.num_heads * self.head_dim, *(2 * [self.num_kv_heads * self.head_dim])], dim=-1
-        )
-        q = q.view(tokens, self.num_heads, self.head_dim)
-        k = k.view(tokens, self.num_kv_heads, self.head_dim)
-        v = v.view(tokens, self.num_kv_heads, self.head_dim)
-        if self.qk_norm:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = self.rotary(positions, q, k)
-        return self.o_proj(self.attn(q, k, v).reshape(tokens, -1))
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.o_proj(self.attn(self.qkv_proj(x)))
 
 
 class LlamaMLP(nn.Module):
@@ -120,13 +109,13 @@ class LlamaDecoderLayer(nn.Module):
         self.mlp = LlamaMLP(config, family.mlp_bias)
 
     def forward(
-        self, positions: torch.Tensor, x: torch.Tensor, residual: torch.Tensor | None
+        self, x: torch.Tensor, residual: torch.Tensor | None
     ) -> tuple[torch.Tensor, torch.Tensor]:
         if residual is None:
             residual, x = x, self.input_layernorm(x)
         else:
             x, residual = self.input_layernorm(x, residual)
-        x = self.self_attn(positions, x)
+        x = self.self_attn(x)
         x, residual = self.post_attention_layernorm(x, residual)
         return self.mlp(x), residual
 
@@ -148,10 +137,10 @@ class LlamaModel(nn.Module):
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
-    def forward(self, token_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    def forward(self, token_ids: torch.Tensor) -> torch.Tensor:
         x, residual = self.embed_tokens(token_ids), None
         for layer in self.layers:
-            x, residual = layer(positions, x, residual)
+            x, residual = layer(x, residual)
         x, _ = self.norm(x, residual)
         return x
 
@@ -176,8 +165,9 @@ class LlamaForCausalLM(nn.Module):
             config.vocab_size, config.hidden_size, self.model.embed_tokens if tied else None
         )
 
-    def forward(self, token_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        return self.model(token_ids, positions)
+    def forward(self, token_ids: torch.Tensor) -> torch.Tensor:
+        """Hidden states of the step's tokens; positions reach attention through its view."""
+        return self.model(token_ids)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from heron.layers.rotary import QKTransform
 from heron.metadata import ModelBuildContext
 from heron.ops.attention.base import AttentionOperator, AttentionSpec
 from heron.ops.attention.reference import ReferenceAttention
@@ -22,7 +23,10 @@ class OperatorRuntime:
 
 
 def make_attention(
-    layer_name: str, spec: AttentionSpec, runtime: OperatorRuntime
+    layer_name: str,
+    spec: AttentionSpec,
+    runtime: OperatorRuntime,
+    qk_transform: QKTransform | None = None,
 ) -> AttentionOperator:
     """The attention operator for one layer, registered in the runtime's build scope."""
     try:
@@ -32,4 +36,11 @@ def make_attention(
             f"unknown attention backend {runtime.attention_backend!r}; "
             f"available: {sorted(ATTENTION_BACKENDS)}"
         ) from None
-    return cls(layer_name, spec, runtime.block_size, runtime.max_model_len, runtime.build_context)
+    return cls(
+        layer_name,
+        spec,
+        runtime.block_size,
+        runtime.max_model_len,
+        qk_transform,
+        runtime.build_context,
+    )

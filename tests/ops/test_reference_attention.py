@@ -7,6 +7,7 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
+from conftest import attend
 
 from heron.metadata import ModelBuildContext, SequenceMetadata, StepBatch, StepMetaPlan
 from heron.ops.attention.base import AttentionSpec
@@ -107,7 +108,7 @@ class PagedHarness:
         q = self._rand(num_tokens, spec.num_heads, HEAD_DIM)
         k = self._rand(num_tokens, spec.num_kv_heads, HEAD_DIM)
         v = self._rand(num_tokens, spec.num_kv_heads, HEAD_DIM)
-        out = self.op(q, k, v)
+        out = attend(self.op, q, k, v)
         assert out.shape == q.shape and out.dtype == torch.float32
 
         offset = 0
@@ -196,7 +197,7 @@ def test_sliding_window_changes_the_result():
         g = torch.Generator().manual_seed(9)
         q = torch.randn(1, 4, HEAD_DIM, generator=g)
         kv = torch.randn(2, 1, 1, HEAD_DIM, generator=g)
-        outs.append(h.op(q, kv[0], kv[1]))
+        outs.append(attend(h.op, q, kv[0], kv[1]))
     assert not torch.allclose(outs[0], outs[1], atol=1e-3)
 
 
@@ -231,7 +232,7 @@ def test_graph_fill_pads_rows_and_matches_eager(window):
     v = torch.randn(3, 2, HEAD_DIM, generator=g)
 
     group.view = builder.build(seq)
-    eager = h.op(q, k, v)
+    eager = attend(h.op, q, k, v)
     cache_after_eager = h.cache.clone()
 
     batch = 6
@@ -253,7 +254,7 @@ def test_graph_fill_pads_rows_and_matches_eager(window):
     assert not view.slot_mapping[3:].any()
 
     pad = lambda t: torch.cat([t, torch.randn(batch - 3, *t.shape[1:], generator=g)])
-    graph_out = h.op(pad(q), pad(k), pad(v))
+    graph_out = attend(h.op, pad(q), pad(k), pad(v))
     torch.testing.assert_close(graph_out[:3], eager, atol=1e-6, rtol=1e-6)
     assert torch.isfinite(graph_out).all()
     assert not graph_out[3:].any(), "padded rows attend to nothing"

@@ -6,6 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
+from heron.layers.rotary import QKTransform
 from heron.metadata import MetadataOperator, ModelBuildContext, StepMetadataError
 
 
@@ -28,34 +29,54 @@ class AttentionSpec:
 
 
 class AttentionOperator(MetadataOperator):
-    """Paged attention over this layer's KV cache.
+    """Paged attention over this layer's KV cache, from the fused qkv projection to the output.
 
-    ``forward`` writes the step's new K/V into the cache at the view's slots, then dispatches
-    to ``forward_decode`` (every request has one query token) or ``forward_extend``. Models
-    never see cache slots or block tables.
+    ``forward`` applies the layer's q/k transform (qk-norm, RoPE at the view's positions),
+    writes the step's new K/V into the cache at the view's slots (:meth:`prepare_qkv`, which a
+    GPU operator fuses into one kernel), then dispatches to ``forward_decode`` (every request
+    has one query token) or ``forward_extend``. Models never see positions, cache slots or
+    block tables.
     """
 
     def __init__(
-        self, layer_name: str, spec: AttentionSpec, build_context: ModelBuildContext | None = None
+        self,
+        layer_name: str,
+        spec: AttentionSpec,
+        qk_transform: QKTransform | None = None,
+        build_context: ModelBuildContext | None = None,
     ) -> None:
         super().__init__(layer_name, build_context)
         self.spec = spec
+        self.qk_transform = qk_transform
         self.kv_cache: torch.Tensor | None = None  # [2, num_blocks, block_size, kv_heads, head_dim]
 
     def bind_kv_cache(self, kv_cache: torch.Tensor) -> None:
         self.kv_cache = kv_cache
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        """q: [tokens, heads, head_dim]; k, v: [tokens, kv_heads, head_dim] -> [tokens, heads, head_dim]."""
+    def forward(self, qkv: torch.Tensor) -> torch.Tensor:
+        """qkv: [tokens, (heads + 2 * kv_heads) * head_dim] -> [tokens, heads * head_dim]."""
         if self.kv_cache is None:
             raise StepMetadataError(f"layer {self.layer_name!r} has no KV cache bound")
         view = self.view
-        self.write_kv(k, v, view)
-        if view.is_decode:
-            return self.forward_decode(q, view)
-        return self.forward_extend(q, view)
+        q = self.prepare_qkv(qkv, view)
+        out = self.forward_decode(q, view) if view.is_decode else self.forward_extend(q, view)
+        return out.view(qkv.shape[0], -1)
 
-    def write_kv(self, k: torch.Tensor, v: torch.Tensor, view) -> None:
+    def split_qkv(self, qkv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        s = self.spec
+        q, k, v = qkv.split(
+            [s.num_heads * s.head_dim, s.num_kv_heads * s.head_dim, s.num_kv_heads * s.head_dim],
+            dim=-1,
+        )
+        tokens = qkv.shape[0]
+        return (
+            q.view(tokens, s.num_heads, s.head_dim),
+            k.view(tokens, s.num_kv_heads, s.head_dim),
+            v.view(tokens, s.num_kv_heads, s.head_dim),
+        )
+
+    def prepare_qkv(self, qkv: torch.Tensor, view) -> torch.Tensor:
+        """Transform q and k, write k and v into the cache; return q as [tokens, heads, head_dim]."""
         raise NotImplementedError
 
     def forward_decode(self, q: torch.Tensor, view) -> torch.Tensor:

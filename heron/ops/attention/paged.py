@@ -23,6 +23,7 @@ class PagedAttentionView:
     num_reqs: int
     block_size: int
     sliding_window: int | None
+    positions: torch.Tensor  # [tokens]
     slot_mapping: torch.Tensor  # [tokens]
     block_tables: torch.Tensor  # [reqs, table width]
     kv_lens: torch.Tensor  # [reqs]
@@ -36,6 +37,7 @@ class PagedAttentionView:
 class PagedGraphBuffers:
     """Persistent decode buffers, sized once for the largest graph batch."""
 
+    positions: torch.Tensor
     slot_mapping: torch.Tensor
     block_tables: torch.Tensor
     kv_lens: torch.Tensor
@@ -76,12 +78,19 @@ class PagedAttentionBuilder(MetadataBuilder):
     def build(self, seq: SequenceMetadata) -> PagedAttentionView:
         self._check_layout(seq)
         return self._view(
-            seq, seq.slot_mapping, seq.block_tables, seq.kv_lens, seq.query_start_loc, seq.num_reqs
+            seq,
+            seq.positions,
+            seq.slot_mapping,
+            seq.block_tables,
+            seq.kv_lens,
+            seq.query_start_loc,
+            seq.num_reqs,
         )
 
     def make_graph_buffers(self, max_batch: int, device: torch.device) -> PagedGraphBuffers:
         zeros = lambda *shape: torch.zeros(*shape, dtype=torch.int32, device=device)
         return PagedGraphBuffers(
+            positions=zeros(max_batch),
             slot_mapping=zeros(max_batch),
             block_tables=zeros(max_batch, self.max_blocks_per_seq),
             kv_lens=zeros(max_batch),
@@ -99,6 +108,8 @@ class PagedAttentionBuilder(MetadataBuilder):
             )
         n, width = seq.num_reqs, seq.block_tables.shape[1]
         # Padded rows write their (garbage) K/V into the null block and attend to nothing.
+        buffers.positions[n:batch].zero_()
+        buffers.positions[:n].copy_(seq.positions)
         buffers.slot_mapping[n:batch].zero_()
         buffers.slot_mapping[:n].copy_(seq.slot_mapping)
         buffers.block_tables[:batch].zero_()
@@ -107,6 +118,7 @@ class PagedAttentionBuilder(MetadataBuilder):
         buffers.kv_lens[:n].copy_(seq.kv_lens)
         return self._view(
             seq,
+            buffers.positions[:batch],
             buffers.slot_mapping[:batch],
             buffers.block_tables[:batch],
             buffers.kv_lens[:batch],
@@ -125,6 +137,7 @@ class PagedAttentionBuilder(MetadataBuilder):
     def _view(
         self,
         seq: SequenceMetadata,
+        positions: torch.Tensor,
         slot_mapping: torch.Tensor,
         block_tables: torch.Tensor,
         kv_lens: torch.Tensor,
@@ -136,6 +149,7 @@ class PagedAttentionBuilder(MetadataBuilder):
             num_reqs=num_reqs,
             block_size=self.block_size,
             sliding_window=self.sliding_window,
+            positions=positions,
             slot_mapping=slot_mapping,
             block_tables=block_tables,
             kv_lens=kv_lens,

@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from heron.layers.rotary import QKTransform
 from heron.metadata import ModelBuildContext
 from heron.ops.attention.base import AttentionOperator, AttentionSpec
 from heron.ops.attention.paged import PagedAttentionBuilder, PagedAttentionView
@@ -24,15 +25,23 @@ class ReferenceAttention(AttentionOperator):
         spec: AttentionSpec,
         block_size: int,
         max_model_len: int,
+        qk_transform: QKTransform | None = None,
         build_context: ModelBuildContext | None = None,
     ) -> None:
-        super().__init__(layer_name, spec, build_context)
+        super().__init__(layer_name, spec, qk_transform, build_context)
         self._builder = PagedAttentionBuilder(
             "reference", block_size, spec.sliding_window, max_model_len
         )
 
     def metadata_builder(self) -> PagedAttentionBuilder:
         return self._builder
+
+    def prepare_qkv(self, qkv: torch.Tensor, view: PagedAttentionView) -> torch.Tensor:
+        q, k, v = self.split_qkv(qkv)
+        if self.qk_transform is not None:
+            q, k = self.qk_transform(view.positions[: qkv.shape[0]], q, k)
+        self.write_kv(k, v, view)
+        return q
 
     def write_kv(self, k: torch.Tensor, v: torch.Tensor, view: PagedAttentionView) -> None:
         _, num_blocks, block_size, kv_heads, head_dim = self.kv_cache.shape
