@@ -41,7 +41,7 @@ def measure(batch: int, steps: int, device: torch.device) -> dict[str, float]:
     blocks = batch * (PROMPT_LEN + steps + 64) // BLOCK_SIZE + batch + 1
     kv = KVCacheManager(blocks, BLOCK_SIZE, enable_prefix_caching=True)
     scheduler = Scheduler(SchedulerConfig(batch, 1 << 20, MAX_MODEL_LEN), kv)
-    inputs = StepInputBuilder(plan, BLOCK_SIZE, device)
+    inputs = StepInputBuilder(BLOCK_SIZE, device)
     params = SamplingParams(max_tokens=None, ignore_eos=True)
     for i in range(batch):
         prompt = [(i * 7919 + j) % 150000 for j in range(PROMPT_LEN)]
@@ -53,6 +53,7 @@ def measure(batch: int, steps: int, device: torch.device) -> dict[str, float]:
         out = scheduler.schedule()
         t1 = time.perf_counter()
         prepared = inputs.prepare(out, kv.block_table)
+        plan.build_views(prepared.seq)
         if device.type == "cuda":
             torch.cuda.synchronize()
         t2 = time.perf_counter()

@@ -24,6 +24,7 @@ _ENGINE_FLAG_HELP = {
     "enable_prefix_caching": "reuse KV blocks of shared prompt prefixes",
     "gpu_memory_utilization": "fraction of GPU memory Heron may use",
     "enforce_eager": "never use CUDA graphs",
+    "cuda_graph_max_bs": "largest decode batch captured as a CUDA graph",
     "seed": "seed of requests that have none",
     "num_kv_blocks": "fix the KV pool size in blocks",
     "attention_backend": "attention operator (default: the platform's)",

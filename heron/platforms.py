@@ -27,13 +27,6 @@ class Platform:
     def default_attention_backend(self) -> str:
         return "reference"
 
-    def synchronize(self) -> None:
-        pass
-
-    def memory_available_for_cache(self, utilization: float) -> int | None:
-        """Bytes the KV cache may take, or None where only an explicit size makes sense."""
-        return None
-
 
 class CpuPlatform(Platform):
     name = "cpu"
@@ -45,17 +38,19 @@ class CpuPlatform(Platform):
 class CudaPlatform(Platform):
     name = "cuda"
 
+    def default_attention_backend(self) -> str:
+        return "triton"
+
     def model_build_context(self) -> ModelBuildContext:
         return ModelBuildContext()
 
-    def synchronize(self) -> None:
-        torch.cuda.synchronize(self.device)
-
-    def memory_available_for_cache(self, utilization: float) -> int | None:
+    def kv_cache_budget(self, utilization: float, peak_bytes: int) -> int:
+        """Bytes the KV cache may take: ``utilization`` of the device, less this process's peak
+        (weights and a profiled forward) and what is used outside torch's allocator (the CUDA
+        context, other processes)."""
         free, total = torch.cuda.mem_get_info(self.device)
-        # What the process may still take within the utilisation budget of the whole device.
-        used = total - free
-        return max(int(total * utilization) - used, 0)
+        outside_torch = total - free - torch.cuda.memory_reserved(self.device)
+        return max(int(total * utilization) - peak_bytes - outside_torch, 0)
 
 
 def resolve_device(device: str | torch.device | None) -> torch.device:

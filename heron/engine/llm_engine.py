@@ -24,7 +24,8 @@ from heron.sampling_params import SamplingParams
 logger = logging.getLogger(__name__)
 
 # With chunked prefill a step never exceeds this many tokens unless the user says otherwise.
-DEFAULT_MAX_NUM_BATCHED_TOKENS = 2048
+DEFAULT_MAX_NUM_BATCHED_TOKENS = {"cuda": 8192}
+FALLBACK_MAX_NUM_BATCHED_TOKENS = 2048
 
 
 @dataclass(eq=False)
@@ -79,15 +80,19 @@ class LLMEngine:
         self.runner = ModelRunner(
             self.model_config, self.platform, self.block_size, backend, config.seed
         )
+        self.max_num_batched_tokens = config.max_num_batched_tokens or (
+            DEFAULT_MAX_NUM_BATCHED_TOKENS.get(device.type, FALLBACK_MAX_NUM_BATCHED_TOKENS)
+        )
         num_blocks = self._num_kv_blocks()
         self.runner.allocate_kv_cache(num_blocks)
+        if device.type == "cuda" and not config.enforce_eager:
+            self.runner.capture_graphs(min(config.cuda_graph_max_bs, config.max_num_seqs))
         self.kv_cache = KVCacheManager(num_blocks, self.block_size, config.enable_prefix_caching)
         max_len = self.model_config.max_model_len
         self.scheduler = Scheduler(
             SchedulerConfig(
                 max_num_seqs=config.max_num_seqs,
-                max_num_batched_tokens=config.max_num_batched_tokens
-                or DEFAULT_MAX_NUM_BATCHED_TOKENS,
+                max_num_batched_tokens=self.max_num_batched_tokens,
                 max_model_len=max_len,
             ),
             self.kv_cache,
@@ -114,12 +119,14 @@ class LLMEngine:
         if self.config.num_kv_blocks is not None:
             num_blocks = self.config.num_kv_blocks
         else:
-            budget = self.platform.memory_available_for_cache(self.config.gpu_memory_utilization)
-            if budget is None:
+            if self.platform.device.type == "cuda":
+                profile_tokens = min(self.max_num_batched_tokens, max_len)
+                peak = self.runner.profile_peak_memory(profile_tokens)
+                budget = self.platform.kv_cache_budget(self.config.gpu_memory_utilization, peak)
+                num_blocks = budget // per_block
+            else:
                 wanted = self.config.max_num_seqs * blocks_per_seq + 1
                 num_blocks = min(wanted, DEFAULT_HOST_KV_CACHE_BYTES // per_block)
-            else:
-                num_blocks = budget // per_block
         if num_blocks - 1 < blocks_per_seq:
             raise ValueError(
                 f"the KV cache holds {num_blocks - 1} blocks of {self.block_size} tokens, fewer than "

@@ -11,9 +11,10 @@ import torch
 from heron.config import ModelConfig
 from heron.engine.request import Logprob, Request
 from heron.engine.scheduler import SchedulerOutput
+from heron.execution.cuda_graph import CudaGraphRunner
 from heron.execution.sampler import Sampler, prompt_logprobs
 from heron.execution.step_inputs import StepInputBuilder
-from heron.metadata import StepMetaPlan
+from heron.metadata import GraphSupport, SequenceMetadata, StepBatch, StepMetaPlan
 from heron.models.build import build_model
 from heron.ops.attention.base import AttentionOperator
 from heron.platforms import Platform
@@ -28,7 +29,7 @@ class StepResult:
 
 
 class ModelRunner:
-    """Owns the model, its metadata plan and its KV caches; runs one step at a time."""
+    """Owns the model, its metadata plan, its KV caches and its CUDA graphs; runs one step."""
 
     def __init__(
         self,
@@ -48,10 +49,9 @@ class ModelRunner:
         self.sampler = Sampler()
         self.generator = torch.Generator(self.device).manual_seed(seed)
         self.num_blocks = 0
-        self.inputs = StepInputBuilder(self.plan, block_size, self.device)
+        self.inputs = StepInputBuilder(block_size, self.device)
+        self.graphs: CudaGraphRunner | None = None
         self._coverage_checked = False
-        if self.plan.fallback_reason:
-            logger.warning("compatibility metadata fallback: %s", self.plan.fallback_reason)
 
     def kv_cache_bytes_per_block(self) -> int:
         elem = torch.tensor([], dtype=self.model_config.dtype).element_size()
@@ -63,17 +63,51 @@ class ModelRunner:
     def allocate_kv_cache(self, num_blocks: int) -> None:
         self.num_blocks = num_blocks
         for op in self.attention_ops:
-            op.bind_kv_cache(
-                torch.zeros(
-                    2,
-                    num_blocks,
-                    self.block_size,
-                    op.spec.num_kv_heads,
-                    op.spec.head_dim,
-                    dtype=self.model_config.dtype,
-                    device=self.device,
-                )
+            op.bind_kv_cache(self._kv_cache(op, num_blocks))
+
+    def _kv_cache(self, op: AttentionOperator, num_blocks: int) -> torch.Tensor:
+        shape = (2, num_blocks, self.block_size, op.spec.num_kv_heads, op.spec.head_dim)
+        return torch.zeros(shape, dtype=self.model_config.dtype, device=self.device)
+
+    @torch.inference_mode()
+    def profile_peak_memory(self, num_tokens: int) -> int:
+        """Peak bytes allocated by a forward over ``num_tokens`` prompt tokens (weights included).
+
+        Runs before the KV cache exists: every operator gets a one-block cache, and the dummy
+        prompt's block table points every block at that (null) block.
+        """
+        for op in self.attention_ops:
+            op.bind_kv_cache(self._kv_cache(op, 1))
+        step = StepBatch(1, num_tokens, 1, -(-num_tokens // self.block_size), self.block_size)
+        step.query_lens[0] = step.kv_lens[0] = num_tokens
+        step.positions[:] = range(num_tokens)
+        step.logits_indices[0] = num_tokens - 1
+        step.finish()
+        seq = SequenceMetadata.from_step_batch(step, self.device)
+        torch.cuda.reset_peak_memory_stats(self.device)
+        self.plan.build_views(seq)
+        self.model.compute_logits(self.model(seq.token_ids)[seq.logits_indices.long()])
+        torch.cuda.synchronize(self.device)
+        peak = torch.cuda.max_memory_allocated(self.device)
+        for op in self.attention_ops:
+            op.kv_cache = None
+        torch.cuda.empty_cache()
+        return peak
+
+    def capture_graphs(self, max_batch: int) -> None:
+        """Capture decode graphs, or explain (once) why steps stay eager."""
+        support = self.plan.graph_support
+        if support < GraphSupport.DECODE_ONLY:
+            weakest = min(self.plan.groups, key=lambda g: g.builder.graph_support)
+            logger.warning(
+                "CUDA graphs off: metadata group %d (%s) declares graph support %s",
+                weakest.group_id,
+                weakest.builder.describe(),
+                weakest.builder.graph_support.name,
             )
+            return
+        self.graphs = CudaGraphRunner(self.model, self.plan, self.device, max_batch)
+        self.graphs.capture(self.block_size)
 
     @torch.inference_mode()
     def execute(
@@ -86,8 +120,14 @@ class ModelRunner:
             self._coverage_checked = True
         step = self.inputs.prepare(output, block_table)
         seq = step.seq
-        hidden = self.model(seq.token_ids)
-        logits = self.model.compute_logits(hidden[seq.logits_indices.long()]).float()
+        if self.graphs is not None and self.graphs.can_run(seq):
+            logits = self.graphs.run(seq).float()
+        else:
+            if self.graphs is not None:
+                logger.debug("eager step: %d requests, %d tokens", seq.num_reqs, seq.num_tokens)
+            self.plan.build_views(seq)
+            hidden = self.model(seq.token_ids)
+            logits = self.model.compute_logits(hidden[seq.logits_indices.long()]).float()
         sampled = []
         if step.sample_requests:
             result = self.sampler(logits[step.sample_rows], step.sample_requests, self.generator)

@@ -10,7 +10,7 @@ import torch
 
 from heron.engine.request import Request
 from heron.engine.scheduler import SchedulerOutput
-from heron.metadata import SequenceMetadata, StepBatch, StepMetaPlan
+from heron.metadata import SequenceMetadata, StepBatch
 
 
 @dataclass(frozen=True)
@@ -19,22 +19,25 @@ class PreparedStep:
 
     seq: SequenceMetadata
     sample_requests: list[Request]
-    sample_rows: torch.Tensor  # rows of the step's logits that are sampled
+    sample_rows: slice  # rows of the step's logits that are sampled
     prompt_rows: list[tuple[Request, int, int, int]]  # request, first row, first position, count
 
 
 class StepInputBuilder:
-    """Turns a scheduler decision into the step's inputs (all host work before the forward)."""
+    """Turns a scheduler decision into the step's shared metadata (one packed copy).
 
-    def __init__(self, plan: StepMetaPlan, block_size: int, device: torch.device) -> None:
-        self.plan = plan
+    The groups' views are built afterwards by the runner: eagerly through the plan, or by the
+    builders' ``fill`` into graph buffers when the step is replayed.
+    """
+
+    def __init__(self, block_size: int, device: torch.device) -> None:
         self.block_size = block_size
         self.device = device
 
     def prepare(
         self, output: SchedulerOutput, block_table: Callable[[str], list[int]]
     ) -> PreparedStep:
-        """Host work of a step: the packed StepBatch, its one copy, every group's view."""
+        """Host work of a step: the packed StepBatch and its one copy to the device."""
         items = output.scheduled
         bs = self.block_size
         tables = [block_table(item.request.request_id) for item in items]
@@ -95,6 +98,4 @@ class StepInputBuilder:
         batch.finish()
 
         seq = SequenceMetadata.from_step_batch(batch, self.device)
-        self.plan.build_views(seq)
-        sample_rows = torch.arange(num_prompt_rows, rows, device=self.device)
-        return PreparedStep(seq, sample_requests, sample_rows, prompt_rows)
+        return PreparedStep(seq, sample_requests, slice(num_prompt_rows, rows), prompt_rows)

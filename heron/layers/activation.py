@@ -9,5 +9,9 @@ class SiluAndMul(nn.Module):
     """``silu(gate) * up`` for an input laid out as ``[gate | up]``."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.is_cuda:
+            from heron.layers.triton_kernels import silu_and_mul
+
+            return silu_and_mul(x)
         gate, up = x.chunk(2, dim=-1)
         return F.silu(gate) * up

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from heron.layers.rotary import QKTransform
@@ -9,7 +10,18 @@ from heron.metadata import ModelBuildContext
 from heron.ops.attention.base import AttentionOperator, AttentionSpec
 from heron.ops.attention.reference import ReferenceAttention
 
-ATTENTION_BACKENDS: dict[str, type[AttentionOperator]] = {"reference": ReferenceAttention}
+
+def _triton_attention() -> type[AttentionOperator]:
+    # Imported on demand: Triton is only needed (and only importable) where it runs.
+    from heron.ops.attention.triton.operator import TritonAttention
+
+    return TritonAttention
+
+
+ATTENTION_BACKENDS: dict[str, Callable[[], type[AttentionOperator]]] = {
+    "reference": lambda: ReferenceAttention,
+    "triton": _triton_attention,
+}
 
 
 @dataclass(frozen=True)
@@ -30,7 +42,7 @@ def make_attention(
 ) -> AttentionOperator:
     """The attention operator for one layer, registered in the runtime's build scope."""
     try:
-        cls = ATTENTION_BACKENDS[runtime.attention_backend]
+        cls = ATTENTION_BACKENDS[runtime.attention_backend]()
     except KeyError:
         raise ValueError(
             f"unknown attention backend {runtime.attention_backend!r}; "

@@ -119,8 +119,10 @@ def _first_divergence_is_a_near_tie(hf, prompt: list[int], got: list[int], want:
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("graphs", [True, False], ids=["graphs", "eager"])
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_greedy_on_cuda(family_case, dtype):
+def test_greedy_on_cuda(family_case, dtype, graphs):
+    """Triton operator (the CUDA default), chunked prefill mixed with decode, prefix caching."""
     path, _, refs = family_case
     llm = LLM(
         str(path),
@@ -129,8 +131,12 @@ def test_greedy_on_cuda(family_case, dtype):
         max_model_len=256,
         max_num_batched_tokens=32,
         num_kv_blocks=64,
+        enforce_eager=not graphs,
+        cuda_graph_max_bs=8,
     )
+    assert (llm.engine.runner.graphs is not None) == graphs
     got = _greedy_tokens(llm)
+    assert _greedy_tokens(llm) == got  # again, now with every prompt's full blocks cached
     if dtype == "float32":
         assert got == refs
         return

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Hashable
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import torch
@@ -31,6 +32,8 @@ class PagedAttentionView:
     query_start_host: np.ndarray
     query_lens_host: np.ndarray
     kv_lens_host: np.ndarray
+    max_query_len: int
+    workspace: Any = None  # a backend's per-step extras (e.g. split-K buffers)
 
 
 @dataclass(frozen=True)
@@ -157,4 +160,5 @@ class PagedAttentionBuilder(MetadataBuilder):
             query_start_host=seq.query_start_host,
             query_lens_host=seq.query_lens_host,
             kv_lens_host=seq.kv_lens_host,
+            max_query_len=seq.max_query_len,
         )

@@ -1,0 +1,240 @@
+"""Heron against HF transformers' continuous batching on a Qwen3-0.6B-shaped model (GPU).
+
+Builds a random-weight model with Qwen3-0.6B's shape (bf16, tied embeddings), saves it in HF
+format and measures, in one run:
+
+  A  throughput: 256 requests, input and output lengths uniform in [100, 1024] (seed 0)
+  B  batch 1, 128-token prompt, 256 output tokens: decode ms per step, and its multiple of the
+     bandwidth floor (weight bytes + KV bytes read per step) / measured copy bandwidth
+  C  batch 64, 128-token prompts, 256 output tokens: decode ms per step and tokens/s
+  D  host time per decode step that the GPU sits idle (graphs on)
+
+B and C are measured as the caller sees them: per request (time of last token - time of first
+token) / (tokens - 1), averaged over requests. Prints a markdown table.
+
+    python benchmarks/gpu_decode.py [--skip-hf] [--hf-requests 32]
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from heron import LLM, SamplingParams
+
+QWEN3_0_6B = dict(
+    hidden_size=1024,
+    num_hidden_layers=28,
+    num_attention_heads=16,
+    num_key_value_heads=8,
+    head_dim=128,
+    intermediate_size=3072,
+    vocab_size=151936,
+    tie_word_embeddings=True,
+    max_position_embeddings=40960,
+    rms_norm_eps=1e-6,
+    rope_theta=1_000_000.0,
+)
+
+
+def build_model(path: Path) -> None:
+    import transformers as tf
+
+    config = tf.Qwen3Config(**QWEN3_0_6B)
+    torch.manual_seed(0)
+    with torch.device("cuda"):
+        model = tf.Qwen3ForCausalLM(config).to(torch.bfloat16)
+    model.generation_config.eos_token_id = None
+    model.save_pretrained(path)
+    _save_tokenizer(path)
+
+
+def _save_tokenizer(path: Path) -> None:
+    """A trivial tokenizer so the directory is a complete checkpoint (prompts are token ids)."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {f"t{i}": i for i in range(QWEN3_0_6B["vocab_size"])}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="t0"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="t1").save_pretrained(path)
+
+
+def copy_bandwidth() -> float:
+    """Measured device copy bandwidth in bytes/s (read + write of a 2 GiB buffer)."""
+    src = torch.empty(1 << 30, dtype=torch.int16, device="cuda")
+    dst = torch.empty_like(src)
+    for _ in range(3):
+        dst.copy_(src)
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(10):
+        dst.copy_(src)
+    end.record()
+    torch.cuda.synchronize()
+    return 10 * 2 * src.numel() * 2 / (start.elapsed_time(end) / 1e3)
+
+
+def floor_ms(batch: int, context: int, bandwidth: float) -> float:
+    """Per-step lower bound: every weight once plus every request's KV history, at full speed."""
+    c = QWEN3_0_6B
+    d, h, kv, hd = (
+        c["hidden_size"],
+        c["num_attention_heads"],
+        c["num_key_value_heads"],
+        c["head_dim"],
+    )
+    layers = c["num_hidden_layers"]
+    per_layer = d * (h + 2 * kv) * hd + h * hd * d + 3 * d * c["intermediate_size"]
+    weights = 2 * (layers * per_layer + c["vocab_size"] * d)
+    kv_bytes = batch * context * layers * 2 * kv * hd * 2
+    return (weights + kv_bytes) / bandwidth * 1e3
+
+
+def heron_decode_ms(llm: LLM, prompts: list[list[int]], out_len: int) -> tuple[float, float]:
+    """(ms per decode step, output tokens/s) with per-token times as the caller sees them."""
+    engine = llm.engine
+    params = SamplingParams(temperature=0, max_tokens=out_len, ignore_eos=True)
+    for i, p in enumerate(prompts):
+        engine.add_request(f"b{i}", p, params)
+    first: dict[str, float] = {}
+    last: dict[str, float] = {}
+    start = time.perf_counter()
+    while engine.has_unfinished_requests():
+        outputs = engine.step()
+        now = time.perf_counter()
+        for o in outputs:
+            first.setdefault(o.request_id, now)
+            last[o.request_id] = now
+    wall = time.perf_counter() - start
+    per_step = statistics.mean((last[r] - first[r]) / (out_len - 1) for r in first)
+    return per_step * 1e3, len(prompts) * out_len / wall
+
+
+def heron_host_idle(llm: LLM, batch: int, out_len: int) -> float:
+    """Fraction of a graph-replayed decode step the GPU waits for the host.
+
+    CUDA events around each replay (input copy, metadata fill, graph) give the GPU time of a
+    step; the caller-side time per step minus that is time the GPU had nothing to do.
+    """
+    graphs = llm.engine.runner.graphs
+    replay = graphs.run
+    events = []
+
+    def timed(seq):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        out = replay(seq)
+        end.record()
+        events.append((start, end))
+        return out
+
+    graphs.run = timed
+    try:
+        step_ms, _ = heron_decode_ms(llm, [[5] * 128] * batch, out_len)
+    finally:
+        graphs.run = replay
+    torch.cuda.synchronize()
+    gpu_ms = statistics.median(s.elapsed_time(e) for s, e in events)
+    return max(0.0, 1 - gpu_ms / step_ms)
+
+
+def hf_decode_ms(model, prompts: list[list[int]], out_len: int) -> tuple[float, float]:
+    from transformers import GenerationConfig
+
+    cfg = GenerationConfig(
+        max_new_tokens=out_len, do_sample=False, eos_token_id=None, pad_token_id=0
+    )
+    start = time.perf_counter()
+    outs = model.generate_batch(prompts, generation_config=cfg, record_timestamps=True)
+    wall = time.perf_counter() - start
+    per_step = statistics.mean(
+        (o.timestamps[-1] - o.timestamps[0]) / (len(o.timestamps) - 1) for o in outs.values()
+    )
+    tokens = sum(len(o.generated_tokens) for o in outs.values())
+    return per_step * 1e3, tokens / wall
+
+
+def throughput_workload(n: int) -> tuple[list[list[int]], list[int]]:
+    rng = random.Random(0)
+    lens = [(rng.randint(100, 1024), rng.randint(100, 1024)) for _ in range(n)]
+    prompts = [[rng.randrange(2, 150000) for _ in range(i)] for i, _ in lens]
+    return prompts, [o for _, o in lens]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--skip-hf", action="store_true")
+    parser.add_argument("--hf-requests", type=int, default=32, help="requests of A run by HF")
+    parser.add_argument("--enforce-eager", action="store_true")
+    args = parser.parse_args()
+
+    bandwidth = copy_bandwidth()
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp)
+        build_model(path)
+        llm = LLM(str(path), enforce_eager=args.enforce_eager, max_model_len=4096)
+        prompts, out_lens = throughput_workload(256)
+        params = [SamplingParams(temperature=0, max_tokens=o, ignore_eos=True) for o in out_lens]
+        llm.generate(prompts[:8], params[:8], use_tqdm=False)  # warm-up
+        start = time.perf_counter()
+        outs = llm.generate(prompts, params, use_tqdm=False)
+        wall = time.perf_counter() - start
+        a = sum(len(o.outputs[0].token_ids) for o in outs) / wall
+        b_ms, _ = heron_decode_ms(llm, [[7] * 128], 256)
+        c_ms, c_tps = heron_decode_ms(llm, [[7 + i] * 128 for i in range(64)], 256)
+        idle = heron_host_idle(llm, 1, 256) if llm.engine.runner.graphs else float("nan")
+        rows.append(("Heron", a, b_ms, c_ms, c_tps, idle))
+        del llm, outs
+        torch.cuda.empty_cache()
+
+        if not args.skip_hf:
+            import transformers as tf
+
+            model = tf.AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16).cuda()
+            n = args.hf_requests
+            from transformers import GenerationConfig
+
+            cfg = GenerationConfig(
+                max_new_tokens=max(out_lens[:n]), do_sample=False, eos_token_id=None, pad_token_id=0
+            )
+            start = time.perf_counter()
+            res = model.generate_batch(prompts[:n], generation_config=cfg)
+            hf_a = sum(len(o.generated_tokens) for o in res.values()) / (
+                time.perf_counter() - start
+            )
+            hf_b, _ = hf_decode_ms(model, [[7] * 128], 256)
+            hf_c, hf_c_tps = hf_decode_ms(model, [[7 + i] * 128 for i in range(64)], 256)
+            rows.append(
+                (
+                    f"HF transformers CB (A on {n} requests)",
+                    hf_a,
+                    hf_b,
+                    hf_c,
+                    hf_c_tps,
+                    float("nan"),
+                )
+            )
+
+    fb, fc = floor_ms(1, 128 + 128, bandwidth), floor_ms(64, 128 + 128, bandwidth)
+    print(f"copy bandwidth {bandwidth / 1e12:.2f} TB/s; floor B {fb:.3f} ms, C {fc:.3f} ms")
+    print(
+        "| engine | A tok/s | B ms/step | B / floor | C ms/step | C / floor | C tok/s | D host idle |"
+    )
+    print("| --- | --- | --- | --- | --- | --- | --- | --- |")
+    for name, a, b, c, c_tps, idle in rows:
+        print(
+            f"| {name} | {a:,.0f} | {b:.3f} | {b / fb:.2f}x | {c:.3f} | {c / fc:.2f}x | "
+            f"{c_tps:,.0f} | {idle:.1%} |"
+        )
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,93 @@
+"""CUDA graphs of the whole decode step (embedding to logits), one per batch bucket.
+
+The metadata plan owns the graph buffers: each group's builder makes persistent buffers once
+for the largest bucket, and fills them in place before every replay through the same ``fill``
+path it uses during capture. Buckets use views of those buffers, so capturing many buckets
+costs no extra metadata memory. The eager metadata build is skipped on replayed steps.
+"""
+
+from __future__ import annotations
+
+import bisect
+import logging
+from typing import Any
+
+import torch
+from torch import nn
+
+from heron.metadata import GraphSupport, MetadataGroup, SequenceMetadata, StepBatch, StepMetaPlan
+
+logger = logging.getLogger(__name__)
+
+
+def graph_buckets(max_batch: int) -> list[int]:
+    """1, 2, 4, 8, then every 8 up to ``max_batch`` (which is always included)."""
+    buckets = [b for b in (1, 2, 4) if b < max_batch] + list(range(8, max_batch + 1, 8))
+    if not buckets or buckets[-1] != max_batch:
+        buckets.append(max_batch)
+    return buckets
+
+
+class CudaGraphRunner:
+    """Captures and replays the decode step of ``model`` for batch buckets up to ``max_batch``."""
+
+    def __init__(
+        self, model: nn.Module, plan: StepMetaPlan, device: torch.device, max_batch: int
+    ) -> None:
+        if plan.graph_support < GraphSupport.DECODE_ONLY:
+            raise ValueError("the metadata plan does not support graphs")
+        self.model = model
+        self.plan = plan
+        self.device = device
+        self.buckets = graph_buckets(max_batch)
+        self.max_batch = self.buckets[-1]
+        self.token_ids = torch.zeros(self.max_batch, dtype=torch.int32, device=device)
+        self.buffers: dict[int, Any] = {
+            id(g): g.builder.make_graph_buffers(self.max_batch, device) for g in plan.groups
+        }
+        self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+
+    def _fill(self, seq: SequenceMetadata, batch: int) -> None:
+        group: MetadataGroup
+        for group in self.plan.groups:
+            group.view = group.builder.fill(seq, self.buffers[id(group)], batch)
+
+    @torch.inference_mode()
+    def capture(self, block_size: int) -> None:
+        """Capture every bucket, largest first, all in one memory pool."""
+        pool = torch.cuda.graph_pool_handle()
+        for batch in reversed(self.buckets):
+            self._fill(_dummy_decode(batch, block_size, self.device), batch)
+            tokens = self.token_ids[:batch]
+            self.model.compute_logits(self.model(tokens))  # warm-up: compile, autotune
+            for group in self.plan.groups:
+                group.builder.before_capture(self.buffers[id(group)])
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=pool):
+                logits = self.model.compute_logits(self.model(tokens))
+            self.graphs[batch] = (graph, logits)
+        torch.cuda.synchronize(self.device)
+        logger.info("captured CUDA graphs for decode batches %s", self.buckets)
+
+    def can_run(self, seq: SequenceMetadata) -> bool:
+        return seq.is_decode and seq.num_reqs <= self.max_batch
+
+    def run(self, seq: SequenceMetadata) -> torch.Tensor:
+        """Replay the step of ``seq`` (every request decoding one token); its logits rows."""
+        n = seq.num_reqs
+        batch = self.buckets[bisect.bisect_left(self.buckets, n)]
+        self.token_ids[:n].copy_(seq.token_ids)
+        self._fill(seq, batch)
+        graph, logits = self.graphs[batch]
+        graph.replay()
+        return logits[:n]
+
+
+def _dummy_decode(batch: int, block_size: int, device: torch.device) -> SequenceMetadata:
+    """A decode step of ``batch`` one-token requests on the null block, for capture."""
+    step = StepBatch(batch, batch, batch, 1, block_size)
+    step.query_lens[:] = 1
+    step.kv_lens[:] = 1
+    step.logits_indices[:] = range(batch)
+    step.finish()
+    return SequenceMetadata.from_step_batch(step, device)
