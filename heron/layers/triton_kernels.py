@@ -1,0 +1,164 @@
+"""Triton kernels for the elementwise layers: RMSNorm (optionally fused with the residual add)
+and SiLU-and-multiply.
+
+Numerics follow the PyTorch modules in ``heron.layers`` step by step (statistics in fp32, the
+same intermediate roundings to the activation dtype), so on the GPU the kernels agree with them
+up to the order of the sum of squares, and under the Triton interpreter in fp32 to within an ulp.
+The RMS helpers below are shared with the qk-norm of the fused attention pre-processing kernel.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def rms_inv(x, n_cols, eps):
+    """Per-row ``rsqrt(mean(x**2) + eps)`` of an fp32 tile ``x`` [rows, cols].
+
+    Columns past ``n_cols`` must hold zeros so that they add nothing to the sum.
+    """
+    return tl.math.rsqrt(tl.sum(x * x, axis=1) / n_cols + eps)
+
+
+@triton.jit
+def rms_scale(x, inv, w, dtype: tl.constexpr):
+    """HF LlamaRMSNorm's output ``w * (x * inv).to(dtype)`` in fp32, before its final rounding.
+
+    ``x`` is an fp32 tile [rows, cols], ``inv`` its per-row factor from ``rms_inv`` (or any
+    other row's, for the rotate-half partner of a head), ``w`` the fp32 weight [cols].
+    """
+    return w[None, :] * (x * inv[:, None]).to(dtype).to(tl.float32)
+
+
+@triton.jit
+def _rms_norm_kernel(
+    x_ptr,
+    w_ptr,
+    res_ptr,
+    out_ptr,
+    n_rows,
+    n_cols,
+    stride_x,
+    stride_res,
+    stride_out,
+    eps,
+    HAS_RESIDUAL: tl.constexpr,
+    ROWS: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):
+    rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
+    cols = tl.arange(0, BLOCK_N)
+    # int64 rows: row * stride can pass 2**31 for long prompts times wide rows.
+    rows64 = tl.cast(rows, tl.int64)[:, None]
+    mask = (rows[:, None] < n_rows) & (cols[None, :] < n_cols)
+    x = tl.load(x_ptr + rows64 * stride_x + cols[None, :], mask=mask, other=0.0)
+    dtype = x_ptr.dtype.element_ty
+    if HAS_RESIDUAL:
+        res_ptrs = res_ptr + rows64 * stride_res + cols[None, :]
+        res = tl.load(res_ptrs, mask=mask, other=0.0)
+        # The sum is rounded to the activation dtype, as PyTorch's x + residual would be, and
+        # that rounded value is both the new residual and what gets normalised.
+        x = (x.to(tl.float32) + res.to(tl.float32)).to(dtype)
+        tl.store(res_ptrs, x.to(res_ptr.dtype.element_ty), mask=mask)
+    xf = x.to(tl.float32)
+    w = tl.load(w_ptr + cols, mask=cols < n_cols, other=0.0).to(tl.float32)
+    out = rms_scale(xf, rms_inv(xf, n_cols, eps), w, dtype)
+    tl.store(
+        out_ptr + rows64 * stride_out + cols[None, :],
+        out.to(out_ptr.dtype.element_ty),
+        mask=mask,
+    )
+
+
+def _check_rows(name: str, t: torch.Tensor) -> None:
+    if t.dim() != 2 or t.stride(1) != 1:
+        raise ValueError(f"{name} must be 2-D with contiguous rows, got {tuple(t.shape)}")
+
+
+def rms_norm(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    eps: float,
+    residual: torch.Tensor | None = None,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """RMSNorm of the rows of ``x`` [T, N] (rows may be strided), as HF's LlamaRMSNorm.
+
+    Without ``residual``: returns ``weight * norm(x)``. With it: ``residual`` is overwritten in
+    place by ``x + residual`` (rounded to ``x``'s dtype) and ``(norm(x + residual), residual)``
+    is returned. The output dtype is that of ``weight * x`` in PyTorch.
+    """
+    _check_rows("x", x)
+    n_rows, n_cols = x.shape
+    if residual is not None:
+        _check_rows("residual", residual)
+        if residual.shape != x.shape:
+            raise ValueError(f"residual {tuple(residual.shape)} != x {tuple(x.shape)}")
+    out = torch.empty(x.shape, dtype=torch.promote_types(weight.dtype, x.dtype), device=x.device)
+    if n_rows > 0:
+        block_n = triton.next_power_of_2(n_cols)
+        # Narrow rows: several per program, so that each program still moves a useful amount.
+        rows = min(triton.next_power_of_2(n_rows), max(1, 2048 // block_n))
+        tile = rows * block_n
+        res = x if residual is None else residual  # any valid pointer when unused
+        _rms_norm_kernel[(triton.cdiv(n_rows, rows),)](
+            x,
+            weight,
+            res,
+            out,
+            n_rows,
+            n_cols,
+            x.stride(0),
+            res.stride(0),
+            out.stride(0),
+            eps,
+            HAS_RESIDUAL=residual is not None,
+            ROWS=rows,
+            BLOCK_N=block_n,
+            num_warps=min(16, max(1, tile // 512)),
+        )
+    return out if residual is None else (out, residual)
+
+
+@triton.jit
+def _silu_and_mul_kernel(x_ptr, out_ptr, n_inter, stride_x, stride_out, BLOCK: tl.constexpr):
+    row = tl.cast(tl.program_id(0), tl.int64)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = cols < n_inter
+    gate = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
+    up = tl.load(x_ptr + row * stride_x + n_inter + cols, mask=mask, other=0.0).to(tl.float32)
+    # Two roundings, as PyTorch's F.silu(gate) * up in the activation dtype makes them.
+    act = (gate / (1.0 + tl.exp(-gate))).to(x_ptr.dtype.element_ty).to(tl.float32)
+    tl.store(out_ptr + row * stride_out + cols, (act * up).to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def silu_and_mul(x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """``silu(gate) * up`` for ``x`` [T, 2I] laid out as ``[gate | up]``; returns [T, I].
+
+    ``out`` (optional, [T, I], contiguous rows) receives the result.
+    """
+    _check_rows("x", x)
+    n_rows, width = x.shape
+    if width % 2:
+        raise ValueError(f"x's last dimension must be even, got {width}")
+    n_inter = width // 2
+    if out is None:
+        out = torch.empty((n_rows, n_inter), dtype=x.dtype, device=x.device)
+    else:
+        _check_rows("out", out)
+        if out.shape != (n_rows, n_inter):
+            raise ValueError(f"out {tuple(out.shape)} != {(n_rows, n_inter)}")
+    if n_rows > 0:
+        block = min(1024, triton.next_power_of_2(n_inter))
+        _silu_and_mul_kernel[(n_rows, triton.cdiv(n_inter, block))](
+            x,
+            out,
+            n_inter,
+            x.stride(0),
+            out.stride(0),
+            BLOCK=block,
+            num_warps=4 if block >= 512 else 1,
+        )
+    return out

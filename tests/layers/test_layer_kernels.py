@@ -1,0 +1,105 @@
+"""The Triton RMSNorm and SiLU-and-mul kernels against the PyTorch code they replace.
+
+Small cases run on the GPU when there is one, else under the Triton interpreter (fp32/fp16
+only: the interpreter's bf16 arithmetic is wrong); ``gpu`` cases check bf16 at model shapes.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from heron.layers.triton_kernels import rms_norm, silu_and_mul
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+EPS = 1e-6
+
+
+def reference_rms_norm(
+    x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """HF LlamaRMSNorm, after the residual add; returns (out, x + residual)."""
+    s = x if residual is None else x + residual
+    xf = s.float()
+    normed = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * normed.to(s.dtype), s
+
+
+def reference_silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    gate, up = x.chunk(2, dim=-1)
+    return F.silu(gate) * up
+
+
+def assert_close(actual: torch.Tensor, expected: torch.Tensor) -> None:
+    """fp32: within an ulp or so (sum order, rsqrt); fp16/bf16: within one ulp of the dtype."""
+    assert actual.dtype == expected.dtype
+    if expected.dtype == torch.float32:
+        torch.testing.assert_close(actual, expected, rtol=2e-6, atol=1e-6)
+    else:
+        ulp = torch.finfo(expected.dtype).eps
+        torch.testing.assert_close(actual.float(), expected.float(), rtol=ulp, atol=ulp)
+
+
+def _rows(tokens: int, width: int, dtype: torch.dtype, strided: bool = False) -> torch.Tensor:
+    """Random rows; ``strided`` makes them a column slice of a wider tensor."""
+    x = torch.randn(tokens, width + 3 * strided, dtype=dtype, device=DEVICE) * 2
+    return x[:, :width]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("width", [64, 96])
+@pytest.mark.parametrize("strided", [False, True])
+def test_rms_norm(dtype: torch.dtype, width: int, strided: bool) -> None:
+    torch.manual_seed(0)
+    x = _rows(5, width, dtype, strided)
+    weight = torch.rand(width, dtype=dtype, device=DEVICE) + 0.5
+    expected, _ = reference_rms_norm(x, weight, EPS)
+    assert_close(rms_norm(x, weight, EPS), expected)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_rms_norm_residual_in_place(dtype: torch.dtype) -> None:
+    torch.manual_seed(1)
+    x = _rows(7, 48, dtype, strided=True)
+    residual = torch.randn(7, 48, dtype=dtype, device=DEVICE)
+    weight = torch.rand(48, dtype=dtype, device=DEVICE) + 0.5
+    expected, expected_sum = reference_rms_norm(x, weight, EPS, residual)
+    out, new_residual = rms_norm(x, weight, EPS, residual)
+    assert new_residual.data_ptr() == residual.data_ptr()
+    # The add is one rounding of the exact sum in both: it must agree bit for bit.
+    assert torch.equal(residual, expected_sum)
+    assert_close(out, expected)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_silu_and_mul(dtype: torch.dtype) -> None:
+    torch.manual_seed(2)
+    x = _rows(3, 2 * 40, dtype, strided=True)
+    assert_close(silu_and_mul(x), reference_silu_and_mul(x))
+    out = torch.empty(3, 40, dtype=dtype, device=DEVICE)
+    assert silu_and_mul(x, out=out) is out
+    assert_close(out, reference_silu_and_mul(x))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("tokens", [1, 64, 2048])
+def test_rms_norm_bf16(tokens: int) -> None:
+    torch.manual_seed(3)
+    x = torch.randn(tokens, 1024, dtype=torch.bfloat16, device="cuda")
+    residual = torch.randn_like(x)
+    weight = torch.rand(1024, dtype=torch.bfloat16, device="cuda") + 0.5
+    expected, _ = reference_rms_norm(x, weight, EPS)
+    assert_close(rms_norm(x, weight, EPS), expected)
+    expected, expected_sum = reference_rms_norm(x, weight, EPS, residual)
+    out, _ = rms_norm(x, weight, EPS, residual)
+    assert torch.equal(residual, expected_sum)
+    assert_close(out, expected)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("tokens", [1, 64, 2048])
+def test_silu_and_mul_bf16(tokens: int) -> None:
+    torch.manual_seed(4)
+    x = torch.randn(tokens, 2 * 3072, dtype=torch.bfloat16, device="cuda") * 3
+    assert_close(silu_and_mul(x), reference_silu_and_mul(x))
