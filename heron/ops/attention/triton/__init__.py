@@ -1,0 +1,1 @@
+"""Triton kernels for paged attention (CUDA, or CPU under ``TRITON_INTERPRET=1``)."""

@@ -1,0 +1,181 @@
+"""Triton paged attention: the default attention operator on CUDA."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Hashable
+from dataclasses import dataclass
+
+import torch
+
+from heron.layers.rotary import QKTransform
+from heron.metadata import ModelBuildContext, SequenceMetadata
+from heron.ops.attention.base import AttentionOperator, AttentionSpec
+from heron.ops.attention.paged import PagedAttentionBuilder, PagedAttentionView, PagedGraphBuffers
+from heron.ops.attention.triton.decode import choose_num_splits, paged_decode_attention
+from heron.ops.attention.triton.extend import paged_extend_attention
+from heron.ops.attention.triton.kv_write import kv_write, qk_norm_rope_kv_write
+
+
+@dataclass(frozen=True)
+class DecodeWorkspace:
+    """Split-K partitioning of a decode step and the partial results it needs."""
+
+    num_splits: int
+    partial_out: torch.Tensor | None  # [reqs, heads, splits, head_dim] fp32
+    partial_lse: torch.Tensor | None  # [reqs, heads, splits] fp32
+
+
+@dataclass(frozen=True)
+class TritonGraphBuffers:
+    paged: PagedGraphBuffers
+    partial_out: torch.Tensor  # flat, sized for the largest bucket's split count
+    partial_lse: torch.Tensor
+
+
+class TritonAttentionBuilder(PagedAttentionBuilder):
+    """The paged view plus the decode workspace; the head layout is part of the key because
+    the workspace's shape depends on it.
+
+    Split counts depend only on the batch (eager steps also use the step's longest context),
+    never on values that change between graph replays: each split finds its key range from
+    the request's length inside the kernel, so a replay needs no host-side recomputation.
+    """
+
+    def __init__(self, spec: AttentionSpec, block_size: int, max_model_len: int) -> None:
+        super().__init__("triton", block_size, spec.sliding_window, max_model_len)
+        self.spec = spec
+        self.max_model_len = max_model_len
+        self._num_sms: int | None = None
+
+    @property
+    def key(self) -> Hashable:
+        s = self.spec
+        return (*super().key, s.num_heads, s.num_kv_heads, s.head_dim)
+
+    def _splits(self, batch: int, max_kv_len: int, device: torch.device) -> int:
+        if self._num_sms is None:
+            # Off CUDA the kernels run in Triton's interpreter (tests): any small count does.
+            self._num_sms = (
+                torch.cuda.get_device_properties(device).multi_processor_count
+                if device.type == "cuda"
+                else 4
+            )
+        context = min(max_kv_len, self.sliding_window or max_kv_len)
+        return choose_num_splits(batch, self.spec.num_kv_heads, context, self._num_sms)
+
+    def _workspace(
+        self, batch: int, splits: int, out: torch.Tensor, lse: torch.Tensor
+    ) -> DecodeWorkspace:
+        """Views of the flat ``out``/``lse`` buffers for ``batch`` requests and ``splits``."""
+        if splits == 1:
+            return DecodeWorkspace(1, None, None)
+        h, d = self.spec.num_heads, self.spec.head_dim
+        return DecodeWorkspace(
+            splits,
+            out[: batch * h * splits * d].view(batch, h, splits, d),
+            lse[: batch * h * splits].view(batch, h, splits),
+        )
+
+    def build(self, seq: SequenceMetadata) -> PagedAttentionView:
+        view = super().build(seq)
+        if not seq.is_decode:
+            return view
+        device = seq.kv_lens.device
+        splits = self._splits(seq.num_reqs, seq.max_kv_len, device)
+        rows = seq.num_reqs * self.spec.num_heads * splits if splits > 1 else 0
+        out = torch.empty(rows * self.spec.head_dim, dtype=torch.float32, device=device)
+        lse = torch.empty(rows, dtype=torch.float32, device=device)
+        workspace = self._workspace(seq.num_reqs, splits, out, lse)
+        return dataclasses.replace(view, workspace=workspace)
+
+    def make_graph_buffers(self, max_batch: int, device: torch.device) -> TritonGraphBuffers:
+        # Fewer requests leave more of the GPU to each one, so batch 1 splits the most.
+        splits = self._splits(1, self.max_model_len, device)
+        rows = max_batch * self.spec.num_heads * splits
+        return TritonGraphBuffers(
+            paged=super().make_graph_buffers(max_batch, device),
+            partial_out=torch.empty(rows * self.spec.head_dim, dtype=torch.float32, device=device),
+            partial_lse=torch.empty(rows, dtype=torch.float32, device=device),
+        )
+
+    def fill(
+        self, seq: SequenceMetadata, buffers: TritonGraphBuffers, batch: int
+    ) -> PagedAttentionView:
+        view = super().fill(seq, buffers.paged, batch)
+        splits = self._splits(batch, self.max_model_len, seq.kv_lens.device)
+        workspace = self._workspace(batch, splits, buffers.partial_out, buffers.partial_lse)
+        return dataclasses.replace(view, workspace=workspace)
+
+
+class TritonAttention(AttentionOperator):
+    """Paged attention with Triton kernels: a fused qk-norm + RoPE + KV-store pre-write, a
+    split-K decode kernel (query heads of one KV head packed per program) and a varlen extend
+    kernel reading the paged cache directly."""
+
+    def __init__(
+        self,
+        layer_name: str,
+        spec: AttentionSpec,
+        block_size: int,
+        max_model_len: int,
+        qk_transform: QKTransform | None = None,
+        build_context: ModelBuildContext | None = None,
+    ) -> None:
+        super().__init__(layer_name, spec, qk_transform, build_context)
+        self._builder = TritonAttentionBuilder(spec, block_size, max_model_len)
+
+    def metadata_builder(self) -> TritonAttentionBuilder:
+        return self._builder
+
+    def prepare_qkv(self, qkv: torch.Tensor, view: PagedAttentionView) -> torch.Tensor:
+        s, t = self.spec, self.qk_transform
+        if t is None:
+            q, k, v = self.split_qkv(qkv)
+            kv_write(k, v, self.kv_cache, view.slot_mapping)
+            return q
+        q_norm = t.q_norm.weight if t.q_norm is not None else None
+        k_norm = t.k_norm.weight if t.k_norm is not None else None
+        eps = t.q_norm.eps if t.q_norm is not None else 0.0
+        return qk_norm_rope_kv_write(
+            qkv,
+            view.positions,
+            t.rotary.cos,
+            t.rotary.sin,
+            q_norm,
+            k_norm,
+            eps,
+            self.kv_cache,
+            view.slot_mapping,
+            s.num_heads,
+            s.num_kv_heads,
+            s.head_dim,
+        )
+
+    def forward_decode(self, q: torch.Tensor, view: PagedAttentionView) -> torch.Tensor:
+        ws: DecodeWorkspace = view.workspace
+        return paged_decode_attention(
+            q,
+            self.kv_cache,
+            view.block_tables,
+            view.kv_lens,
+            self.spec.scale,
+            view.sliding_window,
+            torch.empty_like(q),
+            ws.num_splits,
+            ws.partial_out,
+            ws.partial_lse,
+        )
+
+    def forward_extend(self, q: torch.Tensor, view: PagedAttentionView) -> torch.Tensor:
+        return paged_extend_attention(
+            q,
+            self.kv_cache,
+            view.block_tables,
+            view.query_start_loc,
+            view.kv_lens,
+            view.max_query_len,
+            self.spec.scale,
+            view.sliding_window,
+            torch.empty_like(q),
+        )

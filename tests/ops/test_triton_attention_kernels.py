@@ -1,0 +1,305 @@
+"""Triton paged decode/extend kernels against dense fp32 SDPA with explicit masks.
+
+Small cases run everywhere (under the Triton interpreter on CPU: ``tests/conftest.py`` sets
+``TRITON_INTERPRET=1`` before triton loads when there is no GPU); ``gpu`` cases use realistic
+bf16 shapes and CUDA-graph capture. Caches use shuffled block ids and are NaN everywhere no
+token was written, so any read outside a request's visible keys shows up as NaN.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from heron.ops.attention.triton.decode import choose_num_splits, paged_decode_attention
+from heron.ops.attention.triton.extend import paged_extend_attention
+
+# The interpreter converts its 1-element scalars to loop bounds through a deprecated numpy path.
+pytestmark = pytest.mark.filterwarnings("ignore:Conversion of an array with ndim > 0")
+
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+HEAD_DIM = 64
+
+
+def make_paged_cache(
+    kv_lens: list[int],
+    block_size: int,
+    num_kv_heads: int,
+    head_dim: int,
+    dtype: torch.dtype,
+    device: torch.device,
+    seed: int = 0,
+) -> tuple[torch.Tensor, torch.Tensor, list[torch.Tensor], list[torch.Tensor]]:
+    """A NaN-filled cache holding random K/V for each request in shuffled blocks (0 reserved).
+
+    Returns (kv_cache, block_tables, dense K per request, dense V per request); the dense
+    tensors are fp32 ``[kv_len, KVH, D]`` copies of exactly what the cache holds.
+    """
+    gen = torch.Generator().manual_seed(seed)
+    blocks_per_req = [-(-n // block_size) for n in kv_lens]
+    num_blocks = 1 + sum(blocks_per_req) + 3  # null block + requests' + a few spare
+    width = max(blocks_per_req + [1]) + 1
+    cache = torch.full((2, num_blocks, block_size, num_kv_heads, head_dim), float("nan"))
+    tables = torch.zeros(len(kv_lens), width, dtype=torch.int32)
+    free = (torch.randperm(num_blocks - 1, generator=gen) + 1).tolist()
+    dense_k, dense_v = [], []
+    for r, (n, nblk) in enumerate(zip(kv_lens, blocks_per_req)):
+        ids = [free.pop() for _ in range(nblk)]
+        tables[r, :nblk] = torch.tensor(ids, dtype=torch.int32)
+        k = torch.randn(n, num_kv_heads, head_dim, generator=gen).to(dtype)
+        v = torch.randn(n, num_kv_heads, head_dim, generator=gen).to(dtype)
+        pos = torch.arange(n)
+        slots = torch.tensor(ids, dtype=torch.long)[pos // block_size] * block_size
+        slots += pos % block_size
+        cache[0].view(-1, num_kv_heads, head_dim)[slots] = k.float()
+        cache[1].view(-1, num_kv_heads, head_dim)[slots] = v.float()
+        dense_k.append(k.float().to(device))
+        dense_v.append(v.float().to(device))
+    return cache.to(dtype).to(device), tables.to(device), dense_k, dense_v
+
+
+def dense_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window: int | None, scale: float
+) -> torch.Tensor:
+    """q: [n, H, D], the last n of the kv_len positions; k, v: [kv_len, KVH, D]; fp32 result."""
+    n, kv_len = q.shape[0], k.shape[0]
+    if kv_len == 0:
+        return torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+    rep = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
+    q_pos = torch.arange(kv_len - n, kv_len, device=q.device)[:, None]
+    k_pos = torch.arange(kv_len, device=q.device)[None, :]
+    mask = k_pos <= q_pos
+    if window is not None:
+        mask &= k_pos > q_pos - window
+    out = F.scaled_dot_product_attention(
+        q.float().transpose(0, 1),
+        k.transpose(0, 1),
+        v.transpose(0, 1),
+        attn_mask=mask,
+        scale=scale,
+    )
+    return out.transpose(0, 1)
+
+
+def strided_q(tokens: int, heads: int, head_dim: int, dtype, device, seed: int) -> torch.Tensor:
+    """Random q as a head slice of a wider tensor, like q split out of a fused qkv projection."""
+    gen = torch.Generator().manual_seed(seed)
+    wide = torch.randn(tokens, heads + 3, head_dim, generator=gen).to(dtype).to(device)
+    return wide[:, :heads]
+
+
+def run_decode(
+    kv_lens: list[int],
+    num_heads: int,
+    num_kv_heads: int,
+    block_size: int,
+    window: int | None,
+    num_splits: int,
+    dtype: torch.dtype,
+    head_dim: int = HEAD_DIM,
+    workspace: bool = False,
+    device: torch.device = DEVICE,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(kernel output, dense reference) for one decode step."""
+    cache, tables, ks, vs = make_paged_cache(
+        kv_lens, block_size, num_kv_heads, head_dim, dtype, device
+    )
+    batch, scale = len(kv_lens), head_dim**-0.5
+    q = strided_q(batch, num_heads, head_dim, dtype, device, seed=1)
+    out = torch.full_like(q, float("nan"))
+    ws = {}
+    if workspace:
+        shape = (batch, num_heads, num_splits)
+        ws = dict(
+            partial_out=torch.empty(*shape, head_dim, device=device),
+            partial_lse=torch.empty(*shape, device=device),
+        )
+    lens = torch.tensor(kv_lens, dtype=torch.int32, device=device)
+    paged_decode_attention(q, cache, tables, lens, scale, window, out, num_splits, **ws)
+    ref = torch.cat(
+        [dense_attention(q[r : r + 1], ks[r], vs[r], window, scale) for r in range(batch)]
+    )
+    return out, ref
+
+
+def run_extend(
+    kv_lens: list[int],
+    q_lens: list[int],
+    num_heads: int,
+    num_kv_heads: int,
+    block_size: int,
+    window: int | None,
+    dtype: torch.dtype,
+    head_dim: int = HEAD_DIM,
+    device: torch.device = DEVICE,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(kernel output, dense reference) for one extend step (new tokens are the last q_lens)."""
+    cache, tables, ks, vs = make_paged_cache(
+        kv_lens, block_size, num_kv_heads, head_dim, dtype, device
+    )
+    scale = head_dim**-0.5
+    q = strided_q(sum(q_lens), num_heads, head_dim, dtype, device, seed=2)
+    out = torch.full_like(q, float("nan"))
+    starts = [0]
+    for n in q_lens:
+        starts.append(starts[-1] + n)
+    paged_extend_attention(
+        q,
+        cache,
+        tables,
+        torch.tensor(starts, dtype=torch.int32, device=device),
+        torch.tensor(kv_lens, dtype=torch.int32, device=device),
+        max(q_lens),
+        scale,
+        window,
+        out,
+    )
+    ref = torch.cat(
+        [
+            dense_attention(q[starts[r] : starts[r + 1]], ks[r], vs[r], window, scale)
+            for r in range(len(kv_lens))
+        ]
+    )
+    return out, ref
+
+
+def assert_close(out: torch.Tensor, ref: torch.Tensor, tol: float) -> None:
+    assert not out.isnan().any()
+    torch.testing.assert_close(out.float(), ref, atol=tol, rtol=tol)
+
+
+# (num_heads, num_kv_heads): GQA groups 1, 2, 4 and MQA.
+HEADS = [(2, 2), (4, 2), (8, 2), (4, 1)]
+SPLITS = [(1, False), (4, False), (4, True)]  # (num_splits, workspace passed)
+
+
+@pytest.mark.parametrize("heads", HEADS, ids=lambda h: f"h{h[0]}kv{h[1]}")
+@pytest.mark.parametrize("block_size", [16, 32])
+@pytest.mark.parametrize("window", [None, 7])
+@pytest.mark.parametrize("splits", SPLITS, ids=["s1", "s4", "s4ws"])
+def test_decode_matches_dense(heads, block_size, window, splits):
+    # 0: padded row (zeros), 1: single key, the rest cross tiles and blocks.
+    kv_lens = [0, 1, 37, 130]
+    out, ref = run_decode(
+        kv_lens, *heads, block_size, window, splits[0], torch.float32, workspace=splits[1]
+    )
+    assert_close(out, ref, 1e-4)
+    assert (out[0] == 0).all()
+
+
+def test_decode_fp16_and_more_splits_than_tiles():
+    # 16 splits over at most 3 tiles: most splits are empty and must be skipped by the merge.
+    out, ref = run_decode([5, 150, 64, 0], 8, 2, 16, None, 16, torch.float16)
+    assert_close(out, ref, 2e-3)
+
+
+def test_choose_num_splits():
+    assert choose_num_splits(64, 8, 4096, num_sms=132) == 1  # 512 programs fill the GPU
+    assert choose_num_splits(1, 8, 4096, num_sms=132) == 32  # 8 programs -> >= 132 in all
+    assert choose_num_splits(1, 8, 200, num_sms=132) == 1  # too short to be worth splitting
+    assert choose_num_splits(1, 8, 300, num_sms=132) == 2
+    assert choose_num_splits(1, 1, 1 << 20, num_sms=132) == 64  # capped
+    for batch in range(1, 40):
+        n = choose_num_splits(batch, 2, 2048, num_sms=132)
+        assert n >= 1 and n & (n - 1) == 0
+
+
+@pytest.mark.parametrize(
+    "kv_lens,q_lens",
+    [
+        ([20, 70], [20, 70]),  # prefill only
+        ([90, 133], [25, 64]),  # prefix-cache hit / chunked-prefill continuation
+        ([50, 1, 81, 66], [1, 1, 17, 66]),  # mixed: decode-like rows beside prefills
+    ],
+    ids=["prefill", "history", "mixed"],
+)
+@pytest.mark.parametrize("heads", [(4, 2), (4, 1)], ids=["gqa", "mqa"])
+def test_extend_matches_dense(kv_lens, q_lens, heads):
+    out, ref = run_extend(kv_lens, q_lens, *heads, 16, None, torch.float32)
+    assert_close(out, ref, 1e-4)
+
+
+@pytest.mark.parametrize("block_size", [16, 32])
+def test_extend_sliding_window(block_size):
+    out, ref = run_extend([150, 40, 75], [80, 40, 1], 4, 2, block_size, 11, torch.float32)
+    assert_close(out, ref, 1e-4)
+
+
+def test_extend_fp16():
+    out, ref = run_extend([100, 30], [70, 30], 4, 2, 32, None, torch.float16)
+    assert_close(out, ref, 2e-3)
+
+
+# ----------------------------------------------------------------------------- GPU, bf16
+
+CUDA = torch.device("cuda")
+GPU_TOL = 2e-2
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("block_size", [16, 64])
+@pytest.mark.parametrize("window", [None, 500])
+def test_gpu_decode_bf16(block_size, window):
+    gen = torch.Generator().manual_seed(block_size)
+    kv_lens = torch.randint(1, 2049, (64,), generator=gen).tolist()
+    kv_lens[3] = 0  # a padded row
+    kv_lens[5] = 2048
+    num_sms = torch.cuda.get_device_properties(0).multi_processor_count
+    for batch, splits in [(64, choose_num_splits(64, 8, 2048, num_sms)), (4, 8)]:
+        out, ref = run_decode(
+            kv_lens[:batch], 16, 8, block_size, window, splits, torch.bfloat16, 128,
+            device=CUDA,
+        )  # fmt: skip
+        assert_close(out, ref, GPU_TOL)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("block_size", [16, 64])
+def test_gpu_extend_bf16(block_size):
+    q_lens = [512, 1024, 700, 1]
+    kv_lens = [512, 1024 + 300, 700 + 1000, 900]  # fresh prefill, prefix hits, a decode row
+    out, ref = run_extend(
+        kv_lens, q_lens, 16, 8, block_size, None, torch.bfloat16, 128, device=CUDA
+    )
+    assert_close(out, ref, GPU_TOL)
+    out, ref = run_extend(kv_lens, q_lens, 16, 8, block_size, 256, torch.bfloat16, 128, device=CUDA)
+    assert_close(out, ref, GPU_TOL)
+
+
+@pytest.mark.gpu
+def test_gpu_decode_cuda_graph_replay():
+    """Captured once, replayed with new lengths and tables: same as an eager call."""
+    batch, heads, kv_heads, dim, block_size, splits = 8, 16, 8, 128, 16, 4
+    cache, tables, _, _ = make_paged_cache(
+        [2048] * batch, block_size, kv_heads, dim, torch.bfloat16, CUDA
+    )
+    q = torch.randn(batch, heads, dim, dtype=torch.bfloat16, device=CUDA)
+    out = torch.empty_like(q)
+    lens = torch.full((batch,), 2048, dtype=torch.int32, device=CUDA)
+    static_tables = tables.clone()
+    ws = dict(
+        partial_out=torch.empty(batch, heads, splits, dim, device=CUDA),
+        partial_lse=torch.empty(batch, heads, splits, device=CUDA),
+    )
+
+    def step():
+        paged_decode_attention(q, cache, static_tables, lens, 0.088, None, out, splits, **ws)
+
+    step()  # compile outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step()
+    gen = torch.Generator().manual_seed(7)
+    for _ in range(3):
+        lens.copy_(torch.randint(0, 2049, (batch,), generator=gen))
+        perm = torch.randperm(batch, generator=gen).to(CUDA)
+        static_tables.copy_(tables[perm])
+        graph.replay()
+        replayed = out.clone()
+        eager = torch.empty_like(q)
+        paged_decode_attention(q, cache, static_tables, lens, 0.088, None, eager, splits)
+        torch.testing.assert_close(replayed, eager, atol=0, rtol=0)
+        assert not replayed.isnan().any()
