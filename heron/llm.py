@@ -59,7 +59,7 @@ class LLM:
             request_id = str(next(self._ids))
             order.append(request_id)
             try:
-                self.engine.add_request(request_id, prompt, p)
+                self.engine.add_request(request_id, prompt, p, stream=False)
             except ValueError as e:
                 logger.warning("request %s rejected: %s", request_id, e)
                 text, ids = (prompt, []) if isinstance(prompt, str) else (None, list(prompt))

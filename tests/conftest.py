@@ -12,103 +12,10 @@ from pathlib import Path
 import pytest
 import torch
 
+from tiny_models import save_tiny_model
+
 # Keep CPU tests deterministic and fast on small machines.
 torch.set_num_threads(min(4, os.cpu_count() or 1))
-
-CHAT_TEMPLATE = (
-    "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}<|end|>{% endfor %}"
-    "{% if add_generation_prompt %}<|assistant|>{% endif %}"
-)
-CORPUS = [
-    "The quick brown fox jumps over the lazy dog.",
-    "Paris is the capital of France, and Berlin is the capital of Germany.",
-    "Heron batches requests continuously over a paged key-value cache.",
-    "def add(a, b):\n    return a + b\n",
-    "Numbers: 0 1 2 3 4 5 6 7 8 9 10 100 1000; symbols: !?.,;:-_()[]{}",
-]
-
-
-def make_tokenizer(vocab_size: int = 320):
-    """A byte-level BPE tokenizer trained on a few sentences, with a chat template."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import PreTrainedTokenizerFast
-
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=vocab_size,
-        special_tokens=["<|endoftext|>", "<|end|>"],
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-    )
-    tok.train_from_iterator(CORPUS * 4, trainer)
-    fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|endoftext|>")
-    fast.chat_template = CHAT_TEMPLATE
-    return fast
-
-
-BASE = dict(
-    vocab_size=320,
-    hidden_size=64,
-    intermediate_size=128,
-    num_hidden_layers=3,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    max_position_embeddings=512,
-    rms_norm_eps=1e-6,
-    eos_token_id=0,
-    bos_token_id=0,
-    pad_token_id=0,
-)
-
-
-def tiny_config(family: str):
-    """A small random config of each supported family, exercising its special features."""
-    import transformers as tf
-
-    if family == "llama":  # untied, llama3 rope scaling
-        return tf.LlamaConfig(
-            **BASE,
-            tie_word_embeddings=False,
-            rope_scaling={
-                "rope_type": "llama3",
-                "factor": 8.0,
-                "low_freq_factor": 1.0,
-                "high_freq_factor": 4.0,
-                "original_max_position_embeddings": 128,
-            },
-        )
-    if family == "qwen2":  # qkv bias, tied
-        return tf.Qwen2Config(**BASE, tie_word_embeddings=True, rope_theta=1e6)
-    if family == "qwen3":  # qk-norm, explicit head_dim different from hidden/heads
-        return tf.Qwen3Config(**BASE, head_dim=32, tie_word_embeddings=True)
-    if family == "mistral":  # sliding window over every layer
-        return tf.MistralConfig(**BASE, sliding_window=24, tie_word_embeddings=False)
-    raise ValueError(family)
-
-
-FAMILIES = ["llama", "qwen2", "qwen3", "mistral"]
-
-
-def save_tiny_model(family: str, path: Path, seed: int = 0) -> Path:
-    import transformers as tf
-
-    torch.manual_seed(seed)
-    config = tiny_config(family)
-    model = tf.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    # Random init is small; scale weights up so logits are not near-uniform (no near-ties).
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if p.dim() == 2:
-                p.normal_(0.0, 0.08)
-            elif "norm" in name:
-                p.uniform_(0.8, 1.2)
-            else:
-                p.normal_(0.0, 0.02)
-    model.generation_config.eos_token_id = None
-    model.save_pretrained(path)
-    make_tokenizer().save_pretrained(path)
-    return path
 
 
 @pytest.fixture(scope="session")
@@ -145,9 +52,3 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
-
-
-def attend(op, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-    """Run an attention operator on separate q [T,H,D], k, v [T,KVH,D] (it takes them packed)."""
-    qkv = torch.cat([q.flatten(1), k.flatten(1), v.flatten(1)], dim=1)
-    return op(qkv).view_as(q)

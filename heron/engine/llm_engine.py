@@ -37,6 +37,7 @@ class _Parent:
     prompt_token_ids: list[int]
     children: list[Request]
     detokenizers: list[IncrementalDetokenizer]
+    stream: bool  # report every step, or only when finished
     arrival_time: float = field(default_factory=time.monotonic)
 
     def output(self) -> RequestOutput:
@@ -143,9 +144,17 @@ class LLMEngine:
         return None, list(prompt)
 
     def add_request(
-        self, request_id: str, prompt: str | list[int], params: SamplingParams | None = None
+        self,
+        request_id: str,
+        prompt: str | list[int],
+        params: SamplingParams | None = None,
+        stream: bool = True,
     ) -> None:
-        """Queue a request; raise ``ValueError`` (and queue nothing) if it is invalid."""
+        """Queue a request; raise ``ValueError`` (and queue nothing) if it is invalid.
+
+        With ``stream`` its output is returned by every step that advances it; without, only
+        by the step that finishes it (which saves building outputs nobody reads).
+        """
         if request_id in self._parents:
             raise ValueError(f"request id {request_id!r} is already in use")
         params = (params or SamplingParams()).clone()
@@ -168,7 +177,9 @@ class LLMEngine:
                 )
             children.append(child)
         detokenizers = [IncrementalDetokenizer(self.tokenizer, token_ids, params) for _ in children]
-        self._parents[request_id] = _Parent(request_id, text, token_ids, children, detokenizers)
+        self._parents[request_id] = _Parent(
+            request_id, text, token_ids, children, detokenizers, stream
+        )
         for child in children:
             self.scheduler.add(child)
 
@@ -241,8 +252,9 @@ class LLMEngine:
 
         outputs = []
         for parent in touched.values():
-            output = parent.output()
-            if output.finished:
+            finished = all(c.is_finished for c in parent.children)
+            if finished:
                 del self._parents[parent.request_id]
-            outputs.append(output)
+            if finished or parent.stream:
+                outputs.append(parent.output())
         return outputs

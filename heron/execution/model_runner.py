@@ -121,13 +121,13 @@ class ModelRunner:
         step = self.inputs.prepare(output, block_table)
         seq = step.seq
         if self.graphs is not None and self.graphs.can_run(seq):
-            logits = self.graphs.run(seq).float()
+            logits = self.graphs.run(seq)
         else:
             if self.graphs is not None:
                 logger.debug("eager step: %d requests, %d tokens", seq.num_reqs, seq.num_tokens)
             self.plan.build_views(seq)
             hidden = self.model(seq.token_ids)
-            logits = self.model.compute_logits(hidden[seq.logits_indices.long()]).float()
+            logits = self.model.compute_logits(hidden[seq.logits_indices.long()])
         sampled = []
         if step.sample_requests:
             result = self.sampler(logits[step.sample_rows], step.sample_requests, self.generator)

@@ -45,6 +45,9 @@ class Sampler:
         requests: Sequence[Request],
         generator: torch.Generator | None = None,
     ) -> SamplerOutput:
+        if all(map(_plain_greedy, requests)):
+            # The common serving case needs no float copy and no stage at all.
+            return SamplerOutput(logits.argmax(dim=-1).tolist(), [None] * len(requests))
         params = [r.sampling_params for r in requests]
         # Logprobs are reported from the raw logits (vLLM's default), before any processing.
         logprob_rows = [i for i, p in enumerate(params) if p.logprobs is not None]
@@ -75,6 +78,19 @@ class Sampler:
             for i, entry in zip(logprob_rows, entries):
                 logprobs[i] = entry
         return SamplerOutput(token_ids=token_ids.tolist(), logprobs=logprobs)
+
+
+def _plain_greedy(request: Request) -> bool:
+    """Greedy with nothing that changes the logits first and no logprobs to report."""
+    p = request.sampling_params
+    return (
+        p.greedy
+        and p.logprobs is None
+        and p.repetition_penalty == 1.0
+        and p.presence_penalty == 0.0
+        and p.frequency_penalty == 0.0
+        and request.num_output_tokens >= p.min_tokens
+    )
 
 
 def apply_min_tokens(logits: torch.Tensor, requests: Sequence[Request]) -> None:

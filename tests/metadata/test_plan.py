@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import attend
+from tiny_models import attend
 from torch import nn
 
 from heron.metadata import (

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 import transformers as tf
-from conftest import FAMILIES
+from tiny_models import FAMILIES
 
 from heron import LLM, SamplingParams
 

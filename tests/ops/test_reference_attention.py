@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import attend
+from tiny_models import attend
 
 from heron.metadata import ModelBuildContext, SequenceMetadata, StepBatch, StepMetaPlan
 from heron.ops.attention.base import AttentionSpec

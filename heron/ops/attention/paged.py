@@ -110,15 +110,17 @@ class PagedAttentionBuilder(MetadataBuilder):
                 f"{seq.num_reqs} requests with {seq.num_tokens} tokens"
             )
         n, width = seq.num_reqs, seq.block_tables.shape[1]
-        # Padded rows write their (garbage) K/V into the null block and attend to nothing.
-        buffers.positions[n:batch].zero_()
+        # Few, in-place copies: this runs before every replay. Table entries past a row's
+        # length are never read, so stale ones need no reset; padded rows get length 0, the
+        # null block and slot 0 (their garbage K/V goes to the null block).
         buffers.positions[:n].copy_(seq.positions)
-        buffers.slot_mapping[n:batch].zero_()
         buffers.slot_mapping[:n].copy_(seq.slot_mapping)
-        buffers.block_tables[:batch].zero_()
         buffers.block_tables[:n, :width].copy_(seq.block_tables)
-        buffers.kv_lens[n:batch].zero_()
         buffers.kv_lens[:n].copy_(seq.kv_lens)
+        if n < batch:
+            buffers.slot_mapping[n:batch].zero_()
+            buffers.block_tables[n:batch].zero_()
+            buffers.kv_lens[n:batch].zero_()
         return self._view(
             seq,
             buffers.positions[:batch],
