@@ -11,7 +11,6 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from tiny_models import save_tiny_model
 
 # Keep CPU tests deterministic and fast on small machines.
