@@ -13,8 +13,9 @@ from pathlib import Path
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from gpu_decode import build_model
 from heron import LLM, SamplingParams
+
+from gpu_decode import build_model
 
 
 def profile_batch(llm: LLM, batch: int, steps: int) -> None:

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
+
 from tiny_models import save_tiny_model
 
 # Keep CPU tests deterministic and fast on small machines.

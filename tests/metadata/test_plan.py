@@ -5,7 +5,6 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-from tiny_models import attend
 from torch import nn
 
 from heron.metadata import (
@@ -21,6 +20,8 @@ from heron.metadata import (
 from heron.ops.attention.base import AttentionSpec
 from heron.ops.attention.paged import PagedAttentionBuilder, PagedAttentionView
 from heron.ops.attention.reference import ReferenceAttention
+
+from tiny_models import attend
 
 MAX_MODEL_LEN = 64
 

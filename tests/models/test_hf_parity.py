@@ -5,9 +5,10 @@ from __future__ import annotations
 import pytest
 import torch
 import transformers as tf
-from tiny_models import FAMILIES
 
 from heron import LLM, SamplingParams
+
+from tiny_models import FAMILIES
 
 MAX_NEW = 24
 # Different lengths; the first two share a 40-token prefix (prefix caching), the last crosses

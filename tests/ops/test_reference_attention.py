@@ -7,12 +7,13 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
-from tiny_models import attend
 
 from heron.metadata import ModelBuildContext, SequenceMetadata, StepBatch, StepMetaPlan
 from heron.ops.attention.base import AttentionSpec
 from heron.ops.attention.paged import PagedAttentionBuilder, PagedGraphBuffers
 from heron.ops.attention.reference import ReferenceAttention
+
+from tiny_models import attend
 
 HEAD_DIM = 16
 MAX_MODEL_LEN = 64
