@@ -37,16 +37,74 @@ def profile_batch(llm: LLM, batch: int, steps: int) -> None:
     )
 
 
+def phase_times(llm: LLM, batch: int, steps: int) -> None:
+    """Host-side phases of graph-replayed decode steps (the GPU is synchronised after each)."""
+    import statistics
+    import time
+
+    engine, runner = llm.engine, llm.engine.runner
+    params = SamplingParams(temperature=0, max_tokens=steps + 20, ignore_eos=True)
+    for i in range(batch):
+        engine.add_request(f"t{batch}-{i}", [5 + i] * 128, params)
+    for _ in range(5):
+        engine.step()
+    phases: dict[str, list[float]] = {}
+    originals = {
+        "schedule": (engine.scheduler, "schedule"),
+        "prepare (StepBatch, copy)": (runner.inputs, "prepare"),
+        "fill + replay + sync": (runner.graphs, "run"),
+        "sample": (runner, "sampler"),
+    }
+
+    def timed(name, fn, sync):
+        def wrapper(*a, **k):
+            t = time.perf_counter()
+            out = fn(*a, **k)
+            if sync:
+                torch.cuda.synchronize()
+            phases.setdefault(name, []).append(time.perf_counter() - t)
+            return out
+
+        return wrapper
+
+    saved = {name: getattr(obj, attr) for name, (obj, attr) in originals.items()}
+    for name, (obj, attr) in originals.items():
+        setattr(obj, attr, timed(name, saved[name], "replay" in name))
+    total = []
+    try:
+        for _ in range(steps):
+            t = time.perf_counter()
+            engine.step()
+            total.append(time.perf_counter() - t)
+    finally:
+        for name, (obj, attr) in originals.items():
+            setattr(obj, attr, saved[name])
+    while engine.has_unfinished_requests():
+        engine.step()
+    med = {k: statistics.median(v) * 1e6 for k, v in phases.items()}
+    step = statistics.median(total) * 1e6
+    rest = step - sum(med.values())
+    print(f"\n### batch {batch}: host phases per decode step (µs, median of {steps})")
+    print(
+        " | ".join(f"{k} {v:.0f}" for k, v in med.items())
+        + f" | outputs, detokenize, stops {rest:.0f} | step {step:.0f}"
+    )
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--enforce-eager", action="store_true")
     parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--phases", action="store_true", help="host phase timings instead")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         build_model(Path(tmp))
         llm = LLM(tmp, enforce_eager=args.enforce_eager, max_model_len=4096)
         for batch in (1, 64):
-            profile_batch(llm, batch, args.steps)
+            if args.phases:
+                phase_times(llm, batch, args.steps)
+            else:
+                profile_batch(llm, batch, args.steps)
 
 
 if __name__ == "__main__":
