@@ -17,7 +17,7 @@ class Linear(nn.Module):
         self.bias = nn.Parameter(torch.empty(out_features), requires_grad=False) if bias else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
+        return linear(x, self.weight, self.bias)
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard: str | None) -> None:
         _copy_checked(param.data, loaded, param)
@@ -42,6 +42,20 @@ class PackedLinear(Linear):
             raise ValueError(f"unknown shard {shard!r}; expected one of {list(self.shard_offsets)}")
         start, size = self.shard_offsets[shard]
         _copy_checked(param.data.narrow(0, start, size), loaded, param)
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``x W^T (+ b)``; decode-sized batches on a GPU use a memory-bound Triton GEMV, which
+    beats cuBLAS there (most on narrow outputs such as o_proj and down_proj)."""
+    if x.is_cuda and x.dim() == 2 and x.dtype in _GEMV_DTYPES:
+        from heron.layers.triton_gemv import MAX_M, linear_small_m
+
+        if x.shape[0] <= MAX_M:
+            return linear_small_m(x, weight, bias)
+    return F.linear(x, weight, bias)
+
+
+_GEMV_DTYPES = (torch.bfloat16, torch.float16)
 
 
 def _copy_checked(target: torch.Tensor, loaded: torch.Tensor, param: nn.Parameter) -> None:

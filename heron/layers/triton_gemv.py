@@ -1,0 +1,310 @@
+"""Memory-bound GEMV-style linear for few rows: ``y = x @ weight.T (+ bias)``.
+
+At decode time a linear layer multiplies a handful of activation rows by a weight matrix that is
+read once from HBM, so its speed is the weight's bytes over the memory bandwidth. cuBLAS picks
+GEMM tiles built for many rows and reaches a fraction of that bandwidth on the small projections
+of a 1B-class model; this kernel streams the weight instead.
+
+Each program owns ``BLOCK_N`` output columns for every row of ``x`` (rows padded to a power of
+two ``M_PAD`` and masked) and one range of ``K``: it loads ``[BLOCK_N, BLOCK_K]`` tiles of the
+weight with wide loads along ``K`` and multiplies them by the matching chunk of ``x``, with a
+broadcast multiply and a sum (few rows) or ``tl.dot`` on the swapped product
+``weight_tile @ x_chunk.T`` (``M_PAD >= 16``), accumulating in fp32.
+
+When the output has too few column blocks to fill the GPU (``N = 1024`` for an o or down
+projection), ``K`` is split over ``SPLIT_K`` programs per column block. Each stores its fp32
+partial sums to a workspace, then takes a ticket from a per-column-block counter; the program
+that takes the last ticket adds the partials in split order (deterministic: the same order
+whatever the arrival order), writes the output and resets the counter to zero for the next call.
+The counters live in a per-device buffer that is allocated zeroed once and never freed, so one
+launch does the whole call, with no host sync, and the call can be captured in a CUDA graph
+(calls on one stream only: two streams running split calls at once would share counters).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+#: The largest row count the kernel is meant for; bigger inputs are done ``MAX_M`` rows at a time.
+MAX_M = 16
+
+
+@triton.jit
+def _finish(acc, b_ptr, y_ptr, offs_m, offs_n, n_mask, out_mask, stride_ym, HAS_BIAS: tl.constexpr):
+    """Adds the bias to the fp32 tile ``acc`` [M_PAD, BLOCK_N] and stores it in ``y``'s dtype."""
+    if HAS_BIAS:
+        b = tl.load(b_ptr + offs_n, mask=n_mask, other=0.0)
+        acc += b.to(tl.float32)[None, :]
+    y_ptrs = y_ptr + offs_m[:, None] * stride_ym + offs_n[None, :]
+    tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=out_mask)
+
+
+@triton.jit
+def _gemv_kernel(
+    x_ptr,
+    w_ptr,
+    b_ptr,
+    y_ptr,
+    part_ptr,
+    cnt_ptr,
+    M,
+    N,
+    K,
+    stride_xm,
+    stride_ym,
+    k_per_split,
+    HAS_BIAS: tl.constexpr,
+    HAS_SPLIT: tl.constexpr,
+    EVEN_N: tl.constexpr,
+    EVEN_K: tl.constexpr,
+    USE_DOT: tl.constexpr,
+    DOT_PREC: tl.constexpr,
+    M_PAD: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    NUM_STAGES: tl.constexpr,
+):
+    pid_n = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    offs_m = tl.arange(0, M_PAD)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_k = tl.arange(0, BLOCK_K)
+    m_mask = offs_m < M
+    n_mask = offs_n < N
+    k_start = pid_k * k_per_split
+    k_end = tl.minimum(k_start + k_per_split, K)
+
+    # int64 row offsets: N * K can pass 2**31 for a large vocabulary times a wide hidden size.
+    w_ptrs = w_ptr + tl.cast(offs_n, tl.int64)[:, None] * K + offs_k[None, :]
+    x_ptrs = x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :]
+    if USE_DOT:
+        acc = tl.zeros([BLOCK_N, M_PAD], dtype=tl.float32)
+    else:
+        acc = tl.zeros([M_PAD, BLOCK_N], dtype=tl.float32)
+    for k in tl.range(k_start, k_end, BLOCK_K, num_stages=NUM_STAGES):
+        if EVEN_K:
+            if EVEN_N:
+                w = tl.load(w_ptrs + k)
+            else:
+                w = tl.load(w_ptrs + k, mask=n_mask[:, None], other=0.0)
+            x = tl.load(x_ptrs + k, mask=m_mask[:, None], other=0.0)
+        else:
+            k_mask = (k + offs_k) < k_end
+            w = tl.load(w_ptrs + k, mask=n_mask[:, None] & k_mask[None, :], other=0.0)
+            x = tl.load(x_ptrs + k, mask=m_mask[:, None] & k_mask[None, :], other=0.0)
+        if USE_DOT:
+            acc = tl.dot(w, tl.trans(x), acc=acc, input_precision=DOT_PREC)
+        else:
+            prod = x.to(tl.float32)[:, None, :] * w.to(tl.float32)[None, :, :]
+            acc += tl.sum(prod, axis=2)
+    if USE_DOT:
+        acc = tl.trans(acc)
+
+    out_mask = m_mask[:, None] & n_mask[None, :]
+    if HAS_SPLIT:
+        # fp32 partial sums [SPLIT_K, M, N]; the last program of this column block adds them.
+        part_ptrs = part_ptr + (pid_k * M + offs_m)[:, None] * N + offs_n[None, :]
+        tl.store(part_ptrs, acc, mask=out_mask)
+        # Every thread's partial store is done before the ticket (release) is taken.
+        tl.debug_barrier()
+        ticket = tl.atomic_add(cnt_ptr + pid_n, 1, sem="acq_rel", scope="gpu")
+        split_k = tl.num_programs(1)
+        if ticket == split_k - 1:
+            total = tl.zeros([M_PAD, BLOCK_N], dtype=tl.float32)
+            for s in range(0, split_k):
+                p_ptrs = part_ptr + (s * M + offs_m)[:, None] * N + offs_n[None, :]
+                total += tl.load(p_ptrs, mask=out_mask, other=0.0, cache_modifier=".cg")
+            _finish(total, b_ptr, y_ptr, offs_m, offs_n, n_mask, out_mask, stride_ym, HAS_BIAS)
+            tl.store(cnt_ptr + pid_n, 0)
+    else:
+        _finish(acc, b_ptr, y_ptr, offs_m, offs_n, n_mask, out_mask, stride_ym, HAS_BIAS)
+
+
+class GemvConfig(tuple):
+    """``(use_dot, block_n, block_k, num_warps, num_stages, split_k)`` for one launch."""
+
+    __slots__ = ()
+
+    def __new__(cls, use_dot, block_n, block_k, num_warps, num_stages, split_k):
+        return super().__new__(cls, (use_dot, block_n, block_k, num_warps, num_stages, split_k))
+
+    use_dot = property(lambda self: self[0])
+    block_n = property(lambda self: self[1])
+    block_k = property(lambda self: self[2])
+    num_warps = property(lambda self: self[3])
+    num_stages = property(lambda self: self[4])
+    split_k = property(lambda self: self[5])
+
+
+# Measured winners on an H200 (bf16, weights cold in HBM, CUDA-graph replays) for the decode
+# shapes of a Qwen3-0.6B-class model, keyed by (M_PAD, N, K); they serve fp16 too. Other shapes
+# and fp32 take the rule in ``_default_config``, which gives these or close relatives.
+_FMA1 = GemvConfig(False, 8, 1024, 4, 3, 1)
+_DOT64 = GemvConfig(True, 64, 256, 4, 4, 1)
+_TUNED: dict[tuple[int, int, int], GemvConfig] = {
+    # qkv 1024 -> 4096 and gate_up 1024 -> 6144: one wave of 64-column programs, 4 stages.
+    **{(m, n, 1024): _DOT64 for m in (1, 2, 4, 8, 16) for n in (4096, 6144)},
+    # lm_head 1024 -> 151936
+    **{(m, 151936, 1024): GemvConfig(True, 64, 128, 4, 3, 1) for m in (1, 2, 4, 8, 16)},
+    # o_proj 2048 -> 1024: one row 128 programs of 8 columns over all of K; else split K by 4.
+    (1, 1024, 2048): _FMA1,
+    **{(m, 1024, 2048): GemvConfig(True, 64, 256, 4, 3, 4) for m in (2, 4, 8)},
+    (16, 1024, 2048): GemvConfig(True, 32, 256, 4, 3, 4),
+    # down 3072 -> 1024: likewise, K split by 8 (6 splits of 512).
+    (1, 1024, 3072): _FMA1,
+    **{(m, 1024, 3072): GemvConfig(True, 64, 256, 4, 3, 8) for m in (2, 4, 8, 16)},
+}
+
+_CONFIG_CACHE: dict[tuple, GemvConfig] = {}
+_COUNTERS: dict[torch.device, torch.Tensor] = {}
+_NUM_SMS: dict[torch.device, int] = {}
+_RETIRED: list[torch.Tensor] = []
+
+
+def _m_pad(m: int) -> int:
+    return triton.next_power_of_2(max(1, m))
+
+
+def _num_sms(device: torch.device) -> int:
+    if device.type != "cuda":
+        return 4
+    if device not in _NUM_SMS:
+        _NUM_SMS[device] = torch.cuda.get_device_properties(device).multi_processor_count
+    return _NUM_SMS[device]
+
+
+def _default_config(m_pad: int, n: int, k: int, elem_size: int, num_sms: int) -> GemvConfig:
+    """One wave of long-running programs that stream their slab through a multi-stage pipeline.
+
+    One row with few column blocks: broadcast-multiply programs of 8 columns over all of ``K``.
+    Otherwise ``tl.dot`` on ``weight_tile @ x.T`` (rows padded to 16; the broadcast form spills
+    registers from 4 rows up), 64 columns a program (32 when that leaves fewer programs than
+    about 0.7 per SM), ``K`` split while the programs fit in one wave and each keeps two tiles.
+    Tiles hold half as many fp32 elements, to stay within shared memory.
+    """
+    wide = elem_size <= 2
+    if m_pad == 1 and triton.cdiv(n, 8) <= 2 * num_sms and k >= 1024:
+        return GemvConfig(False, 8, 1024 if wide else 512, 4, 3, 1)
+    block_k = min(256 if wide else 128, max(16, triton.next_power_of_2(k)))
+    block_n = 64 if triton.cdiv(n, 64) * 4 >= num_sms else 32
+    n_blocks = triton.cdiv(n, block_n)
+    stages = 4 if wide else 3
+    if n_blocks >= 4 * num_sms:  # an lm_head: many waves, short tiles pipelined 3 deep
+        block_k, stages = min(block_k, 128), 3
+    split = 1
+    while n_blocks * split * 2 <= num_sms and k // (split * 2) >= 2 * block_k:
+        split *= 2
+    return GemvConfig(True, block_n, block_k, 4, stages, split)
+
+
+def _config(m_pad: int, n: int, k: int, elem_size: int, device: torch.device) -> GemvConfig:
+    key = (m_pad, n, k, elem_size, device)
+    cfg = _CONFIG_CACHE.get(key)
+    if cfg is None:
+        cfg = _TUNED.get((m_pad, n, k)) if elem_size == 2 else None
+        cfg = cfg or _default_config(m_pad, n, k, elem_size, _num_sms(device))
+        _CONFIG_CACHE[key] = cfg
+    return cfg
+
+
+def _counters(device: torch.device, n_blocks: int) -> torch.Tensor:
+    """The per-device split-K tickets: zeroed once, reset to zero by every call, never freed."""
+    buf = _COUNTERS.get(device)
+    if buf is None or buf.numel() < n_blocks:
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            raise RuntimeError(
+                "linear_small_m: run a split-K call of this shape once before CUDA-graph capture"
+            )
+        buf = torch.zeros(max(8192, n_blocks), dtype=torch.int32, device=device)
+        # Keep the old buffer alive: graphs captured earlier still point at it.
+        _COUNTERS[device] = buf
+        _RETIRED.append(buf)
+    return buf
+
+
+def _launch(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    out: torch.Tensor,
+    cfg: GemvConfig,
+) -> None:
+    M, K = x.shape
+    N = weight.shape[0]
+    m_pad = _m_pad(M)
+    if cfg.use_dot:
+        m_pad = max(16, m_pad)
+    k_per_split = triton.cdiv(triton.cdiv(K, cfg.split_k), cfg.block_k) * cfg.block_k
+    split = triton.cdiv(K, k_per_split)
+    n_blocks = triton.cdiv(N, cfg.block_n)
+    if split > 1:
+        part = torch.empty(split * M * N, dtype=torch.float32, device=x.device)
+        cnt = _counters(x.device, n_blocks)
+    else:
+        part = cnt = out
+    _gemv_kernel[(n_blocks, split)](
+        x,
+        weight,
+        bias if bias is not None else weight,
+        out,
+        part,
+        cnt,
+        M,
+        N,
+        K,
+        x.stride(0),
+        out.stride(0),
+        k_per_split,
+        HAS_BIAS=bias is not None,
+        HAS_SPLIT=split > 1,
+        EVEN_N=N % cfg.block_n == 0,
+        EVEN_K=K % k_per_split == 0,
+        USE_DOT=cfg.use_dot,
+        DOT_PREC="ieee" if x.dtype == torch.float32 else "tf32",
+        M_PAD=m_pad,
+        BLOCK_N=cfg.block_n,
+        BLOCK_K=cfg.block_k,
+        NUM_STAGES=cfg.num_stages,
+        num_warps=cfg.num_warps,
+    )
+
+
+def linear_small_m(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """``x @ weight.T (+ bias)`` for few rows of ``x`` [M, K]; ``weight`` is [N, K] row-major.
+
+    Accumulates in fp32 and returns ``x.dtype`` (bf16, fp16 or fp32). Rows of ``x`` and ``out``
+    may be strided (unit last stride). Meant for ``M <= MAX_M``; larger ``M`` runs ``MAX_M`` rows
+    per launch. No host sync: capturable in a CUDA graph once each shape has run eagerly.
+    """
+    if x.dim() != 2 or weight.dim() != 2 or x.shape[1] != weight.shape[1]:
+        raise ValueError(f"linear_small_m: shapes {tuple(x.shape)} x {tuple(weight.shape)}")
+    if weight.dtype != x.dtype or (bias is not None and bias.dtype != x.dtype):
+        raise ValueError("linear_small_m: x, weight and bias must share a dtype")
+    if x.stride(1) != 1:
+        x = x.contiguous()
+    if not weight.is_contiguous():
+        raise ValueError("linear_small_m: weight must be contiguous [N, K]")
+    if bias is not None and not bias.is_contiguous():
+        bias = bias.contiguous()
+    M, K = x.shape
+    N = weight.shape[0]
+    if out is None:
+        out = torch.empty((M, N), dtype=x.dtype, device=x.device)
+    elif out.shape != (M, N) or out.dtype != x.dtype or out.stride(1) != 1:
+        raise ValueError("linear_small_m: out must be [M, N] in x's dtype with unit last stride")
+    if M == 0 or N == 0:
+        return out
+    if K == 0:
+        return out.copy_(bias.expand(M, N) if bias is not None else torch.zeros_like(out))
+    for start in range(0, M, MAX_M):
+        rows = slice(start, min(M, start + MAX_M))
+        cfg = _config(_m_pad(rows.stop - rows.start), N, K, x.element_size(), x.device)
+        _launch(x[rows], weight, bias, out[rows], cfg)
+    return out
