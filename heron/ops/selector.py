@@ -2,13 +2,18 @@
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 from dataclasses import dataclass
+
+import torch
 
 from heron.layers.rotary import QKTransform
 from heron.metadata import ModelBuildContext
 from heron.ops.attention.base import AttentionOperator, AttentionSpec
 from heron.ops.attention.reference import ReferenceAttention
+
+logger = logging.getLogger(__name__)
 
 
 def _triton_attention() -> type[AttentionOperator]:
@@ -39,20 +44,28 @@ def make_attention(
     spec: AttentionSpec,
     runtime: OperatorRuntime,
     qk_transform: QKTransform | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> AttentionOperator:
-    """The attention operator for one layer, registered in the runtime's build scope."""
-    try:
-        cls = ATTENTION_BACKENDS[runtime.attention_backend]()
-    except KeyError:
+    """The attention operator for one layer, registered in the runtime's build scope.
+
+    A layer whose configuration the chosen backend's kernels do not cover (soft-capping or
+    sinks on Triton, for now) gets the reference operator: its own builder puts it in its own
+    metadata group, so the rest of the model keeps the fast path.
+    """
+    backend = runtime.attention_backend
+    if backend not in ATTENTION_BACKENDS:
         raise ValueError(
-            f"unknown attention backend {runtime.attention_backend!r}; "
-            f"available: {sorted(ATTENTION_BACKENDS)}"
-        ) from None
-    return cls(
+            f"unknown attention backend {backend!r}; available: {sorted(ATTENTION_BACKENDS)}"
+        )
+    if backend == "triton" and (spec.logit_softcap is not None or spec.has_sinks):
+        logger.info("layer %s: soft-cap/sinks run on the reference operator", layer_name)
+        backend = "reference"
+    return ATTENTION_BACKENDS[backend]()(
         layer_name,
         spec,
         runtime.block_size,
         runtime.max_model_len,
-        qk_transform,
-        runtime.build_context,
+        qk_transform=qk_transform,
+        build_context=runtime.build_context,
+        sinks=sinks,
     )

@@ -21,8 +21,13 @@ CPU = torch.device("cpu")
 TOL = dict(atol=1e-5, rtol=1e-5)
 
 
-def dense_attention(q, k, v, q_start: int, window: int | None, scale: float) -> torch.Tensor:
-    """q: [n, H, D] at positions q_start.. ; k, v: [L, KVH, D] at positions 0..L-1 (fp32)."""
+def dense_attention(
+    q, k, v, q_start: int, window: int | None, scale: float, softcap=None, sinks=None
+) -> torch.Tensor:
+    """q: [n, H, D] at positions q_start.. ; k, v: [L, KVH, D] at positions 0..L-1 (fp32).
+
+    ``softcap``: Gemma 2's cap * tanh(scores / cap); ``sinks``: gpt-oss's per-head logit that
+    joins the softmax and is dropped after it."""
     rep = q.shape[1] // k.shape[1]
     k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
     q_pos = torch.arange(q_start, q_start + q.shape[0])[:, None]
@@ -30,6 +35,16 @@ def dense_attention(q, k, v, q_start: int, window: int | None, scale: float) -> 
     mask = k_pos <= q_pos
     if window is not None:
         mask &= q_pos - k_pos < window
+    if softcap is not None or sinks is not None:
+        scores = torch.einsum("qhd,khd->hqk", q.double(), k.double()) * scale
+        if softcap is not None:
+            scores = softcap * torch.tanh(scores / softcap)
+        scores = scores.masked_fill(~mask, float("-inf"))
+        if sinks is not None:
+            sink = sinks.double()[:, None, None].expand(-1, scores.shape[1], 1)
+            scores = torch.cat([scores, sink], dim=-1)
+        probs = torch.softmax(scores, dim=-1)[..., : k.shape[0]]
+        return torch.einsum("hqk,khd->qhd", probs, v.double()).float()
     out = F.scaled_dot_product_attention(
         q.transpose(0, 1).double(),
         k.transpose(0, 1).double(),
@@ -51,13 +66,20 @@ class PagedHarness:
         window: int | None,
         num_blocks: int = 48,
         seed: int = 0,
+        softcap: float | None = None,
+        sinks: bool = False,
     ) -> None:
         self.gen = torch.Generator().manual_seed(seed)
         self.block_size = block_size
         num_heads, num_kv_heads = heads
-        self.spec = AttentionSpec(num_heads, num_kv_heads, HEAD_DIM, HEAD_DIM**-0.5, window)
+        self.spec = AttentionSpec(
+            num_heads, num_kv_heads, HEAD_DIM, HEAD_DIM**-0.5, window, softcap, sinks
+        )
+        self.sinks = torch.randn(num_heads, generator=self.gen) if sinks else None
         with ModelBuildContext() as scope:
-            self.op = ReferenceAttention("layers.0.attn", self.spec, block_size, MAX_MODEL_LEN)
+            self.op = ReferenceAttention(
+                "layers.0.attn", self.spec, block_size, MAX_MODEL_LEN, sinks=self.sinks
+            )
         self.plan = StepMetaPlan.from_operators(scope.operators)
         self.cache = torch.zeros(2, num_blocks, block_size, num_kv_heads, HEAD_DIM)
         self.op.bind_kv_cache(self.cache)
@@ -120,7 +142,14 @@ class PagedHarness:
             v_full = torch.cat([self.v_hist.get(rid, empty), v[offset : offset + n]])
             self.k_hist[rid], self.v_hist[rid] = k_full, v_full
             expected = dense_attention(
-                q[offset : offset + n], k_full, v_full, c, spec.sliding_window, spec.scale
+                q[offset : offset + n],
+                k_full,
+                v_full,
+                c,
+                spec.sliding_window,
+                spec.scale,
+                spec.logit_softcap,
+                self.sinks,
             )
             torch.testing.assert_close(out[offset : offset + n], expected, **TOL)
             offset += n
@@ -275,3 +304,17 @@ def test_graph_fill_pads_rows_and_matches_eager(window):
     assert view2.block_tables[0, : len(table_c)].tolist() == table_c
     assert not view2.block_tables[0, len(table_c) :].any()
     assert not view2.block_tables[1:].any(), "stale block-table rows survived"
+
+
+@pytest.mark.parametrize("window", [None, 5])
+@pytest.mark.parametrize(
+    ("softcap", "sinks"),
+    [(2.0, False), (None, True), (3.0, True)],
+    ids=["softcap", "sinks", "both"],
+)
+def test_softcap_and_sinks(softcap, sinks, window):
+    """Gemma 2's logit soft-capping and gpt-oss's sinks through prefill, extend and decode."""
+    h = PagedHarness(16, (8, 2), window, softcap=softcap, sinks=sinks)
+    h.step([("a", 11), ("b", 3)])
+    h.step([("a", 1), ("b", 6)])
+    h.step([("a", 1), ("b", 1)])

@@ -19,6 +19,8 @@ class AttentionSpec:
     head_dim: int
     scale: float
     sliding_window: int | None = None  # a query at position i sees keys j with i - j < window
+    logit_softcap: float | None = None  # scores become cap * tanh(scores / cap) (Gemma 2)
+    has_sinks: bool = False  # a learned per-head logit joins every softmax (gpt-oss)
 
     def __post_init__(self) -> None:
         if self.num_heads % self.num_kv_heads:
@@ -44,10 +46,15 @@ class AttentionOperator(MetadataOperator):
         spec: AttentionSpec,
         qk_transform: QKTransform | None = None,
         build_context: ModelBuildContext | None = None,
+        sinks: torch.Tensor | None = None,
     ) -> None:
         super().__init__(layer_name, build_context)
+        if spec.has_sinks != (sinks is not None):
+            raise ValueError(f"layer {layer_name!r}: has_sinks={spec.has_sinks} but sinks={sinks}")
         self.spec = spec
         self.qk_transform = qk_transform
+        # The model's module owns (and loads) the sink logits; the operator only reads them.
+        self.sinks = sinks
         self.kv_cache: torch.Tensor | None = None  # [2, num_blocks, block_size, kv_heads, head_dim]
 
     def bind_kv_cache(self, kv_cache: torch.Tensor) -> None:

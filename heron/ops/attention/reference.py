@@ -27,8 +27,9 @@ class ReferenceAttention(AttentionOperator):
         max_model_len: int,
         qk_transform: QKTransform | None = None,
         build_context: ModelBuildContext | None = None,
+        sinks: torch.Tensor | None = None,
     ) -> None:
-        super().__init__(layer_name, spec, qk_transform, build_context)
+        super().__init__(layer_name, spec, qk_transform, build_context, sinks)
         self._builder = PagedAttentionBuilder(
             "reference", block_size, spec.sliding_window, max_model_len
         )
@@ -57,6 +58,28 @@ class ReferenceAttention(AttentionOperator):
         shape = (*block_tables.shape[:-1], -1, *k.shape[-2:])
         return k.reshape(shape), v.reshape(shape)
 
+    def _attend(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, visible: torch.Tensor
+    ) -> torch.Tensor:
+        """Softmax attention in fp32 with soft-capping and sinks.
+
+        q: [n, kv_heads, group, queries, D]; k, v: [n, keys, kv_heads, D];
+        visible: [n, queries, keys] -> [n, kv_heads, group, queries, D].
+        """
+        spec = self.spec
+        scores = torch.einsum("nhgqd,nlhd->nhgql", q.float(), k.float()) * spec.scale
+        if spec.logit_softcap is not None:
+            scores = spec.logit_softcap * torch.tanh(scores / spec.logit_softcap)
+        scores = scores.masked_fill(~visible[:, None, None], float("-inf"))
+        if self.sinks is not None:
+            sink = self.sinks.float().view(1, spec.num_kv_heads, -1, 1, 1)
+            scores = torch.cat([scores, sink.expand(*scores.shape[:-1], 1)], dim=-1)
+        # Padded rows see no key at all; give them zeros instead of NaNs.
+        probs = torch.softmax(scores, dim=-1).nan_to_num(0.0)
+        if self.sinks is not None:
+            probs = probs[..., :-1]
+        return torch.einsum("nhgql,nlhd->nhgqd", probs, v.float())
+
     def forward_decode(self, q: torch.Tensor, view: PagedAttentionView) -> torch.Tensor:
         spec = self.spec
         k, v = self._gather(view.block_tables)  # [reqs, L, kv_heads, D]
@@ -65,17 +88,13 @@ class ReferenceAttention(AttentionOperator):
         visible = positions[None, :] < kv_lens
         if view.sliding_window is not None:
             visible &= positions[None, :] > kv_lens - 1 - view.sliding_window
-        group = spec.num_heads // spec.num_kv_heads
-        qg = q.view(-1, spec.num_kv_heads, group, spec.head_dim).float()
-        scores = torch.einsum("bhgd,blhd->bhgl", qg, k.float()) * spec.scale
-        scores = scores.masked_fill(~visible[:, None, None, :], float("-inf"))
-        # Padded rows see no key at all; give them zeros instead of NaNs.
-        probs = torch.softmax(scores, dim=-1).nan_to_num(0.0)
-        out = torch.einsum("bhgl,blhd->bhgd", probs, v.float())
+        qg = q.view(-1, spec.num_kv_heads, spec.num_heads // spec.num_kv_heads, 1, spec.head_dim)
+        out = self._attend(qg, k, v, visible[:, None, :])
         return out.reshape(q.shape).to(q.dtype)
 
     def forward_extend(self, q: torch.Tensor, view: PagedAttentionView) -> torch.Tensor:
         spec = self.spec
+        plain = spec.logit_softcap is None and self.sinks is None
         out = torch.empty_like(q)
         for i in range(view.num_reqs):
             q_start, q_len = int(view.query_start_host[i]), int(view.query_lens_host[i])
@@ -88,14 +107,20 @@ class ReferenceAttention(AttentionOperator):
             mask = k_pos <= q_pos
             if view.sliding_window is not None:
                 mask &= k_pos > q_pos - view.sliding_window
-            qi = q[q_start : q_start + q_len].transpose(0, 1)
-            attn = F.scaled_dot_product_attention(
-                qi.float(),
-                k.transpose(0, 1).float(),
-                v.transpose(0, 1).float(),
-                attn_mask=mask,
-                scale=spec.scale,
-                enable_gqa=True,
-            )
-            out[q_start : q_start + q_len] = attn.transpose(0, 1).to(q.dtype)
+            qi = q[q_start : q_start + q_len]
+            if plain:  # SDPA's fused kernels are much faster on long CPU prompts
+                attn = F.scaled_dot_product_attention(
+                    qi.transpose(0, 1).float(),
+                    k.transpose(0, 1).float(),
+                    v.transpose(0, 1).float(),
+                    attn_mask=mask,
+                    scale=spec.scale,
+                    enable_gqa=True,
+                ).transpose(0, 1)
+            else:
+                group = spec.num_heads // spec.num_kv_heads
+                qg = qi.view(q_len, spec.num_kv_heads, group, spec.head_dim).permute(1, 2, 0, 3)
+                attn = self._attend(qg[None], k[None], v[None], mask[None])[0]
+                attn = attn.permute(2, 0, 1, 3).reshape(q_len, spec.num_heads, spec.head_dim)
+            out[q_start : q_start + q_len] = attn.to(q.dtype)
         return out

@@ -121,8 +121,13 @@ class TritonAttention(AttentionOperator):
         max_model_len: int,
         qk_transform: QKTransform | None = None,
         build_context: ModelBuildContext | None = None,
+        sinks: torch.Tensor | None = None,
     ) -> None:
-        super().__init__(layer_name, spec, qk_transform, build_context)
+        if spec.logit_softcap is not None or sinks is not None:
+            raise ValueError(
+                f"layer {layer_name!r}: the Triton kernels have no soft-cap or sinks yet"
+            )
+        super().__init__(layer_name, spec, qk_transform, build_context, sinks)
         self._builder = TritonAttentionBuilder(spec, block_size, max_model_len)
 
     def metadata_builder(self) -> TritonAttentionBuilder:
