@@ -33,6 +33,20 @@ class StepInputBuilder:
     def __init__(self, block_size: int, device: torch.device) -> None:
         self.block_size = block_size
         self.device = device
+        # On a GPU the packed batch is staged in one pinned buffer reused every step; an event
+        # recorded after each copy guards the buffer until that copy has completed.
+        self._staging = torch.empty(0, dtype=torch.int32)
+        self._copied = torch.cuda.Event() if device.type == "cuda" else None
+
+    def _staging_buffer(self, size: int) -> torch.Tensor | None:
+        if self._copied is None:
+            return None
+        self._copied.synchronize()
+        if self._staging.numel() < size:
+            self._staging = torch.empty(
+                max(size, 2 * self._staging.numel()), dtype=torch.int32, pin_memory=True
+            )
+        return self._staging
 
     def prepare(
         self, output: SchedulerOutput, block_table: Callable[[str], list[int]]
@@ -57,13 +71,11 @@ class StepInputBuilder:
                 sample_requests.append(r)
             num_tokens += item.num_new_tokens
         num_prompt_rows = sum(span[3] for span in prompt_spans)
+        num_reqs, width = len(items), max(map(len, tables), default=0)
+        num_logits = num_prompt_rows + len(sample_requests)
+        size = StepBatch.packed_size(num_reqs, num_tokens, num_logits, width)
         batch = StepBatch(
-            len(items),
-            num_tokens,
-            num_prompt_rows + len(sample_requests),
-            max(map(len, tables), default=0),
-            bs,
-            pin_memory=self.device.type == "cuda",
+            num_reqs, num_tokens, num_logits, width, bs, staging=self._staging_buffer(size)
         )
         offset = 0
         rows = num_prompt_rows
@@ -98,4 +110,6 @@ class StepInputBuilder:
         batch.finish()
 
         seq = SequenceMetadata.from_step_batch(batch, self.device)
+        if self._copied is not None:
+            self._copied.record()
         return PreparedStep(seq, sample_requests, slice(num_prompt_rows, rows), prompt_rows)

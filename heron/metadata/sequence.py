@@ -24,22 +24,16 @@ class StepBatch:
         num_logits: int,
         table_width: int,
         block_size: int,
-        pin_memory: bool = False,
+        staging: torch.Tensor | None = None,
     ) -> None:
         self.num_reqs, self.num_tokens = num_reqs, num_tokens
         self.num_logits, self.table_width, self.block_size = num_logits, table_width, block_size
-        sizes = {
-            "start_locs": 2 * (num_reqs + 1),
-            "lens": 2 * num_reqs,
-            "token_ids": num_tokens,
-            "positions": num_tokens,
-            "slot_mapping": num_tokens,
-            "logits_indices": num_logits,
-            "block_tables": num_reqs * table_width,
-        }
-        # Pinned so the copy to a GPU is one asynchronous DMA; torch's caching host allocator
-        # recycles these buffers (and keeps them alive until their copy completed).
-        self.packed = torch.zeros(sum(sizes.values()), dtype=torch.int32, pin_memory=pin_memory)
+        sizes = self._sizes(num_reqs, num_tokens, num_logits, table_width)
+        total = sum(sizes.values())
+        if staging is None:
+            self.packed = torch.zeros(total, dtype=torch.int32)
+        else:  # a reused (pinned) host buffer, so the copy to a GPU is one asynchronous DMA
+            self.packed = staging[:total].zero_()
         flat = self.packed.numpy()
         self.offsets: dict[str, tuple[int, int]] = {}
         start = 0
@@ -55,6 +49,23 @@ class StepBatch:
         self.slot_mapping = view("slot_mapping")
         self.logits_indices = view("logits_indices")
         self.block_tables = view("block_tables").reshape(num_reqs, table_width)
+
+    @staticmethod
+    def _sizes(num_reqs: int, num_tokens: int, num_logits: int, width: int) -> dict[str, int]:
+        return {
+            "start_locs": 2 * (num_reqs + 1),
+            "lens": 2 * num_reqs,
+            "token_ids": num_tokens,
+            "positions": num_tokens,
+            "slot_mapping": num_tokens,
+            "logits_indices": num_logits,
+            "block_tables": num_reqs * width,
+        }
+
+    @classmethod
+    def packed_size(cls, num_reqs: int, num_tokens: int, num_logits: int, width: int) -> int:
+        """Elements of the packed array for these dimensions."""
+        return sum(cls._sizes(num_reqs, num_tokens, num_logits, width).values())
 
     def finish(self) -> None:
         """Compute the cumulative query and KV lengths (one cumsum over both)."""
