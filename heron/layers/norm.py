@@ -1,4 +1,4 @@
-"""RMSNorm, optionally fused with the residual add."""
+"""RMS norms (Llama-style and Gemma-style), optionally fused with the residual add."""
 
 from __future__ import annotations
 
@@ -27,7 +27,34 @@ class RMSNorm(nn.Module):
             x = x + residual
             residual = x
         # Statistics in fp32, like HF's LlamaRMSNorm.
-        xf = x.float()
-        normed = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        out = self.weight * normed.to(x.dtype)
+        out = self.weight * _normalize(x, self.eps).to(x.dtype)
         return out if residual is None else (out, residual)
+
+
+class GemmaRMSNorm(nn.Module):
+    """Gemma's RMSNorm: ``norm(x) * (1 + weight)``, all in fp32, then cast to ``x``'s dtype.
+
+    Checkpoints store the weight centred on zero. Unlike :class:`RMSNorm` (which casts before
+    scaling), HF's Gemma norms scale in fp32 and cast last; in bf16 the two round differently.
+    """
+
+    def __init__(self, hidden_size: int, eps: float = 1e-6) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.zeros(hidden_size), requires_grad=False)
+
+    def forward(
+        self, x: torch.Tensor, residual: torch.Tensor | None = None
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """Without ``residual``: norm(x). With it: (norm(x + residual), x + residual)."""
+        if residual is not None:
+            x = x + residual
+            residual = x
+        out = (_normalize(x, self.eps) * (1.0 + self.weight.float())).to(x.dtype)
+        return out if residual is None else (out, residual)
+
+
+def _normalize(x: torch.Tensor, eps: float) -> torch.Tensor:
+    """``x / rms(x)`` over the last dimension, in fp32."""
+    xf = x.float()
+    return xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)

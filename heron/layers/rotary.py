@@ -14,18 +14,29 @@ class RotaryEmbedding(nn.Module):
     The inverse frequencies come from transformers' own initialisers (default, linear, dynamic,
     yarn, longrope, llama3), so every ``rope_scaling`` a config declares means what it means in
     HF. A cos/sin table covers ``max_positions``.
+
+    Configs with per-layer-type parameters (Gemma 3: ``rope_parameters`` keyed by
+    ``sliding_attention`` / ``full_attention``) get one table per ``layer_type``.
     """
 
-    def __init__(self, config: PretrainedConfig, head_dim: int, max_positions: int) -> None:
+    def __init__(
+        self,
+        config: PretrainedConfig,
+        head_dim: int,
+        max_positions: int,
+        layer_type: str | None = None,
+    ) -> None:
         super().__init__()
         rope_params = getattr(config, "rope_parameters", None) or {}
+        if layer_type is not None:
+            rope_params = rope_params[layer_type]
         rope_type = rope_params.get("rope_type", "default")
         if rope_type == "default":
             inv_freq, scaling = _default_inv_freq(rope_params, config, head_dim)
         else:
             if rope_type not in ROPE_INIT_FUNCTIONS:
                 raise ValueError(f"unsupported rope_type {rope_type!r}")
-            inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](config, "cpu")
+            inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](config, "cpu", layer_type=layer_type)
         # Built on the CPU whatever the default device; the model's .to(device) moves it.
         positions = torch.arange(max_positions, dtype=torch.float32, device="cpu")
         freqs = torch.outer(positions, inv_freq.float().cpu())

@@ -48,19 +48,21 @@ def make_attention(
 ) -> AttentionOperator:
     """The attention operator for one layer, registered in the runtime's build scope.
 
-    A layer whose configuration the chosen backend's kernels do not cover (soft-capping or
-    sinks on Triton, for now) gets the reference operator: its own builder puts it in its own
-    metadata group, so the rest of the model keeps the fast path.
+    A layer whose configuration the chosen backend's kernels do not cover (soft-capping,
+    sinks, or a q/k norm other than Llama's ``w * norm(x)`` on Triton, for now) gets the
+    reference operator: its own builder puts it in its own metadata group, so the rest of the
+    model keeps the fast path.
     """
     backend = runtime.attention_backend
     if backend not in ATTENTION_BACKENDS:
         raise ValueError(
             f"unknown attention backend {backend!r}; available: {sorted(ATTENTION_BACKENDS)}"
         )
-    if backend == "triton" and (spec.logit_softcap is not None or spec.has_sinks):
-        logger.info("layer %s: soft-cap/sinks run on the reference operator", layer_name)
-        backend = "reference"
-    return ATTENTION_BACKENDS[backend]()(
+    cls = ATTENTION_BACKENDS[backend]()
+    if not cls.covers(spec, qk_transform):
+        logger.info("layer %s: its configuration runs on the reference operator", layer_name)
+        cls = ReferenceAttention
+    return cls(
         layer_name,
         spec,
         runtime.block_size,

@@ -60,6 +60,11 @@ class AttentionOperator(MetadataOperator):
     def bind_kv_cache(self, kv_cache: torch.Tensor) -> None:
         self.kv_cache = kv_cache
 
+    @classmethod
+    def covers(cls, spec: AttentionSpec, qk_transform: QKTransform | None) -> bool:
+        """Whether this implementation computes a layer of this configuration exactly."""
+        return True
+
     def forward(self, qkv: torch.Tensor) -> torch.Tensor:
         """qkv: [tokens, (heads + 2 * kv_heads) * head_dim] -> [tokens, heads * head_dim]."""
         if self.kv_cache is None:

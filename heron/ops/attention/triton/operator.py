@@ -8,6 +8,7 @@ from dataclasses import dataclass
 
 import torch
 
+from heron.layers.norm import RMSNorm
 from heron.layers.rotary import QKTransform
 from heron.metadata import ModelBuildContext, SequenceMetadata
 from heron.ops.attention.base import AttentionOperator, AttentionSpec
@@ -129,6 +130,16 @@ class TritonAttention(AttentionOperator):
             )
         super().__init__(layer_name, spec, qk_transform, build_context, sinks)
         self._builder = TritonAttentionBuilder(spec, block_size, max_model_len)
+
+    @classmethod
+    def covers(cls, spec: AttentionSpec, qk_transform: QKTransform | None) -> bool:
+        # The fused pre-write computes Llama's w * norm(x); Gemma's (1 + w) * norm(x) is not it.
+        norms = (qk_transform.q_norm, qk_transform.k_norm) if qk_transform is not None else ()
+        return (
+            spec.logit_softcap is None
+            and not spec.has_sinks
+            and all(norm is None or type(norm) is RMSNorm for norm in norms)
+        )
 
     def metadata_builder(self) -> TritonAttentionBuilder:
         return self._builder

@@ -1,0 +1,136 @@
+"""Mixture-of-experts MLP (gpt-oss): a top-k router over experts with clamped SwiGLU.
+
+This is the reference implementation in plain PyTorch, for any device: it loops over the
+experts, which is correct and readable but not fast (a grouped-GEMM path is separate work).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from heron.layers.linear import Linear
+
+
+def clamped_swiglu(gate_up: torch.Tensor, alpha: float, limit: float) -> torch.Tensor:
+    """gpt-oss's SwiGLU over ``gate_up`` [..., 2I] whose gate and up columns alternate.
+
+    The gate is clamped from above and the up projection on both sides, so that outliers
+    cannot blow up the product; ``up + 1`` keeps a path through the unit when ``up`` is zero.
+    """
+    gate, up = gate_up[..., 0::2], gate_up[..., 1::2]
+    gate = gate.clamp(max=limit)
+    up = up.clamp(min=-limit, max=limit)
+    return (up + 1) * (gate * torch.sigmoid(alpha * gate))
+
+
+class ClampedSwiGLUExperts(nn.Module):
+    """``num_experts`` two-layer MLPs with biases, stored as checkpoints store them.
+
+    The weights are input-major (``y = x @ W + b``): ``gate_up_proj`` [E, hidden, 2I] with gate
+    and up columns interleaved, ``down_proj`` [E, I, hidden]. Parameter names equal the
+    checkpoint's, so the generic loader fills them.
+    """
+
+    def __init__(
+        self,
+        num_experts: int,
+        hidden_size: int,
+        intermediate_size: int,
+        swiglu_limit: float,
+        alpha: float = 1.702,
+    ) -> None:
+        super().__init__()
+        self.num_experts = num_experts
+        self.alpha, self.limit = alpha, swiglu_limit
+
+        def param(*shape: int) -> nn.Parameter:
+            return nn.Parameter(torch.empty(*shape), requires_grad=False)
+
+        self.gate_up_proj = param(num_experts, hidden_size, 2 * intermediate_size)
+        self.gate_up_proj_bias = param(num_experts, 2 * intermediate_size)
+        self.down_proj = param(num_experts, intermediate_size, hidden_size)
+        self.down_proj_bias = param(num_experts, hidden_size)
+
+    def expert(self, e: int, x: torch.Tensor) -> torch.Tensor:
+        """Expert ``e`` applied to the rows of ``x`` [n, hidden]."""
+        gate_up = x @ self.gate_up_proj[e] + self.gate_up_proj_bias[e]
+        glu = clamped_swiglu(gate_up, self.alpha, self.limit)
+        return glu @ self.down_proj[e] + self.down_proj_bias[e]
+
+    def forward(
+        self, x: torch.Tensor, weights: torch.Tensor, indices: torch.Tensor
+    ) -> torch.Tensor:
+        """Sum over each token's experts ``indices`` [T, k], weighted by ``weights`` [T, k]."""
+        if x.is_cuda and torch.cuda.is_current_stream_capturing():
+            return self.forward_dense(x, weights, indices)
+        return self.forward_sparse(x, weights, indices)
+
+    def forward_sparse(
+        self, x: torch.Tensor, weights: torch.Tensor, indices: torch.Tensor
+    ) -> torch.Tensor:
+        """Each expert runs only on the tokens routed to it.
+
+        The per-expert token counts are read on the host (one sync per call), so a CUDA graph
+        cannot capture this path.
+        """
+        top_k = indices.shape[1]
+        flat = indices.flatten()
+        # (token, slot) pairs grouped by expert; a stable sort keeps tokens in order.
+        order = torch.argsort(flat, stable=True)
+        tokens = order // top_k
+        pair_weights = weights.flatten()[order]
+        counts = torch.bincount(flat, minlength=self.num_experts).tolist()
+        out = torch.zeros_like(x)
+        start = 0
+        for e, n in enumerate(counts):
+            if n:
+                rows = tokens[start : start + n]
+                y = self.expert(e, x[rows]) * pair_weights[start : start + n, None]
+                out.index_add_(0, rows, y.to(x.dtype))
+            start += n
+        return out
+
+    def forward_dense(
+        self, x: torch.Tensor, weights: torch.Tensor, indices: torch.Tensor
+    ) -> torch.Tensor:
+        """Every expert on every token, weighted by zero where the token was not routed.
+
+        No shape depends on the routing, so a CUDA graph can capture it (decode batches are
+        small; the extra work is ``num_experts / k`` times the routed work).
+        """
+        dense = torch.zeros(x.shape[0], self.num_experts, dtype=weights.dtype, device=x.device)
+        dense.scatter_(1, indices, weights)
+        out = torch.zeros_like(x)
+        for e in range(self.num_experts):
+            out += (self.expert(e, x) * dense[:, e : e + 1]).to(x.dtype)
+        return out
+
+
+class MoEMLP(nn.Module):
+    """Router (a linear layer with bias) then each token's top-k experts.
+
+    A token's expert weights are the softmax over its selected router logits only.
+    """
+
+    def __init__(
+        self,
+        hidden_size: int,
+        intermediate_size: int,
+        num_experts: int,
+        top_k: int,
+        swiglu_limit: float,
+    ) -> None:
+        super().__init__()
+        if not 1 <= top_k <= num_experts:
+            raise ValueError(f"top_k must be in [1, {num_experts}], got {top_k}")
+        self.top_k = top_k
+        self.router = Linear(hidden_size, num_experts, bias=True)
+        self.experts = ClampedSwiGLUExperts(
+            num_experts, hidden_size, intermediate_size, swiglu_limit
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x: [tokens, hidden] -> [tokens, hidden]."""
+        top_logits, indices = self.router(x).topk(self.top_k, dim=-1)
+        return self.experts(x, torch.softmax(top_logits, dim=-1), indices)

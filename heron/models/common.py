@@ -1,0 +1,174 @@
+"""Building blocks shared by the decoder-only families (Llama-like, Gemma).
+
+A family file decides what differs (norms, activation, scale, windows, soft-caps); the pieces
+here hold what does not: the packed projections around the layer's attention operator, the
+gated MLP, the embed-layers-norm stack with its fused residual, and the LM-head shell.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+from torch import nn
+from transformers import PretrainedConfig
+
+from heron.layers.embedding import LMHead, VocabEmbedding
+from heron.layers.linear import Linear, PackedLinear
+from heron.layers.rotary import QKTransform, RotaryEmbedding
+from heron.ops.attention.base import AttentionSpec
+from heron.ops.selector import OperatorRuntime, make_attention
+
+# Checkpoint module name -> (packed module, shard) for the projections the blocks below pack.
+PACKED_MODULES: dict[str, tuple[str, str]] = {
+    "q_proj": ("qkv_proj", "q"),
+    "k_proj": ("qkv_proj", "k"),
+    "v_proj": ("qkv_proj", "v"),
+    "gate_proj": ("gate_up_proj", "gate"),
+    "up_proj": ("gate_up_proj", "up"),
+}
+
+
+def head_dim_of(config: PretrainedConfig) -> int:
+    return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+
+
+def attention_spec(
+    config: PretrainedConfig,
+    *,
+    scale: float | None = None,
+    sliding_window: int | None = None,
+    logit_softcap: float | None = None,
+) -> AttentionSpec:
+    """One layer's attention spec; the head counts come from ``config``, ``scale`` defaults
+    to ``head_dim ** -0.5``."""
+    num_heads = config.num_attention_heads
+    head_dim = head_dim_of(config)
+    return AttentionSpec(
+        num_heads=num_heads,
+        num_kv_heads=getattr(config, "num_key_value_heads", None) or num_heads,
+        head_dim=head_dim,
+        scale=head_dim**-0.5 if scale is None else scale,
+        sliding_window=sliding_window,
+        logit_softcap=logit_softcap,
+    )
+
+
+def sliding_windows(config: PretrainedConfig) -> tuple[int | None, ...]:
+    """Each layer's sliding window: from ``layer_types`` where the config has them, else the
+    config's one window (or none) for every layer, as Mistral's."""
+    window = getattr(config, "sliding_window", None)
+    layer_types = getattr(config, "layer_types", None)
+    if layer_types is not None:
+        return tuple(window if t == "sliding_attention" else None for t in layer_types)
+    return (window,) * config.num_hidden_layers
+
+
+def norm_with_residual(
+    norm: nn.Module, x: torch.Tensor, residual: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """A layer's input norm, fusing the previous layer's residual add (``norm(x)``, or
+    ``(norm(x + residual), x + residual)``); the first layer's input becomes the residual."""
+    if residual is None:
+        return norm(x), x
+    return norm(x, residual)
+
+
+class PackedAttention(nn.Module):
+    """Packed qkv projection -> the layer's attention operator -> output projection.
+
+    The operator applies the optional per-head qk-norm and RoPE itself and owns the KV cache,
+    so this module never sees positions or slots.
+    """
+
+    def __init__(
+        self,
+        hidden_size: int,
+        spec: AttentionSpec,
+        rotary: RotaryEmbedding,
+        runtime: OperatorRuntime,
+        prefix: str,
+        *,
+        qkv_bias: bool = False,
+        o_bias: bool = False,
+        qk_norm: Callable[[int], nn.Module] | None = None,
+    ) -> None:
+        super().__init__()
+        q_size, kv_size = spec.num_heads * spec.head_dim, spec.num_kv_heads * spec.head_dim
+        self.qkv_proj = PackedLinear(
+            hidden_size, {"q": q_size, "k": kv_size, "v": kv_size}, bias=qkv_bias
+        )
+        self.o_proj = Linear(q_size, hidden_size, bias=o_bias)
+        # Registered here, before the operator, so their checkpoint names are
+        # self_attn.{q,k}_norm rather than names inside the operator's transform.
+        self.q_norm = qk_norm(spec.head_dim) if qk_norm is not None else None
+        self.k_norm = qk_norm(spec.head_dim) if qk_norm is not None else None
+        transform = QKTransform(rotary, self.q_norm, self.k_norm)
+        self.attn = make_attention(f"{prefix}.attn", spec, runtime, transform)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.o_proj(self.attn(self.qkv_proj(x)))
+
+
+class GatedMLP(nn.Module):
+    """``down(act(gate(x)) * up(x))`` with gate and up packed into one projection."""
+
+    def __init__(
+        self, hidden_size: int, intermediate_size: int, act: nn.Module, bias: bool = False
+    ) -> None:
+        super().__init__()
+        self.gate_up_proj = PackedLinear(
+            hidden_size, {"gate": intermediate_size, "up": intermediate_size}, bias
+        )
+        self.down_proj = Linear(intermediate_size, hidden_size, bias)
+        self.act = act
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.act(self.gate_up_proj(x)))
+
+
+class DecoderModel(nn.Module):
+    """``embed_tokens`` -> ``layers`` -> ``norm``, set by the subclass.
+
+    Each layer maps ``(x, residual)`` to ``(x, residual)`` and leaves its last residual add to
+    the next norm, which fuses it (on CUDA, in one kernel).
+    """
+
+    embed_tokens: VocabEmbedding
+    layers: nn.ModuleList
+    norm: nn.Module
+
+    def embed(self, token_ids: torch.Tensor) -> torch.Tensor:
+        return self.embed_tokens(token_ids)
+
+    def forward(self, token_ids: torch.Tensor) -> torch.Tensor:
+        x, residual = self.embed(token_ids), None
+        for layer in self.layers:
+            x, residual = layer(x, residual)
+        x, _ = self.norm(x, residual)
+        return x
+
+
+class DecoderForCausalLM(nn.Module):
+    """A decoder model and its LM head (the embedding matrix, when the config ties them).
+
+    Checkpoint names map onto this module tree one to one, except the packed projections.
+    """
+
+    packed_modules = PACKED_MODULES
+
+    def __init__(self, config: PretrainedConfig, model: DecoderModel) -> None:
+        super().__init__()
+        self.config = config
+        self.model = model
+        tied = bool(getattr(config, "tie_word_embeddings", False))
+        self.lm_head = LMHead(
+            config.vocab_size, config.hidden_size, model.embed_tokens if tied else None
+        )
+
+    def forward(self, token_ids: torch.Tensor) -> torch.Tensor:
+        """Hidden states of the step's tokens; positions reach attention through its view."""
+        return self.model(token_ids)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(hidden)

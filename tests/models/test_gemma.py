@@ -1,0 +1,242 @@
+"""Gemma 2 and Gemma 3 (text) against HF transformers on tiny random models.
+
+Both interleave sliding-window and full layers; the prompts and generations are longer than
+the windows, so a layer reading the wrong window (or the wrong group's view) shows up.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+import transformers as tf
+
+from heron import LLM, SamplingParams
+from heron.layers.norm import GemmaRMSNorm
+from heron.metadata import StepMetaPlan
+
+from tiny_models import make_tokenizer
+
+MAX_NEW = 24
+SLIDING, FULL = "sliding_attention", "full_attention"
+# The first two share a 40-token prefix (prefix caching); all but the third are several
+# windows long, and every generation crosses a window boundary.
+PROMPTS = [
+    list(range(10, 50)) + [7, 8, 9],
+    list(range(10, 50)) + [200, 201, 202, 203, 204, 205, 206],
+    [3, 4],
+    [(i * 37) % 300 + 5 for i in range(70)],
+]
+GREEDY = SamplingParams(temperature=0.0, max_tokens=MAX_NEW, ignore_eos=True)
+
+BASE = dict(
+    vocab_size=320,  # the test tokenizer's
+    hidden_size=64,
+    intermediate_size=128,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=512,
+    rms_norm_eps=1e-6,
+    eos_token_id=0,
+    bos_token_id=0,
+    pad_token_id=0,
+    tie_word_embeddings=True,
+)
+GEMMA3_LAYER_TYPES = [SLIDING, SLIDING, FULL, SLIDING, SLIDING, FULL]
+
+
+def gemma_config(family: str) -> tf.PretrainedConfig:
+    if family == "gemma2":  # alternating layers (HF's default), both soft-caps biting
+        return tf.Gemma2Config(
+            **BASE,
+            num_hidden_layers=4,
+            head_dim=16,
+            query_pre_attn_scalar=16,
+            sliding_window=8,
+            attn_logit_softcapping=3.0,
+            final_logit_softcapping=10.0,
+        )
+    if family == "gemma3":  # qk-norm, local/global RoPE (linear scaling on global)
+        return tf.Gemma3TextConfig(
+            **BASE,
+            num_hidden_layers=6,
+            head_dim=32,
+            query_pre_attn_scalar=24,  # scale differs from head_dim ** -0.5
+            sliding_window=12,
+            layer_types=GEMMA3_LAYER_TYPES,
+            rope_parameters={
+                SLIDING: {"rope_type": "default", "rope_theta": 10_000.0},
+                FULL: {"rope_type": "linear", "factor": 4.0, "rope_theta": 1e6},
+            },
+            final_logit_softcapping=15.0,
+            # Ignored by HF's Gemma 3 attention; set so that Heron is seen to ignore it too.
+            attn_logit_softcapping=2.0,
+        )
+    raise ValueError(family)
+
+
+def save_gemma(family: str, path: Path) -> Path:
+    torch.manual_seed(0)
+    model = tf.AutoModelForCausalLM.from_config(gemma_config(family), dtype=torch.float32)
+    # Random init is small and Gemma's norms are zero-centred; scale them so logits are not
+    # near-uniform (the norms scale by 1 + w, here 1.5 to 2.5).
+    with torch.no_grad():
+        for _, p in model.named_parameters():
+            if p.dim() == 2:
+                p.normal_(0.0, 0.08)
+            else:
+                p.uniform_(0.5, 1.5)
+    model.generation_config.eos_token_id = None
+    model.save_pretrained(path)
+    make_tokenizer().save_pretrained(path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def gemma_dir(tmp_path_factory):
+    """Factory: the saved directory of a tiny ``family`` model (built once per module)."""
+    cache: dict[str, Path] = {}
+
+    def get(family: str) -> Path:
+        if family not in cache:
+            cache[family] = save_gemma(family, tmp_path_factory.mktemp(family))
+        return cache[family]
+
+    return get
+
+
+@pytest.fixture(scope="module", params=["gemma2", "gemma3"])
+def gemma_case(request, gemma_dir):
+    path = gemma_dir(request.param)
+    # Eager attention: HF's SDPA path drops Gemma 2's attention soft-cap.
+    hf = tf.AutoModelForCausalLM.from_pretrained(
+        path, dtype=torch.float32, attn_implementation="eager"
+    ).eval()
+    refs = [
+        hf.generate(torch.tensor([p]), max_new_tokens=MAX_NEW, do_sample=False, pad_token_id=0)[
+            0, len(p) :
+        ].tolist()
+        for p in PROMPTS
+    ]
+    return str(path), hf, refs
+
+
+def _greedy_tokens(llm: LLM) -> list[list[int]]:
+    return [o.outputs[0].token_ids for o in llm.generate(PROMPTS, GREEDY, use_tqdm=False)]
+
+
+def test_greedy_batch_equals_hf(gemma_case):
+    path, _, refs = gemma_case
+    llm = LLM(path, max_model_len=256, enable_prefix_caching=False)
+    assert _greedy_tokens(llm) == refs
+
+
+def test_chunked_prefill_equals_hf(gemma_case):
+    path, _, refs = gemma_case
+    llm = LLM(path, max_model_len=256, max_num_batched_tokens=16, enable_prefix_caching=False)
+    assert _greedy_tokens(llm) == refs
+
+
+def test_prefix_caching_keeps_parity(gemma_case):
+    path, _, refs = gemma_case
+    llm = LLM(path, max_model_len=256, enable_prefix_caching=True)
+    assert _greedy_tokens(llm) == refs
+    # Again: every prompt's full blocks are cached now, only the rest is computed.
+    outputs = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outputs] == refs
+    assert outputs[0].num_cached_tokens == 32  # 43 tokens: two full blocks of 16
+    assert llm.engine.kv_cache.prefix_cache_hits > 0
+
+
+def test_preemption_keeps_parity(gemma_case):
+    path, _, refs = gemma_case
+    # 11 usable blocks of 16 tokens; the batch needs about 20 to run at once.
+    llm = LLM(path, max_model_len=176, num_kv_blocks=12, enable_prefix_caching=False)
+    assert _greedy_tokens(llm) == refs
+    assert llm.engine.scheduler.num_preemptions > 0
+
+
+def test_prompt_logprobs_match_hf(gemma_case):
+    path, hf, _ = gemma_case
+    llm = LLM(path, max_model_len=256, max_num_batched_tokens=32)
+    prompt = PROMPTS[3]
+    out = llm.generate(prompt, SamplingParams(max_tokens=1, prompt_logprobs=3), use_tqdm=False)[0]
+    with torch.no_grad():
+        ref = torch.log_softmax(hf(torch.tensor([prompt])).logits[0].float(), -1)
+    got = torch.tensor([lp.logprob for lp in out.prompt_logprobs[1:]])
+    want = ref[torch.arange(len(prompt) - 1), torch.tensor(prompt[1:])]
+    assert (got - want).abs().max().item() <= 1e-3
+
+
+def test_plan_has_a_sliding_and_a_full_group(gemma_case):
+    path, hf, _ = gemma_case
+    llm = LLM(path, max_model_len=256)
+    plan = llm.engine.runner.plan
+    assert plan.fallback_reason is None
+    groups = {g.builder.sliding_window: g.layers for g in plan.groups}
+    layer_types = hf.config.layer_types
+    window = hf.config.sliding_window
+    assert groups == {
+        window: [
+            f"model.layers.{i}.self_attn.attn" for i, t in enumerate(layer_types) if t == SLIDING
+        ],
+        None: [f"model.layers.{i}.self_attn.attn" for i, t in enumerate(layer_types) if t == FULL],
+    }
+
+
+def test_swapped_group_views_break_parity(gemma_case, monkeypatch):
+    """Each operator reads its own group's view: handing the sliding layers the full group's
+    view and the other way round must change the output."""
+    path, _, refs = gemma_case
+    build_views = StepMetaPlan.build_views
+
+    def build_then_swap(self: StepMetaPlan, seq) -> None:
+        build_views(self, seq)
+        first, second = self.groups
+        first.view, second.view = second.view, first.view
+
+    llm = LLM(path, max_model_len=256, enable_prefix_caching=False)
+    assert _greedy_tokens(llm) == refs
+    monkeypatch.setattr(StepMetaPlan, "build_views", build_then_swap)
+    assert _greedy_tokens(llm) != refs
+
+
+def test_gemma3_keeps_qk_norm_off_the_fused_triton_kernel(gemma_dir):
+    """Triton's fused qk-norm computes w * norm(x); Gemma 3's layers must not reach it."""
+    llm = LLM(str(gemma_dir("gemma3")), max_model_len=256, attention_backend="triton")
+    assert {g.builder.backend for g in llm.engine.runner.plan.groups} == {"reference"}
+
+
+def test_gemma_rms_norm_scales_in_fp32_like_hf():
+    from transformers.models.gemma2.modeling_gemma2 import Gemma2RMSNorm
+
+    torch.manual_seed(0)
+    ours, theirs = GemmaRMSNorm(64), Gemma2RMSNorm(64)
+    with torch.no_grad():
+        theirs.weight.uniform_(-0.5, 0.5)
+        ours.weight.copy_(theirs.weight)
+    x = torch.randn(5, 64).to(torch.bfloat16)
+    residual = torch.randn(5, 64).to(torch.bfloat16)
+    ours, theirs = ours.to(torch.bfloat16), theirs.to(torch.bfloat16)
+    assert torch.equal(ours(x), theirs(x))
+    normed, summed = ours(x, residual)
+    assert torch.equal(summed, x + residual)
+    assert torch.equal(normed, theirs(x + residual))
+
+
+@pytest.mark.gpu
+def test_greedy_on_cuda_with_graphs(gemma_case):
+    """Two metadata groups, each with its graph buffers; windowed and full layers replayed."""
+    path, _, refs = gemma_case
+    llm = LLM(
+        path,
+        device="cuda",
+        dtype="float32",
+        max_model_len=256,
+        num_kv_blocks=64,
+        cuda_graph_max_bs=4,
+        max_num_batched_tokens=32,
+    )
+    assert llm.engine.runner.graphs is not None and len(llm.engine.runner.plan.groups) == 2
+    assert _greedy_tokens(llm) == refs
