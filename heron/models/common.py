@@ -99,15 +99,36 @@ class PackedAttention(nn.Module):
             hidden_size, {"q": q_size, "k": kv_size, "v": kv_size}, bias=qkv_bias
         )
         self.o_proj = Linear(q_size, hidden_size, bias=o_bias)
-        # Registered here, before the operator, so their checkpoint names are
-        # self_attn.{q,k}_norm rather than names inside the operator's transform.
+        # Registered here, before the operator (which also holds them), so their checkpoint
+        # names are self_attn.{q,k}_norm and self_attn.sinks, not names inside the operator.
         self.q_norm = qk_norm(spec.head_dim) if qk_norm is not None else None
         self.k_norm = qk_norm(spec.head_dim) if qk_norm is not None else None
+        self.sinks = (
+            nn.Parameter(torch.empty(spec.num_heads), requires_grad=False)
+            if spec.has_sinks
+            else None
+        )
         transform = QKTransform(rotary, self.q_norm, self.k_norm)
-        self.attn = make_attention(f"{prefix}.attn", spec, runtime, transform)
+        self.attn = make_attention(f"{prefix}.attn", spec, runtime, transform, self.sinks)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.o_proj(self.attn(self.qkv_proj(x)))
+
+
+class PreNormDecoderLayer(nn.Module):
+    """norm -> attention -> +residual, norm -> MLP; the residual adds are fused into the norms.
+
+    Subclasses build ``input_layernorm``, ``self_attn``, ``post_attention_layernorm`` and
+    ``mlp``.
+    """
+
+    def forward(
+        self, x: torch.Tensor, residual: torch.Tensor | None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        x, residual = norm_with_residual(self.input_layernorm, x, residual)
+        x = self.self_attn(x)
+        x, residual = self.post_attention_layernorm(x, residual)
+        return self.mlp(x), residual
 
 
 class GatedMLP(nn.Module):

@@ -5,60 +5,29 @@ from __future__ import annotations
 
 import dataclasses
 
-import torch
 from torch import nn
 from transformers import PretrainedConfig
 
 from heron.layers.embedding import VocabEmbedding
-from heron.layers.linear import Linear, PackedLinear
 from heron.layers.moe import MoEMLP
 from heron.layers.norm import RMSNorm
-from heron.layers.rotary import QKTransform, RotaryEmbedding
+from heron.layers.rotary import RotaryEmbedding
 from heron.models.common import (
     DecoderForCausalLM,
     DecoderModel,
+    PackedAttention,
+    PreNormDecoderLayer,
     attention_spec,
     head_dim_of,
-    norm_with_residual,
     sliding_windows,
 )
-from heron.ops.attention.base import AttentionSpec
-from heron.ops.selector import OperatorRuntime, make_attention
+from heron.ops.selector import OperatorRuntime
 
 # HF's GptOssExperts uses this clamp whatever the config says; configs that name one say 7.0.
 _DEFAULT_SWIGLU_LIMIT = 7.0
 
 
-class GptOssAttention(nn.Module):
-    """Packed qkv (with biases) -> the layer's attention operator with sinks -> o_proj."""
-
-    def __init__(
-        self,
-        hidden_size: int,
-        spec: AttentionSpec,
-        bias: bool,
-        rotary: RotaryEmbedding,
-        runtime: OperatorRuntime,
-        prefix: str,
-    ) -> None:
-        super().__init__()
-        q_size, kv_size = spec.num_heads * spec.head_dim, spec.num_kv_heads * spec.head_dim
-        self.qkv_proj = PackedLinear(
-            hidden_size, {"q": q_size, "k": kv_size, "v": kv_size}, bias=bias
-        )
-        self.o_proj = Linear(q_size, hidden_size, bias=bias)
-        # This module owns (and loads) the sink logits; registered before the operator, which
-        # also holds them, so that their parameter name is the checkpoint's self_attn.sinks.
-        self.sinks = nn.Parameter(torch.empty(spec.num_heads), requires_grad=False)
-        self.attn = make_attention(
-            f"{prefix}.attn", spec, runtime, QKTransform(rotary), sinks=self.sinks
-        )
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.o_proj(self.attn(self.qkv_proj(x)))
-
-
-class GptOssDecoderLayer(nn.Module):
+class GptOssDecoderLayer(PreNormDecoderLayer):
     def __init__(
         self,
         config: PretrainedConfig,
@@ -70,13 +39,14 @@ class GptOssDecoderLayer(nn.Module):
         super().__init__()
         spec = attention_spec(config, sliding_window=sliding_window)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.self_attn = GptOssAttention(
+        self.self_attn = PackedAttention(
             config.hidden_size,
             dataclasses.replace(spec, has_sinks=True),
-            config.attention_bias,
             rotary,
             runtime,
             f"{prefix}.self_attn",
+            qkv_bias=config.attention_bias,
+            o_bias=config.attention_bias,
         )
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = MoEMLP(
@@ -86,14 +56,6 @@ class GptOssDecoderLayer(nn.Module):
             top_k=config.num_experts_per_tok,
             swiglu_limit=getattr(config, "swiglu_limit", _DEFAULT_SWIGLU_LIMIT),
         )
-
-    def forward(
-        self, x: torch.Tensor, residual: torch.Tensor | None
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        x, residual = norm_with_residual(self.input_layernorm, x, residual)
-        x = self.self_attn(x)
-        x, residual = self.post_attention_layernorm(x, residual)
-        return self.mlp(x), residual
 
 
 class GptOssModel(DecoderModel):

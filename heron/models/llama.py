@@ -9,7 +9,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 from functools import partial
 
-import torch
 from torch import nn
 from transformers import PretrainedConfig
 
@@ -22,9 +21,9 @@ from heron.models.common import (
     DecoderModel,
     GatedMLP,
     PackedAttention,
+    PreNormDecoderLayer,
     attention_spec,
     head_dim_of,
-    norm_with_residual,
     sliding_windows,
 )
 from heron.ops.selector import OperatorRuntime
@@ -53,7 +52,7 @@ class LlamaFamily:
         )
 
 
-class LlamaDecoderLayer(nn.Module):
+class LlamaDecoderLayer(PreNormDecoderLayer):
     def __init__(
         self,
         config: PretrainedConfig,
@@ -80,14 +79,6 @@ class LlamaDecoderLayer(nn.Module):
         self.mlp = GatedMLP(
             config.hidden_size, config.intermediate_size, SiluAndMul(), family.mlp_bias
         )
-
-    def forward(
-        self, x: torch.Tensor, residual: torch.Tensor | None
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        x, residual = norm_with_residual(self.input_layernorm, x, residual)
-        x = self.self_attn(x)
-        x, residual = self.post_attention_layernorm(x, residual)
-        return self.mlp(x), residual
 
 
 class LlamaModel(DecoderModel):
