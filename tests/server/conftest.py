@@ -1,103 +1,10 @@
-"""A real ``heron serve`` subprocess on a tiny model, shared by the server tests."""
+"""The session's server: a `heron serve` subprocess on the tiny qwen2 model."""
 
 from __future__ import annotations
 
-import os
-import re
-import socket
-import subprocess
-import sys
-import time
-from dataclasses import dataclass
-from pathlib import Path
-
-import httpx
 import pytest
 
-API_KEY = "test-key"
-MODEL_NAME = "tiny"
-# Long enough that an unbounded stream outlives the disconnect and shutdown tests' checks.
-MAX_MODEL_LEN = 512
-NUM_KV_BLOCKS = 400
-
-
-@dataclass
-class ServerHandle:
-    proc: subprocess.Popen
-    port: int
-    model_dir: Path
-
-    @property
-    def base_url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
-
-    def metrics(self) -> dict[str, float]:
-        """The /metrics samples, keyed by name plus labels as exported."""
-        text = httpx.get(f"{self.base_url}/metrics").text
-        samples = {}
-        for line in text.splitlines():
-            match = re.match(r"^(heron:\S+?)\s+(\S+)$", line)
-            if match:
-                samples[match[1]] = float(match[2])
-        return samples
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def start_server(model_dir: Path, *extra: str) -> ServerHandle:
-    port = free_port()
-    cmd = [
-        sys.executable,
-        "-m",
-        "heron.cli",
-        "--log-level",
-        "INFO",
-        "serve",
-        "--model",
-        str(model_dir),
-        "--port",
-        str(port),
-        "--served-model-name",
-        MODEL_NAME,
-        "--device",
-        "cpu",
-        "--max-model-len",
-        str(MAX_MODEL_LEN),
-        "--num-kv-blocks",
-        str(NUM_KV_BLOCKS),
-        *extra,
-    ]
-    env = {**os.environ, "OMP_NUM_THREADS": "2"}
-    proc = subprocess.Popen(
-        cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
-    )
-    handle = ServerHandle(proc, port, model_dir)
-    deadline = time.monotonic() + 90
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"server exited early:\n{proc.stdout.read()}")
-        try:
-            if httpx.get(f"{handle.base_url}/health", timeout=1).status_code == 200:
-                return handle
-        except httpx.TransportError:
-            pass
-        time.sleep(0.2)
-    proc.kill()
-    raise RuntimeError("server did not become healthy")
-
-
-def stop_server(handle: ServerHandle) -> int:
-    if handle.proc.poll() is None:
-        handle.proc.terminate()
-    try:
-        return handle.proc.wait(timeout=30)
-    finally:
-        if handle.proc.poll() is None:
-            handle.proc.kill()
+from openai_server import API_KEY, start_server, stop_server
 
 
 @pytest.fixture(scope="session")

@@ -7,9 +7,10 @@ import concurrent.futures
 import httpx
 import openai
 import pytest
-from conftest import API_KEY, MAX_MODEL_LEN, MODEL_NAME
 
 from heron import LLM, SamplingParams
+
+from openai_server import API_KEY, MAX_MODEL_LEN, MODEL_NAME
 
 PROMPT = "The quick brown fox"
 MESSAGES = [{"role": "user", "content": "Where is Paris?"}]
@@ -170,3 +171,35 @@ def test_malformed_json_unknown_route_and_auth(http, server):
     # Health and metrics stay open without a key.
     assert httpx.get(f"{server.base_url}/health").status_code == 200
     assert httpx.get(f"{server.base_url}/metrics").status_code == 200
+
+
+def test_chat_stream_with_two_samples_and_logprobs(client):
+    """Streamed chat with n=2: each choice opens with the role, texts equal the non-streamed
+    ones (seeded), and every streamed token carries its logprob entry."""
+    kwargs = dict(
+        model=MODEL_NAME,
+        messages=MESSAGES,
+        max_tokens=8,
+        temperature=1.0,
+        seed=11,
+        n=2,
+        logprobs=True,
+        top_logprobs=2,
+    )
+    full = client.chat.completions.create(**kwargs)
+    chunks = list(client.chat.completions.create(**kwargs, stream=True))
+    texts, roles, logprobs = {0: "", 1: ""}, set(), {0: [], 1: []}
+    for chunk in chunks:
+        for choice in chunk.choices:
+            if choice.delta.role:
+                roles.add(choice.index)
+            texts[choice.index] += choice.delta.content or ""
+            if choice.logprobs is not None:
+                logprobs[choice.index] += choice.logprobs.content
+    assert roles == {0, 1}
+    for choice in full.choices:
+        assert texts[choice.index] == choice.message.content
+        streamed = [(e.token, round(e.logprob, 4)) for e in logprobs[choice.index]]
+        whole = [(e.token, round(e.logprob, 4)) for e in choice.logprobs.content]
+        assert streamed == whole and len(whole) == 8
+        assert all(len(e.top_logprobs) == 2 for e in choice.logprobs.content)

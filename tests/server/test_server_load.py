@@ -7,7 +7,8 @@ import time
 
 import httpx
 import openai
-from conftest import API_KEY, MODEL_NAME
+
+from openai_server import API_KEY, MODEL_NAME
 
 SUCCESS = 'heron:request_success_total{finished_reason="%s"}'
 

@@ -6,7 +6,8 @@ import json
 import socket
 
 import httpx
-from conftest import MODEL_NAME, start_server, stop_server
+
+from openai_server import MODEL_NAME, start_server, stop_server
 
 
 def test_sigterm_during_stream(tiny_model_dir):
