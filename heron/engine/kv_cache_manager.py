@@ -395,9 +395,7 @@ class KVCacheManager:
 
     def check_invariants(self) -> None:
         """Raise ``RuntimeError`` if pool and per-request state disagree (for tests/debugging)."""
-        self._pool.check_invariants(
-            s.block_ids[s.num_released :] for s in self._requests.values()
-        )
+        self._pool.check_invariants(s.block_ids[s.num_released :] for s in self._requests.values())
         for request_id, state in self._requests.items():
             if any(b != NULL_BLOCK_ID for b in state.block_ids[: state.num_released]):
                 raise RuntimeError(f"request {request_id} holds a released block")

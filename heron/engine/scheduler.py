@@ -49,7 +49,9 @@ class Scheduler:
     (its generated tokens are kept, so nothing is lost).
     """
 
-    def __init__(self, config: SchedulerConfig, kv_cache: KVCacheCoordinator | KVCacheManager) -> None:
+    def __init__(
+        self, config: SchedulerConfig, kv_cache: KVCacheCoordinator | KVCacheManager
+    ) -> None:
         self.config = config
         self.kv_cache = kv_cache
         self.waiting: deque[Request] = deque()

@@ -87,7 +87,7 @@ class CudaGraphRunner:
 def _dummy_decode(
     batch: int, block_size: int, device: torch.device, num_cache_groups: int = 1
 ) -> SequenceMetadata:
-    """A decode step of ``batch`` one-token requests on the null block (every group), for capture."""
+    """A decode step of ``batch`` one-token requests on every group's null block, for capture."""
     step = StepBatch(batch, batch, batch, 1, block_size, num_groups=num_cache_groups)
     step.query_lens[:] = 1
     step.kv_lens[:] = 1

@@ -63,7 +63,8 @@ class ModelRunner:
         and each attention operator's group.
         """
         window = lambda group: getattr(group.builder, "sliding_window", None)
-        windows = sorted({window(g) for g in self.plan.groups}, key=lambda w: (w is not None, w or 0))
+        order = lambda w: (w is not None, w or 0)
+        windows = sorted({window(g) for g in self.plan.groups}, key=order)
         if not windows:
             windows = [None]
         for group in self.plan.groups:
