@@ -284,3 +284,33 @@ def test_sliding_group_holds_only_the_window(gemma_dir):
     assert len(full_table) > 2 * bound  # the full group kept the whole history
     assert 0 < most_live <= bound
     assert kv.num_free_blocks == kv.num_blocks - 1 and kv.usage == 0.0
+
+
+def test_kv_budget_fits_the_same_number_of_sequences_in_every_group(gemma_dir, monkeypatch):
+    import heron.engine.llm_engine as llm_engine
+
+    path = gemma_dir("gemma2")  # 2 sliding (window 8) and 2 full layers, 2 KV heads of 16
+    bs, chunk, max_len = 4, 16, 256
+    per_block = 2 * 2 * bs * 2 * 16 * 4  # 2 layers, K and V, fp32
+    b_full, b_sliding = max_len // bs, -(-(8 + chunk) // bs) + 1
+    sequences = 3
+    budget = sequences * (b_full + b_sliding) * per_block + 2 * per_block
+    monkeypatch.setattr(llm_engine, "DEFAULT_HOST_KV_CACHE_BYTES", budget)
+    llm = LLM(
+        str(path),
+        max_model_len=max_len,
+        block_size=bs,
+        max_num_batched_tokens=chunk,
+        max_num_seqs=8,
+    )
+    kv = llm.engine.kv_cache
+    assert [g.num_blocks for g in kv.groups] == [sequences * b_full + 1, sequences * b_sliding + 1]
+    runner = llm.engine.runner
+    assert runner.kv_cache_bytes_per_block() == [per_block, per_block]
+    # Each operator's KV tensor is sized to its own group's pool.
+    for op in runner.attention_ops:
+        g = 0 if op.spec.sliding_window is None else 1
+        assert op.kv_cache.shape[1] == kv.groups[g].num_blocks
+    # An explicit pool size applies to every group.
+    llm = LLM(str(path), max_model_len=max_len, block_size=bs, num_kv_blocks=70)
+    assert [g.num_blocks for g in llm.engine.kv_cache.groups] == [70, 70]
