@@ -5,13 +5,17 @@ block table (the blocks holding its tokens, in order). A block whose tokens are 
 *registered* under a hash of its content and of everything before it, so a later request whose
 prompt starts with the same tokens can reuse the block instead of recomputing it.
 
-Two classes split the work so that several cache groups (e.g. full-attention and sliding-window
-layers, each with its own tables) could later share one pool:
+Three classes split the work:
 
 - :class:`BlockPool` owns the blocks themselves: reference counts, the free queue (LRU order) and
   the hash -> block map. It knows nothing about requests.
-- :class:`KVCacheManager` owns the per-request block tables and hash chains, and decides what to
-  allocate, register and free.
+- :class:`KVCacheManager` owns one cache group's per-request block tables and hash chains, and
+  decides what to allocate, register and free. A sliding-window group releases the blocks that
+  slid out of the window (their table entries become the null block).
+- :class:`KVCacheCoordinator` manages one :class:`KVCacheManager` per *cache group*: layers with
+  the same KV retention (full history, or a sliding window of ``W`` tokens) share a group; each
+  group has its own pool (block 0 reserved in each) and its own tables. Allocation is atomic
+  across groups, and a cached prefix is reused only as far as every group has it.
 
 A block with reference count 0 sits in the free queue whether or not it is registered; a
 registered one stays findable by hash (and can be revived by a hit) until it reaches the head of
@@ -161,6 +165,8 @@ class _RequestBlocks:
     block_hashes: list[int] = field(default_factory=list)
     # Leading blocks that came from the prefix cache: valid content even before any step runs.
     num_hit_blocks: int = 0
+    # Leading table entries released because they slid out of the window (now the null block).
+    num_released: int = 0
 
 
 class KVCacheManager:
@@ -181,13 +187,20 @@ class KVCacheManager:
     """
 
     def __init__(
-        self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True
+        self,
+        num_blocks: int,
+        block_size: int,
+        enable_prefix_caching: bool = True,
+        sliding_window: int | None = None,
     ) -> None:
         if num_blocks < 2:
             raise ValueError(f"num_blocks must be >= 2 (block 0 is reserved), got {num_blocks}")
         if block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {block_size}")
+        if sliding_window is not None and sliding_window < 1:
+            raise ValueError(f"sliding_window must be >= 1, got {sliding_window}")
         self.num_blocks = num_blocks
+        self.sliding_window = sliding_window
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
         self.prefix_cache_queries = 0
@@ -219,35 +232,74 @@ class KVCacheManager:
         """
         if not self.enable_prefix_caching or request.wants_prompt_logprobs:
             return [], 0
+        self.prefix_cache_queries += request.num_tokens
+        block_ids = self.find_cached_chain(request)
+        num_hit_tokens = len(block_ids) * self.block_size
+        self.prefix_cache_hits += num_hit_tokens
+        return block_ids, num_hit_tokens
+
+    def find_cached_chain(self, request: Request, hashes: list[int] | None = None) -> list[int]:
+        """The cached blocks heading ``request``'s first ``num_tokens - 1`` tokens (no counting).
+
+        The whole chain must be present, also in a sliding-window group (blocks freed because
+        they slid out of a window stay cached until evicted, and count). ``hashes``, when given,
+        receives the chain hashes computed along the way (at least one per returned block), so
+        other groups with the same block size need not rehash.
+        """
         num_tokens = request.num_tokens
-        self.prefix_cache_queries += num_tokens
         tokens = request.all_token_ids
         bs = self.block_size
         cached = self._pool.cached
         block_ids: list[int] = []
         parent = _ROOT_HASH
-        for start in range(0, (num_tokens - 1) // bs * bs, bs):
-            parent = hash_block_tokens(parent, tokens[start : start + bs])
+        for i, start in enumerate(range(0, (num_tokens - 1) // bs * bs, bs)):
+            if hashes is not None and i < len(hashes):
+                parent = hashes[i]
+            else:
+                parent = hash_block_tokens(parent, tokens[start : start + bs])
+                if hashes is not None:
+                    hashes.append(parent)
             block_id = cached.get(parent)
             if block_id is None:
                 break
             block_ids.append(block_id)
-        num_hit_tokens = len(block_ids) * bs
-        self.prefix_cache_hits += num_hit_tokens
-        return block_ids, num_hit_tokens
+        return block_ids
 
     def num_blocks_needed(
         self, request: Request, num_new_tokens: int, new_computed_blocks: Sequence[int] = ()
     ) -> int:
         """By how much :meth:`allocate_slots` with these arguments would lower ``num_free_blocks``.
 
-        That is the number of new blocks, plus any of ``new_computed_blocks`` now in the free
-        queue (a hit on an evictable block takes it out of the allocatable pool too). The call
-        succeeds exactly when this is ``<= num_free_blocks``.
+        That is the number of new blocks, plus any of ``new_computed_blocks`` taken out of the
+        free queue (a hit on an evictable block takes it out of the allocatable pool too), minus
+        the blocks that slid out of a sliding window and go back to the queue (so it can be
+        negative). The call succeeds exactly when this is ``<= num_free_blocks``.
         """
         state = self._requests.get(request.request_id)
-        num_new = self._num_new_blocks(state, request, num_new_tokens, len(new_computed_blocks))
-        return num_new + self._num_evictable(new_computed_blocks)
+        num_hit = len(new_computed_blocks)
+        first_live = self._first_live_block(request, num_hit)
+        num_new = self._num_new_blocks(state, request, num_new_tokens, num_hit)
+        return (
+            num_new
+            + self._num_evictable(new_computed_blocks[first_live:])
+            - self._num_released(state, first_live)
+        )
+
+    def check_computed_blocks(self, request: Request, new_computed_blocks: Sequence[int]) -> None:
+        """Raise ``ValueError`` if a hit block was evicted since :meth:`get_computed_blocks`."""
+        if any(self._pool.block_hash[b] is None for b in new_computed_blocks):
+            raise ValueError(
+                f"request {request.request_id}: a computed block was evicted since "
+                "get_computed_blocks; allocate in the same scheduling pass as the lookup"
+            )
+
+    def can_allocate(
+        self, request: Request, num_new_tokens: int, new_computed_blocks: Sequence[int] = ()
+    ) -> bool:
+        """Whether :meth:`allocate_slots` with these arguments would succeed (changes nothing)."""
+        return self.num_blocks_needed(request, num_new_tokens, new_computed_blocks) <= (
+            self._pool.num_free
+        )
 
     def allocate_slots(
         self, request: Request, num_new_tokens: int, new_computed_blocks: Sequence[int] = ()
@@ -258,6 +310,13 @@ class KVCacheManager:
         num_new_tokens`` tokens. ``new_computed_blocks`` (from :meth:`get_computed_blocks`, only
         on the request's first allocation) head the table and gain a reference. Then every full
         block whose tokens are all known is registered in the prefix cache.
+
+        With a sliding window ``W``, the step computing positions ``[c, c + n)`` reads keys from
+        ``c - W + 1`` on; first, every block whose tokens all lie below that is released: its
+        table entry becomes the null block (the table keeps its positions) and its reference is
+        dropped (it joins the free queue, still findable by hash until evicted). Hit blocks
+        already below it are not taken at all. Only then are the step's new blocks taken, so the
+        released ones are reusable at once.
 
         Atomic: returns False, changing nothing, if there are not enough allocatable blocks.
         The caller advances ``request.num_computed_tokens`` after the step has run.
@@ -270,24 +329,26 @@ class KVCacheManager:
                 "first allocation"
             )
         pool = self._pool
-        if num_hit and any(pool.block_hash[b] is None for b in new_computed_blocks):
-            raise ValueError(
-                f"request {request.request_id}: a computed block was evicted since "
-                "get_computed_blocks; allocate in the same scheduling pass as the lookup"
-            )
-        num_new = self._num_new_blocks(state, request, num_new_tokens, num_hit)
-        if num_new + (self._num_evictable(new_computed_blocks) if num_hit else 0) > pool.num_free:
+        self.check_computed_blocks(request, new_computed_blocks)
+        if not self.can_allocate(request, num_new_tokens, new_computed_blocks):
             return False
+        num_new = self._num_new_blocks(state, request, num_new_tokens, num_hit)
+        first_live = self._first_live_block(request, num_hit)
 
         if state is None:
             state = self._requests[request.request_id] = _RequestBlocks()
         if num_hit:
-            pool.touch(new_computed_blocks)
-            state.block_ids.extend(new_computed_blocks)
+            live_hits = new_computed_blocks[first_live:]
+            pool.touch(live_hits)
+            state.block_ids.extend([NULL_BLOCK_ID] * (num_hit - len(live_hits)))
+            state.block_ids.extend(live_hits)
+            state.num_released = num_hit - len(live_hits)
             state.num_hit_blocks = num_hit
             if self.enable_prefix_caching:
                 # Hit blocks are registered, so their chain hashes are stored: no rehashing.
                 state.block_hashes.extend(pool.block_hash[b] for b in new_computed_blocks)
+        elif first_live > state.num_released:
+            self._release_slid_out(state, first_live)
         if num_new:
             pool.take(num_new, state.block_ids)
 
@@ -316,8 +377,9 @@ class KVCacheManager:
         # Blocks at or past num_valid_blocks were allocated by this request, so any hash they
         # carry is its own registration.
         for i in range(num_valid_blocks, len(state.block_hashes)):
-            pool.uncache(state.block_ids[i])
-        pool.release(reversed(state.block_ids))
+            if state.block_ids[i] != NULL_BLOCK_ID:
+                pool.uncache(state.block_ids[i])
+        pool.release(reversed(state.block_ids[state.num_released :]))
 
     def block_table(self, request_id: str) -> list[int]:
         """The request's block ids in token order (the live list: read, don't mutate)."""
@@ -333,8 +395,12 @@ class KVCacheManager:
 
     def check_invariants(self) -> None:
         """Raise ``RuntimeError`` if pool and per-request state disagree (for tests/debugging)."""
-        self._pool.check_invariants(s.block_ids for s in self._requests.values())
+        self._pool.check_invariants(s.block_ids[s.num_released :] for s in self._requests.values())
         for request_id, state in self._requests.items():
+            if any(b != NULL_BLOCK_ID for b in state.block_ids[: state.num_released]):
+                raise RuntimeError(f"request {request_id} holds a released block")
+            if self.sliding_window is None and state.num_released:
+                raise RuntimeError(f"request {request_id} released blocks without a window")
             if len(state.block_hashes) > len(state.block_ids):
                 raise RuntimeError(f"request {request_id} has hashes for blocks it does not hold")
             if state.num_hit_blocks > len(state.block_ids):
@@ -348,6 +414,28 @@ class KVCacheManager:
         num_covered = request.num_computed_tokens + num_hit * bs + num_new_tokens
         num_held = num_hit + (len(state.block_ids) if state is not None else 0)
         return max(0, -(-num_covered // bs) - num_held)
+
+    def _first_live_block(self, request: Request, num_hit: int) -> int:
+        """Table index of the first block this step's queries can read (0 without a window)."""
+        if self.sliding_window is None:
+            return 0
+        first_needed = request.num_computed_tokens + num_hit * self.block_size
+        return max(0, first_needed - self.sliding_window + 1) // self.block_size
+
+    def _num_released(self, state: _RequestBlocks | None, first_live: int) -> int:
+        """How many blocks :meth:`_release_slid_out` would return to the free queue."""
+        if state is None:
+            return 0
+        ref_cnt = self._pool.ref_cnt
+        return sum(1 for b in state.block_ids[state.num_released : first_live] if ref_cnt[b] == 1)
+
+    def _release_slid_out(self, state: _RequestBlocks, first_live: int) -> None:
+        """Null the table entries before ``first_live`` and drop their references."""
+        block_ids = state.block_ids
+        released = block_ids[state.num_released : first_live]
+        block_ids[state.num_released : first_live] = [NULL_BLOCK_ID] * len(released)
+        state.num_released = first_live
+        self._pool.release(reversed(released))
 
     def _num_evictable(self, block_ids: Sequence[int]) -> int:
         """How many of ``block_ids`` sit in the free queue (ref count 0)."""
@@ -363,4 +451,131 @@ class KVCacheManager:
         for i in range(len(hashes), num_full):
             parent = hash_block_tokens(parent, tokens[i * bs : (i + 1) * bs])
             hashes.append(parent)
-            self._pool.register(state.block_ids[i], parent)
+            if state.block_ids[i] != NULL_BLOCK_ID:
+                self._pool.register(state.block_ids[i], parent)
+
+
+class KVCacheCoordinator:
+    """Every cache group's blocks for every request: the scheduler's view of the KV cache.
+
+    One :class:`KVCacheManager` per cache group (``sliding_windows[g]`` is group ``g``'s window,
+    ``None`` for full attention). A model with one kind of attention has one group and behaves
+    exactly as a lone manager.
+
+    - :meth:`allocate_slots` is atomic across groups: every group can allocate, or none changes.
+    - :meth:`get_computed_blocks` reuses a cached prefix only as far as every group holds the
+      whole chain of its blocks (hit length = the minimum over groups).
+    - ``num_free_blocks`` is the minimum over groups, ``usage`` the maximum: the scarcest group
+      is what bounds admission.
+    """
+
+    def __init__(
+        self,
+        num_blocks: Sequence[int],
+        block_size: int,
+        enable_prefix_caching: bool = True,
+        sliding_windows: Sequence[int | None] = (None,),
+    ) -> None:
+        if len(num_blocks) != len(sliding_windows) or not num_blocks:
+            raise ValueError(
+                f"need one pool size per cache group, got {list(num_blocks)} for windows "
+                f"{list(sliding_windows)}"
+            )
+        self.block_size = block_size
+        self.enable_prefix_caching = enable_prefix_caching
+        self.sliding_windows = list(sliding_windows)
+        self.groups = [
+            KVCacheManager(n, block_size, enable_prefix_caching, w)
+            for n, w in zip(num_blocks, sliding_windows)
+        ]
+        self.prefix_cache_queries = 0
+        self.prefix_cache_hits = 0
+
+    @property
+    def num_groups(self) -> int:
+        return len(self.groups)
+
+    @property
+    def num_blocks(self) -> int:
+        """The smallest group's pool size (null block included)."""
+        return min(g.num_blocks for g in self.groups)
+
+    @property
+    def num_free_blocks(self) -> int:
+        """Allocatable blocks of the group with the fewest."""
+        return min(g.num_free_blocks for g in self.groups)
+
+    @property
+    def usage(self) -> float:
+        """The largest usage over groups."""
+        return max(g.usage for g in self.groups)
+
+    def get_computed_blocks(self, request: Request) -> tuple[tuple[list[int], ...], int]:
+        """Per group, the cached blocks of the longest prefix that every group holds.
+
+        Returns the per-group block ids (pass them as they are to :meth:`allocate_slots`, in the
+        same scheduling pass) and the number of tokens they hold. Returns ``((), 0)`` without
+        counting a query when prefix caching is off or the request wants prompt logprobs.
+        """
+        if not self.enable_prefix_caching or request.wants_prompt_logprobs:
+            return (), 0
+        self.prefix_cache_queries += request.num_tokens
+        hashes: list[int] = []  # same tokens and block size: one chain of hashes for all groups
+        chains = []
+        num_hit = None
+        for group in self.groups:
+            chain = group.find_cached_chain(request, hashes) if num_hit != 0 else []
+            chains.append(chain)
+            num_hit = len(chain) if num_hit is None else min(num_hit, len(chain))
+        num_hit_tokens = num_hit * self.block_size
+        self.prefix_cache_hits += num_hit_tokens
+        return tuple(chain[:num_hit] for chain in chains), num_hit_tokens
+
+    def allocate_slots(
+        self,
+        request: Request,
+        num_new_tokens: int,
+        new_computed_blocks: Sequence[Sequence[int]] = (),
+    ) -> bool:
+        """Allocate this step's slots in every group, or (returning False) in none."""
+        hits = list(new_computed_blocks) or [()] * len(self.groups)
+        for group, blocks in zip(self.groups, hits):
+            group.check_computed_blocks(request, blocks)
+        if not all(
+            group.can_allocate(request, num_new_tokens, blocks)
+            for group, blocks in zip(self.groups, hits)
+        ):
+            return False
+        for group, blocks in zip(self.groups, hits):
+            if not group.allocate_slots(request, num_new_tokens, blocks):
+                raise RuntimeError("a cache group refused an allocation it had accepted")
+        return True
+
+    def free(self, request: Request) -> None:
+        """Drop the request's blocks in every group (see :meth:`KVCacheManager.free`)."""
+        for group in self.groups:
+            group.free(request)
+
+    def block_table(self, request_id: str, group: int = 0) -> list[int]:
+        """The request's block table in cache group ``group`` (the live list: don't mutate)."""
+        return self.groups[group].block_table(request_id)
+
+    def block_tables(self, request_id: str) -> list[list[int]]:
+        """The request's block table in every cache group, in group order."""
+        return [g.block_table(request_id) for g in self.groups]
+
+    def reset_prefix_cache(self) -> bool:
+        """Forget all cached content; refused (False) while any request holds blocks."""
+        if any(g.num_free_blocks != g.num_blocks - 1 for g in self.groups):
+            return False
+        for group in self.groups:
+            group.reset_prefix_cache()
+        return True
+
+    def check_invariants(self) -> None:
+        """Every group's invariants, and that all groups hold the same requests."""
+        for group in self.groups:
+            group.check_invariants()
+        requests = [set(g._requests) for g in self.groups]
+        if any(r != requests[0] for r in requests):
+            raise RuntimeError("cache groups disagree on which requests hold blocks")

@@ -11,7 +11,7 @@ from transformers import AutoTokenizer
 
 from heron.config import DEFAULT_HOST_KV_CACHE_BYTES, EngineConfig, ModelConfig
 from heron.engine.detokenizer import IncrementalDetokenizer
-from heron.engine.kv_cache_manager import KVCacheManager
+from heron.engine.kv_cache_manager import KVCacheCoordinator
 from heron.engine.request import FinishReason, Request
 from heron.engine.scheduler import Scheduler, SchedulerConfig
 from heron.engine.stopping import check_stop
@@ -88,7 +88,12 @@ class LLMEngine:
         self.runner.allocate_kv_cache(num_blocks)
         if device.type == "cuda" and not config.enforce_eager:
             self.runner.capture_graphs(min(config.cuda_graph_max_bs, config.max_num_seqs))
-        self.kv_cache = KVCacheManager(num_blocks, self.block_size, config.enable_prefix_caching)
+        self.kv_cache = KVCacheCoordinator(
+            num_blocks,
+            self.block_size,
+            config.enable_prefix_caching,
+            self.runner.cache_windows,
+        )
         max_len = self.model_config.max_model_len
         self.scheduler = Scheduler(
             SchedulerConfig(
@@ -103,37 +108,73 @@ class LLMEngine:
             {self.tokenizer.eos_token_id} if self.tokenizer.eos_token_id is not None else set()
         )
         logger.info(
-            "model %s (%s), dtype %s, device %s; KV cache: %d blocks of %d tokens (%d tokens)",
+            "model %s (%s), dtype %s, device %s",
             path,
             self.model_config.architecture,
             self.model_config.dtype,
             device,
-            num_blocks - 1,
-            self.block_size,
-            (num_blocks - 1) * self.block_size,
         )
+        for window, n in zip(self.runner.cache_windows, num_blocks):
+            logger.info(
+                "KV cache group %s: %d blocks of %d tokens (%d tokens)",
+                "full" if window is None else f"sliding window {window}",
+                n - 1,
+                self.block_size,
+                (n - 1) * self.block_size,
+            )
 
-    def _num_kv_blocks(self) -> int:
+    def _blocks_per_seq(self) -> list[int]:
+        """Per cache group, the most blocks one sequence can hold at once.
+
+        ``ceil(max_model_len / bs)`` for full attention; for a sliding window ``W`` at most
+        ``ceil((W + max_num_batched_tokens) / bs) + 1`` (a step computing ``n`` tokens reads
+        keys from ``W - 1`` before its first one; older blocks are released), if that is less.
+        """
+        bs = self.block_size
+        full = -(-self.model_config.max_model_len // bs)
+        return [
+            full if w is None else min(full, -(-(w + self.max_num_batched_tokens) // bs) + 1)
+            for w in self.runner.cache_windows
+        ]
+
+    def _num_kv_blocks(self) -> list[int]:
+        """Pool size (null block included) of each KV cache group.
+
+        The budget is split so that every group fits the same number of max-length sequences:
+        with ``b_g`` blocks per sequence (:meth:`_blocks_per_seq`) and ``B_g`` bytes per block
+        (K and V of the group's layers), ``S = (budget - sum_g B_g) / sum_g(b_g * B_g)`` sequences
+        fit and group ``g`` gets ``floor(S * b_g) + 1`` blocks (the ``+ 1`` is its null block).
+        With one group this is ``budget // B``. An explicit ``num_kv_blocks`` is used for every
+        group.
+        """
         per_block = self.runner.kv_cache_bytes_per_block()
+        blocks_per_seq = self._blocks_per_seq()
         max_len = self.model_config.max_model_len
-        blocks_per_seq = -(-max_len // self.block_size)
         if self.config.num_kv_blocks is not None:
-            num_blocks = self.config.num_kv_blocks
+            num_blocks = [self.config.num_kv_blocks] * len(per_block)
         else:
             if self.platform.device.type == "cuda":
                 profile_tokens = min(self.max_num_batched_tokens, max_len)
                 peak = self.runner.profile_peak_memory(profile_tokens)
                 budget = self.platform.kv_cache_budget(self.config.gpu_memory_utilization, peak)
-                num_blocks = budget // per_block
             else:
-                wanted = self.config.max_num_seqs * blocks_per_seq + 1
-                num_blocks = min(wanted, DEFAULT_HOST_KV_CACHE_BYTES // per_block)
-        if num_blocks - 1 < blocks_per_seq:
-            raise ValueError(
-                f"the KV cache holds {num_blocks - 1} blocks of {self.block_size} tokens, fewer than "
-                f"one sequence of max_model_len={max_len} needs ({blocks_per_seq}); lower "
-                "max_model_len or give the cache more memory"
-            )
+                budget = DEFAULT_HOST_KV_CACHE_BYTES
+            bytes_per_seq = sum(b * B for b, B in zip(blocks_per_seq, per_block))
+            usable = max(0, budget - sum(per_block))
+            num_blocks = [usable * b // bytes_per_seq + 1 for b in blocks_per_seq]
+            if self.platform.device.type != "cuda":
+                num_blocks = [
+                    min(n, self.config.max_num_seqs * b + 1)
+                    for n, b in zip(num_blocks, blocks_per_seq)
+                ]
+        for window, n, b in zip(self.runner.cache_windows, num_blocks, blocks_per_seq):
+            if n - 1 < b:
+                kind = "" if window is None else f" (sliding window {window})"
+                raise ValueError(
+                    f"the KV cache{kind} holds {n - 1} blocks of {self.block_size} tokens, fewer "
+                    f"than one sequence of max_model_len={max_len} needs ({b}); lower "
+                    "max_model_len or give the cache more memory"
+                )
         return num_blocks
 
     # ----------------------------------------------------------------- requests
@@ -226,7 +267,7 @@ class LLMEngine:
         schedule = self.scheduler.schedule()
         if not schedule.scheduled:
             return []
-        result = self.runner.execute(schedule, self.kv_cache.block_table)
+        result = self.runner.execute(schedule, self.kv_cache.block_tables)
         self.scheduler.finish_step(schedule)
         now = time.monotonic()
 

@@ -6,7 +6,7 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 
-from heron.engine.kv_cache_manager import KVCacheManager
+from heron.engine.kv_cache_manager import KVCacheCoordinator, KVCacheManager
 from heron.engine.request import Request, RequestStatus
 
 
@@ -49,7 +49,9 @@ class Scheduler:
     (its generated tokens are kept, so nothing is lost).
     """
 
-    def __init__(self, config: SchedulerConfig, kv_cache: KVCacheManager) -> None:
+    def __init__(
+        self, config: SchedulerConfig, kv_cache: KVCacheCoordinator | KVCacheManager
+    ) -> None:
         self.config = config
         self.kv_cache = kv_cache
         self.waiting: deque[Request] = deque()

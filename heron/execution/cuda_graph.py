@@ -53,11 +53,12 @@ class CudaGraphRunner:
             group.view = group.builder.fill(seq, self.buffers[id(group)], batch)
 
     @torch.inference_mode()
-    def capture(self, block_size: int) -> None:
+    def capture(self, block_size: int, num_cache_groups: int = 1) -> None:
         """Capture every bucket, largest first, all in one memory pool."""
         pool = torch.cuda.graph_pool_handle()
         for batch in reversed(self.buckets):
-            self._fill(_dummy_decode(batch, block_size, self.device), batch)
+            dummy = _dummy_decode(batch, block_size, self.device, num_cache_groups)
+            self._fill(dummy, batch)
             tokens = self.token_ids[:batch]
             self.model.compute_logits(self.model(tokens))  # warm-up: compile, autotune
             for group in self.plan.groups:
@@ -83,9 +84,11 @@ class CudaGraphRunner:
         return logits[:n]
 
 
-def _dummy_decode(batch: int, block_size: int, device: torch.device) -> SequenceMetadata:
-    """A decode step of ``batch`` one-token requests on the null block, for capture."""
-    step = StepBatch(batch, batch, batch, 1, block_size)
+def _dummy_decode(
+    batch: int, block_size: int, device: torch.device, num_cache_groups: int = 1
+) -> SequenceMetadata:
+    """A decode step of ``batch`` one-token requests on every group's null block, for capture."""
+    step = StepBatch(batch, batch, batch, 1, block_size, num_groups=num_cache_groups)
     step.query_lens[:] = 1
     step.kv_lens[:] = 1
     step.logits_indices[:] = range(batch)

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -46,24 +46,52 @@ class ModelRunner:
         self.plan: StepMetaPlan | None = None
         self.model = build_model(model_config, platform, self, attention_backend, block_size)
         self.attention_ops = [m for m in self.model.modules() if isinstance(m, AttentionOperator)]
+        self.cache_windows, self._op_cache_group = self._assign_cache_groups()
         self.sampler = Sampler()
         self.generator = torch.Generator(self.device).manual_seed(seed)
-        self.num_blocks = 0
-        self.inputs = StepInputBuilder(block_size, self.device)
+        self.num_blocks: list[int] = []
+        self.inputs = StepInputBuilder(block_size, self.device, len(self.cache_windows))
         self.graphs: CudaGraphRunner | None = None
         self._coverage_checked = False
 
-    def kv_cache_bytes_per_block(self) -> int:
-        elem = torch.tensor([], dtype=self.model_config.dtype).element_size()
-        return sum(
-            2 * self.block_size * op.spec.num_kv_heads * op.spec.head_dim * elem
-            for op in self.attention_ops
-        )
+    def _assign_cache_groups(self) -> tuple[list[int | None], list[int]]:
+        """KV cache groups from the plan: one per distinct sliding window (``None`` = full).
 
-    def allocate_kv_cache(self, num_blocks: int) -> None:
-        self.num_blocks = num_blocks
-        for op in self.attention_ops:
-            op.bind_kv_cache(self._kv_cache(op, num_blocks))
+        Every metadata group's builder has a ``sliding_window``; builders (and so operators)
+        with the same window share a cache group, whose index the builder is told here. Full
+        attention comes first, then windows in increasing order. Returns the groups' windows
+        and each attention operator's group.
+        """
+        window = lambda group: getattr(group.builder, "sliding_window", None)
+        order = lambda w: (w is not None, w or 0)
+        windows = sorted({window(g) for g in self.plan.groups}, key=order)
+        if not windows:
+            windows = [None]
+        for group in self.plan.groups:
+            group.builder.cache_group = windows.index(window(group))
+        op_groups = [
+            getattr(op.group.builder, "cache_group", 0) if op.group is not None else 0
+            for op in self.attention_ops
+        ]
+        return windows, op_groups
+
+    @property
+    def num_cache_groups(self) -> int:
+        return len(self.cache_windows)
+
+    def kv_cache_bytes_per_block(self) -> list[int]:
+        """Bytes of one block in each cache group: K and V of every layer in the group."""
+        elem = torch.tensor([], dtype=self.model_config.dtype).element_size()
+        per_group = [0] * self.num_cache_groups
+        for op, g in zip(self.attention_ops, self._op_cache_group):
+            per_group[g] += 2 * self.block_size * op.spec.num_kv_heads * op.spec.head_dim * elem
+        return per_group
+
+    def allocate_kv_cache(self, num_blocks: list[int]) -> None:
+        """One KV tensor per attention operator, sized to its cache group's pool."""
+        self.num_blocks = list(num_blocks)
+        for op, g in zip(self.attention_ops, self._op_cache_group):
+            op.bind_kv_cache(self._kv_cache(op, num_blocks[g]))
 
     def _kv_cache(self, op: AttentionOperator, num_blocks: int) -> torch.Tensor:
         shape = (2, num_blocks, self.block_size, op.spec.num_kv_heads, op.spec.head_dim)
@@ -78,7 +106,14 @@ class ModelRunner:
         """
         for op in self.attention_ops:
             op.bind_kv_cache(self._kv_cache(op, 1))
-        step = StepBatch(1, num_tokens, 1, -(-num_tokens // self.block_size), self.block_size)
+        step = StepBatch(
+            1,
+            num_tokens,
+            1,
+            -(-num_tokens // self.block_size),
+            self.block_size,
+            num_groups=self.num_cache_groups,
+        )
         step.query_lens[0] = step.kv_lens[0] = num_tokens
         step.positions[:] = range(num_tokens)
         step.logits_indices[0] = num_tokens - 1
@@ -107,18 +142,18 @@ class ModelRunner:
             )
             return
         self.graphs = CudaGraphRunner(self.model, self.plan, self.device, max_batch)
-        self.graphs.capture(self.block_size)
+        self.graphs.capture(self.block_size, self.num_cache_groups)
 
     @torch.inference_mode()
     def execute(
-        self, output: SchedulerOutput, block_table: Callable[[str], list[int]]
+        self, output: SchedulerOutput, block_tables: Callable[[str], Sequence[list[int]]]
     ) -> StepResult:
         if not self._coverage_checked:
             # Operators added after the build (or outside its scope) must fail loudly, not run
             # on stale metadata.
             self.plan.check_coverage(self.model)
             self._coverage_checked = True
-        step = self.inputs.prepare(output, block_table)
+        step = self.inputs.prepare(output, block_tables)
         seq = step.seq
         if self.graphs is not None and self.graphs.can_run(seq):
             logits = self.graphs.run(seq)

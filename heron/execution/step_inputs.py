@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -30,9 +30,10 @@ class StepInputBuilder:
     builders' ``fill`` into graph buffers when the step is replayed.
     """
 
-    def __init__(self, block_size: int, device: torch.device) -> None:
+    def __init__(self, block_size: int, device: torch.device, num_groups: int = 1) -> None:
         self.block_size = block_size
         self.device = device
+        self.num_groups = num_groups
         # On a GPU the packed batch is staged in one pinned buffer reused every step; an event
         # recorded after each copy guards the buffer until that copy has completed.
         self._staging = torch.empty(0, dtype=torch.int32)
@@ -49,12 +50,19 @@ class StepInputBuilder:
         return self._staging
 
     def prepare(
-        self, output: SchedulerOutput, block_table: Callable[[str], list[int]]
+        self, output: SchedulerOutput, block_tables: Callable[[str], Sequence[list[int]]]
     ) -> PreparedStep:
-        """Host work of a step: the packed StepBatch and its one copy to the device."""
+        """Host work of a step: the packed StepBatch and its one copy to the device.
+
+        ``block_tables(request_id)`` gives the request's table in every KV cache group; a
+        sliding-window group's table has the null block where blocks slid out of the window.
+        """
         items = output.scheduled
         bs = self.block_size
-        tables = [block_table(item.request.request_id) for item in items]
+        num_groups = self.num_groups
+        group_tables = [block_tables(item.request.request_id) for item in items]
+        if any(len(tables) != num_groups for tables in group_tables):
+            raise ValueError(f"expected a block table for each of {num_groups} cache groups")
         sample_requests: list[Request] = []
         prompt_spans: list[tuple[Request, int, int, int]] = []  # request, token offset, pos, count
         num_tokens = 0
@@ -71,30 +79,41 @@ class StepInputBuilder:
                 sample_requests.append(r)
             num_tokens += item.num_new_tokens
         num_prompt_rows = sum(span[3] for span in prompt_spans)
-        num_reqs, width = len(items), max(map(len, tables), default=0)
+        num_reqs = len(items)
+        width = max((len(t) for tables in group_tables for t in tables), default=0)
         num_logits = num_prompt_rows + len(sample_requests)
-        size = StepBatch.packed_size(num_reqs, num_tokens, num_logits, width)
+        size = StepBatch.packed_size(num_reqs, num_tokens, num_logits, width, num_groups)
         batch = StepBatch(
-            num_reqs, num_tokens, num_logits, width, bs, staging=self._staging_buffer(size)
+            num_reqs,
+            num_tokens,
+            num_logits,
+            width,
+            bs,
+            staging=self._staging_buffer(size),
+            num_groups=num_groups,
         )
         offset = 0
         rows = num_prompt_rows
-        for i, (item, table) in enumerate(zip(items, tables)):
+        all_tables, all_slots = batch.group_block_tables, batch.group_slot_mappings
+        for i, (item, tables) in enumerate(zip(items, group_tables)):
             r, c, n = item.request, item.request.num_computed_tokens, item.num_new_tokens
             batch.query_lens[i] = n
             batch.kv_lens[i] = c + n
-            batch.block_tables[i, : len(table)] = table
             if n == 1:  # decode: scalar writes are cheaper than array ops
                 batch.token_ids[offset] = r.all_token_ids[c]
                 batch.positions[offset] = c
-                batch.slot_mapping[offset] = table[c // bs] * bs + c % bs
+                for g, table in enumerate(tables):
+                    all_tables[g, i, : len(table)] = table
+                    all_slots[g, offset] = table[c // bs] * bs + c % bs
             else:
                 positions = np.arange(c, c + n, dtype=np.int32)
                 batch.token_ids[offset : offset + n] = r.all_token_ids[c : c + n]
                 batch.positions[offset : offset + n] = positions
-                batch.slot_mapping[offset : offset + n] = (
-                    batch.block_tables[i, positions // bs] * bs + positions % bs
-                )
+                for g, table in enumerate(tables):
+                    all_tables[g, i, : len(table)] = table
+                    all_slots[g, offset : offset + n] = (
+                        all_tables[g, i, positions // bs] * bs + positions % bs
+                    )
             offset += n
             if item.samples:
                 batch.logits_indices[rows] = offset - 1

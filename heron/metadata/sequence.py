@@ -12,7 +12,9 @@ class StepBatch:
     """One step's batch on the host, laid out in a single packed int32 array.
 
     The runner writes token ids, positions, slots, per-request query/KV lengths, block tables
-    and the rows to compute logits for into the named views; :meth:`finish` fills both
+    and the rows to compute logits for into the named views; slots and block tables come once per
+    KV cache group (``group_slot_mappings[g]``, ``group_block_tables[g]``; ``slot_mapping`` and
+    ``block_tables`` are group 0's); :meth:`finish` fills both
     cumulative-length arrays with one cumsum over the stacked lengths. The packed array then
     travels to the device in one copy (:meth:`SequenceMetadata.from_step_batch`).
     """
@@ -25,10 +27,12 @@ class StepBatch:
         table_width: int,
         block_size: int,
         staging: torch.Tensor | None = None,
+        num_groups: int = 1,
     ) -> None:
         self.num_reqs, self.num_tokens = num_reqs, num_tokens
         self.num_logits, self.table_width, self.block_size = num_logits, table_width, block_size
-        sizes = self._sizes(num_reqs, num_tokens, num_logits, table_width)
+        self.num_groups = num_groups
+        sizes = self._sizes(num_reqs, num_tokens, num_logits, table_width, num_groups)
         total = sum(sizes.values())
         if staging is None:
             self.packed = torch.zeros(total, dtype=torch.int32)
@@ -46,26 +50,32 @@ class StepBatch:
         self.query_lens, self.kv_lens = self.lens[0], self.lens[1]
         self.token_ids = view("token_ids")
         self.positions = view("positions")
-        self.slot_mapping = view("slot_mapping")
+        self.group_slot_mappings = view("slot_mapping").reshape(num_groups, num_tokens)
         self.logits_indices = view("logits_indices")
-        self.block_tables = view("block_tables").reshape(num_reqs, table_width)
+        self.group_block_tables = view("block_tables").reshape(num_groups, num_reqs, table_width)
+        self.slot_mapping = self.group_slot_mappings[0]
+        self.block_tables = self.group_block_tables[0]
 
     @staticmethod
-    def _sizes(num_reqs: int, num_tokens: int, num_logits: int, width: int) -> dict[str, int]:
+    def _sizes(
+        num_reqs: int, num_tokens: int, num_logits: int, width: int, num_groups: int = 1
+    ) -> dict[str, int]:
         return {
             "start_locs": 2 * (num_reqs + 1),
             "lens": 2 * num_reqs,
             "token_ids": num_tokens,
             "positions": num_tokens,
-            "slot_mapping": num_tokens,
+            "slot_mapping": num_groups * num_tokens,
             "logits_indices": num_logits,
-            "block_tables": num_reqs * width,
+            "block_tables": num_groups * num_reqs * width,
         }
 
     @classmethod
-    def packed_size(cls, num_reqs: int, num_tokens: int, num_logits: int, width: int) -> int:
+    def packed_size(
+        cls, num_reqs: int, num_tokens: int, num_logits: int, width: int, num_groups: int = 1
+    ) -> int:
         """Elements of the packed array for these dimensions."""
-        return sum(cls._sizes(num_reqs, num_tokens, num_logits, width).values())
+        return sum(cls._sizes(num_reqs, num_tokens, num_logits, width, num_groups).values())
 
     def finish(self) -> None:
         """Compute the cumulative query and KV lengths (one cumsum over both)."""
@@ -77,7 +87,9 @@ class SequenceMetadata:
     """The step's sequence facts on the device, built once per step from a :class:`StepBatch`.
 
     Builders derive their groups' views from this; operators never read it directly.
-    Host copies of the lengths are kept for eager kernels that loop over requests.
+    Host copies of the lengths are kept for eager kernels that loop over requests. Slots and
+    block tables exist once per KV cache group (``group_slot_mappings``, ``group_block_tables``);
+    ``slot_mapping`` and ``block_tables`` are group 0's.
     """
 
     num_reqs: int
@@ -98,6 +110,12 @@ class SequenceMetadata:
     kv_start_loc: torch.Tensor
     block_tables: torch.Tensor
     logits_indices: torch.Tensor
+    group_slot_mappings: tuple[torch.Tensor, ...] = ()
+    group_block_tables: tuple[torch.Tensor, ...] = ()
+
+    @property
+    def num_groups(self) -> int:
+        return len(self.group_block_tables)
 
     @classmethod
     def from_step_batch(cls, batch: StepBatch, device: torch.device) -> SequenceMetadata:
@@ -106,6 +124,9 @@ class SequenceMetadata:
         start_locs = part("start_locs").view(2, batch.num_reqs + 1)
         lens = part("lens").view(2, batch.num_reqs)
         query_lens = batch.query_lens
+        g, r, t, w = batch.num_groups, batch.num_reqs, batch.num_tokens, batch.table_width
+        slots = part("slot_mapping").view(g, t)
+        tables = part("block_tables").view(g, r, w)
         return cls(
             num_reqs=batch.num_reqs,
             num_tokens=batch.num_tokens,
@@ -118,11 +139,13 @@ class SequenceMetadata:
             query_start_host=batch.start_locs[0],
             token_ids=part("token_ids"),
             positions=part("positions"),
-            slot_mapping=part("slot_mapping"),
+            slot_mapping=slots[0],
             query_lens=lens[0],
             kv_lens=lens[1],
             query_start_loc=start_locs[0],
             kv_start_loc=start_locs[1],
-            block_tables=part("block_tables").view(batch.num_reqs, batch.table_width),
+            block_tables=tables[0],
             logits_indices=part("logits_indices"),
+            group_slot_mappings=tuple(slots.unbind(0)),
+            group_block_tables=tuple(tables.unbind(0)),
         )

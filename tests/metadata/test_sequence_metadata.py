@@ -62,3 +62,46 @@ def test_decode_batch_is_flagged():
     assert seq.is_decode and seq.max_query_len == 1 and seq.max_kv_len == 30
     assert seq.query_start_loc.tolist() == [0, 1, 2, 3]
     assert seq.kv_start_loc.tolist() == [0, 7, 9, 39]
+
+
+def test_one_table_and_slot_mapping_per_cache_group_in_one_packed_array():
+    from heron.ops.attention.paged import PagedAttentionBuilder
+
+    n, tokens, width = 2, 3, 2
+    batch = StepBatch(n, tokens, n, width, 4, num_groups=2)
+    assert batch.packed.numel() == StepBatch.packed_size(n, tokens, n, width, num_groups=2)
+    batch.query_lens[:] = [2, 1]
+    batch.kv_lens[:] = [6, 5]
+    batch.group_block_tables[0] = [[1, 2], [3, 4]]
+    batch.group_block_tables[1] = [[0, 7], [0, 8]]  # a sliding group: slid-out entries are null
+    batch.group_slot_mappings[0] = [8, 9, 16]
+    batch.group_slot_mappings[1] = [28, 29, 32]
+    batch.finish()
+    assert batch.block_tables.tolist() == [[1, 2], [3, 4]]  # group 0's
+    seq = SequenceMetadata.from_step_batch(batch, CPU)
+    assert seq.num_groups == 2
+    assert seq.block_tables.tolist() == [[1, 2], [3, 4]]
+    assert seq.slot_mapping.tolist() == [8, 9, 16]
+    assert seq.group_block_tables[1].tolist() == [[0, 7], [0, 8]]
+    for t in (*seq.group_block_tables, *seq.group_slot_mappings):
+        assert t.untyped_storage().data_ptr() == seq.token_ids.untyped_storage().data_ptr()
+
+    full = PagedAttentionBuilder("reference", 4, None, 64)
+    sliding = PagedAttentionBuilder("reference", 4, 4, 64)
+    sliding.cache_group = 1
+    assert full.build(seq).block_tables.tolist() == [[1, 2], [3, 4]]
+    view = sliding.build(seq)
+    assert view.block_tables.tolist() == [[0, 7], [0, 8]]
+    assert view.slot_mapping.tolist() == [28, 29, 32]
+    # Graph buffers: fill copies the group's table (decode steps only).
+    decode = StepBatch(n, n, n, width, 4, num_groups=2)
+    decode.query_lens[:] = 1
+    decode.kv_lens[:] = [6, 5]
+    decode.group_block_tables[1] = [[0, 7], [0, 8]]
+    decode.group_slot_mappings[1] = [29, 32]
+    decode.finish()
+    dseq = SequenceMetadata.from_step_batch(decode, CPU)
+    buffers = sliding.make_graph_buffers(4, CPU)
+    view = sliding.fill(dseq, buffers, 4)
+    assert view.block_tables[:2, :2].tolist() == [[0, 7], [0, 8]]
+    assert view.slot_mapping[:2].tolist() == [29, 32]

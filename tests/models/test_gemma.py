@@ -240,3 +240,77 @@ def test_greedy_on_cuda_with_graphs(gemma_case):
     )
     assert llm.engine.runner.graphs is not None and len(llm.engine.runner.plan.groups) == 2
     assert _greedy_tokens(llm) == refs
+
+
+def test_sliding_group_holds_only_the_window(gemma_dir):
+    """A prompt many windows long, decoded well past it: parity with HF, while the sliding
+    group's live blocks stay bounded by the window and the full group's grow with the sequence."""
+    path = gemma_dir("gemma2")  # window 8; layers alternate sliding and full
+    hf = tf.AutoModelForCausalLM.from_pretrained(
+        path, dtype=torch.float32, attn_implementation="eager"
+    ).eval()
+    prompt = [(i * 53) % 300 + 5 for i in range(60)]  # 7.5 windows
+    max_new = 40
+    ref = hf.generate(torch.tensor([prompt]), max_new_tokens=max_new, do_sample=False)[
+        0, len(prompt) :
+    ].tolist()
+    bs, chunk = 4, 16
+    llm = LLM(str(path), max_model_len=256, block_size=bs, max_num_batched_tokens=chunk)
+    engine, kv = llm.engine, llm.engine.kv_cache
+    window = hf.config.sliding_window
+    assert kv.sliding_windows == [None, window]
+    full, sliding = kv.groups
+    # Pools sized for the same number of max-length sequences; the sliding one is smaller.
+    assert sliding.num_blocks < full.num_blocks
+    bound = -(-(window + chunk) // bs) + 1
+    params = SamplingParams(temperature=0, max_tokens=max_new, ignore_eos=True)
+    engine.add_request("long", prompt, params)
+    request = engine.samples("long")[0]
+    most_live, tokens = 0, []
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            tokens = out.outputs[0].token_ids
+        kv.check_invariants()
+        if request.is_finished:
+            break
+        full_table, sliding_table = kv.block_tables("long")
+        live = sum(b != 0 for b in sliding_table)
+        assert live <= bound
+        assert all(b != 0 for b in full_table)
+        assert len(full_table) == -(-(request.num_computed_tokens) // bs)
+        assert sliding.num_free_blocks == sliding.num_blocks - 1 - live
+        most_live = max(most_live, live)
+    assert tokens == ref
+    assert len(full_table) > 2 * bound  # the full group kept the whole history
+    assert 0 < most_live <= bound
+    assert kv.num_free_blocks == kv.num_blocks - 1 and kv.usage == 0.0
+
+
+def test_kv_budget_fits_the_same_number_of_sequences_in_every_group(gemma_dir, monkeypatch):
+    import heron.engine.llm_engine as llm_engine
+
+    path = gemma_dir("gemma2")  # 2 sliding (window 8) and 2 full layers, 2 KV heads of 16
+    bs, chunk, max_len = 4, 16, 256
+    per_block = 2 * 2 * bs * 2 * 16 * 4  # 2 layers, K and V, fp32
+    b_full, b_sliding = max_len // bs, -(-(8 + chunk) // bs) + 1
+    sequences = 3
+    budget = sequences * (b_full + b_sliding) * per_block + 2 * per_block
+    monkeypatch.setattr(llm_engine, "DEFAULT_HOST_KV_CACHE_BYTES", budget)
+    llm = LLM(
+        str(path),
+        max_model_len=max_len,
+        block_size=bs,
+        max_num_batched_tokens=chunk,
+        max_num_seqs=8,
+    )
+    kv = llm.engine.kv_cache
+    assert [g.num_blocks for g in kv.groups] == [sequences * b_full + 1, sequences * b_sliding + 1]
+    runner = llm.engine.runner
+    assert runner.kv_cache_bytes_per_block() == [per_block, per_block]
+    # Each operator's KV tensor is sized to its own group's pool.
+    for op in runner.attention_ops:
+        g = 0 if op.spec.sliding_window is None else 1
+        assert op.kv_cache.shape[1] == kv.groups[g].num_blocks
+    # An explicit pool size applies to every group.
+    llm = LLM(str(path), max_model_len=max_len, block_size=bs, num_kv_blocks=70)
+    assert [g.num_blocks for g in llm.engine.kv_cache.groups] == [70, 70]

@@ -53,7 +53,13 @@ class PagedAttentionBuilder(MetadataBuilder):
     Decode steps are graph-capturable: ``fill`` copies the step into persistent buffers whose
     block-table width is bounded by ``max_model_len / block_size``; padded rows get length 0 and
     the null block. Eager steps use ``build``; both end in :meth:`_view`.
+
+    ``cache_group`` is the KV cache group whose block tables and slots this builder reads (set by
+    the runner after planning: every builder with the same sliding window shares one group).
+    A sliding group's table holds the null block where blocks slid out of the window.
     """
+
+    cache_group: int = 0
 
     graph_support = GraphSupport.DECODE_ONLY
 
@@ -80,11 +86,12 @@ class PagedAttentionBuilder(MetadataBuilder):
 
     def build(self, seq: SequenceMetadata) -> PagedAttentionView:
         self._check_layout(seq)
+        slot_mapping, block_tables = self._group_tables(seq)
         return self._view(
             seq,
             seq.positions,
-            seq.slot_mapping,
-            seq.block_tables,
+            slot_mapping,
+            block_tables,
             seq.kv_lens,
             seq.query_start_loc,
             seq.num_reqs,
@@ -109,13 +116,14 @@ class PagedAttentionBuilder(MetadataBuilder):
                 f"graph buffers take decode steps of at most {batch} requests, got "
                 f"{seq.num_reqs} requests with {seq.num_tokens} tokens"
             )
-        n, width = seq.num_reqs, seq.block_tables.shape[1]
+        slot_mapping, block_tables = self._group_tables(seq)
+        n, width = seq.num_reqs, block_tables.shape[1]
         # Few, in-place copies: this runs before every replay. Table entries past a row's
         # length are never read, so stale ones need no reset; padded rows get length 0, the
         # null block and slot 0 (their garbage K/V goes to the null block).
         buffers.positions[:n].copy_(seq.positions)
-        buffers.slot_mapping[:n].copy_(seq.slot_mapping)
-        buffers.block_tables[:n, :width].copy_(seq.block_tables)
+        buffers.slot_mapping[:n].copy_(slot_mapping)
+        buffers.block_tables[:n, :width].copy_(block_tables)
         buffers.kv_lens[:n].copy_(seq.kv_lens)
         if n < batch:
             buffers.slot_mapping[n:batch].zero_()
@@ -130,6 +138,17 @@ class PagedAttentionBuilder(MetadataBuilder):
             buffers.query_start_loc[: batch + 1],
             batch,
         )
+
+    def _group_tables(self, seq: SequenceMetadata) -> tuple[torch.Tensor, torch.Tensor]:
+        """This builder's cache group's slots and block tables."""
+        g = self.cache_group
+        if g == 0 and seq.num_groups <= 1:
+            return seq.slot_mapping, seq.block_tables
+        if g >= seq.num_groups:
+            raise StepMetadataError(
+                f"{self.describe()} reads KV cache group {g}, the step has {seq.num_groups}"
+            )
+        return seq.group_slot_mappings[g], seq.group_block_tables[g]
 
     def _check_layout(self, seq: SequenceMetadata) -> None:
         # Block tables and slots in SequenceMetadata are laid out for one block size.

@@ -1,0 +1,216 @@
+"""KV cache groups: atomic allocation, sliding-window release, leaks, prefix hits across groups."""
+
+from __future__ import annotations
+
+import math
+import random
+
+from heron.engine.kv_cache_manager import NULL_BLOCK_ID, KVCacheCoordinator
+from heron.engine.request import Request
+from heron.sampling_params import SamplingParams
+
+FULL, SLIDING = 0, 1
+
+
+class CheckedCoordinator(KVCacheCoordinator):
+    """Checks every invariant after every public operation."""
+
+    def get_computed_blocks(self, request):
+        result = super().get_computed_blocks(request)
+        self.check_invariants()
+        return result
+
+    def allocate_slots(self, request, num_new_tokens, new_computed_blocks=()):
+        result = super().allocate_slots(request, num_new_tokens, new_computed_blocks)
+        self.check_invariants()
+        return result
+
+    def free(self, request):
+        super().free(request)
+        self.check_invariants()
+
+
+def make_request(request_id: str, tokens) -> Request:
+    return Request(request_id, list(tokens), SamplingParams(max_tokens=None))
+
+
+def state(kv: KVCacheCoordinator):
+    return [
+        (
+            g.num_free_blocks,
+            {rid: list(s.block_ids) for rid, s in g._requests.items()},
+            list(g._pool.ref_cnt),
+            dict(g._pool.cached),
+        )
+        for g in kv.groups
+    ]
+
+
+def assert_idle(kv: KVCacheCoordinator) -> None:
+    kv.check_invariants()
+    for g in kv.groups:
+        assert g.num_free_blocks == g.num_blocks - 1
+    assert kv.usage == 0.0
+
+
+def live(table: list[int]) -> int:
+    return sum(b != NULL_BLOCK_ID for b in table)
+
+
+def test_one_group_behaves_like_a_manager():
+    kv = CheckedCoordinator([10], block_size=4)
+    r = make_request("a", range(10))
+    hits, n = kv.get_computed_blocks(r)
+    assert (hits, n) == (([],), 0)
+    assert kv.allocate_slots(r, 10, hits)
+    assert len(kv.block_table("a")) == 3 and kv.block_tables("a") == [kv.block_table("a")]
+    assert kv.num_free_blocks == 6
+    r.num_computed_tokens = 10
+    kv.free(r)
+    assert_idle(kv)
+
+
+def test_allocation_is_atomic_across_groups():
+    # The full group is the short one: 3 usable blocks of 2 tokens.
+    kv = CheckedCoordinator([4, 20], block_size=2, sliding_windows=[None, 4])
+    a = make_request("a", range(8))
+    before = state(kv)
+    assert not kv.allocate_slots(a, 8)  # the full group needs 4 blocks
+    assert state(kv) == before
+    # Now the sliding group is the short one.
+    kv = CheckedCoordinator([20, 3], block_size=2, sliding_windows=[None, 4])
+    before = state(kv)
+    assert not kv.allocate_slots(a, 8)  # a whole prompt at once: 4 blocks in every group
+    assert state(kv) == before
+    assert kv.allocate_slots(a, 2) and kv.allocate_slots(a, 0) is True
+    assert [live(t) for t in kv.block_tables("a")] == [1, 1]
+
+
+def test_sliding_group_releases_blocks_outside_the_window():
+    bs, window = 2, 4
+    kv = CheckedCoordinator([40, 40], block_size=bs, sliding_windows=[None, window])
+    sliding = kv.groups[SLIDING]
+    r = make_request("a", range(6))
+    assert kv.allocate_slots(r, 6)
+    r.num_computed_tokens = 6
+    bound = math.ceil((window + 1) / bs) + 1
+    for step in range(30):
+        r.append_output_token(100 + step)
+        c = r.num_computed_tokens
+        assert kv.allocate_slots(r, 1)
+        full_table, sliding_table = kv.block_tables("a")
+        assert len(full_table) == len(sliding_table) == c // bs + 1
+        assert live(full_table) == len(full_table)  # full history kept
+        first_needed = max(0, c - window + 1)
+        for i, block in enumerate(sliding_table):
+            # Released exactly the blocks whose tokens all precede the window.
+            assert (block == NULL_BLOCK_ID) == ((i + 1) * bs <= first_needed)
+        assert live(sliding_table) <= bound
+        assert sliding.num_free_blocks == sliding.num_blocks - 1 - live(sliding_table)
+        r.num_computed_tokens += 1
+    assert kv.groups[FULL].num_free_blocks < sliding.num_free_blocks
+    kv.free(r)
+    assert_idle(kv)
+
+
+def test_released_blocks_are_reused_in_the_same_step():
+    # 3 usable sliding blocks of 2 tokens, window 2: a decoding request never needs more.
+    kv = CheckedCoordinator([40, 4], block_size=2, sliding_windows=[None, 2])
+    r = make_request("a", range(4))
+    assert kv.allocate_slots(r, 4)
+    r.num_computed_tokens = 4
+    for step in range(20):
+        r.append_output_token(7)
+        assert kv.allocate_slots(r, 1), f"step {step}"
+        r.num_computed_tokens += 1
+    kv.free(r)
+    assert_idle(kv)
+
+
+def test_prefix_hit_is_the_minimum_over_groups():
+    bs = 2
+    kv = CheckedCoordinator([30, 8], block_size=bs, sliding_windows=[None, 4])
+    a = make_request("a", range(12))
+    assert kv.allocate_slots(a, 12)
+    a.num_computed_tokens = 12
+    kv.free(a)  # all 6 blocks cached in both groups; the tail ones are evicted first
+    b = make_request("b", range(100, 106))
+    assert kv.allocate_slots(b, 6)  # in the sliding group: the unused block and a's last two
+    b.num_computed_tokens = 6
+    kv.free(b)
+    c = make_request("c", list(range(12)) + [55])
+    full_chain = kv.groups[FULL].find_cached_chain(c)
+    sliding_chain = kv.groups[SLIDING].find_cached_chain(c)
+    assert (len(full_chain), len(sliding_chain)) == (6, 4)
+    hits, num_hit = kv.get_computed_blocks(c)
+    assert num_hit == 4 * bs
+    assert [len(h) for h in hits] == [4, 4]
+    assert list(hits[FULL]) == full_chain[:4] and list(hits[SLIDING]) == sliding_chain
+    assert kv.allocate_slots(c, c.num_tokens - num_hit, hits)
+    c.num_computed_tokens = c.num_tokens
+    # The sliding group took only the hit blocks inside the window of the first computed token.
+    sliding_table = kv.block_table("c", SLIDING)
+    assert sliding_table[:2] == [NULL_BLOCK_ID, NULL_BLOCK_ID]
+    assert kv.prefix_cache_hits == num_hit and kv.prefix_cache_queries == c.num_tokens
+    kv.free(c)
+    assert_idle(kv)
+
+
+def test_blocks_released_by_sliding_still_hit():
+    bs = 2
+    kv = CheckedCoordinator([40, 40], block_size=bs, sliding_windows=[None, 4])
+    a = make_request("a", range(16))
+    for _ in range(4):  # chunks of 4: the sliding group releases blocks as the prefill goes
+        assert kv.allocate_slots(a, 4)
+        a.num_computed_tokens += 4
+    assert kv.block_table("a", SLIDING)[0] == NULL_BLOCK_ID
+    kv.free(a)
+    c = make_request("c", list(range(16)) + [1])
+    hits, num_hit = kv.get_computed_blocks(c)
+    assert num_hit == 16 and [len(h) for h in hits] == [8, 8]
+    assert kv.allocate_slots(c, 1, hits)
+    c.num_computed_tokens = c.num_tokens
+    kv.free(c)
+    assert_idle(kv)
+
+
+def test_no_leaks_after_finish_abort_and_preemption():
+    """A random workload in the scheduler's pattern; every group returns to its total."""
+    rng = random.Random(0)
+    bs = 4
+    kv = CheckedCoordinator([60, 25], block_size=bs, sliding_windows=[None, 8])
+    running: list[Request] = []
+    prefixes = [list(range(20)), list(range(50, 70))]
+    for i in range(300):
+        if len(running) < 4 and rng.random() < 0.3:
+            prompt = rng.choice(prefixes)[: rng.randint(1, 20)] + [rng.randint(0, 300)]
+            r = make_request(f"r{i}", prompt)
+            hits, num_hit = kv.get_computed_blocks(r)
+            if kv.allocate_slots(r, min(r.num_tokens - num_hit, 8), hits):
+                r.num_computed_tokens = num_hit
+                r._step = min(r.num_tokens - num_hit, 8)
+                running.append(r)
+            continue
+        if not running:
+            continue
+        r = rng.choice(running)
+        action = rng.random()
+        if action < 0.1:  # abort or finish
+            running.remove(r)
+            kv.free(r)
+        elif action < 0.15:  # preempted before its step ran
+            running.remove(r)
+            kv.free(r)
+        else:  # the scheduled step runs; schedule the next
+            r.num_computed_tokens += r._step
+            if r.num_computed_tokens == r.num_tokens:
+                r.append_output_token(rng.randint(0, 300))
+            n = min(r.num_tokens - r.num_computed_tokens, 8)
+            if kv.allocate_slots(r, n):
+                r._step = n
+            else:
+                running.remove(r)
+                kv.free(r)
+    for r in running:
+        kv.free(r)
+    assert_idle(kv)
