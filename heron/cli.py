@@ -124,6 +124,11 @@ def cmd_plan(args: argparse.Namespace) -> int:
 
     engine = LLMEngine(engine_config(args))
     plan = engine.runner.plan.describe()
+    kv = engine.kv_cache
+    plan["kv_cache_groups"] = [
+        {"group": i, "sliding_window": window, "num_blocks": manager.num_blocks - 1}
+        for i, (window, manager) in enumerate(zip(kv.sliding_windows, kv.groups))
+    ]
     if args.json:
         print(json.dumps(plan, indent=2))
         return 0
@@ -135,6 +140,10 @@ def cmd_plan(args: argparse.Namespace) -> int:
         for layer in group["layers"]:
             print(f"    {layer}")
     print(f"fallback: {plan['fallback_reason'] or 'none'}")
+    for cache in plan["kv_cache_groups"]:
+        window = cache["sliding_window"]
+        kind = "full attention" if window is None else f"sliding window {window}"
+        print(f"KV cache group {cache['group']} ({kind}): {cache['num_blocks']} blocks")
     return 0
 
 

@@ -14,6 +14,8 @@ def test_plan_json_lists_groups_and_layers(tiny_model_dir, capsys):
     assert group["layers"] == [f"model.layers.{i}.self_attn.attn" for i in range(3)]
     assert "24" in group["key"]  # Mistral's window is part of the key
     assert group["graph_support"] == "DECODE_ONLY"
+    (cache,) = plan["kv_cache_groups"]
+    assert cache["sliding_window"] == 24 and cache["num_blocks"] > 0
 
 
 def test_plan_text(tiny_model_dir, capsys):
