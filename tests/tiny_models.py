@@ -106,3 +106,18 @@ def attend(op, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tenso
     """Run an attention operator on separate q [T,H,D], k, v [T,KVH,D] (it takes them packed)."""
     qkv = torch.cat([q.flatten(1), k.flatten(1), v.flatten(1)], dim=1)
     return op(qkv).view_as(q)
+
+
+def hf_greedy(hf, prompts: list[list[int]], max_new: int) -> list[list[int]]:
+    """HF transformers' greedy continuation of each prompt (no EOS stop: ids only)."""
+    return [
+        hf.generate(torch.tensor([p]), max_new_tokens=max_new, do_sample=False, pad_token_id=0)[
+            0, len(p) :
+        ].tolist()
+        for p in prompts
+    ]
+
+
+def greedy_tokens(llm, prompts: list[list[int]], params) -> list[list[int]]:
+    """Heron's token ids for each prompt under ``params``."""
+    return [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]

@@ -16,7 +16,7 @@ from heron import LLM, SamplingParams
 from heron.layers.norm import GemmaRMSNorm
 from heron.metadata import StepMetaPlan
 
-from tiny_models import make_tokenizer
+from tiny_models import greedy_tokens, hf_greedy, make_tokenizer
 
 MAX_NEW = 24
 SLIDING, FULL = "sliding_attention", "full_attention"
@@ -113,17 +113,12 @@ def gemma_case(request, gemma_dir):
     hf = tf.AutoModelForCausalLM.from_pretrained(
         path, dtype=torch.float32, attn_implementation="eager"
     ).eval()
-    refs = [
-        hf.generate(torch.tensor([p]), max_new_tokens=MAX_NEW, do_sample=False, pad_token_id=0)[
-            0, len(p) :
-        ].tolist()
-        for p in PROMPTS
-    ]
+    refs = hf_greedy(hf, PROMPTS, MAX_NEW)
     return str(path), hf, refs
 
 
 def _greedy_tokens(llm: LLM) -> list[list[int]]:
-    return [o.outputs[0].token_ids for o in llm.generate(PROMPTS, GREEDY, use_tqdm=False)]
+    return greedy_tokens(llm, PROMPTS, GREEDY)
 
 
 def test_greedy_batch_equals_hf(gemma_case):

@@ -12,7 +12,7 @@ from transformers.models.gpt_oss.modeling_gpt_oss import GptOssMLP
 from heron import LLM, SamplingParams
 from heron.layers.moe import MoEMLP
 
-from tiny_models import make_tokenizer
+from tiny_models import greedy_tokens, hf_greedy, make_tokenizer
 
 WINDOW = 12
 MAX_NEW = 20
@@ -87,17 +87,12 @@ def gpt_oss(tmp_path_factory):
     hf = tf.AutoModelForCausalLM.from_pretrained(
         path, dtype=torch.float32, attn_implementation="eager"
     ).eval()
-    refs = [
-        hf.generate(torch.tensor([p]), max_new_tokens=MAX_NEW, do_sample=False, pad_token_id=0)[
-            0, len(p) :
-        ].tolist()
-        for p in PROMPTS
-    ]
+    refs = hf_greedy(hf, PROMPTS, MAX_NEW)
     return path, hf, refs
 
 
 def _greedy_tokens(llm: LLM) -> list[list[int]]:
-    return [o.outputs[0].token_ids for o in llm.generate(PROMPTS, GREEDY, use_tqdm=False)]
+    return greedy_tokens(llm, PROMPTS, GREEDY)
 
 
 def test_checkpoint_layout_is_what_the_loader_maps(gpt_oss):

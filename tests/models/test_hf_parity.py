@@ -8,7 +8,7 @@ import transformers as tf
 
 from heron import LLM, SamplingParams
 
-from tiny_models import FAMILIES
+from tiny_models import FAMILIES, greedy_tokens, hf_greedy
 
 MAX_NEW = 24
 # Different lengths; the first two share a 40-token prefix (prefix caching), the last crosses
@@ -26,17 +26,12 @@ GREEDY = SamplingParams(temperature=0.0, max_tokens=MAX_NEW, ignore_eos=True)
 def family_case(request, tiny_model_dir):
     path = tiny_model_dir(request.param)
     hf = tf.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-    refs = [
-        hf.generate(torch.tensor([p]), max_new_tokens=MAX_NEW, do_sample=False, pad_token_id=0)[
-            0, len(p) :
-        ].tolist()
-        for p in PROMPTS
-    ]
+    refs = hf_greedy(hf, PROMPTS, MAX_NEW)
     return path, hf, refs
 
 
 def _greedy_tokens(llm: LLM) -> list[list[int]]:
-    return [o.outputs[0].token_ids for o in llm.generate(PROMPTS, GREEDY, use_tqdm=False)]
+    return greedy_tokens(llm, PROMPTS, GREEDY)
 
 
 def test_greedy_batch_equals_hf(family_case):
