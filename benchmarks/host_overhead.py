@@ -15,7 +15,7 @@ import time
 
 import torch
 
-from heron.engine.kv_cache_manager import KVCacheManager
+from heron.engine.kv_cache_manager import KVCacheCoordinator
 from heron.engine.request import Request
 from heron.engine.scheduler import Scheduler, SchedulerConfig
 from heron.execution.step_inputs import StepInputBuilder
@@ -39,7 +39,7 @@ def make_plan() -> StepMetaPlan:
 def measure(batch: int, steps: int, device: torch.device) -> dict[str, float]:
     plan = make_plan()
     blocks = batch * (PROMPT_LEN + steps + 64) // BLOCK_SIZE + batch + 1
-    kv = KVCacheManager(blocks, BLOCK_SIZE, enable_prefix_caching=True)
+    kv = KVCacheCoordinator([blocks], BLOCK_SIZE, enable_prefix_caching=True)
     scheduler = Scheduler(SchedulerConfig(batch, 1 << 20, MAX_MODEL_LEN), kv)
     inputs = StepInputBuilder(BLOCK_SIZE, device)
     params = SamplingParams(max_tokens=None, ignore_eos=True)
@@ -52,7 +52,7 @@ def measure(batch: int, steps: int, device: torch.device) -> dict[str, float]:
         t0 = time.perf_counter()
         out = scheduler.schedule()
         t1 = time.perf_counter()
-        prepared = inputs.prepare(out, kv.block_table)
+        prepared = inputs.prepare(out, kv.block_tables)
         plan.build_views(prepared.seq)
         if device.type == "cuda":
             torch.cuda.synchronize()

@@ -275,15 +275,25 @@ class KVCacheManager:
         the blocks that slid out of a sliding window and go back to the queue (so it can be
         negative). The call succeeds exactly when this is ``<= num_free_blocks``.
         """
+        return self._plan(request, num_new_tokens, new_computed_blocks)[2]
+
+    def _plan(
+        self, request: Request, num_new_tokens: int, new_computed_blocks: Sequence[int]
+    ) -> tuple[int, int, int]:
+        """(new blocks to take, first live table index, net blocks needed) for a step."""
         state = self._requests.get(request.request_id)
         num_hit = len(new_computed_blocks)
-        first_live = self._first_live_block(request, num_hit)
         num_new = self._num_new_blocks(state, request, num_new_tokens, num_hit)
-        return (
+        if self.sliding_window is None:  # the common case, kept cheap: it runs every step
+            needed = num_new + (self._num_evictable(new_computed_blocks) if num_hit else 0)
+            return num_new, 0, needed
+        first_live = self._first_live_block(request, num_hit)
+        needed = (
             num_new
             + self._num_evictable(new_computed_blocks[first_live:])
             - self._num_released(state, first_live)
         )
+        return num_new, first_live, needed
 
     def check_computed_blocks(self, request: Request, new_computed_blocks: Sequence[int]) -> None:
         """Raise ``ValueError`` if a hit block was evicted since :meth:`get_computed_blocks`."""
@@ -329,11 +339,11 @@ class KVCacheManager:
                 "first allocation"
             )
         pool = self._pool
-        self.check_computed_blocks(request, new_computed_blocks)
-        if not self.can_allocate(request, num_new_tokens, new_computed_blocks):
+        if num_hit:
+            self.check_computed_blocks(request, new_computed_blocks)
+        num_new, first_live, needed = self._plan(request, num_new_tokens, new_computed_blocks)
+        if needed > pool.num_free:
             return False
-        num_new = self._num_new_blocks(state, request, num_new_tokens, num_hit)
-        first_live = self._first_live_block(request, num_hit)
 
         if state is None:
             state = self._requests[request.request_id] = _RequestBlocks()
@@ -539,6 +549,8 @@ class KVCacheCoordinator:
     ) -> bool:
         """Allocate this step's slots in every group, or (returning False) in none."""
         hits = list(new_computed_blocks) or [()] * len(self.groups)
+        if len(self.groups) == 1:  # one group is atomic on its own; skip the double check
+            return self.groups[0].allocate_slots(request, num_new_tokens, hits[0])
         for group, blocks in zip(self.groups, hits):
             group.check_computed_blocks(request, blocks)
         if not all(
