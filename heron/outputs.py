@@ -2,19 +2,51 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 from heron.engine.request import Logprob
+
+
+class PrefixView(Sequence):
+    """A read-only view of the first ``len`` items of a list that only ever grows.
+
+    Outputs of unfinished, streamed requests use it so that a step does not copy every
+    request's whole token list (which made output building quadratic in the output length);
+    finished outputs hold plain lists.
+    """
+
+    __slots__ = ("_items", "_len")
+
+    def __init__(self, items: list[Any]) -> None:
+        self._items, self._len = items, len(items)
+
+    def __len__(self) -> int:
+        return self._len
+
+    def __getitem__(self, index):
+        if isinstance(index, slice):
+            return self._items[: self._len][index]
+        if not -self._len <= index < self._len:
+            raise IndexError("PrefixView index out of range")
+        return self._items[index % self._len]
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, Sequence) and list(self) == list(other)
+
+    def __repr__(self) -> str:
+        return repr(self._items[: self._len])
 
 
 @dataclass
 class CompletionOutput:
     index: int
     text: str
-    token_ids: list[int]
+    token_ids: Sequence[int]  # a list once finished; a PrefixView while streaming
     finish_reason: str | None = None  # "stop", "length", "abort"; None while running
     stop_reason: str | int | None = None
-    logprobs: list[Logprob] | None = None
+    logprobs: Sequence[Logprob] | None = None
 
     @property
     def finished(self) -> bool:

@@ -17,7 +17,7 @@ from heron.engine.scheduler import Scheduler, SchedulerConfig
 from heron.engine.stopping import check_stop
 from heron.execution.model_runner import ModelRunner
 from heron.loader.resolve import resolve_model_path
-from heron.outputs import CompletionOutput, RequestOutput
+from heron.outputs import CompletionOutput, PrefixView, RequestOutput
 from heron.platforms import platform_for, resolve_device
 from heron.sampling_params import SamplingParams
 
@@ -41,19 +41,21 @@ class _Parent:
     arrival_time: float = field(default_factory=time.monotonic)
 
     def output(self) -> RequestOutput:
-        outputs = [
-            CompletionOutput(
-                index=child.sample_index,
-                text=detok.text if child.is_finished else detok.text_safe_to_stream,
-                token_ids=list(child.output_token_ids),
-                finish_reason=child.finish_reason.value if child.finish_reason else None,
-                stop_reason=child.stop_reason,
-                logprobs=list(child.logprobs)
-                if child.sampling_params.logprobs is not None
-                else None,
+        outputs = []
+        for child, detok in zip(self.children, self.detokenizers):
+            snapshot = list if child.is_finished else PrefixView
+            outputs.append(
+                CompletionOutput(
+                    index=child.sample_index,
+                    text=detok.text if child.is_finished else detok.text_safe_to_stream,
+                    token_ids=snapshot(child.output_token_ids),
+                    finish_reason=child.finish_reason.value if child.finish_reason else None,
+                    stop_reason=child.stop_reason,
+                    logprobs=snapshot(child.logprobs)
+                    if child.sampling_params.logprobs is not None
+                    else None,
+                )
             )
-            for child, detok in zip(self.children, self.detokenizers)
-        ]
         first = self.children[0]
         return RequestOutput(
             request_id=self.request_id,
