@@ -34,9 +34,8 @@ class _Server(uvicorn.Server):
 
 
 def _graph_mode(engine: LLMEngine) -> str:
-    if engine.platform.device.type == "cpu" or engine.config.enforce_eager:
-        return "eager"
-    return f"graphs ({engine.runner.plan.graph_support.name.lower()})"
+    graphs = engine.runner.graphs
+    return "eager" if graphs is None else f"CUDA graphs for decode batches up to {graphs.max_batch}"
 
 
 def serve(
