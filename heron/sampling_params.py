@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 _GREEDY_EPS = 1e-5
+# OpenAI's own limit; it also bounds the sequences one request can add to the engine.
+MAX_N = 128
 
 
 @dataclass
@@ -49,8 +51,8 @@ class SamplingParams:
         def bad(name: str, allowed: str) -> ValueError:
             return ValueError(f"{name} must be {allowed}, got {getattr(self, name)!r}")
 
-        if not isinstance(self.n, int) or self.n < 1:
-            raise bad("n", "an integer >= 1")
+        if not isinstance(self.n, int) or not 1 <= self.n <= MAX_N:
+            raise bad("n", f"an integer in [1, {MAX_N}]")
         if not 0.0 <= self.temperature <= 100.0:
             raise bad("temperature", "in [0, 100]")
         if not 0.0 < self.top_p <= 1.0:

@@ -1,0 +1,46 @@
+"""SamplingParams rejects every invalid value with the field's name and its allowed range."""
+
+import pytest
+
+from heron import SamplingParams
+from heron.sampling_params import MAX_N
+
+INVALID = [
+    ("n", 0, "[1, 128]"),
+    ("n", MAX_N + 1, "[1, 128]"),
+    ("n", 1.5, "[1, 128]"),
+    ("temperature", -0.1, "[0, 100]"),
+    ("top_p", 0.0, "(0, 1]"),
+    ("top_p", 1.5, "(0, 1]"),
+    ("top_k", -2, ">= 0"),
+    ("min_p", 1.1, "[0, 1]"),
+    ("repetition_penalty", 0.0, "(0, 10]"),
+    ("presence_penalty", 2.5, "[-2, 2]"),
+    ("frequency_penalty", -3.0, "[-2, 2]"),
+    ("seed", "7", "integer"),
+    ("max_tokens", 0, ">= 1"),
+    ("min_tokens", -1, ">= 0"),
+    ("stop", [""], "non-empty"),
+    ("stop_token_ids", [-1], "non-negative"),
+    ("logprobs", 21, "[0, 20]"),
+    ("prompt_logprobs", -1, "[0, 20]"),
+]
+
+
+@pytest.mark.parametrize(("field", "value", "allowed"), INVALID, ids=lambda v: str(v))
+def test_invalid_value_names_field_and_range(field, value, allowed):
+    with pytest.raises(ValueError) as error:
+        SamplingParams(**{field: value})
+    message = str(error.value)
+    assert message.startswith(field) and allowed in message and repr(value) in message
+
+
+def test_min_tokens_cannot_exceed_max_tokens():
+    with pytest.raises(ValueError, match=r"min_tokens must be <= max_tokens \(4\)"):
+        SamplingParams(max_tokens=4, min_tokens=5)
+
+
+def test_normalisation():
+    p = SamplingParams(stop="END", top_k=-1, temperature=0)
+    assert p.stop == ["END"] and p.top_k == 0 and p.greedy
+    assert SamplingParams(max_tokens=None).max_tokens is None
