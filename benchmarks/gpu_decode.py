@@ -50,17 +50,17 @@ def build_model(path: Path) -> None:
     torch.manual_seed(0)
     with torch.device("cuda"):
         model = tf.Qwen3ForCausalLM(config).to(torch.bfloat16)
-    model.generation_config.eos_token_id = None
-    model.save_pretrained(path)
-    _save_tokenizer(path)
+    save_random_checkpoint(model, path)
 
 
-def _save_tokenizer(path: Path) -> None:
-    """A trivial tokenizer so the directory is a complete checkpoint (prompts are token ids)."""
+def save_random_checkpoint(model: torch.nn.Module, path: Path) -> None:
+    """Save ``model`` with a trivial word-level tokenizer (prompts are token ids) and no EOS."""
     from tokenizers import Tokenizer, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
-    vocab = {f"t{i}": i for i in range(QWEN3_0_6B["vocab_size"])}
+    model.generation_config.eos_token_id = None
+    model.save_pretrained(path)
+    vocab = {f"t{i}": i for i in range(model.config.vocab_size)}
     tok = Tokenizer(models.WordLevel(vocab, unk_token="t0"))
     tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
     PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="t1").save_pretrained(path)

@@ -1,0 +1,106 @@
+"""Decode on a Gemma-3-1B-shaped model at long context, Heron against HF transformers (GPU).
+
+A random-weight model with Gemma 3 1B's shape (hidden 1152, 26 layers: five sliding-window
+layers then one full layer, repeating; 4 heads, 1 KV head, head_dim 256, intermediate 6912,
+vocab 262144, window 512, RoPE bases 10,000 local / 1,000,000 global, tied embeddings, bf16).
+For each context (4k and 16k tokens): decode ms per step at batch 1 and at batch 64 (4k only:
+64 requests of 16k do not fit the HF baseline), measured as in ``gpu_decode.py`` (per request,
+(last token time - first token time) / (tokens - 1)), and its multiple of the bandwidth floor:
+(weight bytes + KV bytes read) / measured copy bandwidth, where a sliding layer reads at most
+its window and a full layer the whole context.
+
+    python benchmarks/gemma_decode.py [--skip-hf] [--new-tokens 64]
+"""
+
+from __future__ import annotations
+
+import argparse
+import tempfile
+from pathlib import Path
+
+import torch
+
+from heron import LLM
+
+from gpu_decode import copy_bandwidth, heron_decode_ms, hf_decode_ms, save_random_checkpoint
+
+GEMMA3_1B = dict(
+    hidden_size=1152,
+    num_hidden_layers=26,
+    num_attention_heads=4,
+    num_key_value_heads=1,
+    head_dim=256,
+    intermediate_size=6912,
+    vocab_size=262144,
+    sliding_window=512,
+    max_position_embeddings=32768,
+    tie_word_embeddings=True,
+)
+CASES = [(4096, 1), (4096, 64), (16384, 1)]  # (context, batch)
+
+
+def build_model(path: Path) -> None:
+    import transformers as tf
+
+    config = tf.Gemma3TextConfig(**GEMMA3_1B)  # defaults: 5 sliding : 1 full, bases 10k / 1M
+    torch.manual_seed(0)
+    with torch.device("cuda"):
+        model = tf.Gemma3ForCausalLM(config).to(torch.bfloat16)
+    save_random_checkpoint(model, path)
+
+
+def floor_ms(batch: int, context: int, bandwidth: float, layer_types: list[str]) -> float:
+    c = GEMMA3_1B
+    d, h, kv, hd = (
+        c["hidden_size"],
+        c["num_attention_heads"],
+        c["num_key_value_heads"],
+        c["head_dim"],
+    )
+    per_layer = d * (h + 2 * kv) * hd + h * hd * d + 3 * d * c["intermediate_size"]
+    weights = 2 * (len(layer_types) * per_layer + c["vocab_size"] * d)
+    read = sum(
+        min(context, c["sliding_window"]) if t == "sliding_attention" else context
+        for t in layer_types
+    )
+    return (weights + batch * read * 2 * kv * hd * 2) / bandwidth * 1e3
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--skip-hf", action="store_true")
+    parser.add_argument("--new-tokens", type=int, default=64)
+    args = parser.parse_args()
+    bandwidth = copy_bandwidth()
+    new = args.new_tokens
+    results: dict[str, list[float]] = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp)
+        build_model(path)
+        llm = LLM(str(path), max_model_len=max(c for c, _ in CASES) + new + 16)
+        layer_types = llm.engine.model_config.hf_config.layer_types
+        prompts = lambda context, batch: [[3 + i] * context for i in range(batch)]
+        results["Heron"] = [heron_decode_ms(llm, prompts(c, b), new)[0] for c, b in CASES]
+        del llm
+        torch.cuda.empty_cache()
+        if not args.skip_hf:
+            import transformers as tf
+
+            hf = tf.AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16).cuda()
+            results["HF transformers CB"] = [
+                hf_decode_ms(hf, prompts(c, b), new)[0] for c, b in CASES
+            ]
+    floors = [floor_ms(b, c + new // 2, bandwidth, layer_types) for c, b in CASES]
+    print(f"copy bandwidth {bandwidth / 1e12:.2f} TB/s")
+    header = " | ".join(
+        f"ctx {c}, batch {b}: ms/step (× floor {f:.2f} ms)" for (c, b), f in zip(CASES, floors)
+    )
+    print(f"| engine | {header} |")
+    print("| --- |" + " --- |" * len(CASES))
+    for name, times in results.items():
+        cells = " | ".join(f"{t:.3f} ({t / f:.2f}×)" for t, f in zip(times, floors))
+        print(f"| {name} | {cells} |")
+
+
+if __name__ == "__main__":
+    main()
