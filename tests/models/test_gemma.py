@@ -309,3 +309,15 @@ def test_kv_budget_fits_the_same_number_of_sequences_in_every_group(gemma_dir, m
     # An explicit pool size applies to every group.
     llm = LLM(str(path), max_model_len=max_len, block_size=bs, num_kv_blocks=70)
     assert [g.num_blocks for g in llm.engine.kv_cache.groups] == [70, 70]
+
+
+def test_triton_operator_refuses_gemma_qk_norm():
+    """The selector's choice is backed by the operator itself: no silent w * norm(x)."""
+    from heron.layers.rotary import QKTransform
+    from heron.metadata import ModelBuildContext
+    from heron.ops.attention.base import AttentionSpec
+    from heron.ops.attention.triton.operator import TritonAttention
+
+    transform = QKTransform(None, GemmaRMSNorm(16), GemmaRMSNorm(16))
+    with ModelBuildContext(), pytest.raises(ValueError, match="does not implement"):
+        TritonAttention("l.attn", AttentionSpec(4, 2, 16, 0.25), 16, 64, qk_transform=transform)

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 import torch
 
 from heron.layers.rotary import QKTransform
-from heron.metadata import MetadataOperator, ModelBuildContext, StepMetadataError
+from heron.metadata import MetadataBuilder, MetadataOperator, ModelBuildContext, StepMetadataError
 
 
 @dataclass(frozen=True)
@@ -44,6 +44,8 @@ class AttentionOperator(MetadataOperator):
         self,
         layer_name: str,
         spec: AttentionSpec,
+        block_size: int,
+        max_model_len: int,
         qk_transform: QKTransform | None = None,
         build_context: ModelBuildContext | None = None,
         sinks: torch.Tensor | None = None,
@@ -51,7 +53,13 @@ class AttentionOperator(MetadataOperator):
         super().__init__(layer_name, build_context)
         if spec.has_sinks != (sinks is not None):
             raise ValueError(f"layer {layer_name!r}: has_sinks={spec.has_sinks} but sinks={sinks}")
+        if not self.covers(spec, qk_transform):
+            raise ValueError(
+                f"layer {layer_name!r}: {type(self).__name__} does not implement this layer's "
+                "configuration (soft-cap, sinks or q/k norm); use the reference operator"
+            )
         self.spec = spec
+        self._builder = self.make_builder(spec, block_size, max_model_len)
         self.qk_transform = qk_transform
         # The model's module owns (and loads) the sink logits; the operator only reads them.
         self.sinks = sinks
@@ -64,6 +72,15 @@ class AttentionOperator(MetadataOperator):
     def covers(cls, spec: AttentionSpec, qk_transform: QKTransform | None) -> bool:
         """Whether this implementation computes a layer of this configuration exactly."""
         return True
+
+    def make_builder(
+        self, spec: AttentionSpec, block_size: int, max_model_len: int
+    ) -> MetadataBuilder:
+        """The builder of the metadata this implementation reads."""
+        raise NotImplementedError
+
+    def metadata_builder(self) -> MetadataBuilder:
+        return self._builder
 
     def forward(self, qkv: torch.Tensor) -> torch.Tensor:
         """qkv: [tokens, (heads + 2 * kv_heads) * head_dim] -> [tokens, heads * head_dim]."""

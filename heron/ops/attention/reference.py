@@ -5,8 +5,6 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from heron.layers.rotary import QKTransform
-from heron.metadata import ModelBuildContext
 from heron.ops.attention.base import AttentionOperator, AttentionSpec
 from heron.ops.attention.paged import PagedAttentionBuilder, PagedAttentionView
 
@@ -19,23 +17,10 @@ class ReferenceAttention(AttentionOperator):
     calls SDPA with a causal mask offset by the request's KV history.
     """
 
-    def __init__(
-        self,
-        layer_name: str,
-        spec: AttentionSpec,
-        block_size: int,
-        max_model_len: int,
-        qk_transform: QKTransform | None = None,
-        build_context: ModelBuildContext | None = None,
-        sinks: torch.Tensor | None = None,
-    ) -> None:
-        super().__init__(layer_name, spec, qk_transform, build_context, sinks)
-        self._builder = PagedAttentionBuilder(
-            "reference", block_size, spec.sliding_window, max_model_len
-        )
-
-    def metadata_builder(self) -> PagedAttentionBuilder:
-        return self._builder
+    def make_builder(
+        self, spec: AttentionSpec, block_size: int, max_model_len: int
+    ) -> PagedAttentionBuilder:
+        return PagedAttentionBuilder("reference", block_size, spec.sliding_window, max_model_len)
 
     def prepare_qkv(self, qkv: torch.Tensor, view: PagedAttentionView) -> torch.Tensor:
         q, k, v = self.split_qkv(qkv)

@@ -10,7 +10,7 @@ import torch
 
 from heron.layers.norm import RMSNorm
 from heron.layers.rotary import QKTransform
-from heron.metadata import ModelBuildContext, SequenceMetadata
+from heron.metadata import SequenceMetadata
 from heron.ops.attention.base import AttentionOperator, AttentionSpec
 from heron.ops.attention.paged import PagedAttentionBuilder, PagedAttentionView, PagedGraphBuffers
 from heron.ops.attention.triton.decode import choose_num_splits, paged_decode_attention
@@ -114,23 +114,6 @@ class TritonAttention(AttentionOperator):
     split-K decode kernel (query heads of one KV head packed per program) and a varlen extend
     kernel reading the paged cache directly."""
 
-    def __init__(
-        self,
-        layer_name: str,
-        spec: AttentionSpec,
-        block_size: int,
-        max_model_len: int,
-        qk_transform: QKTransform | None = None,
-        build_context: ModelBuildContext | None = None,
-        sinks: torch.Tensor | None = None,
-    ) -> None:
-        if spec.logit_softcap is not None or sinks is not None:
-            raise ValueError(
-                f"layer {layer_name!r}: the Triton kernels have no soft-cap or sinks yet"
-            )
-        super().__init__(layer_name, spec, qk_transform, build_context, sinks)
-        self._builder = TritonAttentionBuilder(spec, block_size, max_model_len)
-
     @classmethod
     def covers(cls, spec: AttentionSpec, qk_transform: QKTransform | None) -> bool:
         # The fused pre-write computes Llama's w * norm(x); Gemma's (1 + w) * norm(x) is not it.
@@ -141,8 +124,10 @@ class TritonAttention(AttentionOperator):
             and all(norm is None or type(norm) is RMSNorm for norm in norms)
         )
 
-    def metadata_builder(self) -> TritonAttentionBuilder:
-        return self._builder
+    def make_builder(
+        self, spec: AttentionSpec, block_size: int, max_model_len: int
+    ) -> TritonAttentionBuilder:
+        return TritonAttentionBuilder(spec, block_size, max_model_len)
 
     def prepare_qkv(self, qkv: torch.Tensor, view: PagedAttentionView) -> torch.Tensor:
         s, t = self.spec, self.qk_transform
