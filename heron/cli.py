@@ -25,6 +25,7 @@ _ENGINE_FLAG_HELP = {
     "gpu_memory_utilization": "fraction of GPU memory Heron may use",
     "enforce_eager": "never use CUDA graphs",
     "cuda_graph_max_bs": "largest decode batch captured as a CUDA graph",
+    "async_scheduling": "prepare the next step while the device runs this one",
     "seed": "seed of requests that have none",
     "num_kv_blocks": "fix the KV pool size in blocks",
     "attention_backend": "attention operator (default: the platform's)",

@@ -39,6 +39,7 @@ class EngineConfig:
     gpu_memory_utilization: float = 0.9
     enforce_eager: bool = False
     cuda_graph_max_bs: int = 256
+    async_scheduling: bool = True
     seed: int = 0
     num_kv_blocks: int | None = None
     attention_backend: str | None = None

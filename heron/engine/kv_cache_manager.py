@@ -246,7 +246,7 @@ class KVCacheManager:
         receives the chain hashes computed along the way (at least one per returned block), so
         other groups with the same block size need not rehash.
         """
-        num_tokens = request.num_tokens
+        num_tokens = len(request.all_token_ids)
         tokens = request.all_token_ids
         bs = self.block_size
         cached = self._pool.cached
@@ -364,7 +364,8 @@ class KVCacheManager:
 
         if self.enable_prefix_caching:
             num_covered = request.num_computed_tokens + num_hit * self.block_size + num_new_tokens
-            num_full = min(num_covered, request.num_tokens) // self.block_size
+            # Only blocks of known tokens can be hashed (not those holding a pending token).
+            num_full = min(num_covered, len(request.all_token_ids)) // self.block_size
             if num_full > len(state.block_hashes):
                 self._register_full_blocks(request, state, num_full)
         return True

@@ -15,7 +15,7 @@ from heron.engine.kv_cache_manager import KVCacheCoordinator
 from heron.engine.request import FinishReason, Request
 from heron.engine.scheduler import Scheduler, SchedulerConfig
 from heron.engine.stopping import check_stop
-from heron.execution.model_runner import ModelRunner
+from heron.execution.model_runner import LaunchedStep, ModelRunner
 from heron.loader.resolve import resolve_model_path
 from heron.outputs import CompletionOutput, PrefixView, RequestOutput
 from heron.platforms import platform_for, resolve_device
@@ -106,6 +106,7 @@ class LLMEngine:
             self.kv_cache,
         )
         self._parents: dict[str, _Parent] = {}
+        self._in_flight: LaunchedStep | None = None  # launched, its tokens not read yet
         self._eos_token_ids = self.model_config.eos_token_ids | (
             {self.tokenizer.eos_token_id} if self.tokenizer.eos_token_id is not None else set()
         )
@@ -265,20 +266,51 @@ class LLMEngine:
     # ----------------------------------------------------------------- the step
 
     def step(self) -> list[RequestOutput]:
-        """Run one step; return the outputs of every user request it advanced."""
-        schedule = self.scheduler.schedule()
-        if not schedule.scheduled:
-            return []
-        result = self.runner.execute(schedule, self.kv_cache.block_tables)
-        self.scheduler.finish_step(schedule)
-        now = time.monotonic()
+        """Run one step; return the outputs of every user request it advanced.
 
+        With asynchronous scheduling (the default) a step whose tokens stay on the device is
+        read one call later: this call schedules and launches the next step first, so the host's
+        work (scheduling, inputs, detokenisation, stop checks) overlaps the device's.
+        """
+        previous, self._in_flight = self._in_flight, None
+        schedule = self.scheduler.schedule()
+        launched = None
+        if schedule.scheduled:
+            launched = self.runner.launch(schedule, self.kv_cache.block_tables, previous)
+            self.scheduler.finish_step(schedule)
+            for request in launched.sample_requests:
+                request.num_pending_tokens += 1
         touched: dict[str, _Parent] = {}
+        if previous is not None:
+            self._read(previous, touched)
+        if launched is not None:
+            if self.config.async_scheduling and not launched.is_ready:
+                self._in_flight = launched
+            else:
+                self._read(launched, touched)
+
+        outputs = []
+        for parent in touched.values():
+            finished = all(c.is_finished for c in parent.children)
+            if finished:
+                del self._parents[parent.request_id]
+            if finished or parent.stream:
+                outputs.append(parent.output())
+        return outputs
+
+    def _read(self, launched: LaunchedStep, touched: dict[str, _Parent]) -> None:
+        """Apply a step's sampled tokens (and prompt logprobs) to its requests."""
+        result = launched.result()
+        now = time.monotonic()
+        for request in launched.sample_requests:
+            request.num_pending_tokens -= 1
         for request, lps in result.prompt_logprobs:
             if not request.prompt_logprobs:
                 request.prompt_logprobs.append(None)  # the first token has no context
             request.prompt_logprobs.extend(lps)
         for request, token_id, logprob in result.sampled:
+            if request.is_finished:
+                continue  # stopped or aborted while this step ran: the token is dropped
             parent = self._parents[request.parent_id]
             request.append_output_token(token_id)
             if logprob is not None:
@@ -292,12 +324,3 @@ class LLMEngine:
                 parent.detokenizers[request.sample_index].finish()
                 self.scheduler.remove(request)
             touched[parent.request_id] = parent
-
-        outputs = []
-        for parent in touched.values():
-            finished = all(c.is_finished for c in parent.children)
-            if finished:
-                del self._parents[parent.request_id]
-            if finished or parent.stream:
-                outputs.append(parent.output())
-        return outputs

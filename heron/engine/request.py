@@ -54,6 +54,9 @@ class Request:
     finish_reason: FinishReason | None = None
     stop_reason: str | int | None = None  # the stop string or stop token that ended it
     num_computed_tokens: int = 0  # tokens whose KV is in the cache
+    # Tokens sampled on the device whose values the host has not read yet (asynchronous
+    # scheduling): they count in ``num_tokens`` but are not in ``all_token_ids``.
+    num_pending_tokens: int = 0
     num_cached_tokens: int = 0  # of the prompt, found in the prefix cache at first schedule
     num_preemptions: int = 0
     generator: torch.Generator | None = None  # set when the request has a seed
@@ -72,7 +75,19 @@ class Request:
 
     @property
     def num_tokens(self) -> int:
-        return len(self.all_token_ids)
+        """Tokens of the sequence, pending ones included."""
+        return len(self.all_token_ids) + self.num_pending_tokens
+
+    def pending_tokens_end_it(self, max_model_len: int) -> bool:
+        """Whether the pending tokens bring it to ``max_tokens`` or ``max_model_len`` (so it
+        finishes with them, and another step for it would be wasted)."""
+        if not self.num_pending_tokens:
+            return False
+        max_tokens = self.sampling_params.max_tokens
+        return self.num_tokens >= max_model_len or (
+            max_tokens is not None
+            and self.num_output_tokens + self.num_pending_tokens >= max_tokens
+        )
 
     @property
     def num_output_tokens(self) -> int:

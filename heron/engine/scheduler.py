@@ -73,6 +73,9 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             request = self.running[i]
+            if request.pending_tokens_end_it(self.config.max_model_len):
+                i += 1  # finishes with the token being sampled: nothing left to compute
+                continue
             num_new = min(request.num_tokens - request.num_computed_tokens, budget)
             while not self.kv_cache.allocate_slots(request, num_new):
                 victim = self.running.pop()

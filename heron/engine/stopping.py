@@ -37,8 +37,10 @@ def check_stop(
         return reason
     if stop_string is not None:
         return FinishReason.STOP, stop_string
-    if (
+    max_tokens_reached = (
         params.max_tokens is not None and request.num_output_tokens >= params.max_tokens
-    ) or request.num_tokens >= max_model_len:
+    )
+    # Known tokens only: a token still being sampled (asynchronous scheduling) is not counted.
+    if max_tokens_reached or len(request.all_token_ids) >= max_model_len:
         return FinishReason.LENGTH, None
     return None

@@ -12,7 +12,7 @@ from heron.config import ModelConfig
 from heron.engine.request import Logprob, Request
 from heron.engine.scheduler import SchedulerOutput
 from heron.execution.cuda_graph import CudaGraphRunner
-from heron.execution.sampler import Sampler, prompt_logprobs
+from heron.execution.sampler import Sampler, plain_greedy, prompt_logprobs
 from heron.execution.step_inputs import StepInputBuilder
 from heron.metadata import GraphSupport, SequenceMetadata, StepBatch, StepMetaPlan
 from heron.models.build import build_model
@@ -26,6 +26,50 @@ logger = logging.getLogger(__name__)
 class StepResult:
     sampled: list[tuple[Request, int, Logprob | None]]
     prompt_logprobs: list[tuple[Request, list[Logprob]]]
+
+
+class LaunchedStep:
+    """A step whose device work is queued; :meth:`result` reads what it sampled.
+
+    A step whose sampled rows are all plain greedy keeps its tokens on the device
+    (``token_ids``) and copies them to pinned host memory without waiting, so the host can
+    schedule and prepare the next step while this one runs; the next step takes its pending
+    input tokens straight from ``token_ids``. Any other step is read on the spot (``is_ready``).
+    """
+
+    def __init__(
+        self,
+        sample_requests: list[Request],
+        token_ids: torch.Tensor | None = None,
+        result: StepResult | None = None,
+    ) -> None:
+        self.sample_requests = sample_requests
+        self.token_ids = token_ids
+        self._result = result
+        self._copied: torch.cuda.Event | None = None
+        if token_ids is not None:
+            self._host_ids = token_ids.to("cpu", non_blocking=True)  # pinned when on CUDA
+            if token_ids.is_cuda:
+                self._copied = torch.cuda.Event()
+                self._copied.record()
+
+    @property
+    def is_ready(self) -> bool:
+        return self._result is not None
+
+    @property
+    def rows(self) -> dict[Request, int]:
+        """Each sampled request's row in ``token_ids``."""
+        return {r: i for i, r in enumerate(self.sample_requests)}
+
+    def result(self) -> StepResult:
+        """The sampled tokens (waits for the device if they are still on their way)."""
+        if self._result is None:
+            if self._copied is not None:
+                self._copied.synchronize()
+            ids = self._host_ids.tolist()
+            self._result = StepResult(list(zip(self.sample_requests, ids, [None] * len(ids))), [])
+        return self._result
 
 
 class ModelRunner:
@@ -145,16 +189,23 @@ class ModelRunner:
         self.graphs.capture(self.block_size, self.num_cache_groups)
 
     @torch.inference_mode()
-    def execute(
-        self, output: SchedulerOutput, block_tables: Callable[[str], Sequence[list[int]]]
-    ) -> StepResult:
+    def launch(
+        self,
+        output: SchedulerOutput,
+        block_tables: Callable[[str], Sequence[list[int]]],
+        previous: LaunchedStep | None = None,
+    ) -> LaunchedStep:
+        """Queue the step's forward pass and sampling; ``previous`` is the step still in flight
+        whose sampled tokens are this step's pending inputs."""
         if not self._coverage_checked:
             # Operators added after the build (or outside its scope) must fail loudly, not run
             # on stale metadata.
             self.plan.check_coverage(self.model)
             self._coverage_checked = True
-        step = self.inputs.prepare(output, block_tables)
+        step = self.inputs.prepare(output, block_tables, previous.rows if previous else None)
         seq = step.seq
+        if step.pending_sources:
+            self._fill_pending_tokens(seq.token_ids, step.pending_sources, previous.token_ids)
         if self.graphs is not None and self.graphs.can_run(seq):
             logits = self.graphs.run(seq)
         else:
@@ -163,13 +214,26 @@ class ModelRunner:
             self.plan.build_views(seq)
             hidden = self.model(seq.token_ids)
             logits = self.model.compute_logits(hidden[seq.logits_indices.long()])
+        requests = step.sample_requests
+        if requests and not step.prompt_rows and all(map(plain_greedy, requests)):
+            return LaunchedStep(requests, token_ids=logits[step.sample_rows].argmax(dim=-1))
         sampled = []
-        if step.sample_requests:
-            result = self.sampler(logits[step.sample_rows], step.sample_requests, self.generator)
-            sampled = list(zip(step.sample_requests, result.token_ids, result.logprobs))
+        if requests:
+            result = self.sampler(logits[step.sample_rows], requests, self.generator)
+            sampled = list(zip(requests, result.token_ids, result.logprobs))
         prompt_lps = []
         for r, row, position, count in step.prompt_rows:
             next_ids = r.all_token_ids[position + 1 : position + 1 + count]
             top = r.sampling_params.prompt_logprobs
             prompt_lps.append((r, prompt_logprobs(logits[row : row + count], next_ids, top)))
-        return StepResult(sampled, prompt_lps)
+        return LaunchedStep(requests, result=StepResult(sampled, prompt_lps))
+
+    def _fill_pending_tokens(
+        self, token_ids: torch.Tensor, sources: list[tuple[int, int]], sampled: torch.Tensor
+    ) -> None:
+        """``token_ids[offset] = sampled[row]`` on the device for each ``(offset, row)``."""
+        index = torch.tensor(sources, dtype=torch.int64)
+        if self.device.type == "cuda":
+            index = index.pin_memory()
+        index = index.to(self.device, non_blocking=True)
+        token_ids[index[:, 0]] = sampled[index[:, 1]].to(token_ids.dtype)

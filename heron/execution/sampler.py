@@ -45,7 +45,7 @@ class Sampler:
         requests: Sequence[Request],
         generator: torch.Generator | None = None,
     ) -> SamplerOutput:
-        if all(map(_plain_greedy, requests)):
+        if all(map(plain_greedy, requests)):
             # The common serving case needs no float copy and no stage at all.
             return SamplerOutput(logits.argmax(dim=-1).tolist(), [None] * len(requests))
         params = [r.sampling_params for r in requests]
@@ -80,7 +80,7 @@ class Sampler:
         return SamplerOutput(token_ids=token_ids.tolist(), logprobs=logprobs)
 
 
-def _plain_greedy(request: Request) -> bool:
+def plain_greedy(request: Request) -> bool:
     """Greedy with nothing that changes the logits first and no logprobs to report."""
     p = request.sampling_params
     return (

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -21,6 +21,8 @@ class PreparedStep:
     sample_requests: list[Request]
     sample_rows: slice  # rows of the step's logits that are sampled
     prompt_rows: list[tuple[Request, int, int, int]]  # request, first row, first position, count
+    # Tokens still being sampled by the previous step: (token offset, that step's sample row).
+    pending_sources: list[tuple[int, int]]
 
 
 class StepInputBuilder:
@@ -50,12 +52,18 @@ class StepInputBuilder:
         return self._staging
 
     def prepare(
-        self, output: SchedulerOutput, block_tables: Callable[[str], Sequence[list[int]]]
+        self,
+        output: SchedulerOutput,
+        block_tables: Callable[[str], Sequence[list[int]]],
+        pending_rows: Mapping[Request, int] | None = None,
     ) -> PreparedStep:
         """Host work of a step: the packed StepBatch and its one copy to the device.
 
         ``block_tables(request_id)`` gives the request's table in every KV cache group; a
         sliding-window group's table has the null block where blocks slid out of the window.
+        A decode token that is still pending (sampled by the previous step, value not yet read)
+        is left as 0 and listed in ``pending_sources`` with its row in ``pending_rows``, for the
+        runner to fill on the device.
         """
         items = output.scheduled
         bs = self.block_size
@@ -94,13 +102,17 @@ class StepInputBuilder:
         )
         offset = 0
         rows = num_prompt_rows
+        pending_sources: list[tuple[int, int]] = []
         all_tables, all_slots = batch.group_block_tables, batch.group_slot_mappings
         for i, (item, tables) in enumerate(zip(items, group_tables)):
             r, c, n = item.request, item.request.num_computed_tokens, item.num_new_tokens
             batch.query_lens[i] = n
             batch.kv_lens[i] = c + n
             if n == 1:  # decode: scalar writes are cheaper than array ops
-                batch.token_ids[offset] = r.all_token_ids[c]
+                if c < len(r.all_token_ids):
+                    batch.token_ids[offset] = r.all_token_ids[c]
+                else:
+                    pending_sources.append((offset, pending_rows[r]))
                 batch.positions[offset] = c
                 for g, table in enumerate(tables):
                     all_tables[g, i, : len(table)] = table
@@ -131,4 +143,6 @@ class StepInputBuilder:
         seq = SequenceMetadata.from_step_batch(batch, self.device)
         if self._copied is not None:
             self._copied.record()
-        return PreparedStep(seq, sample_requests, slice(num_prompt_rows, rows), prompt_rows)
+        return PreparedStep(
+            seq, sample_requests, slice(num_prompt_rows, rows), prompt_rows, pending_sources
+        )
