@@ -19,6 +19,16 @@ class Linear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return linear(x, self.weight, self.bias)
 
+    def forward_gated(self, gate_up: torch.Tensor, act: nn.Module) -> torch.Tensor:
+        """``self(act(gate_up))`` for a gated activation over ``[gate | up]``; decode-sized
+        batches on a GPU apply it inside the matrix product (one kernel, no intermediate)."""
+        fused = getattr(act, "fused_name", None)
+        if fused is not None and _small_m_gemv(gate_up):
+            from heron.layers.triton_gemv import linear_small_m
+
+            return linear_small_m(gate_up, self.weight, self.bias, act=fused)
+        return self(act(gate_up))
+
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard: str | None) -> None:
         _copy_checked(param.data, loaded, param)
 
@@ -47,15 +57,23 @@ class PackedLinear(Linear):
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """``x W^T (+ b)``; decode-sized batches on a GPU use a memory-bound Triton GEMV, which
     beats cuBLAS there (most on narrow outputs such as o_proj and down_proj)."""
-    if x.is_cuda and x.dim() == 2 and x.dtype in _GEMV_DTYPES:
-        from heron.layers.triton_gemv import MAX_M, linear_small_m
+    if _small_m_gemv(x):
+        from heron.layers.triton_gemv import linear_small_m
 
-        if x.shape[0] <= MAX_M:
-            return linear_small_m(x, weight, bias)
+        return linear_small_m(x, weight, bias)
     return F.linear(x, weight, bias)
 
 
 _GEMV_DTYPES = (torch.bfloat16, torch.float16)
+
+
+def _small_m_gemv(x: torch.Tensor) -> bool:
+    """Whether ``x`` goes to the Triton GEMV: few rows, half precision, on a GPU."""
+    if not (x.is_cuda and x.dim() == 2 and x.dtype in _GEMV_DTYPES):
+        return False
+    from heron.layers.triton_gemv import MAX_M  # Triton is imported on GPU paths only
+
+    return x.shape[0] <= MAX_M
 
 
 def _copy_checked(target: torch.Tensor, loaded: torch.Tensor, param: nn.Parameter) -> None:

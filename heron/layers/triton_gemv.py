@@ -41,6 +41,23 @@ def _finish(acc, b_ptr, y_ptr, offs_m, offs_n, n_mask, out_mask, stride_ym, HAS_
     tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=out_mask)
 
 
+#: Gated activations the kernel can apply to its input: ``act(gate) * up`` on ``[gate | up]``.
+ACTIVATIONS = {"silu": 1, "gelu_tanh": 2}
+
+
+@triton.jit
+def _gated(gate, up, ACT: tl.constexpr):
+    """``act(gate) * up`` in fp32 (SiLU, or GELU's tanh approximation)."""
+    g = gate.to(tl.float32)
+    if ACT == 1:
+        a = g * tl.sigmoid(g)
+    else:
+        # tanh(z) = 2 * sigmoid(2z) - 1
+        z = 0.7978845608028654 * (g + 0.044715 * g * g * g)
+        a = g * tl.sigmoid(2.0 * z)
+    return a * up.to(tl.float32)
+
+
 @triton.jit
 def _gemv_kernel(
     x_ptr,
@@ -55,6 +72,7 @@ def _gemv_kernel(
     stride_xm,
     stride_ym,
     k_per_split,
+    ACT: tl.constexpr,  # 0: x as given; else x = act(x[:, :K]) * x[:, K:] (ACTIVATIONS)
     HAS_BIAS: tl.constexpr,
     HAS_SPLIT: tl.constexpr,
     EVEN_N: tl.constexpr,
@@ -89,11 +107,16 @@ def _gemv_kernel(
                 w = tl.load(w_ptrs + k)
             else:
                 w = tl.load(w_ptrs + k, mask=n_mask[:, None], other=0.0)
-            x = tl.load(x_ptrs + k, mask=m_mask[:, None], other=0.0)
+            x_mask = m_mask[:, None]
         else:
             k_mask = (k + offs_k) < k_end
             w = tl.load(w_ptrs + k, mask=n_mask[:, None] & k_mask[None, :], other=0.0)
-            x = tl.load(x_ptrs + k, mask=m_mask[:, None] & k_mask[None, :], other=0.0)
+            x_mask = m_mask[:, None] & k_mask[None, :]
+        x = tl.load(x_ptrs + k, mask=x_mask, other=0.0)
+        if ACT != 0:
+            # Rounded to the input dtype, as an unfused activation kernel would store it.
+            up = tl.load(x_ptrs + K + k, mask=x_mask, other=0.0)
+            x = _gated(x, up, ACT).to(x_ptr.dtype.element_ty)
         if USE_DOT:
             acc = tl.dot(w, tl.trans(x), acc=acc, input_precision=DOT_PREC)
         else:
@@ -230,9 +253,10 @@ def _launch(
     bias: torch.Tensor | None,
     out: torch.Tensor,
     cfg: GemvConfig,
+    act: int = 0,
 ) -> None:
-    M, K = x.shape
-    N = weight.shape[0]
+    M = x.shape[0]
+    N, K = weight.shape
     m_pad = _m_pad(M)
     if cfg.use_dot:
         m_pad = max(16, m_pad)
@@ -257,6 +281,7 @@ def _launch(
         x.stride(0),
         out.stride(0),
         k_per_split,
+        ACT=act,
         HAS_BIAS=bias is not None,
         HAS_SPLIT=split > 1,
         EVEN_N=N % cfg.block_n == 0,
@@ -276,14 +301,19 @@ def linear_small_m(
     weight: torch.Tensor,
     bias: torch.Tensor | None = None,
     out: torch.Tensor | None = None,
+    act: str | None = None,
 ) -> torch.Tensor:
     """``x @ weight.T (+ bias)`` for few rows of ``x`` [M, K]; ``weight`` is [N, K] row-major.
 
-    Accumulates in fp32 and returns ``x.dtype`` (bf16, fp16 or fp32). Rows of ``x`` and ``out``
-    may be strided (unit last stride). Meant for ``M <= MAX_M``; larger ``M`` runs ``MAX_M`` rows
-    per launch. No host sync: capturable in a CUDA graph once each shape has run eagerly.
+    With ``act`` (a key of ``ACTIVATIONS``) ``x`` is ``[M, 2K]`` laid out as ``[gate | up]`` and
+    the product is ``(act(gate) * up) @ weight.T``: a gated MLP's activation fused into its down
+    projection. Accumulates in fp32 and returns ``x.dtype`` (bf16, fp16 or fp32). Rows of ``x``
+    and ``out`` may be strided (unit last stride). Meant for ``M <= MAX_M``; larger ``M`` runs
+    ``MAX_M`` rows per launch. No host sync: capturable in a CUDA graph once each shape has run
+    eagerly.
     """
-    if x.dim() != 2 or weight.dim() != 2 or x.shape[1] != weight.shape[1]:
+    width = weight.shape[1] * (2 if act is not None else 1) if weight.dim() == 2 else -1
+    if x.dim() != 2 or x.shape[1] != width:
         raise ValueError(f"linear_small_m: shapes {tuple(x.shape)} x {tuple(weight.shape)}")
     if weight.dtype != x.dtype or (bias is not None and bias.dtype != x.dtype):
         raise ValueError("linear_small_m: x, weight and bias must share a dtype")
@@ -293,8 +323,8 @@ def linear_small_m(
         raise ValueError("linear_small_m: weight must be contiguous [N, K]")
     if bias is not None and not bias.is_contiguous():
         bias = bias.contiguous()
-    M, K = x.shape
-    N = weight.shape[0]
+    M = x.shape[0]
+    N, K = weight.shape
     if out is None:
         out = torch.empty((M, N), dtype=x.dtype, device=x.device)
     elif out.shape != (M, N) or out.dtype != x.dtype or out.stride(1) != 1:
@@ -306,5 +336,5 @@ def linear_small_m(
     for start in range(0, M, MAX_M):
         rows = slice(start, min(M, start + MAX_M))
         cfg = _config(_m_pad(rows.stop - rows.start), N, K, x.element_size(), x.device)
-        _launch(x[rows], weight, bias, out[rows], cfg)
+        _launch(x[rows], weight, bias, out[rows], cfg, ACTIVATIONS[act] if act else 0)
     return out

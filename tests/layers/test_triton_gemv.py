@@ -7,7 +7,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from heron.layers.triton_gemv import MAX_M, GemvConfig, _launch, linear_small_m
+from heron.layers.activation import GeluTanhAndMul, SiluAndMul
+from heron.layers.triton_gemv import ACTIVATIONS, MAX_M, GemvConfig, _launch, linear_small_m
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 TOL = {torch.float32: 1e-5, torch.float16: 1e-2}
@@ -77,6 +78,32 @@ def test_out_argument_and_large_m():
     assert torch.all(buf[:, 64:] == 0)
 
 
+def _gated_reference(gate_up, w, b, act):
+    """Unfused: the activation in fp32 rounded to the input dtype, then the product."""
+    gate, up = gate_up.float().chunk(2, dim=-1)
+    a = F.silu(gate) if act == "silu" else F.gelu(gate, approximate="tanh")
+    return _reference((a * up).to(gate_up.dtype), w, b)
+
+
+@pytest.mark.parametrize("act", list(ACTIVATIONS))
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_fused_gated_activation(act, dtype):
+    """(act(gate) * up) @ W.T with the activation applied while loading the input, through the
+    plain and the split-K (forced) configurations; the activation modules name their kernel."""
+    assert {SiluAndMul.fused_name, GeluTanhAndMul.fused_name} == set(ACTIVATIONS)
+    for m, n, k in [(1, 64, 128), (3, 96, 320)]:
+        gate_up, w, b = _inputs(m, n, 2 * k, dtype, strided=False, bias=True)
+        w = w[:, :k].contiguous()
+        ref = _gated_reference(gate_up, w, b, act)
+        assert _rel_err(linear_small_m(gate_up, w, b, act=act), ref) < TOL[dtype]
+        for cfg in (FORCED[0], FORCED[2]):
+            out = torch.empty(m, n, dtype=dtype, device=DEVICE)
+            _launch(gate_up, w, b, out, cfg, ACTIVATIONS[act])
+            assert _rel_err(out, ref) < TOL[dtype]
+    with pytest.raises(ValueError, match="shapes"):
+        linear_small_m(gate_up[:, :k], w, b, act=act)  # the input must hold gate and up
+
+
 # bf16 decode shapes of a Qwen3-0.6B-class model: qkv, o, gate_up, down, lm_head.
 SHAPES = [(1024, 4096), (2048, 1024), (1024, 6144), (3072, 1024), (1024, 151936)]
 
@@ -89,6 +116,17 @@ def test_gpu_bf16_real_shapes(k, n):
             x, w, b = _inputs(m, n, k, torch.bfloat16, strided=True, bias=bias, device="cuda")
             y = linear_small_m(x, w, b)
             assert _rel_err(y, _reference(x, w, b)) < 1e-2, (m, bias)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("act", list(ACTIVATIONS))
+@pytest.mark.parametrize("k,n", [(3072, 1024), (6912, 1152)])  # Qwen3-0.6B, Gemma-3-1B down
+def test_gpu_bf16_fused_down_projection(act, k, n):
+    for m in (1, 4, MAX_M):
+        gate_up, w, _ = _inputs(m, n, 2 * k, torch.bfloat16, False, False, device="cuda")
+        w = w[:, :k].contiguous()
+        got = linear_small_m(gate_up, w, act=act)
+        assert _rel_err(got, _gated_reference(gate_up, w, None, act)) < 1e-2, m
 
 
 @pytest.mark.gpu
