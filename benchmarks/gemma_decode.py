@@ -70,6 +70,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--skip-hf", action="store_true")
     parser.add_argument("--new-tokens", type=int, default=64)
+    parser.add_argument(
+        "--hf-max-batch", type=int, default=64, help="HF runs only the cases up to this batch"
+    )
     args = parser.parse_args()
     bandwidth = copy_bandwidth()
     new = args.new_tokens
@@ -88,7 +91,8 @@ def main() -> None:
 
             hf = tf.AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16).cuda()
             results["HF transformers CB"] = [
-                hf_decode_ms(hf, prompts(c, b), new)[0] for c, b in CASES
+                hf_decode_ms(hf, prompts(c, b), new)[0] if b <= args.hf_max_batch else float("nan")
+                for c, b in CASES
             ]
     floors = [floor_ms(b, c + new // 2, bandwidth, layer_types) for c, b in CASES]
     print(f"copy bandwidth {bandwidth / 1e12:.2f} TB/s")

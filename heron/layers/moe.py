@@ -1,7 +1,8 @@
 """Mixture-of-experts MLP (gpt-oss): a top-k router over experts with clamped SwiGLU.
 
-This is the reference implementation in plain PyTorch, for any device: it loops over the
-experts, which is correct and readable but not fast (a grouped-GEMM path is separate work).
+On CUDA the experts run as two fused grouped GEMMs in Triton (``heron.layers.triton_moe``),
+with no host sync, in eager steps and CUDA graphs alike. Elsewhere they run the reference in
+plain PyTorch, which loops over the experts: correct and readable but not fast.
 """
 
 from __future__ import annotations
@@ -62,14 +63,26 @@ class ClampedSwiGLUExperts(nn.Module):
         self, x: torch.Tensor, weights: torch.Tensor, indices: torch.Tensor
     ) -> torch.Tensor:
         """Sum over each token's experts ``indices`` [T, k], weighted by ``weights`` [T, k]."""
-        if x.is_cuda and torch.cuda.is_current_stream_capturing():
-            return self.forward_dense(x, weights, indices)
+        if x.is_cuda:
+            from heron.layers.triton_moe import fused_experts
+
+            return fused_experts(
+                x,
+                weights,
+                indices,
+                self.gate_up_proj,
+                self.gate_up_proj_bias,
+                self.down_proj,
+                self.down_proj_bias,
+                self.alpha,
+                self.limit,
+            )
         return self.forward_sparse(x, weights, indices)
 
     def forward_sparse(
         self, x: torch.Tensor, weights: torch.Tensor, indices: torch.Tensor
     ) -> torch.Tensor:
-        """Each expert runs only on the tokens routed to it.
+        """The reference: each expert runs only on the tokens routed to it.
 
         The per-expert token counts are read on the host (one sync per call), so a CUDA graph
         cannot capture this path.
@@ -89,21 +102,6 @@ class ClampedSwiGLUExperts(nn.Module):
                 y = self.expert(e, x[rows]) * pair_weights[start : start + n, None]
                 out.index_add_(0, rows, y.to(x.dtype))
             start += n
-        return out
-
-    def forward_dense(
-        self, x: torch.Tensor, weights: torch.Tensor, indices: torch.Tensor
-    ) -> torch.Tensor:
-        """Every expert on every token, weighted by zero where the token was not routed.
-
-        No shape depends on the routing, so a CUDA graph can capture it (decode batches are
-        small; the extra work is ``num_experts / k`` times the routed work).
-        """
-        dense = torch.zeros(x.shape[0], self.num_experts, dtype=weights.dtype, device=x.device)
-        dense.scatter_(1, indices, weights)
-        out = torch.zeros_like(x)
-        for e in range(self.num_experts):
-            out += (self.expert(e, x) * dense[:, e : e + 1]).to(x.dtype)
         return out
 
 

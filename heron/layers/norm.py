@@ -7,6 +7,15 @@ from torch import nn
 
 
 class RMSNorm(nn.Module):
+    """HF Llama's RMSNorm: ``weight * norm(x)``, with ``norm(x)`` cast to ``x``'s dtype first."""
+
+    # What fused kernels (the Triton qk-norm) read to reproduce a norm: the output is
+    # (weight + weight_offset) * x / rms(x), scaled in fp32 and cast once if scale_in_fp32, else
+    # with x / rms(x) cast to x's dtype before the scaling. A subclass that changes the forward
+    # must set them again.
+    weight_offset = 0.0
+    scale_in_fp32 = False
+
     def __init__(self, hidden_size: int, eps: float = 1e-6) -> None:
         super().__init__()
         self.eps = eps
@@ -37,6 +46,9 @@ class GemmaRMSNorm(nn.Module):
     Checkpoints store the weight centred on zero. Unlike :class:`RMSNorm` (which casts before
     scaling), HF's Gemma norms scale in fp32 and cast last; in bf16 the two round differently.
     """
+
+    weight_offset = 1.0  # see RMSNorm
+    scale_in_fp32 = True
 
     def __init__(self, hidden_size: int, eps: float = 1e-6) -> None:
         super().__init__()

@@ -48,8 +48,8 @@ def make_attention(
 ) -> AttentionOperator:
     """The attention operator for one layer, registered in the runtime's build scope.
 
-    A layer whose configuration the chosen backend's kernels do not cover (soft-capping,
-    sinks, or a q/k norm other than Llama's ``w * norm(x)`` on Triton, for now) gets the
+    A layer whose configuration the chosen backend's kernels do not cover (on Triton: a q/k
+    norm that is neither Llama's ``w * norm(x)`` nor Gemma's ``(1 + w) * norm(x)``) gets the
     reference operator: its own builder puts it in its own metadata group, so the rest of the
     model keeps the fast path.
     """

@@ -197,10 +197,19 @@ def test_swapped_group_views_break_parity(gemma_case, monkeypatch):
     assert _greedy_tokens(llm) != refs
 
 
-def test_gemma3_keeps_qk_norm_off_the_fused_triton_kernel(gemma_dir):
-    """Triton's fused qk-norm computes w * norm(x); Gemma 3's layers must not reach it."""
-    llm = LLM(str(gemma_dir("gemma3")), max_model_len=256, attention_backend="triton")
-    assert {g.builder.backend for g in llm.engine.runner.plan.groups} == {"reference"}
+def test_triton_operator_equals_hf(gemma_case):
+    """The CUDA default operator run by Triton's interpreter on the CPU, on every layer: Gemma
+    2's soft-capped logits and Gemma 3's (1 + w) qk-norm in the fused pre-write, sliding and
+    full layers, chunked prefill mixed with decode. Fewer, shorter requests than the other
+    tests (the interpreter is slow), still several windows long."""
+    path, hf, _ = gemma_case
+    prompts, new = [PROMPTS[0], PROMPTS[2], PROMPTS[3][:40]], 10
+    llm = LLM(path, attention_backend="triton", max_model_len=256, max_num_batched_tokens=32)
+    plan = llm.engine.runner.plan
+    assert {g.builder.backend for g in plan.groups} == {"triton"}
+    assert len(plan.groups) == 2
+    params = SamplingParams(temperature=0.0, max_tokens=new, ignore_eos=True)
+    assert greedy_tokens(llm, prompts, params) == hf_greedy(hf, prompts, new)
 
 
 def test_gemma_rms_norm_scales_in_fp32_like_hf():
@@ -222,7 +231,8 @@ def test_gemma_rms_norm_scales_in_fp32_like_hf():
 
 @pytest.mark.gpu
 def test_greedy_on_cuda_with_graphs(gemma_case):
-    """Two metadata groups, each with its graph buffers; windowed and full layers replayed."""
+    """Two metadata groups, each with its graph buffers; windowed and full layers replayed, all
+    on the Triton operator (Gemma 2's soft-cap, Gemma 3's qk-norm)."""
     path, _, refs = gemma_case
     llm = LLM(
         path,
@@ -234,6 +244,7 @@ def test_greedy_on_cuda_with_graphs(gemma_case):
         max_num_batched_tokens=32,
     )
     assert llm.engine.runner.graphs is not None and len(llm.engine.runner.plan.groups) == 2
+    assert {g.builder.backend for g in llm.engine.runner.plan.groups} == {"triton"}
     assert _greedy_tokens(llm) == refs
 
 
@@ -311,13 +322,31 @@ def test_kv_budget_fits_the_same_number_of_sequences_in_every_group(gemma_dir, m
     assert [g.num_blocks for g in llm.engine.kv_cache.groups] == [70, 70]
 
 
-def test_triton_operator_refuses_gemma_qk_norm():
-    """The selector's choice is backed by the operator itself: no silent w * norm(x)."""
+def test_triton_operator_covers_gemma_and_refuses_other_norms():
+    """The Triton operator takes Gemma's soft-cap and (1 + w) qk-norm; a q/k norm whose form
+    the fused pre-write does not know (no ``weight_offset``), or a mixed pair, is refused, and
+    the selector gives such a layer the reference operator."""
+    from heron.layers.norm import RMSNorm
     from heron.layers.rotary import QKTransform
     from heron.metadata import ModelBuildContext
     from heron.ops.attention.base import AttentionSpec
+    from heron.ops.attention.reference import ReferenceAttention
     from heron.ops.attention.triton.operator import TritonAttention
+    from heron.ops.selector import OperatorRuntime, make_attention
 
-    transform = QKTransform(None, GemmaRMSNorm(16), GemmaRMSNorm(16))
-    with ModelBuildContext(), pytest.raises(ValueError, match="does not implement"):
-        TritonAttention("l.attn", AttentionSpec(4, 2, 16, 0.25), 16, 64, qk_transform=transform)
+    spec = AttentionSpec(4, 2, 16, 0.25, sliding_window=8, logit_softcap=30.0)
+    gemma = QKTransform(None, GemmaRMSNorm(16), GemmaRMSNorm(16))
+    assert TritonAttention.covers(spec, gemma)
+    with ModelBuildContext():
+        TritonAttention("l.attn", spec, 16, 64, qk_transform=gemma)
+    for transform in (
+        QKTransform(None, torch.nn.LayerNorm(16), torch.nn.LayerNorm(16)),
+        QKTransform(None, RMSNorm(16), GemmaRMSNorm(16)),
+        QKTransform(None, GemmaRMSNorm(16, eps=1e-6), GemmaRMSNorm(16, eps=1e-5)),
+    ):
+        assert not TritonAttention.covers(spec, transform)
+        with ModelBuildContext(), pytest.raises(ValueError, match="does not implement"):
+            TritonAttention("l.attn", spec, 16, 64, qk_transform=transform)
+        with ModelBuildContext() as scope:
+            runtime = OperatorRuntime("triton", 16, 64, scope)
+            assert type(make_attention("l.attn", spec, runtime, transform)) is ReferenceAttention

@@ -148,6 +148,20 @@ def test_preemption_under_memory_pressure(gpt_oss):
     assert llm.engine.scheduler.num_preemptions > 0
 
 
+def test_triton_operator_equals_hf(gpt_oss):
+    """The CUDA default operator run by Triton's interpreter on the CPU, on every layer: sinks
+    in the extend and decode kernels, sliding and full layers, chunked prefill mixed with
+    decode. Fewer, shorter requests than the other tests (the interpreter is slow)."""
+    path, hf, _ = gpt_oss
+    prompts, new = [PROMPTS[0], PROMPTS[2], PROMPTS[3][:30]], 10
+    llm = LLM(str(path), attention_backend="triton", max_model_len=128, max_num_batched_tokens=32)
+    plan = llm.engine.runner.plan
+    assert {g.builder.backend for g in plan.groups} == {"triton"}
+    assert len(plan.groups) == 2
+    params = SamplingParams(temperature=0.0, max_tokens=new, ignore_eos=True)
+    assert greedy_tokens(llm, prompts, params) == hf_greedy(hf, prompts, new)
+
+
 def test_prompt_logprobs_match_hf(gpt_oss):
     path, hf, _ = gpt_oss
     llm = LLM(str(path), max_model_len=128, max_num_batched_tokens=16)
@@ -160,12 +174,13 @@ def test_prompt_logprobs_match_hf(gpt_oss):
     assert (got - want).abs().max().item() <= 1e-3
 
 
-@pytest.mark.parametrize("path", ["routed", "sparse", "dense"])
+@pytest.mark.parametrize("path", ["routed", "sparse"])
 def test_moe_block_equals_hf(path):
     """Heron's MoE block on random input, weights copied from HF's GptOssMLP (same names).
 
-    The input is large enough that the SwiGLU clamps bite; ``dense`` is the path a CUDA graph
-    captures, ``sparse`` the eager one, ``routed`` the block's own forward.
+    The input is large enough that the SwiGLU clamps bite; ``sparse`` is the experts' reference
+    (the CPU path, which tests/layers/test_triton_moe.py holds the Triton one to), ``routed`` the
+    block's own forward.
     """
     torch.manual_seed(1)
     config = tiny_config()
@@ -195,7 +210,7 @@ def test_moe_block_equals_hf(path):
 
 @pytest.mark.gpu
 def test_greedy_on_cuda_with_graphs(gpt_oss):
-    """Sinks and windows on the reference operator, the MoE's dense path inside the graphs."""
+    """Sinks and windows on the Triton operator, the Triton MoE inside the graphs."""
     path, _, refs = gpt_oss
     llm = LLM(
         str(path),
@@ -207,4 +222,5 @@ def test_greedy_on_cuda_with_graphs(gpt_oss):
         max_num_batched_tokens=32,
     )
     assert llm.engine.runner.graphs is not None
+    assert {g.builder.backend for g in llm.engine.runner.plan.groups} == {"triton"}
     assert _greedy_tokens(llm) == refs

@@ -1,9 +1,9 @@
 """The fused qk-norm + rotary + KV-cache-write kernel against the PyTorch modules it replaces.
 
-The reference is the model's own path: ``RMSNorm`` per head, ``RotaryEmbedding`` and the
-reference backend's scatter into the paged cache. Small cases run on the GPU when there is one,
-else under the Triton interpreter (fp32/fp16); ``gpu`` cases check bf16 at model shapes and
-CUDA-graph replay.
+The reference is the model's own path: ``RMSNorm`` (or Gemma 3's ``GemmaRMSNorm``) per head,
+``RotaryEmbedding`` and the reference backend's scatter into the paged cache. Small cases run
+on the GPU when there is one, else under the Triton interpreter (fp32/fp16); ``gpu`` cases
+check bf16 at model shapes and CUDA-graph replay.
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import pytest
 import torch
 import transformers as tf
 
-from heron.layers.norm import RMSNorm
+from heron.layers.norm import GemmaRMSNorm, RMSNorm
 from heron.layers.rotary import RotaryEmbedding
 from heron.ops.attention.triton.kv_write import kv_write, qk_norm_rope_kv_write
 
@@ -35,10 +35,14 @@ def make_rotary(heads: int, kv_heads: int, head_dim: int, partial: float) -> Rot
     return RotaryEmbedding(config, head_dim, MAX_POS)
 
 
-def make_norms(head_dim: int, dtype: torch.dtype, device: str) -> tuple[RMSNorm, RMSNorm]:
-    norms = RMSNorm(head_dim), RMSNorm(head_dim)
+def make_norms(
+    head_dim: int, dtype: torch.dtype, device: str, norm_cls: type = RMSNorm
+) -> tuple[torch.nn.Module, torch.nn.Module]:
+    """q and k norms with random weights scaling by 0.5 to 1.5 (Gemma's are zero-centred)."""
+    norms = norm_cls(head_dim), norm_cls(head_dim)
     for norm in norms:
-        norm.weight.data = (torch.rand(head_dim) + 0.5).to(dtype=dtype, device=device)
+        weight = torch.rand(head_dim) + 0.5 - norm_cls.weight_offset
+        norm.weight.data = weight.to(dtype=dtype, device=device)
     return norms
 
 
@@ -78,10 +82,11 @@ def run_case(
     num_blocks: int,
     block_size: int,
     device: str,
+    norm_cls: type = RMSNorm,
 ) -> None:
     """Random qkv, positions and shuffled slots; q and the cache must match the reference."""
     rotary = make_rotary(heads, kv_heads, head_dim, partial).to(device)
-    norms = make_norms(head_dim, dtype, device) if qk_norm else None
+    norms = make_norms(head_dim, dtype, device, norm_cls) if qk_norm else None
     qkv = torch.randn(tokens, (heads + 2 * kv_heads) * head_dim, dtype=dtype, device=device)
     positions = torch.randint(0, MAX_POS, (tokens,), device=device)
     # Spare entries past the tokens check that only slot_mapping[:T] is read.
@@ -106,6 +111,8 @@ def run_case(
         heads,
         kv_heads,
         head_dim,
+        norm_weight_offset=norm_cls.weight_offset,
+        norm_scale_in_fp32=norm_cls.scale_in_fp32,
     )
     assert_close(q, expected_q)
     assert_close(cache, expected_cache)
@@ -130,6 +137,61 @@ def assert_close(actual: torch.Tensor, expected: torch.Tensor) -> None:
 def test_qk_norm_rope_kv_write(dtype: torch.dtype, qk_norm: bool, partial: float) -> None:
     torch.manual_seed(0)
     run_case(6, 4, 2, 32, dtype, qk_norm, partial, 4, 4, DEVICE)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("partial", [1.0, 0.5])
+def test_gemma_qk_norm_rope_kv_write(dtype: torch.dtype, partial: float) -> None:
+    """Gemma 3's qk-norm: (1 + w) * norm(x), scaled in fp32 and rounded once."""
+    torch.manual_seed(5)
+    run_case(6, 4, 2, 32, dtype, True, partial, 4, 4, DEVICE, GemmaRMSNorm)
+
+
+def test_gemma_norm_is_hf_gemma3_and_differs_from_llama() -> None:
+    """The reference above is HF's Gemma3RMSNorm, and not Llama's form (the test is not vacuous)."""
+    from transformers.models.gemma3.modeling_gemma3 import Gemma3RMSNorm
+
+    torch.manual_seed(6)
+    ours, theirs = GemmaRMSNorm(32), Gemma3RMSNorm(32)
+    theirs.weight.data.uniform_(-0.5, 0.5)
+    ours.weight.data.copy_(theirs.weight.data)
+    x = torch.randn(6, 4, 32).to(torch.float16)
+    ours, theirs = ours.half(), theirs.half()
+    assert torch.equal(ours(x), theirs(x))
+    llama = RMSNorm(32).half()
+    llama.weight.data.copy_(ours.weight.data)
+    assert not torch.allclose(ours(x).float(), llama(x).float(), atol=0.1)
+
+
+@pytest.mark.parametrize("scale_in_fp32", [True, False])
+def test_gemma_qk_norm_rounds_once_fp16(scale_in_fp32: bool) -> None:
+    """In fp16 the kernel matches GemmaRMSNorm bit for bit but for rare sum-order flips, and
+    only with Gemma's single rounding: Llama's round-then-scale differs in about a quarter of
+    q's values (the 1-ulp tolerance above cannot tell the two apart)."""
+    torch.manual_seed(8)
+    tokens, heads, kv_heads, head_dim = 64, 4, 2, 32
+    rotary = make_rotary(heads, kv_heads, head_dim, 1.0).to(DEVICE)
+    norms = make_norms(head_dim, torch.float16, DEVICE, GemmaRMSNorm)
+    qkv = 3 * torch.randn(tokens, (heads + 2 * kv_heads) * head_dim, device=DEVICE)
+    qkv = qkv.to(torch.float16)
+    positions = torch.randint(0, MAX_POS, (tokens,), device=DEVICE)
+    slots = torch.randperm(64 * 4, device=DEVICE)[:tokens].to(torch.int32)
+    cache = torch.zeros(2, 64, 4, kv_heads, head_dim, dtype=torch.float16, device=DEVICE)
+    expected_cache = cache.clone()
+    expected_q = reference(
+        qkv, positions, rotary, norms, expected_cache, slots, heads, kv_heads, head_dim
+    )
+    q = qk_norm_rope_kv_write(
+        qkv, positions, rotary.cos, rotary.sin, norms[0].weight, norms[1].weight, norms[0].eps,
+        cache, slots, heads, kv_heads, head_dim,
+        norm_weight_offset=1.0, norm_scale_in_fp32=scale_in_fp32,
+    )  # fmt: skip
+    mismatched = (q != expected_q).float().mean().item()
+    if scale_in_fp32:
+        assert mismatched < 0.01
+        assert (cache != expected_cache).float().mean().item() < 0.01
+    else:
+        assert mismatched > 0.1
 
 
 def test_qk_norm_rope_kv_write_exact_without_norm() -> None:
@@ -165,6 +227,14 @@ def test_kv_write() -> None:
 def test_qk_norm_rope_kv_write_bf16(tokens: int, qk_norm: bool) -> None:
     torch.manual_seed(3)
     run_case(tokens, 16, 8, 128, torch.bfloat16, qk_norm, 1.0, 256, 16, "cuda")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("tokens", [1, 64, 2048])
+def test_gemma_qk_norm_rope_kv_write_bf16(tokens: int) -> None:
+    """Gemma 3 1B's attention: 4 heads, 1 KV head of 256; bf16 rounds once after the scale."""
+    torch.manual_seed(7)
+    run_case(tokens, 4, 1, 256, torch.bfloat16, True, 1.0, 256, 16, "cuda", GemmaRMSNorm)
 
 
 @pytest.mark.gpu

@@ -1,4 +1,6 @@
-"""Triton paged decode/extend kernels against dense fp32 SDPA with explicit masks.
+"""Triton paged decode/extend kernels against dense fp32 SDPA with explicit masks (or, with
+Gemma 2's logit soft-cap or gpt-oss's sinks, an explicit fp32 softmax as in the reference
+operator).
 
 Small cases run everywhere (under the Triton interpreter on CPU: ``tests/conftest.py`` sets
 ``TRITON_INTERPRET=1`` before triton loads when there is no GPU); ``gpu`` cases use realistic
@@ -60,9 +62,18 @@ def make_paged_cache(
 
 
 def dense_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window: int | None, scale: float
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    window: int | None,
+    scale: float,
+    softcap: float | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """q: [n, H, D], the last n of the kv_len positions; k, v: [kv_len, KVH, D]; fp32 result."""
+    """q: [n, H, D], the last n of the kv_len positions; k, v: [kv_len, KVH, D]; fp32 result.
+
+    ``softcap``: scores become cap * tanh(scores / cap) before the mask (Gemma 2); ``sinks``
+    [H]: one more logit per head joins the softmax, its probability dropped (gpt-oss)."""
     n, kv_len = q.shape[0], k.shape[0]
     if kv_len == 0:
         return torch.zeros(q.shape, dtype=torch.float32, device=q.device)
@@ -73,6 +84,16 @@ def dense_attention(
     mask = k_pos <= q_pos
     if window is not None:
         mask &= k_pos > q_pos - window
+    if softcap is not None or sinks is not None:
+        scores = torch.einsum("qhd,khd->hqk", q.float(), k) * scale
+        if softcap is not None:
+            scores = softcap * torch.tanh(scores / softcap)
+        scores = scores.masked_fill(~mask, float("-inf"))
+        if sinks is not None:
+            sink = sinks.float()[:, None, None].expand(-1, n, 1)
+            scores = torch.cat([scores, sink], dim=-1)
+        probs = torch.softmax(scores, dim=-1)[..., :kv_len]
+        return torch.einsum("hqk,khd->qhd", probs, v)
     out = F.scaled_dot_product_attention(
         q.float().transpose(0, 1),
         k.transpose(0, 1),
@@ -90,6 +111,12 @@ def strided_q(tokens: int, heads: int, head_dim: int, dtype, device, seed: int) 
     return wide[:, :heads]
 
 
+def make_sinks(heads: int, dtype, device) -> torch.Tensor:
+    """Sink logits around exp(2): comparable to the keys' total weight, so they matter."""
+    gen = torch.Generator().manual_seed(3)
+    return (2.0 + torch.randn(heads, generator=gen)).to(dtype).to(device)
+
+
 def run_decode(
     kv_lens: list[int],
     num_heads: int,
@@ -101,13 +128,16 @@ def run_decode(
     head_dim: int = HEAD_DIM,
     workspace: bool = False,
     device: torch.device = DEVICE,
+    softcap: float | None = None,
+    sinks: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(kernel output, dense reference) for one decode step."""
+    """(kernel output, dense reference) for one decode step; ``sinks`` draws random ones."""
     cache, tables, ks, vs = make_paged_cache(
         kv_lens, block_size, num_kv_heads, head_dim, dtype, device
     )
     batch, scale = len(kv_lens), head_dim**-0.5
     q = strided_q(batch, num_heads, head_dim, dtype, device, seed=1)
+    sink_logits = make_sinks(num_heads, dtype, device) if sinks else None
     out = torch.full_like(q, float("nan"))
     ws = {}
     if workspace:
@@ -117,9 +147,15 @@ def run_decode(
             partial_lse=torch.empty(*shape, device=device),
         )
     lens = torch.tensor(kv_lens, dtype=torch.int32, device=device)
-    paged_decode_attention(q, cache, tables, lens, scale, window, out, num_splits, **ws)
+    paged_decode_attention(
+        q, cache, tables, lens, scale, window, out, num_splits, **ws,
+        softcap=softcap, sinks=sink_logits,
+    )  # fmt: skip
     ref = torch.cat(
-        [dense_attention(q[r : r + 1], ks[r], vs[r], window, scale) for r in range(batch)]
+        [
+            dense_attention(q[r : r + 1], ks[r], vs[r], window, scale, softcap, sink_logits)
+            for r in range(batch)
+        ]
     )
     return out, ref
 
@@ -134,13 +170,17 @@ def run_extend(
     dtype: torch.dtype,
     head_dim: int = HEAD_DIM,
     device: torch.device = DEVICE,
+    softcap: float | None = None,
+    sinks: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(kernel output, dense reference) for one extend step (new tokens are the last q_lens)."""
+    """(kernel output, dense reference) for one extend step (new tokens are the last q_lens);
+    ``sinks`` draws random ones."""
     cache, tables, ks, vs = make_paged_cache(
         kv_lens, block_size, num_kv_heads, head_dim, dtype, device
     )
     scale = head_dim**-0.5
     q = strided_q(sum(q_lens), num_heads, head_dim, dtype, device, seed=2)
+    sink_logits = make_sinks(num_heads, dtype, device) if sinks else None
     out = torch.full_like(q, float("nan"))
     starts = [0]
     for n in q_lens:
@@ -155,10 +195,14 @@ def run_extend(
         scale,
         window,
         out,
+        softcap=softcap,
+        sinks=sink_logits,
     )
     ref = torch.cat(
         [
-            dense_attention(q[starts[r] : starts[r + 1]], ks[r], vs[r], window, scale)
+            dense_attention(
+                q[starts[r] : starts[r + 1]], ks[r], vs[r], window, scale, softcap, sink_logits
+            )
             for r in range(len(kv_lens))
         ]
     )
@@ -232,6 +276,62 @@ def test_extend_fp16():
     assert_close(out, ref, 2e-3)
 
 
+# Gemma 2's logit soft-cap (small enough to bite: the scores are about N(0, 1)) and gpt-oss's
+# sinks, alone and together.
+FEATURES = {
+    "softcap": dict(softcap=1.5),
+    "sinks": dict(sinks=True),
+    "softcap+sinks": dict(softcap=1.5, sinks=True),
+}
+
+
+@pytest.mark.parametrize("feature", list(FEATURES))
+@pytest.mark.parametrize("window", [None, 7])
+@pytest.mark.parametrize("splits", SPLITS, ids=["s1", "s4", "s4ws"])
+def test_decode_softcap_and_sinks(feature, window, splits):
+    """One split finishes the softmax (and adds the sink) itself; several leave it to the
+    reduce kernel, which must add each head's sink exactly once."""
+    kv_lens = [0, 1, 37, 130]
+    out, ref = run_decode(
+        kv_lens, 8, 2, 16, window, splits[0], torch.float32, workspace=splits[1],
+        **FEATURES[feature],
+    )  # fmt: skip
+    assert_close(out, ref, 1e-4)
+    assert (out[0] == 0).all(), "a padded row stays zero, sink or not"
+
+
+def test_decode_sinks_with_empty_splits_fp16():
+    # 16 splits over at most 3 tiles: empty splits weigh nothing, the sink still counts once.
+    out, ref = run_decode(
+        [5, 150, 64, 0], 8, 2, 16, None, 16, torch.float16, softcap=1.5, sinks=True
+    )
+    assert_close(out, ref, 2e-3)
+
+
+@pytest.mark.parametrize("feature", list(FEATURES))
+@pytest.mark.parametrize("window", [None, 11])
+def test_extend_softcap_and_sinks(feature, window):
+    # A long prefill over history, a fresh prefill and a decode-like row.
+    out, ref = run_extend(
+        [150, 40, 75], [80, 40, 1], 4, 2, 16, window, torch.float32, **FEATURES[feature]
+    )
+    assert_close(out, ref, 1e-4)
+
+
+def test_extend_softcap_and_sinks_fp16():
+    out, ref = run_extend([100, 30], [70, 30], 4, 2, 32, 19, torch.float16, softcap=1.5, sinks=True)
+    assert_close(out, ref, 2e-3)
+
+
+@pytest.mark.parametrize("feature", list(FEATURES))
+def test_softcap_and_sinks_change_the_result(feature):
+    """Guard against vacuous tests: each feature moves the output well beyond the tolerance."""
+    plain, _ = run_decode([37, 130], 8, 2, 16, None, 1, torch.float32)
+    out, ref = run_decode([37, 130], 8, 2, 16, None, 1, torch.float32, **FEATURES[feature])
+    assert_close(out, ref, 1e-4)
+    assert (out - plain).abs().max() > 0.05
+
+
 # ----------------------------------------------------------------------------- GPU, bf16
 
 CUDA = torch.device("cuda")
@@ -268,8 +368,53 @@ def test_gpu_extend_bf16(block_size):
     assert_close(out, ref, GPU_TOL)
 
 
+# Model-shaped layers with the features their models use (scale head_dim ** -0.5 as in
+# Gemma 2's query_pre_attn_scalar = 256; random scores are about N(0, 1), so Gemma 2's real cap
+# of 50 barely bites and a cap of 2 does):
+# (heads, kv_heads, head_dim, window, softcap, sinks)
+GPU_FEATURE_CASES = [
+    pytest.param(8, 4, 256, None, 50.0, False, id="gemma2-2b-global"),
+    pytest.param(8, 4, 256, 512, 2.0, False, id="gemma2-2b-local-cap2"),
+    pytest.param(4, 1, 256, 512, 2.0, True, id="gemma3-1b-shape-local-cap2-sinks"),
+    pytest.param(64, 8, 64, None, None, True, id="gpt-oss-global"),
+    pytest.param(64, 8, 64, 128, None, True, id="gpt-oss-local"),
+]
+
+
 @pytest.mark.gpu
-def test_gpu_decode_cuda_graph_replay():
+@pytest.mark.parametrize("heads, kv_heads, head_dim, window, softcap, sinks", GPU_FEATURE_CASES)
+def test_gpu_decode_softcap_and_sinks_bf16(heads, kv_heads, head_dim, window, softcap, sinks):
+    """The engine's split count for a full batch, a forced multi-split and a single split."""
+    gen = torch.Generator().manual_seed(head_dim + heads)
+    kv_lens = torch.randint(1, 4097, (64,), generator=gen).tolist()
+    kv_lens[1] = 0  # a padded row
+    kv_lens[2] = 4096
+    num_sms = torch.cuda.get_device_properties(0).multi_processor_count
+    engine_splits = choose_num_splits(64, kv_heads, 4096, num_sms)
+    for batch, splits in [(64, engine_splits), (4, 8), (3, 1)]:
+        out, ref = run_decode(
+            kv_lens[:batch], heads, kv_heads, 16, window, splits, torch.bfloat16, head_dim,
+            device=CUDA, softcap=softcap, sinks=sinks,
+        )  # fmt: skip
+        assert_close(out, ref, GPU_TOL)
+        assert (out[1] == 0).all()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("heads, kv_heads, head_dim, window, softcap, sinks", GPU_FEATURE_CASES)
+def test_gpu_extend_softcap_and_sinks_bf16(heads, kv_heads, head_dim, window, softcap, sinks):
+    q_lens = [512, 1024, 700, 1]
+    kv_lens = [512, 1024 + 300, 700 + 3000, 900]  # fresh prefill, prefix hits, a decode row
+    out, ref = run_extend(
+        kv_lens, q_lens, heads, kv_heads, 16, window, torch.bfloat16, head_dim, device=CUDA,
+        softcap=softcap, sinks=sinks,
+    )  # fmt: skip
+    assert_close(out, ref, GPU_TOL)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("features", [False, True], ids=["plain", "softcap+sinks"])
+def test_gpu_decode_cuda_graph_replay(features):
     """Captured once, replayed with new lengths and tables: same as an eager call."""
     batch, heads, kv_heads, dim, block_size, splits = 8, 16, 8, 128, 16, 4
     cache, tables, _, _ = make_paged_cache(
@@ -284,8 +429,14 @@ def test_gpu_decode_cuda_graph_replay():
         partial_lse=torch.empty(batch, heads, splits, device=CUDA),
     )
 
+    extra = {}
+    if features:
+        extra = dict(softcap=2.0, sinks=make_sinks(heads, torch.bfloat16, CUDA))
+
     def step():
-        paged_decode_attention(q, cache, static_tables, lens, 0.088, None, out, splits, **ws)
+        paged_decode_attention(
+            q, cache, static_tables, lens, 0.088, None, out, splits, **ws, **extra
+        )
 
     step()  # compile outside the capture
     torch.cuda.synchronize()
@@ -300,6 +451,6 @@ def test_gpu_decode_cuda_graph_replay():
         graph.replay()
         replayed = out.clone()
         eager = torch.empty_like(q)
-        paged_decode_attention(q, cache, static_tables, lens, 0.088, None, eager, splits)
+        paged_decode_attention(q, cache, static_tables, lens, 0.088, None, eager, splits, **extra)
         torch.testing.assert_close(replayed, eager, atol=0, rtol=0)
         assert not replayed.isnan().any()

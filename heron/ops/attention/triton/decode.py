@@ -11,6 +11,14 @@ Layout contract (all tensors on one device):
   0 marks a padded row, whose output is zeros.
 * ``partial_out``: fp32 ``[B, H, num_splits, D]`` and ``partial_lse``: fp32 ``[B, H, num_splits]``,
   the split workspace (only used when ``num_splits > 1``).
+* ``sinks`` (optional, gpt-oss): ``[H]``, any float dtype: one learned logit per head, in the
+  units of the scaled scores, that joins every softmax's normaliser and adds nothing to the
+  output. It is added once per (request, head): by the reduce kernel when the range is split,
+  else by the split kernel itself.
+
+Scores are ``s = (q . k) * scale``, soft-capped to ``cap * tanh(s / cap)`` when a ``softcap`` is
+given (Gemma 2), then masked. Both features are constexpr flags of the kernels, so a layer
+without them compiles to exactly the plain kernels.
 
 Every length-dependent quantity (visible range, split bounds) is computed inside the kernels
 from ``kv_lens``, so one launch configuration serves any lengths: the call never synchronises
@@ -24,8 +32,10 @@ import triton
 import triton.language as tl
 
 # Logits are scaled by log2(e) so the online softmax can use exp2; LSEs stay in log2 units
-# between the split kernel and the reduce kernel (never exposed).
+# between the split kernel and the reduce kernel (never exposed). Sinks and soft-caps are
+# converted to those units as well.
 _LOG2E = 1.4426950408889634
+_LOG2E_JIT = tl.constexpr(_LOG2E)  # the same, for kernels (they read only constexpr globals)
 # Finite "minus infinity" for the running max: a fully masked tile then gives exp2(-inf) = 0
 # and a rescale factor of exp2(0) = 1, instead of the NaN of (-inf) - (-inf).
 _NEG_BIG = tl.constexpr(-1.0e30)
@@ -38,6 +48,35 @@ _BLOCK_N = 64
 
 
 @triton.jit
+def soft_cap(qk, qk_scale, softcap):
+    """Gemma 2's soft-capped logit ``cap * tanh(s / cap)`` of the raw scores ``qk`` (q . k), in
+    log2 units, as ``cap - 2 cap / (exp(2 s / cap) + 1)``: ``qk_scale`` is
+    ``2 * scale * log2(e) / cap`` and ``softcap`` is ``cap * log2(e)``.
+
+    One exp2 and one division (libdevice's tanh does not run in Triton's interpreter, and this
+    is cheaper than a sign-symmetric form); exact to a few ulps of the cap in absolute terms.
+    Past the exponent range, exp2 gives inf and the logit the cap.
+    """
+    return softcap - (2.0 * softcap) / (tl.exp2(qk * qk_scale) + 1.0)
+
+
+@triton.jit
+def add_sink(m_i, l_i, acc, sink):
+    """Joins a sink logit to an online softmax state (log2 units) at the end of its key loop.
+
+    ``sink`` is fp32 in the units of the scaled scores (one per row, or one for all rows);
+    ``m_i`` [rows] is the running max, ``l_i`` [rows] the normaliser and ``acc`` [rows, D] the
+    unnormalised output, both relative to ``m_i``. The sink adds ``exp(sink)`` to the
+    normaliser and nothing to the output; returns ``(l_i, acc)`` relative to the new max. A row
+    that saw no key (``m_i`` the finite minus infinity) gets ``l_i = 1`` and ``acc = 0``.
+    """
+    sink = sink * _LOG2E_JIT
+    m_new = tl.maximum(m_i, sink)
+    alpha = tl.exp2(m_i - m_new)
+    return l_i * alpha + tl.exp2(sink - m_new), acc * alpha[:, None]
+
+
+@triton.jit
 def _decode_split_kernel(
     q_ptr,
     kv_ptr,
@@ -46,7 +85,7 @@ def _decode_split_kernel(
     out_ptr,
     part_out_ptr,
     part_lse_ptr,
-    qk_scale,  # softmax scale * log2(e)
+    qk_scale,  # softmax scale * log2(e); with HAS_SOFTCAP, 2 * softmax scale * log2(e) / cap
     window,
     stride_qb,
     stride_qh,
@@ -62,6 +101,8 @@ def _decode_split_kernel(
     stride_ps,
     stride_lb,
     stride_lh,
+    sinks_ptr,
+    softcap,  # with HAS_SOFTCAP: cap * log2(e) (see soft_cap)
     GROUP: tl.constexpr,
     BLOCK_H: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -69,9 +110,14 @@ def _decode_split_kernel(
     BLOCK_SIZE: tl.constexpr,
     NUM_SPLITS: tl.constexpr,
     USE_WINDOW: tl.constexpr,
+    HAS_SOFTCAP: tl.constexpr,
+    HAS_SINKS: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
-    """One program: all GROUP query heads of one KV head, over one split of the KV range."""
+    """One program: all GROUP query heads of one KV head, over one split of the KV range.
+
+    HAS_SINKS only when NUM_SPLITS == 1: otherwise the reduce kernel adds the sinks.
+    """
     b = tl.program_id(0)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
@@ -113,7 +159,11 @@ def _decode_split_kernel(
         k_ptrs = kv_head + tok_off[:, None] + offs_d[None, :]
         k = tl.load(k_ptrs, mask=valid[:, None], other=0.0)
 
-        qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
+        qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
+        if HAS_SOFTCAP:
+            qk = soft_cap(qk, qk_scale, softcap)
+        else:
+            qk = qk * qk_scale
         qk = tl.where(valid[None, :], qk, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(qk, 1))
         alpha = tl.exp2(m_i - m_new)
@@ -124,6 +174,11 @@ def _decode_split_kernel(
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
         m_i = m_new
 
+    if HAS_SINKS:
+        # This program sees the whole range, so it finishes the softmax, sink included.
+        tl.static_assert(NUM_SPLITS == 1, "with several splits the reduce kernel adds sinks")
+        sink = tl.load(sinks_ptr + heads, mask=head_mask, other=0.0).to(tl.float32)
+        l_i, acc = add_sink(m_i, l_i, acc, sink)
     has_keys = l_i > 0.0
     result = acc / tl.where(has_keys, l_i, 1.0)[:, None]
     if NUM_SPLITS == 1:
@@ -159,11 +214,14 @@ def _decode_reduce_kernel(
     stride_lh,
     stride_ob,
     stride_oh,
+    sinks_ptr,
     NUM_SPLITS: tl.constexpr,
     BLOCK_S: tl.constexpr,
     HEAD_DIM: tl.constexpr,
+    HAS_SINKS: tl.constexpr,
 ):
-    """One program per (request, head): merge the splits' partial results by their LSEs."""
+    """One program per (request, head): merge the splits' partial results by their LSEs, and
+    the head's sink (if any) as one more term of the normaliser."""
     b = tl.program_id(0)
     h = tl.program_id(1)
     offs_s = tl.arange(0, BLOCK_S)
@@ -178,8 +236,15 @@ def _decode_reduce_kernel(
     has_keys = lse > float("-inf")
     # Splits without keys (and padded rows, where every split is empty) weigh nothing.
     m = tl.max(tl.where(has_keys, lse, _NEG_BIG), 0)
+    if HAS_SINKS:
+        sink = tl.load(sinks_ptr + h).to(tl.float32) * _LOG2E_JIT
+        m = tl.maximum(m, sink)
     w = tl.where(has_keys, tl.exp2(lse - m), 0.0)
     total = tl.sum(w, 0)
+    if HAS_SINKS:
+        # Like a split whose output is zero: it weighs in the normaliser only. A padded row
+        # (no split has keys) gets total = 1 and a zero output.
+        total += tl.exp2(sink - m)
     parts = tl.load(
         part_out_ptr
         + b.to(tl.int64) * stride_pb
@@ -223,11 +288,15 @@ def paged_decode_attention(
     num_splits: int,
     partial_out: torch.Tensor | None = None,
     partial_lse: torch.Tensor | None = None,
+    softcap: float | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Attention of one new token per request over its paged history; writes and returns ``out``.
 
     Shapes are in the module docstring. A query at position ``p = kv_len - 1`` sees keys
     ``j`` with ``p - sliding_window < j <= p`` (all ``j <= p`` when the window is None).
+    ``softcap`` caps the scaled scores (Gemma 2), ``sinks`` [H] joins each head's softmax
+    (gpt-oss); see the module docstring.
     ``num_splits > 1`` splits each request's visible range into that many contiguous parts
     (split-KV / flash-decoding) and merges them in a second kernel, using ``partial_out`` /
     ``partial_lse`` as workspace (allocated here when None; pass them when capturing a graph).
@@ -239,9 +308,15 @@ def paged_decode_attention(
     assert block_size & (block_size - 1) == 0, "block_size must be a power of two"
     assert num_heads % num_kv_heads == 0 and num_splits >= 1
     assert q.stride(-1) == 1 and out.stride(-1) == 1 and kv_cache.stride(-1) == 1
+    assert sinks is None or (sinks.shape == (num_heads,) and sinks.stride(0) == 1)
+    assert softcap is None or softcap > 0
     if batch == 0:
         return out
     group = num_heads // num_kv_heads
+    if softcap is None:
+        qk_scale, softcap_log2 = scale * _LOG2E, 0.0
+    else:  # the constants of soft_cap
+        qk_scale, softcap_log2 = 2.0 * scale * _LOG2E / softcap, softcap * _LOG2E
     if num_splits > 1:
         if partial_out is None:
             partial_out = torch.empty(
@@ -266,7 +341,7 @@ def paged_decode_attention(
         out,
         part_out,
         part_lse,
-        scale * _LOG2E,
+        qk_scale,
         sliding_window or 0,
         q.stride(0),
         q.stride(1),
@@ -282,6 +357,8 @@ def paged_decode_attention(
         part_out.stride(2) if num_splits > 1 else 0,
         part_lse.stride(0),
         part_lse.stride(1),
+        out if sinks is None else sinks,  # any valid pointer when unused
+        softcap_log2,
         GROUP=group,
         BLOCK_H=max(16, triton.next_power_of_2(group)),
         BLOCK_N=_BLOCK_N,
@@ -289,6 +366,8 @@ def paged_decode_attention(
         BLOCK_SIZE=block_size,
         NUM_SPLITS=num_splits,
         USE_WINDOW=sliding_window is not None,
+        HAS_SOFTCAP=softcap is not None,
+        HAS_SINKS=sinks is not None and num_splits == 1,
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         num_warps=4 if head_dim <= 128 else 8,
         num_stages=2,
@@ -305,9 +384,11 @@ def paged_decode_attention(
             part_lse.stride(1),
             out.stride(0),
             out.stride(1),
+            out if sinks is None else sinks,
             NUM_SPLITS=num_splits,
             BLOCK_S=triton.next_power_of_2(num_splits),
             HEAD_DIM=head_dim,
+            HAS_SINKS=sinks is not None,
             num_warps=4,
         )
     return out

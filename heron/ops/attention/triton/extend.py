@@ -12,6 +12,13 @@ with one new token included). Layout contract (all tensors on one device):
 * ``query_start_loc``: int32 ``[B + 1]``; ``kv_lens``: int32 ``[B]``, cached tokens including
   the new ones, so new token ``i`` of a request with ``q_len`` new tokens is at position
   ``kv_len - q_len + i``.
+* ``sinks`` (optional, gpt-oss): ``[H]``, any float dtype: one learned logit per head, in the
+  units of the scaled scores, that joins every softmax's normaliser and adds nothing to the
+  output.
+
+Scores are ``s = (q . k) * scale``, soft-capped to ``cap * tanh(s / cap)`` when a ``softcap`` is
+given (Gemma 2), then masked. Both features are constexpr flags of the kernel, so a layer
+without them compiles to exactly the plain kernel.
 """
 
 from __future__ import annotations
@@ -19,6 +26,8 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+
+from heron.ops.attention.triton.decode import add_sink, soft_cap
 
 _LOG2E = 1.4426950408889634
 # Finite "minus infinity" for the running max: a fully masked tile then gives exp2(-inf) = 0
@@ -34,7 +43,7 @@ def _extend_kernel(
     query_start_ptr,
     kv_lens_ptr,
     out_ptr,
-    qk_scale,  # softmax scale * log2(e)
+    qk_scale,  # softmax scale * log2(e); with HAS_SOFTCAP, 2 * softmax scale * log2(e) / cap
     window,
     stride_qt,
     stride_qh,
@@ -45,12 +54,16 @@ def _extend_kernel(
     stride_btb,
     stride_ot,
     stride_oh,
+    sinks_ptr,
+    softcap,  # with HAS_SOFTCAP: cap * log2(e) (see decode.soft_cap)
     GROUP: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
     USE_WINDOW: tl.constexpr,
+    HAS_SOFTCAP: tl.constexpr,
+    HAS_SINKS: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
     """One program: BLOCK_M new tokens of one request for one query head."""
@@ -106,7 +119,11 @@ def _extend_kernel(
         visible = (k_pos[None, :] <= q_pos[:, None]) & in_range[None, :]
         if USE_WINDOW:
             visible &= k_pos[None, :] > q_pos[:, None] - window
-        qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
+        qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
+        if HAS_SOFTCAP:
+            qk = soft_cap(qk, qk_scale, softcap)
+        else:
+            qk = qk * qk_scale
         qk = tl.where(visible, qk, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(qk, 1))
         alpha = tl.exp2(m_i - m_new)
@@ -117,6 +134,8 @@ def _extend_kernel(
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
         m_i = m_new
 
+    if HAS_SINKS:
+        l_i, acc = add_sink(m_i, l_i, acc, tl.load(sinks_ptr + h).to(tl.float32))
     # Every real row sees at least its own key, so l_i > 0 there; the guard keeps padding rows
     # of the tile finite.
     result = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]
@@ -137,11 +156,14 @@ def paged_extend_attention(
     scale: float,
     sliding_window: int | None,
     out: torch.Tensor,
+    softcap: float | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Causal attention of the new tokens over their requests' paged KV; writes, returns ``out``.
 
     Shapes are in the module docstring. A query at position ``p`` sees keys ``j`` with
-    ``p - sliding_window < j <= p`` (all ``j <= p`` when the window is None).
+    ``p - sliding_window < j <= p`` (all ``j <= p`` when the window is None). ``softcap``
+    caps the scaled scores (Gemma 2), ``sinks`` [H] joins each head's softmax (gpt-oss).
     ``max_query_len`` (a host int, at least the longest request's new-token count) sizes the
     grid; programs beyond a request's new tokens return at once.
     """
@@ -153,8 +175,14 @@ def paged_extend_attention(
     assert block_size & (block_size - 1) == 0, "block_size must be a power of two"
     assert num_heads % num_kv_heads == 0
     assert q.stride(-1) == 1 and out.stride(-1) == 1 and kv_cache.stride(-1) == 1
+    assert sinks is None or (sinks.shape == (num_heads,) and sinks.stride(0) == 1)
+    assert softcap is None or softcap > 0
     if num_tokens == 0 or num_reqs == 0 or max_query_len == 0:
         return out
+    if softcap is None:
+        qk_scale, softcap_log2 = scale * _LOG2E, 0.0
+    else:  # the constants of decode.soft_cap
+        qk_scale, softcap_log2 = 2.0 * scale * _LOG2E / softcap, softcap * _LOG2E
     # Tiles and warps chosen (by ptxas register reports for sm_90, not by timing) so q, the
     # K/V tiles and the fp32 accumulator fit in registers: no spills up to head_dim 128.
     block_m, block_n = (64, 64) if head_dim <= 128 else (64, 32)
@@ -167,7 +195,7 @@ def paged_extend_attention(
         query_start_loc,
         kv_lens,
         out,
-        scale * _LOG2E,
+        qk_scale,
         sliding_window or 0,
         q.stride(0),
         q.stride(1),
@@ -178,12 +206,16 @@ def paged_extend_attention(
         block_tables.stride(0),
         out.stride(0),
         out.stride(1),
+        out if sinks is None else sinks,  # any valid pointer when unused
+        softcap_log2,
         GROUP=num_heads // num_kv_heads,
         BLOCK_M=block_m,
         BLOCK_N=block_n,
         HEAD_DIM=head_dim,
         BLOCK_SIZE=block_size,
         USE_WINDOW=sliding_window is not None,
+        HAS_SOFTCAP=softcap is not None,
+        HAS_SINKS=sinks is not None,
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         num_warps=num_warps,
         num_stages=2,

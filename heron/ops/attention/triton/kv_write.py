@@ -4,11 +4,12 @@ One launch per layer and step takes the packed ``qkv`` projection and writes the
 queries to ``q_out`` and the rotated keys and the values to their cache slots. It reads
 positions and slots from device tensors only, so it can be captured in a CUDA graph.
 
-Numerics follow ``heron.layers.norm.RMSNorm`` and ``heron.layers.rotary.RotaryEmbedding``:
-the normed values are rounded to the activation dtype before the rotation, and the rotation's
-products and sums are rounded one at a time (fp contraction is turned off, as PyTorch's
-separate elementwise ops never fuse them), so in fp32 the result matches the reference exactly
-up to the order of the qk-norm's sum of squares.
+Numerics follow ``heron.layers.norm.RMSNorm`` (or ``GemmaRMSNorm``, ``(1 + w) * norm(x)`` scaled
+in fp32: the norms' ``weight_offset`` and ``scale_in_fp32`` say which) and
+``heron.layers.rotary.RotaryEmbedding``: the normed values are rounded to the activation dtype
+before the rotation, and the rotation's products and sums are rounded one at a time (fp
+contraction is turned off, as PyTorch's separate elementwise ops never fuse them), so in fp32
+the result matches the reference exactly up to the order of the qk-norm's sum of squares.
 """
 
 from __future__ import annotations
@@ -129,6 +130,8 @@ def _qk_norm_rope_kv_write_kernel(
     stride_c_slot,
     stride_c_head,
     HAS_NORM: tl.constexpr,
+    WEIGHT_OFFSET: tl.constexpr,
+    SCALE_IN_FP32: tl.constexpr,
     BLOCK_H: tl.constexpr,
     BLOCK_D: tl.constexpr,
 ):
@@ -160,10 +163,19 @@ def _qk_norm_rope_kv_write_kernel(
             w_ptr = k_norm_ptr
         w = tl.load(w_ptr + dims, mask=dim_ok, other=0.0).to(tl.float32)
         wp = tl.load(w_ptr + partner, mask=dim_ok, other=0.0).to(tl.float32)
+        if WEIGHT_OFFSET != 0.0:  # Gemma's zero-centred weights scale by 1 + w (in fp32)
+            w = w + WEIGHT_OFFSET
+            wp = wp + WEIGHT_OFFSET
         inv = rms_inv(x, head_dim, eps)
+        if SCALE_IN_FP32:  # Gemma: (x * inv) * w all in fp32, rounded once below
+            x = x * inv[:, None] * w[None, :]
+            xp = xp * inv[:, None] * wp[None, :]
+        else:  # Llama: x * inv rounded to the activation dtype, then scaled
+            x = rms_scale(x, inv, w, dtype)
+            xp = rms_scale(xp, inv, wp, dtype)
         # The norm's output is rounded to the activation dtype before the rotation sees it.
-        x = rms_scale(x, inv, w, dtype).to(dtype).to(tl.float32)
-        xp = rms_scale(xp, inv, wp, dtype).to(dtype).to(tl.float32)
+        x = x.to(dtype).to(tl.float32)
+        xp = xp.to(dtype).to(tl.float32)
 
     pos = tl.cast(tl.load(pos_ptr + token), tl.int64)
     freq = tl.where(first, dims, dims - half_rot)
@@ -264,9 +276,13 @@ def qk_norm_rope_kv_write(
     num_kv_heads: int,
     head_dim: int,
     q_out: torch.Tensor | None = None,
+    norm_weight_offset: float = 0.0,
+    norm_scale_in_fp32: bool = False,
 ) -> torch.Tensor:
     """Splits ``qkv`` [T, (H + 2 KVH) * D] into q, k, v; RMS-normalises q and k per head when
-    the norm weights are given (Qwen3's qk-norm); rotates the first ``R = 2 * cos.shape[1]``
+    the norm weights are given (Qwen3's qk-norm ``w * norm(x)``, or with
+    ``norm_weight_offset=1.0, norm_scale_in_fp32=True`` Gemma 3's ``(1 + w) * norm(x)``; see
+    ``heron.layers.norm.RMSNorm.weight_offset``); rotates the first ``R = 2 * cos.shape[1]``
     dimensions of q and k at ``positions`` (HF rotate-half layout; ``cos``/``sin`` [P, R/2]
     fp32, already scaled); writes k and v to ``kv_cache`` [2, NB, BS, KVH, D] at the slots
     ``slot_mapping[:T]`` (negative slots are skipped) and returns q as ``q_out`` [T, H, D].
@@ -318,6 +334,8 @@ def qk_norm_rope_kv_write(
         q_out.stride(1),
         *cache,
         HAS_NORM=has_norm,
+        WEIGHT_OFFSET=float(norm_weight_offset),
+        SCALE_IN_FP32=bool(norm_scale_in_fp32),
         BLOCK_H=block_h,
         BLOCK_D=block_d,
         num_warps=max(1, min(4, block_h * block_d // 128)),

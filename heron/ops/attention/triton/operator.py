@@ -7,8 +7,8 @@ from collections.abc import Hashable
 from dataclasses import dataclass
 
 import torch
+from torch import nn
 
-from heron.layers.norm import RMSNorm
 from heron.layers.rotary import QKTransform
 from heron.metadata import SequenceMetadata
 from heron.ops.attention.base import AttentionOperator, AttentionSpec
@@ -109,20 +109,31 @@ class TritonAttentionBuilder(PagedAttentionBuilder):
         return dataclasses.replace(view, workspace=workspace)
 
 
+def _norm_form(norm: nn.Module | None) -> tuple[float, bool, float] | None:
+    """``(weight_offset, scale_in_fp32, eps)`` of an RMS norm that declares the form the fused
+    pre-write computes (``heron.layers.norm.RMSNorm`` and ``GemmaRMSNorm`` do), else None."""
+    offset = getattr(norm, "weight_offset", None)
+    in_fp32 = getattr(norm, "scale_in_fp32", None)
+    if not isinstance(offset, float) or not isinstance(in_fp32, bool):
+        return None
+    return offset, in_fp32, norm.eps
+
+
 class TritonAttention(AttentionOperator):
     """Paged attention with Triton kernels: a fused qk-norm + RoPE + KV-store pre-write, a
     split-K decode kernel (query heads of one KV head packed per program) and a varlen extend
-    kernel reading the paged cache directly."""
+    kernel reading the paged cache directly. Soft-capping and sinks are constexpr flags of the
+    attention kernels; the qk-norm's form (Llama's ``w * norm(x)`` or Gemma's
+    ``(1 + w) * norm(x)``) is one of the pre-write."""
 
     @classmethod
     def covers(cls, spec: AttentionSpec, qk_transform: QKTransform | None) -> bool:
-        # The fused pre-write computes Llama's w * norm(x); Gemma's (1 + w) * norm(x) is not it.
-        norms = (qk_transform.q_norm, qk_transform.k_norm) if qk_transform is not None else ()
-        return (
-            spec.logit_softcap is None
-            and not spec.has_sinks
-            and all(norm is None or type(norm) is RMSNorm for norm in norms)
-        )
+        # Soft-caps and sinks are always covered; a q/k norm must be a pair of RMS norms of
+        # one declared form (see RMSNorm.weight_offset), which the pre-write reproduces.
+        if qk_transform is None or (qk_transform.q_norm is None and qk_transform.k_norm is None):
+            return True
+        form = _norm_form(qk_transform.q_norm)
+        return form is not None and form == _norm_form(qk_transform.k_norm)
 
     def make_builder(
         self, spec: AttentionSpec, block_size: int, max_model_len: int
@@ -137,7 +148,7 @@ class TritonAttention(AttentionOperator):
             return q
         q_norm = t.q_norm.weight if t.q_norm is not None else None
         k_norm = t.k_norm.weight if t.k_norm is not None else None
-        eps = t.q_norm.eps if t.q_norm is not None else 0.0
+        offset, in_fp32, eps = _norm_form(t.q_norm) if t.q_norm is not None else (0.0, False, 0.0)
         return qk_norm_rope_kv_write(
             qkv,
             view.positions,
@@ -151,6 +162,8 @@ class TritonAttention(AttentionOperator):
             s.num_heads,
             s.num_kv_heads,
             s.head_dim,
+            norm_weight_offset=offset,
+            norm_scale_in_fp32=in_fp32,
         )
 
     def forward_decode(self, q: torch.Tensor, view: PagedAttentionView) -> torch.Tensor:
@@ -166,6 +179,8 @@ class TritonAttention(AttentionOperator):
             ws.num_splits,
             ws.partial_out,
             ws.partial_lse,
+            softcap=self.spec.logit_softcap,
+            sinks=self.sinks,
         )
 
     def forward_extend(self, q: torch.Tensor, view: PagedAttentionView) -> torch.Tensor:
@@ -179,4 +194,6 @@ class TritonAttention(AttentionOperator):
             self.spec.scale,
             view.sliding_window,
             torch.empty_like(q),
+            softcap=self.spec.logit_softcap,
+            sinks=self.sinks,
         )

@@ -1,0 +1,323 @@
+"""Fused mixture-of-experts for gpt-oss's clamped-SwiGLU experts: two grouped GEMMs in Triton.
+
+Every step runs on the GPU with shapes that depend only on the token count, never on the
+routing, so there is no host sync and the whole call can be captured in a CUDA graph.
+
+1. ``align_by_expert`` (plain torch ops) sorts the ``T * k`` (token, slot) pairs by expert and
+   lays them out in row blocks of ``BLOCK_M``, each expert's rows padded to a whole number of
+   blocks, so that every block belongs to one expert. Padding rows hold the sentinel ``T * k``.
+   The buffers are sized for the worst case, ``T * k + min(E, T * k) * (BLOCK_M - 1)`` rows; the
+   number of blocks actually used stays on the device.
+2. ``_gate_up_kernel``: one program per (row block, column tile). It gathers the block's token
+   rows of ``x``, multiplies them by its expert's ``gate_up_proj`` tile, adds the bias and applies
+   the clamped SwiGLU in the epilogue: the gate and up columns alternate in the weight, so a
+   tile of ``BLOCK_N`` weight columns gives ``BLOCK_N / 2`` outputs. The result ``h`` [rows, I]
+   stays in the sorted row order.
+3. ``_down_kernel``: the same grouped GEMM on ``h`` and ``down_proj``, plus the bias, times the
+   pair's routing weight; each row is stored (fp32) at its pair's place in ``[T * k, hidden]``,
+   and the ``k`` slots of each token are summed afterwards (deterministic: no atomics).
+
+Programs whose row block lies past the used ones return at once; padding rows are computed (on
+zeros) but never stored by the second kernel. Accumulation is fp32 throughout.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _expert_matmul(
+    a_ptrs,
+    a_mask,
+    w_ptr,
+    offs_n,
+    n_mask,
+    N,
+    K,
+    EVEN_K: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    DOT_PREC: tl.constexpr,
+):
+    """fp32 ``a @ w`` [BLOCK_M, BLOCK_N] over ``K``: ``a_ptrs`` [BLOCK_M, 1] point at the rows'
+    starts (``a_mask`` [BLOCK_M, 1] says which to read), ``w_ptr`` at one expert's [K, N]."""
+    offs_k = tl.arange(0, BLOCK_K)
+    a_ptrs = a_ptrs + offs_k[None, :]
+    w_ptrs = w_ptr + offs_k[:, None] * N + offs_n[None, :]
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for k in range(0, K, BLOCK_K):
+        if EVEN_K:
+            a = tl.load(a_ptrs, mask=a_mask, other=0.0)
+            w = tl.load(w_ptrs, mask=n_mask[None, :], other=0.0)
+        else:
+            k_mask = (k + offs_k) < K
+            a = tl.load(a_ptrs, mask=a_mask & k_mask[None, :], other=0.0)
+            w = tl.load(w_ptrs, mask=k_mask[:, None] & n_mask[None, :], other=0.0)
+        acc = tl.dot(a, w, acc=acc, input_precision=DOT_PREC)
+        a_ptrs += BLOCK_K
+        w_ptrs += BLOCK_K * N
+    return acc
+
+
+@triton.jit
+def _gate_up_kernel(
+    x_ptr,
+    w_ptr,
+    b_ptr,
+    h_ptr,
+    sorted_ids_ptr,
+    block_expert_ptr,
+    num_blocks_ptr,
+    num_pairs,
+    top_k,
+    hidden,
+    inter,
+    stride_x,
+    alpha,
+    limit,
+    EVEN_K: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    DOT_PREC: tl.constexpr,
+):
+    """``h[rows, tile] = swiglu(x[token(rows)] @ gate_up_proj[e] + bias)`` for one row block."""
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    if pid_m >= tl.load(num_blocks_ptr):
+        return
+    expert = tl.cast(tl.load(block_expert_ptr + pid_m), tl.int64)
+    offs_m = tl.cast(pid_m, tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
+    pairs = tl.load(sorted_ids_ptr + offs_m)
+    valid = pairs < num_pairs
+    tokens = tl.cast(pairs // top_k, tl.int64)
+
+    # BLOCK_N weight columns: BLOCK_N / 2 (gate, up) pairs, the outputs pid_n * BLOCK_N / 2 + j.
+    n_cols = 2 * inter
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_mask = offs_n < n_cols
+    acc = _expert_matmul(
+        x_ptr + tokens[:, None] * stride_x,
+        valid[:, None],
+        w_ptr + expert * hidden * n_cols,
+        offs_n,
+        n_mask,
+        n_cols,
+        hidden,
+        EVEN_K,
+        BLOCK_M,
+        BLOCK_N,
+        BLOCK_K,
+        DOT_PREC,
+    )
+    bias = tl.load(b_ptr + expert * n_cols + offs_n, mask=n_mask, other=0.0)
+    acc += bias.to(tl.float32)[None, :]
+
+    # Clamped SwiGLU (heron.layers.moe.clamped_swiglu): even columns are gates, odd ones ups.
+    gate, up = tl.split(tl.reshape(acc, [BLOCK_M, BLOCK_N // 2, 2]))
+    gate = tl.minimum(gate, limit)
+    up = tl.minimum(tl.maximum(up, -limit), limit)
+    glu = (up + 1.0) * (gate * tl.sigmoid(alpha * gate))
+
+    offs_j = pid_n * (BLOCK_N // 2) + tl.arange(0, BLOCK_N // 2)
+    h_ptrs = h_ptr + offs_m[:, None] * inter + offs_j[None, :]
+    tl.store(h_ptrs, glu.to(h_ptr.dtype.element_ty), mask=(offs_j < inter)[None, :])
+
+
+@triton.jit
+def _down_kernel(
+    h_ptr,
+    w_ptr,
+    b_ptr,
+    route_ptr,
+    out_ptr,
+    sorted_ids_ptr,
+    block_expert_ptr,
+    num_blocks_ptr,
+    num_pairs,
+    inter,
+    hidden,
+    EVEN_K: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    DOT_PREC: tl.constexpr,
+):
+    """``out[pair(rows), tile] = route(pair) * (h[rows] @ down_proj[e] + bias)``, real rows only."""
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    if pid_m >= tl.load(num_blocks_ptr):
+        return
+    expert = tl.cast(tl.load(block_expert_ptr + pid_m), tl.int64)
+    offs_m = tl.cast(pid_m, tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
+    pairs = tl.load(sorted_ids_ptr + offs_m)
+    valid = pairs < num_pairs
+
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_mask = offs_n < hidden
+    # Every row of a used block was written by the first kernel, padding rows too.
+    acc = _expert_matmul(
+        h_ptr + offs_m[:, None] * inter,
+        offs_m[:, None] >= 0,
+        w_ptr + expert * inter * hidden,
+        offs_n,
+        n_mask,
+        hidden,
+        inter,
+        EVEN_K,
+        BLOCK_M,
+        BLOCK_N,
+        BLOCK_K,
+        DOT_PREC,
+    )
+    bias = tl.load(b_ptr + expert * hidden + offs_n, mask=n_mask, other=0.0)
+    acc += bias.to(tl.float32)[None, :]
+    route = tl.load(route_ptr + pairs, mask=valid, other=0.0).to(tl.float32)
+    acc *= route[:, None]
+
+    out_ptrs = out_ptr + tl.cast(pairs, tl.int64)[:, None] * hidden + offs_n[None, :]
+    tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=valid[:, None] & n_mask[None, :])
+
+
+def align_by_expert(
+    indices: torch.Tensor, num_experts: int, block_m: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The (token, slot) pairs of ``indices`` [T, k] sorted by expert into row blocks.
+
+    Returns ``sorted_ids`` [max_rows] (int32: the flat pair index ``token * k + slot``, or the
+    sentinel ``T * k`` on padding rows), ``block_expert`` [max_rows / block_m] (int32: each
+    block's expert) and ``num_blocks`` [1] (int32: how many blocks are used; the later ones are
+    garbage). Only torch ops without a host sync, with shapes fixed by ``T``, ``k`` and ``E``.
+    """
+    flat = indices.flatten().to(torch.int64)
+    num_pairs = flat.numel()
+    device = flat.device
+    max_rows = num_pairs + min(num_experts, num_pairs) * (block_m - 1)
+    max_rows = triton.cdiv(max_rows, block_m) * block_m
+
+    # Pairs per expert (scatter_add, not bincount: bincount reads the maximum on the host).
+    counts = torch.zeros(num_experts, dtype=torch.int64, device=device)
+    counts.scatter_add_(0, flat, torch.ones_like(flat))
+    padded = (counts + block_m - 1) // block_m * block_m
+    padded_end = torch.cumsum(padded, 0)
+
+    # A stable sort keeps each expert's pairs in token order; a pair's rank among its expert's
+    # pairs is its sorted position less the number of pairs of the experts before.
+    order = torch.argsort(flat, stable=True)
+    experts = flat[order]
+    rank = torch.arange(num_pairs, device=device) - (torch.cumsum(counts, 0) - counts)[experts]
+    dest = (padded_end - padded)[experts] + rank
+    sorted_ids = torch.full((max_rows,), num_pairs, dtype=torch.int32, device=device)
+    sorted_ids.scatter_(0, dest, order.to(torch.int32))
+
+    # Block b starts at row b * block_m; its expert is the number of experts that end by then.
+    starts = torch.arange(0, max_rows, block_m, device=device)
+    block_expert = torch.searchsorted(padded_end, starts, right=True, out_int32=True)
+    block_expert.clamp_(max=num_experts - 1)  # blocks past the used ones: any valid expert
+    num_blocks = (padded_end[-1:] // block_m).to(torch.int32)
+    return sorted_ids, block_expert, num_blocks
+
+
+def default_blocks(num_pairs: int, num_experts: int) -> tuple[int, int, int]:
+    """``(BLOCK_M, BLOCK_N, BLOCK_K)`` by the mean number of pairs per expert: small row blocks
+    while few tokens reach each expert (decode), larger ones for prefill."""
+    per_expert = num_pairs / num_experts
+    if per_expert <= 16:
+        return 16, 64, 64
+    if per_expert <= 64:
+        return 32, 64, 64
+    return 64, 128, 64
+
+
+def fused_experts(
+    x: torch.Tensor,
+    weights: torch.Tensor,
+    indices: torch.Tensor,
+    gate_up_proj: torch.Tensor,
+    gate_up_bias: torch.Tensor,
+    down_proj: torch.Tensor,
+    down_bias: torch.Tensor,
+    alpha: float,
+    limit: float,
+    blocks: tuple[int, int, int] | None = None,
+) -> torch.Tensor:
+    """gpt-oss's experts on ``x`` [T, hidden]: the sum over each token's experts ``indices``
+    [T, k] of ``weights`` [T, k] times the expert's clamped-SwiGLU MLP; returns [T, hidden].
+
+    Weights are input-major as in ``ClampedSwiGLUExperts``: ``gate_up_proj`` [E, hidden, 2I]
+    (gate and up columns interleaved), ``down_proj`` [E, I, hidden]. ``blocks`` overrides
+    ``(BLOCK_M, BLOCK_N, BLOCK_K)`` (each a power of two of at least 16).
+    """
+    num_experts, hidden, n_cols = gate_up_proj.shape
+    inter = n_cols // 2
+    num_tokens, top_k = indices.shape
+    if x.shape != (num_tokens, hidden) or down_proj.shape != (num_experts, inter, hidden):
+        raise ValueError(
+            f"fused_experts: x {tuple(x.shape)}, indices {tuple(indices.shape)}, gate_up_proj "
+            f"{tuple(gate_up_proj.shape)}, down_proj {tuple(down_proj.shape)}"
+        )
+    for w in (gate_up_proj, gate_up_bias, down_proj, down_bias):
+        if not w.is_contiguous() or w.dtype != x.dtype:
+            raise ValueError("fused_experts: expert weights must be contiguous, in x's dtype")
+    if x.stride(1) != 1:
+        x = x.contiguous()
+    if num_tokens == 0:
+        return torch.zeros_like(x)
+    num_pairs = num_tokens * top_k
+    block_m, block_n, block_k = blocks or default_blocks(num_pairs, num_experts)
+    sorted_ids, block_expert, num_blocks = align_by_expert(indices, num_experts, block_m)
+    max_blocks = block_expert.numel()
+    dot_prec = "ieee" if x.dtype == torch.float32 else "tf32"
+    num_stages = 2 if x.dtype == torch.float32 else 3
+
+    h = torch.empty(sorted_ids.numel(), inter, dtype=x.dtype, device=x.device)
+    _gate_up_kernel[(max_blocks, triton.cdiv(n_cols, block_n))](
+        x,
+        gate_up_proj,
+        gate_up_bias,
+        h,
+        sorted_ids,
+        block_expert,
+        num_blocks,
+        num_pairs,
+        top_k,
+        hidden,
+        inter,
+        x.stride(0),
+        alpha,
+        limit,
+        EVEN_K=hidden % block_k == 0,
+        BLOCK_M=block_m,
+        BLOCK_N=block_n,
+        BLOCK_K=block_k,
+        DOT_PREC=dot_prec,
+        num_warps=4,
+        num_stages=num_stages,
+    )
+
+    per_slot = torch.empty(num_pairs, hidden, dtype=torch.float32, device=x.device)
+    _down_kernel[(max_blocks, triton.cdiv(hidden, block_n))](
+        h,
+        down_proj,
+        down_bias,
+        weights.contiguous(),
+        per_slot,
+        sorted_ids,
+        block_expert,
+        num_blocks,
+        num_pairs,
+        inter,
+        hidden,
+        EVEN_K=inter % block_k == 0,
+        BLOCK_M=block_m,
+        BLOCK_N=block_n,
+        BLOCK_K=block_k,
+        DOT_PREC=dot_prec,
+        num_warps=4,
+        num_stages=num_stages,
+    )
+    return per_slot.view(num_tokens, top_k, hidden).sum(dim=1).to(x.dtype)
