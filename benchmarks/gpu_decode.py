@@ -97,24 +97,39 @@ def floor_ms(batch: int, context: int, bandwidth: float) -> float:
     return (weights + kv_bytes) / bandwidth * 1e3
 
 
+def steady_decode_ms(token_times: list[list[float]]) -> float:
+    """Mean decode time per step while every request decodes, from each request's token times
+    (seconds): the window starts when the last request got its first token (before that,
+    prefill chunks of the others share the steps), and each request's (last - first) / (n - 1)
+    over its tokens in that window is averaged."""
+    start = max(times[0] for times in token_times)
+    per_step = []
+    for times in token_times:
+        window = [t for t in times if t >= start]
+        if len(window) > 1:
+            per_step.append((window[-1] - window[0]) / (len(window) - 1))
+    return statistics.mean(per_step) * 1e3
+
+
 def heron_decode_ms(llm: LLM, prompts: list[list[int]], out_len: int) -> tuple[float, float]:
-    """(ms per decode step, output tokens/s) with per-token times as the caller sees them."""
+    """(ms per decode step while all requests decode, output tokens/s), with per-token times
+    as the caller of ``LLMEngine.step`` sees them."""
     engine = llm.engine
     params = SamplingParams(temperature=0, max_tokens=out_len, ignore_eos=True)
     for i, p in enumerate(prompts):
         engine.add_request(f"b{i}", p, params)
-    first: dict[str, float] = {}
-    last: dict[str, float] = {}
+    times: dict[str, list[float]] = {}
+    seen: dict[str, int] = {}
     start = time.perf_counter()
     while engine.has_unfinished_requests():
         outputs = engine.step()
         now = time.perf_counter()
         for o in outputs:
-            first.setdefault(o.request_id, now)
-            last[o.request_id] = now
+            n = len(o.outputs[0].token_ids)
+            times.setdefault(o.request_id, []).extend([now] * (n - seen.get(o.request_id, 0)))
+            seen[o.request_id] = n
     wall = time.perf_counter() - start
-    per_step = statistics.mean((last[r] - first[r]) / (out_len - 1) for r in first)
-    return per_step * 1e3, len(prompts) * out_len / wall
+    return steady_decode_ms(list(times.values())), len(prompts) * out_len / wall
 
 
 def heron_host_idle(llm: LLM, batch: int, out_len: int) -> float:
@@ -154,11 +169,8 @@ def hf_decode_ms(model, prompts: list[list[int]], out_len: int) -> tuple[float, 
     start = time.perf_counter()
     outs = model.generate_batch(prompts, generation_config=cfg, record_timestamps=True)
     wall = time.perf_counter() - start
-    per_step = statistics.mean(
-        (o.timestamps[-1] - o.timestamps[0]) / (len(o.timestamps) - 1) for o in outs.values()
-    )
     tokens = sum(len(o.generated_tokens) for o in outs.values())
-    return per_step * 1e3, tokens / wall
+    return steady_decode_ms([o.timestamps for o in outs.values()]), tokens / wall
 
 
 def throughput_workload(n: int) -> tuple[list[list[int]], list[int]]:

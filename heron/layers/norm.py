@@ -58,7 +58,16 @@ class GemmaRMSNorm(nn.Module):
     def forward(
         self, x: torch.Tensor, residual: torch.Tensor | None = None
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-        """Without ``residual``: norm(x). With it: (norm(x + residual), x + residual)."""
+        """Without ``residual``: norm(x). With it: (norm(x + residual), x + residual).
+
+        On CUDA the fused Triton kernel does both (it updates ``residual`` in place).
+        """
+        if x.is_cuda and x.dim() == 2:
+            from heron.layers.triton_kernels import rms_norm
+
+            return rms_norm(
+                x, self.weight, self.eps, residual, self.weight_offset, self.scale_in_fp32
+            )
         if residual is not None:
             x = x + residual
             residual = x

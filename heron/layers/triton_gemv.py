@@ -46,16 +46,17 @@ ACTIVATIONS = {"silu": 1, "gelu_tanh": 2}
 
 
 @triton.jit
-def _gated(gate, up, ACT: tl.constexpr):
-    """``act(gate) * up`` in fp32 (SiLU, or GELU's tanh approximation)."""
+def _gated(gate, up, ACT: tl.constexpr, dtype: tl.constexpr):
+    """``act(gate) * up`` in fp32 (SiLU, or GELU's tanh approximation), with the activation
+    rounded to ``dtype`` first, as the unfused kernels (and PyTorch) round it."""
     g = gate.to(tl.float32)
     if ACT == 1:
-        a = g * tl.sigmoid(g)
+        a = g / (1.0 + tl.exp(-g))
     else:
-        # tanh(z) = 2 * sigmoid(2z) - 1
+        # 0.5 * g * (1 + tanh(z)) with tanh(z) = 2 * sigmoid(2z) - 1
         z = 0.7978845608028654 * (g + 0.044715 * g * g * g)
         a = g * tl.sigmoid(2.0 * z)
-    return a * up.to(tl.float32)
+    return a.to(dtype).to(tl.float32) * up.to(tl.float32)
 
 
 @triton.jit
@@ -116,7 +117,7 @@ def _gemv_kernel(
         if ACT != 0:
             # Rounded to the input dtype, as an unfused activation kernel would store it.
             up = tl.load(x_ptrs + K + k, mask=x_mask, other=0.0)
-            x = _gated(x, up, ACT).to(x_ptr.dtype.element_ty)
+            x = _gated(x, up, ACT, x_ptr.dtype.element_ty).to(x_ptr.dtype.element_ty)
         if USE_DOT:
             acc = tl.dot(w, tl.trans(x), acc=acc, input_precision=DOT_PREC)
         else:

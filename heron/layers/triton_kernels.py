@@ -46,6 +46,8 @@ def _rms_norm_kernel(
     stride_out,
     eps,
     HAS_RESIDUAL: tl.constexpr,
+    WEIGHT_OFFSET: tl.constexpr,
+    SCALE_IN_FP32: tl.constexpr,
     ROWS: tl.constexpr,
     BLOCK_N: tl.constexpr,
 ):
@@ -64,8 +66,12 @@ def _rms_norm_kernel(
         x = (x.to(tl.float32) + res.to(tl.float32)).to(dtype)
         tl.store(res_ptrs, x.to(res_ptr.dtype.element_ty), mask=mask)
     xf = x.to(tl.float32)
-    w = tl.load(w_ptr + cols, mask=cols < n_cols, other=0.0).to(tl.float32)
-    out = rms_scale(xf, rms_inv(xf, n_cols, eps), w, dtype)
+    w = tl.load(w_ptr + cols, mask=cols < n_cols, other=0.0).to(tl.float32) + WEIGHT_OFFSET
+    inv = rms_inv(xf, n_cols, eps)
+    if SCALE_IN_FP32:  # Gemma: (x * inv) * (1 + w) in fp32, rounded once
+        out = xf * inv[:, None] * w[None, :]
+    else:  # Llama: x * inv rounded to the activation dtype, then scaled
+        out = rms_scale(xf, inv, w, dtype)
     tl.store(
         out_ptr + rows64 * stride_out + cols[None, :],
         out.to(out_ptr.dtype.element_ty),
@@ -83,12 +89,15 @@ def rms_norm(
     weight: torch.Tensor,
     eps: float,
     residual: torch.Tensor | None = None,
+    weight_offset: float = 0.0,
+    scale_in_fp32: bool = False,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-    """RMSNorm of the rows of ``x`` [T, N] (rows may be strided), as HF's LlamaRMSNorm.
+    """RMSNorm of the rows of ``x`` [T, N] (rows may be strided), as HF's LlamaRMSNorm, or
+    with ``weight_offset=1.0, scale_in_fp32=True`` as Gemma's ``(1 + w) * norm(x)``.
 
-    Without ``residual``: returns ``weight * norm(x)``. With it: ``residual`` is overwritten in
-    place by ``x + residual`` (rounded to ``x``'s dtype) and ``(norm(x + residual), residual)``
-    is returned. The output dtype is that of ``weight * x`` in PyTorch.
+    Without ``residual``: returns the norm. With it: ``residual`` is overwritten in place by
+    ``x + residual`` (rounded to ``x``'s dtype) and ``(norm(x + residual), residual)`` is
+    returned. The output dtype is that of ``weight * x`` in PyTorch (Llama) or ``x``'s (Gemma).
     """
     _check_rows("x", x)
     n_rows, n_cols = x.shape
@@ -96,7 +105,8 @@ def rms_norm(
         _check_rows("residual", residual)
         if residual.shape != x.shape:
             raise ValueError(f"residual {tuple(residual.shape)} != x {tuple(x.shape)}")
-    out = torch.empty(x.shape, dtype=torch.promote_types(weight.dtype, x.dtype), device=x.device)
+    dtype = x.dtype if scale_in_fp32 else torch.promote_types(weight.dtype, x.dtype)
+    out = torch.empty(x.shape, dtype=dtype, device=x.device)
     if n_rows > 0:
         block_n = triton.next_power_of_2(n_cols)
         # Narrow rows: several per program, so that each program still moves a useful amount.
@@ -115,6 +125,8 @@ def rms_norm(
             out.stride(0),
             eps,
             HAS_RESIDUAL=residual is not None,
+            WEIGHT_OFFSET=float(weight_offset),
+            SCALE_IN_FP32=bool(scale_in_fp32),
             ROWS=rows,
             BLOCK_N=block_n,
             num_warps=min(16, max(1, tile // 512)),

@@ -103,3 +103,44 @@ def test_silu_and_mul_bf16(tokens: int) -> None:
     torch.manual_seed(4)
     x = torch.randn(tokens, 2 * 3072, dtype=torch.bfloat16, device="cuda") * 3
     assert_close(silu_and_mul(x), reference_silu_and_mul(x))
+
+
+def reference_gemma_rms_norm(x, weight, eps, residual=None):
+    """HF Gemma3RMSNorm, after the residual add: (1 + w) * norm(x) in fp32, cast once."""
+    s = x if residual is None else x + residual
+    xf = s.float()
+    normed = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return (normed * (1.0 + weight.float())).to(s.dtype), s
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_gemma_rms_norm(dtype: torch.dtype) -> None:
+    """The weight offset and the single fp32 rounding of Gemma's norm, with and without the
+    fused residual; GemmaRMSNorm uses exactly this on CUDA."""
+    torch.manual_seed(5)
+    x = _rows(6, 72, dtype, strided=True)
+    residual = torch.randn(6, 72, dtype=dtype, device=DEVICE)
+    weight = torch.randn(72, dtype=dtype, device=DEVICE) * 0.3  # zero-centred, as stored
+    expected, _ = reference_gemma_rms_norm(x, weight, EPS)
+    assert_close(rms_norm(x, weight, EPS, None, 1.0, True), expected)
+    expected, expected_sum = reference_gemma_rms_norm(x, weight, EPS, residual)
+    out, new_residual = rms_norm(x, weight, EPS, residual, 1.0, True)
+    assert torch.equal(new_residual, expected_sum)
+    assert_close(out, expected)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("tokens", [1, 64, 2048])
+def test_gemma_rms_norm_module_bf16(tokens: int) -> None:
+    from heron.layers.norm import GemmaRMSNorm
+
+    torch.manual_seed(6)
+    norm = GemmaRMSNorm(1152).cuda().to(torch.bfloat16)
+    norm.weight.data.normal_(0, 0.3)
+    x = torch.randn(tokens, 1152, dtype=torch.bfloat16, device="cuda")
+    residual = torch.randn_like(x)
+    expected, expected_sum = reference_gemma_rms_norm(x, norm.weight, EPS, residual)
+    assert_close(norm(x), reference_gemma_rms_norm(x, norm.weight, EPS)[0])
+    out, _ = norm(x, residual)
+    assert torch.equal(residual, expected_sum)
+    assert_close(out, expected)

@@ -79,9 +79,11 @@ def test_out_argument_and_large_m():
 
 
 def _gated_reference(gate_up, w, b, act):
-    """Unfused: the activation in fp32 rounded to the input dtype, then the product."""
+    """Unfused, as PyTorch rounds it: the activation, then its product with up, each rounded to
+    the input dtype; then the matrix product."""
     gate, up = gate_up.float().chunk(2, dim=-1)
     a = F.silu(gate) if act == "silu" else F.gelu(gate, approximate="tanh")
+    a = a.to(gate_up.dtype).float()
     return _reference((a * up).to(gate_up.dtype), w, b)
 
 
