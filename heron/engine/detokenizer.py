@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
-from functools import lru_cache
 from typing import TYPE_CHECKING
+
+from tokenizers.decoders import DecodeStream
 
 from heron.engine.stopping import stop_token_reason
 from heron.sampling_params import SamplingParams
@@ -17,29 +18,16 @@ if TYPE_CHECKING:
 # character may be split between the prompt and the output.
 _PROMPT_CONTEXT_TOKENS = 6
 
-# What a decoder yields for bytes that are not (yet) a whole UTF-8 character.
-_REPLACEMENT_CHAR = "\ufffd"
-
-
-@lru_cache(maxsize=8)
-def _special_token_ids(tokenizer: PreTrainedTokenizerBase) -> frozenset[int]:
-    """Ids that ``tokenizer.decode(..., skip_special_tokens=True)`` leaves out.
-
-    The tokenizers backend skips every added token flagged special, which can be more than
-    ``all_special_ids`` (e.g. ``<|im_end|>``); cached because building the map is not free.
-    """
-    return frozenset(i for i, token in tokenizer.added_tokens_decoder.items() if token.special)
-
 
 class IncrementalDetokenizer:
     """Builds a request's output text token by token and watches it for stop strings.
 
-    Decoding follows vLLM's offsets scheme: the tokens after the last emitted boundary are
-    decoded together with the few before it (the already emitted "prefix"), and the text beyond
-    the prefix's text is appended once it no longer ends in an incomplete character. Text thus
-    equals ``tokenizer.decode(prompt + output)`` past the prompt's text, with no full re-decode,
-    except that tokens ending in an incomplete character are held back (also at the end: an
-    output cut inside a character never shows its U+FFFD).
+    Decoding is the tokenizers library's ``DecodeStream`` (in Rust), primed with the prompt's
+    last few tokens: each token's text is what it adds to the decode of the tokens before it,
+    emitted once it no longer ends in an incomplete character. Text thus equals
+    ``tokenizer.decode(prompt + output)`` past the prompt's text, with no full re-decode, except
+    that tokens ending in an incomplete character are held back (also at the end: an output cut
+    inside a character never shows its U+FFFD).
 
     A token that ends the output as EOS or a stop token adds no text unless
     ``include_stop_str_in_output`` (as in vLLM). Stop strings are only looked for once
@@ -52,24 +40,16 @@ class IncrementalDetokenizer:
         prompt_token_ids: Sequence[int],
         params: SamplingParams,
     ) -> None:
-        self._tokenizer = tokenizer
         self._params = params
-        self._skipped_ids = (
-            _special_token_ids(tokenizer) if params.skip_special_tokens else frozenset()
-        )
         self._max_stop_len = max(map(len, params.stop), default=0)
         self._num_output_tokens = 0
         self._finished = False
         self.text = ""
-        # The decode window: _tokens[:_read_offset] is the prefix, whose text _prefix_text was
-        # already emitted (or belongs to the prompt); tokens after it wait to be emitted.
-        self._tokens = [
-            token
-            for token in map(self._token_string, prompt_token_ids[-_PROMPT_CONTEXT_TOKENS:])
-            if token is not None
-        ]
-        self._read_offset = len(self._tokens)
-        self._prefix_text = self._tokenizer.convert_tokens_to_string(self._tokens)
+        self._backend = tokenizer.backend_tokenizer
+        self._vocab_size = self._backend.get_vocab_size(with_added_tokens=True)
+        self._stream = DecodeStream(skip_special_tokens=params.skip_special_tokens)
+        for token_id in prompt_token_ids[-_PROMPT_CONTEXT_TOKENS:]:
+            self._step(token_id)  # context only: its text is the prompt's
 
     @property
     def finished(self) -> bool:
@@ -106,24 +86,17 @@ class IncrementalDetokenizer:
                 return stop
         return None
 
-    def _token_string(self, token_id: int) -> str | None:
-        """The vocabulary string of a token; None for skipped and out-of-vocabulary ids."""
-        if token_id in self._skipped_ids:
+    def _step(self, token_id: int) -> str | None:
+        """The text ``token_id`` completes after the tokens before it (None while a character
+        is incomplete, and for out-of-vocabulary ids)."""
+        if not 0 <= token_id < self._vocab_size:
             return None
-        return self._tokenizer.convert_ids_to_tokens(token_id)
+        return self._stream.step(self._backend, token_id)
 
     def _decode_next(self, token_id: int) -> None:
-        token = self._token_string(token_id)
-        if token is None:
-            return
-        self._tokens.append(token)
-        text = self._tokenizer.convert_tokens_to_string(self._tokens)
-        if len(text) <= len(self._prefix_text) or text.endswith(_REPLACEMENT_CHAR):
-            return
-        self.text += text[len(self._prefix_text) :]
-        self._tokens = self._tokens[self._read_offset :]
-        self._read_offset = len(self._tokens)
-        self._prefix_text = self._tokenizer.convert_tokens_to_string(self._tokens)
+        text = self._step(token_id)
+        if text:
+            self.text += text
 
     def _match_stop_string(self, old_len: int) -> str | None:
         """Finds the earliest stop string ending in the text added after ``old_len``; cuts there."""
