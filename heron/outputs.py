@@ -39,7 +39,7 @@ class PrefixView(Sequence):
         return repr(self._items[: self._len])
 
 
-@dataclass
+@dataclass(slots=True)
 class CompletionOutput:
     index: int
     text: str
@@ -53,7 +53,7 @@ class CompletionOutput:
         return self.finish_reason is not None
 
 
-@dataclass
+@dataclass(slots=True)
 class RequestOutput:
     request_id: str
     prompt: str | None

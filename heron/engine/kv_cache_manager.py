@@ -338,6 +338,15 @@ class KVCacheManager:
                 f"request {request.request_id}: new_computed_blocks is only accepted on the "
                 "first allocation"
             )
+        if state is not None and self.sliding_window is None:
+            # A decode step inside the last block, with nothing to register: the common case.
+            covered = request.num_computed_tokens + num_new_tokens
+            if covered <= len(state.block_ids) * self.block_size and (
+                not self.enable_prefix_caching
+                or min(covered, len(request.all_token_ids)) // self.block_size
+                <= len(state.block_hashes)
+            ):
+                return True
         pool = self._pool
         if num_hit:
             self.check_computed_blocks(request, new_computed_blocks)

@@ -12,7 +12,7 @@ from transformers import AutoTokenizer
 from heron.config import DEFAULT_HOST_KV_CACHE_BYTES, EngineConfig, ModelConfig
 from heron.engine.detokenizer import IncrementalDetokenizer
 from heron.engine.kv_cache_manager import KVCacheCoordinator
-from heron.engine.request import FinishReason, Request
+from heron.engine.request import FinishReason, Request, RequestStatus
 from heron.engine.scheduler import Scheduler, SchedulerConfig
 from heron.engine.stopping import check_stop
 from heron.execution.model_runner import LaunchedStep, ModelRunner
@@ -42,29 +42,32 @@ class _Parent:
 
     def output(self) -> RequestOutput:
         outputs = []
+        all_finished = True
         for child, detok in zip(self.children, self.detokenizers):
-            snapshot = list if child.is_finished else PrefixView
+            finished = child.status is RequestStatus.FINISHED
+            all_finished &= finished
+            snapshot = list if finished else PrefixView
             outputs.append(
                 CompletionOutput(
-                    index=child.sample_index,
-                    text=detok.text if child.is_finished else detok.text_safe_to_stream,
-                    token_ids=snapshot(child.output_token_ids),
-                    finish_reason=child.finish_reason.value if child.finish_reason else None,
-                    stop_reason=child.stop_reason,
-                    logprobs=snapshot(child.logprobs)
+                    child.sample_index,
+                    detok.text if finished else detok.text_safe_to_stream,
+                    snapshot(child.output_token_ids),
+                    child.finish_reason.value if child.finish_reason else None,
+                    child.stop_reason,
+                    snapshot(child.logprobs)
                     if child.sampling_params.logprobs is not None
                     else None,
                 )
             )
         first = self.children[0]
         return RequestOutput(
-            request_id=self.request_id,
-            prompt=self.prompt,
-            prompt_token_ids=self.prompt_token_ids,
-            outputs=outputs,
-            finished=all(c.is_finished for c in self.children),
-            prompt_logprobs=list(first.prompt_logprobs) if first.wants_prompt_logprobs else None,
-            num_cached_tokens=first.num_cached_tokens,
+            self.request_id,
+            self.prompt,
+            self.prompt_token_ids,
+            outputs,
+            all_finished,
+            list(first.prompt_logprobs) if first.wants_prompt_logprobs else None,
+            first.num_cached_tokens,
         )
 
 

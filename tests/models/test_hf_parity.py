@@ -146,20 +146,23 @@ def test_greedy_on_cuda(family_case, dtype, graphs):
         cuda_graph_max_bs=8,
     )
     assert (llm.engine.runner.graphs is not None) == graphs
-    got = _greedy_tokens(llm)
-    assert _greedy_tokens(llm) == got  # again, now with every prompt's full blocks cached
+    # The second run finds every prompt's full blocks cached, so its steps are batched
+    # differently; in bf16 that changes roundings (a decode-sized product takes the GEMV, a
+    # larger one cuBLAS), so each run is held to the near-tie rule rather than to the other.
+    runs = [_greedy_tokens(llm), _greedy_tokens(llm)]
     if dtype == "float32":
-        assert got == refs
+        assert runs == [refs, refs]
         return
     hf = tf.AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16).cuda().eval()
-    for prompt, tokens in zip(PROMPTS, got):
+    for i, prompt in enumerate(PROMPTS):
         want = hf.generate(
             torch.tensor([prompt], device="cuda"),
             max_new_tokens=MAX_NEW,
             do_sample=False,
             pad_token_id=0,
         )[0, len(prompt) :].tolist()
-        assert _first_divergence_is_a_near_tie(hf, prompt, tokens, want)
+        for got in runs:
+            assert _first_divergence_is_a_near_tie(hf, prompt, got[i], want)
 
 
 @pytest.mark.parametrize("family", ["qwen3", "mistral"])
