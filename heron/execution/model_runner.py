@@ -94,7 +94,7 @@ class ModelRunner:
         self.sampler = Sampler()
         self.generator = torch.Generator(self.device).manual_seed(seed)
         self.num_blocks: list[int] = []
-        self.inputs = StepInputBuilder(block_size, self.device, len(self.cache_windows))
+        self.inputs = StepInputBuilder(block_size, self.device, self.cache_windows)
         self.graphs: CudaGraphRunner | None = None
         self._coverage_checked = False
 

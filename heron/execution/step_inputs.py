@@ -32,10 +32,20 @@ class StepInputBuilder:
     builders' ``fill`` into graph buffers when the step is replayed.
     """
 
-    def __init__(self, block_size: int, device: torch.device, num_groups: int = 1) -> None:
+    def __init__(
+        self,
+        block_size: int,
+        device: torch.device,
+        windows: Sequence[int | None] = (None,),
+    ) -> None:
         self.block_size = block_size
         self.device = device
-        self.num_groups = num_groups
+        self.windows = list(windows)  # each KV cache group's sliding window (None: full)
+        self.num_groups = len(self.windows)
+        # Full-attention block tables only ever grow while a request holds them, so each is
+        # mirrored in a numpy array that takes only the new entries each step (converting a
+        # long Python list every step costs more than the rest of a request's preparation).
+        self._mirrors: dict[tuple[Request, int], _TableMirror] = {}
         # On a GPU the packed batch is staged in one pinned buffer reused every step; an event
         # recorded after each copy guards the buffer until that copy has completed.
         self._staging = torch.empty(0, dtype=torch.int32)
@@ -104,10 +114,24 @@ class StepInputBuilder:
         rows = num_prompt_rows
         pending_sources: list[tuple[int, int]] = []
         all_tables, all_slots = batch.group_block_tables, batch.group_slot_mappings
+        mirrors, self._mirrors = self._mirrors, {}
         for i, (item, tables) in enumerate(zip(items, group_tables)):
             r, c, n = item.request, item.request.num_computed_tokens, item.num_new_tokens
             batch.query_lens[i] = n
             batch.kv_lens[i] = c + n
+            for g, (table, window) in enumerate(zip(tables, self.windows)):
+                if window is None and len(table) > _MIRROR_MIN_BLOCKS:
+                    mirror = mirrors.get((r, g))
+                    if mirror is None or mirror.source is not table or len(table) < mirror.length:
+                        mirror = _TableMirror(table)
+                    self._mirrors[r, g] = mirror
+                    all_tables[g, i, : len(table)] = mirror.sync()
+                else:
+                    # A sliding window's table: only blocks from the first one this step can
+                    # read (the rows start zeroed, the null block; the manager released the
+                    # entries before it anyway).
+                    first = max(0, c - window + 1) // bs if window is not None else 0
+                    all_tables[g, i, first : len(table)] = table[first:]
             if n == 1:  # decode: scalar writes are cheaper than array ops
                 if c < len(r.all_token_ids):
                     batch.token_ids[offset] = r.all_token_ids[c]
@@ -115,14 +139,12 @@ class StepInputBuilder:
                     pending_sources.append((offset, pending_rows[r]))
                 batch.positions[offset] = c
                 for g, table in enumerate(tables):
-                    all_tables[g, i, : len(table)] = table
                     all_slots[g, offset] = table[c // bs] * bs + c % bs
             else:
                 positions = np.arange(c, c + n, dtype=np.int32)
                 batch.token_ids[offset : offset + n] = r.all_token_ids[c : c + n]
                 batch.positions[offset : offset + n] = positions
-                for g, table in enumerate(tables):
-                    all_tables[g, i, : len(table)] = table
+                for g in range(num_groups):
                     all_slots[g, offset : offset + n] = (
                         all_tables[g, i, positions // bs] * bs + positions % bs
                     )
@@ -146,3 +168,30 @@ class StepInputBuilder:
         return PreparedStep(
             seq, sample_requests, slice(num_prompt_rows, rows), prompt_rows, pending_sources
         )
+
+
+# Shorter tables are converted directly: below this, the mirror's bookkeeping costs more.
+_MIRROR_MIN_BLOCKS = 32
+
+
+class _TableMirror:
+    """A numpy copy of a growing block table (a live Python list that is only appended to)."""
+
+    __slots__ = ("source", "array", "length")
+
+    def __init__(self, source: list[int]) -> None:
+        self.source = source
+        self.array = np.empty(max(16, 2 * len(source)), dtype=np.int32)
+        self.length = 0
+
+    def sync(self) -> np.ndarray:
+        """The table as it is now (new entries copied in)."""
+        n = len(self.source)
+        if n > self.length:
+            if n > len(self.array):
+                grown = np.empty(2 * n, dtype=np.int32)
+                grown[: self.length] = self.array[: self.length]
+                self.array = grown
+            self.array[self.length : n] = self.source[self.length : n]
+            self.length = n
+        return self.array[:n]
