@@ -338,15 +338,8 @@ class KVCacheManager:
                 f"request {request.request_id}: new_computed_blocks is only accepted on the "
                 "first allocation"
             )
-        if state is not None and self.sliding_window is None:
-            # A decode step inside the last block, with nothing to register: the common case.
-            covered = request.num_computed_tokens + num_new_tokens
-            if covered <= len(state.block_ids) * self.block_size and (
-                not self.enable_prefix_caching
-                or min(covered, len(request.all_token_ids)) // self.block_size
-                <= len(state.block_hashes)
-            ):
-                return True
+        if not num_hit and self.needs_nothing(request, num_new_tokens):
+            return True
         pool = self._pool
         if num_hit:
             self.check_computed_blocks(request, new_computed_blocks)
@@ -378,6 +371,27 @@ class KVCacheManager:
             if num_full > len(state.block_hashes):
                 self._register_full_blocks(request, state, num_full)
         return True
+
+    def needs_nothing(self, request: Request, num_new_tokens: int) -> bool:
+        """Whether :meth:`allocate_slots` (without hits) would change nothing: the step stays
+        inside the request's last block, with no block to register or release. The common
+        decode step, checked first because it runs for every request every step."""
+        state = self._requests.get(request.request_id)
+        if state is None:
+            return False
+        covered = request.num_computed_tokens + num_new_tokens
+        bs = self.block_size
+        return (
+            covered <= len(state.block_ids) * bs
+            and (
+                not self.enable_prefix_caching
+                or min(covered, len(request.all_token_ids)) // bs <= len(state.block_hashes)
+            )
+            and (
+                self.sliding_window is None
+                or self._first_live_block(request, 0) <= state.num_released
+            )
+        )
 
     def free(self, request: Request) -> None:
         """Drop the request's blocks (finished, aborted or preempted); unknown ids are a no-op.
@@ -558,6 +572,10 @@ class KVCacheCoordinator:
         new_computed_blocks: Sequence[Sequence[int]] = (),
     ) -> bool:
         """Allocate this step's slots in every group, or (returning False) in none."""
+        if not new_computed_blocks and all(
+            g.needs_nothing(request, num_new_tokens) for g in self.groups
+        ):
+            return True
         hits = list(new_computed_blocks) or [()] * len(self.groups)
         if len(self.groups) == 1:  # one group is atomic on its own; skip the double check
             return self.groups[0].allocate_slots(request, num_new_tokens, hits[0])
