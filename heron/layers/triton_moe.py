@@ -64,6 +64,16 @@ def _expert_matmul(
 
 
 @triton.jit
+def _row_block(pid_m, block_expert_ptr, sorted_ids_ptr, num_pairs, BLOCK_M: tl.constexpr):
+    """Row block ``pid_m``'s expert, its sorted row indices, their (token, slot) pairs and
+    which rows are real (padding rows hold the sentinel ``num_pairs``)."""
+    expert = tl.cast(tl.load(block_expert_ptr + pid_m), tl.int64)
+    offs_m = tl.cast(pid_m, tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
+    pairs = tl.load(sorted_ids_ptr + offs_m)
+    return expert, offs_m, pairs, pairs < num_pairs
+
+
+@triton.jit
 def _gate_up_kernel(
     x_ptr,
     w_ptr,
@@ -90,10 +100,9 @@ def _gate_up_kernel(
     pid_n = tl.program_id(1)
     if pid_m >= tl.load(num_blocks_ptr):
         return
-    expert = tl.cast(tl.load(block_expert_ptr + pid_m), tl.int64)
-    offs_m = tl.cast(pid_m, tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
-    pairs = tl.load(sorted_ids_ptr + offs_m)
-    valid = pairs < num_pairs
+    expert, offs_m, pairs, valid = _row_block(
+        pid_m, block_expert_ptr, sorted_ids_ptr, num_pairs, BLOCK_M
+    )
     tokens = tl.cast(pairs // top_k, tl.int64)
 
     # BLOCK_N weight columns: BLOCK_N / 2 (gate, up) pairs, the outputs pid_n * BLOCK_N / 2 + j.
@@ -152,10 +161,9 @@ def _down_kernel(
     pid_n = tl.program_id(1)
     if pid_m >= tl.load(num_blocks_ptr):
         return
-    expert = tl.cast(tl.load(block_expert_ptr + pid_m), tl.int64)
-    offs_m = tl.cast(pid_m, tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
-    pairs = tl.load(sorted_ids_ptr + offs_m)
-    valid = pairs < num_pairs
+    expert, offs_m, pairs, valid = _row_block(
+        pid_m, block_expert_ptr, sorted_ids_ptr, num_pairs, BLOCK_M
+    )
 
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = offs_n < hidden
