@@ -12,7 +12,7 @@ from heron.config import ModelConfig
 from heron.engine.request import Logprob, Request
 from heron.engine.scheduler import SchedulerOutput
 from heron.execution.cuda_graph import CudaGraphRunner
-from heron.execution.sampler import Sampler, plain_greedy, prompt_logprobs
+from heron.execution.sampler import Sampler, on_device, prompt_logprobs
 from heron.execution.step_inputs import StepInputBuilder
 from heron.metadata import GraphSupport, SequenceMetadata, StepBatch, StepMetaPlan
 from heron.models.build import build_model
@@ -31,7 +31,9 @@ class StepResult:
 class LaunchedStep:
     """A step whose device work is queued; :meth:`result` reads what it sampled.
 
-    A step whose sampled rows are all plain greedy keeps its tokens on the device
+    A step whose sampled rows all sample on the device (greedy or random, without logprobs,
+    penalties or a pending ``min_tokens``: :func:`~heron.execution.sampler.on_device`) keeps
+    its tokens on the device
     (``token_ids``) and copies them to pinned host memory without waiting, so the host can
     schedule and prepare the next step while this one runs; the next step takes its pending
     input tokens straight from ``token_ids``. Any other step is read on the spot (``is_ready``).
@@ -215,8 +217,11 @@ class ModelRunner:
             hidden = self.model(seq.token_ids)
             logits = self.model.compute_logits(hidden[seq.logits_indices.long()])
         requests = step.sample_requests
-        if requests and not step.prompt_rows and all(map(plain_greedy, requests)):
-            return LaunchedStep(requests, token_ids=logits[step.sample_rows].argmax(dim=-1))
+        if requests and not step.prompt_rows and all(map(on_device, requests)):
+            token_ids = self.sampler.sample_on_device(
+                logits[step.sample_rows], requests, self.generator
+            )
+            return LaunchedStep(requests, token_ids=token_ids)
         sampled = []
         if requests:
             result = self.sampler(logits[step.sample_rows], requests, self.generator)

@@ -45,9 +45,10 @@ class Sampler:
         requests: Sequence[Request],
         generator: torch.Generator | None = None,
     ) -> SamplerOutput:
-        if all(map(plain_greedy, requests)):
-            # The common serving case needs no float copy and no stage at all.
-            return SamplerOutput(logits.argmax(dim=-1).tolist(), [None] * len(requests))
+        if all(map(on_device, requests)):
+            # The common serving case: no stage needs the host.
+            token_ids = self.sample_on_device(logits, requests, generator).tolist()
+            return SamplerOutput(token_ids, [None] * len(requests))
         params = [r.sampling_params for r in requests]
         # Logprobs are reported from the raw logits (vLLM's default), before any processing.
         logprob_rows = [i for i, p in enumerate(params) if p.logprobs is not None]
@@ -59,16 +60,7 @@ class Sampler:
         logits = logits.to(torch.float32, copy=True)
         apply_min_tokens(logits, requests)
         logits = apply_penalties(logits, requests)
-
-        random_rows = [i for i, p in enumerate(params) if not p.greedy]
-        if len(random_rows) == len(requests):
-            token_ids = _draw(sampling_probs(logits, params), requests, generator)
-        else:
-            token_ids = logits.argmax(dim=-1)
-            if random_rows:
-                random_requests = [requests[i] for i in random_rows]
-                probs = sampling_probs(logits[random_rows], [params[i] for i in random_rows])
-                token_ids[random_rows] = _draw(probs, random_requests, generator)
+        token_ids = _choose(logits, requests, generator)
 
         logprobs: list[Logprob | None] = [None] * len(requests)
         if raw_logprobs is not None:
@@ -79,18 +71,59 @@ class Sampler:
                 logprobs[i] = entry
         return SamplerOutput(token_ids=token_ids.tolist(), logprobs=logprobs)
 
+    def sample_on_device(
+        self,
+        logits: torch.Tensor,
+        requests: Sequence[Request],
+        generator: torch.Generator | None = None,
+    ) -> torch.Tensor:
+        """The tokens of rows whose requests are all :func:`on_device`, left on the device:
+        nothing here waits for the device, so the host can go on while they are drawn."""
+        if all(r.sampling_params.greedy for r in requests):
+            return logits.argmax(dim=-1)
+        return _choose(logits.to(torch.float32, copy=True), requests, generator)
 
-def plain_greedy(request: Request) -> bool:
-    """Greedy with nothing that changes the logits first and no logprobs to report."""
+
+def on_device(request: Request) -> bool:
+    """Whether the request's next token can be sampled without the host: no logprobs to
+    report, no penalty or ``min_tokens`` mask that depends on the tokens so far (which may still
+    be on their way)."""
     p = request.sampling_params
     return (
-        p.greedy
-        and p.logprobs is None
+        p.logprobs is None
         and p.repetition_penalty == 1.0
         and p.presence_penalty == 0.0
         and p.frequency_penalty == 0.0
         and request.num_output_tokens >= p.min_tokens
     )
+
+
+def _choose(
+    logits: torch.Tensor, requests: Sequence[Request], generator: torch.Generator | None
+) -> torch.Tensor:
+    """Greedy rows take their argmax, the others a draw from their sampling distribution.
+
+    ``logits`` is a float32 copy (modified in place). Mixed batches draw every row (greedy rows
+    at temperature 1) and pick per row on the device, so no row list travels to the device.
+    """
+    params = [r.sampling_params for r in requests]
+    greedy = [p.greedy for p in params]
+    if all(greedy):
+        return logits.argmax(dim=-1)
+    if not any(greedy):
+        return _draw(sampling_probs(logits, params), requests, generator)
+    argmax = logits.argmax(dim=-1)
+    drawn = _draw(sampling_probs(logits, params), requests, generator)
+    return torch.where(_to_device(greedy, logits.device), argmax, drawn)
+
+
+def _to_device(values: list, device: torch.device) -> torch.Tensor:
+    """A small host list as a device tensor, without waiting for the device (a pinned copy on
+    CUDA; a plain copy from pageable memory would synchronise)."""
+    host = torch.tensor(values)
+    if device.type == "cuda":
+        return host.pin_memory().to(device, non_blocking=True)
+    return host.to(device)
 
 
 def apply_min_tokens(logits: torch.Tensor, requests: Sequence[Request]) -> None:
@@ -141,9 +174,11 @@ def sampling_probs(logits: torch.Tensor, params: Sequence[SamplingParams]) -> to
     ``logits`` is modified in place. ``params[i]`` is the ``SamplingParams`` of row ``i``.
     """
     vocab = logits.shape[-1]
-    values = logits.new_tensor(
-        [[p.temperature, min(p.top_k or vocab, vocab), p.top_p, p.min_p] for p in params]
-    )
+    # Greedy rows of a mixed batch are drawn too, at temperature 1; their draw is not used.
+    values = _to_device(
+        [[p.temperature or 1.0, min(p.top_k or vocab, vocab), p.top_p, p.min_p] for p in params],
+        logits.device,
+    ).to(logits.dtype)
     logits.div_(values[:, 0:1])
     use_top_k = any(0 < p.top_k < vocab for p in params)
     use_top_p = any(p.top_p < 1.0 for p in params)

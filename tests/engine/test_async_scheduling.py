@@ -101,9 +101,41 @@ def test_tokens_stay_on_device_between_steps(engines):
     _assert_idle(engine)
 
 
-def test_non_greedy_steps_are_read_at_once(engines):
+def test_seeded_random_sampling_stays_on_device_and_equals_sync(engines):
+    """Temperature / top-p sampling is drawn on the device and read one step later, with the
+    same tokens as the synchronous engine (each request draws from its own seeded generator)."""
+    results = []
+    for mode in (True, False):
+        engine = engines[mode]
+        for i in range(3):
+            params = SamplingParams(
+                temperature=0.8, top_p=0.9, seed=11 + i, max_tokens=12, ignore_eos=True
+            )
+            engine.add_request(f"t{i}", [9 + i, 10, 11, 12], params)
+        engine.add_request("g", [9, 10], SamplingParams(temperature=0, max_tokens=12))
+        first = engine.step()
+        assert not first or mode is False  # async: the prefill's tokens are read next call
+        outputs = {o.request_id: o.outputs[0].token_ids for o in first if o.finished}
+        while engine.has_unfinished_requests():
+            outputs.update(
+                {o.request_id: o.outputs[0].token_ids for o in engine.step() if o.finished}
+            )
+        results.append(outputs)
+        _assert_idle(engine)
+    assert results[0] == results[1] and len(results[0]) == 4
+
+
+@pytest.mark.parametrize(
+    "params",
+    [
+        SamplingParams(temperature=0.7, seed=3, max_tokens=3, ignore_eos=True, logprobs=2),
+        SamplingParams(temperature=0, max_tokens=3, ignore_eos=True, repetition_penalty=1.3),
+        SamplingParams(temperature=0, max_tokens=3, min_tokens=2),
+    ],
+    ids=["logprobs", "penalty", "min_tokens"],
+)
+def test_steps_that_need_the_host_are_read_at_once(engines, params):
     engine = engines[True]
-    params = SamplingParams(temperature=0.7, seed=3, max_tokens=3, ignore_eos=True)
     engine.add_request("s", [9, 10, 11], params)
     outputs = engine.step()
     assert outputs and len(outputs[0].outputs[0].token_ids) == 1  # read in the same call
