@@ -17,16 +17,11 @@ class SchedulerConfig:
     max_model_len: int
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class ScheduledRequest:
     request: Request
     num_new_tokens: int
-
-    @property
-    def samples(self) -> bool:
-        """Whether this step reaches the request's last known token and so samples the next."""
-        r = self.request
-        return r.num_computed_tokens + self.num_new_tokens == r.num_tokens
+    samples: bool  # the step reaches the request's last token, so it samples the next one
 
 
 @dataclass
@@ -68,7 +63,6 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
         budget = self.config.max_num_batched_tokens
-        scheduled: list[Request] = []
 
         i = 0
         while i < len(self.running) and budget > 0:
@@ -76,7 +70,8 @@ class Scheduler:
             if request.pending_tokens_end_it(self.config.max_model_len):
                 i += 1  # finishes with the token being sampled: nothing left to compute
                 continue
-            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            remaining = request.num_tokens - request.num_computed_tokens
+            num_new = min(remaining, budget)
             while not self.kv_cache.allocate_slots(request, num_new):
                 victim = self.running.pop()
                 self._preempt(victim)
@@ -84,8 +79,7 @@ class Scheduler:
                 if victim is request:
                     break
             else:
-                out.scheduled.append(ScheduledRequest(request, num_new))
-                scheduled.append(request)
+                out.scheduled.append(ScheduledRequest(request, num_new, num_new == remaining))
                 budget -= num_new
                 i += 1
 
@@ -98,7 +92,8 @@ class Scheduler:
         ):
             request = self.waiting[0]
             computed_blocks, num_cached = self.kv_cache.get_computed_blocks(request)
-            num_new = min(request.num_tokens - num_cached, budget)
+            remaining = request.num_tokens - num_cached
+            num_new = min(remaining, budget)
             if not self.kv_cache.allocate_slots(request, num_new, computed_blocks):
                 break
             self.waiting.popleft()
@@ -108,7 +103,7 @@ class Scheduler:
                 request.first_scheduled_time = time.monotonic()
                 request.num_cached_tokens = num_cached
             self.running.append(request)
-            out.scheduled.append(ScheduledRequest(request, num_new))
+            out.scheduled.append(ScheduledRequest(request, num_new, num_new == remaining))
             budget -= num_new
         return out
 

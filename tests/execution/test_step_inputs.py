@@ -16,7 +16,7 @@ WINDOW = 10
 
 def _decode(builder, request, tables):
     request.num_computed_tokens = request.num_tokens - 1
-    output = SchedulerOutput([ScheduledRequest(request, 1)])
+    output = SchedulerOutput([ScheduledRequest(request, 1, samples=True)])
     step = builder.prepare(output, lambda _: tables)
     return [t[0].numpy() for t in step.seq.group_block_tables]
 
