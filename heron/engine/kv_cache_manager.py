@@ -572,13 +572,14 @@ class KVCacheCoordinator:
         new_computed_blocks: Sequence[Sequence[int]] = (),
     ) -> bool:
         """Allocate this step's slots in every group, or (returning False) in none."""
+        if len(self.groups) == 1:  # one group is atomic on its own; skip the double check
+            hits = new_computed_blocks[0] if new_computed_blocks else ()
+            return self.groups[0].allocate_slots(request, num_new_tokens, hits)
         if not new_computed_blocks and all(
             g.needs_nothing(request, num_new_tokens) for g in self.groups
         ):
             return True
         hits = list(new_computed_blocks) or [()] * len(self.groups)
-        if len(self.groups) == 1:  # one group is atomic on its own; skip the double check
-            return self.groups[0].allocate_slots(request, num_new_tokens, hits[0])
         for group, blocks in zip(self.groups, hits):
             group.check_computed_blocks(request, blocks)
         if not all(
