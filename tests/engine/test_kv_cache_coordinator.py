@@ -9,25 +9,13 @@ from heron.engine.kv_cache_manager import NULL_BLOCK_ID, KVCacheCoordinator
 from heron.engine.request import Request
 from heron.sampling_params import SamplingParams
 
+from kv_invariants import InvariantChecked
+
 FULL, SLIDING = 0, 1
 
 
-class CheckedCoordinator(KVCacheCoordinator):
+class CheckedCoordinator(InvariantChecked, KVCacheCoordinator):
     """Checks every invariant after every public operation."""
-
-    def get_computed_blocks(self, request):
-        result = super().get_computed_blocks(request)
-        self.check_invariants()
-        return result
-
-    def allocate_slots(self, request, num_new_tokens, new_computed_blocks=()):
-        result = super().allocate_slots(request, num_new_tokens, new_computed_blocks)
-        self.check_invariants()
-        return result
-
-    def free(self, request):
-        super().free(request)
-        self.check_invariants()
 
 
 def make_request(request_id: str, tokens) -> Request:

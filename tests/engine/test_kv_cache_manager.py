@@ -11,28 +11,11 @@ from heron.engine.kv_cache_manager import NULL_BLOCK_ID, KVCacheManager
 from heron.engine.request import Request
 from heron.sampling_params import SamplingParams
 
+from kv_invariants import InvariantChecked
 
-class CheckedKVCacheManager(KVCacheManager):
-    """Checks every invariant after every public operation, so no test can forget to."""
 
-    def get_computed_blocks(self, request):
-        result = super().get_computed_blocks(request)
-        self.check_invariants()
-        return result
-
-    def allocate_slots(self, request, num_new_tokens, new_computed_blocks=()):
-        result = super().allocate_slots(request, num_new_tokens, new_computed_blocks)
-        self.check_invariants()
-        return result
-
-    def free(self, request):
-        super().free(request)
-        self.check_invariants()
-
-    def reset_prefix_cache(self):
-        result = super().reset_prefix_cache()
-        self.check_invariants()
-        return result
+class CheckedKVCacheManager(InvariantChecked, KVCacheManager):
+    """Checks every invariant after every public operation."""
 
 
 def make_request(request_id: str, tokens, prompt_logprobs: int | None = None) -> Request:

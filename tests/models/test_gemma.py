@@ -16,6 +16,7 @@ from heron import LLM, SamplingParams
 from heron.layers.norm import GemmaRMSNorm
 from heron.metadata import StepMetaPlan
 
+from tiny_models import BASE as TINY_BASE
 from tiny_models import greedy_tokens, hf_greedy, make_tokenizer
 
 MAX_NEW = 24
@@ -30,19 +31,10 @@ PROMPTS = [
 ]
 GREEDY = SamplingParams(temperature=0.0, max_tokens=MAX_NEW, ignore_eos=True)
 
-BASE = dict(
-    vocab_size=320,  # the test tokenizer's
-    hidden_size=64,
-    intermediate_size=128,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    max_position_embeddings=512,
-    rms_norm_eps=1e-6,
-    eos_token_id=0,
-    bos_token_id=0,
-    pad_token_id=0,
-    tie_word_embeddings=True,
-)
+# The tiny models' shape, tied; each Gemma sets its own depth.
+BASE = {k: v for k, v in TINY_BASE.items() if k != "num_hidden_layers"} | {
+    "tie_word_embeddings": True
+}
 GEMMA3_LAYER_TYPES = [SLIDING, SLIDING, FULL, SLIDING, SLIDING, FULL]
 
 
