@@ -9,10 +9,10 @@ from torch import nn
 class RMSNorm(nn.Module):
     """HF Llama's RMSNorm: ``weight * norm(x)``, with ``norm(x)`` cast to ``x``'s dtype first."""
 
-    # What fused kernels (the Triton qk-norm) read to reproduce a norm: the output is
+    # The form the Triton kernels (the norm itself, the fused qk-norm) compute: the output is
     # (weight + weight_offset) * x / rms(x), scaled in fp32 and cast once if scale_in_fp32, else
-    # with x / rms(x) cast to x's dtype before the scaling. A subclass that changes the forward
-    # must set them again.
+    # with x / rms(x) cast to x's dtype before the scaling. A subclass that changes ``_scale``
+    # must set them to match.
     weight_offset = 0.0
     scale_in_fp32 = False
 
@@ -31,16 +31,22 @@ class RMSNorm(nn.Module):
         if x.is_cuda and x.dim() == 2:
             from heron.layers.triton_kernels import rms_norm
 
-            return rms_norm(x, self.weight, self.eps, residual)
+            return rms_norm(
+                x, self.weight, self.eps, residual, self.weight_offset, self.scale_in_fp32
+            )
         if residual is not None:
             x = x + residual
             residual = x
-        # Statistics in fp32, like HF's LlamaRMSNorm.
-        out = self.weight * _normalize(x, self.eps).to(x.dtype)
+        # Statistics in fp32, like HF's norms.
+        out = self._scale(_normalize(x, self.eps), x.dtype)
         return out if residual is None else (out, residual)
 
+    def _scale(self, normed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """The weight applied to the fp32 ``x / rms(x)``: cast first, then scaled (Llama)."""
+        return self.weight * normed.to(dtype)
 
-class GemmaRMSNorm(nn.Module):
+
+class GemmaRMSNorm(RMSNorm):
     """Gemma's RMSNorm: ``norm(x) * (1 + weight)``, all in fp32, then cast to ``x``'s dtype.
 
     Checkpoints store the weight centred on zero. Unlike :class:`RMSNorm` (which casts before
@@ -51,28 +57,11 @@ class GemmaRMSNorm(nn.Module):
     scale_in_fp32 = True
 
     def __init__(self, hidden_size: int, eps: float = 1e-6) -> None:
-        super().__init__()
-        self.eps = eps
-        self.weight = nn.Parameter(torch.zeros(hidden_size), requires_grad=False)
+        super().__init__(hidden_size, eps)
+        nn.init.zeros_(self.weight)
 
-    def forward(
-        self, x: torch.Tensor, residual: torch.Tensor | None = None
-    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-        """Without ``residual``: norm(x). With it: (norm(x + residual), x + residual).
-
-        On CUDA the fused Triton kernel does both (it updates ``residual`` in place).
-        """
-        if x.is_cuda and x.dim() == 2:
-            from heron.layers.triton_kernels import rms_norm
-
-            return rms_norm(
-                x, self.weight, self.eps, residual, self.weight_offset, self.scale_in_fp32
-            )
-        if residual is not None:
-            x = x + residual
-            residual = x
-        out = (_normalize(x, self.eps) * (1.0 + self.weight.float())).to(x.dtype)
-        return out if residual is None else (out, residual)
+    def _scale(self, normed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        return (normed * (1.0 + self.weight.float())).to(dtype)
 
 
 def _normalize(x: torch.Tensor, eps: float) -> torch.Tensor:
