@@ -24,12 +24,16 @@ def rms_inv(x, n_cols, eps):
 
 
 @triton.jit
-def rms_scale(x, inv, w, dtype: tl.constexpr):
-    """HF LlamaRMSNorm's output ``w * (x * inv).to(dtype)`` in fp32, before its final rounding.
+def rms_scale(x, inv, w, dtype: tl.constexpr, IN_FP32: tl.constexpr):
+    """An RMS norm's output in fp32, before its final rounding: HF LlamaRMSNorm's
+    ``w * (x * inv).to(dtype)``, or with ``IN_FP32`` Gemma's ``(x * inv) * w`` (no rounding
+    between; ``w`` then already holds Gemma's ``1 + weight``).
 
     ``x`` is an fp32 tile [rows, cols], ``inv`` its per-row factor from ``rms_inv`` (or any
     other row's, for the rotate-half partner of a head), ``w`` the fp32 weight [cols].
     """
+    if IN_FP32:
+        return x * inv[:, None] * w[None, :]
     return w[None, :] * (x * inv[:, None]).to(dtype).to(tl.float32)
 
 
@@ -67,11 +71,7 @@ def _rms_norm_kernel(
         tl.store(res_ptrs, x.to(res_ptr.dtype.element_ty), mask=mask)
     xf = x.to(tl.float32)
     w = tl.load(w_ptr + cols, mask=cols < n_cols, other=0.0).to(tl.float32) + WEIGHT_OFFSET
-    inv = rms_inv(xf, n_cols, eps)
-    if SCALE_IN_FP32:  # Gemma: (x * inv) * (1 + w) in fp32, rounded once
-        out = xf * inv[:, None] * w[None, :]
-    else:  # Llama: x * inv rounded to the activation dtype, then scaled
-        out = rms_scale(xf, inv, w, dtype)
+    out = rms_scale(xf, rms_inv(xf, n_cols, eps), w, dtype, SCALE_IN_FP32)
     tl.store(
         out_ptr + rows64 * stride_out + cols[None, :],
         out.to(out_ptr.dtype.element_ty),

@@ -167,12 +167,8 @@ def _qk_norm_rope_kv_write_kernel(
             w = w + WEIGHT_OFFSET
             wp = wp + WEIGHT_OFFSET
         inv = rms_inv(x, head_dim, eps)
-        if SCALE_IN_FP32:  # Gemma: (x * inv) * w all in fp32, rounded once below
-            x = x * inv[:, None] * w[None, :]
-            xp = xp * inv[:, None] * wp[None, :]
-        else:  # Llama: x * inv rounded to the activation dtype, then scaled
-            x = rms_scale(x, inv, w, dtype)
-            xp = rms_scale(xp, inv, wp, dtype)
+        x = rms_scale(x, inv, w, dtype, SCALE_IN_FP32)
+        xp = rms_scale(xp, inv, wp, dtype, SCALE_IN_FP32)
         # The norm's output is rounded to the activation dtype before the rotation sees it.
         x = x.to(dtype).to(tl.float32)
         xp = xp.to(dtype).to(tl.float32)
