@@ -61,6 +61,22 @@ def soft_cap(qk, qk_scale, softcap):
 
 
 @triton.jit
+def scores(qk, qk_scale, softcap, HAS_SOFTCAP: tl.constexpr):
+    """The raw scores ``qk`` (q . k) scaled into log2 units, soft-capped with ``HAS_SOFTCAP``;
+    ``qk_scale`` and ``softcap`` come from :func:`score_constants`."""
+    if HAS_SOFTCAP:
+        return soft_cap(qk, qk_scale, softcap)
+    return qk * qk_scale
+
+
+def score_constants(scale: float, softcap: float | None) -> tuple[float, float]:
+    """``(qk_scale, softcap)`` kernel arguments for a softmax scale and an optional cap."""
+    if softcap is None:
+        return scale * _LOG2E, 0.0
+    return 2.0 * scale * _LOG2E / softcap, softcap * _LOG2E  # the constants of soft_cap
+
+
+@triton.jit
 def add_sink(m_i, l_i, acc, sink):
     """Joins a sink logit to an online softmax state (log2 units) at the end of its key loop.
 
@@ -159,11 +175,9 @@ def _decode_split_kernel(
         k_ptrs = kv_head + tok_off[:, None] + offs_d[None, :]
         k = tl.load(k_ptrs, mask=valid[:, None], other=0.0)
 
-        qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
-        if HAS_SOFTCAP:
-            qk = soft_cap(qk, qk_scale, softcap)
-        else:
-            qk = qk * qk_scale
+        qk = scores(
+            tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION), qk_scale, softcap, HAS_SOFTCAP
+        )
         qk = tl.where(valid[None, :], qk, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(qk, 1))
         alpha = tl.exp2(m_i - m_new)
@@ -313,10 +327,7 @@ def paged_decode_attention(
     if batch == 0:
         return out
     group = num_heads // num_kv_heads
-    if softcap is None:
-        qk_scale, softcap_log2 = scale * _LOG2E, 0.0
-    else:  # the constants of soft_cap
-        qk_scale, softcap_log2 = 2.0 * scale * _LOG2E / softcap, softcap * _LOG2E
+    qk_scale, softcap_log2 = score_constants(scale, softcap)
     if num_splits > 1:
         if partial_out is None:
             partial_out = torch.empty(

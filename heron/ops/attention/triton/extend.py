@@ -27,9 +27,8 @@ import torch
 import triton
 import triton.language as tl
 
-from heron.ops.attention.triton.decode import add_sink, soft_cap
+from heron.ops.attention.triton.decode import add_sink, score_constants, scores
 
-_LOG2E = 1.4426950408889634
 # Finite "minus infinity" for the running max: a fully masked tile then gives exp2(-inf) = 0
 # and a rescale factor of exp2(0) = 1, instead of the NaN of (-inf) - (-inf).
 _NEG_BIG = tl.constexpr(-1.0e30)
@@ -55,7 +54,7 @@ def _extend_kernel(
     stride_ot,
     stride_oh,
     sinks_ptr,
-    softcap,  # with HAS_SOFTCAP: cap * log2(e) (see decode.soft_cap)
+    softcap,  # with HAS_SOFTCAP: cap * log2(e) (see decode.score_constants)
     GROUP: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -119,11 +118,9 @@ def _extend_kernel(
         visible = (k_pos[None, :] <= q_pos[:, None]) & in_range[None, :]
         if USE_WINDOW:
             visible &= k_pos[None, :] > q_pos[:, None] - window
-        qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
-        if HAS_SOFTCAP:
-            qk = soft_cap(qk, qk_scale, softcap)
-        else:
-            qk = qk * qk_scale
+        qk = scores(
+            tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION), qk_scale, softcap, HAS_SOFTCAP
+        )
         qk = tl.where(visible, qk, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(qk, 1))
         alpha = tl.exp2(m_i - m_new)
@@ -179,10 +176,7 @@ def paged_extend_attention(
     assert softcap is None or softcap > 0
     if num_tokens == 0 or num_reqs == 0 or max_query_len == 0:
         return out
-    if softcap is None:
-        qk_scale, softcap_log2 = scale * _LOG2E, 0.0
-    else:  # the constants of decode.soft_cap
-        qk_scale, softcap_log2 = 2.0 * scale * _LOG2E / softcap, softcap * _LOG2E
+    qk_scale, softcap_log2 = score_constants(scale, softcap)
     # Tiles and warps chosen (by ptxas register reports for sm_90, not by timing) so q, the
     # K/V tiles and the fp32 accumulator fit in registers: no spills up to head_dim 128.
     block_m, block_n = (64, 64) if head_dim <= 128 else (64, 32)
