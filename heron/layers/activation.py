@@ -1,29 +1,47 @@
-"""Activation functions."""
+"""Gated activations: ``act(gate) * up`` over an input laid out as ``[gate | up]``."""
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 
-class SiluAndMul(nn.Module):
-    """``silu(gate) * up`` for an input laid out as ``[gate | up]``."""
+class GatedActivation(nn.Module):
+    """``act(gate) * up``; on CUDA one Triton kernel, elsewhere PyTorch (:meth:`reference`).
 
-    fused_name = "silu"  # the GEMV's fused activation (heron.layers.triton_gemv.ACTIVATIONS)
+    ``fused_name`` names the activation for the Triton kernels (``triton_kernels.ACTIVATIONS``),
+    which the decode GEMV also applies inside the down projection.
+    """
+
+    fused_name: str
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.is_cuda:
-            from heron.layers.triton_kernels import silu_and_mul
+        if x.is_cuda and x.dim() == 2:
+            from heron.layers.triton_kernels import gated_activation
 
-            return silu_and_mul(x)
+            return gated_activation(x, self.fused_name)
         gate, up = x.chunk(2, dim=-1)
-        return F.silu(gate) * up
+        return self.reference(gate) * up
+
+    @staticmethod
+    def reference(gate: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
 
 
-class GeluTanhAndMul(nn.Module):
-    """``gelu_tanh(gate) * up`` for an input laid out as ``[gate | up]`` (Gemma's MLP)."""
+class SiluAndMul(GatedActivation):
+    """``silu(gate) * up`` (Llama's MLP)."""
+
+    fused_name = "silu"
+
+    @staticmethod
+    def reference(gate: torch.Tensor) -> torch.Tensor:
+        return F.silu(gate)
+
+
+class GeluTanhAndMul(GatedActivation):
+    """``gelu_tanh(gate) * up`` (Gemma's MLP)."""
 
     fused_name = "gelu_tanh"
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = x.chunk(2, dim=-1)
-        return F.gelu(gate, approximate="tanh") * up
+    @staticmethod
+    def reference(gate: torch.Tensor) -> torch.Tensor:
+        return F.gelu(gate, approximate="tanh")

@@ -22,24 +22,48 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(hidden_size), requires_grad=False)
 
     def forward(
-        self, x: torch.Tensor, residual: torch.Tensor | None = None
+        self,
+        x: torch.Tensor,
+        residual: torch.Tensor | None = None,
+        prenorm: RMSNorm | None = None,
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """Without ``residual``: norm(x). With it: (norm(x + residual), x + residual).
+        With ``prenorm``, ``prenorm(x)`` takes the place of ``x`` (a post-norm before the
+        residual add, as Gemma's layers have).
 
-        On CUDA a fused Triton kernel does both (it updates ``residual`` in place).
+        On CUDA one fused Triton kernel does it all (it updates ``residual`` in place); the
+        prenorm joins it when it has this norm's form and eps.
         """
+        if prenorm is not None and not self._same_form(prenorm):
+            x, prenorm = prenorm(x), None
         if x.is_cuda and x.dim() == 2:
             from heron.layers.triton_kernels import rms_norm
 
             return rms_norm(
-                x, self.weight, self.eps, residual, self.weight_offset, self.scale_in_fp32
+                x,
+                self.weight,
+                self.eps,
+                residual,
+                self.weight_offset,
+                self.scale_in_fp32,
+                prenorm.weight if prenorm is not None else None,
             )
+        if prenorm is not None:
+            x = prenorm(x)
         if residual is not None:
             x = x + residual
             residual = x
         # Statistics in fp32, like HF's norms.
         out = self._scale(_normalize(x, self.eps), x.dtype)
         return out if residual is None else (out, residual)
+
+    def _same_form(self, other: RMSNorm) -> bool:
+        return (other.weight_offset, other.scale_in_fp32, other.eps, other.weight.dtype) == (
+            self.weight_offset,
+            self.scale_in_fp32,
+            self.eps,
+            self.weight.dtype,
+        )
 
     def _scale(self, normed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """The weight applied to the fp32 ``x / rms(x)``: cast first, then scaled (Llama)."""

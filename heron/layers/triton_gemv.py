@@ -27,6 +27,8 @@ import torch
 import triton
 import triton.language as tl
 
+from heron.layers.triton_kernels import ACTIVATIONS, gated
+
 #: The largest row count the kernel is meant for; bigger inputs are done ``MAX_M`` rows at a time.
 MAX_M = 16
 
@@ -39,24 +41,6 @@ def _finish(acc, b_ptr, y_ptr, offs_m, offs_n, n_mask, out_mask, stride_ym, HAS_
         acc += b.to(tl.float32)[None, :]
     y_ptrs = y_ptr + offs_m[:, None] * stride_ym + offs_n[None, :]
     tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=out_mask)
-
-
-#: Gated activations the kernel can apply to its input: ``act(gate) * up`` on ``[gate | up]``.
-ACTIVATIONS = {"silu": 1, "gelu_tanh": 2}
-
-
-@triton.jit
-def _gated(gate, up, ACT: tl.constexpr, dtype: tl.constexpr):
-    """``act(gate) * up`` in fp32 (SiLU, or GELU's tanh approximation), with the activation
-    rounded to ``dtype`` first, as the unfused kernels (and PyTorch) round it."""
-    g = gate.to(tl.float32)
-    if ACT == 1:
-        a = g / (1.0 + tl.exp(-g))
-    else:
-        # 0.5 * g * (1 + tanh(z)) with tanh(z) = 2 * sigmoid(2z) - 1
-        z = 0.7978845608028654 * (g + 0.044715 * g * g * g)
-        a = g * tl.sigmoid(2.0 * z)
-    return a.to(dtype).to(tl.float32) * up.to(tl.float32)
 
 
 @triton.jit
@@ -117,7 +101,7 @@ def _gemv_kernel(
         if ACT != 0:
             # Rounded to the input dtype, as an unfused activation kernel would store it.
             up = tl.load(x_ptrs + K + k, mask=x_mask, other=0.0)
-            x = _gated(x, up, ACT, x_ptr.dtype.element_ty).to(x_ptr.dtype.element_ty)
+            x = gated(x, up, ACT, x_ptr.dtype.element_ty).to(x_ptr.dtype.element_ty)
         if USE_DOT:
             acc = tl.dot(w, tl.trans(x), acc=acc, input_precision=DOT_PREC)
         else:

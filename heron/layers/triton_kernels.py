@@ -1,5 +1,5 @@
 """Triton kernels for the elementwise layers: RMSNorm (optionally fused with the residual add)
-and SiLU-and-multiply.
+and the gated activations (SiLU or GELU-tanh, times ``up``).
 
 Numerics follow the PyTorch modules in ``heron.layers`` step by step (statistics in fp32, the
 same intermediate roundings to the activation dtype), so on the GPU the kernels agree with them
@@ -41,6 +41,7 @@ def rms_scale(x, inv, w, dtype: tl.constexpr, IN_FP32: tl.constexpr):
 def _rms_norm_kernel(
     x_ptr,
     w_ptr,
+    pre_w_ptr,
     res_ptr,
     out_ptr,
     n_rows,
@@ -49,6 +50,7 @@ def _rms_norm_kernel(
     stride_res,
     stride_out,
     eps,
+    HAS_PRENORM: tl.constexpr,
     HAS_RESIDUAL: tl.constexpr,
     WEIGHT_OFFSET: tl.constexpr,
     SCALE_IN_FP32: tl.constexpr,
@@ -62,6 +64,13 @@ def _rms_norm_kernel(
     mask = (rows[:, None] < n_rows) & (cols[None, :] < n_cols)
     x = tl.load(x_ptr + rows64 * stride_x + cols[None, :], mask=mask, other=0.0)
     dtype = x_ptr.dtype.element_ty
+    col_mask = cols < n_cols
+    if HAS_PRENORM:
+        # x is first normed on its own (Gemma's post-attention / post-FFN norm) and rounded to
+        # its dtype, as that norm's output is before the residual add.
+        xf = x.to(tl.float32)
+        pre_w = tl.load(pre_w_ptr + cols, mask=col_mask, other=0.0).to(tl.float32) + WEIGHT_OFFSET
+        x = rms_scale(xf, rms_inv(xf, n_cols, eps), pre_w, dtype, SCALE_IN_FP32).to(dtype)
     if HAS_RESIDUAL:
         res_ptrs = res_ptr + rows64 * stride_res + cols[None, :]
         res = tl.load(res_ptrs, mask=mask, other=0.0)
@@ -70,7 +79,7 @@ def _rms_norm_kernel(
         x = (x.to(tl.float32) + res.to(tl.float32)).to(dtype)
         tl.store(res_ptrs, x.to(res_ptr.dtype.element_ty), mask=mask)
     xf = x.to(tl.float32)
-    w = tl.load(w_ptr + cols, mask=cols < n_cols, other=0.0).to(tl.float32) + WEIGHT_OFFSET
+    w = tl.load(w_ptr + cols, mask=col_mask, other=0.0).to(tl.float32) + WEIGHT_OFFSET
     out = rms_scale(xf, rms_inv(xf, n_cols, eps), w, dtype, SCALE_IN_FP32)
     tl.store(
         out_ptr + rows64 * stride_out + cols[None, :],
@@ -91,6 +100,7 @@ def rms_norm(
     residual: torch.Tensor | None = None,
     weight_offset: float = 0.0,
     scale_in_fp32: bool = False,
+    prenorm_weight: torch.Tensor | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """RMSNorm of the rows of ``x`` [T, N] (rows may be strided), as HF's LlamaRMSNorm, or
     with ``weight_offset=1.0, scale_in_fp32=True`` as Gemma's ``(1 + w) * norm(x)``.
@@ -98,8 +108,14 @@ def rms_norm(
     Without ``residual``: returns the norm. With it: ``residual`` is overwritten in place by
     ``x + residual`` (rounded to ``x``'s dtype) and ``(norm(x + residual), residual)`` is
     returned. The output dtype is that of ``weight * x`` in PyTorch (Llama) or ``x``'s (Gemma).
+
+    With ``prenorm_weight``, ``x`` is first replaced by its own norm of the same form and eps
+    with that weight, rounded to ``x``'s dtype: a post-norm (Gemma normalises the attention and
+    MLP outputs before their residual adds) fused into the next norm's kernel.
     """
     _check_rows("x", x)
+    if prenorm_weight is not None and prenorm_weight.dtype != x.dtype and not scale_in_fp32:
+        raise ValueError("rms_norm: a Llama-form prenorm needs its weight in x's dtype")
     n_rows, n_cols = x.shape
     if residual is not None:
         _check_rows("residual", residual)
@@ -116,6 +132,7 @@ def rms_norm(
         _rms_norm_kernel[(triton.cdiv(n_rows, rows),)](
             x,
             weight,
+            weight if prenorm_weight is None else prenorm_weight,  # any valid pointer if unused
             res,
             out,
             n_rows,
@@ -124,6 +141,7 @@ def rms_norm(
             res.stride(0),
             out.stride(0),
             eps,
+            HAS_PRENORM=prenorm_weight is not None,
             HAS_RESIDUAL=residual is not None,
             WEIGHT_OFFSET=float(weight_offset),
             SCALE_IN_FP32=bool(scale_in_fp32),
@@ -134,22 +152,42 @@ def rms_norm(
     return out if residual is None else (out, residual)
 
 
+#: Gated activations the kernels apply to ``[gate | up]``: ``act(gate) * up``.
+ACTIVATIONS = {"silu": 1, "gelu_tanh": 2}
+
+
 @triton.jit
-def _silu_and_mul_kernel(x_ptr, out_ptr, n_inter, stride_x, stride_out, BLOCK: tl.constexpr):
+def gated(gate, up, ACT: tl.constexpr, dtype: tl.constexpr):
+    """``act(gate) * up`` in fp32 (SiLU, or GELU's tanh approximation), with the activation
+    rounded to ``dtype`` first, as PyTorch's ``act(gate) * up`` in ``dtype`` rounds it."""
+    g = gate.to(tl.float32)
+    if ACT == 1:
+        a = g / (1.0 + tl.exp(-g))
+    else:
+        # 0.5 * g * (1 + tanh(z)) with tanh(z) = 2 * sigmoid(2z) - 1
+        z = 0.7978845608028654 * (g + 0.044715 * g * g * g)
+        a = g * tl.sigmoid(2.0 * z)
+    return a.to(dtype).to(tl.float32) * up.to(tl.float32)
+
+
+@triton.jit
+def _gated_activation_kernel(
+    x_ptr, out_ptr, n_inter, stride_x, stride_out, ACT: tl.constexpr, BLOCK: tl.constexpr
+):
     row = tl.cast(tl.program_id(0), tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < n_inter
-    gate = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
-    up = tl.load(x_ptr + row * stride_x + n_inter + cols, mask=mask, other=0.0).to(tl.float32)
-    # Two roundings, as PyTorch's F.silu(gate) * up in the activation dtype makes them.
-    act = (gate / (1.0 + tl.exp(-gate))).to(x_ptr.dtype.element_ty).to(tl.float32)
-    tl.store(out_ptr + row * stride_out + cols, (act * up).to(out_ptr.dtype.element_ty), mask=mask)
+    gate = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0)
+    up = tl.load(x_ptr + row * stride_x + n_inter + cols, mask=mask, other=0.0)
+    out = gated(gate, up, ACT, x_ptr.dtype.element_ty)
+    tl.store(out_ptr + row * stride_out + cols, out.to(out_ptr.dtype.element_ty), mask=mask)
 
 
-def silu_and_mul(x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
-    """``silu(gate) * up`` for ``x`` [T, 2I] laid out as ``[gate | up]``; returns [T, I].
+def gated_activation(x: torch.Tensor, act: str, out: torch.Tensor | None = None) -> torch.Tensor:
+    """``act(gate) * up`` for ``x`` [T, 2I] laid out as ``[gate | up]``; returns [T, I].
 
-    ``out`` (optional, [T, I], contiguous rows) receives the result.
+    ``act`` is a key of ``ACTIVATIONS``; ``out`` (optional, [T, I], contiguous rows) receives
+    the result.
     """
     _check_rows("x", x)
     n_rows, width = x.shape
@@ -164,12 +202,13 @@ def silu_and_mul(x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tens
             raise ValueError(f"out {tuple(out.shape)} != {(n_rows, n_inter)}")
     if n_rows > 0:
         block = min(1024, triton.next_power_of_2(n_inter))
-        _silu_and_mul_kernel[(n_rows, triton.cdiv(n_inter, block))](
+        _gated_activation_kernel[(n_rows, triton.cdiv(n_inter, block))](
             x,
             out,
             n_inter,
             x.stride(0),
             out.stride(0),
+            ACT=ACTIVATIONS[act],
             BLOCK=block,
             num_warps=4 if block >= 512 else 1,
         )

@@ -65,13 +65,17 @@ def sliding_windows(config: PretrainedConfig) -> tuple[int | None, ...]:
 
 
 def norm_with_residual(
-    norm: nn.Module, x: torch.Tensor, residual: torch.Tensor | None
+    norm: nn.Module,
+    x: torch.Tensor,
+    residual: torch.Tensor | None,
+    prenorm: nn.Module | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """A layer's input norm, fusing the previous layer's residual add (``norm(x)``, or
-    ``(norm(x + residual), x + residual)``); the first layer's input becomes the residual."""
+    ``(norm(x + residual), x + residual)``) and its ``output_norm`` (``prenorm``) if it left
+    one; the first layer's input becomes the residual."""
     if residual is None:
         return norm(x), x
-    return norm(x, residual)
+    return norm(x, residual, prenorm)
 
 
 class PackedAttention(nn.Module):
@@ -122,10 +126,12 @@ class PreNormDecoderLayer(nn.Module):
     ``mlp``.
     """
 
+    output_norm = None  # see DecoderModel
+
     def forward(
-        self, x: torch.Tensor, residual: torch.Tensor | None
+        self, x: torch.Tensor, residual: torch.Tensor | None, prenorm: nn.Module | None = None
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        x, residual = norm_with_residual(self.input_layernorm, x, residual)
+        x, residual = norm_with_residual(self.input_layernorm, x, residual, prenorm)
         x = self.self_attn(x)
         x, residual = self.post_attention_layernorm(x, residual)
         return self.mlp(x), residual
@@ -151,8 +157,11 @@ class GatedMLP(nn.Module):
 class DecoderModel(nn.Module):
     """``embed_tokens`` -> ``layers`` -> ``norm``, set by the subclass.
 
-    Each layer maps ``(x, residual)`` to ``(x, residual)`` and leaves its last residual add to
-    the next norm, which fuses it (on CUDA, in one kernel).
+    Each layer maps ``(x, residual, prenorm)`` to ``(x, residual)`` and leaves its last residual
+    add to the next norm, which fuses it (on CUDA, in one kernel). A layer whose output is
+    normed before that add (Gemma's post-FFN norm) leaves that norm too: it names it
+    ``output_norm``, and the next layer's input norm (or the final norm) applies it as its
+    ``prenorm``, in the same kernel.
     """
 
     embed_tokens: VocabEmbedding
@@ -163,10 +172,11 @@ class DecoderModel(nn.Module):
         return self.embed_tokens(token_ids)
 
     def forward(self, token_ids: torch.Tensor) -> torch.Tensor:
-        x, residual = self.embed(token_ids), None
+        x, residual, pending = self.embed(token_ids), None, None
         for layer in self.layers:
-            x, residual = layer(x, residual)
-        x, _ = self.norm(x, residual)
+            x, residual = layer(x, residual, pending)
+            pending = layer.output_norm
+        x, _ = self.norm(x, residual, pending)
         return x
 
 

@@ -91,7 +91,9 @@ class GemmaDecoderLayer(nn.Module):
     """norm -> attention -> norm -> +residual -> norm -> MLP -> norm -> +residual.
 
     The ``+residual`` adds are fused into the next pre-norm (``pre_feedforward_layernorm``,
-    then the next layer's ``input_layernorm``), as in the Llama layer.
+    then the next layer's ``input_layernorm``), as in the Llama layer, and so are the post-norms
+    before them: ``post_attention_layernorm`` runs inside ``pre_feedforward_layernorm``'s kernel,
+    and ``post_feedforward_layernorm`` (the layer's ``output_norm``) inside the next norm's.
     """
 
     def __init__(
@@ -128,13 +130,17 @@ class GemmaDecoderLayer(nn.Module):
         self.mlp = GatedMLP(hidden, config.intermediate_size, GeluTanhAndMul())
         self.post_feedforward_layernorm = GemmaRMSNorm(hidden, eps)
 
+    @property
+    def output_norm(self) -> GemmaRMSNorm:
+        return self.post_feedforward_layernorm
+
     def forward(
-        self, x: torch.Tensor, residual: torch.Tensor | None
+        self, x: torch.Tensor, residual: torch.Tensor | None, prenorm: nn.Module | None = None
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        x, residual = norm_with_residual(self.input_layernorm, x, residual)
-        x = self.post_attention_layernorm(self.self_attn(x))
-        x, residual = self.pre_feedforward_layernorm(x, residual)
-        return self.post_feedforward_layernorm(self.mlp(x)), residual
+        x, residual = norm_with_residual(self.input_layernorm, x, residual, prenorm)
+        x = self.self_attn(x)
+        x, residual = self.pre_feedforward_layernorm(x, residual, self.post_attention_layernorm)
+        return self.mlp(x), residual
 
 
 class GemmaModel(DecoderModel):

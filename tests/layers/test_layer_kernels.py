@@ -1,4 +1,4 @@
-"""The Triton RMSNorm and SiLU-and-mul kernels against the PyTorch code they replace.
+"""The Triton RMSNorm and gated-activation kernels against the PyTorch code they replace.
 
 Small cases run on the GPU when there is one, else under the Triton interpreter (fp32/fp16
 only: the interpreter's bf16 arithmetic is wrong); ``gpu`` cases check bf16 at model shapes.
@@ -10,7 +10,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from heron.layers.triton_kernels import rms_norm, silu_and_mul
+from heron.layers.triton_kernels import ACTIVATIONS, gated_activation, rms_norm
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 EPS = 1e-6
@@ -26,9 +26,12 @@ def reference_rms_norm(
     return weight * normed.to(s.dtype), s
 
 
-def reference_silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+REFERENCE_ACTIVATIONS = {"silu": F.silu, "gelu_tanh": lambda g: F.gelu(g, approximate="tanh")}
+
+
+def reference_gated(x: torch.Tensor, act: str) -> torch.Tensor:
     gate, up = x.chunk(2, dim=-1)
-    return F.silu(gate) * up
+    return REFERENCE_ACTIVATIONS[act](gate) * up
 
 
 def assert_close(actual: torch.Tensor, expected: torch.Tensor) -> None:
@@ -73,13 +76,15 @@ def test_rms_norm_residual_in_place(dtype: torch.dtype) -> None:
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-def test_silu_and_mul(dtype: torch.dtype) -> None:
+@pytest.mark.parametrize("act", list(ACTIVATIONS))
+def test_gated_activation(dtype: torch.dtype, act: str) -> None:
+    assert set(ACTIVATIONS) == set(REFERENCE_ACTIVATIONS)
     torch.manual_seed(2)
     x = _rows(3, 2 * 40, dtype, strided=True)
-    assert_close(silu_and_mul(x), reference_silu_and_mul(x))
+    assert_close(gated_activation(x, act), reference_gated(x, act))
     out = torch.empty(3, 40, dtype=dtype, device=DEVICE)
-    assert silu_and_mul(x, out=out) is out
-    assert_close(out, reference_silu_and_mul(x))
+    assert gated_activation(x, act, out=out) is out
+    assert_close(out, reference_gated(x, act))
 
 
 @pytest.mark.gpu
@@ -99,10 +104,11 @@ def test_rms_norm_bf16(tokens: int) -> None:
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("tokens", [1, 64, 2048])
-def test_silu_and_mul_bf16(tokens: int) -> None:
+@pytest.mark.parametrize("act", list(ACTIVATIONS))
+def test_gated_activation_bf16(tokens: int, act: str) -> None:
     torch.manual_seed(4)
     x = torch.randn(tokens, 2 * 3072, dtype=torch.bfloat16, device="cuda") * 3
-    assert_close(silu_and_mul(x), reference_silu_and_mul(x))
+    assert_close(gated_activation(x, act), reference_gated(x, act))
 
 
 def reference_gemma_rms_norm(x, weight, eps, residual=None):
@@ -144,3 +150,40 @@ def test_gemma_rms_norm_module_bf16(tokens: int) -> None:
     out, _ = norm(x, residual)
     assert torch.equal(residual, expected_sum)
     assert_close(out, expected)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("gemma", [False, True])
+def test_rms_norm_prenorm(dtype: torch.dtype, gemma: bool) -> None:
+    """A post-norm fused into the next norm: exactly the two norms in sequence, the first one's
+    output rounded to the activation dtype before the residual add."""
+    torch.manual_seed(7)
+    reference = reference_gemma_rms_norm if gemma else reference_rms_norm
+    form = (1.0, True) if gemma else (0.0, False)
+    x = _rows(5, 72, dtype, strided=True)
+    residual = torch.randn(5, 72, dtype=dtype, device=DEVICE)
+    pre_weight, weight = (torch.randn(72, dtype=dtype, device=DEVICE) * 0.3 + 0.5 for _ in "ab")
+    normed_x, _ = reference(x, pre_weight, EPS)
+    expected, expected_sum = reference(normed_x, weight, EPS, residual)
+    out, new_residual = rms_norm(x, weight, EPS, residual, *form, prenorm_weight=pre_weight)
+    assert_close(new_residual, expected_sum)
+    assert_close(out, expected)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("tokens", [1, 64, 2048])
+def test_gemma_norm_module_prenorm_bf16(tokens: int) -> None:
+    """GemmaRMSNorm with a prenorm on CUDA (one kernel) equals the two modules in sequence
+    with the residual add between them, in PyTorch on the CPU."""
+    from heron.layers.norm import GemmaRMSNorm
+
+    torch.manual_seed(8)
+    post, pre = (GemmaRMSNorm(1152).to(torch.bfloat16) for _ in "ab")
+    for norm in (post, pre):
+        norm.weight.data.normal_(0, 0.3)
+    x = torch.randn(tokens, 1152, dtype=torch.bfloat16)
+    residual = torch.randn_like(x)
+    expected, expected_sum = pre(post(x), residual.clone())
+    out, new_residual = pre.cuda()(x.cuda(), residual.cuda(), post.cuda())
+    assert_close(new_residual.cpu(), expected_sum)  # post(x) may differ by an ulp (sum order)
+    assert_close(out.cpu(), expected)
