@@ -1,7 +1,9 @@
 """Where a decode step's GPU time goes: torch.profiler over decode steps of the
-Qwen3-0.6B-shaped model of ``gpu_decode.py``, per kernel, at batch 1 and 64.
+Qwen3-0.6B-shaped model of ``gpu_decode.py`` (or the Gemma-3-1B shape of ``gemma_decode.py``),
+per kernel, at batch 1 and 64.
 
-    python benchmarks/profile_decode.py [--enforce-eager] [--steps 20]
+    python benchmarks/profile_decode.py [--model gemma3] [--context 4096] [--enforce-eager]
+        [--steps 20] [--phases]
 """
 
 from __future__ import annotations
@@ -15,40 +17,50 @@ from torch.profiler import ProfilerActivity, profile
 
 from heron import LLM, SamplingParams
 
-from gpu_decode import build_model
+import gemma_decode
+import gpu_decode
+
+MODELS = {"qwen3": gpu_decode.build_model, "gemma3": gemma_decode.build_model}
 
 
-def profile_batch(llm: LLM, batch: int, steps: int) -> None:
+def prefill(llm: LLM, name: str, batch: int, context: int, steps: int) -> None:
+    """Add ``batch`` requests of ``context`` prompt tokens and run until all of them decode."""
     engine = llm.engine
     params = SamplingParams(temperature=0, max_tokens=steps + 20, ignore_eos=True)
     for i in range(batch):
-        engine.add_request(f"p{batch}-{i}", [3 + i] * 128, params)
-    for _ in range(5):  # prefill, then a few decode steps
+        engine.add_request(f"{name}{batch}-{i}", [3 + i] * context, params)
+    while any(len(r.output_token_ids) < 3 for r in engine.scheduler.running) or (
+        engine.scheduler.waiting
+    ):
         engine.step()
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+
+
+def profile_batch(llm: LLM, batch: int, context: int, steps: int) -> None:
+    engine = llm.engine
+    prefill(llm, "p", batch, context, steps)
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
         for _ in range(steps):
             engine.step()
         torch.cuda.synchronize()
     while engine.has_unfinished_requests():
         engine.step()
-    print(f"\n### batch {batch}: {steps} decode steps")
-    print(
-        prof.key_averages().table(sort_by="cuda_time_total", row_limit=18, max_name_column_width=60)
-    )
+    kernels = sorted(prof.key_averages(), key=lambda e: -e.self_device_time_total)
+    total = sum(e.self_device_time_total for e in kernels) / steps
+    print(f"\n### batch {batch}, context {context}: GPU time per decode step {total:.0f} µs")
+    print("| kernel | µs/step | calls/step | share |\n| --- | --- | --- | --- |")
+    for e in kernels[:20]:
+        t = e.self_device_time_total / steps
+        print(f"| {e.key[:70]} | {t:.1f} | {e.count / steps:.0f} | {t / total:.0%} |")
 
 
-def phase_times(llm: LLM, batch: int, steps: int) -> None:
+def phase_times(llm: LLM, batch: int, context: int, steps: int) -> None:
     """Host-side phases of graph-replayed decode steps (the GPU is synchronised after each,
     so this runs without asynchronous scheduling)."""
     import statistics
     import time
 
     engine, runner = llm.engine, llm.engine.runner
-    params = SamplingParams(temperature=0, max_tokens=steps + 20, ignore_eos=True)
-    for i in range(batch):
-        engine.add_request(f"t{batch}-{i}", [5 + i] * 128, params)
-    for _ in range(5):
-        engine.step()
+    prefill(llm, "t", batch, context, steps)
     phases: dict[str, list[float]] = {}
     originals = {
         "schedule": (engine.scheduler, "schedule"),
@@ -93,24 +105,24 @@ def phase_times(llm: LLM, batch: int, steps: int) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", choices=sorted(MODELS), default="qwen3")
+    parser.add_argument("--context", type=int, default=128, help="prompt tokens per request")
     parser.add_argument("--enforce-eager", action="store_true")
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--phases", action="store_true", help="host phase timings instead")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
-        build_model(Path(tmp))
+        MODELS[args.model](Path(tmp))
         # Phases are timed with a synchronisation after each replay: steps are read at once.
         llm = LLM(
             tmp,
             enforce_eager=args.enforce_eager,
-            max_model_len=4096,
+            max_model_len=max(4096, args.context + args.steps + 64),
             async_scheduling=not args.phases,
         )
         for batch in (1, 64):
-            if args.phases:
-                phase_times(llm, batch, args.steps)
-            else:
-                profile_batch(llm, batch, args.steps)
+            measure = phase_times if args.phases else profile_batch
+            measure(llm, batch, args.context, args.steps)
 
 
 if __name__ == "__main__":

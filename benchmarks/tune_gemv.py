@@ -1,0 +1,132 @@
+"""Sweep the Triton GEMV's launch configurations for a model's decode shapes (GPU).
+
+For each linear of the model (``N x K`` weights, bf16) and each row count, times every candidate
+``GemvConfig`` with the weights cold in HBM (a CUDA graph cycles through enough copies of the
+weight to overflow the L2 cache) and prints the winner next to the configuration
+``triton_gemv`` picks today, in µs and TB/s, plus a ``_TUNED`` snippet. Kernels are compiled
+first by worker processes in parallel (Triton's on-disk cache hands them to the timing pass).
+
+    python benchmarks/tune_gemv.py --model gemma3 [--rows 1 2 4 8 16] [--workers 12]
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import multiprocessing as mp
+
+import torch
+
+from heron.layers import triton_gemv as g
+
+# (name, N, K, fused gated activation) of each decode-time linear, per model shape.
+SHAPES = {
+    "qwen3": [
+        ("qkv", 4096, 1024, None),
+        ("o", 1024, 2048, None),
+        ("gate_up", 6144, 1024, None),
+        ("down", 1024, 3072, "silu"),
+        ("lm_head", 151936, 1024, None),
+    ],
+    "gemma3": [
+        ("qkv", 1536, 1152, None),
+        ("o", 1152, 1024, None),
+        ("gate_up", 13824, 1152, None),
+        ("down", 1152, 6912, "gelu_tanh"),
+        ("lm_head", 262144, 1152, None),
+    ],
+}
+
+
+def candidates(m: int, n: int, k: int) -> list[g.GemvConfig]:
+    out = []
+    if m == 1:  # broadcast-multiply programs of few columns
+        for bn, bk, stages, split in itertools.product(
+            (4, 8, 16), (256, 512, 1024), (2, 3), (1, 2, 4)
+        ):
+            if k // split >= bk:
+                out.append(g.GemvConfig(False, bn, bk, 4, stages, split))
+    for bn, bk, stages, split in itertools.product(
+        (16, 32, 64, 128), (64, 128, 256), (3, 4), (1, 2, 4, 8)
+    ):
+        if k // split >= bk and bn * bk <= 128 * 128:
+            out.append(g.GemvConfig(True, bn, bk, 4, stages, split))
+    return out
+
+
+def tensors(m: int, n: int, k: int, act, copies: int = 1):
+    x = torch.randn(m, 2 * k if act else k, device="cuda", dtype=torch.bfloat16)
+    ws = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02 for _ in range(copies)]
+    return x, ws, torch.empty(m, n, device="cuda", dtype=torch.bfloat16)
+
+
+def _compile(jobs) -> None:
+    for m, n, k, act, cfg in jobs:
+        cfg = g.GemvConfig(*cfg)
+        x, (w,), out = tensors(m, n, k, act)
+        try:
+            g._launch(x, w, None, out, cfg, g.ACTIVATIONS[act] if act else 0)
+        except Exception:  # out of resources: the timing pass skips it
+            pass
+    torch.cuda.synchronize()
+
+
+def time_us(m, n, k, act, cfg, x, ws, out) -> float:
+    code = g.ACTIVATIONS[act] if act else 0
+    try:
+        for w in ws:
+            g._launch(x, w, None, out, cfg, code)
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            for w in ws:
+                g._launch(x, w, None, out, cfg, code)
+    except Exception:
+        return float("inf")
+    graph.replay()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    reps = 10
+    start.record()
+    for _ in range(reps):
+        graph.replay()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) * 1e3 / (reps * len(ws))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", choices=sorted(SHAPES), default="gemma3")
+    parser.add_argument("--rows", type=int, nargs="+", default=[1])
+    parser.add_argument("--workers", type=int, default=12)
+    args = parser.parse_args()
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    jobs = []
+    for m, (_, n, k, act) in itertools.product(args.rows, SHAPES[args.model]):
+        jobs += [(m, n, k, act, tuple(c)) for c in candidates(m, n, k)]  # plain tuples pickle
+    ctx = mp.get_context("spawn")
+    with ctx.Pool(args.workers) as pool:
+        pool.map(_compile, [jobs[i :: args.workers] for i in range(args.workers)])
+    print("| shape | rows | today: config, µs, TB/s | best: config, µs, TB/s |")
+    print("| --- | --- | --- | --- |")
+    tuned = []
+    for m, (name, n, k, act) in itertools.product(args.rows, SHAPES[args.model]):
+        nbytes = n * k * 2
+        copies = max(1, -(-(256 << 20) // nbytes))
+        x, ws, out = tensors(m, n, k, act, copies)
+        today = g._config(g._m_pad(m), n, k, 2, x.device)
+        t_today = time_us(m, n, k, act, today, x, ws, out)
+        results = [(time_us(m, n, k, act, c, x, ws, out), c) for c in candidates(m, n, k)]
+        t_best, best = min(results + [(t_today, today)])
+        print(
+            f"| {name} {n}x{k} | {m} | {tuple(today)} {t_today:.1f} {nbytes / t_today / 1e6:.2f}"
+            f" | {tuple(best)} {t_best:.1f} {nbytes / t_best / 1e6:.2f} |"
+        )
+        tuned.append(f"    ({g._m_pad(m)}, {n}, {k}): GemvConfig{tuple(best)},  # {name}")
+        del ws
+        torch.cuda.empty_cache()
+    print(f"\n{sms} SMs; _TUNED entries:\n" + "\n".join(tuned))
+
+
+if __name__ == "__main__":
+    main()
