@@ -5,7 +5,9 @@ operator).
 Small cases run everywhere (under the Triton interpreter on CPU: ``tests/conftest.py`` sets
 ``TRITON_INTERPRET=1`` before triton loads when there is no GPU); ``gpu`` cases use realistic
 bf16 shapes and CUDA-graph capture. Caches use shuffled block ids and are NaN everywhere no
-token was written, so any read outside a request's visible keys shows up as NaN.
+token was written, so any read outside a request's visible keys shows up as NaN. Every call
+given a split workspace must leave its tickets at zero (the next layer or graph replay reuses
+them without a reset).
 """
 
 from __future__ import annotations
@@ -14,8 +16,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from heron.metadata import SequenceMetadata, StepBatch
+from heron.ops.attention.base import AttentionSpec
 from heron.ops.attention.triton.decode import choose_num_splits, paged_decode_attention
 from heron.ops.attention.triton.extend import paged_extend_attention
+from heron.ops.attention.triton.operator import TritonAttentionBuilder
 
 # The interpreter converts its 1-element scalars to loop bounds through a deprecated numpy path.
 pytestmark = pytest.mark.filterwarnings("ignore:Conversion of an array with ndim > 0")
@@ -117,6 +122,16 @@ def make_sinks(heads: int, dtype, device) -> torch.Tensor:
     return (2.0 + torch.randn(heads, generator=gen)).to(dtype).to(device)
 
 
+def decode_reference(q, ks, vs, window, scale, softcap=None, sinks=None) -> torch.Tensor:
+    """Dense fp32 attention of each request's one query row (``q`` [B, H, D]) over its keys
+    (``ks``, ``vs``: one [kv_len, KVH, D] per request, at least B)."""
+    rows = [
+        dense_attention(q[r : r + 1], ks[r], vs[r], window, scale, softcap, sinks)
+        for r in range(q.shape[0])
+    ]
+    return torch.cat(rows)
+
+
 def run_decode(
     kv_lens: list[int],
     num_heads: int,
@@ -130,8 +145,10 @@ def run_decode(
     device: torch.device = DEVICE,
     softcap: float | None = None,
     sinks: bool = False,
+    tickets: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(kernel output, dense reference) for one decode step; ``sinks`` draws random ones."""
+    """(kernel output, dense reference) for one decode step; ``sinks`` draws random ones.
+    ``workspace`` passes fresh split buffers, ``tickets`` a given (zero) ticket buffer."""
     cache, tables, ks, vs = make_paged_cache(
         kv_lens, block_size, num_kv_heads, head_dim, dtype, device
     )
@@ -140,24 +157,23 @@ def run_decode(
     sink_logits = make_sinks(num_heads, dtype, device) if sinks else None
     out = torch.full_like(q, float("nan"))
     ws = {}
-    if workspace:
+    if workspace:  # NaN where no split wrote: the merge must read only what splits wrote
         shape = (batch, num_heads, num_splits)
         ws = dict(
-            partial_out=torch.empty(*shape, head_dim, device=device),
-            partial_lse=torch.empty(*shape, device=device),
+            partial_out=torch.full((*shape, head_dim), float("nan"), device=device),
+            partial_lse=torch.full(shape, float("nan"), device=device),
+            tickets=torch.zeros(batch * num_kv_heads, dtype=torch.int32, device=device),
         )
+    if tickets is not None:
+        ws["tickets"] = tickets
     lens = torch.tensor(kv_lens, dtype=torch.int32, device=device)
     paged_decode_attention(
         q, cache, tables, lens, scale, window, out, num_splits, **ws,
         softcap=softcap, sinks=sink_logits,
     )  # fmt: skip
-    ref = torch.cat(
-        [
-            dense_attention(q[r : r + 1], ks[r], vs[r], window, scale, softcap, sink_logits)
-            for r in range(batch)
-        ]
-    )
-    return out, ref
+    if "tickets" in ws:
+        assert not ws["tickets"].any(), "the merging programs reset their tickets"
+    return out, decode_reference(q, ks, vs, window, scale, softcap, sink_logits)
 
 
 def run_extend(
@@ -241,13 +257,24 @@ def test_decode_fp16_and_more_splits_than_tiles():
 
 def test_choose_num_splits():
     assert choose_num_splits(64, 8, 4096, num_sms=132) == 1  # 512 programs fill the GPU
+    assert choose_num_splits(33, 4, 1 << 20, num_sms=132) == 1  # 132 programs
     assert choose_num_splits(1, 8, 4096, num_sms=132) == 32  # 8 programs -> >= 132 in all
-    assert choose_num_splits(1, 8, 200, num_sms=132) == 1  # too short to be worth splitting
-    assert choose_num_splits(1, 8, 300, num_sms=132) == 2
-    assert choose_num_splits(1, 1, 1 << 20, num_sms=132) == 64  # capped
-    for batch in range(1, 40):
+    # A split may be one 64-key tile: up to as many splits as tiles, as a power of two.
+    assert choose_num_splits(1, 1, 40, num_sms=132) == 1  # [0, 40) is one tile
+    assert choose_num_splits(1, 1, 0, num_sms=132) == 1
+    assert choose_num_splits(1, 8, 200, num_sms=132) == 4
+    assert choose_num_splits(1, 8, 300, num_sms=132) == 8  # 5 tiles
+    assert choose_num_splits(1, 1, 4096, num_sms=132) == 64  # 64 tiles, one per split
+    assert choose_num_splits(1, 1, 1 << 20, num_sms=132) == 128  # capped
+    # A window starts anywhere: its 512 keys span up to 9 tiles (Gemma 3 1B's local layers).
+    assert choose_num_splits(1, 1, 32768, num_sms=132, sliding_window=512) == 16
+    assert choose_num_splits(1, 1, 8192, num_sms=132, sliding_window=4096) == 128  # 65 tiles
+    assert choose_num_splits(1, 1, 400, num_sms=132, sliding_window=512) == 8  # 7 tiles from 0
+    previous = 128
+    for batch in range(1, 80):
         n = choose_num_splits(batch, 2, 2048, num_sms=132)
-        assert n >= 1 and n & (n - 1) == 0
+        assert 1 <= n <= previous and n & (n - 1) == 0  # shrinks as the batch grows
+        previous = n
 
 
 @pytest.mark.parametrize(
@@ -290,7 +317,7 @@ FEATURES = {
 @pytest.mark.parametrize("splits", SPLITS, ids=["s1", "s4", "s4ws"])
 def test_decode_softcap_and_sinks(feature, window, splits):
     """One split finishes the softmax (and adds the sink) itself; several leave it to the
-    reduce kernel, which must add each head's sink exactly once."""
+    merging program, which must add each head's sink exactly once."""
     kv_lens = [0, 1, 37, 130]
     out, ref = run_decode(
         kv_lens, 8, 2, 16, window, splits[0], torch.float32, workspace=splits[1],
@@ -298,6 +325,86 @@ def test_decode_softcap_and_sinks(feature, window, splits):
     )  # fmt: skip
     assert_close(out, ref, 1e-4)
     assert (out[0] == 0).all(), "a padded row stays zero, sink or not"
+
+
+@pytest.mark.parametrize("heads", [(16, 1), (8, 1), (2, 2)], ids=lambda h: f"h{h[0]}kv{h[1]}")
+@pytest.mark.parametrize("feature", [None, "softcap+sinks"])
+def test_decode_one_tile_splits(heads, feature):
+    """16 splits of at most one tile, as the heuristic picks for short windows: the 530-key
+    window of the longest row starts mid-tile and spans 9 tiles, the other rows fewer (their
+    last splits are empty). With 8 and 16 query heads per KV head the merge takes the splits
+    in several chunks (8 and 4 a chunk)."""
+    kv_lens = [0, 1, 333, 700]
+    out, ref = run_decode(
+        kv_lens, *heads, 16, 530, 16, torch.float32, workspace=True,
+        **FEATURES.get(feature, {}),
+    )  # fmt: skip
+    assert_close(out, ref, 1e-4)
+    assert (out[0] == 0).all()
+
+
+def test_decode_reuses_tickets():
+    """One ticket buffer for launch after launch (the layers of a step, the replays of a
+    graph), with other lengths, batches and split counts (3: not a power of two): each launch
+    merges right and leaves the tickets zero (``run_decode`` checks)."""
+    tickets = torch.zeros(16, dtype=torch.int32, device=DEVICE)  # more than any launch needs
+    for kv_lens, splits in [([0, 37, 130], 4), ([130, 5], 16), ([200], 3), ([90, 1, 64, 0], 2)]:
+        out, ref = run_decode(
+            kv_lens, 8, 2, 16, 11, splits, torch.float32, sinks=True, tickets=tickets
+        )
+        assert_close(out, ref, 1e-4)
+
+
+def decode_step(kv_lens: list[int], tables: torch.Tensor, block_size: int) -> SequenceMetadata:
+    """Step metadata of one new token per request over the given (already filled) tables."""
+    n = len(kv_lens)
+    step = StepBatch(n, n, n, tables.shape[1], block_size)
+    step.query_lens[:] = 1
+    step.kv_lens[:] = kv_lens
+    step.positions[:] = [length - 1 for length in kv_lens]
+    step.block_tables[:] = tables.cpu().numpy()
+    step.logits_indices[:] = range(n)
+    step.finish()
+    return SequenceMetadata.from_step_batch(step, DEVICE)
+
+
+def test_builder_workspace_tickets():
+    """Graph buffers own zeroed tickets for the largest batch and ``fill`` hands each batch
+    views of them (and of the partials); eager steps use builder-owned zeroed tickets. Launches
+    through either leave them zero, so one buffer serves every layer and replay."""
+    heads, kv_heads, block_size, window = 4, 1, 16, 100
+    spec = AttentionSpec(heads, kv_heads, HEAD_DIM, HEAD_DIM**-0.5, window)
+    builder = TritonAttentionBuilder(spec, block_size, max_model_len=512)
+    buffers = builder.make_graph_buffers(8, DEVICE)
+    assert buffers.tickets.dtype == torch.int32 and buffers.tickets.shape == (8 * kv_heads,)
+    assert not buffers.tickets.any()
+
+    kv_lens = [300, 5, 129]
+    cache, tables, ks, vs = make_paged_cache(kv_lens, block_size, kv_heads, HEAD_DIM,
+                                             torch.float32, DEVICE)  # fmt: skip
+    q = strided_q(8, heads, HEAD_DIM, torch.float32, DEVICE, seed=4)
+    steps = [(decode_step(kv_lens[:n], tables[:n], block_size), n) for n in (3, 1)]
+    views = [builder.build(seq) for seq, _ in steps]
+    views += [builder.fill(seq, buffers, batch) for seq, n in steps for batch in (n, 4, 8)]
+    assert any(v.workspace.num_splits > 1 for v in views)
+    for view in views:
+        n, ws = view.num_reqs, view.workspace
+        if ws.num_splits > 1:
+            assert ws.tickets.shape == (n * kv_heads,) and not ws.tickets.any()
+            assert ws.partial_out.shape == (n, heads, ws.num_splits, HEAD_DIM)
+        out = torch.full((n, heads, HEAD_DIM), float("nan"), device=DEVICE)
+        paged_decode_attention(
+            q[:n], cache, view.block_tables, view.kv_lens, spec.scale, window, out,
+            ws.num_splits, ws.partial_out, ws.partial_lse, ws.tickets,
+        )  # fmt: skip
+        real = int((view.kv_lens > 0).sum())
+        assert_close(out[:real], decode_reference(q[:real], ks, vs, window, spec.scale), 1e-4)
+        assert not out[real:].any(), "padded rows attend to nothing"
+        assert ws.tickets is None or not ws.tickets.any()
+    graph_ws = [v.workspace for v in views[2:] if v.workspace.num_splits > 1]
+    for ws in graph_ws:
+        assert ws.tickets.data_ptr() == buffers.tickets.data_ptr()
+        assert ws.partial_out.data_ptr() == buffers.partial_out.data_ptr()
 
 
 def test_decode_sinks_with_empty_splits_fp16():
@@ -384,20 +491,26 @@ GPU_FEATURE_CASES = [
 @pytest.mark.gpu
 @pytest.mark.parametrize("heads, kv_heads, head_dim, window, softcap, sinks", GPU_FEATURE_CASES)
 def test_gpu_decode_softcap_and_sinks_bf16(heads, kv_heads, head_dim, window, softcap, sinks):
-    """The engine's split count for a full batch, a forced multi-split and a single split."""
+    """The engine's split count for a full batch and for one request (one-tile splits), a
+    forced multi-split and a single split."""
     gen = torch.Generator().manual_seed(head_dim + heads)
     kv_lens = torch.randint(1, 4097, (64,), generator=gen).tolist()
     kv_lens[1] = 0  # a padded row
     kv_lens[2] = 4096
     num_sms = torch.cuda.get_device_properties(0).multi_processor_count
-    engine_splits = choose_num_splits(64, kv_heads, 4096, num_sms)
-    for batch, splits in [(64, engine_splits), (4, 8), (3, 1)]:
+    engine_splits = [choose_num_splits(b, kv_heads, 4096, num_sms, window) for b in (64, 1)]
+    for lens, splits in [
+        (kv_lens, engine_splits[0]),
+        (kv_lens[2:3], engine_splits[1]),
+        (kv_lens[:4], 8),
+        (kv_lens[:3], 1),
+    ]:
         out, ref = run_decode(
-            kv_lens[:batch], heads, kv_heads, 16, window, splits, torch.bfloat16, head_dim,
-            device=CUDA, softcap=softcap, sinks=sinks,
+            lens, heads, kv_heads, 16, window, splits, torch.bfloat16, head_dim,
+            device=CUDA, softcap=softcap, sinks=sinks, workspace=True,
         )  # fmt: skip
         assert_close(out, ref, GPU_TOL)
-        assert (out[1] == 0).all()
+        assert (out[torch.tensor(lens, device=CUDA) == 0] == 0).all(), "padded rows are zero"
 
 
 @pytest.mark.gpu
@@ -427,6 +540,7 @@ def test_gpu_decode_cuda_graph_replay(features):
     ws = dict(
         partial_out=torch.empty(batch, heads, splits, dim, device=CUDA),
         partial_lse=torch.empty(batch, heads, splits, device=CUDA),
+        tickets=torch.zeros(batch * kv_heads, dtype=torch.int32, device=CUDA),
     )
 
     extra = {}
@@ -452,5 +566,7 @@ def test_gpu_decode_cuda_graph_replay(features):
         replayed = out.clone()
         eager = torch.empty_like(q)
         paged_decode_attention(q, cache, static_tables, lens, 0.088, None, eager, splits, **extra)
+        # Bitwise equal although the splits finish in another order: the merge is ordered.
         torch.testing.assert_close(replayed, eager, atol=0, rtol=0)
         assert not replayed.isnan().any()
+        assert not ws["tickets"].any(), "each replay leaves its tickets zero"

@@ -9,12 +9,22 @@ Layout contract (all tensors on one device):
   ``block_tables[r, p // block_size]`` at offset ``p % block_size``.
 * ``kv_lens``: int32 ``[B]``, tokens in the cache including this step's (already written) one;
   0 marks a padded row, whose output is zeros.
-* ``partial_out``: fp32 ``[B, H, num_splits, D]`` and ``partial_lse``: fp32 ``[B, H, num_splits]``,
-  the split workspace (only used when ``num_splits > 1``).
+* ``partial_out``: fp32 ``[B, H, num_splits, D]``, ``partial_lse``: fp32 ``[B, H, num_splits]``
+  and ``tickets``: int32, at least ``B * KVH`` entries, all zero: the split workspace (only used
+  when ``num_splits > 1``, see below).
 * ``sinks`` (optional, gpt-oss): ``[H]``, any float dtype: one learned logit per head, in the
   units of the scaled scores, that joins every softmax's normaliser and adds nothing to the
-  output. It is added once per (request, head): by the reduce kernel when the range is split,
-  else by the split kernel itself.
+  output. It is added once per (request, head), by whichever program finishes the softmax.
+
+One launch does the whole call. With ``num_splits > 1`` (flash-decoding) each program covers
+one contiguous split of a request's visible range for the query heads of one KV head, stores
+its partial output and log-sum-exp, and takes a ticket from the counter of its (request,
+KV head); the program that draws the last ticket merges all the splits (in split order, so the
+result does not depend on the arrival order), adds the sinks, writes ``out`` and sets the
+counter back to zero. The counters are zeroed once by their owner and left at zero by every
+call, so a call needs no memset. Rule: calls sharing ``tickets`` (and the partials) must run
+one after another, each finishing before the next starts: one stream, as for the layers of a
+model (two streams running split calls at once on shared tickets would mix their counts).
 
 Scores are ``s = (q . k) * scale``, soft-capped to ``cap * tanh(s / cap)`` when a ``softcap`` is
 given (Gemma 2), then masked. Both features are constexpr flags of the kernels, so a layer
@@ -32,19 +42,21 @@ import triton
 import triton.language as tl
 
 # Logits are scaled by log2(e) so the online softmax can use exp2; LSEs stay in log2 units
-# between the split kernel and the reduce kernel (never exposed). Sinks and soft-caps are
-# converted to those units as well.
+# between a split and the merge (never exposed). Sinks and soft-caps are converted to those
+# units as well.
 _LOG2E = 1.4426950408889634
 _LOG2E_JIT = tl.constexpr(_LOG2E)  # the same, for kernels (they read only constexpr globals)
 # Finite "minus infinity" for the running max: a fully masked tile then gives exp2(-inf) = 0
 # and a rescale factor of exp2(0) = 1, instead of the NaN of (-inf) - (-inf).
 _NEG_BIG = tl.constexpr(-1.0e30)
-# Smallest KV range worth its own split: below this the reduce costs more than it saves.
-_MIN_SPLIT_TOKENS = 128
-_MAX_SPLITS = 64
 # Keys per tile. Tiles are gathered token by token through the block table, so they need not
 # match the cache block size; 64 keeps K and V tiles of head_dim 256 within shared memory.
+# A split is a whole number of tiles, so one tile is the smallest useful split.
 _BLOCK_N = 64
+_MAX_SPLITS = 128
+# fp32 values per thread of the merge's [heads, splits, head_dim] tile of partial outputs:
+# it loads many splits at once (one L2 round trip per chunk, not per split) within registers.
+_MERGE_VALUES_PER_THREAD = 32
 
 
 @triton.jit
@@ -93,7 +105,97 @@ def add_sink(m_i, l_i, acc, sink):
 
 
 @triton.jit
-def _decode_split_kernel(
+def _normalised(m_i, l_i, acc, sinks_ptr, heads, head_mask, HAS_SINKS: tl.constexpr):
+    """The output of a finished online softmax state (``m_i``, ``l_i`` [rows], ``acc``
+    [rows, D], log2 units), the sinks of ``heads`` joining the normaliser with ``HAS_SINKS``.
+    A row that saw no key gets zeros, sink or not."""
+    if HAS_SINKS:
+        sink = tl.load(sinks_ptr + heads, mask=head_mask, other=0.0).to(tl.float32)
+        l_i, acc = add_sink(m_i, l_i, acc, sink)
+    return acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]
+
+
+@triton.jit
+def _store_heads(out_ptr, b, heads, head_mask, offs_d, stride_ob, stride_oh, values):
+    """Stores ``values`` [rows, D] as the outputs of request ``b``'s ``heads``."""
+    o_ptrs = out_ptr + b.to(tl.int64) * stride_ob + heads[:, None] * stride_oh + offs_d[None, :]
+    tl.store(o_ptrs, values.to(out_ptr.dtype.element_ty), mask=head_mask[:, None])
+
+
+@triton.jit
+def _merge_splits(
+    part_out_ptr,
+    part_lse_ptr,
+    out_ptr,
+    sinks_ptr,
+    b,
+    kvh,
+    num_busy,
+    stride_pb,
+    stride_ph,
+    stride_ps,
+    stride_lb,
+    stride_lh,
+    stride_ob,
+    stride_oh,
+    GROUP: tl.constexpr,
+    MERGE_H: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    SPLIT_CHUNK: tl.constexpr,
+    HAS_SINKS: tl.constexpr,
+):
+    """Merges the partial results of the first ``num_busy`` splits (the ones with keys) of
+    request ``b``'s query heads of KV head ``kvh`` (``GROUP`` heads, padded to ``MERGE_H``
+    rows) and writes their outputs.
+
+    Each split's partial output is normalised by its own softmax and weighs ``2^lse`` (log2
+    units): the merge is an online softmax over splits, ``SPLIT_CHUNK`` splits a step, in split
+    order (deterministic). A step's LSE and partial-output loads do not depend on each other,
+    so each step costs one L2 round trip, and only the busy splits are read: a graph sized for
+    the longest context does not pay for its empty splits. A padded row (no busy split) gets
+    zeros; the sinks join the normaliser at the end, as in the single-split path. Loads bypass
+    L1 (``.cg``): the partials were written by other programs, possibly on other SMs.
+    """
+    offs_h = tl.arange(0, MERGE_H)
+    offs_s = tl.arange(0, SPLIT_CHUNK)
+    offs_d = tl.arange(0, HEAD_DIM)
+    head_mask = offs_h < GROUP
+    heads = kvh * GROUP + offs_h
+    lse_rows = part_lse_ptr + b.to(tl.int64) * stride_lb + heads[:, None] * stride_lh
+    out_rows = (
+        part_out_ptr
+        + b.to(tl.int64) * stride_pb
+        + heads[:, None, None] * stride_ph
+        + offs_d[None, None, :]
+    )
+
+    m_i = tl.full([MERGE_H], _NEG_BIG, tl.float32)
+    l_i = tl.zeros([MERGE_H], tl.float32)
+    acc = tl.zeros([MERGE_H, HEAD_DIM], tl.float32)
+    for first in range(0, num_busy, SPLIT_CHUNK):
+        splits = first + offs_s
+        valid = head_mask[:, None] & (splits < num_busy)[None, :]
+        lse = tl.load(
+            lse_rows + splits[None, :], mask=valid, other=float("-inf"), cache_modifier=".cg"
+        )
+        parts = tl.load(
+            out_rows + splits[None, :, None] * stride_ps,
+            mask=valid[:, :, None],
+            other=0.0,
+            cache_modifier=".cg",
+        )
+        m_new = tl.maximum(m_i, tl.max(lse, 1))
+        alpha = tl.exp2(m_i - m_new)
+        w = tl.exp2(lse - m_new[:, None])  # 0 where masked (lse = -inf)
+        l_i = l_i * alpha + tl.sum(w, 1)
+        acc = acc * alpha[:, None] + tl.sum(parts * w[:, :, None], 1)
+        m_i = m_new
+    result = _normalised(m_i, l_i, acc, sinks_ptr, heads, head_mask, HAS_SINKS)
+    _store_heads(out_ptr, b, heads, head_mask, offs_d, stride_ob, stride_oh, result)
+
+
+@triton.jit
+def _decode_kernel(
     q_ptr,
     kv_ptr,
     block_tables_ptr,
@@ -101,6 +203,7 @@ def _decode_split_kernel(
     out_ptr,
     part_out_ptr,
     part_lse_ptr,
+    tickets_ptr,
     qk_scale,  # softmax scale * log2(e); with HAS_SOFTCAP, 2 * softmax scale * log2(e) / cap
     window,
     stride_qb,
@@ -125,15 +228,15 @@ def _decode_split_kernel(
     HEAD_DIM: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
     NUM_SPLITS: tl.constexpr,
+    MERGE_H: tl.constexpr,
+    SPLIT_CHUNK: tl.constexpr,
     USE_WINDOW: tl.constexpr,
     HAS_SOFTCAP: tl.constexpr,
     HAS_SINKS: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
-    """One program: all GROUP query heads of one KV head, over one split of the KV range.
-
-    HAS_SINKS only when NUM_SPLITS == 1: otherwise the reduce kernel adds the sinks.
-    """
+    """One program: all GROUP query heads of one KV head, over one split of the KV range; with
+    several splits, the last of a (request, KV head)'s programs to finish merges them."""
     b = tl.program_id(0)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
@@ -150,7 +253,9 @@ def _decode_split_kernel(
     else:
         first = kv_len * 0
     # Tiles start on BLOCK_N-aligned absolute positions so each covers as few cache blocks as
-    # possible; positions before `first` are masked.
+    # possible; positions before `first` are masked. Splits are whole tiles from `aligned` on;
+    # with more splits than tiles the last ones are empty. Split 0 holds `first` (it is less
+    # than one tile past `aligned`), so the splits that start before `kv_len` all have keys.
     aligned = (first // BLOCK_N) * BLOCK_N
     per_split = tl.cdiv(kv_len - aligned, NUM_SPLITS)
     per_split = tl.cdiv(per_split, BLOCK_N) * BLOCK_N
@@ -188,21 +293,15 @@ def _decode_split_kernel(
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
         m_i = m_new
 
-    if HAS_SINKS:
-        # This program sees the whole range, so it finishes the softmax, sink included.
-        tl.static_assert(NUM_SPLITS == 1, "with several splits the reduce kernel adds sinks")
-        sink = tl.load(sinks_ptr + heads, mask=head_mask, other=0.0).to(tl.float32)
-        l_i, acc = add_sink(m_i, l_i, acc, sink)
-    has_keys = l_i > 0.0
-    result = acc / tl.where(has_keys, l_i, 1.0)[:, None]
     if NUM_SPLITS == 1:
-        o_ptrs = out_ptr + b.to(tl.int64) * stride_ob + heads[:, None] * stride_oh
-        tl.store(
-            o_ptrs + offs_d[None, :],
-            result.to(out_ptr.dtype.element_ty),
-            mask=head_mask[:, None],
-        )
+        # This program saw the whole range, so it finishes the softmax, sink included.
+        result = _normalised(m_i, l_i, acc, sinks_ptr, heads, head_mask, HAS_SINKS)
+        _store_heads(out_ptr, b, heads, head_mask, offs_d, stride_ob, stride_oh, result)
     else:
+        # The split's own softmax (no sink: the merge adds it once) and its LSE. Empty splits
+        # store nothing: the merge reads only the busy ones.
+        has_keys = l_i > 0.0
+        partial = _normalised(m_i, l_i, acc, sinks_ptr, heads, head_mask, False)
         p_ptrs = (
             part_out_ptr
             + b.to(tl.int64) * stride_pb
@@ -210,85 +309,71 @@ def _decode_split_kernel(
             + split * stride_ps
             + offs_d[None, :]
         )
-        tl.store(p_ptrs, result, mask=head_mask[:, None])
-        lse = tl.where(has_keys, m_i + tl.log2(tl.where(has_keys, l_i, 1.0)), float("-inf"))
+        store_mask = head_mask & has_keys
+        tl.store(p_ptrs, partial, mask=store_mask[:, None])
+        lse = m_i + tl.log2(tl.where(has_keys, l_i, 1.0))
         l_ptrs = part_lse_ptr + b.to(tl.int64) * stride_lb + heads * stride_lh + split
-        tl.store(l_ptrs, lse, mask=head_mask)
+        tl.store(l_ptrs, lse, mask=store_mask)
+
+        # Every thread's stores are issued before the ticket is taken; the acq_rel atomic
+        # publishes them (release) and, for the last program, makes the other programs'
+        # stores visible to its loads (acquire).
+        tl.debug_barrier()
+        ticket_ptr = tickets_ptr + b * tl.num_programs(1) + kvh
+        ticket = tl.atomic_add(ticket_ptr, 1, sem="acq_rel", scope="gpu")
+        if ticket == NUM_SPLITS - 1:
+            _merge_splits(
+                part_out_ptr,
+                part_lse_ptr,
+                out_ptr,
+                sinks_ptr,
+                b,
+                kvh,
+                tl.cdiv(kv_len - aligned, tl.maximum(per_split, 1)),  # busy splits; 0 if padded
+                stride_pb,
+                stride_ph,
+                stride_ps,
+                stride_lb,
+                stride_lh,
+                stride_ob,
+                stride_oh,
+                GROUP,
+                MERGE_H,
+                HEAD_DIM,
+                SPLIT_CHUNK,
+                HAS_SINKS,
+            )
+            # Every program of this (request, KV head) has drawn its ticket: the counter is
+            # free to start again from zero for the next call (next layer, next graph replay).
+            tl.store(ticket_ptr, 0)
 
 
-@triton.jit
-def _decode_reduce_kernel(
-    part_out_ptr,
-    part_lse_ptr,
-    out_ptr,
-    stride_pb,
-    stride_ph,
-    stride_ps,
-    stride_lb,
-    stride_lh,
-    stride_ob,
-    stride_oh,
-    sinks_ptr,
-    NUM_SPLITS: tl.constexpr,
-    BLOCK_S: tl.constexpr,
-    HEAD_DIM: tl.constexpr,
-    HAS_SINKS: tl.constexpr,
-):
-    """One program per (request, head): merge the splits' partial results by their LSEs, and
-    the head's sink (if any) as one more term of the normaliser."""
-    b = tl.program_id(0)
-    h = tl.program_id(1)
-    offs_s = tl.arange(0, BLOCK_S)
-    offs_d = tl.arange(0, HEAD_DIM)
-    split_mask = offs_s < NUM_SPLITS
-
-    lse = tl.load(
-        part_lse_ptr + b.to(tl.int64) * stride_lb + h * stride_lh + offs_s,
-        mask=split_mask,
-        other=float("-inf"),
-    )
-    has_keys = lse > float("-inf")
-    # Splits without keys (and padded rows, where every split is empty) weigh nothing.
-    m = tl.max(tl.where(has_keys, lse, _NEG_BIG), 0)
-    if HAS_SINKS:
-        sink = tl.load(sinks_ptr + h).to(tl.float32) * _LOG2E_JIT
-        m = tl.maximum(m, sink)
-    w = tl.where(has_keys, tl.exp2(lse - m), 0.0)
-    total = tl.sum(w, 0)
-    if HAS_SINKS:
-        # Like a split whose output is zero: it weighs in the normaliser only. A padded row
-        # (no split has keys) gets total = 1 and a zero output.
-        total += tl.exp2(sink - m)
-    parts = tl.load(
-        part_out_ptr
-        + b.to(tl.int64) * stride_pb
-        + h * stride_ph
-        + offs_s[:, None] * stride_ps
-        + offs_d[None, :],
-        mask=split_mask[:, None],
-        other=0.0,
-    )
-    merged = tl.sum(parts * w[:, None], 0) / tl.where(total > 0.0, total, 1.0)
-    tl.store(
-        out_ptr + b.to(tl.int64) * stride_ob + h * stride_oh + offs_d,
-        merged.to(out_ptr.dtype.element_ty),
-    )
-
-
-def choose_num_splits(batch: int, num_kv_heads: int, max_kv_len: int, num_sms: int) -> int:
+def choose_num_splits(
+    batch: int,
+    num_kv_heads: int,
+    max_kv_len: int,
+    num_sms: int,
+    sliding_window: int | None = None,
+) -> int:
     """Splits per (request, KV head) so the grid fills ``num_sms`` multiprocessors.
 
-    A power of two; 1 when ``batch * num_kv_heads`` programs already fill the GPU. Each split
-    keeps at least ``_MIN_SPLIT_TOKENS`` of ``max_kv_len`` (the longest length the launch must
-    serve, e.g. the model's max length for a captured graph), capped at ``_MAX_SPLITS``.
+    A power of two; 1 when ``batch * num_kv_heads`` programs already fill the GPU. A split is
+    a whole number of ``_BLOCK_N``-key tiles, so more splits than the tiles a request's visible
+    range can span only add empty programs: the count is at most that many tiles (rounded up
+    to a power of two), and ``_MAX_SPLITS``. ``max_kv_len`` is the longest length the launch
+    must serve (the model's max length for a captured graph, so that a graph's count depends
+    on its batch only). The range ``[0, max_kv_len)`` starts on a tile; a ``sliding_window``
+    shorter than it can start anywhere, so its ``W`` keys span up to ``cdiv(W + 63, 64)``.
     """
     programs = max(1, batch * num_kv_heads)
     if programs >= num_sms:
         return 1
-    wanted = triton.next_power_of_2(triton.cdiv(num_sms, programs))
-    by_length = max(1, max_kv_len // _MIN_SPLIT_TOKENS)
-    limit = min(_MAX_SPLITS, 1 << (by_length.bit_length() - 1))  # largest power of 2 <= it
-    return max(1, min(wanted, limit))
+    if sliding_window is not None and max_kv_len > sliding_window:
+        tiles = triton.cdiv(sliding_window + _BLOCK_N - 1, _BLOCK_N)
+    else:
+        tiles = triton.cdiv(max_kv_len, _BLOCK_N)
+    wanted = min(triton.cdiv(num_sms, programs), tiles, _MAX_SPLITS)
+    return triton.next_power_of_2(max(1, wanted))
 
 
 def paged_decode_attention(
@@ -302,6 +387,7 @@ def paged_decode_attention(
     num_splits: int,
     partial_out: torch.Tensor | None = None,
     partial_lse: torch.Tensor | None = None,
+    tickets: torch.Tensor | None = None,
     softcap: float | None = None,
     sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
@@ -312,8 +398,10 @@ def paged_decode_attention(
     ``softcap`` caps the scaled scores (Gemma 2), ``sinks`` [H] joins each head's softmax
     (gpt-oss); see the module docstring.
     ``num_splits > 1`` splits each request's visible range into that many contiguous parts
-    (split-KV / flash-decoding) and merges them in a second kernel, using ``partial_out`` /
-    ``partial_lse`` as workspace (allocated here when None; pass them when capturing a graph).
+    (split-KV / flash-decoding), merged in the same launch by the last program of each
+    (request, KV head): ``partial_out`` / ``partial_lse`` / ``tickets`` are its workspace. When
+    None they are allocated here (the tickets zeroed: a memset per call); pass persistent ones,
+    tickets zeroed once, for CUDA graphs and on hot paths. One launch at a time per workspace.
     """
     batch, num_heads, head_dim = q.shape
     _, _, block_size, num_kv_heads, cache_head_dim = kv_cache.shape
@@ -324,10 +412,13 @@ def paged_decode_attention(
     assert q.stride(-1) == 1 and out.stride(-1) == 1 and kv_cache.stride(-1) == 1
     assert sinks is None or (sinks.shape == (num_heads,) and sinks.stride(0) == 1)
     assert softcap is None or softcap > 0
+    assert sliding_window is None or sliding_window > 0
     if batch == 0:
         return out
     group = num_heads // num_kv_heads
     qk_scale, softcap_log2 = score_constants(scale, softcap)
+    num_warps = 4 if head_dim <= 128 else 8
+    merge_h = triton.next_power_of_2(group)
     if num_splits > 1:
         if partial_out is None:
             partial_out = torch.empty(
@@ -337,14 +428,23 @@ def paged_decode_attention(
             partial_lse = torch.empty(
                 batch, num_heads, num_splits, dtype=torch.float32, device=q.device
             )
+        if tickets is None:
+            tickets = torch.zeros(batch * num_kv_heads, dtype=torch.int32, device=q.device)
         assert partial_out.shape[:3] == (batch, num_heads, num_splits)
         assert partial_lse.shape == (batch, num_heads, num_splits)
         assert partial_out.stride(-1) == 1 and partial_lse.stride(-1) == 1
+        assert tickets.dtype == torch.int32 and tickets.is_contiguous()
+        assert tickets.numel() >= batch * num_kv_heads
         part_out, part_lse = partial_out, partial_lse
+        # Splits per merge step: as many as fit _MERGE_VALUES_PER_THREAD in each of the
+        # program's 32 * num_warps threads (all powers of two).
+        fit = _MERGE_VALUES_PER_THREAD * 32 * num_warps // (merge_h * head_dim)
+        split_chunk = max(1, min(triton.next_power_of_2(num_splits), fit))
     else:
         # Unused by the single-split path; any tensor fills the pointer arguments.
-        part_out, part_lse = out, out
-    _decode_split_kernel[(batch, num_kv_heads, num_splits)](
+        part_out, part_lse, tickets = out, out, out
+        split_chunk = 1
+    _decode_kernel[(batch, num_kv_heads, num_splits)](
         q,
         kv_cache,
         block_tables,
@@ -352,6 +452,7 @@ def paged_decode_attention(
         out,
         part_out,
         part_lse,
+        tickets,
         qk_scale,
         sliding_window or 0,
         q.stride(0),
@@ -376,30 +477,13 @@ def paged_decode_attention(
         HEAD_DIM=head_dim,
         BLOCK_SIZE=block_size,
         NUM_SPLITS=num_splits,
+        MERGE_H=merge_h,
+        SPLIT_CHUNK=split_chunk,
         USE_WINDOW=sliding_window is not None,
         HAS_SOFTCAP=softcap is not None,
-        HAS_SINKS=sinks is not None and num_splits == 1,
+        HAS_SINKS=sinks is not None,
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
-        num_warps=4 if head_dim <= 128 else 8,
+        num_warps=num_warps,
         num_stages=2,
     )
-    if num_splits > 1:
-        _decode_reduce_kernel[(batch, num_heads)](
-            part_out,
-            part_lse,
-            out,
-            part_out.stride(0),
-            part_out.stride(1),
-            part_out.stride(2),
-            part_lse.stride(0),
-            part_lse.stride(1),
-            out.stride(0),
-            out.stride(1),
-            out if sinks is None else sinks,
-            NUM_SPLITS=num_splits,
-            BLOCK_S=triton.next_power_of_2(num_splits),
-            HEAD_DIM=head_dim,
-            HAS_SINKS=sinks is not None,
-            num_warps=4,
-        )
     return out

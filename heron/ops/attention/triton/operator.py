@@ -7,6 +7,7 @@ from collections.abc import Hashable
 from dataclasses import dataclass
 
 import torch
+import triton
 from torch import nn
 
 from heron.layers.rotary import QKTransform
@@ -20,18 +21,24 @@ from heron.ops.attention.triton.kv_write import kv_write, qk_norm_rope_kv_write
 
 @dataclass(frozen=True)
 class DecodeWorkspace:
-    """Split-K partitioning of a decode step and the partial results it needs."""
+    """Split-KV partitioning of a decode step and the buffers its merge needs (None with one
+    split). The tickets are all zero between launches: each launch leaves them so."""
 
     num_splits: int
     partial_out: torch.Tensor | None  # [reqs, heads, splits, head_dim] fp32
     partial_lse: torch.Tensor | None  # [reqs, heads, splits] fp32
+    tickets: torch.Tensor | None  # [reqs * kv_heads] int32
+
+
+_SINGLE_SPLIT = DecodeWorkspace(1, None, None, None)
 
 
 @dataclass(frozen=True)
 class TritonGraphBuffers:
     paged: PagedGraphBuffers
-    partial_out: torch.Tensor  # flat, sized for the largest bucket's split count
+    partial_out: torch.Tensor  # flat, sized for the bucket with the most requests * splits
     partial_lse: torch.Tensor
+    tickets: torch.Tensor  # [max_batch * kv_heads] int32, zeroed once (launches leave it zero)
 
 
 class TritonAttentionBuilder(PagedAttentionBuilder):
@@ -41,6 +48,13 @@ class TritonAttentionBuilder(PagedAttentionBuilder):
     Split counts depend only on the batch (eager steps also use the step's longest context),
     never on values that change between graph replays: each split finds its key range from
     the request's length inside the kernel, so a replay needs no host-side recomputation.
+
+    The split decode kernel merges its splits in the same launch, counting finished splits
+    with tickets that must be zero before a launch and that every launch leaves zero. They are
+    zeroed once (never per step: that would be one more launch): graph steps use the graph
+    buffers' tickets, eager steps a builder-owned buffer, replaced by a bigger zeroed one when
+    a step needs more. All layers of a group share them, which is safe because they run one
+    after another on one stream: a launch finishes before the next starts.
     """
 
     def __init__(self, spec: AttentionSpec, block_size: int, max_model_len: int) -> None:
@@ -48,6 +62,7 @@ class TritonAttentionBuilder(PagedAttentionBuilder):
         self.spec = spec
         self.max_model_len = max_model_len
         self._num_sms: int | None = None
+        self._eager_tickets: torch.Tensor | None = None
 
     @property
     def key(self) -> Hashable:
@@ -62,21 +77,39 @@ class TritonAttentionBuilder(PagedAttentionBuilder):
                 if device.type == "cuda"
                 else 4
             )
-        context = min(max_kv_len, self.sliding_window or max_kv_len)
-        return choose_num_splits(batch, self.spec.num_kv_heads, context, self._num_sms)
+        return choose_num_splits(
+            batch, self.spec.num_kv_heads, max_kv_len, self._num_sms, self.sliding_window
+        )
 
     def _workspace(
-        self, batch: int, splits: int, out: torch.Tensor, lse: torch.Tensor
+        self,
+        batch: int,
+        splits: int,
+        out: torch.Tensor,
+        lse: torch.Tensor,
+        tickets: torch.Tensor | None,
     ) -> DecodeWorkspace:
-        """Views of the flat ``out``/``lse`` buffers for ``batch`` requests and ``splits``."""
+        """Views of the flat ``out``/``lse``/``tickets`` buffers for ``batch`` requests and
+        ``splits``."""
         if splits == 1:
-            return DecodeWorkspace(1, None, None)
+            return _SINGLE_SPLIT
         h, d = self.spec.num_heads, self.spec.head_dim
         return DecodeWorkspace(
             splits,
             out[: batch * h * splits * d].view(batch, h, splits, d),
             lse[: batch * h * splits].view(batch, h, splits),
+            tickets[: batch * self.spec.num_kv_heads],
         )
+
+    def _tickets(self, batch: int, device: torch.device) -> torch.Tensor:
+        """The eager steps' zeroed tickets, for at least ``batch`` requests. A bigger step gets a
+        new zeroed buffer (a power of two, so this happens a few times at most); the old one
+        is freed in stream order, after the launches that used it."""
+        count = batch * self.spec.num_kv_heads
+        if self._eager_tickets is None or self._eager_tickets.numel() < count:
+            size = triton.next_power_of_2(count)
+            self._eager_tickets = torch.zeros(size, dtype=torch.int32, device=device)
+        return self._eager_tickets
 
     def build(self, seq: SequenceMetadata) -> PagedAttentionView:
         view = super().build(seq)
@@ -84,20 +117,28 @@ class TritonAttentionBuilder(PagedAttentionBuilder):
             return view
         device = seq.kv_lens.device
         splits = self._splits(seq.num_reqs, seq.max_kv_len, device)
-        rows = seq.num_reqs * self.spec.num_heads * splits if splits > 1 else 0
+        if splits == 1:
+            return dataclasses.replace(view, workspace=_SINGLE_SPLIT)
+        rows = seq.num_reqs * self.spec.num_heads * splits
         out = torch.empty(rows * self.spec.head_dim, dtype=torch.float32, device=device)
         lse = torch.empty(rows, dtype=torch.float32, device=device)
-        workspace = self._workspace(seq.num_reqs, splits, out, lse)
+        tickets = self._tickets(seq.num_reqs, device)
+        workspace = self._workspace(seq.num_reqs, splits, out, lse, tickets)
         return dataclasses.replace(view, workspace=workspace)
 
     def make_graph_buffers(self, max_batch: int, device: torch.device) -> TritonGraphBuffers:
-        # Fewer requests leave more of the GPU to each one, so batch 1 splits the most.
-        splits = self._splits(1, self.max_model_len, device)
-        rows = max_batch * self.spec.num_heads * splits
+        # Fewer requests leave more of the GPU to each one, so small batches split the most;
+        # the workspace holds the largest requests * splits of any batch up to max_batch.
+        splits = [self._splits(b, self.max_model_len, device) for b in range(1, max_batch + 1)]
+        per_head = max((b * s for b, s in enumerate(splits, 1) if s > 1), default=0)
+        rows = per_head * self.spec.num_heads
         return TritonGraphBuffers(
             paged=super().make_graph_buffers(max_batch, device),
             partial_out=torch.empty(rows * self.spec.head_dim, dtype=torch.float32, device=device),
             partial_lse=torch.empty(rows, dtype=torch.float32, device=device),
+            tickets=torch.zeros(
+                max_batch * self.spec.num_kv_heads, dtype=torch.int32, device=device
+            ),
         )
 
     def fill(
@@ -105,7 +146,9 @@ class TritonAttentionBuilder(PagedAttentionBuilder):
     ) -> PagedAttentionView:
         view = super().fill(seq, buffers.paged, batch)
         splits = self._splits(batch, self.max_model_len, seq.kv_lens.device)
-        workspace = self._workspace(batch, splits, buffers.partial_out, buffers.partial_lse)
+        workspace = self._workspace(
+            batch, splits, buffers.partial_out, buffers.partial_lse, buffers.tickets
+        )
         return dataclasses.replace(view, workspace=workspace)
 
 
@@ -179,6 +222,7 @@ class TritonAttention(AttentionOperator):
             ws.num_splits,
             ws.partial_out,
             ws.partial_lse,
+            ws.tickets,
             softcap=self.spec.logit_softcap,
             sinks=self.sinks,
         )
