@@ -42,9 +42,11 @@ class StepInputBuilder:
         self.device = device
         self.windows = list(windows)  # each KV cache group's sliding window (None: full)
         self.num_groups = len(self.windows)
-        # Full-attention block tables only ever grow while a request holds them, so each is
-        # mirrored in a numpy array that takes only the new entries each step (converting a
-        # long Python list every step costs more than the rest of a request's preparation).
+        # Block tables only grow at their end while a request holds them (a sliding window's
+        # also has the entries before its window set to the null block, which are never
+        # copied), so each long one is mirrored in a numpy array that takes only the new
+        # entries each step (converting a long Python list every step costs more than the rest
+        # of a request's preparation).
         self._mirrors: dict[tuple[Request, int], _TableMirror] = {}
         # On a GPU the packed batch is staged in one pinned buffer reused every step; an event
         # recorded after each copy guards the buffer until that copy has completed.
@@ -120,17 +122,17 @@ class StepInputBuilder:
             batch.query_lens[i] = n
             batch.kv_lens[i] = c + n
             for g, (table, window) in enumerate(zip(tables, self.windows)):
-                if window is None and len(table) > _MIRROR_MIN_BLOCKS:
+                # A sliding window's table is copied from the first block this step can read
+                # (the rows start zeroed, the null block; the manager released the entries
+                # before it anyway).
+                first = max(0, c - window + 1) // bs if window is not None else 0
+                if len(table) > _MIRROR_MIN_BLOCKS:
                     mirror = mirrors.get((r, g))
                     if mirror is None or mirror.source is not table or len(table) < mirror.length:
                         mirror = _TableMirror(table)
                     self._mirrors[r, g] = mirror
-                    all_tables[g, i, : len(table)] = mirror.sync()
+                    all_tables[g, i, first : len(table)] = mirror.sync()[first:]
                 else:
-                    # A sliding window's table: only blocks from the first one this step can
-                    # read (the rows start zeroed, the null block; the manager released the
-                    # entries before it anyway).
-                    first = max(0, c - window + 1) // bs if window is not None else 0
                     all_tables[g, i, first : len(table)] = table[first:]
             if n == 1:  # decode: scalar writes are cheaper than array ops
                 if c < len(r.all_token_ids):
@@ -175,7 +177,8 @@ _MIRROR_MIN_BLOCKS = 32
 
 
 class _TableMirror:
-    """A numpy copy of a growing block table (a live Python list that is only appended to)."""
+    """A numpy copy of a growing block table (a live Python list that is appended to; entries
+    changed in place later, the slid-out blocks of a window, are not followed)."""
 
     __slots__ = ("source", "array", "length")
 
