@@ -3,7 +3,7 @@ Qwen3-0.6B-shaped model of ``gpu_decode.py`` (or the Gemma-3-1B shape of ``gemma
 per kernel, at batch 1 and 64.
 
     python benchmarks/profile_decode.py [--model gemma3] [--context 4096] [--enforce-eager]
-        [--steps 20] [--phases]
+        [--steps 20] [--phases | --host]
 """
 
 from __future__ import annotations
@@ -103,13 +103,33 @@ def phase_times(llm: LLM, batch: int, context: int, steps: int) -> None:
     )
 
 
+def host_profile(llm: LLM, batch: int, context: int, steps: int) -> None:
+    """cProfile over decode steps as they run (asynchronous scheduling on): the host functions
+    that cost the most own time per step."""
+    import cProfile
+    import pstats
+
+    prefill(llm, "h", batch, context, steps)
+    profiler = cProfile.Profile()
+    profiler.enable()
+    for _ in range(steps):
+        llm.engine.step()
+    profiler.disable()
+    while llm.engine.has_unfinished_requests():
+        llm.engine.step()
+    print(f"\n### batch {batch}, context {context}: host functions by own time ({steps} steps)")
+    pstats.Stats(profiler).sort_stats("tottime").print_stats(25)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", choices=sorted(MODELS), default="qwen3")
     parser.add_argument("--context", type=int, default=128, help="prompt tokens per request")
+    parser.add_argument("--batches", type=int, nargs="+", default=[1, 64])
     parser.add_argument("--enforce-eager", action="store_true")
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--phases", action="store_true", help="host phase timings instead")
+    parser.add_argument("--host", action="store_true", help="cProfile of the host instead")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         MODELS[args.model](Path(tmp))
@@ -120,8 +140,8 @@ def main() -> None:
             max_model_len=max(4096, args.context + args.steps + 64),
             async_scheduling=not args.phases,
         )
-        for batch in (1, 64):
-            measure = phase_times if args.phases else profile_batch
+        for batch in args.batches:
+            measure = phase_times if args.phases else host_profile if args.host else profile_batch
             measure(llm, batch, args.context, args.steps)
 
 

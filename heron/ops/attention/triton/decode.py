@@ -348,6 +348,14 @@ def _decode_kernel(
             tl.store(ticket_ptr, 0)
 
 
+def _launch_shape(head_dim: int, num_splits: int) -> tuple[int, int]:
+    """``(num_warps, num_stages)`` of the decode kernel. Without splits (large batches) each
+    program walks a whole context, and a third pipeline stage keeps more tiles in flight: 8 %
+    faster for 256 requests of 1024 tokens on an H200 (``benchmarks/tune_decode_attention.py``).
+    Split programs walk a few tiles each and keep two stages."""
+    return (4 if head_dim <= 128 else 8), (3 if num_splits == 1 else 2)
+
+
 def choose_num_splits(
     batch: int,
     num_kv_heads: int,
@@ -417,7 +425,7 @@ def paged_decode_attention(
         return out
     group = num_heads // num_kv_heads
     qk_scale, softcap_log2 = score_constants(scale, softcap)
-    num_warps = 4 if head_dim <= 128 else 8
+    num_warps, num_stages = _launch_shape(head_dim, num_splits)
     merge_h = triton.next_power_of_2(group)
     if num_splits > 1:
         if partial_out is None:
@@ -484,6 +492,6 @@ def paged_decode_attention(
         HAS_SINKS=sinks is not None,
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         num_warps=num_warps,
-        num_stages=2,
+        num_stages=num_stages,
     )
     return out

@@ -1,0 +1,110 @@
+"""Time the paged decode-attention kernel's launch variants on decode shapes (GPU).
+
+For Qwen3-0.6B-shaped layers (16 heads, 8 KV heads, head_dim 128) at large batches and
+Gemma-3-1B-shaped ones (4 heads, 1 KV head, head_dim 256; full and 512-token window), times one
+layer's decode attention (bf16, block size 16, blocks scattered over a cache larger than L2,
+CUDA-graph replays) for each variant of keys per tile, pipeline stages and warps, and prints µs and the KV bytes
+read per second.
+
+    python benchmarks/tune_decode_attention.py
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import torch
+
+from heron.ops.attention.triton import decode
+
+# (name, batch, context, heads, KV heads, head_dim, window)
+CASES = [
+    ("qwen3 b256 ctx1024", 256, 1024, 16, 8, 128, None),
+    ("gemma3 b64 ctx4096 full", 64, 4096, 4, 1, 256, None),
+    ("gemma3 b64 ctx4096 win512", 64, 4096, 4, 1, 256, 512),
+]
+VARIANTS = list(itertools.product((32, 64, 128), (2, 3), (4, 8)))  # keys, stages, warps
+BLOCK = 16
+
+
+def case_inputs(batch, context, heads, kv_heads, head_dim):
+    blocks_per_req = -(-context // BLOCK)
+    num_blocks = batch * blocks_per_req + 1
+    cache = torch.randn(
+        2, num_blocks, BLOCK, kv_heads, head_dim, dtype=torch.bfloat16, device="cuda"
+    )
+    tables = (torch.randperm(num_blocks - 1, device="cuda") + 1).int().view(batch, blocks_per_req)
+    q = torch.randn(batch, heads, head_dim, dtype=torch.bfloat16, device="cuda")
+    lens = torch.full((batch,), context, dtype=torch.int32, device="cuda")
+    return q, cache, tables, lens
+
+
+def time_us(fn) -> float:
+    fn()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(5):
+            fn()
+    graph.replay()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(10):
+        graph.replay()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) * 1e3 / 50
+
+
+def tune_case(batch, context, heads, kv_heads, head_dim, window, sms, variants):
+    """[(µs, variant)] for each variant of one case (inf where it does not compile)."""
+    q, cache, tables, lens = case_inputs(batch, context, heads, kv_heads, head_dim)
+    out = torch.empty_like(q)
+    results = []
+    for variant in variants:  # None: the defaults
+        if variant is not None:
+            block_n, stages, warps = variant
+            decode._BLOCK_N, decode._launch_shape = block_n, lambda *_, w=warps, s=stages: (w, s)
+        splits = decode.choose_num_splits(batch, kv_heads, context, sms, window)
+        ws = {}
+        if splits > 1:
+            ws = dict(
+                partial_out=torch.empty(batch, heads, splits, head_dim, device="cuda"),
+                partial_lse=torch.empty(batch, heads, splits, device="cuda"),
+                tickets=torch.zeros(batch * kv_heads, dtype=torch.int32, device="cuda"),
+            )
+
+        def call(splits=splits, ws=ws):
+            decode.paged_decode_attention(
+                q, cache, tables, lens, head_dim**-0.5, window, out, splits, **ws
+            )
+
+        try:
+            results.append((time_us(call), variant))
+        except Exception as e:  # out of shared memory / registers
+            results.append((float("inf"), variant))
+            print(f"  {variant}: {type(e).__name__}")
+    return results
+
+
+def main() -> None:
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    print("| case | today µs (GB/s) | best (keys/tile, stages, warps) µs (GB/s) |")
+    print("| --- | --- | --- |")
+    defaults = (decode._BLOCK_N, decode._launch_shape)
+    for name, batch, context, heads, kv_heads, head_dim, window in CASES:
+        read = batch * min(context, window or context) * 2 * kv_heads * head_dim * 2
+        shape = (batch, context, heads, kv_heads, head_dim, window, sms)
+        today = tune_case(*shape, [None])[0]
+        best = min(tune_case(*shape, VARIANTS))
+        print(
+            f"| {name} | {today[0]:.1f} ({read / today[0] / 1e3:.0f}) "
+            f"| {best[1]} {best[0]:.1f} ({read / best[0] / 1e3:.0f}) |",
+            flush=True,
+        )
+        torch.cuda.empty_cache()
+        decode._BLOCK_N, decode._launch_shape = defaults
+
+
+if __name__ == "__main__":
+    main()
