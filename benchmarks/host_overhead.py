@@ -1,10 +1,11 @@
 """Per-step host time of a decode step with the model forward replaced by a no-op.
 
 Times scheduling, the packed StepBatch, SequenceMetadata (one copy) and every group's builder
-for a Qwen3-0.6B-shaped plan (28 attention operators, 16 heads, 8 KV heads, head_dim 128),
-at several numbers of running requests. Prints a table; run on the CPU:
+for a Qwen3-0.6B-shaped plan (28 attention operators, 16 heads, 8 KV heads, head_dim 128) or a
+Gemma-3-1B-shaped one (26 operators, five with a 512-token window to one full, two KV cache
+groups), at several numbers of running requests. Prints a table; run on the CPU:
 
-    python benchmarks/host_overhead.py [--device cpu] [--steps 200]
+    python benchmarks/host_overhead.py [--shape gemma3] [--prompt-len 4096] [--steps 200]
 """
 
 from __future__ import annotations
@@ -24,27 +25,42 @@ from heron.ops.attention.base import AttentionSpec
 from heron.ops.attention.reference import ReferenceAttention
 from heron.sampling_params import SamplingParams
 
-LAYERS, HEADS, KV_HEADS, HEAD_DIM = 28, 16, 8, 128
-BLOCK_SIZE, MAX_MODEL_LEN, PROMPT_LEN = 16, 4096, 128
+BLOCK_SIZE = 16
+# (layers, heads, KV heads, head_dim, sliding window, full layer every n-th)
+SHAPES = {"qwen3": (28, 16, 8, 128, None, 1), "gemma3": (26, 4, 1, 256, 512, 6)}
 
 
-def make_plan() -> StepMetaPlan:
-    spec = AttentionSpec(HEADS, KV_HEADS, HEAD_DIM, HEAD_DIM**-0.5)
+def make_plan(shape: str, max_model_len: int) -> StepMetaPlan:
+    layers, heads, kv_heads, head_dim, window, every = SHAPES[shape]
+    spec = AttentionSpec(heads, kv_heads, head_dim, head_dim**-0.5)
+    sliding = AttentionSpec(heads, kv_heads, head_dim, head_dim**-0.5, sliding_window=window)
     with ModelBuildContext() as scope:
-        for i in range(LAYERS):
-            ReferenceAttention(f"model.layers.{i}.self_attn.attn", spec, BLOCK_SIZE, MAX_MODEL_LEN)
-    return StepMetaPlan.from_operators(scope.operators)
+        for i in range(layers):
+            layer_spec = spec if window is None or (i + 1) % every == 0 else sliding
+            name = f"model.layers.{i}.self_attn.attn"
+            ReferenceAttention(name, layer_spec, BLOCK_SIZE, max_model_len)
+    plan = StepMetaPlan.from_operators(scope.operators)
+    for group in plan.groups:  # cache groups as the runner assigns them: full first
+        group.builder.cache_group = int(group.builder.sliding_window is not None)
+    return plan
 
 
-def measure(batch: int, steps: int, device: torch.device) -> dict[str, float]:
-    plan = make_plan()
-    blocks = batch * (PROMPT_LEN + steps + 64) // BLOCK_SIZE + batch + 1
-    kv = KVCacheCoordinator([blocks], BLOCK_SIZE, enable_prefix_caching=True)
-    scheduler = Scheduler(SchedulerConfig(batch, 1 << 20, MAX_MODEL_LEN), kv)
-    inputs = StepInputBuilder(BLOCK_SIZE, device)
+def measure(
+    batch: int, steps: int, device: torch.device, shape: str, prompt_len: int
+) -> dict[str, float]:
+    max_model_len = prompt_len + steps + 64
+    plan = make_plan(shape, max_model_len)
+    window = SHAPES[shape][4]
+    windows = [None] if window is None else [None, window]
+    blocks = batch * max_model_len // BLOCK_SIZE + batch + 1
+    kv = KVCacheCoordinator(
+        [blocks] * len(windows), BLOCK_SIZE, enable_prefix_caching=True, sliding_windows=windows
+    )
+    scheduler = Scheduler(SchedulerConfig(batch, 1 << 20, max_model_len), kv)
+    inputs = StepInputBuilder(BLOCK_SIZE, device, windows)
     params = SamplingParams(max_tokens=None, ignore_eos=True)
     for i in range(batch):
-        prompt = [(i * 7919 + j) % 150000 for j in range(PROMPT_LEN)]
+        prompt = [(i * 7919 + j) % 150000 for j in range(prompt_len)]
         scheduler.add(Request(str(i), prompt, params))
 
     timings: dict[str, list[float]] = {"schedule": [], "inputs": [], "update": []}
@@ -73,17 +89,22 @@ def measure(batch: int, steps: int, device: torch.device) -> dict[str, float]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--device", default="cpu")
+    parser.add_argument("--shape", choices=sorted(SHAPES), default="qwen3")
+    parser.add_argument("--prompt-len", type=int, default=128)
     parser.add_argument("--steps", type=int, default=200)
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 16, 64, 256])
     args = parser.parse_args()
     device = torch.device(args.device)
-    print(f"host time per decode step (median of {args.steps}), µs, device={device}")
+    print(
+        f"host time per decode step (median of {args.steps}), µs, {args.shape} plan, "
+        f"{args.prompt_len}-token prompts, device={device}"
+    )
     print(
         "| running requests | schedule | StepBatch + SequenceMetadata + builders | token update | total |"
     )
     print("| --- | --- | --- | --- | --- |")
     for batch in args.batches:
-        r = measure(batch, args.steps, device)
+        r = measure(batch, args.steps, device, args.shape, args.prompt_len)
         print(
             f"| {batch} | {r['schedule']:.0f} | {r['inputs']:.0f} | {r['update']:.0f} | {r['total']:.0f} |"
         )
