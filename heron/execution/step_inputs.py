@@ -11,6 +11,7 @@ import torch
 from heron.engine.request import Request
 from heron.engine.scheduler import SchedulerOutput
 from heron.metadata import SequenceMetadata, StepBatch
+from heron.ops.attention.paged import window_start_block
 
 
 @dataclass(frozen=True)
@@ -72,7 +73,8 @@ class StepInputBuilder:
         """Host work of a step: the packed StepBatch and its one copy to the device.
 
         ``block_tables(request_id)`` gives the request's table in every KV cache group; a
-        sliding-window group's table has the null block where blocks slid out of the window.
+        sliding-window group's table has the null block where blocks slid out of the window,
+        and its row in the step starts at the window (``window_start_block``).
         A decode token that is still pending (sampled by the previous step, value not yet read)
         is left as 0 and listed in ``pending_sources`` with its row in ``pending_rows``, for the
         runner to fill on the device.
@@ -121,19 +123,18 @@ class StepInputBuilder:
             r, c, n = item.request, item.request.num_computed_tokens, item.num_new_tokens
             batch.query_lens[i] = n
             batch.kv_lens[i] = c + n
-            for g, (table, window) in enumerate(zip(tables, self.windows)):
-                # A sliding window's table is copied from the first block this step can read
-                # (the rows start zeroed, the null block; the manager released the entries
-                # before it anyway).
-                first = max(0, c - window + 1) // bs if window is not None else 0
+            firsts = self._row_starts(c)
+            for g, (table, first) in enumerate(zip(tables, firsts)):
+                # A sliding window's row starts at the first block this step can read (the
+                # manager released the blocks before it).
                 if len(table) > _MIRROR_MIN_BLOCKS:
                     mirror = mirrors.get((r, g))
                     if mirror is None or mirror.source is not table or len(table) < mirror.length:
                         mirror = _TableMirror(table)
                     self._mirrors[r, g] = mirror
-                    all_tables[g, i, first : len(table)] = mirror.sync()[first:]
+                    all_tables[g, i, : len(table) - first] = mirror.sync()[first:]
                 else:
-                    all_tables[g, i, first : len(table)] = table[first:]
+                    all_tables[g, i, : len(table) - first] = table[first:]
             if n == 1:  # decode: scalar writes are cheaper than array ops
                 if c < len(r.all_token_ids):
                     batch.token_ids[offset] = r.all_token_ids[c]
@@ -146,9 +147,9 @@ class StepInputBuilder:
                 positions = np.arange(c, c + n, dtype=np.int32)
                 batch.token_ids[offset : offset + n] = r.all_token_ids[c : c + n]
                 batch.positions[offset : offset + n] = positions
-                for g in range(num_groups):
+                for g, first in enumerate(firsts):
                     all_slots[g, offset : offset + n] = (
-                        all_tables[g, i, positions // bs] * bs + positions % bs
+                        all_tables[g, i, positions // bs - first] * bs + positions % bs
                     )
             offset += n
             if item.samples:
@@ -170,6 +171,11 @@ class StepInputBuilder:
         return PreparedStep(
             seq, sample_requests, slice(num_prompt_rows, rows), prompt_rows, pending_sources
         )
+
+    def _row_starts(self, context: int) -> list[int]:
+        """Each group's first table index in a request's row, for a step whose first new token
+        is at position ``context`` (0 for full attention; see ``window_start_block``)."""
+        return [window_start_block(context, w, self.block_size) for w in self.windows]
 
 
 # Shorter tables are converted directly: below this, the mirror's bookkeeping costs more.

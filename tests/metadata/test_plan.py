@@ -18,7 +18,11 @@ from heron.metadata import (
     StepMetaPlan,
 )
 from heron.ops.attention.base import AttentionSpec
-from heron.ops.attention.paged import PagedAttentionBuilder, PagedAttentionView
+from heron.ops.attention.paged import (
+    PagedAttentionBuilder,
+    PagedAttentionView,
+    window_start_block,
+)
 from heron.ops.attention.reference import ReferenceAttention
 
 from tiny_models import attend
@@ -300,18 +304,23 @@ def test_each_operator_reads_its_own_groups_view():
     assert len(plan.groups) == 2 and ops[0].group is not ops[1].group
     for op in ops:
         op.bind_kv_cache(torch.zeros(2, num_blocks, bs, 2, 16))
+    # One KV cache group per window, as the runner assigns them: the windowed group's rows
+    # start at the window, over the same physical blocks here.
+    ops[1].group.builder.cache_group = 1
     free = (torch.randperm(num_blocks - 1, generator=gen) + 1).tolist()
     tables = {"a": [free.pop() for _ in range(4)], "b": [free.pop() for _ in range(4)]}
 
     def make_seq(work):  # (request, cached tokens, new tokens)
-        batch = StepBatch(len(work), sum(n for _, _, n in work), len(work), 4, bs)
+        batch = StepBatch(len(work), sum(n for _, _, n in work), len(work), 4, bs, num_groups=2)
         offset = 0
         for i, (rid, c, n) in enumerate(work):
             batch.query_lens[i], batch.kv_lens[i] = n, c + n
-            batch.block_tables[i, : len(tables[rid])] = tables[rid]
+            for g, window in enumerate(windows):
+                first = window_start_block(c, window, bs)
+                batch.group_block_tables[g, i, : len(tables[rid]) - first] = tables[rid][first:]
             pos = list(range(c, c + n))
             batch.positions[offset : offset + n] = pos
-            batch.slot_mapping[offset : offset + n] = [
+            batch.group_slot_mappings[:, offset : offset + n] = [
                 tables[rid][p // bs] * bs + p % bs for p in pos
             ]
             offset += n

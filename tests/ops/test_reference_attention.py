@@ -10,7 +10,7 @@ import torch.nn.functional as F
 
 from heron.metadata import ModelBuildContext, SequenceMetadata, StepBatch, StepMetaPlan
 from heron.ops.attention.base import AttentionSpec
-from heron.ops.attention.paged import PagedAttentionBuilder, PagedGraphBuffers
+from heron.ops.attention.paged import PagedAttentionBuilder, PagedGraphBuffers, window_start_block
 from heron.ops.attention.reference import ReferenceAttention
 
 from tiny_models import attend
@@ -110,7 +110,9 @@ class PagedHarness:
             table = self.tables[rid]
             batch.query_lens[i] = n
             batch.kv_lens[i] = c + n
-            batch.block_tables[i, : len(table)] = table
+            # A windowed row starts at the window (the runner's layout; see PagedAttentionBuilder)
+            first = window_start_block(c, self.spec.sliding_window, bs)
+            batch.block_tables[i, : len(table) - first] = table[first:]
             positions = torch.arange(c, c + n)
             batch.positions[offset : offset + n] = positions.numpy()
             batch.token_ids[offset : offset + n] = 7  # unused by attention
@@ -269,15 +271,17 @@ def test_graph_fill_pads_rows_and_matches_eager(window):
     view = builder.fill(seq, buffers, batch)
     group.view = view
     assert view.is_decode and view.num_reqs == batch
-    assert view.block_tables.shape == (batch, MAX_MODEL_LEN // 4)
+    # Bounded by max_model_len, or by the window: 5 keys span at most 2 blocks of 4.
+    assert view.block_tables.shape == (batch, MAX_MODEL_LEN // 4 if window is None else 2)
     # The view is written in place into the persistent buffers.
     assert view.block_tables.data_ptr() == buffers.block_tables.data_ptr()
     assert view.kv_lens.data_ptr() == buffers.kv_lens.data_ptr()
     assert view.kv_lens[:3].tolist() == seq.kv_lens.tolist()
     assert view.slot_mapping[:3].tolist() == seq.slot_mapping.tolist()
-    width = seq.block_tables.shape[1]
-    assert torch.equal(view.block_tables[:3, :width], seq.block_tables)
+    width = min(seq.block_tables.shape[1], view.block_tables.shape[1])
+    assert torch.equal(view.block_tables[:3, :width], seq.block_tables[:, :width])
     assert not view.block_tables[:3, width:].any()
+    assert not seq.block_tables[:, width:].any(), "a windowed row fits the window's width"
     # Padded rows: length 0, null block, slot 0.
     assert not view.kv_lens[3:].any()
     assert not view.block_tables[3:].any()
@@ -298,7 +302,8 @@ def test_graph_fill_pads_rows_and_matches_eager(window):
     h.check_cache(null_block_clean=False)
     seq2, _ = h.make_seq([("c", 1)])
     view2 = builder.fill(seq2, buffers, batch)
-    table_c = h.tables["c"]
+    first = window_start_block(len(h.k_hist["c"]), window, 4)
+    table_c = h.tables["c"][first:]
     assert view2.kv_lens.tolist() == [len(h.k_hist["c"]) + 1] + [0] * (batch - 1)
     assert view2.slot_mapping.tolist() == seq2.slot_mapping.tolist() + [0] * (batch - 1)
     assert view2.block_tables[0, : len(table_c)].tolist() == table_c

@@ -18,6 +18,7 @@ import torch.nn.functional as F
 
 from heron.metadata import SequenceMetadata, StepBatch
 from heron.ops.attention.base import AttentionSpec
+from heron.ops.attention.paged import window_start_block
 from heron.ops.attention.triton.decode import choose_num_splits, paged_decode_attention
 from heron.ops.attention.triton.extend import paged_extend_attention
 from heron.ops.attention.triton.operator import TritonAttentionBuilder
@@ -64,6 +65,20 @@ def make_paged_cache(
         dense_k.append(k.float().to(device))
         dense_v.append(v.float().to(device))
     return cache.to(dtype).to(device), tables.to(device), dense_k, dense_v
+
+
+def window_rows(
+    tables: torch.Tensor, kv_lens: list[int], q_lens: list[int], window: int | None, bs: int
+) -> torch.Tensor:
+    """``tables`` in the windowed layout the builders produce: each row starts at the block of
+    the first key its request's first new token sees (``window_start_block``)."""
+    if window is None:
+        return tables
+    rows = torch.zeros_like(tables)
+    for r, (kv_len, q_len) in enumerate(zip(kv_lens, q_lens)):
+        first = window_start_block(kv_len - q_len, window, bs)
+        rows[r, : tables.shape[1] - first] = tables[r, first:]
+    return rows
 
 
 def dense_attention(
@@ -152,6 +167,7 @@ def run_decode(
     cache, tables, ks, vs = make_paged_cache(
         kv_lens, block_size, num_kv_heads, head_dim, dtype, device
     )
+    tables = window_rows(tables, kv_lens, [1] * len(kv_lens), window, block_size)
     batch, scale = len(kv_lens), head_dim**-0.5
     q = strided_q(batch, num_heads, head_dim, dtype, device, seed=1)
     sink_logits = make_sinks(num_heads, dtype, device) if sinks else None
@@ -194,6 +210,7 @@ def run_extend(
     cache, tables, ks, vs = make_paged_cache(
         kv_lens, block_size, num_kv_heads, head_dim, dtype, device
     )
+    tables = window_rows(tables, kv_lens, q_lens, window, block_size)
     scale = head_dim**-0.5
     q = strided_q(sum(q_lens), num_heads, head_dim, dtype, device, seed=2)
     sink_logits = make_sinks(num_heads, dtype, device) if sinks else None
@@ -355,9 +372,13 @@ def test_decode_reuses_tickets():
         assert_close(out, ref, 1e-4)
 
 
-def decode_step(kv_lens: list[int], tables: torch.Tensor, block_size: int) -> SequenceMetadata:
-    """Step metadata of one new token per request over the given (already filled) tables."""
+def decode_step(
+    kv_lens: list[int], tables: torch.Tensor, block_size: int, window: int | None = None
+) -> SequenceMetadata:
+    """Step metadata of one new token per request over the given (already filled) tables,
+    laid out for ``window``."""
     n = len(kv_lens)
+    tables = window_rows(tables, kv_lens, [1] * n, window, block_size)
     step = StepBatch(n, n, n, tables.shape[1], block_size)
     step.query_lens[:] = 1
     step.kv_lens[:] = kv_lens
@@ -383,7 +404,7 @@ def test_builder_workspace_tickets():
     cache, tables, ks, vs = make_paged_cache(kv_lens, block_size, kv_heads, HEAD_DIM,
                                              torch.float32, DEVICE)  # fmt: skip
     q = strided_q(8, heads, HEAD_DIM, torch.float32, DEVICE, seed=4)
-    steps = [(decode_step(kv_lens[:n], tables[:n], block_size), n) for n in (3, 1)]
+    steps = [(decode_step(kv_lens[:n], tables[:n], block_size, window), n) for n in (3, 1)]
     views = [builder.build(seq) for seq, _ in steps]
     views += [builder.fill(seq, buffers, batch) for seq, n in steps for batch in (n, 4, 8)]
     assert any(v.workspace.num_splits > 1 for v in views)

@@ -26,7 +26,7 @@ class PagedAttentionView:
     sliding_window: int | None
     positions: torch.Tensor  # [tokens]
     slot_mapping: torch.Tensor  # [tokens]
-    block_tables: torch.Tensor  # [reqs, table width]
+    block_tables: torch.Tensor  # [reqs, table width]; a windowed row starts at the window
     kv_lens: torch.Tensor  # [reqs]
     query_start_loc: torch.Tensor  # [reqs + 1]
     query_start_host: np.ndarray
@@ -50,9 +50,15 @@ class PagedGraphBuffers:
 class PagedAttentionBuilder(MetadataBuilder):
     """Builds :class:`PagedAttentionView` for one (block size, sliding window) configuration.
 
+    A sliding-window configuration's block tables hold only the blocks its queries can still
+    read: row ``r`` starts at the block of the first key that the request's first new token sees,
+    ``max(kv_len - query_len - window + 1, 0) // block_size`` (see ``window_start_block``), so a
+    decode row is at most :meth:`table_width` entries wide whatever the context length.
+
     Decode steps are graph-capturable: ``fill`` copies the step into persistent buffers whose
-    block-table width is bounded by ``max_model_len / block_size``; padded rows get length 0 and
-    the null block. Eager steps use ``build``; both end in :meth:`_view`.
+    block-table width is bounded by ``max_model_len / block_size`` (by the window, with one);
+    padded rows get length 0 and the null block. Eager steps use ``build``; both end in
+    :meth:`_view`.
 
     ``cache_group`` is the KV cache group whose block tables and slots this builder reads (set by
     the runner after planning: every builder with the same sliding window shares one group).
@@ -70,6 +76,11 @@ class PagedAttentionBuilder(MetadataBuilder):
         self.block_size = block_size
         self.sliding_window = sliding_window
         self.max_blocks_per_seq = -(-max_model_len // block_size)
+        # A decode row: the blocks from the window's first key to the newest token.
+        self.table_width = self.max_blocks_per_seq
+        if sliding_window is not None:
+            window_blocks = -(-(sliding_window - 1) // block_size) + 1
+            self.table_width = min(self.max_blocks_per_seq, window_blocks)
 
     @property
     def key(self) -> Hashable:
@@ -102,7 +113,7 @@ class PagedAttentionBuilder(MetadataBuilder):
         return PagedGraphBuffers(
             positions=zeros(max_batch),
             slot_mapping=zeros(max_batch),
-            block_tables=zeros(max_batch, self.max_blocks_per_seq),
+            block_tables=zeros(max_batch, self.table_width),
             kv_lens=zeros(max_batch),
             query_start_loc=torch.arange(max_batch + 1, dtype=torch.int32, device=device),
         )
@@ -117,13 +128,13 @@ class PagedAttentionBuilder(MetadataBuilder):
                 f"{seq.num_reqs} requests with {seq.num_tokens} tokens"
             )
         slot_mapping, block_tables = self._group_tables(seq)
-        n, width = seq.num_reqs, block_tables.shape[1]
+        n, width = seq.num_reqs, min(block_tables.shape[1], self.table_width)
         # Few, in-place copies: this runs before every replay. Table entries past a row's
         # length are never read, so stale ones need no reset; padded rows get length 0, the
         # null block and slot 0 (their garbage K/V goes to the null block).
         buffers.positions[:n].copy_(seq.positions)
         buffers.slot_mapping[:n].copy_(slot_mapping)
-        buffers.block_tables[:n, :width].copy_(block_tables)
+        buffers.block_tables[:n, :width].copy_(block_tables[:, :width])
         buffers.kv_lens[:n].copy_(seq.kv_lens)
         if n < batch:
             buffers.slot_mapping[n:batch].zero_()
@@ -183,3 +194,11 @@ class PagedAttentionBuilder(MetadataBuilder):
             kv_lens_host=seq.kv_lens_host,
             max_query_len=seq.max_query_len,
         )
+
+
+def window_start_block(context: int, window: int | None, block_size: int) -> int:
+    """The first block index of a request's row in a windowed block table: the block of the
+    first key that its first new token (at position ``context``) sees; 0 without a window."""
+    if window is None:
+        return 0
+    return max(0, context - window + 1) // block_size

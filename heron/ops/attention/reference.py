@@ -6,7 +6,11 @@ import torch
 import torch.nn.functional as F
 
 from heron.ops.attention.base import AttentionOperator, AttentionSpec
-from heron.ops.attention.paged import PagedAttentionBuilder, PagedAttentionView
+from heron.ops.attention.paged import (
+    PagedAttentionBuilder,
+    PagedAttentionView,
+    window_start_block,
+)
 
 
 class ReferenceAttention(AttentionOperator):
@@ -68,11 +72,16 @@ class ReferenceAttention(AttentionOperator):
     def forward_decode(self, q: torch.Tensor, view: PagedAttentionView) -> torch.Tensor:
         spec = self.spec
         k, v = self._gather(view.block_tables)  # [reqs, L, kv_heads, D]
-        positions = torch.arange(k.shape[1], device=q.device)
         kv_lens = view.kv_lens[:, None]
-        visible = positions[None, :] < kv_lens
-        if view.sliding_window is not None:
-            visible &= positions[None, :] > kv_lens - 1 - view.sliding_window
+        positions = torch.arange(k.shape[1], device=q.device)[None, :]
+        window = view.sliding_window
+        if window is not None:  # rows start at the window's first block
+            positions = positions + (kv_lens - window).clamp(min=0) // view.block_size * (
+                view.block_size
+            )
+        visible = positions < kv_lens
+        if window is not None:
+            visible &= positions > kv_lens - 1 - window
         qg = q.view(-1, spec.num_kv_heads, spec.num_heads // spec.num_kv_heads, 1, spec.head_dim)
         out = self._attend(qg, k, v, visible[:, None, :])
         return out.reshape(q.shape).to(q.dtype)
@@ -84,11 +93,12 @@ class ReferenceAttention(AttentionOperator):
         for i in range(view.num_reqs):
             q_start, q_len = int(view.query_start_host[i]), int(view.query_lens_host[i])
             kv_len = int(view.kv_lens_host[i])
-            num_blocks = -(-kv_len // view.block_size)
-            k, v = self._gather(view.block_tables[i, :num_blocks])
-            k, v = k[:kv_len], v[:kv_len]
+            bs = view.block_size
+            first = window_start_block(kv_len - q_len, view.sliding_window, bs)
+            k, v = self._gather(view.block_tables[i, : -(-kv_len // bs) - first])
+            k, v = k[: kv_len - first * bs], v[: kv_len - first * bs]
             q_pos = torch.arange(kv_len - q_len, kv_len, device=q.device)[:, None]
-            k_pos = torch.arange(kv_len, device=q.device)[None, :]
+            k_pos = torch.arange(first * bs, kv_len, device=q.device)[None, :]
             mask = k_pos <= q_pos
             if view.sliding_window is not None:
                 mask &= k_pos > q_pos - view.sliding_window

@@ -6,7 +6,9 @@ Layout contract (all tensors on one device):
 * ``kv_cache``: ``[2, num_blocks, block_size, KVH, D]`` (0 = K, 1 = V), the model dtype; block 0
   is the null block that padded rows point at.
 * ``block_tables``: int32 ``[B, width]``; position ``p`` of request ``r`` lives in block
-  ``block_tables[r, p // block_size]`` at offset ``p % block_size``.
+  ``block_tables[r, p // block_size - base]`` at offset ``p % block_size``, where ``base`` is 0
+  without a window and, with one, the block of the first key the query sees,
+  ``max(kv_len - sliding_window, 0) // block_size``: a windowed row starts at the window.
 * ``kv_lens``: int32 ``[B]``, tokens in the cache including this step's (already written) one;
   0 marks a padded row, whose output is zeros.
 * ``partial_out``: fp32 ``[B, H, num_splits, D]``, ``partial_lse``: fp32 ``[B, H, num_splits]``
@@ -269,7 +271,8 @@ def _decode_kernel(
     l_i = tl.zeros([BLOCK_H], tl.float32)
     acc = tl.zeros([BLOCK_H, HEAD_DIM], tl.float32)
 
-    table_row = block_tables_ptr + b.to(tl.int64) * stride_btb
+    # A windowed row starts at the block holding `first` (see the module docstring).
+    table_row = block_tables_ptr + b.to(tl.int64) * stride_btb - first // BLOCK_SIZE
     kv_head = kv_ptr + kvh.to(tl.int64) * stride_kvh
     for start in range(lo, hi, BLOCK_N):
         pos = start + offs_n

@@ -8,7 +8,10 @@ with one new token included). Layout contract (all tensors on one device):
 * ``kv_cache``: ``[2, num_blocks, block_size, KVH, D]`` (0 = K, 1 = V), the model dtype, with
   the new tokens' K/V ALREADY written; everything is read from it through the block table.
 * ``block_tables``: int32 ``[B, width]``; position ``p`` of request ``r`` lives in block
-  ``block_tables[r, p // block_size]`` at offset ``p % block_size``.
+  ``block_tables[r, p // block_size - base]`` at offset ``p % block_size``, where ``base`` is 0
+  without a window and, with one, the block of the first key the request's first new token
+  sees, ``max(kv_len - q_len - sliding_window + 1, 0) // block_size``: a windowed row starts at
+  the window.
 * ``query_start_loc``: int32 ``[B + 1]``; ``kv_lens``: int32 ``[B]``, cached tokens including
   the new ones, so new token ``i`` of a request with ``q_len`` new tokens is at position
   ``kv_len - q_len + i``.
@@ -97,18 +100,22 @@ def _extend_kernel(
     hi = context + tl.minimum(m0 + BLOCK_M, q_len)
     if USE_WINDOW:
         lo = (tl.maximum(context + m0 - window + 1, 0) // BLOCK_N) * BLOCK_N
+        # A windowed row starts at the block of the first key the request's first new token
+        # sees (see the module docstring); keys before it are outside every row's window.
+        row_start = (tl.maximum(context - window + 1, 0) // BLOCK_SIZE) * BLOCK_SIZE
     else:
         lo = hi * 0
+        row_start = lo
 
     m_i = tl.full([BLOCK_M], _NEG_BIG, tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
 
-    table_row = block_tables_ptr + r.to(tl.int64) * stride_btb
+    table_row = block_tables_ptr + r.to(tl.int64) * stride_btb - row_start // BLOCK_SIZE
     kv_head = kv_ptr + (h // GROUP).to(tl.int64) * stride_kvh
     for start in range(lo, hi, BLOCK_N):
         k_pos = start + offs_n
-        in_range = k_pos < hi
+        in_range = (k_pos >= row_start) & (k_pos < hi)
         block_ids = tl.load(table_row + k_pos // BLOCK_SIZE, mask=in_range, other=0)
         # int64: block_id * block stride overflows int32 for caches beyond 2^31 elements.
         tok_off = block_ids.to(tl.int64) * stride_blk + (k_pos % BLOCK_SIZE) * stride_slot
