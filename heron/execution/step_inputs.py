@@ -43,6 +43,8 @@ class StepInputBuilder:
         self.device = device
         self.windows = list(windows)  # each KV cache group's sliding window (None: full)
         self.num_groups = len(self.windows)
+        # Without windows every row starts at 0: one shared list instead of a call per request.
+        self._zero_starts = [0] * self.num_groups if all(w is None for w in windows) else None
         # Block tables only grow at their end while a request holds them (a sliding window's
         # also has the entries before its window set to the null block, which are never
         # copied), so each long one is mirrored in a numpy array that takes only the new
@@ -119,11 +121,12 @@ class StepInputBuilder:
         pending_sources: list[tuple[int, int]] = []
         all_tables, all_slots = batch.group_block_tables, batch.group_slot_mappings
         mirrors, self._mirrors = self._mirrors, {}
+        zero_starts = self._zero_starts
         for i, (item, tables) in enumerate(zip(items, group_tables)):
             r, c, n = item.request, item.request.num_computed_tokens, item.num_new_tokens
             batch.query_lens[i] = n
             batch.kv_lens[i] = c + n
-            firsts = self._row_starts(c)
+            firsts = zero_starts or self._row_starts(c)
             for g, (table, first) in enumerate(zip(tables, firsts)):
                 # A sliding window's row starts at the first block this step can read (the
                 # manager released the blocks before it).
