@@ -33,7 +33,7 @@ class PagedAttentionView:
     query_lens_host: np.ndarray
     kv_lens_host: np.ndarray
     max_query_len: int
-    workspace: Any = None  # a backend's per-step extras (e.g. split-K buffers)
+    workspace: Any = None  # a backend's per-step extras (e.g. split-KV buffers)
 
 
 @dataclass(frozen=True)

@@ -164,7 +164,7 @@ def _norm_form(norm: nn.Module | None) -> tuple[float, bool, float] | None:
 
 class TritonAttention(AttentionOperator):
     """Paged attention with Triton kernels: a fused qk-norm + RoPE + KV-store pre-write, a
-    split-K decode kernel (query heads of one KV head packed per program) and a varlen extend
+    split-KV decode kernel (query heads of one KV head packed per program) and a varlen extend
     kernel reading the paged cache directly. Soft-capping and sinks are constexpr flags of the
     attention kernels; the qk-norm's form (Llama's ``w * norm(x)`` or Gemma's
     ``(1 + w) * norm(x)``) is one of the pre-write."""
