@@ -121,3 +121,10 @@ def hf_greedy(hf, prompts: list[list[int]], max_new: int) -> list[list[int]]:
 def greedy_tokens(llm, prompts: list[list[int]], params) -> list[list[int]]:
     """Heron's token ids for each prompt under ``params``."""
     return [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+
+
+def hf_prompt_logprobs(hf, prompt: list[int]) -> torch.Tensor:
+    """HF transformers' log-probability of each prompt token after the ones before it."""
+    with torch.no_grad():
+        logits = hf(torch.tensor([prompt])).logits[0].float()
+    return torch.log_softmax(logits, -1)[torch.arange(len(prompt) - 1), torch.tensor(prompt[1:])]

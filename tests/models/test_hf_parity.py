@@ -8,7 +8,7 @@ import transformers as tf
 
 from heron import LLM, SamplingParams
 
-from tiny_models import FAMILIES, greedy_tokens, hf_greedy
+from tiny_models import FAMILIES, greedy_tokens, hf_greedy, hf_prompt_logprobs
 
 MAX_NEW = 24
 # Different lengths; the first two share a 40-token prefix (prefix caching), the last crosses
@@ -112,9 +112,7 @@ def test_prompt_logprobs_under_chunking_and_preemption(family_case):
     for prompt, out, ref in zip(PROMPTS, outputs, refs):
         assert out.outputs[0].token_ids == ref
         assert len(out.prompt_logprobs) == len(prompt)
-        with torch.no_grad():
-            logits = hf(torch.tensor([prompt])).logits[0].float()
-        want = torch.log_softmax(logits, -1)[torch.arange(len(prompt) - 1), prompt[1:]]
+        want = hf_prompt_logprobs(hf, prompt)
         got = torch.tensor([lp.logprob for lp in out.prompt_logprobs[1:]])
         assert (got - want).abs().max().item() <= 1e-3
 
