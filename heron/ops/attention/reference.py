@@ -74,14 +74,13 @@ class ReferenceAttention(AttentionOperator):
         k, v = self._gather(view.block_tables)  # [reqs, L, kv_heads, D]
         kv_lens = view.kv_lens[:, None]
         positions = torch.arange(k.shape[1], device=q.device)[None, :]
-        window = view.sliding_window
-        if window is not None:  # rows start at the window's first block
-            positions = positions + (kv_lens - window).clamp(min=0) // view.block_size * (
-                view.block_size
-            )
-        visible = positions < kv_lens
-        if window is not None:
-            visible &= positions > kv_lens - 1 - window
+        window, bs = view.sliding_window, view.block_size
+        if window is None:
+            visible = positions < kv_lens
+        else:
+            # Rows start at the block of the window's first key (window_start_block).
+            positions = positions + (kv_lens - window).clamp(min=0) // bs * bs
+            visible = (positions < kv_lens) & (positions > kv_lens - 1 - window)
         qg = q.view(-1, spec.num_kv_heads, spec.num_heads // spec.num_kv_heads, 1, spec.head_dim)
         out = self._attend(qg, k, v, visible[:, None, :])
         return out.reshape(q.shape).to(q.dtype)
