@@ -27,6 +27,7 @@ import torch
 import triton
 import triton.language as tl
 
+from heron.layers.pdl import pdl_launch, wait_for_previous_kernel
 from heron.layers.triton_kernels import ACTIVATIONS, gated
 
 #: The largest row count the kernel is meant for; bigger inputs are done ``MAX_M`` rows at a time.
@@ -68,7 +69,9 @@ def _gemv_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     NUM_STAGES: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
+    wait_for_previous_kernel(USE_PDL)
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     offs_m = tl.arange(0, M_PAD)
@@ -286,6 +289,7 @@ def _launch(
         BLOCK_K=cfg.block_k,
         NUM_STAGES=cfg.num_stages,
         num_warps=cfg.num_warps,
+        **pdl_launch(x.device),
     )
 
 

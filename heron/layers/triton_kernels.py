@@ -13,6 +13,8 @@ import torch
 import triton
 import triton.language as tl
 
+from heron.layers.pdl import pdl_launch, wait_for_previous_kernel
+
 
 @triton.jit
 def rms_inv(x, n_cols, eps):
@@ -56,7 +58,9 @@ def _rms_norm_kernel(
     SCALE_IN_FP32: tl.constexpr,
     ROWS: tl.constexpr,
     BLOCK_N: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
+    wait_for_previous_kernel(USE_PDL)
     rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
     cols = tl.arange(0, BLOCK_N)
     # int64 rows: row * stride can pass 2**31 for long prompts times wide rows.
@@ -148,6 +152,7 @@ def rms_norm(
             ROWS=rows,
             BLOCK_N=block_n,
             num_warps=min(16, max(1, tile // 512)),
+            **pdl_launch(x.device),
         )
     return out if residual is None else (out, residual)
 
@@ -172,8 +177,16 @@ def gated(gate, up, ACT: tl.constexpr, dtype: tl.constexpr):
 
 @triton.jit
 def _gated_activation_kernel(
-    x_ptr, out_ptr, n_inter, stride_x, stride_out, ACT: tl.constexpr, BLOCK: tl.constexpr
+    x_ptr,
+    out_ptr,
+    n_inter,
+    stride_x,
+    stride_out,
+    ACT: tl.constexpr,
+    BLOCK: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
+    wait_for_previous_kernel(USE_PDL)
     row = tl.cast(tl.program_id(0), tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < n_inter
@@ -211,5 +224,6 @@ def gated_activation(x: torch.Tensor, act: str, out: torch.Tensor | None = None)
             ACT=ACTIVATIONS[act],
             BLOCK=block,
             num_warps=4 if block >= 512 else 1,
+            **pdl_launch(x.device),
         )
     return out

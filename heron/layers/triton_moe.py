@@ -27,6 +27,8 @@ import torch
 import triton
 import triton.language as tl
 
+from heron.layers.pdl import pdl_launch, wait_for_previous_kernel
+
 
 @triton.jit
 def _expert_matmul(
@@ -94,8 +96,10 @@ def _gate_up_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     DOT_PREC: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
     """``h[rows, tile] = swiglu(x[token(rows)] @ gate_up_proj[e] + bias)`` for one row block."""
+    wait_for_previous_kernel(USE_PDL)
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     if pid_m >= tl.load(num_blocks_ptr):
@@ -155,8 +159,10 @@ def _down_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     DOT_PREC: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
     """``out[pair(rows), tile] = route(pair) * (h[rows] @ down_proj[e] + bias)``, real rows only."""
+    wait_for_previous_kernel(USE_PDL)
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     if pid_m >= tl.load(num_blocks_ptr):
@@ -305,6 +311,7 @@ def fused_experts(
         DOT_PREC=dot_prec,
         num_warps=4,
         num_stages=num_stages,
+        **pdl_launch(x.device),
     )
 
     per_slot = torch.empty(num_pairs, hidden, dtype=torch.float32, device=x.device)
@@ -327,5 +334,6 @@ def fused_experts(
         DOT_PREC=dot_prec,
         num_warps=4,
         num_stages=num_stages,
+        **pdl_launch(x.device),
     )
     return per_slot.view(num_tokens, top_k, hidden).sum(dim=1).to(x.dtype)

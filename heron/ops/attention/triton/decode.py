@@ -43,6 +43,8 @@ import torch
 import triton
 import triton.language as tl
 
+from heron.layers.pdl import pdl_launch, wait_for_previous_kernel
+
 # Logits are scaled by log2(e) so the online softmax can use exp2; LSEs stay in log2 units
 # between a split and the merge (never exposed). Sinks and soft-caps are converted to those
 # units as well.
@@ -236,9 +238,11 @@ def _decode_kernel(
     HAS_SOFTCAP: tl.constexpr,
     HAS_SINKS: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
     """One program: all GROUP query heads of one KV head, over one split of the KV range; with
     several splits, the last of a (request, KV head)'s programs to finish merges them."""
+    wait_for_previous_kernel(USE_PDL)
     b = tl.program_id(0)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
@@ -496,5 +500,6 @@ def paged_decode_attention(
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         num_warps=num_warps,
         num_stages=num_stages,
+        **pdl_launch(q.device),
     )
     return out

@@ -30,6 +30,7 @@ import torch
 import triton
 import triton.language as tl
 
+from heron.layers.pdl import pdl_launch, wait_for_previous_kernel
 from heron.ops.attention.triton.decode import add_sink, score_constants, scores
 
 # Finite "minus infinity" for the running max: a fully masked tile then gives exp2(-inf) = 0
@@ -67,8 +68,10 @@ def _extend_kernel(
     HAS_SOFTCAP: tl.constexpr,
     HAS_SINKS: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
     """One program: BLOCK_M new tokens of one request for one query head."""
+    wait_for_previous_kernel(USE_PDL)
     r = tl.program_id(0)
     m_block = tl.program_id(1)
     h = tl.program_id(2)
@@ -220,5 +223,6 @@ def paged_extend_attention(
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         num_warps=num_warps,
         num_stages=2,
+        **pdl_launch(q.device),
     )
     return out

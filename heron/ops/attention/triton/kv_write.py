@@ -20,6 +20,7 @@ import torch
 import triton
 import triton.language as tl
 
+from heron.layers.pdl import pdl_launch, wait_for_previous_kernel
 from heron.layers.triton_kernels import rms_inv, rms_scale
 
 # Largest [heads, head_dim] tile one program handles; larger ones leave too few programs to
@@ -80,7 +81,9 @@ def _kv_write_kernel(
     stride_c_head,
     BLOCK_H: tl.constexpr,
     BLOCK_D: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
+    wait_for_previous_kernel(USE_PDL)
     token = tl.cast(tl.program_id(0), tl.int64)
     heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     dims = tl.arange(0, BLOCK_D)
@@ -134,7 +137,9 @@ def _qk_norm_rope_kv_write_kernel(
     SCALE_IN_FP32: tl.constexpr,
     BLOCK_H: tl.constexpr,
     BLOCK_D: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
+    wait_for_previous_kernel(USE_PDL)
     # Program (token, block): blocks [0, num_heads / BLOCK_H) hold query heads, the rest key
     # heads (with their value heads). BLOCK_H divides both head counts, so no block mixes them.
     token = tl.cast(tl.program_id(0), tl.int64)
@@ -255,6 +260,7 @@ def kv_write(
         BLOCK_H=block_h,
         BLOCK_D=block_d,
         num_warps=max(1, min(4, block_h * block_d // 128)),
+        **pdl_launch(k.device),
     )
 
 
@@ -337,5 +343,6 @@ def qk_norm_rope_kv_write(
         num_warps=max(1, min(4, block_h * block_d // 128)),
         # PyTorch rounds each product and sum of the rotation on its own; so do we.
         enable_fp_fusion=False,
+        **pdl_launch(qkv.device),
     )
     return q_out

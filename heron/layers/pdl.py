@@ -1,0 +1,54 @@
+"""Programmatic dependent launch (PDL) for Heron's Triton kernels.
+
+On Hopper and newer GPUs a kernel launched with PDL may be scheduled while the kernel before it
+on the stream is still running: its programs become resident early and wait at
+``griddepcontrol.wait`` until that kernel has completed and its writes are visible. A decode
+step at small batch is some two hundred short kernels replayed from a CUDA graph, and the launch
+latency between them is a sizeable part of the step; PDL takes it off the critical path.
+
+Every participating kernel calls :func:`wait_for_previous_kernel` first, before it reads or
+writes anything, and only then lets its own dependents be scheduled. So each kernel still does
+all its work after the one before it completed (the order is exactly the stream's), and at most
+two kernels are resident at a time. Kernels that do not take part (PyTorch's, cuBLAS's) launch
+and wait as usual. ``HERON_PDL=0`` turns it off.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+_ENABLED: dict[torch.device, bool] = {}
+
+
+def pdl_enabled(device: torch.device) -> bool:
+    """Whether kernels on ``device`` launch with PDL: CUDA compute capability 9.0 or newer,
+    unless the environment sets ``HERON_PDL=0``."""
+    enabled = _ENABLED.get(device)
+    if enabled is None:
+        enabled = (
+            device.type == "cuda"
+            and torch.cuda.get_device_capability(device)[0] >= 9
+            and os.environ.get("HERON_PDL", "1") != "0"
+        )
+        _ENABLED[device] = enabled
+    return enabled
+
+
+def pdl_launch(device: torch.device) -> dict[str, bool]:
+    """The keyword arguments that launch a participating kernel on ``device``: its ``USE_PDL``
+    flag and Triton's ``launch_pdl`` (which the interpreter ignores)."""
+    enabled = pdl_enabled(device)
+    return {"USE_PDL": enabled, "launch_pdl": enabled}
+
+
+@triton.jit
+def wait_for_previous_kernel(USE_PDL: tl.constexpr):
+    """Waits until the previous kernel on the stream has completed (its writes visible), then
+    allows the next kernel to be scheduled. A no-op without ``USE_PDL``."""
+    if USE_PDL:
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
