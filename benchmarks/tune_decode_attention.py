@@ -6,11 +6,15 @@ layer's decode attention (bf16, block size 16, blocks scattered over a cache lar
 CUDA-graph replays) for each variant of keys per tile, pipeline stages and warps, and prints µs and the KV bytes
 read per second.
 
-    python benchmarks/tune_decode_attention.py
+With ``--splits`` it instead times batch-1 Gemma-3 layers at 4k and 16k tokens for each forced
+number of KV splits (the default launch shape), to check ``choose_num_splits`` at one request.
+
+    python benchmarks/tune_decode_attention.py [--splits]
 """
 
 from __future__ import annotations
 
+import argparse
 import itertools
 
 import torch
@@ -22,6 +26,7 @@ CASES = [
     ("qwen3 b256 ctx1024", 256, 1024, 16, 8, 128, None),
     ("gemma3 b64 ctx4096 full", 64, 4096, 4, 1, 256, None),
     ("gemma3 b64 ctx4096 win512", 64, 4096, 4, 1, 256, 512),
+    ("gemma3 b1 ctx16384 full", 1, 16384, 4, 1, 256, None),
 ]
 VARIANTS = list(itertools.product((32, 64, 128), (2, 3), (4, 8)))  # keys, stages, warps
 BLOCK = 16
@@ -56,8 +61,9 @@ def time_us(fn) -> float:
     return start.elapsed_time(end) * 1e3 / 50
 
 
-def tune_case(batch, context, heads, kv_heads, head_dim, window, sms, variants):
-    """[(µs, variant)] for each variant of one case (inf where it does not compile)."""
+def tune_case(batch, context, heads, kv_heads, head_dim, window, sms, variants, splits=None):
+    """[(µs, variant)] for each variant of one case (inf where it does not compile); ``splits``
+    forces the split count."""
     q, cache, tables, lens = case_inputs(batch, context, heads, kv_heads, head_dim)
     out = torch.empty_like(q)
     results = []
@@ -65,7 +71,8 @@ def tune_case(batch, context, heads, kv_heads, head_dim, window, sms, variants):
         if variant is not None:
             block_n, stages, warps = variant
             decode._BLOCK_N, decode._launch_shape = block_n, lambda *_, w=warps, s=stages: (w, s)
-        splits = decode.choose_num_splits(batch, kv_heads, context, sms, window)
+        if splits is None:
+            splits = decode.choose_num_splits(batch, kv_heads, context, sms, window)
         ws = {}
         if splits > 1:
             ws = dict(
@@ -87,8 +94,27 @@ def tune_case(batch, context, heads, kv_heads, head_dim, window, sms, variants):
     return results
 
 
+def sweep_splits(sms: int) -> None:
+    """µs of one batch-1 Gemma-3 layer for each forced split count."""
+    counts = [1, 4, 8, 16, 32, 64, 128]
+    print("| case | chosen | " + " | ".join(f"{c} splits µs" for c in counts) + " |")
+    print("| --- | --- |" + " --- |" * len(counts))
+    for context, window in ((4096, None), (16384, None), (16384, 512)):
+        shape = (1, context, 4, 1, 256, window, sms)
+        chosen = decode.choose_num_splits(1, 1, context, sms, window)
+        times = [tune_case(*shape, [None], splits=c)[0][0] for c in counts]
+        name = f"gemma3 b1 ctx{context} {'win' + str(window) if window else 'full'}"
+        print(f"| {name} | {chosen} | " + " | ".join(f"{t:.1f}" for t in times) + " |")
+
+
 def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--splits", action="store_true", help="sweep split counts at batch 1")
+    args = parser.parse_args()
     sms = torch.cuda.get_device_properties(0).multi_processor_count
+    if args.splits:
+        sweep_splits(sms)
+        return
     print("| case | today µs (GB/s) | best (keys/tile, stages, warps) µs (GB/s) |")
     print("| --- | --- | --- |")
     defaults = (decode._BLOCK_N, decode._launch_shape)
