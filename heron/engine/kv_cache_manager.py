@@ -296,7 +296,15 @@ class KVCacheManager:
         return num_new, first_live, needed
 
     def check_computed_blocks(self, request: Request, new_computed_blocks: Sequence[int]) -> None:
-        """Raise ``ValueError`` if a hit block was evicted since :meth:`get_computed_blocks`."""
+        """Raise ``ValueError`` if hits are given past the request's first allocation, or a hit
+        block was evicted since :meth:`get_computed_blocks`."""
+        if not new_computed_blocks:
+            return
+        if request.request_id in self._requests:
+            raise ValueError(
+                f"request {request.request_id}: new_computed_blocks is only accepted on the "
+                "first allocation"
+            )
         if any(self._pool.block_hash[b] is None for b in new_computed_blocks):
             raise ValueError(
                 f"request {request.request_id}: a computed block was evicted since "
@@ -331,22 +339,56 @@ class KVCacheManager:
         Atomic: returns False, changing nothing, if there are not enough allocatable blocks.
         The caller advances ``request.num_computed_tokens`` after the step has run.
         """
-        state = self._requests.get(request.request_id)
-        num_hit = len(new_computed_blocks)
-        if num_hit and state is not None:
-            raise ValueError(
-                f"request {request.request_id}: new_computed_blocks is only accepted on the "
-                "first allocation"
-            )
-        if not num_hit and self.needs_nothing(request, num_new_tokens):
+        if not new_computed_blocks and self.is_quiet(request, num_new_tokens):
             return True
-        pool = self._pool
-        if num_hit:
-            self.check_computed_blocks(request, new_computed_blocks)
-        num_new, first_live, needed = self._plan(request, num_new_tokens, new_computed_blocks)
-        if needed > pool.num_free:
+        self.check_computed_blocks(request, new_computed_blocks)
+        plan = self._plan(request, num_new_tokens, new_computed_blocks)
+        if plan[2] > self._pool.num_free:
             return False
+        self._allocate(request, num_new_tokens, new_computed_blocks, plan)
+        return True
 
+    def quiet_limit(self, request_id: str) -> int:
+        """The most tokens a step may cover (``num_computed_tokens + num_new_tokens``, with
+        ``num_new_tokens >= 1`` and no hits) while :meth:`allocate_slots` would change nothing;
+        -1 for a request holding no blocks.
+
+        Conservative (a smaller limit only sends a step down the full path, which is always
+        right): a step covering ``t`` tokens needs nothing when ``t`` fits in the table, no full
+        block is left to register even if all ``t`` tokens were known (``t // bs`` hashes), and,
+        with a window ``W``, no held block slid out before its first token (at most ``t - 1``).
+        Tables, hashes and releases only grow while a request holds blocks, so the limit only
+        rises until :meth:`free`.
+        """
+        state = self._requests.get(request_id)
+        if state is None:
+            return -1
+        bs = self.block_size
+        limit = len(state.block_ids) * bs
+        if self.enable_prefix_caching:
+            limit = min(limit, (len(state.block_hashes) + 1) * bs - 1)
+        if self.sliding_window is not None:
+            limit = min(limit, (state.num_released + 1) * bs + self.sliding_window - 1)
+        return limit
+
+    def is_quiet(self, request: Request, num_new_tokens: int) -> bool:
+        """Whether a step of ``num_new_tokens`` (no hits) is within :meth:`quiet_limit`."""
+        return 0 < num_new_tokens and (
+            request.num_computed_tokens + num_new_tokens <= self.quiet_limit(request.request_id)
+        )
+
+    def _allocate(
+        self,
+        request: Request,
+        num_new_tokens: int,
+        new_computed_blocks: Sequence[int],
+        plan: tuple[int, int, int],
+    ) -> None:
+        """Carry out :meth:`allocate_slots` with its :meth:`_plan`, checked to fit the pool."""
+        pool = self._pool
+        num_new, first_live, _ = plan
+        num_hit = len(new_computed_blocks)
+        state = self._requests.get(request.request_id)
         if state is None:
             state = self._requests[request.request_id] = _RequestBlocks()
         if num_hit:
@@ -370,28 +412,6 @@ class KVCacheManager:
             num_full = min(num_covered, len(request.all_token_ids)) // self.block_size
             if num_full > len(state.block_hashes):
                 self._register_full_blocks(request, state, num_full)
-        return True
-
-    def needs_nothing(self, request: Request, num_new_tokens: int) -> bool:
-        """Whether :meth:`allocate_slots` (without hits) would change nothing: the step stays
-        inside the request's last block, with no block to register or release. The common
-        decode step, checked first because it runs for every request every step."""
-        state = self._requests.get(request.request_id)
-        if state is None:
-            return False
-        covered = request.num_computed_tokens + num_new_tokens
-        bs = self.block_size
-        return (
-            covered <= len(state.block_ids) * bs
-            and (
-                not self.enable_prefix_caching
-                or min(covered, len(request.all_token_ids)) // bs <= len(state.block_hashes)
-            )
-            and (
-                self.sliding_window is None
-                or self._first_live_block(request, 0) <= state.num_released
-            )
-        )
 
     def free(self, request: Request) -> None:
         """Drop the request's blocks (finished, aborted or preempted); unknown ids are a no-op.
@@ -524,6 +544,9 @@ class KVCacheCoordinator:
         ]
         self.prefix_cache_queries = 0
         self.prefix_cache_hits = 0
+        # Per request holding blocks: its quiet limit (see allocate_slots) and its tables.
+        self._quiet_limits: dict[str, int] = {}
+        self._tables: dict[str, list[list[int]]] = {}
 
     @property
     def num_groups(self) -> int:
@@ -571,29 +594,43 @@ class KVCacheCoordinator:
         num_new_tokens: int,
         new_computed_blocks: Sequence[Sequence[int]] = (),
     ) -> bool:
-        """Allocate this step's slots in every group, or (returning False) in none."""
-        if len(self.groups) == 1:  # one group is atomic on its own; skip the double check
-            hits = new_computed_blocks[0] if new_computed_blocks else ()
-            return self.groups[0].allocate_slots(request, num_new_tokens, hits)
-        if not new_computed_blocks and all(
-            g.needs_nothing(request, num_new_tokens) for g in self.groups
+        """Allocate this step's slots in every group, or (returning False) in none.
+
+        Most steps need nothing (a decode token inside the last block): those cost one lookup
+        of the request's quiet limit (:meth:`KVCacheManager.quiet_limit`, the minimum over
+        groups, kept here from the request's last allocation until :meth:`free`). Every
+        allocation and free must go through the coordinator for that limit to stay right.
+        """
+        if (
+            not new_computed_blocks
+            and 0 < num_new_tokens
+            and request.num_computed_tokens + num_new_tokens
+            <= self._quiet_limits.get(request.request_id, -1)
         ):
             return True
         hits = list(new_computed_blocks) or [()] * len(self.groups)
-        for group, blocks in zip(self.groups, hits):
-            group.check_computed_blocks(request, blocks)
-        if not all(
-            group.can_allocate(request, num_new_tokens, blocks)
+        busy = [
+            (group, blocks)
             for group, blocks in zip(self.groups, hits)
-        ):
+            if blocks or not group.is_quiet(request, num_new_tokens)
+        ]
+        for group, blocks in busy:
+            group.check_computed_blocks(request, blocks)
+        plans = [group._plan(request, num_new_tokens, blocks) for group, blocks in busy]
+        if any(plan[2] > group.num_free_blocks for (group, _), plan in zip(busy, plans)):
             return False
-        for group, blocks in zip(self.groups, hits):
-            if not group.allocate_slots(request, num_new_tokens, blocks):
-                raise RuntimeError("a cache group refused an allocation it had accepted")
+        for (group, blocks), plan in zip(busy, plans):
+            group._allocate(request, num_new_tokens, blocks, plan)
+        request_id = request.request_id
+        self._quiet_limits[request_id] = min(g.quiet_limit(request_id) for g in self.groups)
+        if request_id not in self._tables:
+            self._tables[request_id] = [g.block_table(request_id) for g in self.groups]
         return True
 
     def free(self, request: Request) -> None:
         """Drop the request's blocks in every group (see :meth:`KVCacheManager.free`)."""
+        self._quiet_limits.pop(request.request_id, None)
+        self._tables.pop(request.request_id, None)
         for group in self.groups:
             group.free(request)
 
@@ -602,8 +639,10 @@ class KVCacheCoordinator:
         return self.groups[group].block_table(request_id)
 
     def block_tables(self, request_id: str) -> list[list[int]]:
-        """The request's block table in every cache group, in group order."""
-        return [g.block_table(request_id) for g in self.groups]
+        """The request's block table in every cache group, in group order (the live lists,
+        in a list kept while the request holds blocks: read, don't mutate)."""
+        tables = self._tables.get(request_id)
+        return tables if tables is not None else [[] for _ in self.groups]
 
     def reset_prefix_cache(self) -> bool:
         """Forget all cached content; refused (False) while any request holds blocks."""
@@ -620,3 +659,13 @@ class KVCacheCoordinator:
         requests = [set(g._requests) for g in self.groups]
         if any(r != requests[0] for r in requests):
             raise RuntimeError("cache groups disagree on which requests hold blocks")
+        if set(self._quiet_limits) != requests[0] or set(self._tables) != requests[0]:
+            raise RuntimeError("quiet limits or tables kept for requests holding no blocks")
+        for request_id, limit in self._quiet_limits.items():
+            if limit != min(g.quiet_limit(request_id) for g in self.groups):
+                raise RuntimeError(f"request {request_id}: stale quiet limit {limit}")
+            if any(
+                t is not g.block_table(request_id)
+                for t, g in zip(self._tables[request_id], self.groups)
+            ):
+                raise RuntimeError(f"request {request_id}: kept tables are not the live ones")

@@ -202,3 +202,98 @@ def test_no_leaks_after_finish_abort_and_preemption():
     for r in running:
         kv.free(r)
     assert_idle(kv)
+
+
+class SlowPathCoordinator(KVCacheCoordinator):
+    """Plans and allocates every group on every call: no quiet limits, the reference."""
+
+    def allocate_slots(self, request, num_new_tokens, new_computed_blocks=()):
+        hits = list(new_computed_blocks) or [()] * len(self.groups)
+        for group, blocks in zip(self.groups, hits):
+            group.check_computed_blocks(request, blocks)
+        plans = [g._plan(request, num_new_tokens, b) for g, b in zip(self.groups, hits)]
+        if any(plan[2] > g.num_free_blocks for g, plan in zip(self.groups, plans)):
+            return False
+        for group, blocks, plan in zip(self.groups, hits, plans):
+            group._allocate(request, num_new_tokens, blocks, plan)
+        return True
+
+
+def full_state(kv: KVCacheCoordinator):
+    return [
+        (
+            list(g._pool.free_queue),
+            list(g._pool.ref_cnt),
+            dict(g._pool.cached),
+            {
+                rid: (list(s.block_ids), list(s.block_hashes), s.num_released, s.num_hit_blocks)
+                for rid, s in g._requests.items()
+            },
+        )
+        for g in kv.groups
+    ]
+
+
+def test_quiet_limit_never_skips_a_needed_allocation():
+    """Random schedules with chunked prefill, pending (asynchronously sampled) tokens, prefix
+    hits and preemption: the coordinator, which skips steps within a request's quiet limit,
+    ends every call in the same state as one that runs the full allocation every time."""
+    for seed, windows, caching in [
+        (0, [None, 8], True),
+        (1, [None, 5], True),
+        (2, [None], True),
+        (3, [7, None, 12], False),
+        (4, [None, 8], False),
+    ]:
+        rng = random.Random(seed)
+        bs = rng.choice([2, 4])
+        sizes = [rng.randint(20, 60) for _ in windows]
+        kv = CheckedCoordinator(sizes, bs, caching, windows)
+        ref = SlowPathCoordinator(sizes, bs, caching, windows)
+        running: list[Request] = []
+        prefixes = [list(range(20)), list(range(50, 70))]
+        for i in range(600):
+            if len(running) < 4 and rng.random() < 0.2:
+                prompt = rng.choice(prefixes)[: rng.randint(1, 20)] + [rng.randint(0, 300)]
+                r = make_request(f"r{i}", prompt)
+                hits, num_hit = kv.get_computed_blocks(r)
+                ref_hits, _ = ref.get_computed_blocks(r)
+                n = min(r.num_tokens - num_hit, rng.randint(1, 9))
+                r.num_computed_tokens = num_hit
+                ok = kv.allocate_slots(r, n, hits)
+                assert ok == ref.allocate_slots(r, n, ref_hits)
+                if ok:
+                    r._step = n
+                    running.append(r)
+                else:
+                    r.num_computed_tokens = 0
+                assert full_state(kv) == full_state(ref)
+                continue
+            if not running:
+                continue
+            r = rng.choice(running)
+            action = rng.random()
+            if action < 0.08:  # finished, aborted or preempted
+                running.remove(r)
+                kv.free(r)
+                ref.free(r)
+            else:  # the scheduled step runs; maybe its token is read; schedule the next
+                r.num_computed_tokens += r._step
+                if r.num_computed_tokens == r.num_tokens:
+                    r.num_pending_tokens += 1
+                if r.num_pending_tokens and rng.random() < 0.7:
+                    r.num_pending_tokens -= 1
+                    r.append_output_token(rng.randint(0, 300))
+                n = min(r.num_tokens - r.num_computed_tokens, rng.randint(1, 9))
+                if n == 0:
+                    r._step = 0
+                    continue
+                ok = kv.allocate_slots(r, n)
+                assert ok == ref.allocate_slots(r, n)
+                if ok:
+                    r._step = n
+                else:
+                    running.remove(r)
+                    kv.free(r)
+                    ref.free(r)
+            assert full_state(kv) == full_state(ref)
