@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
@@ -11,7 +12,6 @@ import torch
 from heron.engine.request import Request
 from heron.engine.scheduler import SchedulerOutput
 from heron.metadata import SequenceMetadata, StepBatch
-from heron.ops.attention.paged import window_start_block
 
 
 @dataclass(frozen=True)
@@ -29,6 +29,9 @@ class PreparedStep:
 class StepInputBuilder:
     """Turns a scheduler decision into the step's shared metadata (one packed copy).
 
+    One pass over the requests collects their lengths and tokens; block tables, positions and
+    slot mappings are then filled for all requests at once from :class:`BlockTableRows`.
+
     The groups' views are built afterwards by the runner: eagerly through the plan, or by the
     builders' ``fill`` into graph buffers when the step is replayed.
     """
@@ -43,14 +46,7 @@ class StepInputBuilder:
         self.device = device
         self.windows = list(windows)  # each KV cache group's sliding window (None: full)
         self.num_groups = len(self.windows)
-        # Without windows every row starts at 0: one shared list instead of a call per request.
-        self._zero_starts = [0] * self.num_groups if all(w is None for w in windows) else None
-        # Block tables only grow at their end while a request holds them (a sliding window's
-        # also has the entries before its window set to the null block, which are never
-        # copied), so each long one is mirrored in a numpy array that takes only the new
-        # entries each step (converting a long Python list every step costs more than the rest
-        # of a request's preparation).
-        self._mirrors: dict[tuple[Request, int], _TableMirror] = {}
+        self._rows = BlockTableRows(self.num_groups)
         # On a GPU the packed batch is staged in one pinned buffer reused every step; an event
         # recorded after each copy guards the buffer until that copy has completed.
         self._staging = torch.empty(0, dtype=torch.int32)
@@ -83,30 +79,43 @@ class StepInputBuilder:
         """
         items = output.scheduled
         bs = self.block_size
-        num_groups = self.num_groups
-        group_tables = [block_tables(item.request.request_id) for item in items]
-        if any(len(tables) != num_groups for tables in group_tables):
-            raise ValueError(f"expected a block table for each of {num_groups} cache groups")
+        requests: list[Request] = []
+        contexts: list[int] = []
+        query_lens: list[int] = []
+        token_ids: list[int] = []  # 0 for a pending token
         sample_requests: list[Request] = []
+        sample_rows: list[int] = []  # their last tokens' offsets
         prompt_spans: list[tuple[Request, int, int, int]] = []  # request, token offset, pos, count
+        pending_sources: list[tuple[int, int]] = []
         num_tokens = 0
         for item in items:
-            r, c = item.request, item.request.num_computed_tokens
+            r, c, n = item.request, item.request.num_computed_tokens, item.num_new_tokens
+            requests.append(r)
+            contexts.append(c)
+            query_lens.append(n)
+            if n == 1 and c >= len(r.all_token_ids):  # decode of a token not read yet
+                pending_sources.append((num_tokens, pending_rows[r]))
+                token_ids.append(0)
+            else:
+                token_ids += r.all_token_ids[c : c + n]
             if r.wants_prompt_logprobs:
                 # A preempted request recomputes its prompt; positions that already have their
                 # logprob are not computed twice.
                 first = max(c, len(r.prompt_logprobs) - 1)
-                count = min(c + item.num_new_tokens, r.num_prompt_tokens - 1) - first
+                count = min(c + n, r.num_prompt_tokens - 1) - first
                 if count > 0:
                     prompt_spans.append((r, num_tokens + first - c, first, count))
             if item.samples:
                 sample_requests.append(r)
-            num_tokens += item.num_new_tokens
+                sample_rows.append(num_tokens + n - 1)
+            num_tokens += n
+        table_rows = self._rows.update(requests, [block_tables(r.request_id) for r in requests])
         num_prompt_rows = sum(span[3] for span in prompt_spans)
         num_reqs = len(items)
-        width = max((len(t) for tables in group_tables for t in tables), default=0)
+        lengths = self._rows.lengths(table_rows)
+        width = int(lengths.max()) if num_reqs else 0
         num_logits = num_prompt_rows + len(sample_requests)
-        size = StepBatch.packed_size(num_reqs, num_tokens, num_logits, width, num_groups)
+        size = StepBatch.packed_size(num_reqs, num_tokens, num_logits, width, self.num_groups)
         batch = StepBatch(
             num_reqs,
             num_tokens,
@@ -114,50 +123,34 @@ class StepInputBuilder:
             width,
             bs,
             staging=self._staging_buffer(size),
-            num_groups=num_groups,
+            num_groups=self.num_groups,
         )
-        offset = 0
-        rows = num_prompt_rows
-        pending_sources: list[tuple[int, int]] = []
-        all_tables, all_slots = batch.group_block_tables, batch.group_slot_mappings
-        mirrors, self._mirrors = self._mirrors, {}
-        zero_starts = self._zero_starts
-        for i, (item, tables) in enumerate(zip(items, group_tables)):
-            r, c, n = item.request, item.request.num_computed_tokens, item.num_new_tokens
-            batch.query_lens[i] = n
-            batch.kv_lens[i] = c + n
-            firsts = zero_starts or self._row_starts(c)
-            for g, (table, first) in enumerate(zip(tables, firsts)):
-                # A sliding window's row starts at the first block this step can read (the
-                # manager released the blocks before it).
-                if len(table) > _MIRROR_MIN_BLOCKS:
-                    mirror = mirrors.get((r, g))
-                    if mirror is None or mirror.source is not table or len(table) < mirror.length:
-                        mirror = _TableMirror(table)
-                    self._mirrors[r, g] = mirror
-                    all_tables[g, i, : len(table) - first] = mirror.sync()[first:]
-                else:
-                    all_tables[g, i, : len(table) - first] = table[first:]
-            if n == 1:  # decode: scalar writes are cheaper than array ops
-                if c < len(r.all_token_ids):
-                    batch.token_ids[offset] = r.all_token_ids[c]
-                else:
-                    pending_sources.append((offset, pending_rows[r]))
-                batch.positions[offset] = c
-                for g, table in enumerate(tables):
-                    all_slots[g, offset] = table[c // bs] * bs + c % bs
-            else:
-                positions = np.arange(c, c + n, dtype=np.int32)
-                batch.token_ids[offset : offset + n] = r.all_token_ids[c : c + n]
-                batch.positions[offset : offset + n] = positions
-                for g, first in enumerate(firsts):
-                    all_slots[g, offset : offset + n] = (
-                        all_tables[g, i, positions // bs - first] * bs + positions % bs
-                    )
-            offset += n
-            if item.samples:
-                batch.logits_indices[rows] = offset - 1
-                rows += 1
+        batch.token_ids[:] = token_ids
+        batch.query_lens[:] = query_lens
+        contexts_array = np.array(contexts, dtype=np.int32)
+        np.add(contexts_array, batch.query_lens, out=batch.kv_lens)
+        batch.finish()
+        query_starts = batch.start_locs[0]
+        positions = batch.positions
+        if num_tokens == num_reqs:  # decode only: a token per request, at its context
+            positions[:] = contexts_array
+            token_table_rows = table_rows
+        else:  # each token at its request's context plus its offset in the request
+            token_rows = np.repeat(np.arange(num_reqs), batch.query_lens)
+            np.subtract(np.arange(num_tokens), query_starts[token_rows], out=positions)
+            positions += contexts_array[token_rows]
+            token_table_rows = table_rows[token_rows]
+        if num_reqs:
+            for g, window in enumerate(self.windows):
+                firsts = _window_starts(contexts_array, window, bs)
+                self._rows.gather(g, table_rows, lengths[g], firsts, batch.group_block_tables[g])
+            # Every group's slot of each token: its block's id * block_size + its offset in it.
+            block_indices, block_offsets = np.divmod(positions, bs)
+            slot_mappings = batch.group_slot_mappings
+            np.multiply(self._rows.array[:, token_table_rows, block_indices], bs, out=slot_mappings)
+            slot_mappings += block_offsets
+        rows = num_prompt_rows + len(sample_requests)
+        batch.logits_indices[num_prompt_rows:rows] = sample_rows
         row = 0
         prompt_rows = []
         for r, token_offset, position, count in prompt_spans:
@@ -166,7 +159,6 @@ class StepInputBuilder:
             )
             prompt_rows.append((r, row, position, count))
             row += count
-        batch.finish()
 
         seq = SequenceMetadata.from_step_batch(batch, self.device)
         if self._copied is not None:
@@ -175,35 +167,122 @@ class StepInputBuilder:
             seq, sample_requests, slice(num_prompt_rows, rows), prompt_rows, pending_sources
         )
 
-    def _row_starts(self, context: int) -> list[int]:
-        """Each group's first table index in a request's row, for a step whose first new token
-        is at position ``context`` (0 for full attention; see ``window_start_block``)."""
-        return [window_start_block(context, w, self.block_size) for w in self.windows]
+
+def _window_starts(contexts: np.ndarray, window: int | None, block_size: int) -> np.ndarray | int:
+    """``window_start_block`` for each request's context (first new token's position): the
+    table index its row starts at (0 without a window)."""
+    if window is None:
+        return 0
+    return np.maximum(contexts - window + 1, 0) // block_size
 
 
-# Shorter tables are converted directly: below this, the mirror's bookkeeping costs more.
-_MIRROR_MIN_BLOCKS = 32
+class BlockTableRows:
+    """Per KV cache group, a numpy copy of each scheduled request's block table, one row each.
 
+    ``array[g, r]`` holds group ``g``'s table of the request given row ``r``, from index 0;
+    entries past the table's end are 0 (the null block), and the array is wider than every
+    table, so a read past a table's end gives the padding that a step's table needs.
+    :meth:`gather` copies the rows of a step's requests into the step's tables at once (one
+    numpy indexing per group instead of a copy per request).
 
-class _TableMirror:
-    """A numpy copy of a growing block table (a live Python list that is appended to; entries
-    changed in place later, the slid-out blocks of a window, are not followed)."""
+    A request keeps its row from step to step while it is scheduled, and each step copies in
+    only the entries its tables gained: a table only grows at its end while a request holds it.
+    The one exception, a sliding window's entries set to the null block once they slid out, is
+    not followed, which is harmless: they lie before the window's first block, where no step
+    reads (rows start at ``window_start_block``). A table replaced by another list (the request
+    was preempted and re-admitted) is copied afresh. A request left out of a step loses its
+    row (and is copied afresh when it comes back).
+    """
 
-    __slots__ = ("source", "array", "length")
+    def __init__(self, num_groups: int) -> None:
+        self.num_groups = num_groups
+        self.array = np.zeros((num_groups, 0, 1), dtype=np.int32)
+        # The last step's requests and their rows (as a list and an array).
+        self._requests: list[Request] = []
+        self._row_list: list[int] = []
+        self._row_array = np.zeros(0, dtype=np.int64)
+        self._free: list[int] = []
+        # Per row, per group: the table list copied in and how many of its entries (also kept
+        # as an array, [group, row], for the vectorised reads).
+        self._sources: list[list[list[int] | None]] = []
+        self._counts: list[list[int]] = []
+        self._lengths = np.zeros((num_groups, 0), dtype=np.int64)
 
-    def __init__(self, source: list[int]) -> None:
-        self.source = source
-        self.array = np.empty(max(16, 2 * len(source)), dtype=np.int32)
-        self.length = 0
+    def update(self, requests: list[Request], tables: list[Sequence[list[int]]]) -> np.ndarray:
+        """Give each request a row holding its ``tables`` (one per group); return the rows."""
+        if requests != self._requests:  # (the same requests in the same order keep their rows)
+            self._assign_rows(requests)
+        for row, group_tables in zip(self._row_list, tables):
+            if list(map(len, group_tables)) != self._counts[row] or not all(
+                map(operator.is_, group_tables, self._sources[row])
+            ):
+                self._sync(row, group_tables)
+        return self._row_array
 
-    def sync(self) -> np.ndarray:
-        """The table as it is now (new entries copied in)."""
-        n = len(self.source)
-        if n > self.length:
-            if n > len(self.array):
-                grown = np.empty(2 * n, dtype=np.int32)
-                grown[: self.length] = self.array[: self.length]
+    def _assign_rows(self, requests: list[Request]) -> None:
+        """Keep the rows of requests that had one, free the others', give new requests one."""
+        previous = dict(zip(self._requests, self._row_list))
+        row_list = [previous.pop(r, -1) for r in requests]
+        self._free += previous.values()
+        for i, row in enumerate(row_list):
+            if row < 0:
+                row_list[i] = self._free.pop() if self._free else self._add_row()
+        self._requests = list(requests)
+        self._row_list = row_list
+        self._row_array = np.array(row_list, dtype=np.int64)
+
+    def lengths(self, rows: np.ndarray) -> np.ndarray:
+        """``[group, i]``: the length of ``rows[i]``'s table in each group."""
+        return self._lengths[:, rows]
+
+    def gather(
+        self,
+        group: int,
+        rows: np.ndarray,
+        lengths: np.ndarray,
+        firsts: np.ndarray | int,
+        out: np.ndarray,
+    ) -> None:
+        """``out[i, :lengths[i] - firsts[i]] = table_i[firsts[i]:]`` for ``rows[i]``'s table
+        in ``group`` (``out`` is zero-filled and at least as wide as the longest table)."""
+        tables = self.array[group]
+        if isinstance(firsts, int):
+            out[:, :] = tables[rows, : out.shape[1]]
+            return
+        live = max(int((lengths - firsts).max()), 0)
+        columns = firsts[:, None] + np.arange(live)
+        np.minimum(columns, tables.shape[1] - 1, out=columns)  # past every end: a 0 entry
+        out[:, :live] = tables[rows[:, None], columns]
+
+    def _sync(self, row: int, tables: Sequence[list[int]]) -> None:
+        """Bring ``array[:, row]`` up to date with ``tables`` (new tails, or whole tables)."""
+        if len(tables) != self.num_groups:
+            raise ValueError(f"expected a block table for each of {self.num_groups} cache groups")
+        sources, counts = self._sources[row], self._counts[row]
+        for group, table in enumerate(tables):
+            start, end = counts[group], len(table)
+            if table is not sources[group] or end < start:
+                self.array[group, row, :start] = 0
+                sources[group] = table
+                start = 0
+            if end >= self.array.shape[2]:
+                grown = np.zeros((self.num_groups, self.array.shape[1], 2 * end), dtype=np.int32)
+                grown[:, :, : self.array.shape[2]] = self.array
                 self.array = grown
-            self.array[self.length : n] = self.source[self.length : n]
-            self.length = n
-        return self.array[:n]
+            self.array[group, row, start:end] = table[start:end]
+            counts[group] = end
+            self._lengths[group, row] = end
+
+    def _add_row(self) -> int:
+        """A new row at the end, with room for as many again after it."""
+        row = self.array.shape[1]
+        grown = np.zeros((self.num_groups, 2 * row + 1, self.array.shape[2]), dtype=np.int32)
+        grown[:, :row] = self.array
+        self.array = grown
+        lengths = np.zeros((self.num_groups, 2 * row + 1), dtype=np.int64)
+        lengths[:, :row] = self._lengths
+        self._lengths = lengths
+        self._sources += [[None] * self.num_groups for _ in range(row + 1)]
+        self._counts += [[0] * self.num_groups for _ in range(row + 1)]
+        self._free += range(2 * row, row, -1)
+        return row

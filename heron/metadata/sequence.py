@@ -39,6 +39,7 @@ class StepBatch:
         else:  # a reused (pinned) host buffer, so the copy to a GPU is one asynchronous DMA
             self.packed = staging[:total].zero_()
         flat = self.packed.numpy()
+        self.sizes = list(sizes.values())  # of the parts, in the order of ``offsets``
         self.offsets: dict[str, tuple[int, int]] = {}
         start = 0
         for name, size in sizes.items():
@@ -120,32 +121,32 @@ class SequenceMetadata:
     @classmethod
     def from_step_batch(cls, batch: StepBatch, device: torch.device) -> SequenceMetadata:
         packed = batch.packed.to(device, non_blocking=True)
-        part = lambda name: packed[batch.offsets[name][0] : batch.offsets[name][1]]
-        start_locs = part("start_locs").view(2, batch.num_reqs + 1)
-        lens = part("lens").view(2, batch.num_reqs)
-        query_lens = batch.query_lens
+        # One split into the named parts (cheaper than slicing each).
+        part = dict(zip(batch.offsets, packed.split_with_sizes(batch.sizes)))
+        query_start_loc, kv_start_loc = part["start_locs"].view(2, batch.num_reqs + 1).unbind(0)
+        query_lens, kv_lens = part["lens"].view(2, batch.num_reqs).unbind(0)
         g, r, t, w = batch.num_groups, batch.num_reqs, batch.num_tokens, batch.table_width
-        slots = part("slot_mapping").view(g, t)
-        tables = part("block_tables").view(g, r, w)
+        group_slot_mappings = tuple(part["slot_mapping"].view(g, t).unbind(0))
+        group_block_tables = tuple(part["block_tables"].view(g, r, w).unbind(0))
         return cls(
             num_reqs=batch.num_reqs,
             num_tokens=batch.num_tokens,
-            max_query_len=int(query_lens.max()) if batch.num_reqs else 0,
+            max_query_len=int(batch.query_lens.max()) if batch.num_reqs else 0,
             max_kv_len=int(batch.kv_lens.max()) if batch.num_reqs else 0,
             block_size=batch.block_size,
             is_decode=batch.num_tokens == batch.num_reqs,
-            query_lens_host=query_lens,
+            query_lens_host=batch.query_lens,
             kv_lens_host=batch.kv_lens,
             query_start_host=batch.start_locs[0],
-            token_ids=part("token_ids"),
-            positions=part("positions"),
-            slot_mapping=slots[0],
-            query_lens=lens[0],
-            kv_lens=lens[1],
-            query_start_loc=start_locs[0],
-            kv_start_loc=start_locs[1],
-            block_tables=tables[0],
-            logits_indices=part("logits_indices"),
-            group_slot_mappings=tuple(slots.unbind(0)),
-            group_block_tables=tuple(tables.unbind(0)),
+            token_ids=part["token_ids"],
+            positions=part["positions"],
+            slot_mapping=group_slot_mappings[0],
+            query_lens=query_lens,
+            kv_lens=kv_lens,
+            query_start_loc=query_start_loc,
+            kv_start_loc=kv_start_loc,
+            block_tables=group_block_tables[0],
+            logits_indices=part["logits_indices"],
+            group_slot_mappings=group_slot_mappings,
+            group_block_tables=group_block_tables,
         )
