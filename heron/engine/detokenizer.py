@@ -73,18 +73,27 @@ class IncrementalDetokenizer:
         ``include_stop_str_in_output``) and tokens after it are ignored.
         """
         for token_id in new_token_ids:
-            self._num_output_tokens += 1
-            ends_output = stop_token_reason(self._params, token_id, self._num_output_tokens)
-            if ends_output and not self._params.include_stop_str_in_output:
-                self._finished = True
-                return None
-            old_len = len(self.text)
-            self._decode_next(token_id)
-            stop = self._match_stop_string(old_len)
-            if stop is not None or ends_output:
-                self._finished = True
+            stop = self.append(token_id)
+            if self._finished:
                 return stop
         return None
+
+    def append(self, token_id: int) -> str | None:
+        """:meth:`update` with one token (the engine's per-step call, kept cheap)."""
+        self._num_output_tokens += 1
+        params = self._params
+        ends_output = stop_token_reason(params, token_id, self._num_output_tokens)
+        if ends_output and not params.include_stop_str_in_output:
+            self._finished = True
+            return None
+        old_len = len(self.text)
+        text = self._step(token_id)
+        if text:
+            self.text += text
+        stop = self._match_stop_string(old_len) if params.stop else None
+        if stop is not None or ends_output:
+            self._finished = True
+        return stop
 
     def _step(self, token_id: int) -> str | None:
         """The text ``token_id`` completes after the tokens before it (None while a character
@@ -92,11 +101,6 @@ class IncrementalDetokenizer:
         if not 0 <= token_id < self._vocab_size:
             return None
         return self._stream.step(self._backend, token_id)
-
-    def _decode_next(self, token_id: int) -> None:
-        text = self._step(token_id)
-        if text:
-            self.text += text
 
     def _match_stop_string(self, old_len: int) -> str | None:
         """Finds the earliest stop string ending in the text added after ``old_len``; cuts there."""

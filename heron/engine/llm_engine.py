@@ -294,7 +294,10 @@ class LLMEngine:
 
         outputs = []
         for parent in touched.values():
-            finished = all(c.is_finished for c in parent.children)
+            # (the last child first: while a request runs, one look settles it)
+            finished = parent.children[-1].is_finished and all(
+                c.is_finished for c in parent.children
+            )
             if finished:
                 del self._parents[parent.request_id]
             if finished or parent.stream:
@@ -311,19 +314,21 @@ class LLMEngine:
             if not request.prompt_logprobs:
                 request.prompt_logprobs.append(None)  # the first token has no context
             request.prompt_logprobs.extend(lps)
+        max_model_len = self.model_config.max_model_len
+        parents = self._parents
         for request, token_id, logprob in result.sampled:
-            if request.is_finished:
+            if request.status is RequestStatus.FINISHED:
                 continue  # stopped or aborted while this step ran: the token is dropped
-            parent = self._parents[request.parent_id]
+            parent = parents[request.parent_id]
             request.append_output_token(token_id)
             if logprob is not None:
                 request.logprobs.append(logprob)
             if request.first_token_time is None:
                 request.first_token_time = now
-            stop_string = parent.detokenizers[request.sample_index].update([token_id])
-            stop = check_stop(request, token_id, stop_string, self.model_config.max_model_len)
+            detokenizer = parent.detokenizers[request.sample_index]
+            stop = check_stop(request, token_id, detokenizer.append(token_id), max_model_len)
             if stop is not None:
                 request.finish(*stop)
-                parent.detokenizers[request.sample_index].finish()
+                detokenizer.finish()
                 self.scheduler.remove(request)
             touched[parent.request_id] = parent

@@ -81,12 +81,12 @@ class Request:
     def pending_tokens_end_it(self, max_model_len: int) -> bool:
         """Whether the pending tokens bring it to ``max_tokens`` or ``max_model_len`` (so it
         finishes with them, and another step for it would be wasted)."""
-        if not self.num_pending_tokens:
+        pending = self.num_pending_tokens
+        if not pending:
             return False
         max_tokens = self.sampling_params.max_tokens
-        return self.num_tokens >= max_model_len or (
-            max_tokens is not None
-            and self.num_output_tokens + self.num_pending_tokens >= max_tokens
+        return len(self.all_token_ids) + pending >= max_model_len or (
+            max_tokens is not None and len(self.output_token_ids) + pending >= max_tokens
         )
 
     @property

@@ -64,16 +64,18 @@ class Scheduler:
         out = SchedulerOutput()
         budget = self.config.max_num_batched_tokens
 
+        running, allocate_slots = self.running, self.kv_cache.allocate_slots
+        max_model_len = self.config.max_model_len
         i = 0
-        while i < len(self.running) and budget > 0:
-            request = self.running[i]
-            if request.pending_tokens_end_it(self.config.max_model_len):
+        while i < len(running) and budget > 0:
+            request = running[i]
+            if request.pending_tokens_end_it(max_model_len):
                 i += 1  # finishes with the token being sampled: nothing left to compute
                 continue
             remaining = request.num_tokens - request.num_computed_tokens
             num_new = min(remaining, budget)
-            while not self.kv_cache.allocate_slots(request, num_new):
-                victim = self.running.pop()
+            while not allocate_slots(request, num_new):
+                victim = running.pop()
                 self._preempt(victim)
                 out.preempted.append(victim)
                 if victim is request:

@@ -32,14 +32,13 @@ def check_stop(
     ``stop_string`` is what the detokenizer's ``update`` returned for this token.
     """
     params = request.sampling_params
-    reason = stop_token_reason(params, new_token_id, request.num_output_tokens)
+    num_output_tokens = len(request.output_token_ids)
+    reason = stop_token_reason(params, new_token_id, num_output_tokens)
     if reason is not None:
         return reason
     if stop_string is not None:
         return FinishReason.STOP, stop_string
-    max_tokens_reached = (
-        params.max_tokens is not None and request.num_output_tokens >= params.max_tokens
-    )
+    max_tokens_reached = params.max_tokens is not None and num_output_tokens >= params.max_tokens
     # Known tokens only: a token still being sampled (asynchronous scheduling) is not counted.
     if max_tokens_reached or len(request.all_token_ids) >= max_model_len:
         return FinishReason.LENGTH, None
