@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import operator
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
@@ -212,11 +211,12 @@ class BlockTableRows:
         """Give each request a row holding its ``tables`` (one per group); return the rows."""
         if requests != self._requests:  # (the same requests in the same order keep their rows)
             self._assign_rows(requests)
+        sources, counts = self._sources, self._counts
         for row, group_tables in zip(self._row_list, tables):
-            if list(map(len, group_tables)) != self._counts[row] or not all(
-                map(operator.is_, group_tables, self._sources[row])
-            ):
-                self._sync(row, group_tables)
+            for g, table in enumerate(group_tables):
+                if table is not sources[row][g] or len(table) != counts[row][g]:
+                    self._sync(row, group_tables)
+                    break
         return self._row_array
 
     def _assign_rows(self, requests: list[Request]) -> None:
