@@ -7,9 +7,11 @@ CUDA-graph replays) for each variant of keys per tile, pipeline stages and warps
 read per second.
 
 With ``--splits`` it instead times batch-1 Gemma-3 layers at 4k and 16k tokens for each forced
-number of KV splits (the default launch shape), to check ``choose_num_splits`` at one request.
+number of KV splits (the default launch shape), to check ``choose_num_splits`` at one request;
+with ``--merge``, the same layers at 128 splits (a captured graph's count) for each number of
+partial values a thread of the merging program loads per step.
 
-    python benchmarks/tune_decode_attention.py [--splits]
+    python benchmarks/tune_decode_attention.py [--splits | --merge]
 """
 
 from __future__ import annotations
@@ -107,13 +109,29 @@ def sweep_splits(sms: int) -> None:
         print(f"| {name} | {chosen} | " + " | ".join(f"{t:.1f}" for t in times) + " |")
 
 
+def sweep_merge(sms: int) -> None:
+    """µs of one batch-1 Gemma-3 layer at 128 splits for each merge load size."""
+    sizes = [16, 32, 64, 128]
+    default = decode._MERGE_VALUES_PER_THREAD
+    print("| case | " + " | ".join(f"{v} values µs" for v in sizes) + f" | (today: {default}) |")
+    print("| --- |" + " --- |" * (len(sizes) + 1))
+    for context in (4096, 16384):
+        times = []
+        for values in sizes:
+            decode._MERGE_VALUES_PER_THREAD = values
+            times.append(tune_case(1, context, 4, 1, 256, None, sms, [None], splits=128)[0][0])
+        decode._MERGE_VALUES_PER_THREAD = default
+        print(f"| gemma3 b1 ctx{context} full | " + " | ".join(f"{t:.1f}" for t in times) + " | |")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--splits", action="store_true", help="sweep split counts at batch 1")
+    parser.add_argument("--merge", action="store_true", help="sweep merge load sizes at batch 1")
     args = parser.parse_args()
     sms = torch.cuda.get_device_properties(0).multi_processor_count
-    if args.splits:
-        sweep_splits(sms)
+    if args.splits or args.merge:
+        (sweep_splits if args.splits else sweep_merge)(sms)
         return
     print("| case | today µs (GB/s) | best (keys/tile, stages, warps) µs (GB/s) |")
     print("| --- | --- | --- |")
