@@ -34,11 +34,12 @@ class StepBatch:
         self.num_groups = num_groups
         sizes = self._sizes(num_reqs, num_tokens, num_logits, table_width, num_groups)
         total = sum(sizes.values())
-        if staging is None:
-            self.packed = torch.zeros(total, dtype=torch.int32)
-        else:  # a reused (pinned) host buffer, so the copy to a GPU is one asynchronous DMA
-            self.packed = staging[:total].zero_()
+        # A reused (pinned) host buffer, so that the copy to a GPU is one asynchronous DMA.
+        self.packed = torch.empty(total, dtype=torch.int32) if staging is None else staging[:total]
         flat = self.packed.numpy()
+        # Zeroed by numpy, on this thread: a PyTorch fill of a long batch fans out to every core,
+        # and waits for all of them on a busy or virtualised host.
+        flat.fill(0)
         self.sizes = list(sizes.values())  # of the parts, in the order of ``offsets``
         self.offsets: dict[str, tuple[int, int]] = {}
         start = 0
