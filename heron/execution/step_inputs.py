@@ -11,6 +11,7 @@ import torch
 from heron.engine.request import Request
 from heron.engine.scheduler import SchedulerOutput
 from heron.metadata import SequenceMetadata, StepBatch
+from heron.ops.attention.paged import window_start_block
 
 
 @dataclass(frozen=True)
@@ -141,7 +142,7 @@ class StepInputBuilder:
             token_table_rows = table_rows[token_rows]
         if num_reqs:
             for g, window in enumerate(self.windows):
-                firsts = _window_starts(contexts_array, window, bs)
+                firsts = window_start_block(contexts_array, window, bs)
                 self._rows.gather(g, table_rows, lengths[g], firsts, batch.group_block_tables[g])
             # Every group's slot of each token: its block's id * block_size + its offset in it.
             block_indices, block_offsets = np.divmod(positions, bs)
@@ -165,14 +166,6 @@ class StepInputBuilder:
         return PreparedStep(
             seq, sample_requests, slice(num_prompt_rows, rows), prompt_rows, pending_sources
         )
-
-
-def _window_starts(contexts: np.ndarray, window: int | None, block_size: int) -> np.ndarray | int:
-    """``window_start_block`` for each request's context (first new token's position): the
-    table index its row starts at (0 without a window)."""
-    if window is None:
-        return 0
-    return np.maximum(contexts - window + 1, 0) // block_size
 
 
 class BlockTableRows:

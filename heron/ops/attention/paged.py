@@ -196,9 +196,12 @@ class PagedAttentionBuilder(MetadataBuilder):
         )
 
 
-def window_start_block(context: int, window: int | None, block_size: int) -> int:
+def window_start_block(
+    context: int | np.ndarray, window: int | None, block_size: int
+) -> int | np.ndarray:
     """The first block index of a request's row in a windowed block table: the block of the
-    first key that its first new token (at position ``context``) sees; 0 without a window."""
+    first key that its first new token (at position ``context``) sees; 0 without a window.
+    ``context`` may also be an array (one per request), giving an array."""
     if window is None:
         return 0
-    return max(0, context - window + 1) // block_size
+    return np.maximum(context - window + 1, 0) // block_size
