@@ -2,10 +2,46 @@
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import numpy as np
 import torch
+
+# Every array (and every block-table row) of the packed batch starts on a multiple of this many
+# int32s (64 bytes). Triton compiles a kernel once per pattern of pointer alignments and of
+# integer arguments divisible by 16 (a table's row stride): arrays at step-dependent offsets
+# would have it compile new variants in the middle of a run.
+_ALIGN = 16
+
+
+def _padded(n: int) -> int:
+    return -(-n // _ALIGN) * _ALIGN
+
+
+@functools.lru_cache(maxsize=256)
+def _layout(
+    num_reqs: int, num_tokens: int, num_logits: int, width: int, num_groups: int
+) -> tuple[dict[str, tuple[int, int, int, int]], int]:
+    """Each part's ``(start, rows, columns, row stride)`` in the packed array, and its size.
+
+    Parts follow one another, each row on its own 16-element boundary. Decode steps repeat the
+    same dimensions, so layouts are cached.
+    """
+    shapes = {
+        "start_locs": (2, num_reqs + 1),
+        "lens": (2, num_reqs),
+        "token_ids": (1, num_tokens),
+        "positions": (1, num_tokens),
+        "slot_mapping": (num_groups, num_tokens),
+        "logits_indices": (1, num_logits),
+        "block_tables": (num_groups * num_reqs, width),
+    }
+    parts, start = {}, 0
+    for name, (rows, cols) in shapes.items():
+        parts[name] = (start, rows, cols, _padded(cols))
+        start += rows * _padded(cols)
+    return parts, start
 
 
 class StepBatch:
@@ -17,6 +53,10 @@ class StepBatch:
     ``block_tables`` are group 0's); :meth:`finish` fills both
     cumulative-length arrays with one cumsum over the stacked lengths. The packed array then
     travels to the device in one copy (:meth:`SequenceMetadata.from_step_batch`).
+
+    Every array (each row of a stacked one, each row of a block table) starts at a multiple of
+    16 elements, so the device tensors' alignments and row strides do not change from step to
+    step (the tables' row stride is ``table_width`` rounded up to 16).
     """
 
     def __init__(
@@ -32,52 +72,39 @@ class StepBatch:
         self.num_reqs, self.num_tokens = num_reqs, num_tokens
         self.num_logits, self.table_width, self.block_size = num_logits, table_width, block_size
         self.num_groups = num_groups
-        sizes = self._sizes(num_reqs, num_tokens, num_logits, table_width, num_groups)
-        total = sum(sizes.values())
+        self.parts, total = _layout(num_reqs, num_tokens, num_logits, table_width, num_groups)
         # A reused (pinned) host buffer, so that the copy to a GPU is one asynchronous DMA.
         self.packed = torch.empty(total, dtype=torch.int32) if staging is None else staging[:total]
         flat = self.packed.numpy()
         # Zeroed by numpy, on this thread: a PyTorch fill of a long batch fans out to every core,
         # and waits for all of them on a busy or virtualised host.
         flat.fill(0)
-        self.sizes = list(sizes.values())  # of the parts, in the order of ``offsets``
-        self.offsets: dict[str, tuple[int, int]] = {}
-        start = 0
-        for name, size in sizes.items():
-            self.offsets[name] = (start, start + size)
-            start += size
-        view = lambda name: flat[self.offsets[name][0] : self.offsets[name][1]]
-        self.start_locs = view("start_locs").reshape(2, num_reqs + 1)
-        self.lens = view("lens").reshape(2, num_reqs)
+
+        def rows(name: str) -> np.ndarray:
+            start, n, cols, stride = self.parts[name]
+            return flat[start : start + n * stride].reshape(n, stride)[:, :cols]
+
+        def row(name: str) -> np.ndarray:
+            start, _, cols, _ = self.parts[name]
+            return flat[start : start + cols]
+
+        self.start_locs = rows("start_locs")
+        self.lens = rows("lens")
         self.query_lens, self.kv_lens = self.lens[0], self.lens[1]
-        self.token_ids = view("token_ids")
-        self.positions = view("positions")
-        self.group_slot_mappings = view("slot_mapping").reshape(num_groups, num_tokens)
-        self.logits_indices = view("logits_indices")
-        self.group_block_tables = view("block_tables").reshape(num_groups, num_reqs, table_width)
+        self.token_ids = row("token_ids")
+        self.positions = row("positions")
+        self.group_slot_mappings = rows("slot_mapping")
+        self.logits_indices = row("logits_indices")
+        self.group_block_tables = rows("block_tables").reshape(num_groups, num_reqs, table_width)
         self.slot_mapping = self.group_slot_mappings[0]
         self.block_tables = self.group_block_tables[0]
-
-    @staticmethod
-    def _sizes(
-        num_reqs: int, num_tokens: int, num_logits: int, width: int, num_groups: int = 1
-    ) -> dict[str, int]:
-        return {
-            "start_locs": 2 * (num_reqs + 1),
-            "lens": 2 * num_reqs,
-            "token_ids": num_tokens,
-            "positions": num_tokens,
-            "slot_mapping": num_groups * num_tokens,
-            "logits_indices": num_logits,
-            "block_tables": num_groups * num_reqs * width,
-        }
 
     @classmethod
     def packed_size(
         cls, num_reqs: int, num_tokens: int, num_logits: int, width: int, num_groups: int = 1
     ) -> int:
         """Elements of the packed array for these dimensions."""
-        return sum(cls._sizes(num_reqs, num_tokens, num_logits, width, num_groups).values())
+        return _layout(num_reqs, num_tokens, num_logits, width, num_groups)[1]
 
     def finish(self) -> None:
         """Compute the cumulative query and KV lengths (one cumsum over both)."""
@@ -122,13 +149,18 @@ class SequenceMetadata:
     @classmethod
     def from_step_batch(cls, batch: StepBatch, device: torch.device) -> SequenceMetadata:
         packed = batch.packed.to(device, non_blocking=True)
-        # One split into the named parts (cheaper than slicing each).
-        part = dict(zip(batch.offsets, packed.split_with_sizes(batch.sizes)))
-        query_start_loc, kv_start_loc = part["start_locs"].view(2, batch.num_reqs + 1).unbind(0)
-        query_lens, kv_lens = part["lens"].view(2, batch.num_reqs).unbind(0)
-        g, r, t, w = batch.num_groups, batch.num_reqs, batch.num_tokens, batch.table_width
-        group_slot_mappings = tuple(part["slot_mapping"].view(g, t).unbind(0))
-        group_block_tables = tuple(part["block_tables"].view(g, r, w).unbind(0))
+        parts, base = batch.parts, packed.storage_offset()
+        # Each field a strided view of the packed copy (explicit strides: a view would give a
+        # one-request table a row stride of its width).
+        row = lambda name, i=0: packed.as_strided(
+            (parts[name][2],), (1,), base + parts[name][0] + i * parts[name][3]
+        )
+        g, r, w = batch.num_groups, batch.num_reqs, batch.table_width
+        tables, _, _, stride = parts["block_tables"]
+        group_slot_mappings = tuple(row("slot_mapping", i) for i in range(g))
+        group_block_tables = tuple(
+            packed.as_strided((r, w), (stride, 1), base + tables + i * r * stride) for i in range(g)
+        )
         return cls(
             num_reqs=batch.num_reqs,
             num_tokens=batch.num_tokens,
@@ -139,15 +171,15 @@ class SequenceMetadata:
             query_lens_host=batch.query_lens,
             kv_lens_host=batch.kv_lens,
             query_start_host=batch.start_locs[0],
-            token_ids=part["token_ids"],
-            positions=part["positions"],
+            token_ids=row("token_ids"),
+            positions=row("positions"),
             slot_mapping=group_slot_mappings[0],
-            query_lens=query_lens,
-            kv_lens=kv_lens,
-            query_start_loc=query_start_loc,
-            kv_start_loc=kv_start_loc,
+            query_lens=row("lens"),
+            kv_lens=row("lens", 1),
+            query_start_loc=row("start_locs"),
+            kv_start_loc=row("start_locs", 1),
             block_tables=group_block_tables[0],
-            logits_indices=part["logits_indices"],
+            logits_indices=row("logits_indices"),
             group_slot_mappings=group_slot_mappings,
             group_block_tables=group_block_tables,
         )

@@ -105,3 +105,20 @@ def test_one_table_and_slot_mapping_per_cache_group_in_one_packed_array():
     view = sliding.fill(dseq, buffers, 4)
     assert view.block_tables[:2, :2].tolist() == [[0, 7], [0, 8]]
     assert view.slot_mapping[:2].tolist() == [29, 32]
+
+
+def test_every_array_starts_aligned_whatever_the_sizes():
+    """Each device field starts on 16 elements (64 bytes) and tables' rows are 16-aligned, so
+    Triton's specialisation on pointer alignment and divisible strides never changes between
+    steps; the host views write into the packed array itself."""
+    for n, width, groups in [(3, 5, 1), (1, 1, 2), (7, 33, 2)]:
+        query_lens = list(range(1, n + 1))
+        batch = StepBatch(n, sum(query_lens), n + 1, width, 16, num_groups=groups)
+        assert np.shares_memory(batch.group_block_tables, batch.packed.numpy())
+        assert batch.group_block_tables.shape == (groups, n, width)
+        seq = SequenceMetadata.from_step_batch(batch, CPU)
+        fields = [seq.token_ids, seq.positions, seq.query_lens, seq.kv_lens, seq.logits_indices]
+        fields += [seq.query_start_loc, seq.kv_start_loc]
+        fields += [*seq.group_slot_mappings, *seq.group_block_tables]
+        assert all(t.storage_offset() % 16 == 0 for t in fields)
+        assert all(t.stride(0) % 16 == 0 for t in seq.group_block_tables)
