@@ -5,6 +5,7 @@ from __future__ import annotations
 import time
 from collections import deque
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 from heron.engine.kv_cache_manager import KVCacheCoordinator, KVCacheManager
 from heron.engine.request import Request, RequestStatus
@@ -17,8 +18,10 @@ class SchedulerConfig:
     max_model_len: int
 
 
-@dataclass(frozen=True, slots=True)
-class ScheduledRequest:
+class ScheduledRequest(NamedTuple):
+    """One request's share of a step (a tuple: built for every running request every step, and
+    a named tuple is cheaper to build than a frozen dataclass)."""
+
     request: Request
     num_new_tokens: int
     samples: bool  # the step reaches the request's last token, so it samples the next one
