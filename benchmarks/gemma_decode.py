@@ -7,7 +7,8 @@ For each context (4k and 16k tokens): decode ms per step at batch 1 and at batch
 64 requests of 16k do not fit the HF baseline), measured as in ``gpu_decode.py`` (per request,
 (last token time - first token time) / (tokens - 1)), and its multiple of the bandwidth floor:
 (weight bytes + KV bytes read) / measured copy bandwidth, where a sliding layer reads at most
-its window and a full layer the whole context.
+its window and a full layer the whole context. Then, in a separate run, the share of a batch-64
+step in which the GPU waits for the host (see ``gpu_decode.heron_host_idle``).
 
     python benchmarks/gemma_decode.py [--skip-hf] [--new-tokens 64]
 """
@@ -22,7 +23,13 @@ import torch
 
 from heron import LLM
 
-from gpu_decode import copy_bandwidth, heron_decode_ms, hf_decode_ms, save_random_checkpoint
+from gpu_decode import (
+    copy_bandwidth,
+    heron_decode_ms,
+    heron_host_idle,
+    hf_decode_ms,
+    save_random_checkpoint,
+)
 
 GEMMA3_1B = dict(
     hidden_size=1152,
@@ -84,6 +91,9 @@ def main() -> None:
         layer_types = llm.engine.model_config.hf_config.layer_types
         prompts = lambda context, batch: [[3 + i] * context for i in range(batch)]
         results["Heron"] = [heron_decode_ms(llm, prompts(c, b), new)[0] for c, b in CASES]
+        # In a run of its own (its CUDA events add host work): how much of a batch-64 step the
+        # GPU waits for the host.
+        idle = heron_host_idle(llm, prompts(4096, 64), new)[1]
         del llm
         torch.cuda.empty_cache()
         if not args.skip_hf:
@@ -104,6 +114,7 @@ def main() -> None:
     for name, times in results.items():
         cells = " | ".join(f"{t:.3f} ({t / f:.2f}×)" for t, f in zip(times, floors))
         print(f"| {name} | {cells} |")
+    print(f"\nHeron, 4k context, batch 64: the GPU waits for the host {idle:.1%} of a step")
 
 
 if __name__ == "__main__":

@@ -132,11 +132,12 @@ def heron_decode_ms(llm: LLM, prompts: list[list[int]], out_len: int) -> tuple[f
     return steady_decode_ms(list(times.values())), len(prompts) * out_len / wall
 
 
-def heron_host_idle(llm: LLM, batch: int, out_len: int) -> float:
-    """Fraction of a graph-replayed decode step the GPU waits for the host.
+def heron_host_idle(llm: LLM, prompts: list[list[int]], out_len: int) -> tuple[float, float]:
+    """(ms per decode step, fraction of it the GPU waits for the host), graph-replayed steps.
 
     CUDA events around each replay (input copy, metadata fill, graph) give the GPU time of a
-    step; the caller-side time per step minus that is time the GPU had nothing to do.
+    step; the caller-side time per step minus that is time the GPU had nothing to do. (Host
+    work between the events, the fill, counts as GPU time: a lower bound on the idle time.)
     """
     graphs = llm.engine.runner.graphs
     replay = graphs.run
@@ -152,12 +153,12 @@ def heron_host_idle(llm: LLM, batch: int, out_len: int) -> float:
 
     graphs.run = timed
     try:
-        step_ms, _ = heron_decode_ms(llm, [[5] * 128] * batch, out_len)
+        step_ms, _ = heron_decode_ms(llm, prompts, out_len)
     finally:
         graphs.run = replay
     torch.cuda.synchronize()
     gpu_ms = statistics.median(s.elapsed_time(e) for s, e in events)
-    return max(0.0, 1 - gpu_ms / step_ms)
+    return step_ms, max(0.0, 1 - gpu_ms / step_ms)
 
 
 def hf_decode_ms(model, prompts: list[list[int]], out_len: int) -> tuple[float, float]:
@@ -209,7 +210,8 @@ def main() -> None:
         a = sum(len(o.outputs[0].token_ids) for o in outs) / wall
         b_ms, _ = heron_decode_ms(llm, [[7] * 128], 256)
         c_ms, c_tps = heron_decode_ms(llm, [[7 + i] * 128 for i in range(64)], 256)
-        idle = heron_host_idle(llm, 1, 256) if llm.engine.runner.graphs else float("nan")
+        graphs = llm.engine.runner.graphs
+        idle = heron_host_idle(llm, [[5] * 128], 256)[1] if graphs else float("nan")
         rows.append(("Heron", a, b_ms, c_ms, c_tps, idle))
         del llm, outs
         torch.cuda.empty_cache()
