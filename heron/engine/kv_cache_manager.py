@@ -373,9 +373,7 @@ class KVCacheManager:
 
     def is_quiet(self, request: Request, num_new_tokens: int) -> bool:
         """Whether a step of ``num_new_tokens`` (no hits) is within :meth:`quiet_limit`."""
-        return 0 < num_new_tokens and (
-            request.num_computed_tokens + num_new_tokens <= self.quiet_limit(request.request_id)
-        )
+        return _within(request, num_new_tokens, self.quiet_limit(request.request_id))
 
     def _allocate(
         self,
@@ -509,6 +507,12 @@ class KVCacheManager:
                 self._pool.register(state.block_ids[i], parent)
 
 
+def _within(request: Request, num_new_tokens: int, quiet_limit: int) -> bool:
+    """Whether a step of ``num_new_tokens`` (at least one, no hits) stays within a request's
+    quiet limit (see :meth:`KVCacheManager.quiet_limit`)."""
+    return 0 < num_new_tokens and request.num_computed_tokens + num_new_tokens <= quiet_limit
+
+
 class KVCacheCoordinator:
     """Every cache group's blocks for every request: the scheduler's view of the KV cache.
 
@@ -601,11 +605,8 @@ class KVCacheCoordinator:
         groups, kept here from the request's last allocation until :meth:`free`). Every
         allocation and free must go through the coordinator for that limit to stay right.
         """
-        if (
-            not new_computed_blocks
-            and 0 < num_new_tokens
-            and request.num_computed_tokens + num_new_tokens
-            <= self._quiet_limits.get(request.request_id, -1)
+        if not new_computed_blocks and _within(
+            request, num_new_tokens, self._quiet_limits.get(request.request_id, -1)
         ):
             return True
         hits = list(new_computed_blocks) or [()] * len(self.groups)

@@ -29,7 +29,7 @@ def check_stop(
 ) -> tuple[FinishReason, str | int | None] | None:
     """The finish reason and stop reason after ``new_token_id`` was appended, or None.
 
-    ``stop_string`` is what the detokenizer's ``update`` returned for this token.
+    ``stop_string`` is what the detokenizer's ``append`` returned for this token.
     """
     params = request.sampling_params
     num_output_tokens = len(request.output_token_ids)
