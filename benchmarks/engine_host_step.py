@@ -25,23 +25,23 @@ import torch
 
 from heron import LLM, SamplingParams
 
+from gemma_decode import GEMMA3_1B
 from gpu_decode import save_random_checkpoint
 
 
 def build_engine(path: Path, vocab: int, max_model_len: int) -> LLM:
     import transformers as tf
 
+    # Gemma-3-1B's layers, heads, window and tied embeddings, with tiny matrices.
     config = tf.Gemma3TextConfig(
-        hidden_size=32,
-        num_hidden_layers=26,
-        num_attention_heads=4,
-        num_key_value_heads=1,
-        head_dim=16,
-        intermediate_size=32,
-        vocab_size=vocab,
-        sliding_window=512,
-        max_position_embeddings=max_model_len,
-        tie_word_embeddings=True,
+        **dict(
+            GEMMA3_1B,
+            hidden_size=32,
+            head_dim=16,
+            intermediate_size=32,
+            vocab_size=vocab,
+            max_position_embeddings=max_model_len,
+        )
     )
     torch.manual_seed(0)
     save_random_checkpoint(tf.Gemma3ForCausalLM(config), path)

@@ -73,19 +73,19 @@ def tune_case(batch, context, heads, kv_heads, head_dim, window, sms, variants, 
         if variant is not None:
             block_n, stages, warps = variant
             decode._BLOCK_N, decode._launch_shape = block_n, lambda *_, w=warps, s=stages: (w, s)
-        if splits is None:
-            splits = decode.choose_num_splits(batch, kv_heads, context, sms, window)
+        # Chosen per variant: the count depends on the tile size.
+        count = splits or decode.choose_num_splits(batch, kv_heads, context, sms, window)
         ws = {}
-        if splits > 1:
+        if count > 1:
             ws = dict(
-                partial_out=torch.empty(batch, heads, splits, head_dim, device="cuda"),
-                partial_lse=torch.empty(batch, heads, splits, device="cuda"),
+                partial_out=torch.empty(batch, heads, count, head_dim, device="cuda"),
+                partial_lse=torch.empty(batch, heads, count, device="cuda"),
                 tickets=torch.zeros(batch * kv_heads, dtype=torch.int32, device="cuda"),
             )
 
-        def call(splits=splits, ws=ws):
+        def call(count=count, ws=ws):
             decode.paged_decode_attention(
-                q, cache, tables, lens, head_dim**-0.5, window, out, splits, **ws
+                q, cache, tables, lens, head_dim**-0.5, window, out, count, **ws
             )
 
         try:
