@@ -54,34 +54,46 @@ def profile_batch(llm: LLM, batch: int, context: int, steps: int) -> None:
 
 
 def phase_times(llm: LLM, batch: int, context: int, steps: int) -> None:
-    """Host-side phases of graph-replayed decode steps (the GPU is synchronised after each,
-    so this runs without asynchronous scheduling)."""
+    """Host time per decode step by phase, as the engine runs them (asynchronous scheduling on,
+    nothing synchronised that the engine does not synchronise itself). ``wait for the device``
+    is the time the host blocks on a step's sampled tokens: near zero means the host, not the
+    GPU, sets the pace."""
     import statistics
     import time
+
+    from heron.engine import llm_engine
+    from heron.execution import model_runner
 
     engine, runner = llm.engine, llm.engine.runner
     prefill(llm, "t", batch, context, steps)
     phases: dict[str, list[float]] = {}
-    originals = {
+    patched = {  # name: (owner, attribute); the owner's attribute is wrapped while timing
         "schedule": (engine.scheduler, "schedule"),
-        "prepare (StepBatch, copy)": (runner.inputs, "prepare"),
-        "fill + replay + sync": (runner.graphs, "run"),
+        "launch": (runner, "launch"),
+        "- inputs (StepBatch, copy)": (runner.inputs, "prepare"),
+        "- graph fill + replay": (runner.graphs, "run"),
+        "- sampler": (runner.sampler, "sample_on_device"),
+        "- pending tokens": (runner, "_fill_pending_tokens"),
+        "- LaunchedStep": (model_runner.LaunchedStep, "__init__"),
+        "read": (engine, "_read"),
+        "- wait for the device": (model_runner.torch.cuda.Event, "synchronize"),
+        "- detokenize": (llm_engine.IncrementalDetokenizer, "append"),
+        "- stop checks": (llm_engine, "check_stop"),
+        "outputs": (llm_engine._Parent, "output"),
     }
 
-    def timed(name, fn, sync):
+    def timed(name, fn):
         def wrapper(*a, **k):
             t = time.perf_counter()
             out = fn(*a, **k)
-            if sync:
-                torch.cuda.synchronize()
             phases.setdefault(name, []).append(time.perf_counter() - t)
             return out
 
         return wrapper
 
-    saved = {name: getattr(obj, attr) for name, (obj, attr) in originals.items()}
-    for name, (obj, attr) in originals.items():
-        setattr(obj, attr, timed(name, saved[name], "replay" in name))
+    saved = {name: getattr(owner, attr) for name, (owner, attr) in patched.items()}
+    for name, (owner, attr) in patched.items():
+        setattr(owner, attr, timed(name, saved[name]))
     total = []
     try:
         for _ in range(steps):
@@ -89,18 +101,16 @@ def phase_times(llm: LLM, batch: int, context: int, steps: int) -> None:
             engine.step()
             total.append(time.perf_counter() - t)
     finally:
-        for name, (obj, attr) in originals.items():
-            setattr(obj, attr, saved[name])
+        for name, (owner, attr) in patched.items():
+            setattr(owner, attr, saved[name])
     while engine.has_unfinished_requests():
         engine.step()
-    med = {k: statistics.median(v) * 1e6 for k, v in phases.items()}
     step = statistics.median(total) * 1e6
-    rest = step - sum(med.values())
-    print(f"\n### batch {batch}: host phases per decode step (µs, median of {steps})")
-    print(
-        " | ".join(f"{k} {v:.0f}" for k, v in med.items())
-        + f" | sample, outputs, detokenize, stops {rest:.0f} | step {step:.0f}"
-    )
+    print(f"\n### batch {batch}, context {context}: host µs per decode step (median of {steps})")
+    print("| phase | µs |\n| --- | --- |")
+    for name, times in phases.items():
+        print(f"| {name} | {statistics.median(times) * 1e6 * len(times) / steps:.0f} |")
+    print(f"| step | {step:.0f} |")
 
 
 def host_profile(llm: LLM, batch: int, context: int, steps: int) -> None:
@@ -133,12 +143,10 @@ def main() -> None:
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         MODELS[args.model](Path(tmp))
-        # Phases are timed with a synchronisation after each replay: steps are read at once.
         llm = LLM(
             tmp,
             enforce_eager=args.enforce_eager,
             max_model_len=max(4096, args.context + args.steps + 64),
-            async_scheduling=not args.phases,
         )
         for batch in args.batches:
             measure = phase_times if args.phases else host_profile if args.host else profile_batch

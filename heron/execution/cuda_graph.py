@@ -2,8 +2,9 @@
 
 The metadata plan owns the graph buffers: each group's builder makes persistent buffers once
 for the largest bucket, and fills them in place before every replay through the same ``fill``
-path it uses during capture. Buckets use views of those buffers, so capturing many buckets
-costs no extra metadata memory. The eager metadata build is skipped on replayed steps.
+path it uses during capture. Buckets use views of those buffers (taken once, at capture: a
+replay runs no operator code), so capturing many buckets costs no extra metadata memory. The
+eager metadata build is skipped on replayed steps.
 """
 
 from __future__ import annotations
@@ -48,9 +49,8 @@ class CudaGraphRunner:
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
 
     def _fill(self, seq: SequenceMetadata, batch: int) -> None:
-        group: MetadataGroup
         for group in self.plan.groups:
-            group.view = group.builder.fill(seq, self.buffers[id(group)], batch)
+            group.builder.fill(seq, self.buffers[id(group)], batch)
 
     @torch.inference_mode()
     def capture(self, block_size: int, num_cache_groups: int = 1) -> None:
@@ -59,6 +59,9 @@ class CudaGraphRunner:
         for batch in reversed(self.buckets):
             dummy = _dummy_decode(batch, block_size, self.device, num_cache_groups)
             self._fill(dummy, batch)
+            group: MetadataGroup
+            for group in self.plan.groups:
+                group.view = group.builder.graph_view(dummy, self.buffers[id(group)], batch)
             tokens = self.token_ids[:batch]
             self.model.compute_logits(self.model(tokens))  # warm-up: compile, autotune
             for group in self.plan.groups:

@@ -31,9 +31,11 @@ class MetadataBuilder(ABC):
     ``key`` holds every parameter the metadata depends on; operators whose builders have equal
     keys share one group (and this builder). For CUDA graphs a builder owns persistent buffers:
     ``make_graph_buffers`` sizes them once for the largest batch, ``fill`` writes a step into
-    them in place and returns the view operators read, ``before_capture`` resets metadata that
-    initialises itself lazily during warm-up. Eager steps go through ``build``, which must share
-    its code with ``fill`` so that eager, capture and replay cannot drift apart.
+    them in place (before every capture and replay), ``graph_view`` is the view operators read
+    from them (taken once per captured batch size: a replay runs no Python, so it needs no view),
+    ``before_capture`` resets metadata that initialises itself lazily during warm-up. Eager
+    steps go through ``build``, which must share its code with ``fill`` and ``graph_view`` so
+    that eager, capture and replay cannot drift apart.
     """
 
     graph_support: GraphSupport = GraphSupport.NEVER
@@ -51,8 +53,12 @@ class MetadataBuilder(ABC):
         """Persistent buffers for graph steps of up to ``max_batch`` requests."""
         raise NotImplementedError(f"{type(self).__name__} does not support CUDA graphs")
 
-    def fill(self, seq: SequenceMetadata, buffers: Any, batch: int) -> Any:
-        """Write ``seq`` into ``buffers`` padded to ``batch`` rows; return the view on them."""
+    def fill(self, seq: SequenceMetadata, buffers: Any, batch: int) -> None:
+        """Write ``seq`` into ``buffers``, padded to ``batch`` rows."""
+        raise NotImplementedError(f"{type(self).__name__} does not support CUDA graphs")
+
+    def graph_view(self, seq: SequenceMetadata, buffers: Any, batch: int) -> Any:
+        """The view on ``buffers`` for steps of ``batch`` rows, after ``fill`` wrote ``seq``."""
         raise NotImplementedError(f"{type(self).__name__} does not support CUDA graphs")
 
     def before_capture(self, buffers: Any) -> None:

@@ -78,6 +78,8 @@ class _LazyBuilder(MetadataBuilder):
 
     def fill(self, seq, buffers, batch):
         buffers["kv_lens"][: seq.num_reqs].copy_(seq.kv_lens)
+
+    def graph_view(self, seq, buffers, batch):
         return buffers
 
     def before_capture(self, buffers):

@@ -102,7 +102,8 @@ def test_one_table_and_slot_mapping_per_cache_group_in_one_packed_array():
     decode.finish()
     dseq = SequenceMetadata.from_step_batch(decode, CPU)
     buffers = sliding.make_graph_buffers(4, CPU)
-    view = sliding.fill(dseq, buffers, 4)
+    sliding.fill(dseq, buffers, 4)
+    view = sliding.graph_view(dseq, buffers, 4)
     assert view.block_tables[:2, :2].tolist() == [[0, 7], [0, 8]]
     assert view.slot_mapping[:2].tolist() == [29, 32]
 

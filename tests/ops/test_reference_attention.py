@@ -268,7 +268,8 @@ def test_graph_fill_pads_rows_and_matches_eager(window):
     cache_after_eager = h.cache.clone()
 
     batch = 6
-    view = builder.fill(seq, buffers, batch)
+    builder.fill(seq, buffers, batch)
+    view = builder.graph_view(seq, buffers, batch)
     group.view = view
     assert view.is_decode and view.num_reqs == batch
     # Bounded by max_model_len, or by the window: 5 keys span at most 2 blocks of 4.
@@ -301,7 +302,8 @@ def test_graph_fill_pads_rows_and_matches_eager(window):
         h.v_hist[rid] = torch.cat([h.v_hist[rid], v[i : i + 1]])
     h.check_cache(null_block_clean=False)
     seq2, _ = h.make_seq([("c", 1)])
-    view2 = builder.fill(seq2, buffers, batch)
+    builder.fill(seq2, buffers, batch)
+    view2 = builder.graph_view(seq2, buffers, batch)
     first = window_start_block(len(h.k_hist["c"]), window, 4)
     table_c = h.tables["c"][first:]
     assert view2.kv_lens.tolist() == [len(h.k_hist["c"]) + 1] + [0] * (batch - 1)

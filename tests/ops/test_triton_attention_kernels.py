@@ -390,7 +390,7 @@ def decode_step(
 
 
 def test_builder_workspace_tickets():
-    """Graph buffers own zeroed tickets for the largest batch and ``fill`` hands each batch
+    """Graph buffers own zeroed tickets for the largest batch and ``graph_view`` hands each batch
     views of them (and of the partials); eager steps use builder-owned zeroed tickets. Launches
     through either leave them zero, so one buffer serves every layer and replay."""
     heads, kv_heads, block_size, window = 4, 1, 16, 100
@@ -406,7 +406,10 @@ def test_builder_workspace_tickets():
     q = strided_q(8, heads, HEAD_DIM, torch.float32, DEVICE, seed=4)
     steps = [(decode_step(kv_lens[:n], tables[:n], block_size, window), n) for n in (3, 1)]
     views = [builder.build(seq) for seq, _ in steps]
-    views += [builder.fill(seq, buffers, batch) for seq, n in steps for batch in (n, 4, 8)]
+    for seq, n in steps:
+        for batch in (n, 4, 8):
+            builder.fill(seq, buffers, batch)
+            views.append(builder.graph_view(seq, buffers, batch))
     assert any(v.workspace.num_splits > 1 for v in views)
     for view in views:
         n, ws = view.num_reqs, view.workspace

@@ -57,8 +57,8 @@ class PagedAttentionBuilder(MetadataBuilder):
 
     Decode steps are graph-capturable: ``fill`` copies the step into persistent buffers whose
     block-table width is bounded by ``max_model_len / block_size`` (by the window, with one);
-    padded rows get length 0 and the null block. Eager steps use ``build``; both end in
-    :meth:`_view`.
+    padded rows get length 0 and the null block. Eager steps use ``build``; it and
+    ``graph_view`` end in :meth:`_view`.
 
     ``cache_group`` is the KV cache group whose block tables and slots this builder reads (set by
     the runner after planning: every builder with the same sliding window shares one group).
@@ -118,9 +118,7 @@ class PagedAttentionBuilder(MetadataBuilder):
             query_start_loc=torch.arange(max_batch + 1, dtype=torch.int32, device=device),
         )
 
-    def fill(
-        self, seq: SequenceMetadata, buffers: PagedGraphBuffers, batch: int
-    ) -> PagedAttentionView:
+    def fill(self, seq: SequenceMetadata, buffers: PagedGraphBuffers, batch: int) -> None:
         self._check_layout(seq)
         if not seq.is_decode or batch < seq.num_reqs:
             raise StepMetadataError(
@@ -140,6 +138,10 @@ class PagedAttentionBuilder(MetadataBuilder):
             buffers.slot_mapping[n:batch].zero_()
             buffers.block_tables[n:batch].zero_()
             buffers.kv_lens[n:batch].zero_()
+
+    def graph_view(
+        self, seq: SequenceMetadata, buffers: PagedGraphBuffers, batch: int
+    ) -> PagedAttentionView:
         return self._view(
             seq,
             buffers.positions[:batch],

@@ -141,10 +141,13 @@ class TritonAttentionBuilder(PagedAttentionBuilder):
             ),
         )
 
-    def fill(
+    def fill(self, seq: SequenceMetadata, buffers: TritonGraphBuffers, batch: int) -> None:
+        super().fill(seq, buffers.paged, batch)
+
+    def graph_view(
         self, seq: SequenceMetadata, buffers: TritonGraphBuffers, batch: int
     ) -> PagedAttentionView:
-        view = super().fill(seq, buffers.paged, batch)
+        view = super().graph_view(seq, buffers.paged, batch)
         splits = self._splits(batch, self.max_model_len, seq.kv_lens.device)
         workspace = self._workspace(
             batch, splits, buffers.partial_out, buffers.partial_lse, buffers.tickets
