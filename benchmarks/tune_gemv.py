@@ -3,7 +3,8 @@
 For each linear of the model (``N x K`` weights, bf16) and each row count, times every candidate
 ``GemvConfig`` with the weights cold in HBM (a CUDA graph cycles through enough copies of the
 weight to overflow the L2 cache) and prints the winner next to the configuration
-``triton_gemv`` picks today, in µs and TB/s, plus a ``_TUNED`` snippet. Kernels are compiled
+``triton_gemv`` picks today and to cuBLAS (what linears of more than ``MAX_M`` rows use), in µs
+and TB/s, plus a ``_TUNED`` snippet. Kernels are compiled
 first by worker processes in parallel (Triton's on-disk cache hands them to the timing pass).
 
     python benchmarks/tune_gemv.py --model gemma3 [--rows 1 2 4 8 16] [--workers 12]
@@ -71,16 +72,17 @@ def _compile(jobs) -> None:
     torch.cuda.synchronize()
 
 
-def time_us(m, n, k, act, cfg, x, ws, out) -> float:
-    code = g.ACTIVATIONS[act] if act else 0
+def time_us(launch, ws) -> float:
+    """µs per weight of ``launch(w)`` over the cold copies ``ws``, replayed as one CUDA graph
+    (inf where the launch fails: out of shared memory or registers)."""
     try:
         for w in ws:
-            g._launch(x, w, None, out, cfg, code)
+            launch(w)
         torch.cuda.synchronize()
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
             for w in ws:
-                g._launch(x, w, None, out, cfg, code)
+                launch(w)
     except Exception:
         return float("inf")
     graph.replay()
@@ -92,6 +94,17 @@ def time_us(m, n, k, act, cfg, x, ws, out) -> float:
     end.record()
     torch.cuda.synchronize()
     return start.elapsed_time(end) * 1e3 / (reps * len(ws))
+
+
+def triton_us(act, cfg, x, ws, out) -> float:
+    code = g.ACTIVATIONS[act] if act else 0
+    return time_us(lambda w: g._launch(x, w, None, out, cfg, code), ws)
+
+
+def cublas_us(x, ws, out) -> float:
+    """The plain product through cuBLAS (``torch.mm``), without a gated activation's input."""
+    k = ws[0].shape[1]
+    return time_us(lambda w: torch.mm(x[:, :k], w.t(), out=out), ws)
 
 
 def main() -> None:
@@ -107,20 +120,22 @@ def main() -> None:
     ctx = mp.get_context("spawn")
     with ctx.Pool(args.workers) as pool:
         pool.map(_compile, [jobs[i :: args.workers] for i in range(args.workers)])
-    print("| shape | rows | today: config, µs, TB/s | best: config, µs, TB/s |")
-    print("| --- | --- | --- | --- |")
+    print("| shape | rows | today: config, µs, TB/s | best: config, µs, TB/s | cuBLAS µs, TB/s |")
+    print("| --- | --- | --- | --- | --- |")
     tuned = []
     for m, (name, n, k, act) in itertools.product(args.rows, SHAPES[args.model]):
         nbytes = n * k * 2
         copies = max(1, -(-(256 << 20) // nbytes))
         x, ws, out = tensors(m, n, k, act, copies)
         today = g._config(g._m_pad(m), n, k, 2, x.device)
-        t_today = time_us(m, n, k, act, today, x, ws, out)
-        results = [(time_us(m, n, k, act, c, x, ws, out), c) for c in candidates(m, n, k)]
+        t_today = triton_us(act, today, x, ws, out)
+        results = [(triton_us(act, c, x, ws, out), c) for c in candidates(m, n, k)]
         t_best, best = min(results + [(t_today, today)])
+        t_cublas = cublas_us(x, ws, out)
         print(
             f"| {name} {n}x{k} | {m} | {tuple(today)} {t_today:.1f} {nbytes / t_today / 1e6:.2f}"
-            f" | {tuple(best)} {t_best:.1f} {nbytes / t_best / 1e6:.2f} |"
+            f" | {tuple(best)} {t_best:.1f} {nbytes / t_best / 1e6:.2f}"
+            f" | {t_cublas:.1f} {nbytes / t_cublas / 1e6:.2f} |"
         )
         tuned.append(f"    ({g._m_pad(m)}, {n}, {k}): GemvConfig{tuple(best)},  # {name}")
         del ws
