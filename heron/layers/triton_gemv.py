@@ -152,7 +152,8 @@ class GemvConfig(tuple):
 # Measured winners on an H200 (bf16, weights cold in HBM, CUDA-graph replays) for the decode
 # shapes of Qwen3-0.6B- and Gemma-3-1B-class models, keyed by (M_PAD, N, K); they serve fp16
 # too. Other shapes and fp32 take the rule in ``_default_config``, which gives these or close
-# relatives.
+# relatives, except for a gated down projection of few columns at more than one row (see
+# Gemma's entries: the rule is six times slower there).
 _FMA1 = GemvConfig(False, 8, 1024, 4, 3, 1)
 _DOT64 = GemvConfig(True, 64, 256, 4, 4, 1)
 _TUNED: dict[tuple[int, int, int], GemvConfig] = {
@@ -167,13 +168,23 @@ _TUNED: dict[tuple[int, int, int], GemvConfig] = {
     # down 3072 -> 1024: likewise, K split by 8 (6 splits of 512).
     (1, 1024, 3072): _FMA1,
     **{(m, 1024, 3072): GemvConfig(True, 64, 256, 4, 3, 8) for m in (2, 4, 8, 16)},
-    # Gemma-3-1B at one row (benchmarks/tune_gemv.py --model gemma3): o 1152 <- 1024 in
-    # programs of 4 columns; gate_up 1152 -> 13824 with K tiles that divide 1152 (no masked
-    # tail); down 6912 -> 1152 split by 4; the lm_head 4 stages deep. qkv keeps the rule.
+    # Gemma-3-1B (benchmarks/tune_gemv.py --model gemma3 --rows 1 2 4 8 16). One row: qkv
+    # 1152 -> 1536 and o 1152 <- 1024 in programs of 4 columns; gate_up 1152 -> 13824 with K
+    # tiles that divide 1152 (no masked tail); down 6912 -> 1152 split by 4; the lm_head 4
+    # stages deep. More rows: the rule's gated down (36 programs of 32 columns, K split by 2)
+    # took 57-61 µs, 64 columns with K split by 8 take 10-11; the lm_head keeps the rule.
+    (1, 1536, 1152): GemvConfig(False, 4, 1024, 4, 3, 1),
     (1, 1152, 1024): GemvConfig(False, 4, 1024, 4, 2, 1),
     (1, 13824, 1152): GemvConfig(True, 64, 128, 4, 4, 1),
     (1, 1152, 6912): GemvConfig(False, 8, 1024, 4, 2, 4),
     (1, 262144, 1152): GemvConfig(True, 64, 128, 4, 4, 1),
+    **{(m, 1536, 1152): GemvConfig(True, 16, 256, 4, 4, 1) for m in (2, 4, 8)},
+    **{(m, 1152, 1024): _DOT64 for m in (2, 4, 8, 16)},
+    **{(m, 13824, 1152): GemvConfig(True, 64, 128, 4, 4, 1) for m in (2, 4, 8)},
+    **{(m, 1152, 6912): GemvConfig(True, 64, 128, 4, 3, 8) for m in (2, 4, 8)},
+    (16, 1536, 1152): _DOT64,
+    (16, 13824, 1152): GemvConfig(True, 128, 128, 4, 4, 1),
+    (16, 1152, 6912): GemvConfig(True, 64, 256, 4, 3, 8),
 }
 
 _CONFIG_CACHE: dict[tuple, GemvConfig] = {}
