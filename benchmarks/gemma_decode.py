@@ -10,7 +10,10 @@ For each context (4k and 16k tokens): decode ms per step at batch 1 and at batch
 its window and a full layer the whole context. Then, in a separate run, the share of a batch-64
 step in which the GPU waits for the host (see ``gpu_decode.heron_host_idle``).
 
-    python benchmarks/gemma_decode.py [--skip-hf] [--new-tokens 64]
+    python benchmarks/gemma_decode.py [--skip-hf] [--new-tokens 64] [--cases 4096x8 ...]
+
+``--cases`` replaces the (context x batch) cases; the idle share is measured when 4096x64 is
+among them.
 """
 
 from __future__ import annotations
@@ -80,20 +83,24 @@ def main() -> None:
     parser.add_argument(
         "--hf-max-batch", type=int, default=64, help="HF runs only the cases up to this batch"
     )
+    parser.add_argument(
+        "--cases", nargs="+", default=[f"{c}x{b}" for c, b in CASES], help="CONTEXTxBATCH"
+    )
     args = parser.parse_args()
+    cases = [tuple(map(int, case.split("x"))) for case in args.cases]
     bandwidth = copy_bandwidth()
     new = args.new_tokens
     results: dict[str, list[float]] = {}
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp)
         build_model(path)
-        llm = LLM(str(path), max_model_len=max(c for c, _ in CASES) + new + 16)
+        llm = LLM(str(path), max_model_len=max(c for c, _ in cases) + new + 16)
         layer_types = llm.engine.model_config.hf_config.layer_types
         prompts = lambda context, batch: [[3 + i] * context for i in range(batch)]
-        results["Heron"] = [heron_decode_ms(llm, prompts(c, b), new)[0] for c, b in CASES]
+        results["Heron"] = [heron_decode_ms(llm, prompts(c, b), new)[0] for c, b in cases]
         # In a run of its own (its CUDA events add host work): how much of a batch-64 step the
         # GPU waits for the host.
-        idle = heron_host_idle(llm, prompts(4096, 64), new)[1]
+        idle = heron_host_idle(llm, prompts(4096, 64), new)[1] if (4096, 64) in cases else None
         del llm
         torch.cuda.empty_cache()
         if not args.skip_hf:
@@ -102,19 +109,20 @@ def main() -> None:
             hf = tf.AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16).cuda()
             results["HF transformers CB"] = [
                 hf_decode_ms(hf, prompts(c, b), new)[0] if b <= args.hf_max_batch else float("nan")
-                for c, b in CASES
+                for c, b in cases
             ]
-    floors = [floor_ms(b, c + new // 2, bandwidth, layer_types) for c, b in CASES]
+    floors = [floor_ms(b, c + new // 2, bandwidth, layer_types) for c, b in cases]
     print(f"copy bandwidth {bandwidth / 1e12:.2f} TB/s")
     header = " | ".join(
-        f"ctx {c}, batch {b}: ms/step (× floor {f:.2f} ms)" for (c, b), f in zip(CASES, floors)
+        f"ctx {c}, batch {b}: ms/step (× floor {f:.2f} ms)" for (c, b), f in zip(cases, floors)
     )
     print(f"| engine | {header} |")
-    print("| --- |" + " --- |" * len(CASES))
+    print("| --- |" + " --- |" * len(cases))
     for name, times in results.items():
         cells = " | ".join(f"{t:.3f} ({t / f:.2f}×)" for t, f in zip(times, floors))
         print(f"| {name} | {cells} |")
-    print(f"\nHeron, 4k context, batch 64: the GPU waits for the host {idle:.1%} of a step")
+    if idle is not None:
+        print(f"\nHeron, 4k context, batch 64: the GPU waits for the host {idle:.1%} of a step")
 
 
 if __name__ == "__main__":
