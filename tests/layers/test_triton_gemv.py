@@ -3,13 +3,10 @@ CPU), the bf16 decode shapes of a Qwen3-0.6B-class model and CUDA-graph replay o
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-
 import pytest
 import torch
 import torch.nn.functional as F
+from triton_lowering import check_lowering
 
 from heron.layers.activation import GeluTanhAndMul, SiluAndMul
 from heron.layers.triton_gemv import ACTIVATIONS, MAX_M, GemvConfig, _launch, linear_small_m
@@ -156,64 +153,23 @@ def test_gpu_cuda_graph_replay(k, n):
             assert _rel_err(out, _reference(static_x, w, None)) < 1e-2
 
 
-# Run without the interpreter (it replaces kernels with Python functions): every launch that
-# linear_small_m makes for a measured configuration, with and without a gated input, is
-# recorded on CPU tensors and lowered to Triton IR for an sm_90 target, with PDL as there.
-_LOWER_TUNED = """
-import torch
-from triton._C.libtriton import ir
-from triton.backends.compiler import GPUTarget
-from triton.backends.nvidia.compiler import CUDABackend
-from triton.compiler import ASTSource
+def gemv_launches() -> None:
+    """Every measured configuration, with and without a gated input (for the lowering test)."""
+    from heron.layers import triton_gemv as g
 
-from heron.layers import triton_gemv as g
-
-kernel, launches = g._gemv_kernel, []
-g._gemv_kernel = type("Recorder", (), {"__getitem__": lambda self, grid: (
-    lambda *args, **kwargs: launches.append((args, kwargs)))})()
-for (m, n, k), cfg in g._TUNED.items():
-    for act in (None, "gelu_tanh"):
-        x = torch.empty(m, 2 * k if act else k, dtype=torch.bfloat16)
-        w, out = torch.empty(n, k, dtype=torch.bfloat16), torch.empty(m, n, dtype=torch.bfloat16)
-        g._launch(x, w, None, out, cfg, g.ACTIVATIONS[act] if act else 0)
-
-dtypes = {torch.bfloat16: "*bf16", torch.float32: "*fp32", torch.int32: "*i32"}
-backend = CUDABackend(GPUTarget("cuda", 90, 32))
-seen, failures = set(), []
-for args, kwargs in launches:
-    constexprs = {name: kwargs[name] for name in kernel.arg_names[len(args):]}
-    constexprs["USE_PDL"] = True  # as launched on an H200 (the CPU launches without)
-    key = tuple(sorted(constexprs.items())) + (kwargs["num_warps"],)
-    if key in seen:
-        continue
-    seen.add(key)
-    types = {name: dtypes[a.dtype] if isinstance(a, torch.Tensor) else "i32"
-             for name, a in zip(kernel.arg_names, args)}
-    types.update(dict.fromkeys(constexprs, "constexpr"))
-    source = ASTSource(kernel, types, {(kernel.arg_names.index(c),): v
-                                       for c, v in constexprs.items()})
-    options = backend.parse_options({"num_warps": kwargs["num_warps"]})
-    context = ir.context()
-    ir.load_dialects(context)
-    backend.load_dialects(context)
-    try:
-        source.make_ir(GPUTarget("cuda", 90, 32), options,
-                       backend.get_codegen_implementation(options), backend.get_module_map(),
-                       context)
-    except Exception as e:
-        failures.append(f"{constexprs}: {str(e).splitlines()[0]}")
-print(len(seen), "variants lowered")
-assert not failures, "\\n".join(failures)
-"""
+    for (m, n, k), cfg in g._TUNED.items():
+        for act in (None, "gelu_tanh"):
+            x = torch.empty(m, 2 * k if act else k, dtype=torch.bfloat16)
+            w, out = (
+                torch.empty(n, k, dtype=torch.bfloat16),
+                torch.empty(m, n, dtype=torch.bfloat16),
+            )
+            g._launch(x, w, None, out, cfg, ACTIVATIONS[act] if act else 0)
 
 
 def test_every_measured_configuration_lowers_for_hopper():
-    """The interpreter runs kernels as Python, so it misses code that Triton's compiler rejects
-    (a tile-shape mismatch in a branch it compiles anyway); this lowers every launch variant
-    of the measured configurations to Triton IR for an H100/H200 target, without a GPU."""
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    result = subprocess.run(
-        [sys.executable, "-c", _LOWER_TUNED], env=env, capture_output=True, text=True, timeout=300
+    """Triton's compiler accepts every launch variant of the measured configurations (which
+    the interpreter alone would not prove)."""
+    assert check_lowering(
+        "heron.layers.triton_gemv:_gemv_kernel", "layers.test_triton_gemv:gemv_launches"
     )
-    assert result.returncode == 0, result.stdout + result.stderr[-3000:]
-    assert "variants lowered" in result.stdout

@@ -1,0 +1,103 @@
+"""Lower Triton kernel launches to Triton IR for an H100/H200 (sm_90) target, without a GPU.
+
+The CPU tests run kernels in Triton's interpreter, which executes them as Python and so never
+meets code that Triton's compiler rejects (a tile-shape mismatch in a branch it compiles
+anyway, say). :func:`check_lowering` runs, in a Python without the interpreter, a function that
+makes launches on CPU tensors while the kernel is replaced by a recorder, then lowers every
+distinct recorded launch (with programmatic dependent launch on, as on an H200).
+
+    check_lowering("heron.layers.triton_gemv:_gemv_kernel", "layers.test_triton_gemv:gemv_launches")
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+_TARGET = ("cuda", 90, 32)
+
+
+def check_lowering(kernel: str, launches: str) -> int:
+    """Lower each launch that ``launches`` (``module:function``, importable from ``tests/``)
+    makes of ``kernel`` (``module:attribute``); return how many distinct ones lowered."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    tests = str(Path(__file__).parent)
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [tests, env.get("PYTHONPATH")]))
+    result = subprocess.run(
+        [sys.executable, __file__, kernel, launches],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert result.returncode == 0, result.stdout + result.stderr[-3000:]
+    return int(result.stdout.split()[-1])
+
+
+def _signature_type(value) -> str:
+    import torch
+
+    if isinstance(value, torch.Tensor):
+        return "*" + {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32",
+                      torch.int32: "i32", torch.int64: "i64"}[value.dtype]  # fmt: skip
+    if isinstance(value, float):
+        return "fp32"
+    return "i32" if -(2**31) <= value < 2**31 else "i64"
+
+
+def _lower(fn, args: tuple, kwargs: dict) -> None:
+    from triton._C.libtriton import ir
+    from triton.backends.compiler import GPUTarget
+    from triton.backends.nvidia.compiler import CUDABackend
+    from triton.compiler import ASTSource
+
+    names = fn.arg_names
+    constexprs = {name: kwargs[name] for name in names[len(args) :]}
+    constexprs.update({n: None for n, a in zip(names, args) if a is None})  # None: a constexpr
+    if "USE_PDL" in constexprs:
+        constexprs["USE_PDL"] = True
+    types = {n: _signature_type(a) for n, a in zip(names, args) if a is not None}
+    types.update(dict.fromkeys(constexprs, "constexpr"))
+    source = ASTSource(fn, types, {(names.index(n),): v for n, v in constexprs.items()})
+    target = GPUTarget(*_TARGET)
+    backend = CUDABackend(target)
+    options = backend.parse_options({"num_warps": kwargs.get("num_warps", 4)})
+    context = ir.context()
+    ir.load_dialects(context)
+    backend.load_dialects(context)
+    codegen = backend.get_codegen_implementation(options)
+    source.make_ir(target, options, codegen, backend.get_module_map(), context)
+
+
+def _main(kernel: str, launches: str) -> None:
+    module_name, attribute = kernel.split(":")
+    module = importlib.import_module(module_name)
+    fn, recorded = getattr(module, attribute), []
+    recorder = type("Recorder", (), {"__getitem__": lambda self, grid: (
+        lambda *args, **kwargs: recorded.append((args, kwargs)))})  # fmt: skip
+    setattr(module, attribute, recorder())
+    launch_module, function = launches.split(":")
+    getattr(importlib.import_module(launch_module), function)()
+    distinct, failures = {}, []
+    for args, kwargs in recorded:
+        key = (tuple(map(_signature_type_or_none, args)), tuple(sorted(map(str, kwargs.items()))))
+        distinct.setdefault(key, (args, kwargs))
+    for args, kwargs in distinct.values():
+        try:
+            _lower(fn, args, kwargs)
+        except Exception as e:
+            failures.append(f"{kwargs}: {str(e).splitlines()[0]}")
+    assert recorded, "no launch was recorded"
+    assert not failures, "\n".join(failures)
+    print("lowered", len(distinct))
+
+
+def _signature_type_or_none(value) -> str:
+    return "none" if value is None else _signature_type(value)
+
+
+if __name__ == "__main__":
+    _main(*sys.argv[1:])
