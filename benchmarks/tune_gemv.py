@@ -8,6 +8,8 @@ and TB/s, plus a ``_TUNED`` snippet. Kernels are compiled
 first by worker processes in parallel (Triton's on-disk cache hands them to the timing pass).
 
     python benchmarks/tune_gemv.py --model gemma3 [--rows 1 2 4 8 16] [--workers 12]
+
+Models: qwen3 (Qwen3-0.6B), gemma3 (Gemma-3-1B), llama8b (Llama-3-8B / Mistral-7B).
 """
 
 from __future__ import annotations
@@ -28,6 +30,13 @@ SHAPES = {
         ("gate_up", 6144, 1024, None),
         ("down", 1024, 3072, "silu"),
         ("lm_head", 151936, 1024, None),
+    ],
+    "llama8b": [
+        ("qkv", 6144, 4096, None),
+        ("o", 4096, 4096, None),
+        ("gate_up", 28672, 4096, None),
+        ("down", 4096, 14336, "silu"),
+        ("lm_head", 128256, 4096, None),
     ],
     "gemma3": [
         ("qkv", 1536, 1152, None),

@@ -152,8 +152,8 @@ class GemvConfig(tuple):
 # Measured winners on an H200 (bf16, weights cold in HBM, CUDA-graph replays) for the decode
 # shapes of Qwen3-0.6B- and Gemma-3-1B-class models, keyed by (M_PAD, N, K); they serve fp16
 # too. Other shapes and fp32 take the rule in ``_default_config``, which gives these or close
-# relatives, except for a gated down projection of few columns at more than one row (see
-# Gemma's entries: the rule is six times slower there).
+# relatives, except for gated down projections (its K split leaves them at half the bandwidth
+# or less: see Gemma's and Llama's entries).
 _FMA1 = GemvConfig(False, 8, 1024, 4, 3, 1)
 _DOT64 = GemvConfig(True, 64, 256, 4, 4, 1)
 _TUNED: dict[tuple[int, int, int], GemvConfig] = {
@@ -185,6 +185,14 @@ _TUNED: dict[tuple[int, int, int], GemvConfig] = {
     (16, 1536, 1152): _DOT64,
     (16, 13824, 1152): GemvConfig(True, 128, 128, 4, 4, 1),
     (16, 1152, 6912): GemvConfig(True, 64, 256, 4, 3, 8),
+    # Llama-3-8B / Mistral-7B (hidden 4096, intermediate 14336; `--model llama8b --rows 1 4
+    # 16`). The rule's gated down (128 programs, 256-wide K tiles) took 49-51 µs, 2.3 TB/s: one
+    # row in 16-column broadcast programs over all of K takes 30.6, more rows K split by 4 in
+    # 128-wide tiles take 32-33 (measured at 4 and 16 rows; 2 and 8 use the same, unmeasured). gate_up in
+    # 128-column programs: 58.8 -> 56.7 µs. qkv, o and the lm_head keep the rule.
+    (1, 4096, 14336): GemvConfig(False, 16, 1024, 4, 3, 1),
+    **{(m, 4096, 14336): GemvConfig(True, 64, 128, 4, 4, 4) for m in (2, 4, 8, 16)},
+    **{(m, 28672, 4096): GemvConfig(True, 128, 128, 4, 3, 1) for m in (1, 2, 4, 8, 16)},
 }
 
 _CONFIG_CACHE: dict[tuple, GemvConfig] = {}
