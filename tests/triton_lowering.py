@@ -3,10 +3,10 @@
 The CPU tests run kernels in Triton's interpreter, which executes them as Python and so never
 meets code that Triton's compiler rejects (a tile-shape mismatch in a branch it compiles
 anyway, say). :func:`check_lowering` runs, in a Python without the interpreter, a function that
-makes launches on CPU tensors while the kernel is replaced by a recorder, then lowers every
+makes launches on CPU tensors while the kernels are replaced by recorders, then lowers every
 distinct recorded launch (with programmatic dependent launch on, as on an H200).
 
-    check_lowering("heron.layers.triton_gemv:_gemv_kernel", "layers.test_triton_gemv:gemv_launches")
+    check_lowering("layers.test_triton_gemv:gemv_launches", "heron.layers.triton_gemv:_gemv_kernel")
 """
 
 from __future__ import annotations
@@ -20,14 +20,15 @@ from pathlib import Path
 _TARGET = ("cuda", 90, 32)
 
 
-def check_lowering(kernel: str, launches: str) -> int:
+def check_lowering(launches: str, *kernels: str) -> int:
     """Lower each launch that ``launches`` (``module:function``, importable from ``tests/``)
-    makes of ``kernel`` (``module:attribute``); return how many distinct ones lowered."""
+    makes of the ``kernels`` (``module:attribute`` each); return how many distinct ones
+    lowered. Every kernel must be launched at least once."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     tests = str(Path(__file__).parent)
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [tests, env.get("PYTHONPATH")]))
     result = subprocess.run(
-        [sys.executable, __file__, kernel, launches],
+        [sys.executable, __file__, launches, *kernels],
         env=env,
         capture_output=True,
         text=True,
@@ -64,7 +65,9 @@ def _lower(fn, args: tuple, kwargs: dict) -> None:
     source = ASTSource(fn, types, {(names.index(n),): v for n, v in constexprs.items()})
     target = GPUTarget(*_TARGET)
     backend = CUDABackend(target)
-    options = backend.parse_options({"num_warps": kwargs.get("num_warps", 4)})
+    options = backend.parse_options(
+        {k: kwargs[k] for k in ("num_warps", "num_stages") if k in kwargs}
+    )
     context = ir.context()
     ir.load_dialects(context)
     backend.load_dialects(context)
@@ -72,27 +75,33 @@ def _lower(fn, args: tuple, kwargs: dict) -> None:
     source.make_ir(target, options, codegen, backend.get_module_map(), context)
 
 
-def _main(kernel: str, launches: str) -> None:
-    module_name, attribute = kernel.split(":")
-    module = importlib.import_module(module_name)
-    fn, recorded = getattr(module, attribute), []
-    recorder = type("Recorder", (), {"__getitem__": lambda self, grid: (
-        lambda *args, **kwargs: recorded.append((args, kwargs)))})  # fmt: skip
-    setattr(module, attribute, recorder())
+def _main(launches: str, *kernels: str) -> None:
+    recorded = {}  # kernel spec: (the kernel, its launches)
+    for spec in kernels:
+        module_name, attribute = spec.split(":")
+        module = importlib.import_module(module_name)
+        calls: list = []
+        recorder = type("Recorder", (), {"__getitem__": lambda self, grid, calls=calls: (
+            lambda *args, **kwargs: calls.append((args, kwargs)))})  # fmt: skip
+        recorded[spec] = (getattr(module, attribute), calls)
+        setattr(module, attribute, recorder())
     launch_module, function = launches.split(":")
     getattr(importlib.import_module(launch_module), function)()
-    distinct, failures = {}, []
-    for args, kwargs in recorded:
-        key = (tuple(map(_signature_type_or_none, args)), tuple(sorted(map(str, kwargs.items()))))
-        distinct.setdefault(key, (args, kwargs))
-    for args, kwargs in distinct.values():
-        try:
-            _lower(fn, args, kwargs)
-        except Exception as e:
-            failures.append(f"{kwargs}: {str(e).splitlines()[0]}")
-    assert recorded, "no launch was recorded"
+    failures, count = [], 0
+    for spec, (fn, calls) in recorded.items():
+        assert calls, f"{spec} was not launched"
+        distinct = {}
+        for args, kwargs in calls:
+            types = tuple(map(_signature_type_or_none, args))
+            distinct.setdefault((types, tuple(sorted(map(str, kwargs.items())))), (args, kwargs))
+        for args, kwargs in distinct.values():
+            try:
+                _lower(fn, args, kwargs)
+            except Exception as e:
+                failures.append(f"{spec} {kwargs}: {str(e).splitlines()[0]}")
+        count += len(distinct)
     assert not failures, "\n".join(failures)
-    print("lowered", len(distinct))
+    print("lowered", count)
 
 
 def _signature_type_or_none(value) -> str:

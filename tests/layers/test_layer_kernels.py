@@ -6,9 +6,12 @@ only: the interpreter's bf16 arithmetic is wrong); ``gpu`` cases check bf16 at m
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 import torch
 import torch.nn.functional as F
+from triton_lowering import check_lowering
 
 from heron.layers.triton_kernels import ACTIVATIONS, gated_activation, rms_norm
 
@@ -187,3 +190,30 @@ def test_gemma_norm_module_prenorm_bf16(tokens: int) -> None:
     out, new_residual = pre.cuda()(x.cuda(), residual.cuda(), post.cuda())
     assert_close(new_residual.cpu(), expected_sum)  # post(x) may differ by an ulp (sum order)
     assert_close(out.cpu(), expected)
+
+
+def layer_kernel_launches() -> None:
+    """bf16 launches at real hidden sizes (Qwen3-0.6B, Gemma-3-1B, gpt-oss, Llama-3-8B): the
+    RMSNorm plain, with a residual, in Gemma's form with a fused post-norm; every gated
+    activation at the models' intermediate sizes (for the lowering test)."""
+    bf16 = torch.bfloat16
+    for hidden in (1024, 1152, 2880, 4096):
+        x, weight = torch.empty(3, hidden, dtype=bf16), torch.empty(hidden, dtype=bf16)
+        rms_norm(x, weight, EPS)
+        rms_norm(x, weight, EPS, residual=torch.empty_like(x))
+        rms_norm(
+            x, weight, EPS, torch.empty_like(x), weight_offset=1.0, scale_in_fp32=True,
+            prenorm_weight=weight,
+        )  # fmt: skip
+    for inter, act in itertools.product((3072, 6912, 14336), ACTIVATIONS):
+        gated_activation(torch.empty(3, 2 * inter, dtype=bf16), act)
+
+
+def test_layer_kernel_launches_lower_for_hopper():
+    """Triton's compiler accepts the norm's and the activation's launch variants at real sizes
+    (which the interpreter alone would not prove)."""
+    assert check_lowering(
+        "layers.test_layer_kernels:layer_kernel_launches",
+        "heron.layers.triton_kernels:_rms_norm_kernel",
+        "heron.layers.triton_kernels:_gated_activation_kernel",
+    )

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from triton_lowering import check_lowering
 
 from heron.layers.moe import ClampedSwiGLUExperts, MoEMLP
 from heron.layers.triton_moe import align_by_expert, fused_experts
@@ -240,3 +241,28 @@ def test_gpu_cuda_graph_moe_block():
         assert torch.equal(out, moe(x))
         routings.append(moe.router(x).topk(K20, dim=-1).indices)
     assert not torch.equal(routings[0], routings[1])
+
+
+def moe_launches() -> None:
+    """bf16 launches at gpt-oss-20b's expert sizes (hidden and intermediate 2880, top-4), for a
+    decode-sized and a prefill-sized batch (different row blocks), for the lowering test."""
+    bf16, experts = torch.bfloat16, 32
+    gate_up = torch.empty(experts, 2880, 2 * 2880, dtype=bf16)
+    down = torch.empty(experts, 2880, 2880, dtype=bf16)
+    for tokens in (4, 4096):
+        indices = torch.randint(0, experts, (tokens, 4), generator=torch.Generator().manual_seed(0))
+        fused_experts(
+            torch.empty(tokens, 2880, dtype=bf16), torch.empty(tokens, 4, dtype=bf16), indices,
+            gate_up, torch.empty(experts, 2 * 2880, dtype=bf16), down,
+            torch.empty(experts, 2880, dtype=bf16), 1.702, LIMIT,
+        )  # fmt: skip
+
+
+def test_moe_launches_lower_for_hopper():
+    """Triton's compiler accepts both expert kernels' launch variants at gpt-oss-20b's sizes
+    (which the interpreter alone would not prove)."""
+    assert check_lowering(
+        "layers.test_triton_moe:moe_launches",
+        "heron.layers.triton_moe:_gate_up_kernel",
+        "heron.layers.triton_moe:_down_kernel",
+    )

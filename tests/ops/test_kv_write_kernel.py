@@ -8,9 +8,12 @@ check bf16 at model shapes and CUDA-graph replay.
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 import torch
 import transformers as tf
+from triton_lowering import check_lowering
 
 from heron.layers.norm import GemmaRMSNorm, RMSNorm
 from heron.layers.rotary import RotaryEmbedding
@@ -270,3 +273,35 @@ def test_qk_norm_rope_kv_write_cuda_graph() -> None:
         torch.cuda.synchronize()
         assert_close(q_out, expected_q)
         assert_close(cache, expected_cache)
+
+
+def kv_write_launches() -> None:
+    """bf16 launches at real layer shapes (Gemma-3-1B, Qwen3-0.6B, gpt-oss-like): the plain KV
+    write, and the fused pre-write without a qk-norm, with Qwen3's and with Gemma 3's, over a
+    full and a partial rotary dimension (for the lowering test)."""
+    bf16 = torch.bfloat16
+    forms = [(None, 0.0, False), (RMSNorm, 0.0, False), (GemmaRMSNorm, 1.0, True)]
+    for heads, kv_heads, head_dim in [(4, 1, 256), (16, 8, 128), (64, 8, 64)]:
+        cache = torch.empty(2, 8, 16, kv_heads, head_dim, dtype=bf16)
+        slots = torch.zeros(3, dtype=torch.int32)
+        k = torch.empty(3, kv_heads, head_dim, dtype=bf16)
+        kv_write(k, torch.empty_like(k), cache, slots)
+        qkv = torch.empty(3, (heads + 2 * kv_heads) * head_dim, dtype=bf16)
+        for (norm, offset, in_fp32), rotary in itertools.product(forms, (head_dim, head_dim // 4)):
+            cos = torch.empty(MAX_POS, rotary // 2, dtype=torch.float32)
+            weight = torch.empty(head_dim, dtype=bf16) if norm else None
+            qk_norm_rope_kv_write(
+                qkv, torch.zeros(3, dtype=torch.int32), cos, torch.empty_like(cos), weight,
+                weight, 1e-6, cache, slots, heads, kv_heads, head_dim,
+                norm_weight_offset=offset, norm_scale_in_fp32=in_fp32,
+            )  # fmt: skip
+
+
+def test_kv_write_launches_lower_for_hopper() -> None:
+    """Triton's compiler accepts both kernels' launch variants at real layer shapes (which
+    the interpreter alone would not prove)."""
+    assert check_lowering(
+        "ops.test_kv_write_kernel:kv_write_launches",
+        "heron.ops.attention.triton.kv_write:_kv_write_kernel",
+        "heron.ops.attention.triton.kv_write:_qk_norm_rope_kv_write_kernel",
+    )

@@ -12,6 +12,8 @@ them without a reset).
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -597,27 +599,39 @@ def test_gpu_decode_cuda_graph_replay(features):
         assert not ws["tickets"].any(), "each replay leaves its tickets zero"
 
 
-def decode_launches() -> None:
-    """bf16 decode launches of Gemma-3 (4 heads, 1 KV head, head_dim 256), Qwen3 (16 / 8, 128)
-    and gpt-oss-like (64 / 8, 64) layers: one and several splits, with window, soft-cap and
-    sinks (for the lowering test)."""
+# Real layer shapes (heads, KV heads, head_dim): Gemma-3-1B, Qwen3-0.6B, gpt-oss-like; and the
+# features (window, soft-cap, sinks) each alone, for the lowering test.
+LAYER_SHAPES = [(4, 1, 256), (16, 8, 128), (64, 8, 64)]
+FEATURE_SETS = [(None, None, False), (512, None, False), (None, 50.0, False), (128, None, True)]
+
+
+def attention_launches() -> None:
+    """bf16 decode (one and several splits) and extend launches of every layer shape with
+    every feature set."""
     bf16 = torch.bfloat16
-    features = [(None, None, False), (512, None, False), (None, 50.0, False), (128, None, True)]
-    for heads, kv_heads, head_dim in ((4, 1, 256), (16, 8, 128), (64, 8, 64)):
+    for (heads, kv_heads, head_dim), (window, softcap, sinks) in itertools.product(
+        LAYER_SHAPES, FEATURE_SETS
+    ):
+        cache = torch.empty(2, 8, 16, kv_heads, head_dim, dtype=bf16)
+        tables = torch.zeros(2, 4, dtype=torch.int32)
+        lens = torch.ones(2, dtype=torch.int32)
+        features = dict(softcap=softcap, sinks=torch.empty(heads, dtype=bf16) if sinks else None)
+        q = torch.empty(2, heads, head_dim, dtype=bf16)
         for splits in (1, 16, 128):
-            for window, softcap, sinks in features:
-                q = torch.empty(2, heads, head_dim, dtype=bf16)
-                cache = torch.empty(2, 8, 16, kv_heads, head_dim, dtype=bf16)
-                tables = torch.zeros(2, 4, dtype=torch.int32)
-                lens = torch.ones(2, dtype=torch.int32)
-                paged_decode_attention(
-                    q, cache, tables, lens, 0.1, window, torch.empty_like(q), splits,
-                    softcap=softcap, sinks=torch.empty(heads, dtype=bf16) if sinks else None,
-                )  # fmt: skip
+            paged_decode_attention(
+                q, cache, tables, lens, 0.1, window, torch.empty_like(q), splits, **features
+            )
+        starts = torch.tensor([0, 1, 2], dtype=torch.int32)
+        paged_extend_attention(
+            q, cache, tables, starts, lens, 1, 0.1, window, torch.empty_like(q), **features
+        )
 
 
-def test_decode_launches_lower_for_hopper():
-    """Triton's compiler accepts the decode kernel's launch variants for real layer shapes
-    (which the interpreter alone would not prove)."""
-    kernel = "heron.ops.attention.triton.decode:_decode_kernel"
-    assert check_lowering(kernel, "ops.test_triton_attention_kernels:decode_launches")
+def test_attention_launches_lower_for_hopper():
+    """Triton's compiler accepts the decode and extend kernels' launch variants for real layer
+    shapes (which the interpreter alone would not prove)."""
+    assert check_lowering(
+        "ops.test_triton_attention_kernels:attention_launches",
+        "heron.ops.attention.triton.decode:_decode_kernel",
+        "heron.ops.attention.triton.extend:_extend_kernel",
+    )
