@@ -136,7 +136,7 @@ def main() -> None:
         nbytes = n * k * 2
         copies = max(1, -(-(256 << 20) // nbytes))
         x, ws, out = tensors(m, n, k, act, copies)
-        today = g._config(g._m_pad(m), n, k, 2, x.device)
+        today = g._config(g._m_pad(m), n, k, 2, x.device, act is not None)
         t_today = triton_us(act, today, x, ws, out)
         results = [(triton_us(act, c, x, ws, out), c) for c in candidates(m, n, k)]
         t_best, best = min(results + [(t_today, today)])

@@ -152,8 +152,7 @@ class GemvConfig(tuple):
 # Measured winners on an H200 (bf16, weights cold in HBM, CUDA-graph replays) for the decode
 # shapes of Qwen3-0.6B- and Gemma-3-1B-class models, keyed by (M_PAD, N, K); they serve fp16
 # too. Other shapes and fp32 take the rule in ``_default_config``, which gives these or close
-# relatives, except for gated down projections (its K split leaves them at half the bandwidth
-# or less: see Gemma's and Llama's entries).
+# relatives (for gated down projections since this session's measurements of three models).
 _FMA1 = GemvConfig(False, 8, 1024, 4, 3, 1)
 _DOT64 = GemvConfig(True, 64, 256, 4, 4, 1)
 _TUNED: dict[tuple[int, int, int], GemvConfig] = {
@@ -213,19 +212,33 @@ def _num_sms(device: torch.device) -> int:
     return _NUM_SMS[device]
 
 
-def _default_config(m_pad: int, n: int, k: int, elem_size: int, num_sms: int) -> GemvConfig:
+def _default_config(
+    m_pad: int, n: int, k: int, elem_size: int, num_sms: int, gated: bool = False
+) -> GemvConfig:
     """One wave of long-running programs that stream their slab through a multi-stage pipeline.
 
-    One row with few column blocks: broadcast-multiply programs of 8 columns over all of ``K``.
-    Otherwise ``tl.dot`` on ``weight_tile @ x.T`` (rows padded to 16; the broadcast form spills
-    registers from 4 rows up), 64 columns a program (32 when that leaves fewer programs than
-    about 0.7 per SM), ``K`` split while the programs fit in one wave and each keeps two tiles.
-    Tiles hold half as many fp32 elements, to stay within shared memory.
+    One row with few column blocks: broadcast-multiply programs of 8 columns over all of ``K``
+    (16 for a gated input when 8 would make more than two programs per SM). Otherwise
+    ``tl.dot`` on ``weight_tile @ x.T`` (rows padded to 16; the broadcast form spills registers
+    from 4 rows up), 64 columns a program (32 when that leaves fewer programs than about 0.7
+    per SM), ``K`` split while the programs fit in one wave and each keeps two tiles. A gated
+    input (a down projection: few columns, a long ``K``) splits ``K`` until the programs fill
+    at least one wave, in 128-wide tiles: what the measured winners of Qwen3-0.6B, Gemma-3-1B
+    and Llama-3-8B share, where the one-wave rule read at half the bandwidth or less. Tiles
+    hold half as many fp32 elements, to stay within shared memory.
     """
     wide = elem_size <= 2
-    if m_pad == 1 and triton.cdiv(n, 8) <= 2 * num_sms and k >= 1024:
-        return GemvConfig(False, 8, 1024 if wide else 512, 4, 3, 1)
+    if m_pad == 1 and k >= 1024:
+        for block_n in (8, 16) if gated else (8,):
+            if triton.cdiv(n, block_n) <= 2 * num_sms:
+                return GemvConfig(False, block_n, 1024 if wide else 512, 4, 3, 1)
     block_k = min(256 if wide else 128, max(16, triton.next_power_of_2(k)))
+    if gated:
+        block_k = min(block_k, 128)
+        n_blocks, split = triton.cdiv(n, 64), 1
+        while n_blocks * split < num_sms and k // (split * 2) >= 2 * block_k:
+            split *= 2
+        return GemvConfig(True, 64, block_k, 4, 3, split)
     block_n = 64 if triton.cdiv(n, 64) * 4 >= num_sms else 32
     n_blocks = triton.cdiv(n, block_n)
     stages = 4 if wide else 3
@@ -237,12 +250,14 @@ def _default_config(m_pad: int, n: int, k: int, elem_size: int, num_sms: int) ->
     return GemvConfig(True, block_n, block_k, 4, stages, split)
 
 
-def _config(m_pad: int, n: int, k: int, elem_size: int, device: torch.device) -> GemvConfig:
-    key = (m_pad, n, k, elem_size, device)
+def _config(
+    m_pad: int, n: int, k: int, elem_size: int, device: torch.device, gated: bool = False
+) -> GemvConfig:
+    key = (m_pad, n, k, elem_size, device, gated)
     cfg = _CONFIG_CACHE.get(key)
     if cfg is None:
         cfg = _TUNED.get((m_pad, n, k)) if elem_size == 2 else None
-        cfg = cfg or _default_config(m_pad, n, k, elem_size, _num_sms(device))
+        cfg = cfg or _default_config(m_pad, n, k, elem_size, _num_sms(device), gated)
         _CONFIG_CACHE[key] = cfg
     return cfg
 
@@ -351,6 +366,7 @@ def linear_small_m(
         return out.copy_(bias.expand(M, N) if bias is not None else torch.zeros_like(out))
     for start in range(0, M, MAX_M):
         rows = slice(start, min(M, start + MAX_M))
-        cfg = _config(_m_pad(rows.stop - rows.start), N, K, x.element_size(), x.device)
+        m_pad = _m_pad(rows.stop - rows.start)
+        cfg = _config(m_pad, N, K, x.element_size(), x.device, act is not None)
         _launch(x[rows], weight, bias, out[rows], cfg, ACTIVATIONS[act] if act else 0)
     return out
