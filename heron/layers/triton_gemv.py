@@ -150,9 +150,9 @@ class GemvConfig(tuple):
 
 
 # Measured winners on an H200 (bf16, weights cold in HBM, CUDA-graph replays) for the decode
-# shapes of Qwen3-0.6B- and Gemma-3-1B-class models, keyed by (M_PAD, N, K); they serve fp16
-# too. Other shapes and fp32 take the rule in ``_default_config``, which gives these or close
-# relatives (for gated down projections since this session's measurements of three models).
+# shapes of Qwen3-0.6B-, Gemma-3-1B- and Llama-3-8B-class models, keyed by (M_PAD, N, K); they
+# serve fp16 too. Other shapes and fp32 take the rule in ``_default_config``, which gives these
+# or close relatives.
 _FMA1 = GemvConfig(False, 8, 1024, 4, 3, 1)
 _DOT64 = GemvConfig(True, 64, 256, 4, 4, 1)
 _TUNED: dict[tuple[int, int, int], GemvConfig] = {
@@ -170,8 +170,9 @@ _TUNED: dict[tuple[int, int, int], GemvConfig] = {
     # Gemma-3-1B (benchmarks/tune_gemv.py --model gemma3 --rows 1 2 4 8 16). One row: qkv
     # 1152 -> 1536 and o 1152 <- 1024 in programs of 4 columns; gate_up 1152 -> 13824 with K
     # tiles that divide 1152 (no masked tail); down 6912 -> 1152 split by 4; the lm_head 4
-    # stages deep. More rows: the rule's gated down (36 programs of 32 columns, K split by 2)
-    # took 57-61 µs, 64 columns with K split by 8 take 10-11; the lm_head keeps the rule.
+    # stages deep. More rows: the old rule's gated down (36 programs of 32 columns, K split
+    # by 2) took 57-61 µs, 64 columns with K split by 8 take 10-11 (the rule's shape for gated
+    # inputs since); the lm_head keeps the rule.
     (1, 1536, 1152): GemvConfig(False, 4, 1024, 4, 3, 1),
     (1, 1152, 1024): GemvConfig(False, 4, 1024, 4, 2, 1),
     (1, 13824, 1152): GemvConfig(True, 64, 128, 4, 4, 1),
@@ -185,10 +186,10 @@ _TUNED: dict[tuple[int, int, int], GemvConfig] = {
     (16, 13824, 1152): GemvConfig(True, 128, 128, 4, 4, 1),
     (16, 1152, 6912): GemvConfig(True, 64, 256, 4, 3, 8),
     # Llama-3-8B / Mistral-7B (hidden 4096, intermediate 14336; `--model llama8b --rows 1 4
-    # 16`). The rule's gated down (128 programs, 256-wide K tiles) took 49-51 µs, 2.3 TB/s: one
-    # row in 16-column broadcast programs over all of K takes 30.6, more rows K split by 4 in
-    # 128-wide tiles take 32-33 (measured at 4 and 16 rows; 2 and 8 use the same, unmeasured). gate_up in
-    # 128-column programs: 58.8 -> 56.7 µs. qkv, o and the lm_head keep the rule.
+    # 16`). The old rule's gated down (128 programs, 256-wide K tiles) took 49-51 µs, 2.3 TB/s:
+    # one row in 16-column broadcast programs over all of K takes 30.6, more rows K split by 4
+    # in 128-wide tiles take 32-33 (measured at 4 and 16 rows; 2 and 8 use the same,
+    # unmeasured). gate_up in 128-column programs: 58.8 -> 56.7 µs. qkv, o, lm_head: the rule.
     (1, 4096, 14336): GemvConfig(False, 16, 1024, 4, 3, 1),
     **{(m, 4096, 14336): GemvConfig(True, 64, 128, 4, 4, 4) for m in (2, 4, 8, 16)},
     **{(m, 28672, 4096): GemvConfig(True, 128, 128, 4, 3, 1) for m in (1, 2, 4, 8, 16)},
