@@ -193,7 +193,8 @@ def test_gpu_cuda_graph_replay(k, n):
 
 
 def gemv_launches() -> None:
-    """Every measured configuration, with and without a gated input (for the lowering test)."""
+    """Every measured configuration, with and without a gated input, and the rule's gated
+    configurations for some shapes without entries (for the lowering test)."""
     from heron.layers import triton_gemv as g
 
     for (m, n, k), cfg in g._TUNED.items():
@@ -204,6 +205,11 @@ def gemv_launches() -> None:
                 torch.empty(m, n, dtype=torch.bfloat16),
             )
             g._launch(x, w, None, out, cfg, ACTIVATIONS[act] if act else 0)
+    # The rule's gated configurations for shapes without measured entries (Qwen2.5-7B's down,
+    # a mid-size and a tiny one), through the public entry point.
+    for (n, k), m in itertools.product([(3584, 18944), (2048, 8192), (64, 320)], (1, 3, 16)):
+        x = torch.empty(m, 2 * k, dtype=torch.bfloat16)
+        g.linear_small_m(x, torch.empty(n, k, dtype=torch.bfloat16), act="silu")
 
 
 def test_every_measured_configuration_lowers_for_hopper():
