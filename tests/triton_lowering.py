@@ -38,9 +38,22 @@ def check_lowering(launches: str, *kernels: str) -> int:
     return int(result.stdout.split()[-1])
 
 
+class _Recorder:
+    """Stands in for a kernel: ``kernel[grid](*args, **kwargs)`` records the call."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[tuple, dict]] = []
+
+    def __getitem__(self, grid):
+        return lambda *args, **kwargs: self.calls.append((args, kwargs))
+
+
 def _signature_type(value) -> str:
+    """Triton's signature type of a launch argument (None: a constexpr)."""
     import torch
 
+    if value is None:
+        return "constexpr"
     if isinstance(value, torch.Tensor):
         return "*" + {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32",
                       torch.int32: "i32", torch.int64: "i64"}[value.dtype]  # fmt: skip
@@ -57,10 +70,10 @@ def _lower(fn, args: tuple, kwargs: dict) -> None:
 
     names = fn.arg_names
     constexprs = {name: kwargs[name] for name in names[len(args) :]}
-    constexprs.update({n: None for n, a in zip(names, args) if a is None})  # None: a constexpr
+    constexprs.update({n: None for n, a in zip(names, args) if a is None})
     if "USE_PDL" in constexprs:
         constexprs["USE_PDL"] = True
-    types = {n: _signature_type(a) for n, a in zip(names, args) if a is not None}
+    types = {n: _signature_type(a) for n, a in zip(names, args)}
     types.update(dict.fromkeys(constexprs, "constexpr"))
     source = ASTSource(fn, types, {(names.index(n),): v for n, v in constexprs.items()})
     target = GPUTarget(*_TARGET)
@@ -76,24 +89,21 @@ def _lower(fn, args: tuple, kwargs: dict) -> None:
 
 
 def _main(launches: str, *kernels: str) -> None:
-    recorded = {}  # kernel spec: (the kernel, its launches)
+    recorded = {}  # kernel spec: (the kernel, its recorder)
     for spec in kernels:
         module_name, attribute = spec.split(":")
         module = importlib.import_module(module_name)
-        calls: list = []
-        recorder = type("Recorder", (), {"__getitem__": lambda self, grid, calls=calls: (
-            lambda *args, **kwargs: calls.append((args, kwargs)))})  # fmt: skip
-        recorded[spec] = (getattr(module, attribute), calls)
-        setattr(module, attribute, recorder())
+        recorded[spec] = (getattr(module, attribute), _Recorder())
+        setattr(module, attribute, recorded[spec][1])
     launch_module, function = launches.split(":")
     getattr(importlib.import_module(launch_module), function)()
     failures, count = [], 0
-    for spec, (fn, calls) in recorded.items():
-        assert calls, f"{spec} was not launched"
+    for spec, (fn, recorder) in recorded.items():
+        assert recorder.calls, f"{spec} was not launched"
         distinct = {}
-        for args, kwargs in calls:
-            types = tuple(map(_signature_type_or_none, args))
-            distinct.setdefault((types, tuple(sorted(map(str, kwargs.items())))), (args, kwargs))
+        for args, kwargs in recorder.calls:
+            key = (tuple(map(_signature_type, args)), tuple(sorted(map(str, kwargs.items()))))
+            distinct.setdefault(key, (args, kwargs))
         for args, kwargs in distinct.values():
             try:
                 _lower(fn, args, kwargs)
@@ -102,10 +112,6 @@ def _main(launches: str, *kernels: str) -> None:
         count += len(distinct)
     assert not failures, "\n".join(failures)
     print("lowered", count)
-
-
-def _signature_type_or_none(value) -> str:
-    return "none" if value is None else _signature_type(value)
 
 
 if __name__ == "__main__":
