@@ -20,6 +20,7 @@ import argparse
 import itertools
 
 import torch
+from tune_gemv import time_us
 
 from heron.ops.attention.triton import decode
 
@@ -44,23 +45,6 @@ def case_inputs(batch, context, heads, kv_heads, head_dim):
     q = torch.randn(batch, heads, head_dim, dtype=torch.bfloat16, device="cuda")
     lens = torch.full((batch,), context, dtype=torch.int32, device="cuda")
     return q, cache, tables, lens
-
-
-def time_us(fn) -> float:
-    fn()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(5):
-            fn()
-    graph.replay()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(10):
-        graph.replay()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) * 1e3 / 50
 
 
 def tune_case(batch, context, heads, kv_heads, head_dim, window, sms, variants, splits=None):
@@ -89,7 +73,7 @@ def tune_case(batch, context, heads, kv_heads, head_dim, window, sms, variants, 
             )
 
         try:
-            results.append((time_us(call), variant))
+            results.append((time_us(lambda _: call(), range(5)), variant))
         except Exception as e:  # out of shared memory / registers
             results.append((float("inf"), variant))
             print(f"  {variant}: {type(e).__name__}")

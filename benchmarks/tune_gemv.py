@@ -81,19 +81,16 @@ def _compile(jobs) -> None:
     torch.cuda.synchronize()
 
 
-def time_us(launch, ws) -> float:
-    """µs per weight of ``launch(w)`` over the cold copies ``ws``, replayed as one CUDA graph
-    (inf where the launch fails: out of shared memory or registers)."""
-    try:
-        for w in ws:
-            launch(w)
-        torch.cuda.synchronize()
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            for w in ws:
-                launch(w)
-    except Exception:
-        return float("inf")
+def time_us(launch, items) -> float:
+    """µs per item of ``launch(item)`` over ``items`` (for a GEMV, cold copies of the weight),
+    run eagerly once, then captured as one CUDA graph and replayed."""
+    for item in items:
+        launch(item)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for item in items:
+            launch(item)
     graph.replay()
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     reps = 10
@@ -102,12 +99,16 @@ def time_us(launch, ws) -> float:
         graph.replay()
     end.record()
     torch.cuda.synchronize()
-    return start.elapsed_time(end) * 1e3 / (reps * len(ws))
+    return start.elapsed_time(end) * 1e3 / (reps * len(items))
 
 
 def triton_us(act, cfg, x, ws, out) -> float:
+    """µs per weight (inf where the launch fails: out of shared memory or registers)."""
     code = g.ACTIVATIONS[act] if act else 0
-    return time_us(lambda w: g._launch(x, w, None, out, cfg, code), ws)
+    try:
+        return time_us(lambda w: g._launch(x, w, None, out, cfg, code), ws)
+    except Exception:
+        return float("inf")
 
 
 def cublas_us(x, ws, out) -> float:
