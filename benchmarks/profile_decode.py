@@ -76,7 +76,7 @@ def phase_times(llm: LLM, batch: int, context: int, steps: int) -> None:
         "- pending tokens": (runner, "_fill_pending_tokens"),
         "- LaunchedStep": (model_runner.LaunchedStep, "__init__"),
         "read": (engine, "_read"),
-        "- wait for the device": (model_runner.torch.cuda.Event, "synchronize"),
+        "- wait for the device": (torch.cuda.Event, "synchronize"),
         "- detokenize": (llm_engine.IncrementalDetokenizer, "append"),
         "- stop checks": (llm_engine, "check_stop"),
         "outputs": (llm_engine._Parent, "output"),
