@@ -31,5 +31,8 @@ def test_sigterm_during_stream(tiny_model_dir):
     finishes = [json.loads(e)["choices"][0]["finish_reason"] for e in events[:-1]]
     assert finishes[-1] == "abort"
     assert code == 0
-    with socket.socket() as s:  # the port was released
+    with socket.socket() as s:  # the port was released: nothing listens on it any more
+        # SO_REUSEADDR lets the bind ignore connections closed a moment ago and still in
+        # TIME_WAIT on the port (which fail it now and then); a listening socket still fails it.
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         s.bind(("127.0.0.1", server.port))
