@@ -1,10 +1,12 @@
-"""Lower Triton kernel launches to Triton IR for an H100/H200 (sm_90) target, without a GPU.
+"""Compile Triton kernel launches for an H100/H200 (sm_90) target, without a GPU.
 
 The CPU tests run kernels in Triton's interpreter, which executes them as Python and so never
 meets code that Triton's compiler rejects (a tile-shape mismatch in a branch it compiles
 anyway, say). :func:`check_lowering` runs, in a Python without the interpreter, a function that
-makes launches on CPU tensors while the kernels are replaced by recorders, then lowers every
-distinct recorded launch (with programmatic dependent launch on, as on an H200).
+makes launches on CPU tensors while the kernels are replaced by recorders, then compiles every
+distinct recorded launch to a cubin (Triton's passes, then ptxas, so inline PTX is checked
+too), with programmatic dependent launch fully on, and checks that it fits the shared memory
+of one program.
 
     check_lowering("layers.test_triton_gemv:gemv_launches", "heron.layers.triton_gemv:_gemv_kernel")
 """
@@ -18,6 +20,7 @@ import sys
 from pathlib import Path
 
 _TARGET = ("cuda", 90, 32)
+_MAX_SHARED = 232448  # bytes of shared memory a program may use on an H100/H200 (227 KB)
 
 
 def check_lowering(launches: str, *kernels: str) -> int:
@@ -63,29 +66,22 @@ def _signature_type(value) -> str:
 
 
 def _lower(fn, args: tuple, kwargs: dict) -> None:
-    from triton._C.libtriton import ir
+    import triton
     from triton.backends.compiler import GPUTarget
-    from triton.backends.nvidia.compiler import CUDABackend
     from triton.compiler import ASTSource
 
     names = fn.arg_names
     constexprs = {name: kwargs[name] for name in names[len(args) :]}
     constexprs.update({n: None for n, a in zip(names, args) if a is None})
     if "USE_PDL" in constexprs:
-        constexprs["USE_PDL"] = True
+        constexprs["USE_PDL"] = True  # as on an H200
     types = {n: _signature_type(a) for n, a in zip(names, args)}
     types.update(dict.fromkeys(constexprs, "constexpr"))
     source = ASTSource(fn, types, {(names.index(n),): v for n, v in constexprs.items()})
-    target = GPUTarget(*_TARGET)
-    backend = CUDABackend(target)
-    options = backend.parse_options(
-        {k: kwargs[k] for k in ("num_warps", "num_stages") if k in kwargs}
-    )
-    context = ir.context()
-    ir.load_dialects(context)
-    backend.load_dialects(context)
-    codegen = backend.get_codegen_implementation(options)
-    source.make_ir(target, options, codegen, backend.get_module_map(), context)
+    options = {k: kwargs[k] for k in ("num_warps", "num_stages") if k in kwargs}
+    compiled = triton.compile(source, target=GPUTarget(*_TARGET), options=options)
+    shared = compiled.metadata.shared
+    assert shared <= _MAX_SHARED, f"needs {shared} bytes of shared memory, at most {_MAX_SHARED}"
 
 
 def _main(launches: str, *kernels: str) -> None:
