@@ -64,7 +64,9 @@ def tune_case(batch, context, heads, kv_heads, head_dim, window, sms, variants, 
             ws = dict(
                 partial_out=torch.empty(batch, heads, count, head_dim, device="cuda"),
                 partial_lse=torch.empty(batch, heads, count, device="cuda"),
-                tickets=torch.zeros(batch * kv_heads, dtype=torch.int32, device="cuda"),
+                tickets=torch.zeros(
+                    decode.tickets_needed(batch, kv_heads, count), dtype=torch.int32, device="cuda"
+                ),
             )
 
         def call(count=count, ws=ws):

@@ -22,7 +22,11 @@ from triton_lowering import check_lowering
 from heron.metadata import SequenceMetadata, StepBatch
 from heron.ops.attention.base import AttentionSpec
 from heron.ops.attention.paged import window_start_block
-from heron.ops.attention.triton.decode import choose_num_splits, paged_decode_attention
+from heron.ops.attention.triton.decode import (
+    choose_num_splits,
+    paged_decode_attention,
+    tickets_needed,
+)
 from heron.ops.attention.triton.extend import paged_extend_attention
 from heron.ops.attention.triton.operator import TritonAttentionBuilder
 
@@ -181,7 +185,9 @@ def run_decode(
         ws = dict(
             partial_out=torch.full((*shape, head_dim), float("nan"), device=device),
             partial_lse=torch.full(shape, float("nan"), device=device),
-            tickets=torch.zeros(batch * num_kv_heads, dtype=torch.int32, device=device),
+            tickets=torch.zeros(
+                tickets_needed(batch, num_kv_heads, num_splits), dtype=torch.int32, device=device
+            ),
         )
     if tickets is not None:
         ws["tickets"] = tickets
@@ -363,6 +369,21 @@ def test_decode_one_tile_splits(heads, feature):
     assert (out[0] == 0).all()
 
 
+@pytest.mark.parametrize("splits", [32, 40], ids=["s32", "s40"])
+@pytest.mark.parametrize("feature", [None, "softcap+sinks"])
+def test_decode_two_level_merge(splits, feature):
+    """More splits than one program merges (``_MERGE_GROUP``): groups merge first, then the
+    groups (40: the last group is short). One row keeps two groups busy and a third partly,
+    one only part of the first; a padded row has none."""
+    kv_lens = [0, 2100, 100]
+    out, ref = run_decode(
+        kv_lens, 4, 2, 16, None, splits, torch.float32, head_dim=16, workspace=True,
+        **FEATURES.get(feature, {}),
+    )  # fmt: skip
+    assert_close(out, ref, 1e-4)
+    assert (out[0] == 0).all()
+
+
 def test_decode_reuses_tickets():
     """One ticket buffer for launch after launch (the layers of a step, the replays of a
     graph), with other lengths, batches and split counts (3: not a power of two): each launch
@@ -400,7 +421,8 @@ def test_builder_workspace_tickets():
     spec = AttentionSpec(heads, kv_heads, HEAD_DIM, HEAD_DIM**-0.5, window)
     builder = TritonAttentionBuilder(spec, block_size, max_model_len=512)
     buffers = builder.make_graph_buffers(8, DEVICE)
-    assert buffers.tickets.dtype == torch.int32 and buffers.tickets.shape == (8 * kv_heads,)
+    assert buffers.tickets.dtype == torch.int32
+    assert buffers.tickets.shape == (max(tickets_needed(b, kv_heads, 4) for b in range(1, 9)),)
     assert not buffers.tickets.any()
 
     kv_lens = [300, 5, 129]
@@ -417,7 +439,8 @@ def test_builder_workspace_tickets():
     for view in views:
         n, ws = view.num_reqs, view.workspace
         if ws.num_splits > 1:
-            assert ws.tickets.shape == (n * kv_heads,) and not ws.tickets.any()
+            assert ws.tickets.shape == (tickets_needed(n, kv_heads, ws.num_splits),)
+            assert not ws.tickets.any()
             assert ws.partial_out.shape == (n, heads, ws.num_splits, HEAD_DIM)
         out = torch.full((n, heads, HEAD_DIM), float("nan"), device=DEVICE)
         paged_decode_attention(
@@ -567,7 +590,9 @@ def test_gpu_decode_cuda_graph_replay(features):
     ws = dict(
         partial_out=torch.empty(batch, heads, splits, dim, device=CUDA),
         partial_lse=torch.empty(batch, heads, splits, device=CUDA),
-        tickets=torch.zeros(batch * kv_heads, dtype=torch.int32, device=CUDA),
+        tickets=torch.zeros(
+            tickets_needed(batch, kv_heads, splits), dtype=torch.int32, device=CUDA
+        ),
     )
 
     extra = {}

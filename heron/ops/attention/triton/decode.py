@@ -12,8 +12,8 @@ Layout contract (all tensors on one device):
 * ``kv_lens``: int32 ``[B]``, tokens in the cache including this step's (already written) one;
   0 marks a padded row, whose output is zeros.
 * ``partial_out``: fp32 ``[B, H, num_splits, D]``, ``partial_lse``: fp32 ``[B, H, num_splits]``
-  and ``tickets``: int32, at least ``B * KVH`` entries, all zero: the split workspace (only used
-  when ``num_splits > 1``, see below).
+  and ``tickets``: int32, at least ``tickets_needed(B, KVH, num_splits)`` entries, all zero:
+  the split workspace (only used when ``num_splits > 1``, see below).
 * ``sinks`` (optional, gpt-oss): ``[H]``, any float dtype: one learned logit per head, in the
   units of the scaled scores, that joins every softmax's normaliser and adds nothing to the
   output. It is added once per (request, head), by whichever program finishes the softmax.
@@ -23,7 +23,11 @@ one contiguous split of a request's visible range for the query heads of one KV 
 its partial output and log-sum-exp, and takes a ticket from the counter of its (request,
 KV head); the program that draws the last ticket merges all the splits (in split order, so the
 result does not depend on the arrival order), adds the sinks, writes ``out`` and sets the
-counter back to zero. The counters are zeroed once by their owner and left at zero by every
+counter back to zero. When more than ``_MERGE_GROUP`` splits have keys the merge has two
+levels: the last program of each group of ``_MERGE_GROUP`` splits (by its group's counter)
+merges the group into the group's first partial slot, then the last of those merges the
+groups, so no program reads more than ``_MERGE_GROUP`` partials. The
+counters are zeroed once by their owner and left at zero by every
 call, so a call needs no memset. Rule: calls sharing ``tickets`` (and the partials) must run
 one after another, each finishing before the next starts: one stream, as for the layers of a
 model (two streams running split calls at once on shared tickets would mix their counts).
@@ -61,6 +65,18 @@ _MAX_SPLITS = 128
 # fp32 values per thread of the merge's [heads, splits, head_dim] tile of partial outputs:
 # it loads many splits at once (one L2 round trip per chunk, not per split) within registers.
 _MERGE_VALUES_PER_THREAD = 32
+# The most partial results one program merges (see the module docstring). One program
+# merging the 128 splits of a 16 k context took ~7 µs of the layer's 19 on an H200; in
+# groups of 16, the layer takes 12 (`benchmarks/tune_decode_attention.py --splits`).
+_MERGE_GROUP = 16
+
+
+def tickets_needed(batch: int, num_kv_heads: int, num_splits: int) -> int:
+    """The split workspace's tickets for a launch: one per (request, KV head), and one per
+    group of ``_MERGE_GROUP`` splits of each when there are more splits than that (the
+    two-level merge)."""
+    groups = triton.cdiv(num_splits, _MERGE_GROUP) if num_splits > _MERGE_GROUP else 0
+    return batch * num_kv_heads * (1 + groups)
 
 
 @triton.jit
@@ -127,44 +143,62 @@ def _store_heads(out_ptr, b, heads, head_mask, offs_d, stride_ob, stride_oh, val
 
 
 @triton.jit
+def _store_partial(
+    part_out_ptr, part_lse_ptr, b, heads, head_mask, offs_d, slot, m_i, l_i, acc,
+    stride_pb, stride_ph, stride_ps, stride_lb, stride_lh,
+):  # fmt: skip
+    """Stores an online softmax state (``m_i``, ``l_i`` [rows], ``acc`` [rows, D], log2
+    units) of request ``b``'s ``heads`` as the partial result in split ``slot``: its own
+    softmax's output (no sink: the last merge adds it once) and its LSE. Rows without keys
+    store nothing: merges read only the busy splits."""
+    has_keys = l_i > 0.0
+    partial = acc / tl.where(has_keys, l_i, 1.0)[:, None]
+    row = b.to(tl.int64)
+    p_ptrs = (
+        part_out_ptr
+        + row * stride_pb
+        + heads[:, None] * stride_ph
+        + slot * stride_ps
+        + offs_d[None, :]
+    )
+    store_mask = head_mask & has_keys
+    tl.store(p_ptrs, partial, mask=store_mask[:, None])
+    lse = m_i + tl.log2(tl.where(has_keys, l_i, 1.0))
+    tl.store(part_lse_ptr + row * stride_lb + heads * stride_lh + slot, lse, mask=store_mask)
+
+
+@triton.jit
 def _merge_splits(
     part_out_ptr,
     part_lse_ptr,
-    out_ptr,
-    sinks_ptr,
     b,
-    kvh,
-    num_busy,
+    heads,
+    head_mask,
+    first_slot,
+    slot_step,
+    count,
     stride_pb,
     stride_ph,
     stride_ps,
     stride_lb,
     stride_lh,
-    stride_ob,
-    stride_oh,
-    GROUP: tl.constexpr,
     MERGE_H: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     SPLIT_CHUNK: tl.constexpr,
-    HAS_SINKS: tl.constexpr,
 ):
-    """Merges the partial results of the first ``num_busy`` splits (the ones with keys) of
-    request ``b``'s query heads of KV head ``kvh`` (``GROUP`` heads, padded to ``MERGE_H``
-    rows) and writes their outputs.
+    """The online softmax state (``m_i``, ``l_i``, ``acc``; log2 units) of the ``count``
+    partial results in slots ``first_slot + i * slot_step`` of request ``b``'s ``heads``
+    (``MERGE_H`` rows, ``head_mask`` the real ones).
 
-    Each split's partial output is normalised by its own softmax and weighs ``2^lse`` (log2
-    units): the merge is an online softmax over splits, ``SPLIT_CHUNK`` splits a step, in split
-    order (deterministic). A step's LSE and partial-output loads do not depend on each other,
-    so each step costs one L2 round trip, and only the busy splits are read: a graph sized for
-    the longest context does not pay for its empty splits. A padded row (no busy split) gets
-    zeros; the sinks join the normaliser at the end, as in the single-split path. Loads bypass
-    L1 (``.cg``): the partials were written by other programs, possibly on other SMs.
+    Each partial output is normalised by its own softmax and weighs ``2^lse``: the merge is an
+    online softmax over the slots, ``SPLIT_CHUNK`` a step, in slot order (deterministic). A
+    step's LSE and partial-output loads do not depend on each other, so each step costs one
+    L2 round trip, and only the ``count`` busy slots are read: a graph sized for the longest
+    context does not pay for its empty splits. Loads bypass L1 (``.cg``): the partials were
+    written by other programs, possibly on other SMs.
     """
-    offs_h = tl.arange(0, MERGE_H)
     offs_s = tl.arange(0, SPLIT_CHUNK)
     offs_d = tl.arange(0, HEAD_DIM)
-    head_mask = offs_h < GROUP
-    heads = kvh * GROUP + offs_h
     lse_rows = part_lse_ptr + b.to(tl.int64) * stride_lb + heads[:, None] * stride_lh
     out_rows = (
         part_out_ptr
@@ -176,14 +210,15 @@ def _merge_splits(
     m_i = tl.full([MERGE_H], _NEG_BIG, tl.float32)
     l_i = tl.zeros([MERGE_H], tl.float32)
     acc = tl.zeros([MERGE_H, HEAD_DIM], tl.float32)
-    for first in range(0, num_busy, SPLIT_CHUNK):
-        splits = first + offs_s
-        valid = head_mask[:, None] & (splits < num_busy)[None, :]
+    for first in range(0, count, SPLIT_CHUNK):
+        index = first + offs_s
+        slots = first_slot + index * slot_step
+        valid = head_mask[:, None] & (index < count)[None, :]
         lse = tl.load(
-            lse_rows + splits[None, :], mask=valid, other=float("-inf"), cache_modifier=".cg"
+            lse_rows + slots[None, :], mask=valid, other=float("-inf"), cache_modifier=".cg"
         )
         parts = tl.load(
-            out_rows + splits[None, :, None] * stride_ps,
+            out_rows + slots[None, :, None] * stride_ps,
             mask=valid[:, :, None],
             other=0.0,
             cache_modifier=".cg",
@@ -194,8 +229,20 @@ def _merge_splits(
         l_i = l_i * alpha + tl.sum(w, 1)
         acc = acc * alpha[:, None] + tl.sum(parts * w[:, :, None], 1)
         m_i = m_new
-    result = _normalised(m_i, l_i, acc, sinks_ptr, heads, head_mask, HAS_SINKS)
-    _store_heads(out_ptr, b, heads, head_mask, offs_d, stride_ob, stride_oh, result)
+    return m_i, l_i, acc
+
+
+@triton.jit
+def _last_ticket(ticket_ptr, programs):
+    """Whether this program is the last of ``programs`` to take a ticket at ``ticket_ptr``;
+    that program also sets the counter back to zero for the next launch. Every thread's stores
+    are issued before the ticket is taken; the acq_rel atomic publishes them (release) and,
+    for the last program, makes the other programs' stores visible to its loads (acquire)."""
+    tl.debug_barrier()
+    last = tl.atomic_add(ticket_ptr, 1, sem="acq_rel", scope="gpu") == programs - 1
+    if last:
+        tl.store(ticket_ptr, 0)
+    return last
 
 
 @triton.jit
@@ -234,6 +281,7 @@ def _decode_kernel(
     NUM_SPLITS: tl.constexpr,
     MERGE_H: tl.constexpr,
     SPLIT_CHUNK: tl.constexpr,
+    MERGE_GROUP: tl.constexpr,
     USE_WINDOW: tl.constexpr,
     HAS_SOFTCAP: tl.constexpr,
     HAS_SINKS: tl.constexpr,
@@ -267,6 +315,7 @@ def _decode_kernel(
     per_split = tl.cdiv(per_split, BLOCK_N) * BLOCK_N
     lo = aligned + split * per_split
     hi = tl.minimum(lo + per_split, kv_len)
+    busy = tl.cdiv(kv_len - aligned, tl.maximum(per_split, 1))  # splits with keys; 0 if padded
 
     q_rows = q_ptr + b.to(tl.int64) * stride_qb + heads[:, None] * stride_qh + offs_d[None, :]
     q = tl.load(q_rows, mask=head_mask[:, None], other=0.0)
@@ -305,54 +354,55 @@ def _decode_kernel(
         result = _normalised(m_i, l_i, acc, sinks_ptr, heads, head_mask, HAS_SINKS)
         _store_heads(out_ptr, b, heads, head_mask, offs_d, stride_ob, stride_oh, result)
     else:
-        # The split's own softmax (no sink: the merge adds it once) and its LSE. Empty splits
-        # store nothing: the merge reads only the busy ones.
-        has_keys = l_i > 0.0
-        partial = _normalised(m_i, l_i, acc, sinks_ptr, heads, head_mask, False)
-        p_ptrs = (
-            part_out_ptr
-            + b.to(tl.int64) * stride_pb
-            + heads[:, None] * stride_ph
-            + split * stride_ps
-            + offs_d[None, :]
-        )
-        store_mask = head_mask & has_keys
-        tl.store(p_ptrs, partial, mask=store_mask[:, None])
-        lse = m_i + tl.log2(tl.where(has_keys, l_i, 1.0))
-        l_ptrs = part_lse_ptr + b.to(tl.int64) * stride_lb + heads * stride_lh + split
-        tl.store(l_ptrs, lse, mask=store_mask)
-
-        # Every thread's stores are issued before the ticket is taken; the acq_rel atomic
-        # publishes them (release) and, for the last program, makes the other programs'
-        # stores visible to its loads (acquire).
-        tl.debug_barrier()
-        ticket_ptr = tickets_ptr + b * tl.num_programs(1) + kvh
-        ticket = tl.atomic_add(ticket_ptr, 1, sem="acq_rel", scope="gpu")
-        if ticket == NUM_SPLITS - 1:
-            _merge_splits(
-                part_out_ptr,
-                part_lse_ptr,
-                out_ptr,
-                sinks_ptr,
-                b,
-                kvh,
-                tl.cdiv(kv_len - aligned, tl.maximum(per_split, 1)),  # busy splits; 0 if padded
-                stride_pb,
-                stride_ph,
-                stride_ps,
-                stride_lb,
-                stride_lh,
-                stride_ob,
-                stride_oh,
-                GROUP,
-                MERGE_H,
-                HEAD_DIM,
-                SPLIT_CHUNK,
-                HAS_SINKS,
-            )
-            # Every program of this (request, KV head) has drawn its ticket: the counter is
-            # free to start again from zero for the next call (next layer, next graph replay).
-            tl.store(ticket_ptr, 0)
+        _store_partial(
+            part_out_ptr, part_lse_ptr, b, heads, head_mask, offs_d, split, m_i, l_i, acc,
+            stride_pb, stride_ph, stride_ps, stride_lb, stride_lh,
+        )  # fmt: skip
+        # The last program of a (request, KV head) merges its splits: directly when at most
+        # MERGE_GROUP have keys; else the last of each group of MERGE_GROUP merges its group
+        # into the group's first slot, and the last of those merges the groups. Every program
+        # of a (request, KV head) sees the same `busy`, so all take the same path.
+        offs_m = tl.arange(0, MERGE_H)
+        merge_heads = kvh * GROUP + offs_m
+        merge_mask = offs_m < GROUP
+        pair = b * tl.num_programs(1) + kvh
+        top = NUM_SPLITS + busy * 0
+        stride = 1 + busy * 0
+        merge = busy >= 0
+        if NUM_SPLITS > MERGE_GROUP:
+            groups: tl.constexpr = (NUM_SPLITS + MERGE_GROUP - 1) // MERGE_GROUP
+            if busy > MERGE_GROUP:
+                top = groups + busy * 0
+                stride = MERGE_GROUP + busy * 0
+                group = split // MERGE_GROUP
+                in_group = tl.minimum(NUM_SPLITS - group * MERGE_GROUP, MERGE_GROUP)
+                pairs = tl.num_programs(0) * tl.num_programs(1)
+                merge = _last_ticket(tickets_ptr + pairs + pair * groups + group, in_group)
+                if merge:
+                    m_g, l_g, acc_g = _merge_splits(
+                        part_out_ptr, part_lse_ptr, b, merge_heads, merge_mask,
+                        group * MERGE_GROUP, 1,
+                        tl.minimum(tl.maximum(busy - group * MERGE_GROUP, 0), MERGE_GROUP),
+                        stride_pb, stride_ph, stride_ps, stride_lb, stride_lh,
+                        MERGE_H, HEAD_DIM, SPLIT_CHUNK,
+                    )  # fmt: skip
+                    _store_partial(
+                        part_out_ptr, part_lse_ptr, b, merge_heads, merge_mask, offs_d,
+                        group * MERGE_GROUP, m_g, l_g, acc_g,
+                        stride_pb, stride_ph, stride_ps, stride_lb, stride_lh,
+                    )  # fmt: skip
+        if merge:
+            if _last_ticket(tickets_ptr + pair, top):
+                m_t, l_t, acc_t = _merge_splits(
+                    part_out_ptr, part_lse_ptr, b, merge_heads, merge_mask, 0, stride,
+                    tl.cdiv(busy, stride),
+                    stride_pb, stride_ph, stride_ps, stride_lb, stride_lh,
+                    MERGE_H, HEAD_DIM, SPLIT_CHUNK,
+                )  # fmt: skip
+                result = _normalised(m_t, l_t, acc_t, sinks_ptr, merge_heads, merge_mask, HAS_SINKS)
+                _store_heads(
+                    out_ptr, b, merge_heads, merge_mask, offs_d, stride_ob, stride_oh, result
+                )
 
 
 def _launch_shape(head_dim: int, num_splits: int) -> tuple[int, int]:
@@ -444,12 +494,14 @@ def paged_decode_attention(
                 batch, num_heads, num_splits, dtype=torch.float32, device=q.device
             )
         if tickets is None:
-            tickets = torch.zeros(batch * num_kv_heads, dtype=torch.int32, device=q.device)
+            tickets = torch.zeros(
+                tickets_needed(batch, num_kv_heads, num_splits), dtype=torch.int32, device=q.device
+            )
         assert partial_out.shape[:3] == (batch, num_heads, num_splits)
         assert partial_lse.shape == (batch, num_heads, num_splits)
         assert partial_out.stride(-1) == 1 and partial_lse.stride(-1) == 1
         assert tickets.dtype == torch.int32 and tickets.is_contiguous()
-        assert tickets.numel() >= batch * num_kv_heads
+        assert tickets.numel() >= tickets_needed(batch, num_kv_heads, num_splits)
         part_out, part_lse = partial_out, partial_lse
         # Splits per merge step: as many as fit _MERGE_VALUES_PER_THREAD in each of the
         # program's 32 * num_warps threads (all powers of two).
@@ -494,6 +546,7 @@ def paged_decode_attention(
         NUM_SPLITS=num_splits,
         MERGE_H=merge_h,
         SPLIT_CHUNK=split_chunk,
+        MERGE_GROUP=_MERGE_GROUP,
         USE_WINDOW=sliding_window is not None,
         HAS_SOFTCAP=softcap is not None,
         HAS_SINKS=sinks is not None,

@@ -14,7 +14,11 @@ from heron.layers.rotary import QKTransform
 from heron.metadata import SequenceMetadata
 from heron.ops.attention.base import AttentionOperator, AttentionSpec
 from heron.ops.attention.paged import PagedAttentionBuilder, PagedAttentionView, PagedGraphBuffers
-from heron.ops.attention.triton.decode import choose_num_splits, paged_decode_attention
+from heron.ops.attention.triton.decode import (
+    choose_num_splits,
+    paged_decode_attention,
+    tickets_needed,
+)
 from heron.ops.attention.triton.extend import paged_extend_attention
 from heron.ops.attention.triton.kv_write import kv_write, qk_norm_rope_kv_write
 
@@ -27,7 +31,7 @@ class DecodeWorkspace:
     num_splits: int
     partial_out: torch.Tensor | None  # [reqs, heads, splits, head_dim] fp32
     partial_lse: torch.Tensor | None  # [reqs, heads, splits] fp32
-    tickets: torch.Tensor | None  # [reqs * kv_heads] int32
+    tickets: torch.Tensor | None  # int32, tickets_needed(reqs, kv_heads, num_splits)
 
 
 _SINGLE_SPLIT = DecodeWorkspace(1, None, None, None)
@@ -38,7 +42,7 @@ class TritonGraphBuffers:
     paged: PagedGraphBuffers
     partial_out: torch.Tensor  # flat, sized for the bucket with the most requests * splits
     partial_lse: torch.Tensor
-    tickets: torch.Tensor  # [max_batch * kv_heads] int32, zeroed once (launches leave it zero)
+    tickets: torch.Tensor  # int32, enough for any bucket; zeroed once (launches leave it zero)
 
 
 class TritonAttentionBuilder(PagedAttentionBuilder):
@@ -98,14 +102,14 @@ class TritonAttentionBuilder(PagedAttentionBuilder):
             splits,
             out[: batch * h * splits * d].view(batch, h, splits, d),
             lse[: batch * h * splits].view(batch, h, splits),
-            tickets[: batch * self.spec.num_kv_heads],
+            tickets[: tickets_needed(batch, self.spec.num_kv_heads, splits)],
         )
 
-    def _tickets(self, batch: int, device: torch.device) -> torch.Tensor:
-        """The eager steps' zeroed tickets, for at least ``batch`` requests. A bigger step gets a
-        new zeroed buffer (a power of two, so this happens a few times at most); the old one
-        is freed in stream order, after the launches that used it."""
-        count = batch * self.spec.num_kv_heads
+    def _tickets(self, batch: int, splits: int, device: torch.device) -> torch.Tensor:
+        """The eager steps' zeroed tickets, for at least ``batch`` requests in ``splits``. A
+        bigger step gets a new zeroed buffer (a power of two, so this happens a few times at
+        most); the old one is freed in stream order, after the launches that used it."""
+        count = tickets_needed(batch, self.spec.num_kv_heads, splits)
         if self._eager_tickets is None or self._eager_tickets.numel() < count:
             size = triton.next_power_of_2(count)
             self._eager_tickets = torch.zeros(size, dtype=torch.int32, device=device)
@@ -122,7 +126,7 @@ class TritonAttentionBuilder(PagedAttentionBuilder):
         rows = seq.num_reqs * self.spec.num_heads * splits
         out = torch.empty(rows * self.spec.head_dim, dtype=torch.float32, device=device)
         lse = torch.empty(rows, dtype=torch.float32, device=device)
-        tickets = self._tickets(seq.num_reqs, device)
+        tickets = self._tickets(seq.num_reqs, splits, device)
         workspace = self._workspace(seq.num_reqs, splits, out, lse, tickets)
         return dataclasses.replace(view, workspace=workspace)
 
@@ -132,13 +136,13 @@ class TritonAttentionBuilder(PagedAttentionBuilder):
         splits = [self._splits(b, self.max_model_len, device) for b in range(1, max_batch + 1)]
         per_head = max((b * s for b, s in enumerate(splits, 1) if s > 1), default=0)
         rows = per_head * self.spec.num_heads
+        kv_heads = self.spec.num_kv_heads
+        tickets = max(tickets_needed(b, kv_heads, s) for b, s in enumerate(splits, 1))
         return TritonGraphBuffers(
             paged=super().make_graph_buffers(max_batch, device),
             partial_out=torch.empty(rows * self.spec.head_dim, dtype=torch.float32, device=device),
             partial_lse=torch.empty(rows, dtype=torch.float32, device=device),
-            tickets=torch.zeros(
-                max_batch * self.spec.num_kv_heads, dtype=torch.int32, device=device
-            ),
+            tickets=torch.zeros(tickets, dtype=torch.int32, device=device),
         )
 
     def fill(self, seq: SequenceMetadata, buffers: TritonGraphBuffers, batch: int) -> None:
