@@ -24,10 +24,11 @@ the queue and is handed out again, which is when its hash entry is dropped (evic
 
 from __future__ import annotations
 
+import functools
 from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NamedTuple
 
 if TYPE_CHECKING:
     from heron.engine.request import Request
@@ -330,11 +331,14 @@ class KVCacheManager:
         block whose tokens are all known is registered in the prefix cache.
 
         With a sliding window ``W``, the step computing positions ``[c, c + n)`` reads keys from
-        ``c - W + 1`` on; first, every block whose tokens all lie below that is released: its
+        ``c - W + 1`` on; first, every block whose tokens all lie below ``c - W`` is released: its
         table entry becomes the null block (the table keeps its positions) and its reference is
         dropped (it joins the free queue, still findable by hash until evicted). Hit blocks
         already below it are not taken at all. Only then are the step's new blocks taken, so the
-        released ones are reusable at once.
+        released ones are reusable at once. Keeping the one key before the window costs nothing
+        and, when ``W`` is a multiple of the block size, makes a decode step release a block in
+        the step that takes the next one (``c`` a multiple of the block size) rather than the
+        step before: one slow step per block instead of two.
 
         Atomic: returns False, changing nothing, if there are not enough allocatable blocks.
         The caller advances ``request.num_computed_tokens`` after the step has run.
@@ -348,28 +352,32 @@ class KVCacheManager:
         self._allocate(request, num_new_tokens, new_computed_blocks, plan)
         return True
 
-    def quiet_limit(self, request_id: str) -> int:
-        """The most tokens a step may cover (``num_computed_tokens + num_new_tokens``, with
-        ``num_new_tokens >= 1`` and no hits) while :meth:`allocate_slots` would change nothing;
-        -1 for a request holding no blocks.
+    def quiet_limit(self, request_id: str) -> QuietLimit:
+        """How far a step (``num_new_tokens >= 1``, no hits) may go while :meth:`allocate_slots`
+        would change nothing: it may cover ``tokens`` tokens (``num_computed_tokens +
+        num_new_tokens``), of which ``known`` may be known (in ``all_token_ids``: a decode
+        step's input token is not while it is still being sampled). ``(-1, -1)`` for a request
+        holding no blocks.
 
         Conservative (a smaller limit only sends a step down the full path, which is always
-        right): a step covering ``t`` tokens needs nothing when ``t`` fits in the table, no full
-        block is left to register even if all ``t`` tokens were known (``t // bs`` hashes), and,
-        with a window ``W``, no held block slid out before its first token (at most ``t - 1``).
-        Tables, hashes and releases only grow while a request holds blocks, so the limit only
-        rises until :meth:`free`.
+        right): a step covering ``t`` tokens, ``k`` of them known, needs nothing when ``t`` fits
+        in the table, no full block of known tokens is left to register (``k // bs`` hashes),
+        and, with a window ``W``, no held block lies wholly below ``c - W``, ``c`` its first
+        token (at most ``t - 1``). Tables, hashes and releases only grow while a request holds
+        blocks, so the limits only rise until :meth:`free`. Counting only known tokens keeps
+        the step that fills a block with a token still being sampled on the quiet path: the
+        block is registered one step later, with the next block's allocation.
         """
         state = self._requests.get(request_id)
         if state is None:
-            return -1
+            return _NO_BLOCKS
         bs = self.block_size
-        limit = len(state.block_ids) * bs
-        if self.enable_prefix_caching:
-            limit = min(limit, (len(state.block_hashes) + 1) * bs - 1)
+        tokens = len(state.block_ids) * bs
         if self.sliding_window is not None:
-            limit = min(limit, (state.num_released + 1) * bs + self.sliding_window - 1)
-        return limit
+            tokens = min(tokens, (state.num_released + 1) * bs + self.sliding_window)
+        if not self.enable_prefix_caching:
+            return QuietLimit(tokens, tokens)
+        return QuietLimit(tokens, (len(state.block_hashes) + 1) * bs - 1)
 
     def is_quiet(self, request: Request, num_new_tokens: int) -> bool:
         """Whether a step of ``num_new_tokens`` (no hits) is within :meth:`quiet_limit`."""
@@ -468,11 +476,12 @@ class KVCacheManager:
         return max(0, -(-num_covered // bs) - num_held)
 
     def _first_live_block(self, request: Request, num_hit: int) -> int:
-        """Table index of the first block this step's queries can read (0 without a window)."""
+        """Table index of the first block this step keeps: the block of the key just before the
+        first one its queries can read (0 without a window; see :meth:`allocate_slots`)."""
         if self.sliding_window is None:
             return 0
         first_needed = request.num_computed_tokens + num_hit * self.block_size
-        return max(0, first_needed - self.sliding_window + 1) // self.block_size
+        return max(0, first_needed - self.sliding_window) // self.block_size
 
     def _num_released(self, state: _RequestBlocks | None, first_live: int) -> int:
         """How many blocks :meth:`_release_slid_out` would return to the free queue."""
@@ -507,10 +516,29 @@ class KVCacheManager:
                 self._pool.register(state.block_ids[i], parent)
 
 
-def _within(request: Request, num_new_tokens: int, quiet_limit: int) -> bool:
+class QuietLimit(NamedTuple):
+    """See :meth:`KVCacheManager.quiet_limit`."""
+
+    tokens: int
+    known: int
+
+    def min(self, other: QuietLimit) -> QuietLimit:
+        return QuietLimit(min(self.tokens, other.tokens), min(self.known, other.known))
+
+
+_NO_BLOCKS = QuietLimit(-1, -1)
+
+
+def _within(request: Request, num_new_tokens: int, quiet_limit: QuietLimit) -> bool:
     """Whether a step of ``num_new_tokens`` (at least one, no hits) stays within a request's
     quiet limit (see :meth:`KVCacheManager.quiet_limit`)."""
-    return 0 < num_new_tokens and request.num_computed_tokens + num_new_tokens <= quiet_limit
+    covered = request.num_computed_tokens + num_new_tokens
+    tokens, known = quiet_limit
+    return (
+        0 < num_new_tokens
+        and covered <= tokens
+        and (covered <= known or len(request.all_token_ids) <= known)
+    )
 
 
 class KVCacheCoordinator:
@@ -549,7 +577,7 @@ class KVCacheCoordinator:
         self.prefix_cache_queries = 0
         self.prefix_cache_hits = 0
         # Per request holding blocks: its quiet limit (see allocate_slots) and its tables.
-        self._quiet_limits: dict[str, int] = {}
+        self._quiet_limits: dict[str, QuietLimit] = {}
         self._tables: dict[str, list[list[int]]] = {}
 
     @property
@@ -606,7 +634,7 @@ class KVCacheCoordinator:
         allocation and free must go through the coordinator for that limit to stay right.
         """
         if not new_computed_blocks and _within(
-            request, num_new_tokens, self._quiet_limits.get(request.request_id, -1)
+            request, num_new_tokens, self._quiet_limits.get(request.request_id, _NO_BLOCKS)
         ):
             return True
         hits = list(new_computed_blocks) or [()] * len(self.groups)
@@ -623,10 +651,15 @@ class KVCacheCoordinator:
         for (group, blocks), plan in zip(busy, plans):
             group._allocate(request, num_new_tokens, blocks, plan)
         request_id = request.request_id
-        self._quiet_limits[request_id] = min(g.quiet_limit(request_id) for g in self.groups)
+        self._quiet_limits[request_id] = self._group_quiet_limit(request_id)
         if request_id not in self._tables:
             self._tables[request_id] = [g.block_table(request_id) for g in self.groups]
         return True
+
+    def _group_quiet_limit(self, request_id: str) -> QuietLimit:
+        """The quiet limit of every group at once: each bound's minimum over the groups."""
+        limits = [g.quiet_limit(request_id) for g in self.groups]
+        return limits[0] if len(limits) == 1 else functools.reduce(QuietLimit.min, limits)
 
     def free(self, request: Request) -> None:
         """Drop the request's blocks in every group (see :meth:`KVCacheManager.free`)."""
@@ -663,7 +696,7 @@ class KVCacheCoordinator:
         if set(self._quiet_limits) != requests[0] or set(self._tables) != requests[0]:
             raise RuntimeError("quiet limits or tables kept for requests holding no blocks")
         for request_id, limit in self._quiet_limits.items():
-            if limit != min(g.quiet_limit(request_id) for g in self.groups):
+            if limit != self._group_quiet_limit(request_id):
                 raise RuntimeError(f"request {request_id}: stale quiet limit {limit}")
             if any(
                 t is not g.block_table(request_id)

@@ -89,10 +89,10 @@ def test_sliding_group_releases_blocks_outside_the_window():
         full_table, sliding_table = kv.block_tables("a")
         assert len(full_table) == len(sliding_table) == c // bs + 1
         assert live(full_table) == len(full_table)  # full history kept
-        first_needed = max(0, c - window + 1)
+        first_kept = max(0, c - window)  # the key just before the window (c - W + 1 on)
         for i, block in enumerate(sliding_table):
-            # Released exactly the blocks whose tokens all precede the window.
-            assert (block == NULL_BLOCK_ID) == ((i + 1) * bs <= first_needed)
+            # Released exactly the blocks whose tokens all precede that key.
+            assert (block == NULL_BLOCK_ID) == ((i + 1) * bs <= first_kept)
         assert live(sliding_table) <= bound
         assert sliding.num_free_blocks == sliding.num_blocks - 1 - live(sliding_table)
         r.num_computed_tokens += 1
