@@ -101,6 +101,40 @@ def test_sliding_group_releases_blocks_outside_the_window():
     assert_idle(kv)
 
 
+def test_async_decode_takes_the_full_path_once_per_block():
+    """Decoding with each step's input token still being sampled (appended to the request only
+    after the step is scheduled), a window that is a multiple of the block size and prefix
+    caching: the full allocation path runs once per block, in the step whose token opens a
+    new block. That step takes the block, registers the one just filled and releases the one
+    that slid out; every other step is quiet."""
+    bs, window = 4, 8
+    kv = CheckedCoordinator([40, 40], block_size=bs, sliding_windows=[None, window])
+    r = make_request("a", range(10))
+    assert kv.allocate_slots(r, 10)
+    r.num_computed_tokens = 10
+    full_path = []
+    for group in kv.groups:
+        allocate = group._allocate
+
+        def counted(*args, allocate=allocate):
+            full_path.append(r.num_computed_tokens)
+            return allocate(*args)
+
+        group._allocate = counted
+    for step in range(40):
+        assert len(r.all_token_ids) == r.num_computed_tokens  # the input token is pending
+        assert kv.allocate_slots(r, 1)
+        r.append_output_token(100 + step)  # read after the step was scheduled
+        r.num_computed_tokens += 1
+    opened = [c for c in range(10, 50) if c % bs == 0]
+    assert sorted(set(full_path)) == opened
+    first_kept = (r.num_computed_tokens - 1 - window) // bs
+    _, sliding_table = kv.block_tables("a")
+    assert live(sliding_table) == len(sliding_table) - first_kept
+    kv.free(r)
+    assert_idle(kv)
+
+
 def test_released_blocks_are_reused_in_the_same_step():
     # 3 usable sliding blocks of 2 tokens, window 2: a decoding request never needs more.
     kv = CheckedCoordinator([40, 4], block_size=2, sliding_windows=[None, 2])
