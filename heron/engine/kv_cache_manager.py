@@ -389,8 +389,11 @@ class KVCacheManager:
         num_new_tokens: int,
         new_computed_blocks: Sequence[int],
         plan: tuple[int, int, int],
+        chain: Sequence[int] = (),
     ) -> None:
-        """Carry out :meth:`allocate_slots` with its :meth:`_plan`, checked to fit the pool."""
+        """Carry out :meth:`allocate_slots` with its :meth:`_plan`, checked to fit the pool.
+        ``chain``: the request's block hashes as far as another cache group has them (the
+        same tokens and block size give the same chain), which are not computed again."""
         pool = self._pool
         num_new, first_live, _ = plan
         num_hit = len(new_computed_blocks)
@@ -417,7 +420,12 @@ class KVCacheManager:
             # Only blocks of known tokens can be hashed (not those holding a pending token).
             num_full = min(num_covered, len(request.all_token_ids)) // self.block_size
             if num_full > len(state.block_hashes):
-                self._register_full_blocks(request, state, num_full)
+                self._register_full_blocks(request, state, num_full, chain)
+
+    def block_hashes(self, request_id: str) -> list[int]:
+        """The request's registered chain of block hashes (the live list: read, don't mutate)."""
+        state = self._requests.get(request_id)
+        return state.block_hashes if state is not None else []
 
     def free(self, request: Request) -> None:
         """Drop the request's blocks (finished, aborted or preempted); unknown ids are a no-op.
@@ -503,14 +511,20 @@ class KVCacheManager:
         ref_cnt = self._pool.ref_cnt
         return sum(1 for b in block_ids if ref_cnt[b] == 0)
 
-    def _register_full_blocks(self, request: Request, state: _RequestBlocks, num_full: int) -> None:
-        """Hash and register the request's full blocks ``len(state.block_hashes)..num_full-1``."""
+    def _register_full_blocks(
+        self, request: Request, state: _RequestBlocks, num_full: int, chain: Sequence[int]
+    ) -> None:
+        """Hash and register the request's full blocks ``len(state.block_hashes)..num_full-1``,
+        taking the hashes ``chain`` already has."""
         bs = self.block_size
         tokens = request.all_token_ids
         hashes = state.block_hashes
         parent = hashes[-1] if hashes else _ROOT_HASH
         for i in range(len(hashes), num_full):
-            parent = hash_block_tokens(parent, tokens[i * bs : (i + 1) * bs])
+            if i < len(chain):
+                parent = chain[i]
+            else:
+                parent = hash_block_tokens(parent, tokens[i * bs : (i + 1) * bs])
             hashes.append(parent)
             if state.block_ids[i] != NULL_BLOCK_ID:
                 self._pool.register(state.block_ids[i], parent)
@@ -648,9 +662,11 @@ class KVCacheCoordinator:
         plans = [group._plan(request, num_new_tokens, blocks) for group, blocks in busy]
         if any(plan[2] > group.num_free_blocks for (group, _), plan in zip(busy, plans)):
             return False
-        for (group, blocks), plan in zip(busy, plans):
-            group._allocate(request, num_new_tokens, blocks, plan)
         request_id = request.request_id
+        chain: Sequence[int] = ()
+        for (group, blocks), plan in zip(busy, plans):
+            group._allocate(request, num_new_tokens, blocks, plan, chain)
+            chain = group.block_hashes(request_id)
         self._quiet_limits[request_id] = self._group_quiet_limit(request_id)
         if request_id not in self._tables:
             self._tables[request_id] = [g.block_table(request_id) for g in self.groups]
