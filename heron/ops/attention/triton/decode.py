@@ -366,14 +366,15 @@ def _decode_kernel(
         merge_heads = kvh * GROUP + offs_m
         merge_mask = offs_m < GROUP
         pair = b * tl.num_programs(1) + kvh
-        top = NUM_SPLITS + busy * 0
-        stride = 1 + busy * 0
-        merge = busy >= 0
+        # (Scalars that a runtime branch reassigns start as tensors of their type.)
+        top = tl.full([], NUM_SPLITS, tl.int32)  # programs taking the top-level ticket
+        stride = tl.full([], 1, tl.int32)  # slots apart of the partials the top merges
+        merge = tl.full([], 1, tl.int1)  # whether this program takes the top-level ticket
         if NUM_SPLITS > MERGE_GROUP:
             groups: tl.constexpr = (NUM_SPLITS + MERGE_GROUP - 1) // MERGE_GROUP
             if busy > MERGE_GROUP:
-                top = groups + busy * 0
-                stride = MERGE_GROUP + busy * 0
+                top = tl.full([], groups, tl.int32)
+                stride = tl.full([], MERGE_GROUP, tl.int32)
                 group = split // MERGE_GROUP
                 in_group = tl.minimum(NUM_SPLITS - group * MERGE_GROUP, MERGE_GROUP)
                 pairs = tl.num_programs(0) * tl.num_programs(1)
