@@ -133,8 +133,9 @@ class LLMEngine:
         """Per cache group, the most blocks one sequence can hold at once.
 
         ``ceil(max_model_len / bs)`` for full attention; for a sliding window ``W`` at most
-        ``ceil((W + max_num_batched_tokens) / bs) + 1`` (a step computing ``n`` tokens reads
-        keys from ``W - 1`` before its first one; older blocks are released), if that is less.
+        ``ceil((W + max_num_batched_tokens) / bs) + 1`` (a step computing ``n`` tokens keeps
+        keys from ``W`` before its first one, one more than it reads; older blocks are
+        released), if that is less.
         """
         bs = self.block_size
         full = -(-self.model_config.max_model_len // bs)
