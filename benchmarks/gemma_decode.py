@@ -24,7 +24,7 @@ from pathlib import Path
 
 import torch
 
-from heron import LLM
+from heron import LLM, SamplingParams
 
 from gpu_decode import (
     copy_bandwidth,
@@ -97,6 +97,11 @@ def main() -> None:
         llm = LLM(str(path), max_model_len=max(c for c, _ in cases) + new + 16)
         layer_types = llm.engine.model_config.hf_config.layer_types
         prompts = lambda context, batch: [[3 + i] * context for i in range(batch)]
+        # Warm-up: a short run of every case first, so that one-time work (first replays,
+        # allocations, the garbage of loading) falls outside the measured runs.
+        warm = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+        for c, b in cases:
+            llm.generate(prompts(c, b), warm, use_tqdm=False)
         results["Heron"] = [heron_decode_ms(llm, prompts(c, b), new)[0] for c, b in cases]
         # In a run of its own (its CUDA events add host work): how much of a batch-64 step the
         # GPU waits for the host.
