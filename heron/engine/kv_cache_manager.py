@@ -24,7 +24,6 @@ the queue and is handed out again, which is when its hash entry is dropped (evic
 
 from __future__ import annotations
 
-import functools
 from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
@@ -536,9 +535,6 @@ class QuietLimit(NamedTuple):
     tokens: int
     known: int
 
-    def min(self, other: QuietLimit) -> QuietLimit:
-        return QuietLimit(min(self.tokens, other.tokens), min(self.known, other.known))
-
 
 _NO_BLOCKS = QuietLimit(-1, -1)
 
@@ -675,7 +671,9 @@ class KVCacheCoordinator:
     def _group_quiet_limit(self, request_id: str) -> QuietLimit:
         """The quiet limit of every group at once: each bound's minimum over the groups."""
         limits = [g.quiet_limit(request_id) for g in self.groups]
-        return limits[0] if len(limits) == 1 else functools.reduce(QuietLimit.min, limits)
+        return QuietLimit(
+            min(limit.tokens for limit in limits), min(limit.known for limit in limits)
+        )
 
     def free(self, request: Request) -> None:
         """Drop the request's blocks in every group (see :meth:`KVCacheManager.free`)."""
