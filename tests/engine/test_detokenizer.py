@@ -180,6 +180,22 @@ def test_text_continues_the_prompt(tokenizer):
         assert detok.text == full_text[len(prompt_text) :]
 
 
+def test_text_read_once_at_the_end_equals_text_read_every_step(tokenizer):
+    """Without stop strings tokens are decoded when the text is read: reading it only once,
+    after the last token (an offline generate), gives the text that streaming builds."""
+    rng = random.Random(3)
+    params = SamplingParams(skip_special_tokens=False)
+    specials = list(tokenizer.added_tokens_decoder)
+    for _ in range(25):
+        prompt = tokenizer.encode(" ".join(rng.choices(WORDS, k=rng.randrange(1, 10))))
+        output = _random_words_ids(tokenizer, rng, rng.randrange(1, 12), specials)
+        streamed, _, _ = _detokenize(tokenizer, prompt, output, params, rng)
+        read_once = IncrementalDetokenizer(tokenizer, prompt, params)
+        for token_id in output:
+            assert read_once.append(token_id) is None
+        assert read_once.text == streamed.text
+
+
 @pytest.mark.parametrize("skip_special_tokens", [True, False])
 def test_random_ids_match_decode_up_to_an_unfinished_character(tokenizer, skip_special_tokens):
     """Any ids, however invalid their bytes: the text is the decoded text, except that the
