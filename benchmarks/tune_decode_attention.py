@@ -3,15 +3,17 @@
 For Qwen3-0.6B-shaped layers (16 heads, 8 KV heads, head_dim 128) at large batches and
 Gemma-3-1B-shaped ones (4 heads, 1 KV head, head_dim 256; full and 512-token window), times one
 layer's decode attention (bf16, block size 16, blocks scattered over a cache larger than L2,
-CUDA-graph replays) for each variant of keys per tile, pipeline stages and warps, and prints µs and the KV bytes
-read per second.
+each timed call on blocks of its own, CUDA-graph replays) for each variant of keys per tile,
+pipeline stages and warps, and prints µs and the KV bytes read per second.
 
 With ``--splits`` it instead times batch-1 Gemma-3 layers at 4k and 16k tokens for each forced
 number of KV splits (the default launch shape), to check ``choose_num_splits`` at one request;
 with ``--merge``, the same layers at 128 splits (a captured graph's count) for each number of
 partial values a thread of the merging program loads per step.
 
-    python benchmarks/tune_decode_attention.py [--splits | --merge]
+With ``--batch64``, batch-64 Gemma-3 layers for each forced split count and launch variant.
+
+    python benchmarks/tune_decode_attention.py [--splits | --merge | --batch64]
 """
 
 from __future__ import annotations
@@ -33,15 +35,21 @@ CASES = [
 ]
 VARIANTS = list(itertools.product((32, 64, 128), (2, 3), (4, 8)))  # keys, stages, warps
 BLOCK = 16
+COPIES = 5  # block tables per case, over disjoint blocks (see case_inputs)
 
 
-def case_inputs(batch, context, heads, kv_heads, head_dim):
+def case_inputs(batch, context, heads, kv_heads, head_dim, copies=COPIES):
+    """Query, cache, ``copies`` block tables over disjoint blocks, lengths. Each timed call
+    reads its own table's blocks, so no call finds the K/V of the one before in L2 (a
+    512-token window of 64 requests, 35 MB, or a 16 k context, 16 MB, would otherwise stay
+    there, as they do not in a model step, where the weights pass through L2 in between)."""
     blocks_per_req = -(-context // BLOCK)
-    num_blocks = batch * blocks_per_req + 1
+    num_blocks = copies * batch * blocks_per_req + 1
     cache = torch.randn(
         2, num_blocks, BLOCK, kv_heads, head_dim, dtype=torch.bfloat16, device="cuda"
     )
-    tables = (torch.randperm(num_blocks - 1, device="cuda") + 1).int().view(batch, blocks_per_req)
+    tables = (torch.randperm(num_blocks - 1, device="cuda") + 1).int()
+    tables = tables.view(copies, batch, blocks_per_req).unbind(0)
     q = torch.randn(batch, heads, head_dim, dtype=torch.bfloat16, device="cuda")
     lens = torch.full((batch,), context, dtype=torch.int32, device="cuda")
     return q, cache, tables, lens
@@ -69,13 +77,13 @@ def tune_case(batch, context, heads, kv_heads, head_dim, window, sms, variants, 
                 ),
             )
 
-        def call(count=count, ws=ws):
+        def call(table, count=count, ws=ws):
             decode.paged_decode_attention(
-                q, cache, tables, lens, head_dim**-0.5, window, out, count, **ws
+                q, cache, table, lens, head_dim**-0.5, window, out, count, **ws
             )
 
         try:
-            results.append((time_us(lambda _: call(), range(5)), variant))
+            results.append((time_us(call, tables), variant))
         except Exception as e:  # out of shared memory / registers
             results.append((float("inf"), variant))
             print(f"  {variant}: {type(e).__name__}")
@@ -93,6 +101,26 @@ def sweep_splits(sms: int) -> None:
         times = [tune_case(*shape, [None], splits=c)[0][0] for c in counts]
         name = f"gemma3 b1 ctx{context} {'win' + str(window) if window else 'full'}"
         print(f"| {name} | {chosen} | " + " | ".join(f"{t:.1f}" for t in times) + " |")
+
+
+def sweep_batch64(sms: int) -> None:
+    """µs of one batch-64 Gemma-3 layer (4 k context, full and 512-token window) for each
+    forced split count and launch variant: at 64 requests of one KV head the grid is 64
+    programs a split, against 132 multiprocessors."""
+    counts = [1, 2, 4, 8, 16]
+    variants = [(64, 2, 8), (64, 3, 8), (64, 2, 4), (64, 3, 4), (32, 2, 8), (32, 3, 4)]
+    print("| case | (keys/tile, stages, warps) | " + " | ".join(f"{c} splits µs" for c in counts) + " |")
+    print("| --- | --- |" + " --- |" * len(counts))
+    defaults = (decode._BLOCK_N, decode._launch_shape)
+    for window in (None, 512):
+        shape = (64, 4096, 4, 1, 256, window, sms)
+        chosen = decode.choose_num_splits(64, 1, 4096, sms, window)
+        for variant in variants:
+            times = [tune_case(*shape, [variant], splits=c)[0][0] for c in counts]
+            name = f"gemma3 b64 ctx4096 {'win' + str(window) if window else 'full'} (today {chosen})"
+            print(f"| {name} | {variant} | " + " | ".join(f"{t:.1f}" for t in times) + " |")
+            decode._BLOCK_N, decode._launch_shape = defaults
+        torch.cuda.empty_cache()
 
 
 def sweep_merge(sms: int) -> None:
@@ -114,10 +142,14 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--splits", action="store_true", help="sweep split counts at batch 1")
     parser.add_argument("--merge", action="store_true", help="sweep merge load sizes at batch 1")
+    parser.add_argument("--batch64", action="store_true", help="sweep splits x variants at batch 64")
     args = parser.parse_args()
     sms = torch.cuda.get_device_properties(0).multi_processor_count
-    if args.splits or args.merge:
-        (sweep_splits if args.splits else sweep_merge)(sms)
+    sweep = sweep_splits if args.splits else sweep_merge if args.merge else None
+    if args.batch64:
+        sweep = sweep_batch64
+    if sweep is not None:
+        sweep(sms)
         return
     print("| case | today µs (GB/s) | best (keys/tile, stages, warps) µs (GB/s) |")
     print("| --- | --- | --- |")
