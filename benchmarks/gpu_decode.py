@@ -100,14 +100,19 @@ def floor_ms(batch: int, context: int, bandwidth: float) -> float:
 def steady_decode_ms(token_times: list[list[float]]) -> float:
     """Mean decode time per step while every request decodes, from each request's token times
     (seconds): the window starts when the last request got its first token (before that,
-    prefill chunks of the others share the steps), and each request's (last - first) / (n - 1)
-    over its tokens in that window is averaged."""
+    prefill chunks of the others share the steps) and ends when the first request got its last
+    one (after that, the batch shrinks: chunked prefill started the requests steps apart, so
+    they finish apart too). Each request's (last - first) / (n - 1) over its tokens in that
+    window is averaged."""
     start = max(times[0] for times in token_times)
+    end = min(times[-1] for times in token_times)
     per_step = []
     for times in token_times:
-        window = [t for t in times if t >= start]
+        window = [t for t in times if start <= t <= end]
         if len(window) > 1:
             per_step.append((window[-1] - window[0]) / (len(window) - 1))
+    if not per_step:
+        raise ValueError("no two steps in which every request decodes: generate more tokens")
     return statistics.mean(per_step) * 1e3
 
 
@@ -138,6 +143,8 @@ def heron_host_idle(llm: LLM, prompts: list[list[int]], out_len: int) -> tuple[f
     CUDA events around each replay (input copy, metadata fill, graph) give the GPU time of a
     step; the caller-side time per step minus that is time the GPU had nothing to do. (Host
     work between the events, the fill, counts as GPU time: a lower bound on the idle time.)
+    Only replays with every request in the batch count: chunked prefill starts requests steps
+    apart, so they also finish apart, and the replays of the shrinking batch are shorter.
     """
     graphs = llm.engine.runner.graphs
     replay = graphs.run
@@ -148,7 +155,7 @@ def heron_host_idle(llm: LLM, prompts: list[list[int]], out_len: int) -> tuple[f
         start.record()
         out = replay(seq)
         end.record()
-        events.append((start, end))
+        events.append((seq.num_reqs, start, end))
         return out
 
     graphs.run = timed
@@ -157,7 +164,8 @@ def heron_host_idle(llm: LLM, prompts: list[list[int]], out_len: int) -> tuple[f
     finally:
         graphs.run = replay
     torch.cuda.synchronize()
-    gpu_ms = statistics.median(s.elapsed_time(e) for s, e in events)
+    full = [s.elapsed_time(e) for n, s, e in events if n == len(prompts)]
+    gpu_ms = statistics.median(full)
     return step_ms, max(0.0, 1 - gpu_ms / step_ms)
 
 

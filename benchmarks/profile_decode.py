@@ -1,6 +1,6 @@
 """Where a decode step's GPU time goes: torch.profiler over decode steps of the
 Qwen3-0.6B-shaped model of ``gpu_decode.py`` (or the Gemma-3-1B shape of ``gemma_decode.py``),
-per kernel, at batch 1 and 64.
+per kernel and as a timeline (busy and idle), at batch 1 and 64.
 
     python benchmarks/profile_decode.py [--model gemma3] [--context 4096] [--enforce-eager]
         [--steps 20] [--phases | --host]
@@ -20,44 +20,86 @@ from heron import LLM, SamplingParams
 import gemma_decode
 import gpu_decode
 
+DEVICE_CATEGORIES = ("kernel", "gpu_memcpy", "gpu_memset")
 MODELS = {"qwen3": gpu_decode.build_model, "gemma3": gemma_decode.build_model}
 
 
-def prefill(llm: LLM, name: str, batch: int, context: int, steps: int) -> None:
-    """Add ``batch`` requests of ``context`` prompt tokens and run until all of them decode."""
+def prefill(llm: LLM, name: str, batch: int, context: int) -> list[str]:
+    """Add ``batch`` requests of ``context`` prompt tokens and run until all of them decode;
+    return their ids. They generate up to the model's length, so none finishes while a
+    measurement runs (chunked prefill starts them steps apart): :func:`drop` ends them."""
     engine = llm.engine
-    params = SamplingParams(temperature=0, max_tokens=steps + 20, ignore_eos=True)
-    for i in range(batch):
-        engine.add_request(f"{name}{batch}-{i}", [3 + i] * context, params)
+    params = SamplingParams(temperature=0, max_tokens=None, ignore_eos=True)
+    ids = [f"{name}{batch}-{i}" for i in range(batch)]
+    for i, request_id in enumerate(ids):
+        engine.add_request(request_id, [3 + i] * context, params)
     while any(len(r.output_token_ids) < 3 for r in engine.scheduler.running) or (
         engine.scheduler.waiting
     ):
         engine.step()
+    return ids
+
+
+def drop(llm: LLM, ids: list[str]) -> None:
+    """Abort the measured requests and let the engine settle."""
+    for request_id in ids:
+        llm.engine.abort_request(request_id)
+    while llm.engine.has_unfinished_requests():
+        llm.engine.step()
 
 
 def profile_batch(llm: LLM, batch: int, context: int, steps: int) -> None:
+    """Per kernel: µs per step, calls, and µs per call (min / median / max: one kernel name
+    serves layers of different kinds, e.g. full and sliding attention). Then the GPU timeline:
+    the span of the profiled steps, the time some kernel or copy ran, and the gaps between them
+    (the GPU waiting for work). Under the profiler kernels do not overlap as they do with PDL,
+    so the busy time is an upper bound."""
+    import json
+    import statistics
+
     engine = llm.engine
-    prefill(llm, "p", batch, context, steps)
+    ids = prefill(llm, "p", batch, context)
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         for _ in range(steps):
             engine.step()
         torch.cuda.synchronize()
-    while engine.has_unfinished_requests():
-        engine.step()
-    kernels = sorted(prof.key_averages(), key=lambda e: -e.self_device_time_total)
-    total = sum(e.self_device_time_total for e in kernels) / steps
+    drop(llm, ids)
+    with tempfile.NamedTemporaryFile(suffix=".json") as trace:
+        prof.export_chrome_trace(trace.name)
+        events = json.load(open(trace.name))["traceEvents"]
+    device = sorted(
+        (e for e in events if e.get("ph") == "X" and e.get("cat") in DEVICE_CATEGORIES),
+        key=lambda e: e["ts"],
+    )
+    per_call: dict[str, list[float]] = {}
+    for e in device:
+        per_call.setdefault(e["name"], []).append(e["dur"])
+    ranked = sorted(per_call.items(), key=lambda item: -sum(item[1]))
+    total = sum(e["dur"] for e in device) / steps
     print(f"\n### batch {batch}, context {context}: GPU time per decode step {total:.0f} µs")
-    print("| kernel | µs/step | calls/step | share |\n| --- | --- | --- | --- |")
-    for e in kernels[:20]:
-        t = e.self_device_time_total / steps
-        print(f"| {e.key[:70]} | {t:.1f} | {e.count / steps:.0f} | {t / total:.0%} |")
+    print("| kernel | µs/step | calls/step | µs per call (min / median / max) | share |")
+    print("| --- | --- | --- | --- | --- |")
+    for name, times in ranked[:20]:
+        t = sum(times) / steps
+        spread = f"{min(times):.1f} / {statistics.median(times):.1f} / {max(times):.1f}"
+        print(f"| {name[:70]} | {t:.1f} | {len(times) / steps:.1f} | {spread} | {t / total:.0%} |")
+    span = device[-1]["ts"] + device[-1]["dur"] - device[0]["ts"]
+    covered, end = 0.0, device[0]["ts"]
+    for e in device:  # the union of the activities' intervals
+        start, stop = max(e["ts"], end), e["ts"] + e["dur"]
+        covered += max(0.0, stop - start)
+        end = max(end, stop)
+    print(
+        f"\nGPU timeline per step: span {span / steps:.0f} µs, busy {covered / steps:.0f} µs, "
+        f"gaps {(span - covered) / steps:.0f} µs"
+    )
 
 
 def phase_times(llm: LLM, batch: int, context: int, steps: int) -> None:
     """Host time per decode step by phase, as the engine runs them (asynchronous scheduling on,
-    nothing synchronised that the engine does not synchronise itself). ``wait for the device``
-    is the time the host blocks on a step's sampled tokens: near zero means the host, not the
-    GPU, sets the pace."""
+    nothing synchronised that the engine does not synchronise itself). ``sampled tokens`` is
+    the time the host waits for a step's sampled tokens and reads them: near zero means the
+    host, not the GPU, sets the pace."""
     import statistics
     import time
 
@@ -65,7 +107,7 @@ def phase_times(llm: LLM, batch: int, context: int, steps: int) -> None:
     from heron.execution import model_runner
 
     engine, runner = llm.engine, llm.engine.runner
-    prefill(llm, "t", batch, context, steps)
+    ids = prefill(llm, "t", batch, context)
     phases: dict[str, list[float]] = {}
     patched = {  # name: (owner, attribute); the owner's attribute is wrapped while timing
         "schedule": (engine.scheduler, "schedule"),
@@ -75,8 +117,9 @@ def phase_times(llm: LLM, batch: int, context: int, steps: int) -> None:
         "- sampler": (runner.sampler, "sample_on_device"),
         "- pending tokens": (runner, "_fill_pending_tokens"),
         "- LaunchedStep": (model_runner.LaunchedStep, "__init__"),
+        "- staging buffer free": (runner.inputs, "_staging_buffer"),
         "read": (engine, "_read"),
-        "- wait for the device": (torch.cuda.Event, "synchronize"),
+        "- sampled tokens (wait, copy)": (model_runner.LaunchedStep, "result"),
         "- detokenize": (llm_engine.IncrementalDetokenizer, "append"),
         "- stop checks": (llm_engine, "check_stop"),
         "outputs": (llm_engine._Parent, "output"),
@@ -103,8 +146,7 @@ def phase_times(llm: LLM, batch: int, context: int, steps: int) -> None:
     finally:
         for name, (owner, attr) in patched.items():
             setattr(owner, attr, saved[name])
-    while engine.has_unfinished_requests():
-        engine.step()
+    drop(llm, ids)
     step = statistics.median(total) * 1e6
     print(f"\n### batch {batch}, context {context}: host µs per decode step (median of {steps})")
     print("| phase | µs |\n| --- | --- |")
@@ -119,14 +161,13 @@ def host_profile(llm: LLM, batch: int, context: int, steps: int) -> None:
     import cProfile
     import pstats
 
-    prefill(llm, "h", batch, context, steps)
+    ids = prefill(llm, "h", batch, context)
     profiler = cProfile.Profile()
     profiler.enable()
     for _ in range(steps):
         llm.engine.step()
     profiler.disable()
-    while llm.engine.has_unfinished_requests():
-        llm.engine.step()
+    drop(llm, ids)
     print(f"\n### batch {batch}, context {context}: host functions by own time ({steps} steps)")
     pstats.Stats(profiler).sort_stats("tottime").print_stats(25)
 
@@ -146,7 +187,8 @@ def main() -> None:
         llm = LLM(
             tmp,
             enforce_eager=args.enforce_eager,
-            max_model_len=max(4096, args.context + args.steps + 64),
+            # Room for the measured steps after the longest chunked-prefill stagger.
+            max_model_len=max(4096, args.context + 4 * args.steps + 256),
         )
         for batch in args.batches:
             measure = phase_times if args.phases else host_profile if args.host else profile_batch
