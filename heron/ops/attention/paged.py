@@ -130,10 +130,16 @@ class PagedAttentionBuilder(MetadataBuilder):
         # Few, in-place copies: this runs before every replay. Table entries past a row's
         # length are never read, so stale ones need no reset; padded rows get length 0, the
         # null block and slot 0 (their garbage K/V goes to the null block).
-        buffers.positions[:n].copy_(seq.positions)
-        buffers.slot_mapping[:n].copy_(slot_mapping)
-        buffers.block_tables[:n, :width].copy_(block_tables[:, :width])
-        buffers.kv_lens[:n].copy_(seq.kv_lens)
+        # One foreach call: a launch per dtype on the GPU instead of one per copy.
+        torch._foreach_copy_(
+            [
+                buffers.positions[:n],
+                buffers.slot_mapping[:n],
+                buffers.block_tables[:n, :width],
+                buffers.kv_lens[:n],
+            ],
+            [seq.positions, slot_mapping, block_tables[:, :width], seq.kv_lens],
+        )
         if n < batch:
             buffers.slot_mapping[n:batch].zero_()
             buffers.block_tables[n:batch].zero_()
