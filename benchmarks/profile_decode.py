@@ -66,7 +66,7 @@ def profile_batch(llm: LLM, batch: int, context: int, steps: int) -> None:
     drop(llm, ids)
     with tempfile.NamedTemporaryFile(suffix=".json") as trace:
         prof.export_chrome_trace(trace.name)
-        events = json.load(open(trace.name))["traceEvents"]
+        events = json.loads(Path(trace.name).read_text())["traceEvents"]
     device = sorted(
         (e for e in events if e.get("ph") == "X" and e.get("cat") in DEVICE_CATEGORIES),
         key=lambda e: e["ts"],

@@ -57,11 +57,13 @@ def case_inputs(batch, context, heads, kv_heads, head_dim, copies=COPIES):
 
 def tune_case(batch, context, heads, kv_heads, head_dim, window, sms, variants, splits=None):
     """[(µs, variant)] for each variant of one case (inf where it does not compile); ``splits``
-    forces the split count."""
+    forces the split count. The module's launch defaults are back in place afterwards."""
     q, cache, tables, lens = case_inputs(batch, context, heads, kv_heads, head_dim)
     out = torch.empty_like(q)
     results = []
+    defaults = (decode._BLOCK_N, decode._launch_shape)
     for variant in variants:  # None: the defaults
+        decode._BLOCK_N, decode._launch_shape = defaults
         if variant is not None:
             block_n, stages, warps = variant
             decode._BLOCK_N, decode._launch_shape = block_n, lambda *_, w=warps, s=stages: (w, s)
@@ -87,6 +89,7 @@ def tune_case(batch, context, heads, kv_heads, head_dim, window, sms, variants, 
         except Exception as e:  # out of shared memory / registers
             results.append((float("inf"), variant))
             print(f"  {variant}: {type(e).__name__}")
+    decode._BLOCK_N, decode._launch_shape = defaults
     return results
 
 
@@ -109,17 +112,16 @@ def sweep_batch64(sms: int) -> None:
     programs a split, against 132 multiprocessors."""
     counts = [1, 2, 4, 8, 16]
     variants = [(64, 2, 8), (64, 3, 8), (64, 2, 4), (64, 3, 4), (32, 2, 8), (32, 3, 4)]
-    print("| case | (keys/tile, stages, warps) | " + " | ".join(f"{c} splits µs" for c in counts) + " |")
+    splits = " | ".join(f"{c} splits µs" for c in counts)
+    print(f"| case | (keys/tile, stages, warps) | {splits} |")
     print("| --- | --- |" + " --- |" * len(counts))
-    defaults = (decode._BLOCK_N, decode._launch_shape)
     for window in (None, 512):
         shape = (64, 4096, 4, 1, 256, window, sms)
         chosen = decode.choose_num_splits(64, 1, 4096, sms, window)
+        name = f"gemma3 b64 ctx4096 {'win' + str(window) if window else 'full'} (today {chosen})"
         for variant in variants:
             times = [tune_case(*shape, [variant], splits=c)[0][0] for c in counts]
-            name = f"gemma3 b64 ctx4096 {'win' + str(window) if window else 'full'} (today {chosen})"
             print(f"| {name} | {variant} | " + " | ".join(f"{t:.1f}" for t in times) + " |")
-            decode._BLOCK_N, decode._launch_shape = defaults
         torch.cuda.empty_cache()
 
 
@@ -140,20 +142,20 @@ def sweep_merge(sms: int) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--splits", action="store_true", help="sweep split counts at batch 1")
-    parser.add_argument("--merge", action="store_true", help="sweep merge load sizes at batch 1")
-    parser.add_argument("--batch64", action="store_true", help="sweep splits x variants at batch 64")
+    sweeps = parser.add_mutually_exclusive_group()
+    sweeps.add_argument("--splits", dest="sweep", action="store_const", const=sweep_splits,
+                        help="sweep split counts at batch 1")  # fmt: skip
+    sweeps.add_argument("--merge", dest="sweep", action="store_const", const=sweep_merge,
+                        help="sweep merge load sizes at batch 1")  # fmt: skip
+    sweeps.add_argument("--batch64", dest="sweep", action="store_const", const=sweep_batch64,
+                        help="sweep splits x variants at batch 64")  # fmt: skip
     args = parser.parse_args()
     sms = torch.cuda.get_device_properties(0).multi_processor_count
-    sweep = sweep_splits if args.splits else sweep_merge if args.merge else None
-    if args.batch64:
-        sweep = sweep_batch64
-    if sweep is not None:
-        sweep(sms)
+    if args.sweep is not None:
+        args.sweep(sms)
         return
     print("| case | today µs (GB/s) | best (keys/tile, stages, warps) µs (GB/s) |")
     print("| --- | --- | --- |")
-    defaults = (decode._BLOCK_N, decode._launch_shape)
     for name, batch, context, heads, kv_heads, head_dim, window in CASES:
         read = batch * min(context, window or context) * 2 * kv_heads * head_dim * 2
         shape = (batch, context, heads, kv_heads, head_dim, window, sms)
@@ -165,7 +167,6 @@ def main() -> None:
             flush=True,
         )
         torch.cuda.empty_cache()
-        decode._BLOCK_N, decode._launch_shape = defaults
 
 
 if __name__ == "__main__":
