@@ -278,22 +278,26 @@ def test_qk_norm_rope_kv_write_cuda_graph() -> None:
 def kv_write_launches() -> None:
     """bf16 launches at real layer shapes (Gemma-3-1B, Qwen3-0.6B, gpt-oss-like): the plain KV
     write, and the fused pre-write without a qk-norm, with Qwen3's and with Gemma 3's, over a
-    full and a partial rotary dimension (for the lowering test)."""
+    full and a partial rotary dimension, each also starting the next kernel early as on a
+    decode step (for the lowering test)."""
     bf16 = torch.bfloat16
     forms = [(None, 0.0, False), (RMSNorm, 0.0, False), (GemmaRMSNorm, 1.0, True)]
     for heads, kv_heads, head_dim in [(4, 1, 256), (16, 8, 128), (64, 8, 64)]:
         cache = torch.empty(2, 8, 16, kv_heads, head_dim, dtype=bf16)
         slots = torch.zeros(3, dtype=torch.int32)
         k = torch.empty(3, kv_heads, head_dim, dtype=bf16)
-        kv_write(k, torch.empty_like(k), cache, slots)
         qkv = torch.empty(3, (heads + 2 * kv_heads) * head_dim, dtype=bf16)
-        for (norm, offset, in_fp32), rotary in itertools.product(forms, (head_dim, head_dim // 4)):
+        for start_next in (False, True):
+            kv_write(k, torch.empty_like(k), cache, slots, start_next=start_next)
+        for (norm, offset, in_fp32), rotary, start_next in itertools.product(
+            forms, (head_dim, head_dim // 4), (False, True)
+        ):
             cos = torch.empty(MAX_POS, rotary // 2, dtype=torch.float32)
             weight = torch.empty(head_dim, dtype=bf16) if norm else None
             qk_norm_rope_kv_write(
                 qkv, torch.zeros(3, dtype=torch.int32), cos, torch.empty_like(cos), weight,
                 weight, 1e-6, cache, slots, heads, kv_heads, head_dim,
-                norm_weight_offset=offset, norm_scale_in_fp32=in_fp32,
+                norm_weight_offset=offset, norm_scale_in_fp32=in_fp32, start_next=start_next,
             )  # fmt: skip
 
 

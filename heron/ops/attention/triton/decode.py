@@ -246,6 +246,35 @@ def _last_ticket(ticket_ptr, programs):
 
 
 @triton.jit
+def _tile(table_row, kv_head, start, first, kv_len, offs_n, offs_d, stride_blk, stride_slot,
+          BLOCK_SIZE: tl.constexpr):  # fmt: skip
+    """The K pointers [BLOCK_N, D] of the tile of keys from position ``start`` (V lies one
+    ``stride_kv`` further) and which of its positions are visible (``first <= pos < kv_len``)."""
+    pos = start + offs_n
+    valid = (pos >= first) & (pos < kv_len)
+    block_ids = tl.load(table_row + pos // BLOCK_SIZE, mask=valid, other=0)
+    # int64: block_id * block stride overflows int32 for caches beyond 2^31 elements.
+    tok_off = block_ids.to(tl.int64) * stride_blk + (pos % BLOCK_SIZE) * stride_slot
+    return kv_head + tok_off[:, None] + offs_d[None, :], valid
+
+
+@triton.jit
+def _softmax_step(q, k, valid, m_i, l_i, qk_scale, softcap, HAS_SOFTCAP: tl.constexpr,
+                  DOT_PRECISION: tl.constexpr):  # fmt: skip
+    """Folds a tile's scores into the online softmax (running max ``m_i``, normaliser ``l_i``):
+    returns the tile's weights ``p``, the factor ``alpha`` that rescales the output so far, and
+    the new max and normaliser."""
+    qk = scores(
+        tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION), qk_scale, softcap, HAS_SOFTCAP
+    )
+    qk = tl.where(valid[None, :], qk, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(qk, 1))
+    alpha = tl.exp2(m_i - m_new)
+    p = tl.exp2(qk - m_new[:, None])
+    return p, alpha, m_new, l_i * alpha + tl.sum(p, 1)
+
+
+@triton.jit
 def _decode_kernel(
     q_ptr,
     kv_ptr,
@@ -289,8 +318,14 @@ def _decode_kernel(
     USE_PDL: tl.constexpr,
 ):
     """One program: all GROUP query heads of one KV head, over one split of the KV range; with
-    several splits, the last of a (request, KV head)'s programs to finish merges them."""
-    wait_for_previous_kernel(USE_PDL)
+    several splits, the last of a (request, KV head)'s programs to finish merges them.
+
+    Before it waits for the previous kernel, a program loads the keys of its first tile, all
+    but the newest: the lengths and tables were copied before the step's kernels and the
+    cached keys written by earlier steps, so no running kernel writes them. The newest key
+    (position ``kv_len - 1``) and value are this step's, written by the kernel before (which
+    lets this one start early, see ``heron.layers.pdl.start_next_kernel``): they are loaded
+    after the wait, as are the values (loading them early too made ptxas spill)."""
     b = tl.program_id(0)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
@@ -317,37 +352,39 @@ def _decode_kernel(
     hi = tl.minimum(lo + per_split, kv_len)
     busy = tl.cdiv(kv_len - aligned, tl.maximum(per_split, 1))  # splits with keys; 0 if padded
 
+    # A windowed row starts at the block holding `first` (see the module docstring).
+    table_row = block_tables_ptr + b.to(tl.int64) * stride_btb - first // BLOCK_SIZE
+    kv_head = kv_ptr + kvh.to(tl.int64) * stride_kvh
+    k_ptrs, valid = _tile(table_row, kv_head, lo, first, kv_len, offs_n, offs_d,
+                          stride_blk, stride_slot, BLOCK_SIZE)  # fmt: skip
+    last = kv_len - 1  # the newest key's position
+    newest = valid & (lo + offs_n == last)
+    k = tl.load(k_ptrs, mask=(valid & ~newest)[:, None], other=0.0)
+    in_tile = (last >= lo) & (last < lo + BLOCK_N) & (last >= first)
+    last_block = tl.load(table_row + last // BLOCK_SIZE, mask=in_tile, other=0).to(tl.int64)
+    last_key = kv_head + last_block * stride_blk + (last % BLOCK_SIZE) * stride_slot + offs_d
+
+    wait_for_previous_kernel(USE_PDL)
+    k = tl.where(newest[:, None], tl.load(last_key, mask=in_tile, other=0.0)[None, :], k)
     q_rows = q_ptr + b.to(tl.int64) * stride_qb + heads[:, None] * stride_qh + offs_d[None, :]
     q = tl.load(q_rows, mask=head_mask[:, None], other=0.0)
 
     m_i = tl.full([BLOCK_H], _NEG_BIG, tl.float32)
     l_i = tl.zeros([BLOCK_H], tl.float32)
     acc = tl.zeros([BLOCK_H, HEAD_DIM], tl.float32)
-
-    # A windowed row starts at the block holding `first` (see the module docstring).
-    table_row = block_tables_ptr + b.to(tl.int64) * stride_btb - first // BLOCK_SIZE
-    kv_head = kv_ptr + kvh.to(tl.int64) * stride_kvh
-    for start in range(lo, hi, BLOCK_N):
-        pos = start + offs_n
-        valid = (pos >= first) & (pos < kv_len)
-        block_ids = tl.load(table_row + pos // BLOCK_SIZE, mask=valid, other=0)
-        # int64: block_id * block stride overflows int32 for caches beyond 2^31 elements.
-        tok_off = block_ids.to(tl.int64) * stride_blk + (pos % BLOCK_SIZE) * stride_slot
-        k_ptrs = kv_head + tok_off[:, None] + offs_d[None, :]
+    p, alpha, m_i, l_i = _softmax_step(q, k, valid, m_i, l_i, qk_scale, softcap,
+                                       HAS_SOFTCAP, DOT_PRECISION)  # fmt: skip
+    v = tl.load(k_ptrs + stride_kv, mask=valid[:, None], other=0.0)
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+    for start in range(lo + BLOCK_N, hi, BLOCK_N):
+        k_ptrs, valid = _tile(table_row, kv_head, start, first, kv_len, offs_n, offs_d,
+                              stride_blk, stride_slot, BLOCK_SIZE)  # fmt: skip
         k = tl.load(k_ptrs, mask=valid[:, None], other=0.0)
-
-        qk = scores(
-            tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION), qk_scale, softcap, HAS_SOFTCAP
-        )
-        qk = tl.where(valid[None, :], qk, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(qk, 1))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(qk - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
+        p, alpha, m_i, l_i = _softmax_step(q, k, valid, m_i, l_i, qk_scale, softcap,
+                                           HAS_SOFTCAP, DOT_PRECISION)  # fmt: skip
         # V is loaded only now, after the softmax, so K and V tiles are not live together.
         v = tl.load(k_ptrs + stride_kv, mask=valid[:, None], other=0.0)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
-        m_i = m_new
 
     if NUM_SPLITS == 1:
         # This program saw the whole range, so it finishes the softmax, sink included.

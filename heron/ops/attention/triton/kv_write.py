@@ -20,7 +20,7 @@ import torch
 import triton
 import triton.language as tl
 
-from heron.layers.pdl import pdl_launch, wait_for_previous_kernel
+from heron.layers.pdl import pdl_launch, start_next_kernel, wait_for_previous_kernel
 from heron.layers.triton_kernels import rms_inv, rms_scale
 
 # Largest [heads, head_dim] tile one program handles; larger ones leave too few programs to
@@ -81,9 +81,12 @@ def _kv_write_kernel(
     stride_c_head,
     BLOCK_H: tl.constexpr,
     BLOCK_D: tl.constexpr,
+    START_NEXT: tl.constexpr,
     USE_PDL: tl.constexpr,
 ):
     wait_for_previous_kernel(USE_PDL)
+    if START_NEXT:
+        start_next_kernel(USE_PDL)
     token = tl.cast(tl.program_id(0), tl.int64)
     heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     dims = tl.arange(0, BLOCK_D)
@@ -137,9 +140,12 @@ def _qk_norm_rope_kv_write_kernel(
     SCALE_IN_FP32: tl.constexpr,
     BLOCK_H: tl.constexpr,
     BLOCK_D: tl.constexpr,
+    START_NEXT: tl.constexpr,
     USE_PDL: tl.constexpr,
 ):
     wait_for_previous_kernel(USE_PDL)
+    if START_NEXT:
+        start_next_kernel(USE_PDL)
     # Program (token, block): blocks [0, num_heads / BLOCK_H) hold query heads, the rest key
     # heads (with their value heads). BLOCK_H divides both head counts, so no block mixes them.
     token = tl.cast(tl.program_id(0), tl.int64)
@@ -233,10 +239,18 @@ def _cache_strides(kv_cache: torch.Tensor, num_kv_heads: int, head_dim: int) -> 
 
 
 def kv_write(
-    k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor
+    k: torch.Tensor,
+    v: torch.Tensor,
+    kv_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    start_next: bool = False,
 ) -> None:
     """Stores ``k`` and ``v`` [T, KVH, D] in ``kv_cache`` [2, NB, BS, KVH, D] at the slots
-    ``slot_mapping[:T]`` (slot = block * BS + offset; negative slots are skipped)."""
+    ``slot_mapping[:T]`` (slot = block * BS + offset; negative slots are skipped).
+
+    ``start_next`` lets the next kernel start while this one runs (see
+    ``heron.layers.pdl.start_next_kernel``): for the decode attention, which loads cached keys
+    before it waits."""
     tokens, num_kv_heads, head_dim = k.shape
     if v.shape != k.shape or k.stride(2) != 1 or v.stride(2) != 1:
         raise ValueError(f"k and v must both be [T, KVH, D] with contiguous D, got {k.shape}")
@@ -259,6 +273,7 @@ def kv_write(
         *cache,
         BLOCK_H=block_h,
         BLOCK_D=block_d,
+        START_NEXT=start_next,
         num_warps=max(1, min(4, block_h * block_d // 128)),
         **pdl_launch(k.device),
     )
@@ -280,6 +295,7 @@ def qk_norm_rope_kv_write(
     q_out: torch.Tensor | None = None,
     norm_weight_offset: float = 0.0,
     norm_scale_in_fp32: bool = False,
+    start_next: bool = False,
 ) -> torch.Tensor:
     """Splits ``qkv`` [T, (H + 2 KVH) * D] into q, k, v; RMS-normalises q and k per head when
     the norm weights are given (Qwen3's qk-norm ``w * norm(x)``, or with
@@ -290,7 +306,7 @@ def qk_norm_rope_kv_write(
     ``slot_mapping[:T]`` (negative slots are skipped) and returns q as ``q_out`` [T, H, D].
 
     The norm weights are taken to be in ``qkv``'s dtype, as the model's are: the normed values
-    are rounded to it before the rotation.
+    are rounded to it before the rotation. ``start_next``: as for :func:`kv_write`.
     """
     tokens = qkv.shape[0]
     if qkv.dim() != 2 or qkv.shape[1] != (num_heads + 2 * num_kv_heads) * head_dim:
@@ -340,6 +356,7 @@ def qk_norm_rope_kv_write(
         SCALE_IN_FP32=bool(norm_scale_in_fp32),
         BLOCK_H=block_h,
         BLOCK_D=block_d,
+        START_NEXT=start_next,
         num_warps=max(1, min(4, block_h * block_d // 128)),
         # PyTorch rounds each product and sum of the rotation on its own; so do we.
         enable_fp_fusion=False,

@@ -194,7 +194,7 @@ class TritonAttention(AttentionOperator):
         s, t = self.spec, self.qk_transform
         if t is None:
             q, k, v = self.split_qkv(qkv)
-            kv_write(k, v, self.kv_cache, view.slot_mapping)
+            kv_write(k, v, self.kv_cache, view.slot_mapping, start_next=view.is_decode)
             return q
         q_norm = t.q_norm.weight if t.q_norm is not None else None
         k_norm = t.k_norm.weight if t.k_norm is not None else None
@@ -214,6 +214,8 @@ class TritonAttention(AttentionOperator):
             s.head_dim,
             norm_weight_offset=offset,
             norm_scale_in_fp32=in_fp32,
+            # The decode kernel loads its first cached keys while this one runs.
+            start_next=view.is_decode,
         )
 
     def forward_decode(self, q: torch.Tensor, view: PagedAttentionView) -> torch.Tensor:
