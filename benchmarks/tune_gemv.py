@@ -3,9 +3,9 @@
 For each linear of the model (``N x K`` weights, bf16) and each row count, times every candidate
 ``GemvConfig`` with the weights cold in HBM (a CUDA graph cycles through enough copies of the
 weight to overflow the L2 cache) and prints the winner next to the configuration
-``triton_gemv`` picks today and to cuBLAS (what linears of more than ``MAX_M`` rows use), in µs
-and TB/s, plus a ``_TUNED`` snippet. Kernels are compiled
-first by worker processes in parallel (Triton's on-disk cache hands them to the timing pass).
+``triton_gemv`` picks today and to cuBLAS (what linears use where ``triton_gemv.serves`` says
+no), in µs and TB/s, plus a ``_TUNED`` snippet. Kernels are compiled first by worker processes
+in parallel (Triton's on-disk cache hands them to the timing pass).
 
     python benchmarks/tune_gemv.py --model gemma3 [--rows 1 2 4 8 16] [--workers 12]
 

@@ -23,7 +23,7 @@ class Linear(nn.Module):
         """``self(act(gate_up))`` for a gated activation over ``[gate | up]``; decode-sized
         batches on a GPU apply it inside the matrix product (one kernel, no intermediate)."""
         fused = getattr(act, "fused_name", None)
-        if fused is not None and _small_m_gemv(gate_up):
+        if fused is not None and _small_m_gemv(gate_up, self.weight):
             from heron.layers.triton_gemv import linear_small_m
 
             return linear_small_m(gate_up, self.weight, self.bias, act=fused)
@@ -57,7 +57,7 @@ class PackedLinear(Linear):
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """``x W^T (+ b)``; decode-sized batches on a GPU use a memory-bound Triton GEMV, which
     beats cuBLAS there (most on narrow outputs such as o_proj and down_proj)."""
-    if _small_m_gemv(x):
+    if _small_m_gemv(x, weight):
         from heron.layers.triton_gemv import linear_small_m
 
         return linear_small_m(x, weight, bias)
@@ -67,13 +67,14 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
 _GEMV_DTYPES = (torch.bfloat16, torch.float16)
 
 
-def _small_m_gemv(x: torch.Tensor) -> bool:
-    """Whether ``x`` goes to the Triton GEMV: few rows, half precision, on a GPU."""
+def _small_m_gemv(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether ``x`` times ``weight`` goes to the Triton GEMV: few rows, half precision, on a
+    GPU (``triton_gemv.serves`` says how few)."""
     if not (x.is_cuda and x.dim() == 2 and x.dtype in _GEMV_DTYPES):
         return False
-    from heron.layers.triton_gemv import MAX_M  # Triton is imported on GPU paths only
+    from heron.layers.triton_gemv import serves  # Triton is imported on GPU paths only
 
-    return x.shape[0] <= MAX_M
+    return serves(x.shape[0], *weight.shape)
 
 
 def _copy_checked(target: torch.Tensor, loaded: torch.Tensor, param: nn.Parameter) -> None:

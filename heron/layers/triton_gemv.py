@@ -31,7 +31,10 @@ from heron.layers.pdl import pdl_launch, wait_for_previous_kernel
 from heron.layers.triton_kernels import ACTIVATIONS, gated
 
 #: The largest row count the kernel is meant for; bigger inputs are done ``MAX_M`` rows at a time.
-MAX_M = 16
+MAX_M = 64
+#: Up to this many rows the configuration rule serves any shape; past it, only shapes with a
+#: measured entry (where the kernel beat cuBLAS on an H200) take the kernel (see ``serves``).
+RULE_MAX_M = 16
 
 
 @triton.jit
@@ -185,6 +188,15 @@ _TUNED: dict[tuple[int, int, int], GemvConfig] = {
     (16, 1536, 1152): _DOT64,
     (16, 13824, 1152): GemvConfig(True, 128, 128, 4, 4, 1),
     (16, 1152, 6912): GemvConfig(True, 64, 256, 4, 3, 8),
+    # Past the rule's 16 rows (`--rows 32 64`), only where the kernel beat cuBLAS (µs, kernel
+    # against cuBLAS): at 32 rows qkv 4.2/4.7, o 3.7/4.5, gate_up 9.6/10.8, lm_head 149.9/154.8;
+    # at 64 o 4.2/4.5, gate_up 10.1/11.1, lm_head 157.1/168.7 (qkv 4.7/4.8 and the gated down,
+    # 17-31 against 9.1, stay with cuBLAS).
+    (32, 1536, 1152): GemvConfig(True, 16, 128, 4, 4, 1),
+    **{(m, 1152, 1024): GemvConfig(True, 16, 256, 4, 3, 1) for m in (32, 64)},
+    **{(m, 13824, 1152): GemvConfig(True, 64, 128, 4, 3, 1) for m in (32, 64)},
+    (32, 262144, 1152): GemvConfig(True, 64, 128, 4, 3, 1),
+    (64, 262144, 1152): GemvConfig(True, 128, 128, 4, 4, 1),
     # Llama-3-8B / Mistral-7B (hidden 4096, intermediate 14336; `--model llama8b --rows 1 4
     # 16`). The old rule's gated down (128 programs, 256-wide K tiles) took 49-51 µs, 2.3 TB/s:
     # one row in 16-column broadcast programs over all of K takes 30.6, more rows K split by 4
@@ -326,6 +338,14 @@ def _launch(
         num_warps=cfg.num_warps,
         **pdl_launch(x.device),
     )
+
+
+def serves(m: int, n: int, k: int) -> bool:
+    """Whether an ``[m, k] x [n, k]^T`` product (in half precision, on a GPU) should take this
+    kernel rather than cuBLAS: up to ``RULE_MAX_M`` rows any shape, up to ``MAX_M`` rows the
+    shapes measured faster here (``_TUNED`` entries; a gated input has the key of its plain
+    product, ``k`` the weight's width)."""
+    return m <= RULE_MAX_M or (m <= MAX_M and (_m_pad(m), n, k) in _TUNED)
 
 
 def linear_small_m(

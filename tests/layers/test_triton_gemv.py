@@ -11,6 +11,7 @@ import torch.nn.functional as F
 from triton_lowering import check_lowering
 
 from heron.layers.activation import GeluTanhAndMul, SiluAndMul
+from heron.layers import triton_gemv
 from heron.layers.triton_gemv import ACTIVATIONS, MAX_M, GemvConfig, _launch, linear_small_m
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -107,6 +108,18 @@ def test_gated_rule_matches_the_measured_down_projections():
         assert _default_config(1, n, k, 2, 132, gated=True) == _TUNED[(1, n, k)]
 
 
+def test_serves_the_rule_s_rows_and_measured_shapes_beyond(monkeypatch):
+    """Up to RULE_MAX_M rows every shape takes the kernel; up to MAX_M only shapes with a
+    measured entry for their padded row count; past MAX_M none."""
+    rule = triton_gemv.RULE_MAX_M
+    monkeypatch.setattr(triton_gemv, "_TUNED", {(2 * rule, 96, 320): FORCED[0]})
+    assert triton_gemv.serves(1, 64, 128) and triton_gemv.serves(rule, 64, 128)
+    assert not triton_gemv.serves(rule + 1, 64, 128)
+    assert triton_gemv.serves(rule + 1, 96, 320) and triton_gemv.serves(2 * rule, 96, 320)
+    assert not triton_gemv.serves(2 * rule + 1, 96, 320)  # pads to another row count
+    assert not triton_gemv.serves(MAX_M + 1, 96, 320)
+
+
 def test_out_argument_and_large_m():
     m = MAX_M + 3
     x, w, b = _inputs(m, 64, 128, torch.float32, strided=False, bias=True)
@@ -153,11 +166,21 @@ SHAPES = [(1024, 4096), (2048, 1024), (1024, 6144), (3072, 1024), (1024, 151936)
 @pytest.mark.gpu
 @pytest.mark.parametrize("k,n", SHAPES)
 def test_gpu_bf16_real_shapes(k, n):
-    for m in sorted({1, 2, 4, 8, min(16, MAX_M)}):
+    for m in sorted({1, 2, 4, 8, 16, 32, MAX_M}):
         for bias in (False, True):
             x, w, b = _inputs(m, n, k, torch.bfloat16, strided=True, bias=bias, device="cuda")
             y = linear_small_m(x, w, b)
             assert _rel_err(y, _reference(x, w, b)) < 1e-2, (m, bias)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("m,n,k", sorted(triton_gemv._TUNED), ids=lambda v: str(v))
+def test_gpu_bf16_every_measured_entry(m, n, k):
+    """Each measured configuration computes its product, at its padded row count and one
+    row fewer (masked rows)."""
+    for rows in sorted({max(1, m - 1), m}):
+        x, w, _ = _inputs(rows, n, k, torch.bfloat16, strided=False, bias=False, device="cuda")
+        assert _rel_err(linear_small_m(x, w), _reference(x, w, None)) < 1e-2, rows
 
 
 @pytest.mark.gpu
@@ -174,7 +197,7 @@ def test_gpu_bf16_fused_down_projection(act, k, n):
 @pytest.mark.gpu
 @pytest.mark.parametrize("k,n", [(1024, 4096), (2048, 1024), (3072, 1024)])
 def test_gpu_cuda_graph_replay(k, n):
-    for m in (1, 4, min(16, MAX_M)):
+    for m in sorted({1, 4, 16, MAX_M}):
         x, w, b = _inputs(m, n, k, torch.bfloat16, strided=False, bias=False, device="cuda")
         static_x = x.clone()
         out = torch.empty(m, n, dtype=torch.bfloat16, device="cuda")
