@@ -213,6 +213,11 @@ _NUM_SMS: dict[torch.device, int] = {}
 _RETIRED: list[torch.Tensor] = []
 
 
+#: Shared memory the rule lets a program's tile pipeline take (an H200 SM has 227 KiB; 64 rows
+#: in 4 stages of 64 x 256 bf16 tiles asked for 256 KiB and did not launch).
+_PIPELINE_BYTES = 192 * 1024
+
+
 def _m_pad(m: int) -> int:
     return triton.next_power_of_2(max(1, m))
 
@@ -238,7 +243,8 @@ def _default_config(
     input (a down projection: few columns, a long ``K``) splits ``K`` until the programs fill
     at least one wave, in 128-wide tiles: what the measured winners of Qwen3-0.6B, Gemma-3-1B
     and Llama-3-8B share, where the one-wave rule read at half the bandwidth or less. Tiles
-    hold half as many fp32 elements, to stay within shared memory.
+    hold half as many fp32 elements, and the pipeline is no deeper than ``_PIPELINE_BYTES``
+    allow, to stay within shared memory.
     """
     wide = elem_size <= 2
     if m_pad == 1 and k >= 1024:
@@ -257,6 +263,8 @@ def _default_config(
     stages = 4 if wide else 3
     if n_blocks >= 4 * num_sms:  # an lm_head: many waves, short tiles pipelined 3 deep
         block_k, stages = min(block_k, 128), 3
+    stage_bytes = (max(16, m_pad) + block_n) * block_k * elem_size  # x and weight tiles
+    stages = min(stages, _PIPELINE_BYTES // stage_bytes)
     split = 1
     while n_blocks * split * 2 <= num_sms and k // (split * 2) >= 2 * block_k:
         split *= 2

@@ -108,6 +108,18 @@ def test_gated_rule_matches_the_measured_down_projections():
         assert _default_config(1, n, k, 2, 132, gated=True) == _TUNED[(1, n, k)]
 
 
+@pytest.mark.parametrize("m_pad", [16, 32, 64])
+@pytest.mark.parametrize("k,n", [(1024, 4096), (2048, 1024), (1024, 151936)])
+def test_rule_pipeline_fits_in_shared_memory(m_pad, k, n):
+    """The rule's x and weight tiles, times its stages, stay within the pipeline budget (64
+    rows of Qwen3's qkv once asked for 256 KiB and failed to launch)."""
+    from heron.layers.triton_gemv import _PIPELINE_BYTES, _default_config
+
+    cfg = _default_config(m_pad, n, k, 2, 132)
+    assert cfg.num_stages >= 2
+    assert cfg.num_stages * (m_pad + cfg.block_n) * cfg.block_k * 2 <= _PIPELINE_BYTES
+
+
 def test_serves_the_rule_s_rows_and_measured_shapes_beyond(monkeypatch):
     """Up to RULE_MAX_M rows every shape takes the kernel; up to MAX_M only shapes with a
     measured entry for their padded row count; past MAX_M none."""
