@@ -10,8 +10,8 @@ import torch
 import torch.nn.functional as F
 from triton_lowering import check_lowering
 
-from heron.layers.activation import GeluTanhAndMul, SiluAndMul
 from heron.layers import triton_gemv
+from heron.layers.activation import GeluTanhAndMul, SiluAndMul
 from heron.layers.triton_gemv import ACTIVATIONS, MAX_M, GemvConfig, _launch, linear_small_m
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
