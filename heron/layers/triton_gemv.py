@@ -213,7 +213,7 @@ _NUM_SMS: dict[torch.device, int] = {}
 _RETIRED: list[torch.Tensor] = []
 
 
-#: Shared memory the rule lets a program's tile pipeline take (an H200 SM has 227 KiB; 64 rows
+#: Shared memory a program's tile pipeline may take (an H200 SM has 227 KiB; the rule's 64 rows
 #: in 4 stages of 64 x 256 bf16 tiles asked for 256 KiB and did not launch).
 _PIPELINE_BYTES = 192 * 1024
 
@@ -243,8 +243,8 @@ def _default_config(
     input (a down projection: few columns, a long ``K``) splits ``K`` until the programs fill
     at least one wave, in 128-wide tiles: what the measured winners of Qwen3-0.6B, Gemma-3-1B
     and Llama-3-8B share, where the one-wave rule read at half the bandwidth or less. Tiles
-    hold half as many fp32 elements, and the pipeline is no deeper than ``_PIPELINE_BYTES``
-    allow, to stay within shared memory.
+    hold half as many fp32 elements, to stay within shared memory (``_config`` also caps the
+    pipeline's depth, see ``_fit_pipeline``).
     """
     wide = elem_size <= 2
     if m_pad == 1 and k >= 1024:
@@ -263,8 +263,6 @@ def _default_config(
     stages = 4 if wide else 3
     if n_blocks >= 4 * num_sms:  # an lm_head: many waves, short tiles pipelined 3 deep
         block_k, stages = min(block_k, 128), 3
-    stage_bytes = (max(16, m_pad) + block_n) * block_k * elem_size  # x and weight tiles
-    stages = min(stages, _PIPELINE_BYTES // stage_bytes)
     split = 1
     while n_blocks * split * 2 <= num_sms and k // (split * 2) >= 2 * block_k:
         split *= 2
@@ -279,8 +277,20 @@ def _config(
     if cfg is None:
         cfg = _TUNED.get((m_pad, n, k)) if elem_size == 2 else None
         cfg = cfg or _default_config(m_pad, n, k, elem_size, _num_sms(device), gated)
+        cfg = _fit_pipeline(cfg, m_pad, elem_size, gated)
         _CONFIG_CACHE[key] = cfg
     return cfg
+
+
+def _fit_pipeline(cfg: GemvConfig, m_pad: int, elem_size: int, gated: bool) -> GemvConfig:
+    """``cfg`` with no more stages than ``_PIPELINE_BYTES`` hold: a stage is an x tile (two,
+    gate and up, for a gated input; rows padded to 16 for ``tl.dot``) and a weight tile."""
+    rows = max(16, m_pad) if cfg.use_dot else m_pad
+    stage_bytes = ((2 if gated else 1) * rows + cfg.block_n) * cfg.block_k * elem_size
+    stages = max(1, min(cfg.num_stages, _PIPELINE_BYTES // stage_bytes))
+    if stages == cfg.num_stages:
+        return cfg
+    return GemvConfig(cfg.use_dot, cfg.block_n, cfg.block_k, cfg.num_warps, stages, cfg.split_k)
 
 
 def _counters(device: torch.device, n_blocks: int) -> torch.Tensor:

@@ -110,14 +110,19 @@ def test_gated_rule_matches_the_measured_down_projections():
 
 @pytest.mark.parametrize("m_pad", [16, 32, 64])
 @pytest.mark.parametrize("k,n", [(1024, 4096), (2048, 1024), (1024, 151936)])
-def test_rule_pipeline_fits_in_shared_memory(m_pad, k, n):
-    """The rule's x and weight tiles, times its stages, stay within the pipeline budget (64
-    rows of Qwen3's qkv once asked for 256 KiB and failed to launch)."""
-    from heron.layers.triton_gemv import _PIPELINE_BYTES, _default_config
+def test_pipeline_fits_in_shared_memory(m_pad, k, n):
+    """The x tiles (two for a gated input) and weight tile, times the stages, stay within the
+    pipeline budget (the rule's 64 rows of Qwen3's qkv once asked for 256 KiB and failed to
+    launch); up to 16 rows the rule's configurations keep their depth."""
+    from heron.layers.triton_gemv import _PIPELINE_BYTES, _default_config, _fit_pipeline
 
-    cfg = _default_config(m_pad, n, k, 2, 132)
-    assert cfg.num_stages >= 2
-    assert cfg.num_stages * (m_pad + cfg.block_n) * cfg.block_k * 2 <= _PIPELINE_BYTES
+    for gated in (False, True):
+        rule = _default_config(m_pad, n, k, 2, 132, gated)
+        cfg = _fit_pipeline(rule, m_pad, 2, gated)
+        assert cfg[:4] == rule[:4] and cfg.split_k == rule.split_k
+        assert cfg.num_stages == rule.num_stages or m_pad > 16
+        x_rows = (2 if gated else 1) * m_pad
+        assert cfg.num_stages * (x_rows + cfg.block_n) * cfg.block_k * 2 <= _PIPELINE_BYTES
 
 
 def test_serves_the_rule_s_rows_and_measured_shapes_beyond(monkeypatch):
@@ -232,14 +237,10 @@ def gemv_launches() -> None:
     configurations for some shapes without entries (for the lowering test)."""
     from heron.layers import triton_gemv as g
 
-    for (m, n, k), cfg in g._TUNED.items():
+    for m, n, k in g._TUNED:
         for act in (None, "gelu_tanh"):
             x = torch.empty(m, 2 * k if act else k, dtype=torch.bfloat16)
-            w, out = (
-                torch.empty(n, k, dtype=torch.bfloat16),
-                torch.empty(m, n, dtype=torch.bfloat16),
-            )
-            g._launch(x, w, None, out, cfg, ACTIVATIONS[act] if act else 0)
+            g.linear_small_m(x, torch.empty(n, k, dtype=torch.bfloat16), act=act)
     # The rule's gated configurations for shapes without measured entries (Qwen2.5-7B's down,
     # a mid-size and a tiny one), through the public entry point.
     for (n, k), m in itertools.product([(3584, 18944), (2048, 8192), (64, 320)], (1, 3, 16)):
