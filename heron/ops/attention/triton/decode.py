@@ -325,7 +325,7 @@ def _decode_kernel(
     cached keys written by earlier steps, so no running kernel writes them. The newest key
     (position ``kv_len - 1``) and value are this step's, written by the kernel before (which
     lets this one start early, see ``heron.layers.pdl.start_next_kernel``): they are loaded
-    after the wait, as are the values (loading them early too made ptxas spill)."""
+    after the wait, as are the values (loading those early as well is measured separately)."""
     b = tl.program_id(0)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
