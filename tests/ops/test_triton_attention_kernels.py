@@ -292,9 +292,11 @@ def test_choose_num_splits():
     assert choose_num_splits(1, 8, 300, num_sms=132) == 8  # 5 tiles
     assert choose_num_splits(1, 1, 4096, num_sms=132) == 64  # 64 tiles, one per split
     assert choose_num_splits(1, 1, 1 << 20, num_sms=132) == 128  # capped
-    # A window starts anywhere: its 512 keys span up to 9 tiles (Gemma 3 1B's local layers).
-    assert choose_num_splits(1, 1, 32768, num_sms=132, sliding_window=512) == 16
-    assert choose_num_splits(1, 1, 8192, num_sms=132, sliding_window=4096) == 128  # 65 tiles
+    # A window's tiles start at its first key: 512 keys are 8 tiles (Gemma 3 1B's local layers).
+    assert choose_num_splits(1, 1, 32768, num_sms=132, sliding_window=512) == 8
+    assert choose_num_splits(1, 1, 8192, num_sms=132, sliding_window=4096) == 64
+    assert choose_num_splits(1, 1, 8192, num_sms=132, sliding_window=4097) == 128  # 65 tiles
+    assert choose_num_splits(64, 1, 4096, num_sms=132, sliding_window=512) == 4  # 2 tiles each
     assert choose_num_splits(1, 1, 400, num_sms=132, sliding_window=512) == 8  # 7 tiles from 0
     previous = 128
     for batch in range(1, 80):
@@ -357,8 +359,8 @@ def test_decode_softcap_and_sinks(feature, window, splits):
 @pytest.mark.parametrize("feature", [None, "softcap+sinks"])
 def test_decode_one_tile_splits(heads, feature):
     """16 splits of at most one tile, as the heuristic picks for short windows: the 530-key
-    window of the longest row starts mid-tile and spans 9 tiles, the other rows fewer (their
-    last splits are empty). With 8 and 16 query heads per KV head the merge takes the splits
+    window of the longest row starts inside a cache block and is 9 tiles from there, the other
+    rows fewer (their last splits are empty). With 8 and 16 query heads per KV head the merge takes the splits
     in several chunks (8 and 4 a chunk)."""
     kv_lens = [0, 1, 333, 700]
     out, ref = run_decode(

@@ -246,12 +246,13 @@ def _last_ticket(ticket_ptr, programs):
 
 
 @triton.jit
-def _tile(table_row, kv_head, start, first, kv_len, offs_n, offs_d, stride_blk, stride_slot,
+def _tile(table_row, kv_head, start, kv_len, offs_n, offs_d, stride_blk, stride_slot,
           BLOCK_SIZE: tl.constexpr):  # fmt: skip
     """The K pointers [BLOCK_N, D] of the tile of keys from position ``start`` (V lies one
-    ``stride_kv`` further) and which of its positions are visible (``first <= pos < kv_len``)."""
+    ``stride_kv`` further) and which of its positions are visible (``pos < kv_len``; tiles
+    start at the first visible key or later)."""
     pos = start + offs_n
-    valid = (pos >= first) & (pos < kv_len)
+    valid = pos < kv_len
     block_ids = tl.load(table_row + pos // BLOCK_SIZE, mask=valid, other=0)
     # int64: block_id * block stride overflows int32 for caches beyond 2^31 elements.
     tok_off = block_ids.to(tl.int64) * stride_blk + (pos % BLOCK_SIZE) * stride_slot
@@ -341,26 +342,25 @@ def _decode_kernel(
         first = tl.maximum(kv_len - window, 0)
     else:
         first = kv_len * 0
-    # Tiles start on BLOCK_N-aligned absolute positions so each covers as few cache blocks as
-    # possible; positions before `first` are masked. Splits are whole tiles from `aligned` on;
-    # with more splits than tiles the last ones are empty. Split 0 holds `first` (it is less
-    # than one tile past `aligned`), so the splits that start before `kv_len` all have keys.
-    aligned = (first // BLOCK_N) * BLOCK_N
-    per_split = tl.cdiv(kv_len - aligned, NUM_SPLITS)
+    # Splits are whole tiles from `first` on (a window of W keys is cdiv(W, BLOCK_N) tiles,
+    # wherever it starts: tiles are gathered key by key, so they need not start on a cache
+    # block); with more splits than tiles the last ones are empty, and the splits that start
+    # before `kv_len` all have keys.
+    per_split = tl.cdiv(kv_len - first, NUM_SPLITS)
     per_split = tl.cdiv(per_split, BLOCK_N) * BLOCK_N
-    lo = aligned + split * per_split
+    lo = first + split * per_split
     hi = tl.minimum(lo + per_split, kv_len)
-    busy = tl.cdiv(kv_len - aligned, tl.maximum(per_split, 1))  # splits with keys; 0 if padded
+    busy = tl.cdiv(kv_len - first, tl.maximum(per_split, 1))  # splits with keys; 0 if padded
 
     # A windowed row starts at the block holding `first` (see the module docstring).
     table_row = block_tables_ptr + b.to(tl.int64) * stride_btb - first // BLOCK_SIZE
     kv_head = kv_ptr + kvh.to(tl.int64) * stride_kvh
-    k_ptrs, valid = _tile(table_row, kv_head, lo, first, kv_len, offs_n, offs_d,
+    k_ptrs, valid = _tile(table_row, kv_head, lo, kv_len, offs_n, offs_d,
                           stride_blk, stride_slot, BLOCK_SIZE)  # fmt: skip
     last = kv_len - 1  # the newest key's position
     newest = valid & (lo + offs_n == last)
     k = tl.load(k_ptrs, mask=(valid & ~newest)[:, None], other=0.0)
-    in_tile = (last >= lo) & (last < lo + BLOCK_N) & (last >= first)
+    in_tile = (last >= lo) & (last < lo + BLOCK_N)
     last_block = tl.load(table_row + last // BLOCK_SIZE, mask=in_tile, other=0).to(tl.int64)
     last_key = kv_head + last_block * stride_blk + (last % BLOCK_SIZE) * stride_slot + offs_d
 
@@ -377,7 +377,7 @@ def _decode_kernel(
     v = tl.load(k_ptrs + stride_kv, mask=valid[:, None], other=0.0)
     acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
     for start in range(lo + BLOCK_N, hi, BLOCK_N):
-        k_ptrs, valid = _tile(table_row, kv_head, start, first, kv_len, offs_n, offs_d,
+        k_ptrs, valid = _tile(table_row, kv_head, start, kv_len, offs_n, offs_d,
                               stride_blk, stride_slot, BLOCK_SIZE)  # fmt: skip
         k = tl.load(k_ptrs, mask=valid[:, None], other=0.0)
         p, alpha, m_i, l_i = _softmax_step(q, k, valid, m_i, l_i, qk_scale, softcap,
@@ -465,16 +465,14 @@ def choose_num_splits(
     range can span only add empty programs: the count is at most that many tiles (rounded up
     to a power of two), and ``_MAX_SPLITS``. ``max_kv_len`` is the longest length the launch
     must serve (the model's max length for a captured graph, so that a graph's count depends
-    on its batch only). The range ``[0, max_kv_len)`` starts on a tile; a ``sliding_window``
-    shorter than it can start anywhere, so its ``W`` keys span up to ``cdiv(W + 63, 64)``.
+    on its batch only). Tiles start at a request's first visible key, so a
+    ``sliding_window`` ``W`` shorter than that is ``cdiv(W, _BLOCK_N)`` tiles.
     """
     programs = max(1, batch * num_kv_heads)
     if programs >= num_sms:
         return 1
-    if sliding_window is not None and max_kv_len > sliding_window:
-        tiles = triton.cdiv(sliding_window + _BLOCK_N - 1, _BLOCK_N)
-    else:
-        tiles = triton.cdiv(max_kv_len, _BLOCK_N)
+    visible = min(max_kv_len, sliding_window or max_kv_len)
+    tiles = triton.cdiv(visible, _BLOCK_N)
     wanted = min(triton.cdiv(num_sms, programs), tiles, _MAX_SPLITS)
     return triton.next_power_of_2(max(1, wanted))
 
