@@ -321,12 +321,12 @@ def _decode_kernel(
     """One program: all GROUP query heads of one KV head, over one split of the KV range; with
     several splits, the last of a (request, KV head)'s programs to finish merges them.
 
-    Before it waits for the previous kernel, a program loads the keys of its first tile, all
-    but the newest: the lengths and tables were copied before the step's kernels and the
-    cached keys written by earlier steps, so no running kernel writes them. The newest key
-    (position ``kv_len - 1``) and value are this step's, written by the kernel before (which
-    lets this one start early, see ``heron.layers.pdl.start_next_kernel``): they are loaded
-    after the wait, as are the values (loading those early as well is measured separately)."""
+    Before it waits for the previous kernel, a program loads the keys and values of its first
+    tile, all but the newest: the lengths and tables were copied before the step's kernels and
+    the cached keys and values written by earlier steps, so no running kernel writes them. The
+    newest key and value (position ``kv_len - 1``) are this step's, written by the kernel
+    before (which lets this one start early, see ``heron.layers.pdl.start_next_kernel``): they
+    are loaded after the wait."""
     b = tl.program_id(0)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
@@ -359,13 +359,17 @@ def _decode_kernel(
                           stride_blk, stride_slot, BLOCK_SIZE)  # fmt: skip
     last = kv_len - 1  # the newest key's position
     newest = valid & (lo + offs_n == last)
-    k = tl.load(k_ptrs, mask=(valid & ~newest)[:, None], other=0.0)
+    cached = (valid & ~newest)[:, None]
+    k = tl.load(k_ptrs, mask=cached, other=0.0)
+    v = tl.load(k_ptrs + stride_kv, mask=cached, other=0.0)
     in_tile = (last >= lo) & (last < lo + BLOCK_N)
     last_block = tl.load(table_row + last // BLOCK_SIZE, mask=in_tile, other=0).to(tl.int64)
     last_key = kv_head + last_block * stride_blk + (last % BLOCK_SIZE) * stride_slot + offs_d
 
     wait_for_previous_kernel(USE_PDL)
     k = tl.where(newest[:, None], tl.load(last_key, mask=in_tile, other=0.0)[None, :], k)
+    v_new = tl.load(last_key + stride_kv, mask=in_tile, other=0.0)
+    v = tl.where(newest[:, None], v_new[None, :], v)
     q_rows = q_ptr + b.to(tl.int64) * stride_qb + heads[:, None] * stride_qh + offs_d[None, :]
     q = tl.load(q_rows, mask=head_mask[:, None], other=0.0)
 
@@ -374,7 +378,6 @@ def _decode_kernel(
     acc = tl.zeros([BLOCK_H, HEAD_DIM], tl.float32)
     p, alpha, m_i, l_i = _softmax_step(q, k, valid, m_i, l_i, qk_scale, softcap,
                                        HAS_SOFTCAP, DOT_PRECISION)  # fmt: skip
-    v = tl.load(k_ptrs + stride_kv, mask=valid[:, None], other=0.0)
     acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
     for start in range(lo + BLOCK_N, hi, BLOCK_N):
         k_ptrs, valid = _tile(table_row, kv_head, start, kv_len, offs_n, offs_d,
