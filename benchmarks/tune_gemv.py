@@ -8,6 +8,7 @@ no), in µs and TB/s, plus a ``_TUNED`` snippet. Kernels are compiled first by w
 in parallel (Triton's on-disk cache hands them to the timing pass).
 
     python benchmarks/tune_gemv.py --model gemma3 [--rows 1 2 4 8 16] [--workers 12]
+        [--shapes down down_plain]
 
 Models: qwen3 (Qwen3-0.6B), gemma3 (Gemma-3-1B), llama8b (Llama-3-8B / Mistral-7B).
 """
@@ -44,6 +45,9 @@ SHAPES = {
         ("gate_up", 13824, 1152, None),
         ("down", 1152, 6912, "gelu_tanh"),
         ("lm_head", 262144, 1152, None),
+        # The down projection without its gated activation (applied by its own kernel), for
+        # row counts where fusing it costs more than it saves.
+        ("down_plain", 1152, 6912, None),
     ],
 }
 
@@ -56,11 +60,12 @@ def candidates(m: int, n: int, k: int) -> list[g.GemvConfig]:
         ):
             if k // split >= bk:
                 out.append(g.GemvConfig(False, bn, bk, 4, stages, split))
-    for bn, bk, stages, split in itertools.product(
-        (16, 32, 64, 128), (64, 128, 256), (3, 4), (1, 2, 4, 8)
+    warps = (4, 8) if m > 16 else (4,)
+    for bn, bk, stages, split, w in itertools.product(
+        (16, 32, 64, 128), (64, 128, 256), (3, 4), (1, 2, 4, 8), warps
     ):
         if k // split >= bk and bn * bk <= 128 * 128:
-            out.append(g.GemvConfig(True, bn, bk, 4, stages, split))
+            out.append(g.GemvConfig(True, bn, bk, w, stages, split))
     return out
 
 
@@ -122,10 +127,12 @@ def main() -> None:
     parser.add_argument("--model", choices=sorted(SHAPES), default="gemma3")
     parser.add_argument("--rows", type=int, nargs="+", default=[1])
     parser.add_argument("--workers", type=int, default=12)
+    parser.add_argument("--shapes", nargs="+", help="only these shapes (names as in SHAPES)")
     args = parser.parse_args()
+    shapes = [s for s in SHAPES[args.model] if not args.shapes or s[0] in args.shapes]
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     jobs = []
-    for m, (_, n, k, act) in itertools.product(args.rows, SHAPES[args.model]):
+    for m, (_, n, k, act) in itertools.product(args.rows, shapes):
         jobs += [(m, n, k, act, tuple(c)) for c in candidates(m, n, k)]  # plain tuples pickle
     ctx = mp.get_context("spawn")
     with ctx.Pool(args.workers) as pool:
@@ -133,7 +140,7 @@ def main() -> None:
     print("| shape | rows | today: config, µs, TB/s | best: config, µs, TB/s | cuBLAS µs, TB/s |")
     print("| --- | --- | --- | --- | --- |")
     tuned = []
-    for m, (name, n, k, act) in itertools.product(args.rows, SHAPES[args.model]):
+    for m, (name, n, k, act) in itertools.product(args.rows, shapes):
         nbytes = n * k * 2
         copies = max(1, -(-(256 << 20) // nbytes))
         x, ws, out = tensors(m, n, k, act, copies)
