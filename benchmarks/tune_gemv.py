@@ -55,11 +55,11 @@ SHAPES = {
 def candidates(m: int, n: int, k: int) -> list[g.GemvConfig]:
     out = []
     if m == 1:  # broadcast-multiply programs of few columns
-        for bn, bk, stages, split in itertools.product(
-            (4, 8, 16), (256, 512, 1024), (2, 3), (1, 2, 4)
+        for bn, bk, stages, split, w in itertools.product(
+            (4, 8, 16, 32), (256, 512, 1024), (2, 3, 4), (1, 2, 4, 8), (4, 8)
         ):
-            if k // split >= bk:
-                out.append(g.GemvConfig(False, bn, bk, 4, stages, split))
+            if k // split >= bk and bn * bk <= 16 * 1024:
+                out.append(g.GemvConfig(False, bn, bk, w, stages, split))
     warps = (4, 8) if m > 16 else (4,)
     for bn, bk, stages, split, w in itertools.product(
         (16, 32, 64, 128), (64, 128, 256), (3, 4), (1, 2, 4, 8), warps
