@@ -360,8 +360,8 @@ def test_decode_softcap_and_sinks(feature, window, splits):
 def test_decode_one_tile_splits(heads, feature):
     """16 splits of at most one tile, as the heuristic picks for short windows: the 530-key
     window of the longest row starts inside a cache block and is 9 tiles from there, the other
-    rows fewer (their last splits are empty). With 8 and 16 query heads per KV head the merge takes the splits
-    in several chunks (8 and 4 a chunk)."""
+    rows fewer (their last splits are empty). With 8 and 16 query heads per KV head the merge
+    takes the splits in several chunks (8 and 4 a chunk)."""
     kv_lens = [0, 1, 333, 700]
     out, ref = run_decode(
         kv_lens, *heads, 16, 530, 16, torch.float32, workspace=True,
