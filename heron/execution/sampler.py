@@ -80,8 +80,18 @@ class Sampler:
         """The tokens of rows whose requests are all :func:`on_device`, left on the device:
         nothing here waits for the device, so the host can go on while they are drawn."""
         if all(r.sampling_params.greedy for r in requests):
-            return logits.argmax(dim=-1)
+            return _argmax(logits)
         return _choose(logits.to(torch.float32, copy=True), requests, generator)
+
+
+def _argmax(logits: torch.Tensor) -> torch.Tensor:
+    """Each row's greedy token: on a GPU by the split Triton argmax (``torch.argmax`` spreads
+    a 262,144-logit row over too few thread blocks)."""
+    if logits.is_cuda and logits.stride(-1) == 1:
+        from heron.execution.triton_argmax import greedy_argmax  # Triton only on GPU paths
+
+        return greedy_argmax(logits)
+    return logits.argmax(dim=-1)
 
 
 def on_device(request: Request) -> bool:
