@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import gc
+
 import pytest
 import torch
 import transformers as tf
@@ -148,3 +150,11 @@ def test_engine_checks_coverage_before_first_step(tiny_model_dir):
     with pytest.raises(StepMetadataError, match="extra.attn"):
         out = llm.generate([1, 2, 3], SamplingParams(max_tokens=2), use_tqdm=False)
     assert out is None
+
+
+def test_start_up_heap_is_frozen_out_of_the_collector(llm):
+    """The engine's start-up objects (model, tokenizer, graphs) sit in the collector's permanent
+    generation, so a full garbage collection while serving does not walk them."""
+    model = llm.engine.runner.model
+    assert gc.get_freeze_count() > 0
+    assert not any(o is model for o in gc.get_objects())
