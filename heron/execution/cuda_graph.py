@@ -1,10 +1,17 @@
-"""CUDA graphs of the whole decode step (embedding to logits), one per batch bucket.
+"""CUDA graphs of the whole decode step (embedding to logits and greedy tokens), one per batch
+bucket.
 
 The metadata plan owns the graph buffers: each group's builder makes persistent buffers once
 for the largest bucket, and fills them in place before every replay through the same ``fill``
 path it uses during capture. Buckets use views of those buffers (taken once, at capture: a
 replay runs no operator code), so capturing many buckets costs no extra metadata memory. The
 eager metadata build is skipped on replayed steps.
+
+Each graph ends with the greedy argmax of its logits (``greedy_argmax``), so an all-greedy
+decode step launches nothing after the replay (on an H200 host, sampling after the replay took
+90-125 µs of host time per step, most of it the argmax's two Triton launches). A step that
+samples otherwise ignores those tokens; their GPU time (3 µs at one row, 15 µs at 64 rows of a
+262,144-token vocabulary) is under 1 % of such a step.
 """
 
 from __future__ import annotations
@@ -46,7 +53,8 @@ class CudaGraphRunner:
         self.buffers: dict[int, Any] = {
             id(g): g.builder.make_graph_buffers(self.max_batch, device) for g in plan.groups
         }
-        self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        # batch -> (graph, its logits, its greedy tokens): the graph's output buffers.
+        self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor, torch.Tensor]] = {}
 
     def _fill(self, seq: SequenceMetadata, batch: int) -> None:
         for group in self.plan.groups:
@@ -55,6 +63,8 @@ class CudaGraphRunner:
     @torch.inference_mode()
     def capture(self, block_size: int, num_cache_groups: int = 1) -> None:
         """Capture every bucket, largest first, all in one memory pool."""
+        from heron.execution.triton_argmax import greedy_argmax  # Triton only on GPU paths
+
         pool = torch.cuda.graph_pool_handle()
         for batch in reversed(self.buckets):
             dummy = _dummy_decode(batch, block_size, self.device, num_cache_groups)
@@ -63,28 +73,31 @@ class CudaGraphRunner:
             for group in self.plan.groups:
                 group.view = group.builder.graph_view(dummy, self.buffers[id(group)], batch)
             tokens = self.token_ids[:batch]
-            self.model.compute_logits(self.model(tokens))  # warm-up: compile, autotune
+            greedy_argmax(self.model.compute_logits(self.model(tokens)))  # warm-up: compile, tune
             for group in self.plan.groups:
                 group.builder.before_capture(self.buffers[id(group)])
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=pool):
                 logits = self.model.compute_logits(self.model(tokens))
-            self.graphs[batch] = (graph, logits)
+                greedy = greedy_argmax(logits)
+            self.graphs[batch] = (graph, logits, greedy)
         torch.cuda.synchronize(self.device)
         logger.info("captured CUDA graphs for decode batches %s", self.buckets)
 
     def can_run(self, seq: SequenceMetadata) -> bool:
         return seq.is_decode and seq.num_reqs <= self.max_batch
 
-    def run(self, seq: SequenceMetadata) -> torch.Tensor:
-        """Replay the step of ``seq`` (every request decoding one token); its logits rows."""
+    def run(self, seq: SequenceMetadata) -> tuple[torch.Tensor, torch.Tensor]:
+        """Replay the step of ``seq`` (every request decoding one token); its logits rows and
+        each row's greedy token. Both are views of the graph's buffers, which the next replay
+        overwrites: read them (on the stream) before it."""
         n = seq.num_reqs
         batch = self.buckets[bisect.bisect_left(self.buckets, n)]
         self.token_ids[:n].copy_(seq.token_ids)
         self._fill(seq, batch)
-        graph, logits = self.graphs[batch]
+        graph, logits, greedy = self.graphs[batch]
         graph.replay()
-        return logits[:n]
+        return logits[:n], greedy[:n]
 
 
 def _dummy_decode(

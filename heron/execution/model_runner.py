@@ -208,8 +208,9 @@ class ModelRunner:
         seq = step.seq
         if step.pending_sources:
             self._fill_pending_tokens(seq.token_ids, step.pending_sources, previous.token_ids)
+        greedy_ids = None  # each row's greedy token, where the step drew them already
         if self.graphs is not None and self.graphs.can_run(seq):
-            logits = self.graphs.run(seq)
+            logits, greedy_ids = self.graphs.run(seq)
         else:
             if self.graphs is not None:
                 logger.debug("eager step: %d requests, %d tokens", seq.num_reqs, seq.num_tokens)
@@ -218,9 +219,12 @@ class ModelRunner:
             logits = self.model.compute_logits(hidden[seq.logits_indices.long()])
         requests = step.sample_requests
         if requests and not step.prompt_rows and all(map(on_device, requests)):
-            token_ids = self.sampler.sample_on_device(
-                logits[step.sample_rows], requests, self.generator
-            )
+            if greedy_ids is not None and all(r.sampling_params.greedy for r in requests):
+                token_ids = greedy_ids[step.sample_rows]
+            else:
+                token_ids = self.sampler.sample_on_device(
+                    logits[step.sample_rows], requests, self.generator
+                )
             return LaunchedStep(requests, token_ids=token_ids)
         sampled = []
         if requests:

@@ -57,6 +57,50 @@ def test_replay_equals_eager(tiny_model_dir, family):
     assert len(replayed) >= 64 and len(set(replayed)) > 1  # several buckets were used
 
 
+@pytest.mark.gpu
+def test_greedy_decode_steps_take_the_graphs_tokens(tiny_model_dir):
+    """A replayed step whose requests are all greedy takes the argmax the graph computed, with
+    no sampling after the replay; a step that samples still runs the sampler after it."""
+    llm = LLM(
+        str(tiny_model_dir("qwen3")),
+        device="cuda",
+        dtype="float32",
+        max_model_len=256,
+        num_kv_blocks=128,
+        cuda_graph_max_bs=8,
+    )
+    runner = llm.engine.runner
+    events: list[str] = []
+    run, sample = runner.graphs.run, runner.sampler.sample_on_device
+    runner.graphs.run = lambda seq: events.append("replay") or run(seq)
+    runner.sampler.sample_on_device = lambda *a: events.append("sample") or sample(*a)
+    prompts = [[3 + i, 5, 7 + i] for i in range(4)]
+
+    def after_replays(params: SamplingParams) -> tuple[int, list[str]]:
+        """The replays of a generation and what followed each (the last one: nothing)."""
+        events.clear()
+        llm.generate(prompts, params, use_tqdm=False)
+        return events.count("replay"), [b for a, b in zip(events, events[1:]) if a == "replay"]
+
+    greedy = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    replays, followers = after_replays(greedy)
+    assert replays >= 8 and "sample" not in followers
+    replays, followers = after_replays(SamplingParams(temperature=0.8, max_tokens=12, seed=1))
+    assert replays >= 8 and followers == ["sample"] * replays
+    # and the graph's tokens are the eager engine's
+    eager = LLM(
+        str(tiny_model_dir("qwen3")),
+        device="cuda",
+        dtype="float32",
+        max_model_len=256,
+        num_kv_blocks=128,
+        enforce_eager=True,
+    )
+    assert [o.outputs[0].token_ids for o in llm.generate(prompts, greedy, use_tqdm=False)] == [
+        o.outputs[0].token_ids for o in eager.generate(prompts, greedy, use_tqdm=False)
+    ]
+
+
 class _LazyBuilder(MetadataBuilder):
     """Its view computes a device tensor on first use and caches it in the graph buffers, like
     a split-K partition initialised during warm-up."""
