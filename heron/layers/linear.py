@@ -19,15 +19,30 @@ class Linear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return linear(x, self.weight, self.bias)
 
+    def takes_gemv(self, x: torch.Tensor) -> bool:
+        """Whether this layer's product with ``x``'s rows runs as the Triton GEMV."""
+        return _small_m_gemv(x, self.weight)
+
     def forward_gated(self, gate_up: torch.Tensor, act: nn.Module) -> torch.Tensor:
         """``self(act(gate_up))`` for a gated activation over ``[gate | up]``; decode-sized
         batches on a GPU apply it inside the matrix product (one kernel, no intermediate)."""
         fused = getattr(act, "fused_name", None)
-        if fused is not None and _small_m_gemv(gate_up, self.weight):
+        if fused is not None and self.takes_gemv(gate_up):
             from heron.layers.triton_gemv import linear_small_m
 
             return linear_small_m(gate_up, self.weight, self.bias, act=fused)
         return self(act(gate_up))
+
+    def forward_activated(self, x: torch.Tensor, act: nn.Module) -> torch.Tensor:
+        """``act(self(x))`` for a gated activation over this layer's ``[gate | up]`` output;
+        where the product runs as the Triton GEMV, the activation is its epilogue (one kernel,
+        no intermediate)."""
+        fused = getattr(act, "fused_name", None)
+        if fused is not None and self.takes_gemv(x):
+            from heron.layers.triton_gemv import linear_small_m
+
+            return linear_small_m(x, self.weight, self.bias, gated_out=fused)
+        return act(self(x))
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard: str | None) -> None:
         _copy_checked(param.data, loaded, param)

@@ -28,7 +28,7 @@ import triton
 import triton.language as tl
 
 from heron.layers.pdl import pdl_launch, wait_for_previous_kernel
-from heron.layers.triton_kernels import ACTIVATIONS, gated
+from heron.layers.triton_kernels import ACTIVATIONS, gated, gated_activation
 
 #: The largest row count the kernel is meant for; bigger inputs are done ``MAX_M`` rows at a time.
 MAX_M = 64
@@ -48,6 +48,30 @@ def _finish(acc, b_ptr, y_ptr, offs_m, offs_n, n_mask, out_mask, stride_ym, HAS_
 
 
 @triton.jit
+def _load_tile(ptrs, n_mask, k_mask, EVEN_N: tl.constexpr, EVEN_K: tl.constexpr):
+    """A weight tile [BLOCK_N, BLOCK_K], masked only where the shape needs it."""
+    if EVEN_K:
+        if EVEN_N:
+            w = tl.load(ptrs)
+        else:
+            w = tl.load(ptrs, mask=n_mask[:, None], other=0.0)
+    else:
+        w = tl.load(ptrs, mask=n_mask[:, None] & k_mask[None, :], other=0.0)
+    return w
+
+
+@triton.jit
+def _accumulate(acc, w, x, USE_DOT: tl.constexpr, DOT_PREC: tl.constexpr):
+    """``acc`` plus the tile's products: ``w @ x.T`` ([BLOCK_N, M_PAD]) with ``USE_DOT``, else
+    ``x @ w.T`` ([M_PAD, BLOCK_N]) as a broadcast multiply and a sum."""
+    if USE_DOT:
+        acc = tl.dot(w, tl.trans(x), acc=acc, input_precision=DOT_PREC)
+    else:
+        acc += tl.sum(x.to(tl.float32)[:, None, :] * w.to(tl.float32)[None, :, :], axis=2)
+    return acc
+
+
+@triton.jit
 def _gemv_kernel(
     x_ptr,
     w_ptr,
@@ -62,6 +86,8 @@ def _gemv_kernel(
     stride_ym,
     k_per_split,
     ACT: tl.constexpr,  # 0: x as given; else x = act(x[:, :K]) * x[:, K:] (ACTIVATIONS)
+    # 0: y = x @ w.T; else w is [2N, K], [gate; up], and y = act(x @ gate.T) * (x @ up.T)
+    GATED_OUT: tl.constexpr,
     HAS_BIAS: tl.constexpr,
     HAS_SPLIT: tl.constexpr,
     EVEN_N: tl.constexpr,
@@ -92,29 +118,34 @@ def _gemv_kernel(
         acc = tl.zeros([BLOCK_N, M_PAD], dtype=tl.float32)
     else:
         acc = tl.zeros([M_PAD, BLOCK_N], dtype=tl.float32)
+    acc_up = tl.zeros_like(acc)  # with GATED_OUT: the up rows' products
     for k in tl.range(k_start, k_end, BLOCK_K, num_stages=NUM_STAGES):
+        k_mask = (k + offs_k) < k_end
         if EVEN_K:
-            if EVEN_N:
-                w = tl.load(w_ptrs + k)
-            else:
-                w = tl.load(w_ptrs + k, mask=n_mask[:, None], other=0.0)
             x_mask = m_mask[:, None]
         else:
-            k_mask = (k + offs_k) < k_end
-            w = tl.load(w_ptrs + k, mask=n_mask[:, None] & k_mask[None, :], other=0.0)
             x_mask = m_mask[:, None] & k_mask[None, :]
+        w = _load_tile(w_ptrs + k, n_mask, k_mask, EVEN_N, EVEN_K)
         x = tl.load(x_ptrs + k, mask=x_mask, other=0.0)
         if ACT != 0:
             # Rounded to the input dtype, as an unfused activation kernel would store it.
             up = tl.load(x_ptrs + K + k, mask=x_mask, other=0.0)
             x = gated(x, up, ACT, x_ptr.dtype.element_ty).to(x_ptr.dtype.element_ty)
-        if USE_DOT:
-            acc = tl.dot(w, tl.trans(x), acc=acc, input_precision=DOT_PREC)
-        else:
-            prod = x.to(tl.float32)[:, None, :] * w.to(tl.float32)[None, :, :]
-            acc += tl.sum(prod, axis=2)
+        acc = _accumulate(acc, w, x, USE_DOT, DOT_PREC)
+        if GATED_OUT != 0:
+            w_up = _load_tile(w_ptrs + N * K + k, n_mask, k_mask, EVEN_N, EVEN_K)
+            acc_up = _accumulate(acc_up, w_up, x, USE_DOT, DOT_PREC)
     if USE_DOT:
         acc = tl.trans(acc)
+        acc_up = tl.trans(acc_up)
+    if GATED_OUT != 0:
+        # Each half rounded as the unfused product stores it (bias included), then the
+        # activation as the unfused activation kernel computes it.
+        dtype = y_ptr.dtype.element_ty
+        if HAS_BIAS:
+            acc += tl.load(b_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
+            acc_up += tl.load(b_ptr + N + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
+        acc = gated(acc.to(dtype), acc_up.to(dtype), GATED_OUT, dtype)
 
     out_mask = m_mask[:, None] & n_mask[None, :]
     if HAS_SPLIT:
@@ -133,7 +164,8 @@ def _gemv_kernel(
             _finish(total, b_ptr, y_ptr, offs_m, offs_n, n_mask, out_mask, stride_ym, HAS_BIAS)
             tl.store(cnt_ptr + pid_n, 0)
     else:
-        _finish(acc, b_ptr, y_ptr, offs_m, offs_n, n_mask, out_mask, stride_ym, HAS_BIAS)
+        _finish(acc, b_ptr, y_ptr, offs_m, offs_n, n_mask, out_mask, stride_ym,
+                HAS_BIAS and GATED_OUT == 0)  # fmt: skip
 
 
 class GemvConfig(tuple):
@@ -270,23 +302,37 @@ def _default_config(
 
 
 def _config(
-    m_pad: int, n: int, k: int, elem_size: int, device: torch.device, gated: bool = False
+    m_pad: int,
+    n: int,
+    k: int,
+    elem_size: int,
+    device: torch.device,
+    gated: bool = False,
+    gated_out: bool = False,
 ) -> GemvConfig:
-    key = (m_pad, n, k, elem_size, device, gated)
+    """The launch configuration of an ``[m_pad, k] x [n, k]^T`` product (``gated``: with a
+    gated input; ``gated_out``: gated in the epilogue, ``n`` the gate and up rows together)."""
+    key = (m_pad, n, k, elem_size, device, gated, gated_out)
     cfg = _CONFIG_CACHE.get(key)
     if cfg is None:
         cfg = _TUNED.get((m_pad, n, k)) if elem_size == 2 else None
         cfg = cfg or _default_config(m_pad, n, k, elem_size, _num_sms(device), gated)
-        cfg = _fit_pipeline(cfg, m_pad, elem_size, gated)
+        if gated_out:  # the epilogue needs each program's whole K: no split
+            cfg = GemvConfig(*cfg[:5], 1)
+        cfg = _fit_pipeline(cfg, m_pad, elem_size, gated, gated_out)
         _CONFIG_CACHE[key] = cfg
     return cfg
 
 
-def _fit_pipeline(cfg: GemvConfig, m_pad: int, elem_size: int, gated: bool) -> GemvConfig:
+def _fit_pipeline(
+    cfg: GemvConfig, m_pad: int, elem_size: int, gated: bool, gated_out: bool = False
+) -> GemvConfig:
     """``cfg`` with no more stages than ``_PIPELINE_BYTES`` hold: a stage is an x tile (two,
-    gate and up, for a gated input; rows padded to 16 for ``tl.dot``) and a weight tile."""
+    gate and up, for a gated input; rows padded to 16 for ``tl.dot``) and a weight tile (two
+    for a gated output)."""
     rows = max(16, m_pad) if cfg.use_dot else m_pad
-    stage_bytes = ((2 if gated else 1) * rows + cfg.block_n) * cfg.block_k * elem_size
+    x_tiles, w_tiles = (2 if gated else 1), (2 if gated_out else 1)
+    stage_bytes = (x_tiles * rows + w_tiles * cfg.block_n) * cfg.block_k * elem_size
     stages = max(1, min(cfg.num_stages, _PIPELINE_BYTES // stage_bytes))
     if stages == cfg.num_stages:
         return cfg
@@ -315,9 +361,13 @@ def _launch(
     out: torch.Tensor,
     cfg: GemvConfig,
     act: int = 0,
+    gated_out: int = 0,
 ) -> None:
     M = x.shape[0]
     N, K = weight.shape
+    if gated_out:
+        assert cfg.split_k == 1, "a gated output needs each program's whole K"
+        N //= 2
     m_pad = _m_pad(M)
     if cfg.use_dot:
         m_pad = max(16, m_pad)
@@ -343,6 +393,7 @@ def _launch(
         out.stride(0),
         k_per_split,
         ACT=act,
+        GATED_OUT=gated_out,
         HAS_BIAS=bias is not None,
         HAS_SPLIT=split > 1,
         EVEN_N=N % cfg.block_n == 0,
@@ -372,18 +423,22 @@ def linear_small_m(
     bias: torch.Tensor | None = None,
     out: torch.Tensor | None = None,
     act: str | None = None,
+    gated_out: str | None = None,
 ) -> torch.Tensor:
     """``x @ weight.T (+ bias)`` for few rows of ``x`` [M, K]; ``weight`` is [N, K] row-major.
 
     With ``act`` (a key of ``ACTIVATIONS``) ``x`` is ``[M, 2K]`` laid out as ``[gate | up]`` and
     the product is ``(act(gate) * up) @ weight.T``: a gated MLP's activation fused into its down
-    projection. Accumulates in fp32 and returns ``x.dtype`` (bf16, fp16 or fp32). Rows of ``x``
-    and ``out`` may be strided (unit last stride). Meant for ``M <= MAX_M``; larger ``M`` runs
-    ``MAX_M`` rows per launch. No host sync: capturable in a CUDA graph once each shape has run
-    eagerly.
+    projection. With ``gated_out`` (a key of ``ACTIVATIONS``) ``weight`` (and ``bias``) stack
+    ``[gate; up]``, ``2N`` rows, and the result is ``act(x @ gate.T) * (x @ up.T)`` [M, N]:
+    the activation in the epilogue of a gated MLP's gate_up projection, rounded as the unfused
+    product and activation would round. Accumulates in fp32 and returns ``x.dtype`` (bf16,
+    fp16 or fp32). Rows of ``x`` and ``out`` may be strided (unit last stride). Meant for
+    ``M <= MAX_M``; larger ``M`` runs ``MAX_M`` rows per launch. No host sync: capturable in a
+    CUDA graph once each shape has run eagerly.
     """
     width = weight.shape[1] * (2 if act is not None else 1) if weight.dim() == 2 else -1
-    if x.dim() != 2 or x.shape[1] != width:
+    if x.dim() != 2 or x.shape[1] != width or (gated_out and (act or weight.shape[0] % 2)):
         raise ValueError(f"linear_small_m: shapes {tuple(x.shape)} x {tuple(weight.shape)}")
     if weight.dtype != x.dtype or (bias is not None and bias.dtype != x.dtype):
         raise ValueError("linear_small_m: x, weight and bias must share a dtype")
@@ -395,17 +450,27 @@ def linear_small_m(
         bias = bias.contiguous()
     M = x.shape[0]
     N, K = weight.shape
+    n_out = N // 2 if gated_out else N
     if out is None:
-        out = torch.empty((M, N), dtype=x.dtype, device=x.device)
-    elif out.shape != (M, N) or out.dtype != x.dtype or out.stride(1) != 1:
+        out = torch.empty((M, n_out), dtype=x.dtype, device=x.device)
+    elif out.shape != (M, n_out) or out.dtype != x.dtype or out.stride(1) != 1:
         raise ValueError("linear_small_m: out must be [M, N] in x's dtype with unit last stride")
     if M == 0 or N == 0:
         return out
     if K == 0:
-        return out.copy_(bias.expand(M, N) if bias is not None else torch.zeros_like(out))
+        product = (bias if bias is not None else weight.new_zeros(N)).expand(M, N)
+        return out.copy_(gated_activation(product, gated_out) if gated_out else product)
     for start in range(0, M, MAX_M):
         rows = slice(start, min(M, start + MAX_M))
         m_pad = _m_pad(rows.stop - rows.start)
-        cfg = _config(m_pad, N, K, x.element_size(), x.device, act is not None)
-        _launch(x[rows], weight, bias, out[rows], cfg, ACTIVATIONS[act] if act else 0)
+        cfg = _config(m_pad, N, K, x.element_size(), x.device, act is not None, bool(gated_out))
+        _launch(
+            x[rows],
+            weight,
+            bias,
+            out[rows],
+            cfg,
+            ACTIVATIONS[act] if act else 0,
+            ACTIVATIONS[gated_out] if gated_out else 0,
+        )
     return out

@@ -151,7 +151,10 @@ class GatedMLP(nn.Module):
         self.act = act
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj.forward_gated(self.gate_up_proj(x), self.act)
+        if self.down_proj.takes_gemv(x):  # it applies the activation as it loads its input
+            return self.down_proj.forward_gated(self.gate_up_proj(x), self.act)
+        # Else the gate_up projection applies it, in its epilogue where it can.
+        return self.down_proj(self.gate_up_proj.forward_activated(x, self.act))
 
 
 class DecoderModel(nn.Module):

@@ -176,6 +176,32 @@ def test_fused_gated_activation(act, dtype):
         linear_small_m(gate_up[:, :k], w, b, act=act)  # the input must hold gate and up
 
 
+def _gated_out_reference(x, w, b, act):
+    """Unfused, as PyTorch rounds it: the gate_up product rounded to the input dtype, then
+    the activation (rounded) times up."""
+    gate, up = _reference(x, w, b).to(x.dtype).float().chunk(2, dim=-1)
+    a = F.silu(gate) if act == "silu" else F.gelu(gate, approximate="tanh")
+    return a.to(x.dtype).float() * up
+
+
+@pytest.mark.parametrize("act", list(ACTIVATIONS))
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_gated_activation_in_the_epilogue(act, dtype):
+    """act(x @ gate.T) * (x @ up.T) from a [gate; up] weight, with the activation in the
+    epilogue, through the rule's configurations and forced ones (unsplit: the epilogue needs
+    all of K)."""
+    for m, n, k in [(1, 64, 128), (3, 96, 320), (17, 64, 128)]:
+        x, w, b = _inputs(m, 2 * n, k, dtype, strided=True, bias=True)
+        ref = _gated_out_reference(x, w, b, act)
+        assert _rel_err(linear_small_m(x, w, b, gated_out=act), ref) < TOL[dtype]
+        for cfg in (GemvConfig(*FORCED[1][:5], 1), FORCED[3]):
+            out = torch.empty(m, n, dtype=dtype, device=DEVICE)
+            _launch(x, w, b, out, cfg, gated_out=ACTIVATIONS[act])
+            assert _rel_err(out, ref) < TOL[dtype]
+    with pytest.raises(ValueError, match="shapes"):
+        linear_small_m(x, w[1:].contiguous(), gated_out=act)  # gate and up: an even count
+
+
 # bf16 decode shapes of a Qwen3-0.6B-class model: qkv, o, gate_up, down, lm_head.
 SHAPES = [(1024, 4096), (2048, 1024), (1024, 6144), (3072, 1024), (1024, 151936)]
 
@@ -212,6 +238,16 @@ def test_gpu_bf16_fused_down_projection(act, k, n):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("act", list(ACTIVATIONS))
+@pytest.mark.parametrize("k,n", [(1024, 6144), (1152, 13824)])  # Qwen3-0.6B, Gemma-3-1B gate_up
+def test_gpu_bf16_gated_gate_up_projection(act, k, n):
+    for m in (1, 16, 33, MAX_M):
+        x, w, _ = _inputs(m, n, k, torch.bfloat16, False, False, device="cuda")
+        got = linear_small_m(x, w, gated_out=act)
+        assert _rel_err(got, _gated_out_reference(x, w, None, act)) < 1e-2, m
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("k,n", [(1024, 4096), (2048, 1024), (3072, 1024)])
 def test_gpu_cuda_graph_replay(k, n):
     for m in sorted({1, 4, 16, MAX_M}):
@@ -233,7 +269,7 @@ def test_gpu_cuda_graph_replay(k, n):
 
 
 def gemv_launches() -> None:
-    """Every measured configuration, with and without a gated input, and the rule's gated
+    """Every measured configuration, with and without a gated input or output, and the rule's gated
     configurations for some shapes without entries (for the lowering test)."""
     from heron.layers import triton_gemv as g
 
@@ -241,6 +277,9 @@ def gemv_launches() -> None:
         for act in (None, "gelu_tanh"):
             x = torch.empty(m, 2 * k if act else k, dtype=torch.bfloat16)
             g.linear_small_m(x, torch.empty(n, k, dtype=torch.bfloat16), act=act)
+        if n % 2 == 0:  # as a [gate; up] weight, the activation in the epilogue
+            x = torch.empty(m, k, dtype=torch.bfloat16)
+            g.linear_small_m(x, torch.empty(n, k, dtype=torch.bfloat16), gated_out="silu")
     # The rule's gated configurations for shapes without measured entries (Qwen2.5-7B's down,
     # a mid-size and a tiny one), through the public entry point.
     for (n, k), m in itertools.product([(3584, 18944), (2048, 8192), (64, 320)], (1, 3, 16)):
