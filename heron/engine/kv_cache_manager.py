@@ -647,20 +647,22 @@ class KVCacheCoordinator:
             request, num_new_tokens, self._quiet_limits.get(request.request_id, _NO_BLOCKS)
         ):
             return True
-        hits = list(new_computed_blocks) or [()] * len(self.groups)
-        busy = [
-            (group, blocks)
-            for group, blocks in zip(self.groups, hits)
-            if blocks or not group.is_quiet(request, num_new_tokens)
+        # Every group is planned and allocated (one with nothing to do does nothing): cheaper
+        # than asking each whether it is quiet first.
+        groups = self.groups
+        hits = new_computed_blocks or [()] * len(groups)
+        if new_computed_blocks:
+            for group, blocks in zip(groups, hits):
+                group.check_computed_blocks(request, blocks)
+        plans = [
+            group._plan(request, num_new_tokens, blocks) for group, blocks in zip(groups, hits)
         ]
-        for group, blocks in busy:
-            group.check_computed_blocks(request, blocks)
-        plans = [group._plan(request, num_new_tokens, blocks) for group, blocks in busy]
-        if any(plan[2] > group.num_free_blocks for (group, _), plan in zip(busy, plans)):
-            return False
+        for group, plan in zip(groups, plans):
+            if plan[2] > group.num_free_blocks:
+                return False
         request_id = request.request_id
         chain: Sequence[int] = ()
-        for (group, blocks), plan in zip(busy, plans):
+        for group, blocks, plan in zip(groups, hits, plans):
             group._allocate(request, num_new_tokens, blocks, plan, chain)
             chain = group.block_hashes(request_id)
         self._quiet_limits[request_id] = self._group_quiet_limit(request_id)
