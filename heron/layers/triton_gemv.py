@@ -133,7 +133,7 @@ def _gemv_kernel(
             x = gated(x, up, ACT, x_ptr.dtype.element_ty).to(x_ptr.dtype.element_ty)
         acc = _accumulate(acc, w, x, USE_DOT, DOT_PREC)
         if GATED_OUT != 0:
-            w_up = _load_tile(w_ptrs + N * K + k, n_mask, k_mask, EVEN_N, EVEN_K)
+            w_up = _load_tile(w_ptrs + tl.cast(N, tl.int64) * K + k, n_mask, k_mask, EVEN_N, EVEN_K)
             acc_up = _accumulate(acc_up, w_up, x, USE_DOT, DOT_PREC)
     if USE_DOT:
         acc = tl.trans(acc)
