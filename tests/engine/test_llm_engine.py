@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import gc
+import weakref
 
 import pytest
 import torch
@@ -158,3 +159,15 @@ def test_start_up_heap_is_frozen_out_of_the_collector(llm):
     model = llm.engine.runner.model
     assert gc.get_freeze_count() > 0
     assert not any(o is model for o in gc.get_objects())
+
+
+def test_a_deleted_engine_frees_its_model_and_cache(tiny_model_dir):
+    """Frozen objects are never collected as cyclic garbage, so an engine must not hold its
+    model or KV cache in a reference cycle: dropping the last reference frees them."""
+    llm = LLM(str(tiny_model_dir("qwen2")), max_model_len=128, num_kv_blocks=40)
+    llm.generate(["hello"], SamplingParams(max_tokens=3), use_tqdm=False)
+    model = weakref.ref(llm.engine.runner.model)
+    cache = weakref.ref(llm.engine.runner.attention_ops[0].kv_cache)
+    del llm
+    gc.collect()
+    assert model() is None and cache() is None
