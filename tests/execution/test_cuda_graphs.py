@@ -61,14 +61,9 @@ def test_replay_equals_eager(tiny_model_dir, family):
 def test_greedy_decode_steps_take_the_graphs_tokens(tiny_model_dir):
     """A replayed step whose requests are all greedy takes the argmax the graph computed, with
     no sampling after the replay; a step that samples still runs the sampler after it."""
-    llm = LLM(
-        str(tiny_model_dir("qwen3")),
-        device="cuda",
-        dtype="float32",
-        max_model_len=256,
-        num_kv_blocks=128,
-        cuda_graph_max_bs=8,
-    )
+    path = str(tiny_model_dir("qwen3"))
+    options = dict(device="cuda", dtype="float32", max_model_len=256, num_kv_blocks=128)
+    llm = LLM(path, cuda_graph_max_bs=8, **options)
     runner = llm.engine.runner
     events: list[str] = []
     run, sample = runner.graphs.run, runner.sampler.sample_on_device
@@ -90,14 +85,7 @@ def test_greedy_decode_steps_take_the_graphs_tokens(tiny_model_dir):
     )
     assert replays >= 8 and followers == ["sample"] * replays
     # and the graph's tokens are the eager engine's
-    eager = LLM(
-        str(tiny_model_dir("qwen3")),
-        device="cuda",
-        dtype="float32",
-        max_model_len=256,
-        num_kv_blocks=128,
-        enforce_eager=True,
-    )
+    eager = LLM(path, enforce_eager=True, **options)
     assert [o.outputs[0].token_ids for o in llm.generate(prompts, greedy, use_tqdm=False)] == [
         o.outputs[0].token_ids for o in eager.generate(prompts, greedy, use_tqdm=False)
     ]

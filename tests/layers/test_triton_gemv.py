@@ -152,9 +152,13 @@ def _gated_reference(gate_up, w, b, act):
     """Unfused, as PyTorch rounds it: the activation, then its product with up, each rounded to
     the input dtype; then the matrix product."""
     gate, up = gate_up.float().chunk(2, dim=-1)
+    return _reference((_activation(gate, act, gate_up.dtype) * up).to(gate_up.dtype), w, b)
+
+
+def _activation(gate, act, dtype):
+    """``act(gate)`` in fp32, rounded to ``dtype`` as PyTorch's activation in ``dtype`` is."""
     a = F.silu(gate) if act == "silu" else F.gelu(gate, approximate="tanh")
-    a = a.to(gate_up.dtype).float()
-    return _reference((a * up).to(gate_up.dtype), w, b)
+    return a.to(dtype).float()
 
 
 @pytest.mark.parametrize("act", list(ACTIVATIONS))
@@ -180,8 +184,7 @@ def _gated_out_reference(x, w, b, act):
     """Unfused, as PyTorch rounds it: the gate_up product rounded to the input dtype, then
     the activation (rounded) times up."""
     gate, up = _reference(x, w, b).to(x.dtype).float().chunk(2, dim=-1)
-    a = F.silu(gate) if act == "silu" else F.gelu(gate, approximate="tanh")
-    return a.to(x.dtype).float() * up
+    return _activation(gate, act, x.dtype) * up
 
 
 @pytest.mark.parametrize("act", list(ACTIVATIONS))
