@@ -27,7 +27,7 @@ import torch
 import triton
 import triton.language as tl
 
-from heron.layers.pdl import pdl_launch, wait_for_previous_kernel
+from heron.layers.pdl import multiprocessor_count, pdl_launch, wait_for_previous_kernel
 from heron.layers.triton_kernels import ACTIVATIONS, gated, gated_activation
 
 #: The largest row count the kernel is meant for; bigger inputs are done ``MAX_M`` rows at a time.
@@ -241,7 +241,6 @@ _TUNED: dict[tuple[int, int, int], GemvConfig] = {
 
 _CONFIG_CACHE: dict[tuple, GemvConfig] = {}
 _COUNTERS: dict[torch.device, torch.Tensor] = {}
-_NUM_SMS: dict[torch.device, int] = {}
 _RETIRED: list[torch.Tensor] = []
 
 
@@ -252,14 +251,6 @@ _PIPELINE_BYTES = 192 * 1024
 
 def _m_pad(m: int) -> int:
     return triton.next_power_of_2(max(1, m))
-
-
-def _num_sms(device: torch.device) -> int:
-    if device.type != "cuda":
-        return 4
-    if device not in _NUM_SMS:
-        _NUM_SMS[device] = torch.cuda.get_device_properties(device).multi_processor_count
-    return _NUM_SMS[device]
 
 
 def _default_config(
@@ -316,7 +307,7 @@ def _config(
     cfg = _CONFIG_CACHE.get(key)
     if cfg is None:
         cfg = _TUNED.get((m_pad, n, k)) if elem_size == 2 else None
-        cfg = cfg or _default_config(m_pad, n, k, elem_size, _num_sms(device), gated)
+        cfg = cfg or _default_config(m_pad, n, k, elem_size, multiprocessor_count(device), gated)
         if gated_out:  # the epilogue needs each program's whole K: no split
             cfg = GemvConfig(*cfg[:5], 1)
         cfg = _fit_pipeline(cfg, m_pad, elem_size, gated, gated_out)

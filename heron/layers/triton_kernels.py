@@ -13,7 +13,12 @@ import torch
 import triton
 import triton.language as tl
 
-from heron.layers.pdl import pdl_launch, wait_for_previous_kernel
+from heron.layers.pdl import (
+    fits_one_wave,
+    pdl_launch,
+    start_next_kernel,
+    wait_for_previous_kernel,
+)
 
 
 @triton.jit
@@ -58,8 +63,11 @@ def _rms_norm_kernel(
     SCALE_IN_FP32: tl.constexpr,
     ROWS: tl.constexpr,
     BLOCK_N: tl.constexpr,
+    START_NEXT: tl.constexpr,
     USE_PDL: tl.constexpr,
 ):
+    if START_NEXT:  # the projection that reads the norm is scheduled now, and waits below
+        start_next_kernel(USE_PDL)
     wait_for_previous_kernel(USE_PDL)
     rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
     cols = tl.arange(0, BLOCK_N)
@@ -116,6 +124,9 @@ def rms_norm(
     With ``prenorm_weight``, ``x`` is first replaced by its own norm of the same form and eps
     with that weight, rounded to ``x``'s dtype: a post-norm (Gemma normalises the attention and
     MLP outputs before their residual adds) fused into the next norm's kernel.
+
+    A launch that fits one wave lets the next kernel (the projection that reads the norm) start
+    while it runs (``heron.layers.pdl.fits_one_wave``).
     """
     _check_rows("x", x)
     if prenorm_weight is not None and prenorm_weight.dtype != x.dtype and not scale_in_fp32:
@@ -133,7 +144,8 @@ def rms_norm(
         rows = min(triton.next_power_of_2(n_rows), max(1, 2048 // block_n))
         tile = rows * block_n
         res = x if residual is None else residual  # any valid pointer when unused
-        _rms_norm_kernel[(triton.cdiv(n_rows, rows),)](
+        programs = triton.cdiv(n_rows, rows)
+        _rms_norm_kernel[(programs,)](
             x,
             weight,
             weight if prenorm_weight is None else prenorm_weight,  # any valid pointer if unused
@@ -151,6 +163,7 @@ def rms_norm(
             SCALE_IN_FP32=bool(scale_in_fp32),
             ROWS=rows,
             BLOCK_N=block_n,
+            START_NEXT=fits_one_wave(x.device, programs),
             num_warps=min(16, max(1, tile // 512)),
             **pdl_launch(x.device),
         )

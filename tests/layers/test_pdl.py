@@ -25,3 +25,44 @@ def test_on_for_hopper_unless_disabled(monkeypatch):
     monkeypatch.setattr(pdl, "_ENABLED", {})
     monkeypatch.setenv("HERON_PDL", "0")
     assert not pdl.pdl_enabled(device)
+
+
+def test_one_wave_rule_off_cuda():
+    cpu = torch.device("cpu")
+    assert pdl.multiprocessor_count(cpu) == 4  # the interpreter's stand-in
+    assert pdl.fits_one_wave(cpu, 4) and not pdl.fits_one_wave(cpu, 5)
+
+
+@pytest.mark.gpu
+def test_multiprocessor_count_on_cuda():
+    device = torch.device("cuda", torch.cuda.current_device())
+    count = torch.cuda.get_device_properties(device).multi_processor_count
+    assert pdl.multiprocessor_count(device) == count
+    assert pdl.fits_one_wave(device, count) and not pdl.fits_one_wave(device, count + 1)
+
+
+def test_one_wave_launches_start_the_next_kernel(monkeypatch):
+    """The RMSNorm and the decode attention let the next kernel start early exactly when their
+    launch fits one wave (4 multiprocessors off CUDA)."""
+    from triton_lowering import _Recorder
+
+    from heron.layers import triton_kernels
+    from heron.ops.attention.triton import decode
+
+    norm = _Recorder()
+    monkeypatch.setattr(triton_kernels, "_rms_norm_kernel", norm)
+    for rows in (4, 160):  # 64 columns: 32 rows a program, so 1 and 5 programs
+        triton_kernels.rms_norm(torch.zeros(rows, 64), torch.ones(64), 1e-6)
+    assert [kwargs["START_NEXT"] for _, kwargs in norm.calls] == [True, False]
+
+    attention = _Recorder()
+    monkeypatch.setattr(decode, "_decode_kernel", attention)
+    cache = torch.zeros(2, 8, 16, 1, 64)
+    for batch in (1, 2):  # 4 splits of one KV head: 4 and 8 programs
+        q = torch.zeros(batch, 2, 64)
+        tables = torch.zeros(batch, 8, dtype=torch.int32)
+        lens = torch.full((batch,), 100, dtype=torch.int32)
+        decode.paged_decode_attention(
+            q, cache, tables, lens, 0.125, None, torch.empty_like(q), num_splits=4
+        )
+    assert [kwargs["START_NEXT"] for _, kwargs in attention.calls] == [True, False]

@@ -47,7 +47,12 @@ import torch
 import triton
 import triton.language as tl
 
-from heron.layers.pdl import pdl_launch, wait_for_previous_kernel
+from heron.layers.pdl import (
+    fits_one_wave,
+    pdl_launch,
+    start_next_kernel,
+    wait_for_previous_kernel,
+)
 
 # Logits are scaled by log2(e) so the online softmax can use exp2; LSEs stay in log2 units
 # between a split and the merge (never exposed). Sinks and soft-caps are converted to those
@@ -316,6 +321,7 @@ def _decode_kernel(
     HAS_SOFTCAP: tl.constexpr,
     HAS_SINKS: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    START_NEXT: tl.constexpr,
     USE_PDL: tl.constexpr,
 ):
     """One program: all GROUP query heads of one KV head, over one split of the KV range; with
@@ -326,7 +332,8 @@ def _decode_kernel(
     the cached keys and values written by earlier steps, so no running kernel writes them. The
     newest key and value (position ``kv_len - 1``) are this step's, written by the kernel
     before (which lets this one start early, see ``heron.layers.pdl.start_next_kernel``): they
-    are loaded after the wait."""
+    are loaded after the wait. With ``START_NEXT`` (a launch that fits one wave) a program lets
+    the output projection after it start once it has waited."""
     b = tl.program_id(0)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
@@ -367,6 +374,8 @@ def _decode_kernel(
     last_key = kv_head + last_block * stride_blk + (last % BLOCK_SIZE) * stride_slot + offs_d
 
     wait_for_previous_kernel(USE_PDL)
+    if START_NEXT:  # the output projection is scheduled now, on the idle multiprocessors
+        start_next_kernel(USE_PDL)
     k = tl.where(newest[:, None], tl.load(last_key, mask=in_tile, other=0.0)[None, :], k)
     v_new = tl.load(last_key + stride_kv, mask=in_tile, other=0.0)
     v = tl.where(newest[:, None], v_new[None, :], v)
@@ -590,6 +599,7 @@ def paged_decode_attention(
         HAS_SOFTCAP=softcap is not None,
         HAS_SINKS=sinks is not None,
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        START_NEXT=fits_one_wave(q.device, batch * num_kv_heads * num_splits),
         num_warps=num_warps,
         num_stages=num_stages,
         **pdl_launch(q.device),

@@ -10,6 +10,7 @@ import torch
 import triton
 from torch import nn
 
+from heron.layers.pdl import multiprocessor_count
 from heron.layers.rotary import QKTransform
 from heron.metadata import SequenceMetadata
 from heron.ops.attention.base import AttentionOperator, AttentionSpec
@@ -65,7 +66,6 @@ class TritonAttentionBuilder(PagedAttentionBuilder):
         super().__init__("triton", block_size, spec.sliding_window, max_model_len)
         self.spec = spec
         self.max_model_len = max_model_len
-        self._num_sms: int | None = None
         self._eager_tickets: torch.Tensor | None = None
 
     @property
@@ -74,15 +74,12 @@ class TritonAttentionBuilder(PagedAttentionBuilder):
         return (*super().key, s.num_heads, s.num_kv_heads, s.head_dim)
 
     def _splits(self, batch: int, max_kv_len: int, device: torch.device) -> int:
-        if self._num_sms is None:
-            # Off CUDA the kernels run in Triton's interpreter (tests): any small count does.
-            self._num_sms = (
-                torch.cuda.get_device_properties(device).multi_processor_count
-                if device.type == "cuda"
-                else 4
-            )
         return choose_num_splits(
-            batch, self.spec.num_kv_heads, max_kv_len, self._num_sms, self.sliding_window
+            batch,
+            self.spec.num_kv_heads,
+            max_kv_len,
+            multiprocessor_count(device),
+            self.sliding_window,
         )
 
     def _workspace(
