@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Hashable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -45,6 +45,25 @@ class PagedGraphBuffers:
     block_tables: torch.Tensor
     kv_lens: torch.Tensor
     query_start_loc: torch.Tensor
+    # The destination views of the last step's shape, by (requests, table width).
+    _rows: dict[tuple[int, int], list[torch.Tensor]] = field(
+        default_factory=dict, repr=False, compare=False
+    )
+
+    def rows(self, num_reqs: int, width: int) -> list[torch.Tensor]:
+        """Positions, slots, block tables (``width`` columns) and KV lengths of the first
+        ``num_reqs`` rows. Views are made again only when the shape changes: consecutive
+        decode steps mostly share it, and each view costs the host a dispatch."""
+        views = self._rows.get((num_reqs, width))
+        if views is None:
+            self._rows.clear()  # only the last shape is kept
+            views = self._rows[num_reqs, width] = [
+                self.positions[:num_reqs],
+                self.slot_mapping[:num_reqs],
+                self.block_tables[:num_reqs, :width],
+                self.kv_lens[:num_reqs],
+            ]
+        return views
 
 
 class PagedAttentionBuilder(MetadataBuilder):
@@ -126,19 +145,16 @@ class PagedAttentionBuilder(MetadataBuilder):
                 f"{seq.num_reqs} requests with {seq.num_tokens} tokens"
             )
         slot_mapping, block_tables = self._group_tables(seq)
-        n, width = seq.num_reqs, min(block_tables.shape[1], self.table_width)
+        n, width = seq.num_reqs, block_tables.shape[1]
+        if width > self.table_width:
+            width = self.table_width
+            block_tables = block_tables[:, :width]
         # Few, in-place copies: this runs before every replay. Table entries past a row's
         # length are never read, so stale ones need no reset; padded rows get length 0, the
         # null block and slot 0 (their garbage K/V goes to the null block).
         # One foreach call: a launch per dtype on the GPU instead of one per copy.
         torch._foreach_copy_(
-            [
-                buffers.positions[:n],
-                buffers.slot_mapping[:n],
-                buffers.block_tables[:n, :width],
-                buffers.kv_lens[:n],
-            ],
-            [seq.positions, slot_mapping, block_tables[:, :width], seq.kv_lens],
+            buffers.rows(n, width), [seq.positions, slot_mapping, block_tables, seq.kv_lens]
         )
         if n < batch:
             buffers.slot_mapping[n:batch].zero_()
