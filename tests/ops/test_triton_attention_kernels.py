@@ -262,7 +262,7 @@ SPLITS = [(1, False), (4, False), (4, True)]  # (num_splits, workspace passed)
 
 
 @pytest.mark.parametrize("heads", HEADS, ids=lambda h: f"h{h[0]}kv{h[1]}")
-@pytest.mark.parametrize("block_size", [16, 32])
+@pytest.mark.parametrize("block_size", [16, 32, 64])
 @pytest.mark.parametrize("window", [None, 7])
 @pytest.mark.parametrize("splits", SPLITS, ids=["s1", "s4", "s4ws"])
 def test_decode_matches_dense(heads, block_size, window, splits):
@@ -320,7 +320,7 @@ def test_extend_matches_dense(kv_lens, q_lens, heads):
     assert_close(out, ref, 1e-4)
 
 
-@pytest.mark.parametrize("block_size", [16, 32])
+@pytest.mark.parametrize("block_size", [16, 32, 64])
 def test_extend_sliding_window(block_size):
     out, ref = run_extend([150, 40, 75], [80, 40, 1], 4, 2, block_size, 11, torch.float32)
     assert_close(out, ref, 1e-4)
