@@ -311,6 +311,11 @@ def test_graph_fill_pads_rows_and_matches_eager(window):
     assert view2.block_tables[0, : len(table_c)].tolist() == table_c
     assert not view2.block_tables[0, len(table_c) :].any()
     assert not view2.block_tables[1:].any(), "stale block-table rows survived"
+    # Back to the first step's shape: the buffers take its rows again (the fill keeps only the
+    # last shape's destination views).
+    builder.fill(seq, buffers, batch)
+    assert view.kv_lens[:3].tolist() == seq.kv_lens.tolist()
+    assert torch.equal(view.block_tables[:3, :width], seq.block_tables[:, :width])
 
 
 @pytest.mark.parametrize("window", [None, 5])
