@@ -12,7 +12,8 @@ block boundary take the KV cache's slow path (all at once here: the prompts have
     python benchmarks/engine_host_step.py [--batch 64] [--context 4096] [--vocab 262144]
         [--block-size 64] [--steps 100] [--no-stream] [--profile]
 
-The KV cache blocks are 64 tokens by default, as on CUDA (the CPU's own default is 16).
+The KV cache blocks are CUDA's default size (64 tokens) unless ``--block-size`` says otherwise;
+the CPU's own default is 16.
 """
 
 from __future__ import annotations
@@ -28,12 +29,15 @@ from pathlib import Path
 import torch
 
 from heron import LLM, SamplingParams
+from heron.platforms import CudaPlatform
 
 from gemma_decode import GEMMA3_1B
 from gpu_decode import save_random_checkpoint
 
 
-def build_engine(path: Path, vocab: int, max_model_len: int, block_size: int = 64) -> LLM:
+def build_engine(
+    path: Path, vocab: int, max_model_len: int, block_size: int = CudaPlatform.default_block_size
+) -> LLM:
     import transformers as tf
 
     # Gemma-3-1B's layers, heads, window and tied embeddings, with tiny matrices.
@@ -74,7 +78,12 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=64)
     parser.add_argument("--context", type=int, default=4096)
     parser.add_argument("--vocab", type=int, default=262144)
-    parser.add_argument("--block-size", type=int, default=64, help="tokens per KV cache block")
+    parser.add_argument(
+        "--block-size",
+        type=int,
+        default=CudaPlatform.default_block_size,
+        help="tokens per KV cache block (default: CUDA's)",
+    )
     parser.add_argument("--steps", type=int, default=100)
     parser.add_argument("--no-stream", action="store_true", help="outputs only when finished")
     parser.add_argument("--profile", action="store_true", help="cProfile of the timed steps")
