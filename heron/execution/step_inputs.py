@@ -144,6 +144,7 @@ class StepInputBuilder:
             for g, window in enumerate(self.windows):
                 firsts = window_start_block(contexts_array, window, bs)
                 self._rows.gather(g, table_rows, lengths[g], firsts, batch.group_block_tables[g])
+                batch.group_table_starts[g] = firsts
             # Every group's slot of each token: its block's id * block_size + its offset in it.
             block_indices, block_offsets = np.divmod(positions, bs)
             slot_mappings = batch.group_slot_mappings

@@ -34,6 +34,7 @@ def _layout(
         "token_ids": (1, num_tokens),
         "positions": (1, num_tokens),
         "slot_mapping": (num_groups, num_tokens),
+        "table_starts": (num_groups, num_reqs),
         "logits_indices": (1, num_logits),
         "block_tables": (num_groups * num_reqs, width),
     }
@@ -48,9 +49,10 @@ class StepBatch:
     """One step's batch on the host, laid out in a single packed int32 array.
 
     The runner writes token ids, positions, slots, per-request query/KV lengths, block tables
-    and the rows to compute logits for into the named views; slots and block tables come once per
-    KV cache group (``group_slot_mappings[g]``, ``group_block_tables[g]``; ``slot_mapping`` and
-    ``block_tables`` are group 0's); :meth:`finish` fills both
+    and the rows to compute logits for into the named views; slots, block tables and each row's
+    first table block (the table index its row starts at) come once per KV cache group
+    (``group_slot_mappings[g]``, ``group_block_tables[g]``, ``group_table_starts[g]``;
+    ``slot_mapping`` and ``block_tables`` are group 0's); :meth:`finish` fills both
     cumulative-length arrays with one cumsum over the stacked lengths. The packed array then
     travels to the device in one copy (:meth:`SequenceMetadata.from_step_batch`).
 
@@ -94,6 +96,7 @@ class StepBatch:
         self.token_ids = row("token_ids")
         self.positions = row("positions")
         self.group_slot_mappings = rows("slot_mapping")
+        self.group_table_starts = rows("table_starts")
         self.logits_indices = row("logits_indices")
         self.group_block_tables = rows("block_tables").reshape(num_groups, num_reqs, table_width)
         self.slot_mapping = self.group_slot_mappings[0]
@@ -141,6 +144,8 @@ class SequenceMetadata:
     logits_indices: torch.Tensor
     group_slot_mappings: tuple[torch.Tensor, ...] = ()
     group_block_tables: tuple[torch.Tensor, ...] = ()
+    # Per group, [reqs]: the table index of each row's first entry (0 without a window).
+    group_table_starts: tuple[torch.Tensor, ...] = ()
 
     @property
     def num_groups(self) -> int:
@@ -158,6 +163,7 @@ class SequenceMetadata:
         g, r, w = batch.num_groups, batch.num_reqs, batch.table_width
         tables, _, _, stride = parts["block_tables"]
         group_slot_mappings = tuple(row("slot_mapping", i) for i in range(g))
+        group_table_starts = tuple(row("table_starts", i) for i in range(g))
         group_block_tables = tuple(
             packed.as_strided((r, w), (stride, 1), base + tables + i * r * stride) for i in range(g)
         )
@@ -182,4 +188,5 @@ class SequenceMetadata:
             logits_indices=row("logits_indices"),
             group_slot_mappings=group_slot_mappings,
             group_block_tables=group_block_tables,
+            group_table_starts=group_table_starts,
         )

@@ -1,0 +1,109 @@
+"""Cache specs: what cache memory one metadata operator needs, declared by the operator.
+
+A spec is a frozen record; operators with equal specs share one cache group (one pool, one
+table per request). Everything that sizes, shapes or budgets cache memory reads specs only.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+
+@dataclass(frozen=True)
+class CacheSpec:
+    """The contract of a cache kind. ``block_size`` is in tokens (1 for per-request slots)."""
+
+    block_size: int
+    dtype: torch.dtype
+
+    @property
+    def bytes_per_block(self) -> int:
+        """Bytes of one block (or slot) of one operator's cache."""
+        raise NotImplementedError
+
+    def blocks_per_seq(self, max_model_len: int, max_num_batched_tokens: int) -> int:
+        """The most blocks one sequence holds at once."""
+        raise NotImplementedError
+
+    def tensor_shape(self, num_blocks: int) -> tuple[int, ...]:
+        """Shape of one operator's cache tensor over a pool of ``num_blocks`` blocks."""
+        raise NotImplementedError
+
+    def table_width(self, max_model_len: int) -> int:
+        """Widest table row a decode step needs."""
+        raise NotImplementedError
+
+    def first_table_block(self, context: int | np.ndarray) -> int | np.ndarray:
+        """Index, in a request's table, of the first block a step at ``context`` reads."""
+        raise NotImplementedError
+
+    def describe(self) -> str:
+        raise NotImplementedError
+
+    def _element_size(self) -> int:
+        return torch.empty((), dtype=self.dtype).element_size()
+
+
+@dataclass(frozen=True)
+class FullAttentionSpec(CacheSpec):
+    """Paged K and V of every token: ``[2, blocks, block_size, kv_heads, head_dim]``."""
+
+    num_kv_heads: int
+    head_dim: int
+
+    @property
+    def bytes_per_block(self) -> int:
+        return 2 * self.block_size * self.num_kv_heads * self.head_dim * self._element_size()
+
+    def blocks_per_seq(self, max_model_len: int, max_num_batched_tokens: int) -> int:
+        return -(-max_model_len // self.block_size)
+
+    def tensor_shape(self, num_blocks: int) -> tuple[int, ...]:
+        return (2, num_blocks, self.block_size, self.num_kv_heads, self.head_dim)
+
+    def table_width(self, max_model_len: int) -> int:
+        return -(-max_model_len // self.block_size)
+
+    def first_table_block(self, context: int | np.ndarray) -> int | np.ndarray:
+        return 0
+
+    def describe(self) -> str:
+        return (
+            f"full attention: {self.block_size}-token blocks, {self.num_kv_heads} KV heads of "
+            f"{self.head_dim}, {str(self.dtype).removeprefix('torch.')}"
+        )
+
+
+@dataclass(frozen=True)
+class SlidingWindowSpec(FullAttentionSpec):
+    """Paged K and V of the last ``sliding_window`` tokens; older blocks are released.
+
+    A query at position ``p`` sees keys ``j`` with ``p - sliding_window < j <= p``.
+    """
+
+    sliding_window: int
+
+    def __post_init__(self) -> None:
+        if self.sliding_window < 1:
+            raise ValueError(f"sliding_window must be >= 1, got {self.sliding_window}")
+
+    def blocks_per_seq(self, max_model_len: int, max_num_batched_tokens: int) -> int:
+        # A step of n tokens keeps keys from W before its first one (one more than it reads).
+        live = -(-(self.sliding_window + max_num_batched_tokens) // self.block_size) + 1
+        return min(super().blocks_per_seq(max_model_len, max_num_batched_tokens), live)
+
+    def table_width(self, max_model_len: int) -> int:
+        window_blocks = -(-(self.sliding_window - 1) // self.block_size) + 1
+        return min(super().table_width(max_model_len), window_blocks)
+
+    def first_table_block(self, context: int | np.ndarray) -> int | np.ndarray:
+        """The block of the first key that a token at position ``context`` sees: the one rule
+        by which a windowed row starts at the window (and, at ``context - 1``, the first block
+        a step keeps: the key before the first one it reads)."""
+        return np.maximum(context - self.sliding_window + 1, 0) // self.block_size
+
+    def describe(self) -> str:
+        return f"sliding window {self.sliding_window}, " + super().describe()
