@@ -98,7 +98,7 @@ class LLMEngine:
             num_blocks,
             self.block_size,
             config.enable_prefix_caching,
-            self.runner.cache_windows,
+            [getattr(spec, "sliding_window", None) for spec in self.runner.cache_specs],
         )
         max_len = self.model_config.max_model_len
         self.scheduler = Scheduler(
@@ -121,7 +121,9 @@ class LLMEngine:
             self.model_config.dtype,
             device,
         )
-        for window, n in zip(self.runner.cache_windows, num_blocks):
+        for window, n in zip(
+            [getattr(spec, "sliding_window", None) for spec in self.runner.cache_specs], num_blocks
+        ):
             logger.info(
                 "KV cache group %s: %d blocks of %d tokens (%d tokens)",
                 "full" if window is None else f"sliding window {window}",
@@ -136,59 +138,23 @@ class LLMEngine:
         gc.collect()
         gc.freeze()
 
-    def _blocks_per_seq(self) -> list[int]:
-        """Per cache group, the most blocks one sequence can hold at once.
-
-        ``ceil(max_model_len / bs)`` for full attention; for a sliding window ``W`` at most
-        ``ceil((W + max_num_batched_tokens) / bs) + 1`` (a step computing ``n`` tokens keeps
-        keys from ``W`` before its first one, one more than it reads; older blocks are
-        released), if that is less.
-        """
-        bs = self.block_size
-        full = -(-self.model_config.max_model_len // bs)
-        return [
-            full if w is None else min(full, -(-(w + self.max_num_batched_tokens) // bs) + 1)
-            for w in self.runner.cache_windows
-        ]
-
     def _num_kv_blocks(self) -> list[int]:
-        """Pool size (null block included) of each KV cache group.
-
-        The budget is split so that every group fits the same number of max-length sequences:
-        with ``b_g`` blocks per sequence (:meth:`_blocks_per_seq`) and ``B_g`` bytes per block
-        (K and V of the group's layers), ``S = (budget - sum_g B_g) / sum_g(b_g * B_g)`` sequences
-        fit and group ``g`` gets ``floor(S * b_g) + 1`` blocks (the ``+ 1`` is its null block).
-        With one group this is ``budget // B``. An explicit ``num_kv_blocks`` is used for every
-        group.
-        """
-        per_block = self.runner.kv_cache_bytes_per_block()
-        blocks_per_seq = self._blocks_per_seq()
-        max_len = self.model_config.max_model_len
+        """Pool size (null block included) of each cache group: the measured budget split by
+        the cache layout (every group fits the same number of max-length sequences), or an
+        explicit ``num_kv_blocks`` for every group."""
+        layout = self.runner.cache
+        max_len, max_tokens = self.model_config.max_model_len, self.max_num_batched_tokens
         if self.config.num_kv_blocks is not None:
-            num_blocks = [self.config.num_kv_blocks] * len(per_block)
+            num_blocks = [self.config.num_kv_blocks] * layout.num_groups
+        elif self.platform.device.type == "cuda":
+            peak = self.runner.profile_peak_memory(min(max_tokens, max_len))
+            budget = self.platform.kv_cache_budget(self.config.gpu_memory_utilization, peak)
+            num_blocks = layout.split_budget(budget, max_len, max_tokens)
         else:
-            if self.platform.device.type == "cuda":
-                profile_tokens = min(self.max_num_batched_tokens, max_len)
-                peak = self.runner.profile_peak_memory(profile_tokens)
-                budget = self.platform.kv_cache_budget(self.config.gpu_memory_utilization, peak)
-            else:
-                budget = DEFAULT_HOST_KV_CACHE_BYTES
-            bytes_per_seq = sum(b * B for b, B in zip(blocks_per_seq, per_block))
-            usable = max(0, budget - sum(per_block))
-            num_blocks = [usable * b // bytes_per_seq + 1 for b in blocks_per_seq]
-            if self.platform.device.type != "cuda":
-                num_blocks = [
-                    min(n, self.config.max_num_seqs * b + 1)
-                    for n, b in zip(num_blocks, blocks_per_seq)
-                ]
-        for window, n, b in zip(self.runner.cache_windows, num_blocks, blocks_per_seq):
-            if n - 1 < b:
-                kind = "" if window is None else f" (sliding window {window})"
-                raise ValueError(
-                    f"the KV cache{kind} holds {n - 1} blocks of {self.block_size} tokens, fewer "
-                    f"than one sequence of max_model_len={max_len} needs ({b}); lower "
-                    "max_model_len or give the cache more memory"
-                )
+            num_blocks = layout.split_budget(
+                DEFAULT_HOST_KV_CACHE_BYTES, max_len, max_tokens, self.config.max_num_seqs
+            )
+        layout.check_fits(num_blocks, max_len, max_tokens)
         return num_blocks
 
     # ----------------------------------------------------------------- requests

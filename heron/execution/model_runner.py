@@ -8,15 +8,23 @@ from dataclasses import dataclass
 
 import torch
 
+from heron.cache.layout import CacheLayout
+from heron.cache.spec import CacheSpec
 from heron.config import ModelConfig
 from heron.engine.request import Logprob, Request
 from heron.engine.scheduler import SchedulerOutput
 from heron.execution.cuda_graph import CudaGraphRunner
 from heron.execution.sampler import Sampler, on_device, prompt_logprobs
 from heron.execution.step_inputs import StepInputBuilder
-from heron.metadata import GraphSupport, SequenceMetadata, StepBatch, StepMetaPlan
+from heron.metadata import (
+    GraphSupport,
+    MetadataOperator,
+    SequenceMetadata,
+    StepBatch,
+    StepMetadataError,
+    StepMetaPlan,
+)
 from heron.models.build import build_model
-from heron.ops.attention.base import AttentionOperator
 from heron.platforms import Platform
 
 logger = logging.getLogger(__name__)
@@ -91,57 +99,45 @@ class ModelRunner:
         self.block_size = block_size
         self.plan: StepMetaPlan | None = None
         self.model = build_model(model_config, platform, self, attention_backend, block_size)
-        self.attention_ops = [m for m in self.model.modules() if isinstance(m, AttentionOperator)]
-        self.cache_windows, self._op_cache_group = self._assign_cache_groups()
+        self.cache = CacheLayout(
+            [m for m in self.model.modules() if isinstance(m, MetadataOperator)
+             and m.cache_spec is not None]
+        )
+        self._bind_cache_groups()
         self.sampler = Sampler()
         self.generator = torch.Generator(self.device).manual_seed(seed)
         self.num_blocks: list[int] = []
-        self.inputs = StepInputBuilder(block_size, self.device, self.cache_windows)
+        self.inputs = StepInputBuilder(block_size, self.device, self.cache_specs)
         self.graphs: CudaGraphRunner | None = None
         self._coverage_checked = False
 
-    def _assign_cache_groups(self) -> tuple[list[int | None], list[int]]:
-        """KV cache groups from the plan: one per distinct sliding window (``None`` = full).
-
-        Every metadata group's builder has a ``sliding_window``; builders (and so operators)
-        with the same window share a cache group, whose index the builder is told here. Full
-        attention comes first, then windows in increasing order. Returns the groups' windows
-        and each attention operator's group.
-        """
-        window = lambda group: getattr(group.builder, "sliding_window", None)
-        order = lambda w: (w is not None, w or 0)
-        windows = sorted({window(g) for g in self.plan.groups}, key=order)
-        if not windows:
-            windows = [None]
-        for group in self.plan.groups:
-            group.builder.cache_group = windows.index(window(group))
-        op_groups = [
-            getattr(op.group.builder, "cache_group", 0) if op.group is not None else 0
-            for op in self.attention_ops
-        ]
-        return windows, op_groups
+    @property
+    def cache_specs(self) -> list[CacheSpec]:
+        """One spec per cache group; the index is the group's."""
+        return self.cache.specs
 
     @property
     def num_cache_groups(self) -> int:
-        return len(self.cache_windows)
+        return self.cache.num_groups
 
-    def kv_cache_bytes_per_block(self) -> list[int]:
-        """Bytes of one block in each cache group: K and V of every layer in the group."""
-        elem = torch.tensor([], dtype=self.model_config.dtype).element_size()
-        per_group = [0] * self.num_cache_groups
-        for op, g in zip(self.attention_ops, self._op_cache_group):
-            per_group[g] += 2 * self.block_size * op.spec.num_kv_heads * op.spec.head_dim * elem
-        return per_group
+    def _bind_cache_groups(self) -> None:
+        """Tell each metadata group's builder which cache group's tables its operators read."""
+        group_of = {}
+        for owner, g in zip(self.cache.owners, self.cache.owner_groups):
+            if owner.group is None:
+                continue
+            if group_of.setdefault(id(owner.group), g) != g:
+                raise StepMetadataError(
+                    f"metadata group {owner.group.group_id} ({owner.group.builder.describe()}) "
+                    f"serves operators of different cache specs (layer {owner.layer_name!r})"
+                )
+        for group in self.plan.groups:
+            group.builder.cache_group = group_of.get(id(group), 0)
 
     def allocate_kv_cache(self, num_blocks: list[int]) -> None:
-        """One KV tensor per attention operator, sized to its cache group's pool."""
+        """Every cache owner's tensor, sized to its cache group's pool."""
         self.num_blocks = list(num_blocks)
-        for op, g in zip(self.attention_ops, self._op_cache_group):
-            op.bind_kv_cache(self._kv_cache(op, num_blocks[g]))
-
-    def _kv_cache(self, op: AttentionOperator, num_blocks: int) -> torch.Tensor:
-        shape = (2, num_blocks, self.block_size, op.spec.num_kv_heads, op.spec.head_dim)
-        return torch.zeros(shape, dtype=self.model_config.dtype, device=self.device)
+        self.cache.allocate(num_blocks, self.device)
 
     @torch.inference_mode()
     def profile_peak_memory(self, num_tokens: int) -> int:
@@ -150,8 +146,7 @@ class ModelRunner:
         Runs before the KV cache exists: every operator gets a one-block cache, and the dummy
         prompt's block table points every block at that (null) block.
         """
-        for op in self.attention_ops:
-            op.bind_kv_cache(self._kv_cache(op, 1))
+        self.cache.allocate([1] * self.num_cache_groups, self.device)
         step = StepBatch(
             1,
             num_tokens,
@@ -170,8 +165,7 @@ class ModelRunner:
         self.model.compute_logits(self.model(seq.token_ids)[seq.logits_indices.long()])
         torch.cuda.synchronize(self.device)
         peak = torch.cuda.max_memory_allocated(self.device)
-        for op in self.attention_ops:
-            op.kv_cache = None
+        self.cache.release()
         torch.cuda.empty_cache()
         return peak
 

@@ -8,10 +8,10 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from heron.cache.spec import CacheSpec
 from heron.engine.request import Request
 from heron.engine.scheduler import SchedulerOutput
 from heron.metadata import SequenceMetadata, StepBatch
-from heron.ops.attention.paged import window_start_block
 
 
 @dataclass(frozen=True)
@@ -40,12 +40,12 @@ class StepInputBuilder:
         self,
         block_size: int,
         device: torch.device,
-        windows: Sequence[int | None] = (None,),
+        specs: Sequence[CacheSpec],
     ) -> None:
         self.block_size = block_size
         self.device = device
-        self.windows = list(windows)  # each KV cache group's sliding window (None: full)
-        self.num_groups = len(self.windows)
+        self.specs = list(specs)  # each cache group's spec
+        self.num_groups = len(self.specs)
         self._rows = BlockTableRows(self.num_groups)
         # On a GPU the packed batch is staged in one pinned buffer reused every step; an event
         # recorded after each copy guards the buffer until that copy has completed.
@@ -72,7 +72,7 @@ class StepInputBuilder:
 
         ``block_tables(request_id)`` gives the request's table in every KV cache group; a
         sliding-window group's table has the null block where blocks slid out of the window,
-        and its row in the step starts at the window (``window_start_block``).
+        and its row in the step starts at the window (``CacheSpec.first_table_block``).
         A decode token that is still pending (sampled by the previous step, value not yet read)
         is left as 0 and listed in ``pending_sources`` with its row in ``pending_rows``, for the
         runner to fill on the device.
@@ -141,8 +141,8 @@ class StepInputBuilder:
             positions += contexts_array[token_rows]
             token_table_rows = table_rows[token_rows]
         if num_reqs:
-            for g, window in enumerate(self.windows):
-                firsts = window_start_block(contexts_array, window, bs)
+            for g, spec in enumerate(self.specs):
+                firsts = spec.first_table_block(contexts_array)
                 self._rows.gather(g, table_rows, lengths[g], firsts, batch.group_block_tables[g])
                 batch.group_table_starts[g] = firsts
             # Every group's slot of each token: its block's id * block_size + its offset in it.
@@ -182,7 +182,7 @@ class BlockTableRows:
     only the entries its tables gained: a table only grows at its end while a request holds it.
     The one exception, a sliding window's entries set to the null block once they slid out, is
     not followed, which is harmless: they lie before the window's first block, where no step
-    reads (rows start at ``window_start_block``). A table replaced by another list (the request
+    reads (rows start at ``CacheSpec.first_table_block``). A table replaced by another list (the request
     was preempted and re-admitted) is copied afresh. A request left out of a step loses its
     row (and is copied afresh when it comes back).
     """

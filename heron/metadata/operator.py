@@ -10,6 +10,7 @@ from heron.metadata.errors import StepMetadataError
 from heron.metadata.scope import ModelBuildContext, current_build_context
 
 if TYPE_CHECKING:
+    from heron.cache.spec import CacheSpec
     from heron.metadata.builder import MetadataBuilder
     from heron.metadata.plan import MetadataGroup
 
@@ -31,6 +32,15 @@ class MetadataOperator(nn.Module):
 
     def metadata_builder(self) -> MetadataBuilder | None:
         return None
+
+    @property
+    def cache_spec(self) -> CacheSpec | None:
+        """The cache this operator needs (``None``: none); equal specs share one cache group."""
+        return None
+
+    def bind_cache(self, cache: Any) -> None:
+        """Receive the cache tensor sized by the spec's pool (``None`` unbinds it)."""
+        raise NotImplementedError(f"{type(self).__name__} declares a cache but takes none")
 
     def bind(self, group: MetadataGroup) -> None:
         self._group = group

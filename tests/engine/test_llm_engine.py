@@ -167,7 +167,7 @@ def test_a_deleted_engine_frees_its_model_and_cache(tiny_model_dir):
     llm = LLM(str(tiny_model_dir("qwen2")), max_model_len=128, num_kv_blocks=40)
     llm.generate(["hello"], SamplingParams(max_tokens=3), use_tqdm=False)
     model = weakref.ref(llm.engine.runner.model)
-    cache = weakref.ref(llm.engine.runner.attention_ops[0].kv_cache)
+    cache = weakref.ref(llm.engine.runner.cache.owners[0].kv_cache)
     del llm
     gc.collect()
     assert model() is None and cache() is None

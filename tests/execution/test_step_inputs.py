@@ -6,6 +6,7 @@ import random
 
 import torch
 
+from heron.cache.spec import FullAttentionSpec, SlidingWindowSpec
 from heron.engine.request import Request
 from heron.engine.scheduler import ScheduledRequest, SchedulerOutput
 from heron.execution.step_inputs import StepInputBuilder
@@ -23,7 +24,7 @@ def _decode(builder, request, tables):
 
 
 def test_tables_follow_growth_replacement_and_window():
-    builder = StepInputBuilder(BS, torch.device("cpu"), [None, WINDOW])
+    builder = StepInputBuilder(BS, torch.device("cpu"), _specs([None, WINDOW]))
     n = 35
     request = Request("r", list(range(1, n * BS)), SamplingParams())
     full = list(range(100, 100 + n))
@@ -48,13 +49,22 @@ def test_tables_follow_growth_replacement_and_window():
         assert not rows[1][count:].any()
 
 
+def _specs(windows):
+    return [
+        FullAttentionSpec(BS, torch.float32, 1, 8)
+        if w is None
+        else SlidingWindowSpec(BS, torch.float32, 1, 8, w)
+        for w in windows
+    ]
+
+
 def test_vectorised_rows_equal_per_request_rows():
     """Random steps (decode and prefill chunks, tables growing, sliding, replaced, requests
     leaving and coming back): every group's rows, slots, positions and lengths are what each
     request's own table gives."""
     rng = random.Random(0)
     windows = [None, WINDOW, 3]
-    builder = StepInputBuilder(BS, torch.device("cpu"), windows)
+    builder = StepInputBuilder(BS, torch.device("cpu"), _specs(windows))
     requests = [
         Request(f"r{i}", list(range(1, rng.randint(2, 60))), SamplingParams()) for i in range(6)
     ]

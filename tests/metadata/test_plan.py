@@ -303,7 +303,7 @@ def test_each_operator_reads_its_own_groups_view():
     plan = StepMetaPlan.from_operators(scope.operators)
     assert len(plan.groups) == 2 and ops[0].group is not ops[1].group
     for op in ops:
-        op.bind_kv_cache(torch.zeros(2, num_blocks, bs, 2, 16))
+        op.bind_cache(torch.zeros(2, num_blocks, bs, 2, 16))
     # One KV cache group per window, as the runner assigns them: the windowed group's rows
     # start at the window, over the same physical blocks here.
     ops[1].group.builder.cache_group = 1

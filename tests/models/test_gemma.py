@@ -13,6 +13,7 @@ import torch
 import transformers as tf
 
 from heron import LLM, SamplingParams
+from heron.cache.spec import SlidingWindowSpec
 from heron.layers.norm import GemmaRMSNorm
 from heron.metadata import StepMetaPlan
 
@@ -254,8 +255,10 @@ def test_sliding_group_holds_only_the_window(gemma_dir):
     llm = LLM(str(path), max_model_len=256, block_size=bs, max_num_batched_tokens=chunk)
     engine, kv = llm.engine, llm.engine.kv_cache
     window = hf.config.sliding_window
-    assert kv.sliding_windows == [None, window]
-    full, sliding = kv.groups
+    specs = engine.runner.cache_specs
+    assert sorted(getattr(s, "sliding_window", 0) for s in specs) == [0, window]
+    full_group, sliding_group = _full_and_sliding(specs)
+    full, sliding = kv.groups[full_group], kv.groups[sliding_group]
     # Pools sized for the same number of max-length sequences; the sliding one is smaller.
     assert sliding.num_blocks < full.num_blocks
     bound = -(-(window + chunk) // bs) + 1
@@ -269,7 +272,8 @@ def test_sliding_group_holds_only_the_window(gemma_dir):
         kv.check_invariants()
         if request.is_finished:
             break
-        full_table, sliding_table = kv.block_tables("long")
+        tables = kv.block_tables("long")
+        full_table, sliding_table = tables[full_group], tables[sliding_group]
         live = sum(b != 0 for b in sliding_table)
         assert live <= bound
         assert all(b != 0 for b in full_table)
@@ -280,6 +284,12 @@ def test_sliding_group_holds_only_the_window(gemma_dir):
     assert len(full_table) > 2 * bound  # the full group kept the whole history
     assert 0 < most_live <= bound
     assert kv.num_free_blocks == kv.num_blocks - 1 and kv.usage == 0.0
+
+
+def _full_and_sliding(specs) -> tuple[int, int]:
+    """The indices of the full-attention and the sliding-window cache group."""
+    (sliding,) = [i for i, s in enumerate(specs) if isinstance(s, SlidingWindowSpec)]
+    return 1 - sliding, sliding
 
 
 def test_kv_budget_fits_the_same_number_of_sequences_in_every_group(gemma_dir, monkeypatch):
@@ -300,12 +310,14 @@ def test_kv_budget_fits_the_same_number_of_sequences_in_every_group(gemma_dir, m
         max_num_seqs=8,
     )
     kv = llm.engine.kv_cache
-    assert [g.num_blocks for g in kv.groups] == [sequences * b_full + 1, sequences * b_sliding + 1]
     runner = llm.engine.runner
-    assert runner.kv_cache_bytes_per_block() == [per_block, per_block]
+    full_group, sliding_group = _full_and_sliding(runner.cache_specs)
+    assert kv.groups[full_group].num_blocks == sequences * b_full + 1
+    assert kv.groups[sliding_group].num_blocks == sequences * b_sliding + 1
+    assert runner.cache.bytes_per_block() == [per_block, per_block]
     # Each operator's KV tensor is sized to its own group's pool.
-    for op in runner.attention_ops:
-        g = 0 if op.spec.sliding_window is None else 1
+    for op in runner.cache.owners:
+        g = full_group if op.spec.sliding_window is None else sliding_group
         assert op.kv_cache.shape[1] == kv.groups[g].num_blocks
     # An explicit pool size applies to every group.
     llm = LLM(str(path), max_model_len=max_len, block_size=bs, num_kv_blocks=70)

@@ -82,7 +82,7 @@ class PagedHarness:
             )
         self.plan = StepMetaPlan.from_operators(scope.operators)
         self.cache = torch.zeros(2, num_blocks, block_size, num_kv_heads, HEAD_DIM)
-        self.op.bind_kv_cache(self.cache)
+        self.op.bind_cache(self.cache)
         # Block 0 is the reserved null block; hand out the others in a random order.
         self.free = (torch.randperm(num_blocks - 1, generator=self.gen) + 1).tolist()
         self.tables: dict[str, list[int]] = {}

@@ -6,6 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
+from heron.cache.spec import FullAttentionSpec, SlidingWindowSpec
 from heron.layers.rotary import QKTransform
 from heron.metadata import MetadataBuilder, MetadataOperator, ModelBuildContext, StepMetadataError
 
@@ -28,6 +29,17 @@ class AttentionSpec:
                 f"num_heads ({self.num_heads}) must be a multiple of num_kv_heads "
                 f"({self.num_kv_heads})"
             )
+
+
+def _attention_cache_spec(
+    spec: AttentionSpec, block_size: int, dtype: torch.dtype
+) -> FullAttentionSpec:
+    """Paged K/V in the model's dtype (the default dtype while the model is built)."""
+    if spec.sliding_window is None:
+        return FullAttentionSpec(block_size, dtype, spec.num_kv_heads, spec.head_dim)
+    return SlidingWindowSpec(
+        block_size, dtype, spec.num_kv_heads, spec.head_dim, spec.sliding_window
+    )
 
 
 class AttentionOperator(MetadataOperator):
@@ -59,14 +71,19 @@ class AttentionOperator(MetadataOperator):
                 "configuration (soft-cap, sinks or q/k norm); use the reference operator"
             )
         self.spec = spec
+        self._cache_spec = _attention_cache_spec(spec, block_size, torch.get_default_dtype())
         self._builder = self.make_builder(spec, block_size, max_model_len)
         self.qk_transform = qk_transform
         # The model's module owns (and loads) the sink logits; the operator only reads them.
         self.sinks = sinks
         self.kv_cache: torch.Tensor | None = None  # [2, num_blocks, block_size, kv_heads, head_dim]
 
-    def bind_kv_cache(self, kv_cache: torch.Tensor) -> None:
-        self.kv_cache = kv_cache
+    @property
+    def cache_spec(self) -> FullAttentionSpec:
+        return self._cache_spec
+
+    def bind_cache(self, cache: torch.Tensor | None) -> None:
+        self.kv_cache = cache
 
     @classmethod
     def covers(cls, spec: AttentionSpec, qk_transform: QKTransform | None) -> bool:

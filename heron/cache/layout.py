@@ -1,0 +1,104 @@
+"""Cache groups from the operators' specs: who shares which pool, how big each pool is.
+
+Operators with equal specs form one cache group (one pool, one table per request); every
+operator still gets a tensor of its own, shaped by its spec.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Protocol
+
+import torch
+
+from heron.cache.spec import CacheSpec
+
+
+class CacheOwner(Protocol):
+    """An operator that declares its cache (``cache_spec``) and reads the tensor it is given."""
+
+    layer_name: str
+
+    @property
+    def cache_spec(self) -> CacheSpec: ...
+
+    def bind_cache(self, cache: torch.Tensor | None) -> None: ...
+
+
+class CacheLayout:
+    """The model's cache groups, in order of first appearance, and each owner's group."""
+
+    def __init__(self, owners: Sequence[CacheOwner]) -> None:
+        self.owners = list(owners)
+        self.specs: list[CacheSpec] = []
+        self.owner_groups: list[int] = []
+        for owner in self.owners:
+            spec = owner.cache_spec
+            if spec not in self.specs:
+                self.specs.append(spec)
+            self.owner_groups.append(self.specs.index(spec))
+
+    @property
+    def num_groups(self) -> int:
+        return len(self.specs)
+
+    def group_layers(self, group: int) -> list[str]:
+        return [o.layer_name for o, g in zip(self.owners, self.owner_groups) if g == group]
+
+    def bytes_per_block(self) -> list[int]:
+        """Per group, the bytes one block takes over all its owners."""
+        per_group = [0] * self.num_groups
+        for owner, g in zip(self.owners, self.owner_groups):
+            per_group[g] += owner.cache_spec.bytes_per_block
+        return per_group
+
+    def blocks_per_seq(self, max_model_len: int, max_num_batched_tokens: int) -> list[int]:
+        return [s.blocks_per_seq(max_model_len, max_num_batched_tokens) for s in self.specs]
+
+    def split_budget(
+        self,
+        budget: int,
+        max_model_len: int,
+        max_num_batched_tokens: int,
+        max_num_seqs: int | None = None,
+    ) -> list[int]:
+        """Pool size (null block included) of each group for ``budget`` bytes.
+
+        Every group fits the same number of max-length sequences: with ``b_g`` blocks per
+        sequence and ``B_g`` bytes per block, ``S = (budget - sum B_g) / sum(b_g * B_g)`` and
+        group ``g`` gets ``floor(S * b_g) + 1`` blocks (the ``+ 1`` is its null block), at most
+        what ``max_num_seqs`` sequences can hold when given.
+        """
+        per_block = self.bytes_per_block()
+        per_seq = self.blocks_per_seq(max_model_len, max_num_batched_tokens)
+        bytes_per_seq = sum(b * B for b, B in zip(per_seq, per_block))
+        usable = max(0, budget - sum(per_block))
+        num_blocks = [usable * b // bytes_per_seq + 1 for b in per_seq]
+        if max_num_seqs is not None:
+            num_blocks = [min(n, max_num_seqs * b + 1) for n, b in zip(num_blocks, per_seq)]
+        return num_blocks
+
+    def check_fits(
+        self, num_blocks: Sequence[int], max_model_len: int, max_num_batched_tokens: int
+    ) -> None:
+        """Raise ``ValueError`` unless every group holds one sequence of ``max_model_len``."""
+        per_seq = self.blocks_per_seq(max_model_len, max_num_batched_tokens)
+        for spec, n, b in zip(self.specs, num_blocks, per_seq):
+            if n - 1 < b:
+                raise ValueError(
+                    f"the cache group ({spec.describe()}) holds {n - 1} blocks, fewer than one "
+                    f"sequence of max_model_len={max_model_len} needs ({b}); lower "
+                    "max_model_len or give the cache more memory"
+                )
+
+    def allocate(self, num_blocks: Sequence[int], device: torch.device) -> None:
+        """Give every owner a zeroed tensor over its group's pool of ``num_blocks[g]``."""
+        for owner, g in zip(self.owners, self.owner_groups):
+            spec = owner.cache_spec
+            owner.bind_cache(
+                torch.zeros(spec.tensor_shape(num_blocks[g]), dtype=spec.dtype, device=device)
+            )
+
+    def release(self) -> None:
+        for owner in self.owners:
+            owner.bind_cache(None)
