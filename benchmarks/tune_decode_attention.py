@@ -24,7 +24,7 @@ import itertools
 import torch
 from tune_gemv import time_us
 
-from heron.ops.attention.triton import decode
+from heron.kernels import attention_decode as decode
 
 # (name, batch, context, heads, KV heads, head_dim, window)
 CASES = [

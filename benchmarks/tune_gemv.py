@@ -21,7 +21,7 @@ import multiprocessing as mp
 
 import torch
 
-from heron.layers import triton_gemv as g
+from heron.kernels import gemv as g
 
 # (name, N, K, fused gated activation) of each decode-time linear, per model shape.
 SHAPES = {

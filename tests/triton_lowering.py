@@ -11,7 +11,7 @@ divisible by 16 are marked so): without that, the compiler cannot vectorise the 
 not pipeline them through shared memory, and reports a fraction of the shared memory and
 twice the registers that the real launch uses.
 
-    check_lowering("layers.test_triton_gemv:gemv_launches", "heron.layers.triton_gemv:_gemv_kernel")
+    check_lowering("layers.test_triton_gemv:gemv_launches", "heron.kernels.gemv:_gemv_kernel")
 """
 
 from __future__ import annotations

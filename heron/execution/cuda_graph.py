@@ -63,7 +63,7 @@ class CudaGraphRunner:
     @torch.inference_mode()
     def capture(self, block_size: int, num_cache_groups: int = 1) -> None:
         """Capture every bucket, largest first, all in one memory pool."""
-        from heron.execution.triton_argmax import greedy_argmax  # Triton only on GPU paths
+        from heron.kernels.argmax import greedy_argmax  # Triton only on GPU paths
 
         pool = torch.cuda.graph_pool_handle()
         for batch in reversed(self.buckets):

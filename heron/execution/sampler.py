@@ -88,7 +88,7 @@ def _argmax(logits: torch.Tensor) -> torch.Tensor:
     """Each row's greedy token: on a GPU by the split Triton argmax (``torch.argmax`` spreads
     a 262,144-logit row over too few thread blocks)."""
     if logits.is_cuda and logits.stride(-1) == 1:
-        from heron.execution.triton_argmax import greedy_argmax  # Triton only on GPU paths
+        from heron.kernels.argmax import greedy_argmax  # Triton only on GPU paths
 
         return greedy_argmax(logits)
     return logits.argmax(dim=-1)

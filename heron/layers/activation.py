@@ -8,7 +8,7 @@ from torch import nn
 class GatedActivation(nn.Module):
     """``act(gate) * up``; on CUDA one Triton kernel, elsewhere PyTorch (:meth:`reference`).
 
-    ``fused_name`` names the activation for the Triton kernels (``triton_kernels.ACTIVATIONS``),
+    ``fused_name`` names the activation for the Triton kernels (``heron.kernels.activation.ACTIVATIONS``),
     which the decode GEMV also applies inside the down projection.
     """
 
@@ -16,7 +16,7 @@ class GatedActivation(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.is_cuda and x.dim() == 2:
-            from heron.layers.triton_kernels import gated_activation
+            from heron.kernels.activation import gated_activation
 
             return gated_activation(x, self.fused_name)
         gate, up = x.chunk(2, dim=-1)

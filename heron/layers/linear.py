@@ -28,7 +28,7 @@ class Linear(nn.Module):
         batches on a GPU apply it inside the matrix product (one kernel, no intermediate)."""
         fused = getattr(act, "fused_name", None)
         if fused is not None and self.takes_gemv(gate_up):
-            from heron.layers.triton_gemv import linear_small_m
+            from heron.kernels.gemv import linear_small_m
 
             return linear_small_m(gate_up, self.weight, self.bias, act=fused)
         return self(act(gate_up))
@@ -39,7 +39,7 @@ class Linear(nn.Module):
         no intermediate)."""
         fused = getattr(act, "fused_name", None)
         if fused is not None and self.takes_gemv(x):
-            from heron.layers.triton_gemv import linear_small_m
+            from heron.kernels.gemv import linear_small_m
 
             return linear_small_m(x, self.weight, self.bias, gated_out=fused)
         return act(self(x))
@@ -73,7 +73,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     """``x W^T (+ b)``; decode-sized batches on a GPU use a memory-bound Triton GEMV, which
     beats cuBLAS there (most on narrow outputs such as o_proj and down_proj)."""
     if _small_m_gemv(x, weight):
-        from heron.layers.triton_gemv import linear_small_m
+        from heron.kernels.gemv import linear_small_m
 
         return linear_small_m(x, weight, bias)
     return F.linear(x, weight, bias)
@@ -84,10 +84,10 @@ _GEMV_DTYPES = (torch.bfloat16, torch.float16)
 
 def _small_m_gemv(x: torch.Tensor, weight: torch.Tensor) -> bool:
     """Whether ``x`` times ``weight`` goes to the Triton GEMV: few rows, half precision, on a
-    GPU (``triton_gemv.serves`` says how few)."""
+    GPU (``heron.kernels.gemv.serves`` says how few)."""
     if not (x.is_cuda and x.dim() == 2 and x.dtype in _GEMV_DTYPES):
         return False
-    from heron.layers.triton_gemv import serves  # Triton is imported on GPU paths only
+    from heron.kernels.gemv import serves  # Triton is imported on GPU paths only
 
     return serves(x.shape[0], *weight.shape)
 

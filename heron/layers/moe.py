@@ -1,6 +1,6 @@
 """Mixture-of-experts MLP (gpt-oss): a top-k router over experts with clamped SwiGLU.
 
-On CUDA the experts run as two fused grouped GEMMs in Triton (``heron.layers.triton_moe``),
+On CUDA the experts run as two fused grouped GEMMs in Triton (``heron.kernels.moe``),
 with no host sync, in eager steps and CUDA graphs alike. Elsewhere they run the reference in
 plain PyTorch, which loops over the experts: correct and readable but not fast.
 """
@@ -64,7 +64,7 @@ class ClampedSwiGLUExperts(nn.Module):
     ) -> torch.Tensor:
         """Sum over each token's experts ``indices`` [T, k], weighted by ``weights`` [T, k]."""
         if x.is_cuda:
-            from heron.layers.triton_moe import fused_experts
+            from heron.kernels.moe import fused_experts
 
             return fused_experts(
                 x,

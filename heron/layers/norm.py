@@ -37,7 +37,7 @@ class RMSNorm(nn.Module):
         if prenorm is not None and not self._same_form(prenorm):
             x, prenorm = prenorm(x), None
         if x.is_cuda and x.dim() == 2:
-            from heron.layers.triton_kernels import rms_norm
+            from heron.kernels.rmsnorm import rms_norm
 
             return rms_norm(
                 x,

@@ -7,7 +7,7 @@ import pytest
 import torch
 from triton_lowering import check_lowering
 
-from heron.execution.triton_argmax import greedy_argmax
+from heron.kernels.argmax import greedy_argmax
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -47,6 +47,6 @@ def argmax_launches() -> None:
 def test_argmax_launches_lower_for_hopper() -> None:
     assert check_lowering(
         "execution.test_triton_argmax:argmax_launches",
-        "heron.execution.triton_argmax:_chunk_argmax_kernel",
-        "heron.execution.triton_argmax:_row_argmax_kernel",
+        "heron.kernels.argmax:_chunk_argmax_kernel",
+        "heron.kernels.argmax:_row_argmax_kernel",
     )

@@ -13,7 +13,8 @@ import torch
 import torch.nn.functional as F
 from triton_lowering import check_lowering
 
-from heron.layers.triton_kernels import ACTIVATIONS, gated_activation, rms_norm
+from heron.kernels.activation import ACTIVATIONS, gated_activation
+from heron.kernels.rmsnorm import rms_norm
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 EPS = 1e-6
@@ -214,6 +215,6 @@ def test_layer_kernel_launches_lower_for_hopper():
     (which the interpreter alone would not prove)."""
     assert check_lowering(
         "layers.test_layer_kernels:layer_kernel_launches",
-        "heron.layers.triton_kernels:_rms_norm_kernel",
-        "heron.layers.triton_kernels:_gated_activation_kernel",
+        "heron.kernels.rmsnorm:_rms_norm_kernel",
+        "heron.kernels.activation:_gated_activation_kernel",
     )

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from heron.layers import pdl
+from heron.kernels import pdl
 
 
 @pytest.fixture(autouse=True)
@@ -46,23 +46,22 @@ def test_one_wave_launches_start_the_next_kernel(monkeypatch):
     launch fits one wave (4 multiprocessors off CUDA)."""
     from triton_lowering import _Recorder
 
-    from heron.layers import triton_kernels
-    from heron.ops.attention.triton import decode
+    from heron.kernels import attention_decode, rmsnorm
 
     norm = _Recorder()
-    monkeypatch.setattr(triton_kernels, "_rms_norm_kernel", norm)
+    monkeypatch.setattr(rmsnorm, "_rms_norm_kernel", norm)
     for rows in (4, 160):  # 64 columns: 32 rows a program, so 1 and 5 programs
-        triton_kernels.rms_norm(torch.zeros(rows, 64), torch.ones(64), 1e-6)
+        rmsnorm.rms_norm(torch.zeros(rows, 64), torch.ones(64), 1e-6)
     assert [kwargs["START_NEXT"] for _, kwargs in norm.calls] == [True, False]
 
     attention = _Recorder()
-    monkeypatch.setattr(decode, "_decode_kernel", attention)
+    monkeypatch.setattr(attention_decode, "_decode_kernel", attention)
     cache = torch.zeros(2, 8, 16, 1, 64)
     for batch in (1, 2):  # 4 splits of one KV head: 4 and 8 programs
         q = torch.zeros(batch, 2, 64)
         tables = torch.zeros(batch, 8, dtype=torch.int32)
         lens = torch.full((batch,), 100, dtype=torch.int32)
-        decode.paged_decode_attention(
+        attention_decode.paged_decode_attention(
             q, cache, tables, lens, 0.125, None, torch.empty_like(q), num_splits=4
         )
     assert [kwargs["START_NEXT"] for _, kwargs in attention.calls] == [True, False]

@@ -10,9 +10,9 @@ import torch
 import torch.nn.functional as F
 from triton_lowering import check_lowering
 
-from heron.layers import triton_gemv
+from heron.kernels import gemv as triton_gemv
+from heron.kernels.gemv import ACTIVATIONS, MAX_M, GemvConfig, _launch, linear_small_m
 from heron.layers.activation import GeluTanhAndMul, SiluAndMul
-from heron.layers.triton_gemv import ACTIVATIONS, MAX_M, GemvConfig, _launch, linear_small_m
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 TOL = {torch.float32: 1e-5, torch.float16: 1e-2}
@@ -75,7 +75,7 @@ def test_every_measured_config_computes_the_product():
     """Each configuration in ``_TUNED``, at its row count less one (a masked row), on columns
     and a K that end in partial tiles, plain and with a gated input, against F.linear (fp32 in
     the interpreter, where ``tl.dot`` is exact)."""
-    from heron.layers.triton_gemv import _TUNED
+    from heron.kernels.gemv import _TUNED
 
     for cfg, m_pad in sorted({(cfg, m) for (m, _, _), cfg in _TUNED.items()}):
         m, n = max(1, m_pad - 1), cfg.block_n + 3
@@ -94,7 +94,7 @@ def test_gated_rule_matches_the_measured_down_projections():
     H200 (132 SMs) for Qwen3-0.6B, Gemma-3-1B and Llama-3-8B down projections: the same kind
     of program, column width and K split at every row count (tile depth and stages may
     differ), so models without measured entries start from the same shape."""
-    from heron.layers.triton_gemv import _TUNED, _default_config
+    from heron.kernels.gemv import _TUNED, _default_config
 
     shapes = [(1024, 3072), (1152, 6912), (4096, 14336)]
     for (n, k), m in itertools.product(shapes, (2, 4, 8, 16)):
@@ -114,7 +114,7 @@ def test_pipeline_fits_in_shared_memory(m_pad, k, n):
     """The x tiles (two for a gated input) and weight tile, times the stages, stay within the
     pipeline budget (the rule's 64 rows of Qwen3's qkv once asked for 256 KiB and failed to
     launch); up to 16 rows the rule's configurations keep their depth."""
-    from heron.layers.triton_gemv import _PIPELINE_BYTES, _default_config, _fit_pipeline
+    from heron.kernels.gemv import _PIPELINE_BYTES, _default_config, _fit_pipeline
 
     for gated in (False, True):
         rule = _default_config(m_pad, n, k, 2, 132, gated)
@@ -274,7 +274,7 @@ def test_gpu_cuda_graph_replay(k, n):
 def gemv_launches() -> None:
     """Every measured configuration, with and without a gated input or output, and the rule's gated
     configurations for some shapes without entries (for the lowering test)."""
-    from heron.layers import triton_gemv as g
+    from heron.kernels import gemv as g
 
     for m, n, k in g._TUNED:
         for act in (None, "gelu_tanh"):
@@ -294,5 +294,5 @@ def test_every_measured_configuration_lowers_for_hopper():
     """Triton's compiler accepts every launch variant of the measured configurations (which
     the interpreter alone would not prove)."""
     assert check_lowering(
-        "layers.test_triton_gemv:gemv_launches", "heron.layers.triton_gemv:_gemv_kernel"
+        "layers.test_triton_gemv:gemv_launches", "heron.kernels.gemv:_gemv_kernel"
     )

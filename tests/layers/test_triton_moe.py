@@ -1,4 +1,4 @@
-"""The fused Triton MoE (heron.layers.triton_moe) against the experts' sparse reference: tiny
+"""The fused Triton MoE (heron.kernels.moe) against the experts' sparse reference: tiny
 shapes under the Triton interpreter on the CPU; on a GPU, gpt-oss-20b's shapes (bf16, and fp32)
 against an fp64 reference and CUDA-graph replays with changing routing."""
 
@@ -8,8 +8,8 @@ import pytest
 import torch
 from triton_lowering import check_lowering
 
+from heron.kernels.moe import align_by_expert, fused_experts
 from heron.layers.moe import ClampedSwiGLUExperts, MoEMLP
-from heron.layers.triton_moe import align_by_expert, fused_experts
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 LIMIT = 7.0
@@ -263,6 +263,6 @@ def test_moe_launches_lower_for_hopper():
     (which the interpreter alone would not prove)."""
     assert check_lowering(
         "layers.test_triton_moe:moe_launches",
-        "heron.layers.triton_moe:_gate_up_kernel",
-        "heron.layers.triton_moe:_down_kernel",
+        "heron.kernels.moe:_gate_up_kernel",
+        "heron.kernels.moe:_down_kernel",
     )

@@ -15,9 +15,9 @@ import torch
 import transformers as tf
 from triton_lowering import check_lowering
 
+from heron.kernels.kv_write import kv_write, qk_norm_rope_kv_write
 from heron.layers.norm import GemmaRMSNorm, RMSNorm
 from heron.layers.rotary import RotaryEmbedding
-from heron.ops.attention.triton.kv_write import kv_write, qk_norm_rope_kv_write
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 MAX_POS = 64
@@ -306,6 +306,6 @@ def test_kv_write_launches_lower_for_hopper() -> None:
     the interpreter alone would not prove)."""
     assert check_lowering(
         "ops.test_kv_write_kernel:kv_write_launches",
-        "heron.ops.attention.triton.kv_write:_kv_write_kernel",
-        "heron.ops.attention.triton.kv_write:_qk_norm_rope_kv_write_kernel",
+        "heron.kernels.kv_write:_kv_write_kernel",
+        "heron.kernels.kv_write:_qk_norm_rope_kv_write_kernel",
     )

@@ -19,15 +19,15 @@ import torch
 import torch.nn.functional as F
 from triton_lowering import check_lowering
 
-from heron.metadata import SequenceMetadata, StepBatch
-from heron.ops.attention.base import AttentionSpec
-from heron.ops.attention.paged import window_start_block
-from heron.ops.attention.triton.decode import (
+from heron.kernels.attention_decode import (
     choose_num_splits,
     paged_decode_attention,
     tickets_needed,
 )
-from heron.ops.attention.triton.extend import paged_extend_attention
+from heron.kernels.attention_extend import paged_extend_attention
+from heron.metadata import SequenceMetadata, StepBatch
+from heron.ops.attention.base import AttentionSpec
+from heron.ops.attention.paged import window_start_block
 from heron.ops.attention.triton.operator import TritonAttentionBuilder
 
 # The interpreter converts its 1-element scalars to loop bounds through a deprecated numpy path.
@@ -659,6 +659,6 @@ def test_attention_launches_lower_for_hopper():
     shapes (which the interpreter alone would not prove)."""
     assert check_lowering(
         "ops.test_triton_attention_kernels:attention_launches",
-        "heron.ops.attention.triton.decode:_decode_kernel",
-        "heron.ops.attention.triton.extend:_extend_kernel",
+        "heron.kernels.attention_decode:_decode_kernel",
+        "heron.kernels.attention_extend:_extend_kernel",
     )

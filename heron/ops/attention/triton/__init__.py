@@ -1,1 +1,1 @@
-"""Triton kernels for paged attention (CUDA, or CPU under ``TRITON_INTERPRET=1``)."""
+"""The Triton attention operator and its builder; its kernels live in ``heron.kernels``."""

@@ -10,18 +10,18 @@ import torch
 import triton
 from torch import nn
 
-from heron.layers.pdl import multiprocessor_count
-from heron.layers.rotary import QKTransform
-from heron.metadata import SequenceMetadata
-from heron.ops.attention.base import AttentionOperator, AttentionSpec
-from heron.ops.attention.paged import PagedAttentionBuilder, PagedAttentionView, PagedGraphBuffers
-from heron.ops.attention.triton.decode import (
+from heron.kernels.attention_decode import (
     choose_num_splits,
     paged_decode_attention,
     tickets_needed,
 )
-from heron.ops.attention.triton.extend import paged_extend_attention
-from heron.ops.attention.triton.kv_write import kv_write, qk_norm_rope_kv_write
+from heron.kernels.attention_extend import paged_extend_attention
+from heron.kernels.kv_write import kv_write, qk_norm_rope_kv_write
+from heron.kernels.pdl import multiprocessor_count
+from heron.layers.rotary import QKTransform
+from heron.metadata import SequenceMetadata
+from heron.ops.attention.base import AttentionOperator, AttentionSpec
+from heron.ops.attention.paged import PagedAttentionBuilder, PagedAttentionView, PagedGraphBuffers
 
 
 @dataclass(frozen=True)

@@ -20,8 +20,8 @@ import torch
 import triton
 import triton.language as tl
 
-from heron.layers.pdl import pdl_launch, start_next_kernel, wait_for_previous_kernel
-from heron.layers.triton_kernels import rms_inv, rms_scale
+from heron.kernels.pdl import pdl_launch, start_next_kernel, wait_for_previous_kernel
+from heron.kernels.rmsnorm import rms_inv, rms_scale
 
 # Largest [heads, head_dim] tile one program handles; larger ones leave too few programs to
 # cover the GPU at decode, when there is one token per sequence.
@@ -249,7 +249,7 @@ def kv_write(
     ``slot_mapping[:T]`` (slot = block * BS + offset; negative slots are skipped).
 
     ``start_next`` lets the next kernel start while this one runs (see
-    ``heron.layers.pdl.start_next_kernel``): for the decode attention, which loads cached keys
+    ``heron.kernels.pdl.start_next_kernel``): for the decode attention, which loads cached keys
     before it waits."""
     tokens, num_kv_heads, head_dim = k.shape
     if v.shape != k.shape or k.stride(2) != 1 or v.stride(2) != 1:

@@ -1,10 +1,9 @@
-"""Triton kernels for the elementwise layers: RMSNorm (optionally fused with the residual add)
-and the gated activations (SiLU or GELU-tanh, times ``up``).
+"""RMSNorm in Triton, optionally fused with the residual add and a post-norm before it.
 
-Numerics follow the PyTorch modules in ``heron.layers`` step by step (statistics in fp32, the
-same intermediate roundings to the activation dtype), so on the GPU the kernels agree with them
-up to the order of the sum of squares, and under the Triton interpreter in fp32 to within an ulp.
-The RMS helpers below are shared with the qk-norm of the fused attention pre-processing kernel.
+Numerics follow ``heron.layers.norm`` step by step (statistics in fp32, the same intermediate
+roundings to the activation dtype), so on the GPU the kernel agrees with it up to the order of
+the sum of squares, and under the Triton interpreter in fp32 to within an ulp. The RMS helpers
+below are shared with the qk-norm of the fused attention pre-processing kernel.
 """
 
 from __future__ import annotations
@@ -13,7 +12,7 @@ import torch
 import triton
 import triton.language as tl
 
-from heron.layers.pdl import (
+from heron.kernels.pdl import (
     fits_one_wave,
     pdl_launch,
     start_next_kernel,
@@ -100,7 +99,7 @@ def _rms_norm_kernel(
     )
 
 
-def _check_rows(name: str, t: torch.Tensor) -> None:
+def check_rows(name: str, t: torch.Tensor) -> None:
     if t.dim() != 2 or t.stride(1) != 1:
         raise ValueError(f"{name} must be 2-D with contiguous rows, got {tuple(t.shape)}")
 
@@ -126,14 +125,14 @@ def rms_norm(
     MLP outputs before their residual adds) fused into the next norm's kernel.
 
     A launch that fits one wave lets the next kernel (the projection that reads the norm) start
-    while it runs (``heron.layers.pdl.fits_one_wave``).
+    while it runs (``heron.kernels.pdl.fits_one_wave``).
     """
-    _check_rows("x", x)
+    check_rows("x", x)
     if prenorm_weight is not None and prenorm_weight.dtype != x.dtype and not scale_in_fp32:
         raise ValueError("rms_norm: a Llama-form prenorm needs its weight in x's dtype")
     n_rows, n_cols = x.shape
     if residual is not None:
-        _check_rows("residual", residual)
+        check_rows("residual", residual)
         if residual.shape != x.shape:
             raise ValueError(f"residual {tuple(residual.shape)} != x {tuple(x.shape)}")
     dtype = x.dtype if scale_in_fp32 else torch.promote_types(weight.dtype, x.dtype)
@@ -168,75 +167,3 @@ def rms_norm(
             **pdl_launch(x.device),
         )
     return out if residual is None else (out, residual)
-
-
-#: Gated activations the kernels apply to ``[gate | up]``: ``act(gate) * up``.
-ACTIVATIONS = {"silu": 1, "gelu_tanh": 2}
-
-
-@triton.jit
-def gated(gate, up, ACT: tl.constexpr, dtype: tl.constexpr):
-    """``act(gate) * up`` in fp32 (SiLU, or GELU's tanh approximation), with the activation
-    rounded to ``dtype`` first, as PyTorch's ``act(gate) * up`` in ``dtype`` rounds it."""
-    g = gate.to(tl.float32)
-    if ACT == 1:
-        a = g / (1.0 + tl.exp(-g))
-    else:
-        # 0.5 * g * (1 + tanh(z)) with tanh(z) = 2 * sigmoid(2z) - 1
-        z = 0.7978845608028654 * (g + 0.044715 * g * g * g)
-        a = g * tl.sigmoid(2.0 * z)
-    return a.to(dtype).to(tl.float32) * up.to(tl.float32)
-
-
-@triton.jit
-def _gated_activation_kernel(
-    x_ptr,
-    out_ptr,
-    n_inter,
-    stride_x,
-    stride_out,
-    ACT: tl.constexpr,
-    BLOCK: tl.constexpr,
-    USE_PDL: tl.constexpr,
-):
-    wait_for_previous_kernel(USE_PDL)
-    row = tl.cast(tl.program_id(0), tl.int64)
-    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-    mask = cols < n_inter
-    gate = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0)
-    up = tl.load(x_ptr + row * stride_x + n_inter + cols, mask=mask, other=0.0)
-    out = gated(gate, up, ACT, x_ptr.dtype.element_ty)
-    tl.store(out_ptr + row * stride_out + cols, out.to(out_ptr.dtype.element_ty), mask=mask)
-
-
-def gated_activation(x: torch.Tensor, act: str, out: torch.Tensor | None = None) -> torch.Tensor:
-    """``act(gate) * up`` for ``x`` [T, 2I] laid out as ``[gate | up]``; returns [T, I].
-
-    ``act`` is a key of ``ACTIVATIONS``; ``out`` (optional, [T, I], contiguous rows) receives
-    the result.
-    """
-    _check_rows("x", x)
-    n_rows, width = x.shape
-    if width % 2:
-        raise ValueError(f"x's last dimension must be even, got {width}")
-    n_inter = width // 2
-    if out is None:
-        out = torch.empty((n_rows, n_inter), dtype=x.dtype, device=x.device)
-    else:
-        _check_rows("out", out)
-        if out.shape != (n_rows, n_inter):
-            raise ValueError(f"out {tuple(out.shape)} != {(n_rows, n_inter)}")
-    if n_rows > 0:
-        block = min(1024, triton.next_power_of_2(n_inter))
-        _gated_activation_kernel[(n_rows, triton.cdiv(n_inter, block))](
-            x,
-            out,
-            n_inter,
-            x.stride(0),
-            out.stride(0),
-            ACT=ACTIVATIONS[act],
-            BLOCK=block,
-            num_warps=4 if block >= 512 else 1,
-            **pdl_launch(x.device),
-        )
-    return out

@@ -47,7 +47,7 @@ import torch
 import triton
 import triton.language as tl
 
-from heron.layers.pdl import (
+from heron.kernels.pdl import (
     fits_one_wave,
     pdl_launch,
     start_next_kernel,
@@ -331,7 +331,7 @@ def _decode_kernel(
     tile, all but the newest: the lengths and tables were copied before the step's kernels and
     the cached keys and values written by earlier steps, so no running kernel writes them. The
     newest key and value (position ``kv_len - 1``) are this step's, written by the kernel
-    before (which lets this one start early, see ``heron.layers.pdl.start_next_kernel``): they
+    before (which lets this one start early, see ``heron.kernels.pdl.start_next_kernel``): they
     are loaded after the wait. With ``START_NEXT`` (a launch that fits one wave) a program lets
     the output projection after it start once it has waited."""
     b = tl.program_id(0)

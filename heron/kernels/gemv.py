@@ -27,8 +27,8 @@ import torch
 import triton
 import triton.language as tl
 
-from heron.layers.pdl import multiprocessor_count, pdl_launch, wait_for_previous_kernel
-from heron.layers.triton_kernels import ACTIVATIONS, gated, gated_activation
+from heron.kernels.activation import ACTIVATIONS, gated, gated_activation
+from heron.kernels.pdl import multiprocessor_count, pdl_launch, wait_for_previous_kernel
 
 #: The largest row count the kernel is meant for; bigger inputs are done ``MAX_M`` rows at a time.
 MAX_M = 64

@@ -27,7 +27,7 @@ import torch
 import triton
 import triton.language as tl
 
-from heron.layers.pdl import pdl_launch, wait_for_previous_kernel
+from heron.kernels.pdl import pdl_launch, wait_for_previous_kernel
 
 
 @triton.jit

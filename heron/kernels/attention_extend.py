@@ -30,8 +30,8 @@ import torch
 import triton
 import triton.language as tl
 
-from heron.layers.pdl import pdl_launch, wait_for_previous_kernel
-from heron.ops.attention.triton.decode import add_sink, score_constants, scores
+from heron.kernels.attention_decode import add_sink, score_constants, scores
+from heron.kernels.pdl import pdl_launch, wait_for_previous_kernel
 
 # Finite "minus infinity" for the running max: a fully masked tile then gives exp2(-inf) = 0
 # and a rescale factor of exp2(0) = 1, instead of the NaN of (-inf) - (-inf).
