@@ -16,7 +16,7 @@ import time
 
 import torch
 
-from heron.engine.kv_cache_manager import KVCacheCoordinator
+from heron.cache import FullAttentionSpec, KVCacheCoordinator, SlidingWindowSpec
 from heron.engine.request import Request
 from heron.engine.scheduler import Scheduler, SchedulerConfig
 from heron.execution.step_inputs import StepInputBuilder
@@ -53,11 +53,16 @@ def measure(
     window = SHAPES[shape][4]
     windows = [None] if window is None else [None, window]
     blocks = batch * max_model_len // BLOCK_SIZE + batch + 1
-    kv = KVCacheCoordinator(
-        [blocks] * len(windows), BLOCK_SIZE, enable_prefix_caching=True, sliding_windows=windows
-    )
+    kv_heads, head_dim = SHAPES[shape][2:4]
+    specs = [
+        FullAttentionSpec(BLOCK_SIZE, torch.bfloat16, kv_heads, head_dim)
+        if w is None
+        else SlidingWindowSpec(BLOCK_SIZE, torch.bfloat16, kv_heads, head_dim, w)
+        for w in windows
+    ]
+    kv = KVCacheCoordinator(specs, [blocks] * len(specs), enable_prefix_caching=True)
     scheduler = Scheduler(SchedulerConfig(batch, 1 << 20, max_model_len), kv)
-    inputs = StepInputBuilder(BLOCK_SIZE, device, windows)
+    inputs = StepInputBuilder(BLOCK_SIZE, device, specs)
     params = SamplingParams(max_tokens=None, ignore_eos=True)
     for i in range(batch):
         prompt = [(i * 7919 + j) % 150000 for j in range(prompt_len)]

@@ -7,9 +7,13 @@ table per request). Everything that sizes, shapes or budgets cache memory reads 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
+
+if TYPE_CHECKING:
+    from heron.cache.manager import CacheManager
 
 
 @dataclass(frozen=True)
@@ -43,6 +47,10 @@ class CacheSpec:
     def describe(self) -> str:
         raise NotImplementedError
 
+    def make_manager(self, num_blocks: int, enable_prefix_caching: bool) -> CacheManager:
+        """The manager of a cache group of this spec over a pool of ``num_blocks``."""
+        raise NotImplementedError
+
     def _element_size(self) -> int:
         return torch.empty((), dtype=self.dtype).element_size()
 
@@ -69,6 +77,11 @@ class FullAttentionSpec(CacheSpec):
 
     def first_table_block(self, context: int | np.ndarray) -> int | np.ndarray:
         return 0
+
+    def make_manager(self, num_blocks: int, enable_prefix_caching: bool) -> CacheManager:
+        from heron.cache.paged import PagedCacheManager  # paged.py imports this module
+
+        return PagedCacheManager(self, num_blocks, enable_prefix_caching)
 
     def describe(self) -> str:
         return (

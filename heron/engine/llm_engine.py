@@ -10,9 +10,9 @@ from dataclasses import dataclass, field
 import torch
 from transformers import AutoTokenizer
 
+from heron.cache.coordinator import KVCacheCoordinator
 from heron.config import DEFAULT_HOST_KV_CACHE_BYTES, EngineConfig, ModelConfig
 from heron.engine.detokenizer import IncrementalDetokenizer
-from heron.engine.kv_cache_manager import KVCacheCoordinator
 from heron.engine.request import FinishReason, Request, RequestStatus
 from heron.engine.scheduler import Scheduler, SchedulerConfig
 from heron.engine.stopping import check_stop
@@ -95,10 +95,7 @@ class LLMEngine:
         if device.type == "cuda" and not config.enforce_eager:
             self.runner.capture_graphs(min(config.cuda_graph_max_bs, config.max_num_seqs))
         self.kv_cache = KVCacheCoordinator(
-            num_blocks,
-            self.block_size,
-            config.enable_prefix_caching,
-            [getattr(spec, "sliding_window", None) for spec in self.runner.cache_specs],
+            self.runner.cache_specs, num_blocks, config.enable_prefix_caching
         )
         max_len = self.model_config.max_model_len
         self.scheduler = Scheduler(
@@ -121,15 +118,13 @@ class LLMEngine:
             self.model_config.dtype,
             device,
         )
-        for window, n in zip(
-            [getattr(spec, "sliding_window", None) for spec in self.runner.cache_specs], num_blocks
-        ):
+        for group in self.kv_cache.group_usage():
             logger.info(
-                "KV cache group %s: %d blocks of %d tokens (%d tokens)",
-                "full" if window is None else f"sliding window {window}",
-                n - 1,
-                self.block_size,
-                (n - 1) * self.block_size,
+                "cache group %d (%s): %d blocks (%d tokens)",
+                group.group,
+                group.spec.describe(),
+                group.num_blocks - 1,
+                (group.num_blocks - 1) * group.spec.block_size,
             )
         # What start-up made (the model, tokenizer, graphs, and what the importers made) lives
         # as long as the engine: moved out of the collector's sight, a full collection no

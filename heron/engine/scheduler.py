@@ -7,7 +7,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
-from heron.engine.kv_cache_manager import KVCacheCoordinator, KVCacheManager
+from heron.cache.coordinator import KVCacheCoordinator
 from heron.engine.request import Request, RequestStatus
 
 
@@ -47,9 +47,7 @@ class Scheduler:
     (its generated tokens are kept, so nothing is lost).
     """
 
-    def __init__(
-        self, config: SchedulerConfig, kv_cache: KVCacheCoordinator | KVCacheManager
-    ) -> None:
+    def __init__(self, config: SchedulerConfig, kv_cache: KVCacheCoordinator) -> None:
         self.config = config
         self.kv_cache = kv_cache
         self.waiting: deque[Request] = deque()
@@ -58,10 +56,6 @@ class Scheduler:
 
     def add(self, request: Request) -> None:
         self.waiting.append(request)
-
-    @property
-    def num_unfinished(self) -> int:
-        return len(self.waiting) + len(self.running)
 
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()

@@ -1,0 +1,23 @@
+"""Cache memory: specs (what each operator needs), the groups' managers and their coordinator."""
+
+from heron.cache.block_pool import NULL_BLOCK_ID, BlockPool, hash_block_tokens
+from heron.cache.coordinator import GroupUsage, KVCacheCoordinator
+from heron.cache.manager import AllocationHeadroom, AllocationPlan, CacheManager
+from heron.cache.paged import PagedCacheManager, PagedPlan
+from heron.cache.spec import CacheSpec, FullAttentionSpec, SlidingWindowSpec
+
+__all__ = [
+    "NULL_BLOCK_ID",
+    "AllocationHeadroom",
+    "AllocationPlan",
+    "BlockPool",
+    "CacheManager",
+    "CacheSpec",
+    "FullAttentionSpec",
+    "GroupUsage",
+    "KVCacheCoordinator",
+    "PagedCacheManager",
+    "PagedPlan",
+    "SlidingWindowSpec",
+    "hash_block_tokens",
+]

@@ -1,0 +1,129 @@
+"""The interface between the coordinator and one cache group's manager.
+
+:class:`~heron.cache.coordinator.KVCacheCoordinator` drives one :class:`CacheManager` per cache
+group and reaches nothing else of it, so a manager of another kind (paged blocks today; one
+state slot per request for a recurrent layer) plugs in through its spec's ``make_manager``.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Collection, Sequence
+from typing import TYPE_CHECKING, NamedTuple, Protocol
+
+if TYPE_CHECKING:
+    from heron.cache.spec import CacheSpec
+    from heron.engine.request import Request
+
+
+class AllocationHeadroom(NamedTuple):
+    """How far a request's next steps may go with nothing to allocate, register or release, so
+    that most decode steps skip planning: blocks already allocated cover steps up to ``tokens``
+    tokens (``num_computed_tokens + num_new_tokens``), of which up to ``known`` may be known."""
+
+    tokens: int
+    known: int
+
+
+NO_HEADROOM = AllocationHeadroom(-1, -1)
+"""The headroom of a request holding nothing."""
+
+
+def within_headroom(request: Request, num_new_tokens: int, headroom: AllocationHeadroom) -> bool:
+    """Whether a step of ``num_new_tokens`` (at least one, no hits) needs no allocation."""
+    covered = request.num_computed_tokens + num_new_tokens
+    tokens, known = headroom
+    return (
+        0 < num_new_tokens
+        and covered <= tokens
+        and (covered <= known or len(request.all_token_ids) <= known)
+    )
+
+
+class AllocationPlan(Protocol):
+    """What a manager decided for one step; the coordinator reads only its cost."""
+
+    @property
+    def num_needed(self) -> int:
+        """By how much committing the plan lowers ``num_free_blocks`` (negative if it frees)."""
+        ...
+
+
+class CacheManager(ABC):
+    """One cache group's per-request state over its own pool (entry 0 reserved as null).
+
+    A step is planned in every group first and committed only if every plan fits, so
+    :meth:`plan` must change nothing. Hits (``hits``) are the group's blocks from
+    :meth:`find_cached_chain`, given only on a request's first allocation.
+    """
+
+    spec: CacheSpec
+    num_blocks: int
+    """Pool size, null entry included."""
+
+    @property
+    @abstractmethod
+    def num_free_blocks(self) -> int:
+        """Entries allocatable now (cached ones that would be evicted included)."""
+
+    @property
+    def usage(self) -> float:
+        """Fraction of the usable entries (all but the null one) held by requests."""
+        return (self.num_blocks - 1 - self.num_free_blocks) / (self.num_blocks - 1)
+
+    @abstractmethod
+    def find_cached_chain(self, request: Request, hashes: list[int] | None = None) -> list[int]:
+        """The cached blocks heading ``request``'s first ``num_tokens - 1`` tokens (no counting).
+
+        ``hashes`` carries the chain hashes between groups of one block size: the ones given
+        are used, the ones computed are appended.
+        """
+
+    @abstractmethod
+    def check_hits(self, request: Request, hits: Sequence[int]) -> None:
+        """Raise ``ValueError`` if ``hits`` are not acceptable for ``request`` now."""
+
+    @abstractmethod
+    def plan(self, request: Request, num_new_tokens: int, hits: Sequence[int]) -> AllocationPlan:
+        """What a step of ``num_new_tokens`` after ``hits`` needs (changes nothing)."""
+
+    @abstractmethod
+    def commit(
+        self,
+        request: Request,
+        num_new_tokens: int,
+        hits: Sequence[int],
+        plan: AllocationPlan,
+        chain: Sequence[int] = (),
+    ) -> None:
+        """Carry out ``plan``, checked to fit. ``chain``: the request's block hashes as another
+        group (of the same block size) has them, to reuse rather than recompute."""
+
+    @abstractmethod
+    def headroom(self, request_id: str) -> AllocationHeadroom:
+        """The request's headroom after its last commit (:data:`NO_HEADROOM` if it holds
+        nothing); only rises until :meth:`free`."""
+
+    @abstractmethod
+    def block_table(self, request_id: str) -> list[int]:
+        """The request's entries in token order (the live list: read, don't mutate)."""
+
+    @abstractmethod
+    def block_hashes(self, request_id: str) -> Sequence[int]:
+        """The request's registered chain of block hashes (live: read, don't mutate)."""
+
+    @abstractmethod
+    def request_ids(self) -> Collection[str]:
+        """The requests holding entries."""
+
+    @abstractmethod
+    def free(self, request: Request) -> None:
+        """Drop everything the request holds; unknown requests are a no-op."""
+
+    @abstractmethod
+    def reset_prefix_cache(self) -> bool:
+        """Forget all cached content; refused (False) while any request holds entries."""
+
+    @abstractmethod
+    def check_invariants(self) -> None:
+        """Raise ``RuntimeError`` if the pool and per-request state disagree."""
