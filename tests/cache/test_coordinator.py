@@ -4,18 +4,32 @@ from __future__ import annotations
 
 import math
 import random
+from collections import Counter
 
-from heron.engine.kv_cache_manager import NULL_BLOCK_ID, KVCacheCoordinator
+import torch
+
+from heron.cache import (
+    NULL_BLOCK_ID,
+    CacheManager,
+    FullAttentionSpec,
+    KVCacheCoordinator,
+    SlidingWindowSpec,
+)
 from heron.engine.request import Request
 from heron.sampling_params import SamplingParams
 
-from kv_invariants import InvariantChecked
+from kv_invariants import InvariantChecked, cache_specs
 
 FULL, SLIDING = 0, 1
 
 
 class CheckedCoordinator(InvariantChecked, KVCacheCoordinator):
     """Checks every invariant after every public operation."""
+
+
+def coordinator(sizes, block_size, windows=(None,), caching=True, cls=CheckedCoordinator):
+    """A coordinator of one group per window (``None``: full attention), pools of ``sizes``."""
+    return cls(cache_specs(block_size, windows), sizes, caching)
 
 
 def make_request(request_id: str, tokens) -> Request:
@@ -46,7 +60,7 @@ def live(table: list[int]) -> int:
 
 
 def test_one_group_behaves_like_a_manager():
-    kv = CheckedCoordinator([10], block_size=4)
+    kv = coordinator([10], 4)
     r = make_request("a", range(10))
     hits, n = kv.get_computed_blocks(r)
     assert (hits, n) == (([],), 0)
@@ -60,13 +74,13 @@ def test_one_group_behaves_like_a_manager():
 
 def test_allocation_is_atomic_across_groups():
     # The full group is the short one: 3 usable blocks of 2 tokens.
-    kv = CheckedCoordinator([4, 20], block_size=2, sliding_windows=[None, 4])
+    kv = coordinator([4, 20], 2, [None, 4])
     a = make_request("a", range(8))
     before = state(kv)
     assert not kv.allocate_slots(a, 8)  # the full group needs 4 blocks
     assert state(kv) == before
     # Now the sliding group is the short one.
-    kv = CheckedCoordinator([20, 3], block_size=2, sliding_windows=[None, 4])
+    kv = coordinator([20, 3], 2, [None, 4])
     before = state(kv)
     assert not kv.allocate_slots(a, 8)  # a whole prompt at once: 4 blocks in every group
     assert state(kv) == before
@@ -76,7 +90,7 @@ def test_allocation_is_atomic_across_groups():
 
 def test_sliding_group_releases_blocks_outside_the_window():
     bs, window = 2, 4
-    kv = CheckedCoordinator([40, 40], block_size=bs, sliding_windows=[None, window])
+    kv = coordinator([40, 40], bs, [None, window])
     sliding = kv.groups[SLIDING]
     r = make_request("a", range(6))
     assert kv.allocate_slots(r, 6)
@@ -108,19 +122,19 @@ def test_async_decode_takes_the_full_path_once_per_block():
     new block. That step takes the block, registers the one just filled and releases the one
     that slid out; every other step is quiet."""
     bs, window = 4, 8
-    kv = CheckedCoordinator([40, 40], block_size=bs, sliding_windows=[None, window])
+    kv = coordinator([40, 40], bs, [None, window])
     r = make_request("a", range(10))
     assert kv.allocate_slots(r, 10)
     r.num_computed_tokens = 10
     full_path = []
     for group in kv.groups:
-        allocate = group._allocate
+        commit = group.commit
 
-        def counted(*args, allocate=allocate):
+        def counted(*args, commit=commit):
             full_path.append(r.num_computed_tokens)
-            return allocate(*args)
+            return commit(*args)
 
-        group._allocate = counted
+        group.commit = counted
     for step in range(40):
         assert len(r.all_token_ids) == r.num_computed_tokens  # the input token is pending
         assert kv.allocate_slots(r, 1)
@@ -137,7 +151,7 @@ def test_async_decode_takes_the_full_path_once_per_block():
 
 def test_released_blocks_are_reused_in_the_same_step():
     # 3 usable sliding blocks of 2 tokens, window 2: a decoding request never needs more.
-    kv = CheckedCoordinator([40, 4], block_size=2, sliding_windows=[None, 2])
+    kv = coordinator([40, 4], 2, [None, 2])
     r = make_request("a", range(4))
     assert kv.allocate_slots(r, 4)
     r.num_computed_tokens = 4
@@ -151,7 +165,7 @@ def test_released_blocks_are_reused_in_the_same_step():
 
 def test_prefix_hit_is_the_minimum_over_groups():
     bs = 2
-    kv = CheckedCoordinator([30, 8], block_size=bs, sliding_windows=[None, 4])
+    kv = coordinator([30, 8], bs, [None, 4])
     a = make_request("a", range(12))
     assert kv.allocate_slots(a, 12)
     a.num_computed_tokens = 12
@@ -180,7 +194,7 @@ def test_prefix_hit_is_the_minimum_over_groups():
 
 def test_blocks_released_by_sliding_still_hit():
     bs = 2
-    kv = CheckedCoordinator([40, 40], block_size=bs, sliding_windows=[None, 4])
+    kv = coordinator([40, 40], bs, [None, 4])
     a = make_request("a", range(16))
     for _ in range(4):  # chunks of 4: the sliding group releases blocks as the prefill goes
         assert kv.allocate_slots(a, 4)
@@ -200,7 +214,7 @@ def test_no_leaks_after_finish_abort_and_preemption():
     """A random workload in the scheduler's pattern; every group returns to its total."""
     rng = random.Random(0)
     bs = 4
-    kv = CheckedCoordinator([60, 25], block_size=bs, sliding_windows=[None, 8])
+    kv = coordinator([60, 25], bs, [None, 8])
     running: list[Request] = []
     prefixes = [list(range(20)), list(range(50, 70))]
     for i in range(300):
@@ -239,17 +253,17 @@ def test_no_leaks_after_finish_abort_and_preemption():
 
 
 class SlowPathCoordinator(KVCacheCoordinator):
-    """Plans and allocates every group on every call: no quiet limits, the reference."""
+    """Plans and commits every group on every call: no headroom, the reference."""
 
     def allocate_slots(self, request, num_new_tokens, new_computed_blocks=()):
         hits = list(new_computed_blocks) or [()] * len(self.groups)
         for group, blocks in zip(self.groups, hits):
-            group.check_computed_blocks(request, blocks)
-        plans = [g._plan(request, num_new_tokens, b) for g, b in zip(self.groups, hits)]
-        if any(plan[2] > g.num_free_blocks for g, plan in zip(self.groups, plans)):
+            group.check_hits(request, blocks)
+        plans = [g.plan(request, num_new_tokens, b) for g, b in zip(self.groups, hits)]
+        if any(plan.num_needed > g.num_free_blocks for g, plan in zip(self.groups, plans)):
             return False
         for group, blocks, plan in zip(self.groups, hits, plans):
-            group._allocate(request, num_new_tokens, blocks, plan)
+            group.commit(request, num_new_tokens, blocks, plan)
         return True
 
 
@@ -268,9 +282,9 @@ def full_state(kv: KVCacheCoordinator):
     ]
 
 
-def test_quiet_limit_never_skips_a_needed_allocation():
+def test_headroom_never_skips_a_needed_allocation():
     """Random schedules with chunked prefill, pending (asynchronously sampled) tokens, prefix
-    hits and preemption: the coordinator, which skips steps within a request's quiet limit,
+    hits and preemption: the coordinator, which skips steps within a request's headroom,
     ends every call in the same state as one that runs the full allocation every time."""
     for seed, windows, caching in [
         (0, [None, 8], True),
@@ -282,8 +296,8 @@ def test_quiet_limit_never_skips_a_needed_allocation():
         rng = random.Random(seed)
         bs = rng.choice([2, 4])
         sizes = [rng.randint(20, 60) for _ in windows]
-        kv = CheckedCoordinator(sizes, bs, caching, windows)
-        ref = SlowPathCoordinator(sizes, bs, caching, windows)
+        kv = coordinator(sizes, bs, windows, caching)
+        ref = coordinator(sizes, bs, windows, caching, cls=SlowPathCoordinator)
         running: list[Request] = []
         prefixes = [list(range(20)), list(range(50, 70))]
         for i in range(600):
@@ -331,3 +345,146 @@ def test_quiet_limit_never_skips_a_needed_allocation():
                     kv.free(r)
                     ref.free(r)
             assert full_state(kv) == full_state(ref)
+
+
+class InterfaceOnly(CacheManager):
+    """Forwards exactly the :class:`CacheManager` interface to a paged manager and records the
+    calls: a coordinator reaching past the interface fails with an ``AttributeError``."""
+
+    def __init__(self, inner: CacheManager, calls: Counter) -> None:
+        self._inner, self._calls = inner, calls
+        self.spec, self.num_blocks = inner.spec, inner.num_blocks
+
+    def _call(self, name, *args):
+        self._calls[name] += 1
+        return getattr(self._inner, name)(*args)
+
+    @property
+    def num_free_blocks(self):
+        return self._inner.num_free_blocks
+
+    def find_cached_chain(self, request, hashes=None):
+        return self._call("find_cached_chain", request, hashes)
+
+    def check_hits(self, request, hits):
+        return self._call("check_hits", request, hits)
+
+    def plan(self, request, num_new_tokens, hits):
+        return self._call("plan", request, num_new_tokens, hits)
+
+    def commit(self, request, num_new_tokens, hits, plan, chain=()):
+        return self._call("commit", request, num_new_tokens, hits, plan, chain)
+
+    def headroom(self, request_id):
+        return self._call("headroom", request_id)
+
+    def block_table(self, request_id):
+        return self._call("block_table", request_id)
+
+    def block_hashes(self, request_id):
+        return self._call("block_hashes", request_id)
+
+    def request_ids(self):
+        return self._call("request_ids")
+
+    def free(self, request):
+        return self._call("free", request)
+
+    def reset_prefix_cache(self):
+        return self._call("reset_prefix_cache")
+
+    def check_invariants(self):
+        return self._call("check_invariants")
+
+
+CALLS: Counter = Counter()
+
+
+class _InterfaceOnlySpec:
+    """Put before a spec class: its groups' managers are wrapped in :class:`InterfaceOnly`."""
+
+    def make_manager(self, num_blocks, enable_prefix_caching):
+        return InterfaceOnly(super().make_manager(num_blocks, enable_prefix_caching), CALLS)
+
+
+class InterfaceOnlyFull(_InterfaceOnlySpec, FullAttentionSpec):
+    pass
+
+
+class InterfaceOnlySliding(_InterfaceOnlySpec, SlidingWindowSpec):
+    pass
+
+
+def test_the_coordinator_uses_managers_only_through_the_interface():
+    """A coordinator over managers that expose only the interface behaves, call for call, as
+    one over the paged managers themselves."""
+    CALLS.clear()
+    bs, window, sizes = 4, 8, [40, 20]
+    wrapped_specs = [
+        InterfaceOnlyFull(bs, torch.float16, 1, 8),
+        InterfaceOnlySliding(bs, torch.float16, 1, 8, window),
+    ]
+    kv = CheckedCoordinator(wrapped_specs, sizes)
+    ref = coordinator(sizes, bs, [None, window])
+    assert all(isinstance(g, InterfaceOnly) for g in kv.groups)
+    assert kv.specs == wrapped_specs
+
+    def observed(c: KVCacheCoordinator, request_ids):
+        usage = [(u.group, u.num_blocks, u.num_free_blocks, u.usage) for u in c.group_usage()]
+        tables = {rid: [list(t) for t in c.block_tables(rid)] for rid in request_ids}
+        counters = (c.prefix_cache_queries, c.prefix_cache_hits, c.num_free_blocks, c.usage)
+        return usage, tables, counters
+
+    rng = random.Random(0)
+    running: list[Request] = []
+    prefixes = [list(range(20)), list(range(50, 70))]
+    for i in range(300):
+        if len(running) < 4 and rng.random() < 0.3:
+            prompt = rng.choice(prefixes)[: rng.randint(1, 20)] + [rng.randint(0, 300)]
+            r = make_request(f"r{i}", prompt)
+            (hits, num_hit), (ref_hits, ref_num_hit) = (
+                kv.get_computed_blocks(r),
+                ref.get_computed_blocks(r),
+            )
+            assert num_hit == ref_num_hit and [len(h) for h in hits] == [len(h) for h in ref_hits]
+            n = min(r.num_tokens - num_hit, 8)
+            r.num_computed_tokens = num_hit
+            ok = kv.allocate_slots(r, n, hits)
+            assert ok == ref.allocate_slots(r, n, ref_hits)
+            if ok:
+                r._step = n
+                running.append(r)
+            else:
+                r.num_computed_tokens = 0
+        elif running:
+            r = rng.choice(running)
+            if rng.random() < 0.1:
+                running.remove(r)
+                kv.free(r)
+                ref.free(r)
+            else:
+                r.num_computed_tokens += r._step
+                if r.num_computed_tokens == r.num_tokens:
+                    r.append_output_token(rng.randint(0, 300))
+                n = min(r.num_tokens - r.num_computed_tokens, 8)
+                ok = kv.allocate_slots(r, n)
+                assert ok == ref.allocate_slots(r, n)
+                if ok:
+                    r._step = n
+                else:
+                    running.remove(r)
+                    kv.free(r)
+                    ref.free(r)
+        ids = [r.request_id for r in running]
+        assert observed(kv, ids) == observed(ref, ids)
+    assert not kv.reset_prefix_cache() and running
+    for r in running:
+        kv.free(r)
+        ref.free(r)
+    assert kv.reset_prefix_cache() and ref.reset_prefix_cache()
+    assert_idle(kv)
+    # Every part of the interface was exercised (headroom and commit on every slow step).
+    assert set(CALLS) == {
+        "find_cached_chain", "check_hits", "plan", "commit", "headroom", "block_table",
+        "block_hashes", "request_ids", "free", "reset_prefix_cache", "check_invariants",
+    }  # fmt: skip
