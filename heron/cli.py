@@ -124,28 +124,46 @@ def cmd_plan(args: argparse.Namespace) -> int:
     from heron.engine.llm_engine import LLMEngine
 
     engine = LLMEngine(engine_config(args))
-    plan = engine.runner.plan.describe()
-    kv = engine.kv_cache
-    plan["kv_cache_groups"] = [
-        {"group": i, "sliding_window": window, "num_blocks": manager.num_blocks - 1}
-        for i, (window, manager) in enumerate(zip(kv.sliding_windows, kv.groups))
+    runner = engine.runner
+    plan = runner.plan.describe()
+    plan["cache_groups"] = [
+        {
+            "group": u.group,
+            "spec": {"kind": type(u.spec).__name__, **_json_fields(u.spec)},
+            "description": u.spec.describe(),
+            "num_blocks": u.num_blocks - 1,
+            "layers": runner.cache.group_layers(u.group),
+        }
+        for u in engine.kv_cache.group_usage()
     ]
     if args.json:
         print(json.dumps(plan, indent=2))
         return 0
     for group in plan["groups"]:
+        reads = group["cache_group"]
         print(
-            f"group {group['group']}: {group['builder']}  key={group['key']}  "
-            f"graphs={group['graph_support']}{'  (fallback)' if group['fallback'] else ''}"
+            f"metadata group {group['group']}: {group['builder']}  key={json.dumps(group['key'])}"
+            f"  graphs={group['graph_support']}{'  (fallback)' if group['fallback'] else ''}"
+            + ("" if reads is None else f"  reads cache group {reads}")
         )
         for layer in group["layers"]:
             print(f"    {layer}")
     print(f"fallback: {plan['fallback_reason'] or 'none'}")
-    for cache in plan["kv_cache_groups"]:
-        window = cache["sliding_window"]
-        kind = "full attention" if window is None else f"sliding window {window}"
-        print(f"KV cache group {cache['group']} ({kind}): {cache['num_blocks']} blocks")
+    for cache in plan["cache_groups"]:
+        print(f"cache group {cache['group']}: {cache['description']}; {cache['num_blocks']} blocks")
+        for layer in cache["layers"]:
+            print(f"    {layer}")
     return 0
+
+
+def _json_fields(spec: object) -> dict[str, object]:
+    """A spec's fields as JSON data (a dtype by its name)."""
+    plain = (bool, int, float, str, type(None))
+    return {
+        f.name: v if isinstance(v, plain) else str(v).removeprefix("torch.")
+        for f in fields(spec)
+        for v in [getattr(spec, f.name)]
+    }
 
 
 def cmd_serve(args: argparse.Namespace) -> int:

@@ -10,18 +10,23 @@ def test_plan_json_lists_groups_and_layers(tiny_model_dir, capsys):
     plan = json.loads(capsys.readouterr().out)
     assert plan["fallback_reason"] is None
     (group,) = plan["groups"]
-    assert {"group", "builder", "key", "layers", "graph_support"} <= set(group)
+    assert {"group", "builder", "key", "cache_group", "layers", "graph_support"} <= set(group)
     assert group["layers"] == [f"model.layers.{i}.self_attn.attn" for i in range(3)]
-    assert "24" in group["key"]  # Mistral's window is part of the key
+    assert 24 in group["key"]  # Mistral's window is part of the key
     assert group["graph_support"] == "DECODE_ONLY"
-    (cache,) = plan["kv_cache_groups"]
-    assert cache["sliding_window"] == 24 and cache["num_blocks"] > 0
+    (cache,) = plan["cache_groups"]
+    assert group["cache_group"] == cache["group"] == 0
+    assert cache["spec"]["kind"] == "SlidingWindowSpec"
+    assert cache["spec"]["sliding_window"] == 24 and cache["num_blocks"] > 0
+    assert cache["description"].startswith("sliding window 24, full attention")
+    assert cache["layers"] == group["layers"]
 
 
 def test_plan_text(tiny_model_dir, capsys):
     assert main(["plan", "--model", str(tiny_model_dir("qwen3"))]) == 0
     text = capsys.readouterr().out
-    assert "group 0: PagedAttentionBuilder(reference)" in text
+    assert "metadata group 0: PagedAttentionBuilder(reference)" in text
+    assert "reads cache group 0" in text and "\ncache group 0: full attention" in text
     assert "model.layers.2.self_attn.attn" in text and "fallback: none" in text
 
 

@@ -32,12 +32,44 @@ class _EngineCollector(Collector):
         gauges = {
             "num_requests_running": ("requests being generated", len(scheduler.running)),
             "num_requests_waiting": ("requests waiting to be scheduled", len(scheduler.waiting)),
-            "kv_cache_usage_perc": ("fraction of KV cache blocks in use (0-1)", kv.usage),
-            "kv_cache_free_blocks": ("KV cache blocks allocatable now", kv.num_free_blocks),
-            "kv_cache_total_blocks": ("usable KV cache blocks", kv.num_blocks - 1),
+            "kv_cache_usage_perc": (
+                "fraction of KV cache blocks in use (0-1), in the fullest cache group",
+                kv.usage,
+            ),
+            "kv_cache_free_blocks": (
+                "KV cache blocks allocatable now, in the cache group with the fewest",
+                kv.num_free_blocks,
+            ),
+            "kv_cache_total_blocks": (
+                "usable KV cache blocks, in the smallest cache group",
+                kv.num_blocks - 1,
+            ),
         }
         for name, (doc, value) in gauges.items():
             yield GaugeMetricFamily(f"heron:{name}", doc, value=value)
+        # Per cache group under names of their own, so that summing a family never mixes the
+        # groups with the aggregates above.
+        groups = kv.group_usage()
+        per_group = {
+            "kv_cache_group_usage_perc": (
+                "fraction of the cache group's blocks in use (0-1)",
+                [g.usage for g in groups],
+            ),
+            "kv_cache_group_free_blocks": (
+                "the cache group's blocks allocatable now",
+                [g.num_free_blocks for g in groups],
+            ),
+            "kv_cache_group_total_blocks": (
+                "the cache group's usable blocks",
+                [g.num_blocks - 1 for g in groups],
+            ),
+        }
+        labels = [[str(g.group), g.spec.describe()] for g in groups]
+        for name, (doc, values) in per_group.items():
+            family = GaugeMetricFamily(f"heron:{name}", doc, labels=["group", "spec"])
+            for label, value in zip(labels, values):
+                family.add_metric(label, value)
+            yield family
         counters = {
             "prefix_cache_queries": (
                 "prompt tokens looked up in the prefix cache",

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -270,8 +272,9 @@ def test_describe_lists_groups_builders_keys_layers_and_graph_support():
     assert (g0["group"], g1["group"]) == (0, 1)
     assert g0["layers"] == ["layers.0.attn", "layers.2.attn"]
     assert g1["layers"] == ["layers.1.attn"]
-    assert g0["key"] == repr(("PagedAttentionBuilder", "reference", 16, None, 4))
-    assert g1["key"] == repr(("PagedAttentionBuilder", "reference", 16, 8, 4))
+    assert g0["key"] == ["PagedAttentionBuilder", "reference", 16, None, 4]
+    assert g1["key"] == ["PagedAttentionBuilder", "reference", 16, 8, 4]
+    assert json.loads(json.dumps(desc)) == desc
 
 
 # --------------------------------------------------------------------------- views per group
