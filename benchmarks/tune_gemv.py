@@ -3,12 +3,15 @@
 For each linear of the model (``N x K`` weights, bf16) and each row count, times every candidate
 ``GemvConfig`` with the weights cold in HBM (a CUDA graph cycles through enough copies of the
 weight to overflow the L2 cache) and prints the winner next to the configuration
-``triton_gemv`` picks today and to cuBLAS (what linears use where ``triton_gemv.serves`` says
-no), in µs and TB/s, plus a ``_TUNED`` snippet. Kernels are compiled first by worker processes
-in parallel (Triton's on-disk cache hands them to the timing pass).
+``heron.kernels.gemv`` picks today and to cuBLAS (what linears use where ``gemv.serves`` says
+no), in µs and TB/s. ``--write`` stores the winners in the tuned table
+(``heron/kernels/configs/gemv.json``) under this GPU's name; a winner that is slower than cuBLAS
+is stored too (past 16 rows an entry makes the linear take the kernel: check the table printed
+first). Kernels are compiled first by worker processes in parallel (Triton's on-disk cache hands
+them to the timing pass).
 
     python benchmarks/tune_gemv.py --model gemma3 [--rows 1 2 4 8 16] [--workers 12]
-        [--shapes down down_plain]
+        [--shapes down down_plain] [--write]
 
 Models: qwen3 (Qwen3-0.6B), gemma3 (Gemma-3-1B), llama8b (Llama-3-8B / Mistral-7B).
 """
@@ -128,6 +131,7 @@ def main() -> None:
     parser.add_argument("--rows", type=int, nargs="+", default=[1])
     parser.add_argument("--workers", type=int, default=12)
     parser.add_argument("--shapes", nargs="+", help="only these shapes (names as in SHAPES)")
+    parser.add_argument("--write", action="store_true", help="store the winners in the table")
     args = parser.parse_args()
     shapes = [s for s in SHAPES[args.model] if not args.shapes or s[0] in args.shapes]
     sms = torch.cuda.get_device_properties(0).multi_processor_count
@@ -139,7 +143,7 @@ def main() -> None:
         pool.map(_compile, [jobs[i :: args.workers] for i in range(args.workers)])
     print("| shape | rows | today: config, µs, TB/s | best: config, µs, TB/s | cuBLAS µs, TB/s |")
     print("| --- | --- | --- | --- | --- |")
-    tuned = []
+    tuned: dict[tuple[int, int, int], g.GemvConfig] = {}
     for m, (name, n, k, act) in itertools.product(args.rows, shapes):
         nbytes = n * k * 2
         copies = max(1, -(-(256 << 20) // nbytes))
@@ -154,10 +158,16 @@ def main() -> None:
             f" | {tuple(best)} {t_best:.1f} {nbytes / t_best / 1e6:.2f}"
             f" | {t_cublas:.1f} {nbytes / t_cublas / 1e6:.2f} |"
         )
-        tuned.append(f"    ({g._m_pad(m)}, {n}, {k}): GemvConfig{tuple(best)},  # {name}")
+        tuned[(g._m_pad(m), n, k)] = best
         del ws
         torch.cuda.empty_cache()
-    print(f"\n{sms} SMs; _TUNED entries:\n" + "\n".join(tuned))
+    device = torch.cuda.get_device_name(0)
+    print(f"\n{device}, {sms} SMs: {len(tuned)} winners")
+    if args.write:
+        tables = g.read_tuned()
+        tables.setdefault(device, {}).update(tuned)
+        g.write_tuned(tables)
+        print(f"written to {g.TUNED_PATH}")
 
 
 if __name__ == "__main__":

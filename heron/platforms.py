@@ -27,6 +27,10 @@ class Platform:
     def default_attention_backend(self) -> str:
         return "reference"
 
+    def layer_kernels(self) -> str:
+        """The kernel set the layers launch (``heron.ops.selector.LAYER_KERNELS``)."""
+        return "torch"
+
 
 class CpuPlatform(Platform):
     name = "cpu"
@@ -44,6 +48,9 @@ class CudaPlatform(Platform):
     default_block_size = 64
 
     def default_attention_backend(self) -> str:
+        return "triton"
+
+    def layer_kernels(self) -> str:
         return "triton"
 
     def model_build_context(self) -> ModelBuildContext:

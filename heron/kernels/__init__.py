@@ -1,5 +1,29 @@
 """Triton kernels and their launch helpers (PDL), one module per kernel family.
 
-Each module imports Triton; this package does not, so that machines without it can import
-what names the kernels.
+Each kernel module imports Triton; this package does not, so that the kernel choice below can be
+named on machines without it.
 """
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+
+@dataclass(frozen=True)
+class LayerKernels:
+    """The kernels a model's layers launch, chosen once when the model is built
+    (``heron.ops.selector.layer_kernels``), never by the input's device at call time. A layer
+    whose entry is None runs its PyTorch code."""
+
+    name: str
+    rms_norm: Callable[..., Any] | None = None  # heron.kernels.rmsnorm.rms_norm
+    gated_activation: Callable[..., Any] | None = None  # activation.gated_activation
+    gemv: Callable[..., Any] | None = None  # gemv.linear_small_m
+    gemv_serves: Callable[..., bool] | None = None  # gemv.serves
+    fused_experts: Callable[..., Any] | None = None  # moe.fused_experts
+
+
+#: Plain PyTorch everywhere: the CPU's choice and every layer's default.
+TORCH_KERNELS = LayerKernels("torch")

@@ -23,6 +23,10 @@ launch does the whole call, with no host sync, and the call can be captured in a
 
 from __future__ import annotations
 
+import functools
+import json
+from pathlib import Path
+
 import torch
 import triton
 import triton.language as tl
@@ -184,60 +188,60 @@ class GemvConfig(tuple):
     split_k = property(lambda self: self[5])
 
 
-# Measured winners on an H200 (bf16, weights cold in HBM, CUDA-graph replays) for the decode
-# shapes of Qwen3-0.6B-, Gemma-3-1B- and Llama-3-8B-class models, keyed by (M_PAD, N, K); they
-# serve fp16 too. Other shapes and fp32 take the rule in ``_default_config``, which gives these
-# or close relatives.
-_FMA1 = GemvConfig(False, 8, 1024, 4, 3, 1)
-_DOT64 = GemvConfig(True, 64, 256, 4, 4, 1)
-_TUNED: dict[tuple[int, int, int], GemvConfig] = {
-    # qkv 1024 -> 4096 and gate_up 1024 -> 6144: one wave of 64-column programs, 4 stages.
-    **{(m, n, 1024): _DOT64 for m in (1, 2, 4, 8, 16) for n in (4096, 6144)},
-    # lm_head 1024 -> 151936
-    **{(m, 151936, 1024): GemvConfig(True, 64, 128, 4, 3, 1) for m in (1, 2, 4, 8, 16)},
-    # o_proj 2048 -> 1024: one row 128 programs of 8 columns over all of K; else split K by 4.
-    (1, 1024, 2048): _FMA1,
-    **{(m, 1024, 2048): GemvConfig(True, 64, 256, 4, 3, 4) for m in (2, 4, 8)},
-    (16, 1024, 2048): GemvConfig(True, 32, 256, 4, 3, 4),
-    # down 3072 -> 1024: likewise, K split by 8 (6 splits of 512).
-    (1, 1024, 3072): _FMA1,
-    **{(m, 1024, 3072): GemvConfig(True, 64, 256, 4, 3, 8) for m in (2, 4, 8, 16)},
-    # Gemma-3-1B (benchmarks/tune_gemv.py --model gemma3 --rows 1 2 4 8 16). One row: qkv
-    # 1152 -> 1536 and o 1152 <- 1024 in programs of 4 columns; gate_up 1152 -> 13824 with K
-    # tiles that divide 1152 (no masked tail); down 6912 -> 1152 split by 4; the lm_head 4
-    # stages deep. More rows: the old rule's gated down (36 programs of 32 columns, K split
-    # by 2) took 57-61 µs, 64 columns with K split by 8 take 10-11 (the rule's shape for gated
-    # inputs since); the lm_head keeps the rule.
-    (1, 1536, 1152): GemvConfig(False, 4, 1024, 4, 3, 1),
-    (1, 1152, 1024): GemvConfig(False, 4, 1024, 4, 2, 1),
-    (1, 13824, 1152): GemvConfig(True, 64, 128, 4, 4, 1),
-    (1, 1152, 6912): GemvConfig(False, 8, 1024, 4, 2, 4),
-    (1, 262144, 1152): GemvConfig(True, 64, 128, 4, 4, 1),
-    **{(m, 1536, 1152): GemvConfig(True, 16, 256, 4, 4, 1) for m in (2, 4, 8)},
-    **{(m, 1152, 1024): _DOT64 for m in (2, 4, 8, 16)},
-    **{(m, 13824, 1152): GemvConfig(True, 64, 128, 4, 4, 1) for m in (2, 4, 8)},
-    **{(m, 1152, 6912): GemvConfig(True, 64, 128, 4, 3, 8) for m in (2, 4, 8)},
-    (16, 1536, 1152): _DOT64,
-    (16, 13824, 1152): GemvConfig(True, 128, 128, 4, 4, 1),
-    (16, 1152, 6912): GemvConfig(True, 64, 256, 4, 3, 8),
-    # Past the rule's 16 rows (`--rows 32 64`), only where the kernel beat cuBLAS (µs, kernel
-    # against cuBLAS): at 32 rows qkv 4.2/4.7, o 3.7/4.5, gate_up 9.6/10.8, lm_head 149.9/154.8;
-    # at 64 o 4.2/4.5, gate_up 10.1/11.1, lm_head 157.1/168.7 (qkv 4.7/4.8 and the gated down,
-    # 17-31 against 9.1, stay with cuBLAS).
-    (32, 1536, 1152): GemvConfig(True, 16, 128, 4, 4, 1),
-    **{(m, 1152, 1024): GemvConfig(True, 16, 256, 4, 3, 1) for m in (32, 64)},
-    **{(m, 13824, 1152): GemvConfig(True, 64, 128, 4, 3, 1) for m in (32, 64)},
-    (32, 262144, 1152): GemvConfig(True, 64, 128, 4, 3, 1),
-    (64, 262144, 1152): GemvConfig(True, 128, 128, 4, 4, 1),
-    # Llama-3-8B / Mistral-7B (hidden 4096, intermediate 14336; `--model llama8b --rows 1 4
-    # 16`). The old rule's gated down (128 programs, 256-wide K tiles) took 49-51 µs, 2.3 TB/s:
-    # one row in 16-column broadcast programs over all of K takes 30.6, more rows K split by 4
-    # in 128-wide tiles take 32-33 (measured at 4 and 16 rows; 2 and 8 use the same,
-    # unmeasured). gate_up in 128-column programs: 58.8 -> 56.7 µs. qkv, o, lm_head: the rule.
-    (1, 4096, 14336): GemvConfig(False, 16, 1024, 4, 3, 1),
-    **{(m, 4096, 14336): GemvConfig(True, 64, 128, 4, 4, 4) for m in (2, 4, 8, 16)},
-    **{(m, 28672, 4096): GemvConfig(True, 128, 128, 4, 3, 1) for m in (1, 2, 4, 8, 16)},
-}
+#: The measured launch configurations (``benchmarks/tune_gemv.py --write``): per device name,
+#: per ``(M_PAD, N, K)``. Shapes without an entry, and fp32, take ``_default_config``.
+TUNED_PATH = Path(__file__).parent / "configs" / "gemv.json"
+_FIELDS = ["use_dot", "block_n", "block_k", "num_warps", "num_stages", "split_k"]
+_ABOUT = (
+    "Measured launch configurations of heron.kernels.gemv (benchmarks/tune_gemv.py --write): "
+    "per device name (torch.cuda.get_device_name), per 'rows padded to a power of two,N,K' of "
+    "the weight's [N, K]. Timed in bf16 with the weights cold in HBM, in CUDA-graph replays; "
+    "they serve fp16 too. Shapes without an entry take the rule in gemv._default_config."
+)
+
+Table = dict[tuple[int, int, int], GemvConfig]
+
+
+def read_tuned(path: Path = TUNED_PATH) -> dict[str, Table]:
+    """Each device name's measured configurations in the data file at ``path``."""
+    data = json.loads(path.read_text())
+    assert data["fields"] == _FIELDS, f"{path}: fields {data['fields']}"
+    return {
+        device: {tuple(map(int, key.split(","))): GemvConfig(*cfg) for key, cfg in table.items()}
+        for device, table in data["devices"].items()
+    }
+
+
+def write_tuned(tables: dict[str, Table], path: Path = TUNED_PATH) -> None:
+    """Writes ``tables`` (as :func:`read_tuned` returns them) to ``path``, an entry a line."""
+    devices = []
+    for device, table in sorted(tables.items()):
+        rows = [
+            f'   "{m},{n},{k}": {json.dumps(list(cfg))}' for (m, n, k), cfg in sorted(table.items())
+        ]
+        devices.append(f"  {json.dumps(device)}: {{\n" + ",\n".join(rows) + "\n  }")
+    path.write_text(
+        f'{{\n "about": {json.dumps(_ABOUT)},\n "fields": {json.dumps(_FIELDS)},\n'
+        ' "devices": {\n' + ",\n".join(devices) + "\n }\n}\n"
+    )
+
+
+@functools.cache
+def _tables() -> dict[str, Table]:
+    return read_tuned()
+
+
+_TUNED: dict[torch.device, Table] = {}
+
+
+def _tuned(device: torch.device) -> Table:
+    """The measured configurations for ``device``'s model (none off CUDA), read once."""
+    table = _TUNED.get(device)
+    if table is None:
+        name = torch.cuda.get_device_name(device) if device.type == "cuda" else device.type
+        table = _TUNED[device] = _tables().get(name, {})
+    return table
+
 
 _CONFIG_CACHE: dict[tuple, GemvConfig] = {}
 _COUNTERS: dict[torch.device, torch.Tensor] = {}
@@ -306,7 +310,7 @@ def _config(
     key = (m_pad, n, k, elem_size, device, gated, gated_out)
     cfg = _CONFIG_CACHE.get(key)
     if cfg is None:
-        cfg = _TUNED.get((m_pad, n, k)) if elem_size == 2 else None
+        cfg = _tuned(device).get((m_pad, n, k)) if elem_size == 2 else None
         cfg = cfg or _default_config(m_pad, n, k, elem_size, multiprocessor_count(device), gated)
         if gated_out:  # the epilogue needs each program's whole K: no split
             cfg = GemvConfig(*cfg[:5], 1)
@@ -400,12 +404,12 @@ def _launch(
     )
 
 
-def serves(m: int, n: int, k: int) -> bool:
-    """Whether an ``[m, k] x [n, k]^T`` product (in half precision, on a GPU) should take this
-    kernel rather than cuBLAS: up to ``RULE_MAX_M`` rows any shape, up to ``MAX_M`` rows the
-    shapes measured faster here (``_TUNED`` entries; a gated input has the key of its plain
-    product, ``k`` the weight's width)."""
-    return m <= RULE_MAX_M or (m <= MAX_M and (_m_pad(m), n, k) in _TUNED)
+def serves(m: int, n: int, k: int, device: torch.device) -> bool:
+    """Whether an ``[m, k] x [n, k]^T`` product (in half precision) on ``device`` should take
+    this kernel rather than cuBLAS: up to ``RULE_MAX_M`` rows any shape, up to ``MAX_M`` rows
+    the shapes measured faster here (the device's tuned entries; a gated input has the key of
+    its plain product, ``k`` the weight's width)."""
+    return m <= RULE_MAX_M or (m <= MAX_M and (_m_pad(m), n, k) in _tuned(device))
 
 
 def linear_small_m(

@@ -4,21 +4,27 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from heron.kernels import TORCH_KERNELS, LayerKernels
+
 
 class GatedActivation(nn.Module):
-    """``act(gate) * up``; on CUDA one Triton kernel, elsewhere PyTorch (:meth:`reference`).
+    """``act(gate) * up``: the kernel set's gated activation where it has one, else PyTorch
+    (:meth:`reference`).
 
-    ``fused_name`` names the activation for the Triton kernels (``heron.kernels.activation.ACTIVATIONS``),
-    which the decode GEMV also applies inside the down projection.
+    ``fused_name`` names the activation for the Triton kernels
+    (``heron.kernels.activation.ACTIVATIONS``), which the decode GEMV also applies inside the
+    down projection.
     """
 
     fused_name: str
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.is_cuda and x.dim() == 2:
-            from heron.kernels.activation import gated_activation
+    def __init__(self, kernels: LayerKernels = TORCH_KERNELS) -> None:
+        super().__init__()
+        self.kernel = kernels.gated_activation
 
-            return gated_activation(x, self.fused_name)
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.kernel is not None and x.dim() == 2:
+            return self.kernel(x, self.fused_name)
         gate, up = x.chunk(2, dim=-1)
         return self.reference(gate) * up
 

@@ -6,42 +6,49 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from heron.kernels import TORCH_KERNELS, LayerKernels
+
 
 class Linear(nn.Module):
-    """``y = x W^T (+ b)``; weights load through :meth:`weight_loader`."""
+    """``y = x W^T (+ b)``; weights load through :meth:`weight_loader`. Decode-sized products
+    take the kernel set's GEMV where it serves them (:func:`linear`)."""
 
-    def __init__(self, in_features: int, out_features: int, bias: bool = False) -> None:
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        bias: bool = False,
+        kernels: LayerKernels = TORCH_KERNELS,
+    ) -> None:
         super().__init__()
         self.in_features, self.out_features = in_features, out_features
         self.weight = nn.Parameter(torch.empty(out_features, in_features), requires_grad=False)
         self.bias = nn.Parameter(torch.empty(out_features), requires_grad=False) if bias else None
+        self.kernels = kernels
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return linear(x, self.weight, self.bias)
+        return linear(x, self.weight, self.bias, self.kernels)
 
     def takes_gemv(self, x: torch.Tensor) -> bool:
-        """Whether this layer's product with ``x``'s rows runs as the Triton GEMV."""
-        return _small_m_gemv(x, self.weight)
+        """Whether this layer's product with ``x``'s rows runs as the GEMV."""
+        return takes_gemv(self.kernels, x, self.weight)
 
     def forward_gated(self, gate_up: torch.Tensor, act: nn.Module) -> torch.Tensor:
-        """``self(act(gate_up))`` for a gated activation over ``[gate | up]``; decode-sized
-        batches on a GPU apply it inside the matrix product (one kernel, no intermediate)."""
+        """``self(act(gate_up))`` for a gated activation over ``[gate | up]``; where the product
+        runs as the GEMV, it applies the activation as it loads its input (one kernel, no
+        intermediate)."""
         fused = getattr(act, "fused_name", None)
         if fused is not None and self.takes_gemv(gate_up):
-            from heron.kernels.gemv import linear_small_m
-
-            return linear_small_m(gate_up, self.weight, self.bias, act=fused)
+            return self.kernels.gemv(gate_up, self.weight, self.bias, act=fused)
         return self(act(gate_up))
 
     def forward_activated(self, x: torch.Tensor, act: nn.Module) -> torch.Tensor:
         """``act(self(x))`` for a gated activation over this layer's ``[gate | up]`` output;
-        where the product runs as the Triton GEMV, the activation is its epilogue (one kernel,
-        no intermediate)."""
+        where the product runs as the GEMV, the activation is its epilogue (one kernel, no
+        intermediate)."""
         fused = getattr(act, "fused_name", None)
         if fused is not None and self.takes_gemv(x):
-            from heron.kernels.gemv import linear_small_m
-
-            return linear_small_m(x, self.weight, self.bias, gated_out=fused)
+            return self.kernels.gemv(x, self.weight, self.bias, gated_out=fused)
         return act(self(x))
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard: str | None) -> None:
@@ -54,8 +61,14 @@ class PackedLinear(Linear):
     ``shards`` maps each checkpoint shard name to its number of output rows, in order.
     """
 
-    def __init__(self, in_features: int, shards: dict[str, int], bias: bool = False) -> None:
-        super().__init__(in_features, sum(shards.values()), bias)
+    def __init__(
+        self,
+        in_features: int,
+        shards: dict[str, int],
+        bias: bool = False,
+        kernels: LayerKernels = TORCH_KERNELS,
+    ) -> None:
+        super().__init__(in_features, sum(shards.values()), bias, kernels)
         self.shard_offsets: dict[str, tuple[int, int]] = {}
         start = 0
         for name, size in shards.items():
@@ -69,27 +82,32 @@ class PackedLinear(Linear):
         _copy_checked(param.data.narrow(0, start, size), loaded, param)
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """``x W^T (+ b)``; decode-sized batches on a GPU use a memory-bound Triton GEMV, which
-    beats cuBLAS there (most on narrow outputs such as o_proj and down_proj)."""
-    if _small_m_gemv(x, weight):
-        from heron.kernels.gemv import linear_small_m
-
-        return linear_small_m(x, weight, bias)
+def linear(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    kernels: LayerKernels = TORCH_KERNELS,
+) -> torch.Tensor:
+    """``x W^T (+ b)``; decode-sized batches take the kernel set's memory-bound GEMV where it
+    serves them (on a GPU it beats cuBLAS there, most on narrow outputs such as o_proj and
+    down_proj)."""
+    if takes_gemv(kernels, x, weight):
+        return kernels.gemv(x, weight, bias)
     return F.linear(x, weight, bias)
 
 
 _GEMV_DTYPES = (torch.bfloat16, torch.float16)
 
 
-def _small_m_gemv(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    """Whether ``x`` times ``weight`` goes to the Triton GEMV: few rows, half precision, on a
-    GPU (``heron.kernels.gemv.serves`` says how few)."""
-    if not (x.is_cuda and x.dim() == 2 and x.dtype in _GEMV_DTYPES):
-        return False
-    from heron.kernels.gemv import serves  # Triton is imported on GPU paths only
-
-    return serves(x.shape[0], *weight.shape)
+def takes_gemv(kernels: LayerKernels, x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether ``x`` times ``weight`` goes to the kernel set's GEMV: few rows (its ``serves``
+    says how few), in half precision, where the kernel is faster than the vendor GEMM."""
+    return (
+        kernels.gemv is not None
+        and x.dim() == 2
+        and x.dtype in _GEMV_DTYPES
+        and kernels.gemv_serves(x.shape[0], *weight.shape, x.device)
+    )
 
 
 def _copy_checked(target: torch.Tensor, loaded: torch.Tensor, param: nn.Parameter) -> None:

@@ -1,7 +1,7 @@
 """Mixture-of-experts MLP (gpt-oss): a top-k router over experts with clamped SwiGLU.
 
-On CUDA the experts run as two fused grouped GEMMs in Triton (``heron.kernels.moe``),
-with no host sync, in eager steps and CUDA graphs alike. Elsewhere they run the reference in
+With the Triton kernel set the experts run as two fused grouped GEMMs (``heron.kernels.moe``),
+with no host sync, in eager steps and CUDA graphs alike. Otherwise they run the reference in
 plain PyTorch, which loops over the experts: correct and readable but not fast.
 """
 
@@ -10,6 +10,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from heron.kernels import TORCH_KERNELS, LayerKernels
 from heron.layers.linear import Linear
 
 
@@ -40,9 +41,11 @@ class ClampedSwiGLUExperts(nn.Module):
         intermediate_size: int,
         swiglu_limit: float,
         alpha: float = 1.702,
+        kernels: LayerKernels = TORCH_KERNELS,
     ) -> None:
         super().__init__()
         self.num_experts = num_experts
+        self.fused = kernels.fused_experts
         self.alpha, self.limit = alpha, swiglu_limit
 
         def param(*shape: int) -> nn.Parameter:
@@ -63,10 +66,8 @@ class ClampedSwiGLUExperts(nn.Module):
         self, x: torch.Tensor, weights: torch.Tensor, indices: torch.Tensor
     ) -> torch.Tensor:
         """Sum over each token's experts ``indices`` [T, k], weighted by ``weights`` [T, k]."""
-        if x.is_cuda:
-            from heron.kernels.moe import fused_experts
-
-            return fused_experts(
+        if self.fused is not None:
+            return self.fused(
                 x,
                 weights,
                 indices,
@@ -118,14 +119,15 @@ class MoEMLP(nn.Module):
         num_experts: int,
         top_k: int,
         swiglu_limit: float,
+        kernels: LayerKernels = TORCH_KERNELS,
     ) -> None:
         super().__init__()
         if not 1 <= top_k <= num_experts:
             raise ValueError(f"top_k must be in [1, {num_experts}], got {top_k}")
         self.top_k = top_k
-        self.router = Linear(hidden_size, num_experts, bias=True)
+        self.router = Linear(hidden_size, num_experts, bias=True, kernels=kernels)
         self.experts = ClampedSwiGLUExperts(
-            num_experts, hidden_size, intermediate_size, swiglu_limit
+            num_experts, hidden_size, intermediate_size, swiglu_limit, kernels=kernels
         )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -5,6 +5,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from heron.kernels import TORCH_KERNELS, LayerKernels
+
 
 class RMSNorm(nn.Module):
     """HF Llama's RMSNorm: ``weight * norm(x)``, with ``norm(x)`` cast to ``x``'s dtype first."""
@@ -16,10 +18,13 @@ class RMSNorm(nn.Module):
     weight_offset = 0.0
     scale_in_fp32 = False
 
-    def __init__(self, hidden_size: int, eps: float = 1e-6) -> None:
+    def __init__(
+        self, hidden_size: int, eps: float = 1e-6, kernels: LayerKernels = TORCH_KERNELS
+    ) -> None:
         super().__init__()
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(hidden_size), requires_grad=False)
+        self.kernel = kernels.rms_norm
 
     def forward(
         self,
@@ -31,15 +36,13 @@ class RMSNorm(nn.Module):
         With ``prenorm``, ``prenorm(x)`` takes the place of ``x`` (a post-norm before the
         residual add, as Gemma's layers have).
 
-        On CUDA one fused Triton kernel does it all (it updates ``residual`` in place); the
-        prenorm joins it when it has this norm's form and eps.
+        The kernel set's fused norm does it all in one launch (it updates ``residual`` in
+        place); the prenorm joins it when it has this norm's form and eps.
         """
         if prenorm is not None and not self._same_form(prenorm):
             x, prenorm = prenorm(x), None
-        if x.is_cuda and x.dim() == 2:
-            from heron.kernels.rmsnorm import rms_norm
-
-            return rms_norm(
+        if self.kernel is not None and x.dim() == 2:
+            return self.kernel(
                 x,
                 self.weight,
                 self.eps,
@@ -80,8 +83,10 @@ class GemmaRMSNorm(RMSNorm):
     weight_offset = 1.0  # see RMSNorm
     scale_in_fp32 = True
 
-    def __init__(self, hidden_size: int, eps: float = 1e-6) -> None:
-        super().__init__(hidden_size, eps)
+    def __init__(
+        self, hidden_size: int, eps: float = 1e-6, kernels: LayerKernels = TORCH_KERNELS
+    ) -> None:
+        super().__init__(hidden_size, eps, kernels)
         nn.init.zeros_(self.weight)
 
     def _scale(self, normed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

@@ -14,7 +14,7 @@ from heron.loader.weights import load_weights
 from heron.metadata import MetadataBuilder, MetadataOperator, StepMetaPlan
 from heron.models.registry import model_class
 from heron.ops.attention.paged import PagedAttentionBuilder
-from heron.ops.selector import OperatorRuntime
+from heron.ops.selector import OperatorRuntime, layer_kernels
 from heron.platforms import Platform
 
 logger = logging.getLogger(__name__)
@@ -49,7 +49,11 @@ def build_model(
     try:
         with platform.model_build_context() as scope, torch.device(platform.device):
             runtime = OperatorRuntime(
-                attention_backend, block_size, model_config.max_model_len, scope
+                attention_backend,
+                block_size,
+                model_config.max_model_len,
+                scope,
+                layer_kernels(platform.layer_kernels()),
             )
             model = cls(model_config.hf_config, runtime)
     finally:

@@ -2,7 +2,7 @@
 
 A family file decides what differs (norms, activation, scale, windows, soft-caps); the pieces
 here hold what does not: the packed projections around the layer's attention operator, the
-gated MLP, the embed-layers-norm stack with its fused residual, and the LM-head shell.
+embed-layers-norm stack with its fused residual, and the LM-head shell.
 """
 
 from __future__ import annotations
@@ -100,9 +100,9 @@ class PackedAttention(nn.Module):
         super().__init__()
         q_size, kv_size = spec.num_heads * spec.head_dim, spec.num_kv_heads * spec.head_dim
         self.qkv_proj = PackedLinear(
-            hidden_size, {"q": q_size, "k": kv_size, "v": kv_size}, bias=qkv_bias
+            hidden_size, {"q": q_size, "k": kv_size, "v": kv_size}, qkv_bias, runtime.kernels
         )
-        self.o_proj = Linear(q_size, hidden_size, bias=o_bias)
+        self.o_proj = Linear(q_size, hidden_size, o_bias, runtime.kernels)
         # Registered here, before the operator (which also holds them), so their checkpoint
         # names are self_attn.{q,k}_norm and self_attn.sinks, not names inside the operator.
         self.q_norm = qk_norm(spec.head_dim) if qk_norm is not None else None
@@ -137,31 +137,11 @@ class PreNormDecoderLayer(nn.Module):
         return self.mlp(x), residual
 
 
-class GatedMLP(nn.Module):
-    """``down(act(gate(x)) * up(x))`` with gate and up packed into one projection."""
-
-    def __init__(
-        self, hidden_size: int, intermediate_size: int, act: nn.Module, bias: bool = False
-    ) -> None:
-        super().__init__()
-        self.gate_up_proj = PackedLinear(
-            hidden_size, {"gate": intermediate_size, "up": intermediate_size}, bias
-        )
-        self.down_proj = Linear(intermediate_size, hidden_size, bias)
-        self.act = act
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.down_proj.takes_gemv(x):  # it applies the activation as it loads its input
-            return self.down_proj.forward_gated(self.gate_up_proj(x), self.act)
-        # Else the gate_up projection applies it, in its epilogue where it can.
-        return self.down_proj(self.gate_up_proj.forward_activated(x, self.act))
-
-
 class DecoderModel(nn.Module):
     """``embed_tokens`` -> ``layers`` -> ``norm``, set by the subclass.
 
     Each layer maps ``(x, residual, prenorm)`` to ``(x, residual)`` and leaves its last residual
-    add to the next norm, which fuses it (on CUDA, in one kernel). A layer whose output is
+    add to the next norm, which fuses it (with the Triton kernels, in one launch). A layer whose output is
     normed before that add (Gemma's post-FFN norm) leaves that norm too: it names it
     ``output_norm``, and the next layer's input norm (or the final norm) applies it as its
     ``prenorm``, in the same kernel.
@@ -191,13 +171,18 @@ class DecoderForCausalLM(nn.Module):
 
     packed_modules = PACKED_MODULES
 
-    def __init__(self, config: PretrainedConfig, model: DecoderModel) -> None:
+    def __init__(
+        self, config: PretrainedConfig, model: DecoderModel, runtime: OperatorRuntime
+    ) -> None:
         super().__init__()
         self.config = config
         self.model = model
         tied = bool(getattr(config, "tie_word_embeddings", False))
         self.lm_head = LMHead(
-            config.vocab_size, config.hidden_size, model.embed_tokens if tied else None
+            config.vocab_size,
+            config.hidden_size,
+            model.embed_tokens if tied else None,
+            runtime.kernels,
         )
 
     def forward(self, token_ids: torch.Tensor) -> torch.Tensor:

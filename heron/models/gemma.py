@@ -21,12 +21,12 @@ from transformers import PretrainedConfig
 
 from heron.layers.activation import GeluTanhAndMul
 from heron.layers.embedding import VocabEmbedding
+from heron.layers.mlp import GatedMLP
 from heron.layers.norm import GemmaRMSNorm
 from heron.layers.rotary import RotaryEmbedding
 from heron.models.common import (
     DecoderForCausalLM,
     DecoderModel,
-    GatedMLP,
     PackedAttention,
     attention_spec,
     head_dim_of,
@@ -106,9 +106,9 @@ class GemmaDecoderLayer(nn.Module):
         prefix: str,
     ) -> None:
         super().__init__()
-        hidden, eps = config.hidden_size, config.rms_norm_eps
+        hidden, eps, kernels = config.hidden_size, config.rms_norm_eps, runtime.kernels
         bias = bool(getattr(config, "attention_bias", False))
-        self.input_layernorm = GemmaRMSNorm(hidden, eps)
+        self.input_layernorm = GemmaRMSNorm(hidden, eps, kernels)
         spec = attention_spec(
             config,
             scale=config.query_pre_attn_scalar**-0.5,
@@ -125,10 +125,10 @@ class GemmaDecoderLayer(nn.Module):
             o_bias=bias,
             qk_norm=partial(GemmaRMSNorm, eps=eps) if family.qk_norm else None,
         )
-        self.post_attention_layernorm = GemmaRMSNorm(hidden, eps)
-        self.pre_feedforward_layernorm = GemmaRMSNorm(hidden, eps)
-        self.mlp = GatedMLP(hidden, config.intermediate_size, GeluTanhAndMul())
-        self.post_feedforward_layernorm = GemmaRMSNorm(hidden, eps)
+        self.post_attention_layernorm = GemmaRMSNorm(hidden, eps, kernels)
+        self.pre_feedforward_layernorm = GemmaRMSNorm(hidden, eps, kernels)
+        self.mlp = GatedMLP(hidden, config.intermediate_size, GeluTanhAndMul, kernels=kernels)
+        self.post_feedforward_layernorm = GemmaRMSNorm(hidden, eps, kernels)
 
     @property
     def output_norm(self) -> GemmaRMSNorm:
@@ -158,7 +158,7 @@ class GemmaModel(DecoderModel):
             GemmaDecoderLayer(config, family, i, tables[layer_type], runtime, f"model.layers.{i}")
             for i, layer_type in enumerate(config.layer_types)
         )
-        self.norm = GemmaRMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.norm = GemmaRMSNorm(config.hidden_size, config.rms_norm_eps, runtime.kernels)
 
     def embed(self, token_ids: torch.Tensor) -> torch.Tensor:
         return self.embed_tokens(token_ids) * self.normalizer
@@ -168,7 +168,7 @@ class GemmaForCausalLM(DecoderForCausalLM):
     """Gemma 2 and Gemma 3 text checkpoints; logits are soft-capped where the config says."""
 
     def __init__(self, config: PretrainedConfig, runtime: OperatorRuntime) -> None:
-        super().__init__(config, GemmaModel(config, runtime))
+        super().__init__(config, GemmaModel(config, runtime), runtime)
         self.final_logit_softcap: float | None = config.final_logit_softcapping
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -38,7 +38,8 @@ class GptOssDecoderLayer(PreNormDecoderLayer):
     ) -> None:
         super().__init__()
         spec = attention_spec(config, sliding_window=sliding_window)
-        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        eps, kernels = config.rms_norm_eps, runtime.kernels
+        self.input_layernorm = RMSNorm(config.hidden_size, eps, kernels)
         self.self_attn = PackedAttention(
             config.hidden_size,
             dataclasses.replace(spec, has_sinks=True),
@@ -48,13 +49,14 @@ class GptOssDecoderLayer(PreNormDecoderLayer):
             qkv_bias=config.attention_bias,
             o_bias=config.attention_bias,
         )
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, eps, kernels)
         self.mlp = MoEMLP(
             config.hidden_size,
             config.intermediate_size,
             num_experts=config.num_local_experts,
             top_k=config.num_experts_per_tok,
             swiglu_limit=getattr(config, "swiglu_limit", _DEFAULT_SWIGLU_LIMIT),
+            kernels=kernels,
         )
 
 
@@ -69,7 +71,7 @@ class GptOssModel(DecoderModel):
             GptOssDecoderLayer(config, window, rotary, runtime, f"model.layers.{i}")
             for i, window in enumerate(sliding_windows(config))
         )
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, runtime.kernels)
 
 
 class GptOssForCausalLM(DecoderForCausalLM):
@@ -77,4 +79,4 @@ class GptOssForCausalLM(DecoderForCausalLM):
     MXFP4-quantized checkpoints (``*_blocks`` / ``*_scales`` tensors) are not supported."""
 
     def __init__(self, config: PretrainedConfig, runtime: OperatorRuntime) -> None:
-        super().__init__(config, GptOssModel(config, runtime))
+        super().__init__(config, GptOssModel(config, runtime), runtime)

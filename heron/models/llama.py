@@ -14,12 +14,12 @@ from transformers import PretrainedConfig
 
 from heron.layers.activation import SiluAndMul
 from heron.layers.embedding import VocabEmbedding
+from heron.layers.mlp import GatedMLP
 from heron.layers.norm import RMSNorm
 from heron.layers.rotary import RotaryEmbedding
 from heron.models.common import (
     DecoderForCausalLM,
     DecoderModel,
-    GatedMLP,
     PackedAttention,
     PreNormDecoderLayer,
     attention_spec,
@@ -63,8 +63,8 @@ class LlamaDecoderLayer(PreNormDecoderLayer):
         prefix: str,
     ) -> None:
         super().__init__()
-        eps = config.rms_norm_eps
-        self.input_layernorm = RMSNorm(config.hidden_size, eps)
+        eps, kernels = config.rms_norm_eps, runtime.kernels
+        self.input_layernorm = RMSNorm(config.hidden_size, eps, kernels)
         self.self_attn = PackedAttention(
             config.hidden_size,
             attention_spec(config, sliding_window=family.sliding_windows[layer_idx]),
@@ -75,9 +75,9 @@ class LlamaDecoderLayer(PreNormDecoderLayer):
             o_bias=family.o_bias,
             qk_norm=partial(RMSNorm, eps=eps) if family.qk_norm else None,
         )
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, eps)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, eps, kernels)
         self.mlp = GatedMLP(
-            config.hidden_size, config.intermediate_size, SiluAndMul(), family.mlp_bias
+            config.hidden_size, config.intermediate_size, SiluAndMul, family.mlp_bias, kernels
         )
 
 
@@ -93,9 +93,9 @@ class LlamaModel(DecoderModel):
             LlamaDecoderLayer(config, family, i, rotary, runtime, f"model.layers.{i}")
             for i in range(config.num_hidden_layers)
         )
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, runtime.kernels)
 
 
 class LlamaForCausalLM(DecoderForCausalLM):
     def __init__(self, config: PretrainedConfig, runtime: OperatorRuntime) -> None:
-        super().__init__(config, LlamaModel(config, runtime))
+        super().__init__(config, LlamaModel(config, runtime), runtime)

@@ -1,4 +1,5 @@
-"""Picks the operator implementation for a (platform, layer configuration)."""
+"""Picks the operator implementation for a (platform, layer configuration), and the kernel set
+the model's layers launch."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ from dataclasses import dataclass
 
 import torch
 
+from heron.kernels import TORCH_KERNELS, LayerKernels
 from heron.layers.rotary import QKTransform
 from heron.metadata import ModelBuildContext
 from heron.ops.attention.base import AttentionOperator, AttentionSpec
@@ -29,14 +31,42 @@ ATTENTION_BACKENDS: dict[str, Callable[[], type[AttentionOperator]]] = {
 }
 
 
+def _triton_layer_kernels() -> LayerKernels:
+    # Imported on demand, as the Triton attention operator is.
+    from heron.kernels import activation, gemv, moe, rmsnorm
+
+    return LayerKernels(
+        "triton",
+        rms_norm=rmsnorm.rms_norm,
+        gated_activation=activation.gated_activation,
+        gemv=gemv.linear_small_m,
+        gemv_serves=gemv.serves,
+        fused_experts=moe.fused_experts,
+    )
+
+
+LAYER_KERNELS: dict[str, Callable[[], LayerKernels]] = {
+    "torch": lambda: TORCH_KERNELS,
+    "triton": _triton_layer_kernels,
+}
+
+
+def layer_kernels(name: str) -> LayerKernels:
+    """The kernel set ``name`` (a key of ``LAYER_KERNELS``; platforms name theirs)."""
+    if name not in LAYER_KERNELS:
+        raise ValueError(f"unknown layer kernel set {name!r}; available: {sorted(LAYER_KERNELS)}")
+    return LAYER_KERNELS[name]()
+
+
 @dataclass(frozen=True)
 class OperatorRuntime:
-    """Engine-level facts every operator of a model needs at build time."""
+    """Engine-level facts every operator and layer of a model needs at build time."""
 
     attention_backend: str
     block_size: int
     max_model_len: int
     build_context: ModelBuildContext
+    kernels: LayerKernels = TORCH_KERNELS  # what the layers launch (``layer_kernels``)
 
 
 def make_attention(

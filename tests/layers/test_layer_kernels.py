@@ -15,6 +15,7 @@ from triton_lowering import check_lowering
 
 from heron.kernels.activation import ACTIVATIONS, gated_activation
 from heron.kernels.rmsnorm import rms_norm
+from heron.ops.selector import layer_kernels
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 EPS = 1e-6
@@ -126,7 +127,7 @@ def reference_gemma_rms_norm(x, weight, eps, residual=None):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 def test_gemma_rms_norm(dtype: torch.dtype) -> None:
     """The weight offset and the single fp32 rounding of Gemma's norm, with and without the
-    fused residual; GemmaRMSNorm uses exactly this on CUDA."""
+    fused residual; GemmaRMSNorm uses exactly this with the Triton kernels."""
     torch.manual_seed(5)
     x = _rows(6, 72, dtype, strided=True)
     residual = torch.randn(6, 72, dtype=dtype, device=DEVICE)
@@ -145,7 +146,7 @@ def test_gemma_rms_norm_module_bf16(tokens: int) -> None:
     from heron.layers.norm import GemmaRMSNorm
 
     torch.manual_seed(6)
-    norm = GemmaRMSNorm(1152).cuda().to(torch.bfloat16)
+    norm = GemmaRMSNorm(1152, kernels=layer_kernels("triton")).cuda().to(torch.bfloat16)
     norm.weight.data.normal_(0, 0.3)
     x = torch.randn(tokens, 1152, dtype=torch.bfloat16, device="cuda")
     residual = torch.randn_like(x)
@@ -177,8 +178,8 @@ def test_rms_norm_prenorm(dtype: torch.dtype, gemma: bool) -> None:
 @pytest.mark.gpu
 @pytest.mark.parametrize("tokens", [1, 64, 2048])
 def test_gemma_norm_module_prenorm_bf16(tokens: int) -> None:
-    """GemmaRMSNorm with a prenorm on CUDA (one kernel) equals the two modules in sequence
-    with the residual add between them, in PyTorch on the CPU."""
+    """GemmaRMSNorm with a prenorm and the Triton kernels (one launch) equals the two modules in
+    sequence with the residual add between them, in PyTorch on the CPU."""
     from heron.layers.norm import GemmaRMSNorm
 
     torch.manual_seed(8)
@@ -188,7 +189,12 @@ def test_gemma_norm_module_prenorm_bf16(tokens: int) -> None:
     x = torch.randn(tokens, 1152, dtype=torch.bfloat16)
     residual = torch.randn_like(x)
     expected, expected_sum = pre(post(x), residual.clone())
-    out, new_residual = pre.cuda()(x.cuda(), residual.cuda(), post.cuda())
+    fused_post, fused_pre = (
+        GemmaRMSNorm(1152, kernels=layer_kernels("triton")).to(torch.bfloat16) for _ in "ab"
+    )
+    fused_post.load_state_dict(post.state_dict())
+    fused_pre.load_state_dict(pre.state_dict())
+    out, new_residual = fused_pre.cuda()(x.cuda(), residual.cuda(), fused_post.cuda())
     assert_close(new_residual.cpu(), expected_sum)  # post(x) may differ by an ulp (sum order)
     assert_close(out.cpu(), expected)
 

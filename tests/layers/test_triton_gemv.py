@@ -15,6 +15,9 @@ from heron.kernels.gemv import ACTIVATIONS, MAX_M, GemvConfig, _launch, linear_s
 from heron.layers.activation import GeluTanhAndMul, SiluAndMul
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+# Every device's measured configurations, and the H200's (which the rule's shapes are held to).
+TUNED = {key: cfg for table in triton_gemv.read_tuned().values() for key, cfg in table.items()}
+H200 = triton_gemv.read_tuned()["NVIDIA H200"]
 TOL = {torch.float32: 1e-5, torch.float16: 1e-2}
 
 # Forced configs that reach every branch at tiny sizes: split-K with the last-program reduction,
@@ -72,12 +75,10 @@ def test_forced_configs(cfg, dtype):
 
 
 def test_every_measured_config_computes_the_product():
-    """Each configuration in ``_TUNED``, at its row count less one (a masked row), on columns
-    and a K that end in partial tiles, plain and with a gated input, against F.linear (fp32 in
-    the interpreter, where ``tl.dot`` is exact)."""
-    from heron.kernels.gemv import _TUNED
-
-    for cfg, m_pad in sorted({(cfg, m) for (m, _, _), cfg in _TUNED.items()}):
+    """Each measured configuration, at its row count less one (a masked row), on columns and a
+    K that end in partial tiles, plain and with a gated input, against F.linear (fp32 in the
+    interpreter, where ``tl.dot`` is exact)."""
+    for cfg, m_pad in sorted({(cfg, m) for (m, _, _), cfg in TUNED.items()}):
         m, n = max(1, m_pad - 1), cfg.block_n + 3
         k = cfg.block_k * cfg.split_k + 5
         for act in (None, "silu"):
@@ -94,18 +95,18 @@ def test_gated_rule_matches_the_measured_down_projections():
     H200 (132 SMs) for Qwen3-0.6B, Gemma-3-1B and Llama-3-8B down projections: the same kind
     of program, column width and K split at every row count (tile depth and stages may
     differ), so models without measured entries start from the same shape."""
-    from heron.kernels.gemv import _TUNED, _default_config
+    from heron.kernels.gemv import _default_config
 
     shapes = [(1024, 3072), (1152, 6912), (4096, 14336)]
     for (n, k), m in itertools.product(shapes, (2, 4, 8, 16)):
-        rule, measured = _default_config(m, n, k, 2, 132, gated=True), _TUNED[(m, n, k)]
+        rule, measured = _default_config(m, n, k, 2, 132, gated=True), H200[(m, n, k)]
         assert (rule.use_dot, rule.block_n, rule.split_k) == (
             measured.use_dot,
             measured.block_n,
             measured.split_k,
         ), (m, n, k)
     for n, k in [(1024, 3072), (4096, 14336)]:  # one row: Gemma's measured split is its own
-        assert _default_config(1, n, k, 2, 132, gated=True) == _TUNED[(1, n, k)]
+        assert _default_config(1, n, k, 2, 132, gated=True) == H200[(1, n, k)]
 
 
 @pytest.mark.parametrize("m_pad", [16, 32, 64])
@@ -127,14 +128,25 @@ def test_pipeline_fits_in_shared_memory(m_pad, k, n):
 
 def test_serves_the_rule_s_rows_and_measured_shapes_beyond(monkeypatch):
     """Up to RULE_MAX_M rows every shape takes the kernel; up to MAX_M only shapes with a
-    measured entry for their padded row count; past MAX_M none."""
-    rule = triton_gemv.RULE_MAX_M
-    monkeypatch.setattr(triton_gemv, "_TUNED", {(2 * rule, 96, 320): FORCED[0]})
-    assert triton_gemv.serves(1, 64, 128) and triton_gemv.serves(rule, 64, 128)
-    assert not triton_gemv.serves(rule + 1, 64, 128)
-    assert triton_gemv.serves(rule + 1, 96, 320) and triton_gemv.serves(2 * rule, 96, 320)
-    assert not triton_gemv.serves(2 * rule + 1, 96, 320)  # pads to another row count
-    assert not triton_gemv.serves(MAX_M + 1, 96, 320)
+    measured entry (for the device) for their padded row count; past MAX_M none."""
+    rule, cpu = triton_gemv.RULE_MAX_M, torch.device("cpu")
+    monkeypatch.setitem(triton_gemv._TUNED, cpu, {(2 * rule, 96, 320): FORCED[0]})
+    serves = lambda m, n, k: triton_gemv.serves(m, n, k, cpu)
+    assert serves(1, 64, 128) and serves(rule, 64, 128)
+    assert not serves(rule + 1, 64, 128)
+    assert serves(rule + 1, 96, 320) and serves(2 * rule, 96, 320)
+    assert not serves(2 * rule + 1, 96, 320)  # pads to another row count
+    assert not serves(MAX_M + 1, 96, 320)
+
+
+def test_the_tuned_table_is_keyed_by_device_and_round_trips(tmp_path):
+    """The data file names each device's entries; the CPU (the interpreter) has none, so it
+    takes the rule; writing what was read gives the same table."""
+    assert triton_gemv._tuned(torch.device("cpu")) == {}
+    assert all(isinstance(cfg, GemvConfig) for cfg in H200.values())
+    copy = tmp_path / "gemv.json"
+    triton_gemv.write_tuned(triton_gemv.read_tuned(), copy)
+    assert triton_gemv.read_tuned(copy) == triton_gemv.read_tuned()
 
 
 def test_out_argument_and_large_m():
@@ -220,7 +232,7 @@ def test_gpu_bf16_real_shapes(k, n):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("m,n,k", sorted(triton_gemv._TUNED), ids=lambda v: str(v))
+@pytest.mark.parametrize("m,n,k", sorted(TUNED), ids=lambda v: str(v))
 def test_gpu_bf16_every_measured_entry(m, n, k):
     """Each measured configuration computes its product, at its padded row count and one
     row fewer (masked rows)."""
@@ -276,7 +288,8 @@ def gemv_launches() -> None:
     configurations for some shapes without entries (for the lowering test)."""
     from heron.kernels import gemv as g
 
-    for m, n, k in g._TUNED:
+    g._TUNED[torch.device("cpu")] = TUNED  # the recorded launches are CPU tensors
+    for m, n, k in TUNED:
         for act in (None, "gelu_tanh"):
             x = torch.empty(m, 2 * k if act else k, dtype=torch.bfloat16)
             g.linear_small_m(x, torch.empty(n, k, dtype=torch.bfloat16), act=act)

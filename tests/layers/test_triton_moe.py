@@ -10,16 +10,19 @@ from triton_lowering import check_lowering
 
 from heron.kernels.moe import align_by_expert, fused_experts
 from heron.layers.moe import ClampedSwiGLUExperts, MoEMLP
+from heron.ops.selector import layer_kernels
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 LIMIT = 7.0
 
 
-def make_experts(num_experts, hidden, inter, dtype, device=DEVICE, seed=0):
+def make_experts(num_experts, hidden, inter, dtype, device=DEVICE, seed=0, kernels="torch"):
     """Random experts whose gate_up outputs reach well past the clamp for unit-scale inputs."""
     g = torch.Generator(device).manual_seed(seed)
     with torch.device(device):
-        experts = ClampedSwiGLUExperts(num_experts, hidden, inter, LIMIT)
+        experts = ClampedSwiGLUExperts(
+            num_experts, hidden, inter, LIMIT, kernels=layer_kernels(kernels)
+        )
     with torch.no_grad():
         for name, p in experts.named_parameters():
             std = {"gate_up_proj": 3.5 / hidden**0.5, "down_proj": 1.0 / inter**0.5}
@@ -165,7 +168,7 @@ def experts_20b():
     """bf16 and fp32 experts of gpt-oss-20b's shapes, each with an fp64 copy (the reference)."""
     out = {}
     for dtype in (torch.bfloat16, torch.float32):
-        experts = make_experts(E20, H20, I20, dtype, device="cuda")
+        experts = make_experts(E20, H20, I20, dtype, device="cuda", kernels="triton")
         out[dtype] = experts, converted(experts, torch.float64)
     return out
 
@@ -186,7 +189,7 @@ def test_gpu_gpt_oss_20b_shapes(experts_20b, num_tokens, kind, dtype):
     weights, indices = route(num_tokens, E20, K20, kind, device="cuda", seed=num_tokens)
     weights = weights.to(dtype)
     assert clamps_bite(experts, x)
-    got = experts(x, weights, indices)  # the module's CUDA path is the Triton one
+    got = experts(x, weights, indices)  # the module built with the Triton kernels
     assert got.dtype == dtype
     assert rel_err(got, reference(ref, x, weights, indices)) < (
         1e-2 if dtype == torch.bfloat16 else 1e-4
@@ -222,7 +225,7 @@ def test_gpu_cuda_graph_replay_with_new_routing(experts_20b, num_tokens):
 def test_gpu_cuda_graph_moe_block():
     """The whole block (router, top-k, softmax, experts) captured: a new ``x`` routes anew."""
     torch.manual_seed(0)
-    moe = MoEMLP(H20, I20, E20, K20, swiglu_limit=LIMIT).cuda()
+    moe = MoEMLP(H20, I20, E20, K20, LIMIT, layer_kernels("triton")).cuda()
     with torch.no_grad():
         for name, p in moe.named_parameters():
             p.normal_(0.0, 0.5 if name.endswith("bias") else 3.5 / H20**0.5)
