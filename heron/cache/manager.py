@@ -17,9 +17,8 @@ if TYPE_CHECKING:
 
 
 class AllocationHeadroom(NamedTuple):
-    """How far a request's next steps may go with nothing to allocate, register or release, so
-    that most decode steps skip planning: blocks already allocated cover steps up to ``tokens``
-    tokens (``num_computed_tokens + num_new_tokens``), of which up to ``known`` may be known."""
+    """Blocks already allocated cover steps up to ``tokens`` tokens (``num_computed_tokens +
+    num_new_tokens``), ``known`` of them known: such a step needs nothing, so skips planning."""
 
     tokens: int
     known: int
