@@ -137,7 +137,7 @@ class KVCacheCoordinator:
         ):
             return True
         # Every group is planned and committed (one with nothing to do does nothing): cheaper
-        # than asking each whether it is quiet first.
+        # than asking each for its headroom first.
         groups = self.groups
         hits = new_computed_blocks or [()] * len(groups)
         if new_computed_blocks:

@@ -184,7 +184,7 @@ class PagedCacheManager(CacheManager):
         ``t`` fits in the table, no full block of known tokens is left to register (``k // bs``
         hashes), and, with a window, no held block lies before ``first_table_block(c - 1)``,
         ``c`` its first token (at most ``t - 1``). Counting only known tokens keeps the step
-        that fills a block with a token still being sampled on the quiet path: the block is
+        that fills a block with a token still being sampled within the headroom: the block is
         registered one step later, with the next block's allocation.
         """
         state = self._requests.get(request_id)
