@@ -6,7 +6,15 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from heron.engine.request import Logprob
+
+@dataclass(frozen=True)
+class Logprob:
+    """Log-probability of the chosen token, its rank, and the top-N alternatives."""
+
+    token_id: int
+    logprob: float
+    rank: int
+    top: dict[int, float]
 
 
 class PrefixView(Sequence):

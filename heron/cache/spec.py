@@ -116,6 +116,8 @@ class SlidingWindowSpec(FullAttentionSpec):
         """The block of the first key that a token at position ``context`` sees: the one rule
         by which a windowed row starts at the window (and, at ``context - 1``, the first block
         a step keeps: the key before the first one it reads)."""
+        if isinstance(context, int):  # the managers' per-request calls: no numpy dispatch
+            return max(context - self.sliding_window + 1, 0) // self.block_size
         return np.maximum(context - self.sliding_window + 1, 0) // self.block_size
 
     def describe(self) -> str:

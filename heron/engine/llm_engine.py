@@ -7,7 +7,6 @@ import logging
 import time
 from dataclasses import dataclass, field
 
-import torch
 from transformers import AutoTokenizer
 
 from heron.cache.coordinator import KVCacheCoordinator
@@ -27,6 +26,14 @@ logger = logging.getLogger(__name__)
 # With chunked prefill a step never exceeds this many tokens unless the user says otherwise.
 DEFAULT_MAX_NUM_BATCHED_TOKENS = {"cuda": 8192}
 FALLBACK_MAX_NUM_BATCHED_TOKENS = 2048
+
+
+@dataclass(frozen=True)
+class _Launched:
+    """A launched step and the requests of its sampled rows, in the runner's row order."""
+
+    launched: LaunchedStep
+    sample_requests: list[Request]
 
 
 @dataclass(eq=False)
@@ -80,7 +87,9 @@ class LLMEngine:
         device = resolve_device(config.device)
         self.platform = platform_for(device)
         path = resolve_model_path(config.model)
-        self.model_config = ModelConfig.from_path(path, config.dtype, device, config.max_model_len)
+        self.model_config = ModelConfig.from_path(
+            path, config.dtype, device, config.max_model_len, config.load_format, config.seed
+        )
         self.tokenizer = AutoTokenizer.from_pretrained(config.tokenizer or path)
         self.block_size = config.block_size or self.platform.default_block_size
         backend = config.attention_backend or self.platform.default_attention_backend()
@@ -107,7 +116,7 @@ class LLMEngine:
             self.kv_cache,
         )
         self._parents: dict[str, _Parent] = {}
-        self._in_flight: LaunchedStep | None = None  # launched, its tokens not read yet
+        self._in_flight: _Launched | None = None  # launched, its tokens not read yet
         self._eos_token_ids = self.model_config.eos_token_ids | (
             {self.tokenizer.eos_token_id} if self.tokenizer.eos_token_id is not None else set()
         )
@@ -186,11 +195,6 @@ class LLMEngine:
                 parent_id=request_id,
                 sample_index=index,
             )
-            if params.seed is not None:
-                # Distinct samples of one seeded request, each reproducible on its own.
-                child.generator = torch.Generator(self.platform.device).manual_seed(
-                    params.seed + index
-                )
             children.append(child)
         detokenizers = [IncrementalDetokenizer(self.tokenizer, token_ids, params) for _ in children]
         self._parents[request_id] = _Parent(
@@ -246,9 +250,11 @@ class LLMEngine:
         """
         previous, self._in_flight = self._in_flight, None
         schedule = self.scheduler.schedule()
+        plan = schedule.plan
         launched = None
-        if schedule.scheduled:
-            launched = self.runner.launch(schedule, self.kv_cache.block_tables, previous)
+        if plan.request_ids or plan.finished_ids or plan.preempted_ids:
+            step = self.runner.launch(plan, previous.launched if previous else None)
+            launched = _Launched(step, [i.request for i in schedule.scheduled if i.samples])
             self.scheduler.finish_step(schedule)
             for request in launched.sample_requests:
                 request.num_pending_tokens += 1
@@ -256,7 +262,7 @@ class LLMEngine:
         if previous is not None:
             self._read(previous, touched)
         if launched is not None:
-            if self.config.async_scheduling and not launched.is_ready:
+            if self.config.async_scheduling and not launched.launched.is_ready:
                 self._in_flight = launched
             else:
                 self._read(launched, touched)
@@ -273,19 +279,25 @@ class LLMEngine:
                 outputs.append(parent.output())
         return outputs
 
-    def _read(self, launched: LaunchedStep, touched: dict[str, _Parent]) -> None:
+    def _read(self, launched: _Launched, touched: dict[str, _Parent]) -> None:
         """Apply a step's sampled tokens (and prompt logprobs) to its requests."""
-        result = launched.result()
+        result = launched.launched.result()
         now = time.monotonic()
-        for request in launched.sample_requests:
+        requests = launched.sample_requests
+        for request in requests:
             request.num_pending_tokens -= 1
-        for request, lps in result.prompt_logprobs:
-            if not request.prompt_logprobs:
-                request.prompt_logprobs.append(None)  # the first token has no context
-            request.prompt_logprobs.extend(lps)
+        if result.prompt_logprobs:
+            by_id = {r.request_id: r for r in self.scheduler.running}
+            for request_id, lps in result.prompt_logprobs.items():
+                request = by_id.get(request_id)
+                if request is None:
+                    continue  # aborted since
+                if not request.prompt_logprobs:
+                    request.prompt_logprobs.append(None)  # the first token has no context
+                request.prompt_logprobs.extend(lps)
         max_model_len = self.model_config.max_model_len
         parents = self._parents
-        for request, token_id, logprob in result.sampled:
+        for request, token_id, logprob in zip(requests, result.token_ids, result.logprobs):
             if request.status is RequestStatus.FINISHED:
                 continue  # stopped or aborted while this step ran: the token is dropped
             parent = parents[request.parent_id]

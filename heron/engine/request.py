@@ -6,8 +6,7 @@ import enum
 import time
 from dataclasses import dataclass, field
 
-import torch
-
+from heron.outputs import Logprob
 from heron.sampling_params import SamplingParams
 
 
@@ -21,16 +20,6 @@ class FinishReason(str, enum.Enum):
     STOP = "stop"
     LENGTH = "length"
     ABORT = "abort"
-
-
-@dataclass(frozen=True)
-class Logprob:
-    """Log-probability of the chosen token, its rank, and the top-N alternatives."""
-
-    token_id: int
-    logprob: float
-    rank: int
-    top: dict[int, float]
 
 
 @dataclass(eq=False)
@@ -59,7 +48,6 @@ class Request:
     num_pending_tokens: int = 0
     num_cached_tokens: int = 0  # of the prompt, found in the prefix cache at first schedule
     num_preemptions: int = 0
-    generator: torch.Generator | None = None  # set when the request has a seed
     logprobs: list[Logprob] = field(default_factory=list)
     prompt_logprobs: list[Logprob | None] = field(default_factory=list)
     first_scheduled_time: float | None = None

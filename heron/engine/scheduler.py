@@ -9,6 +9,7 @@ from typing import NamedTuple
 
 from heron.cache.coordinator import KVCacheCoordinator
 from heron.engine.request import Request, RequestStatus
+from heron.execution.step_plan import NewRequest, StepPlan, TableUpdate
 
 
 @dataclass(frozen=True)
@@ -31,6 +32,7 @@ class ScheduledRequest(NamedTuple):
 class SchedulerOutput:
     scheduled: list[ScheduledRequest] = field(default_factory=list)
     preempted: list[Request] = field(default_factory=list)
+    plan: StepPlan = field(default_factory=StepPlan)  # what the runner is told
 
     @property
     def num_tokens(self) -> int:
@@ -53,6 +55,11 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.num_preemptions = 0
+        # For the next plan: requests gone since the last one, and those whose tables were
+        # dropped; per request holding blocks, how many entries of each table were sent.
+        self._finished_ids: list[str] = []
+        self._preempted_ids: list[str] = []
+        self._sent: dict[str, list[int]] = {}
 
     def add(self, request: Request) -> None:
         self.waiting.append(request)
@@ -101,13 +108,50 @@ class Scheduler:
             if request.first_scheduled_time is None:
                 request.first_scheduled_time = time.monotonic()
                 request.num_cached_tokens = num_cached
+                out.plan.new_requests.append(_new_request(request))
             self.running.append(request)
             out.scheduled.append(ScheduledRequest(request, num_new, num_new == remaining))
             budget -= num_new
+        self._fill_plan(out)
         return out
+
+    def _fill_plan(self, out: SchedulerOutput) -> None:
+        """The step's rows, and what changed for the runner since the last plan."""
+        plan = out.plan
+        plan.finished_ids.extend(self._finished_ids)
+        plan.preempted_ids.extend(self._preempted_ids)
+        self._finished_ids.clear()
+        self._preempted_ids.clear()
+        request_ids, computed, num_new, samples = (
+            plan.request_ids,
+            plan.num_computed,
+            plan.num_new,
+            plan.samples,
+        )
+        updates, sent_counts, block_tables = (
+            plan.table_updates,
+            self._sent,
+            self.kv_cache.block_tables,
+        )
+        for request, n, sample in out.scheduled:
+            request_id = request.request_id
+            request_ids.append(request_id)
+            computed.append(request.num_computed_tokens)
+            num_new.append(n)
+            samples.append(sample)
+            tables = block_tables(request_id)
+            sent = sent_counts.get(request_id)
+            if sent is None:
+                sent = sent_counts[request_id] = [0] * len(tables)
+            for g, table in enumerate(tables):
+                if len(table) != sent[g]:
+                    updates.append(TableUpdate(request_id, g, sent[g], table[sent[g] :]))
+                    sent[g] = len(table)
 
     def _preempt(self, request: Request) -> None:
         self.kv_cache.free(request)
+        self._sent.pop(request.request_id, None)
+        self._preempted_ids.append(request.request_id)
         request.status = RequestStatus.WAITING
         request.num_computed_tokens = 0
         request.num_preemptions += 1
@@ -126,3 +170,16 @@ class Scheduler:
         elif request in self.waiting:
             self.waiting.remove(request)
         self.kv_cache.free(request)
+        self._sent.pop(request.request_id, None)
+        self._finished_ids.append(request.request_id)
+
+
+def _new_request(request: Request) -> NewRequest:
+    params = request.sampling_params
+    return NewRequest(
+        request.request_id,
+        list(request.all_token_ids),
+        request.num_prompt_tokens,
+        params,
+        None if params.seed is None else params.seed + request.sample_index,
+    )

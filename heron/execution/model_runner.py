@@ -1,21 +1,19 @@
-"""ModelRunner: one step of the model, from scheduler output to sampled tokens."""
+"""ModelRunner: one step of the model, from a step plan to sampled tokens."""
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 
 import torch
 
 from heron.cache.layout import CacheLayout
 from heron.cache.spec import CacheSpec
 from heron.config import ModelConfig
-from heron.engine.request import Logprob, Request
-from heron.engine.scheduler import SchedulerOutput
 from heron.execution.cuda_graph import CudaGraphRunner
+from heron.execution.request_state import RequestState
 from heron.execution.sampler import Sampler, on_device, prompt_logprobs
 from heron.execution.step_inputs import StepInputBuilder
+from heron.execution.step_plan import StepOutput, StepPlan
 from heron.metadata import (
     GraphSupport,
     MetadataOperator,
@@ -30,30 +28,24 @@ from heron.platforms import Platform
 logger = logging.getLogger(__name__)
 
 
-@dataclass(frozen=True)
-class StepResult:
-    sampled: list[tuple[Request, int, Logprob | None]]
-    prompt_logprobs: list[tuple[Request, list[Logprob]]]
-
-
 class LaunchedStep:
     """A step whose device work is queued; :meth:`result` reads what it sampled.
 
     A step whose sampled rows all sample on the device (greedy or random, without logprobs,
     penalties or a pending ``min_tokens``: :func:`~heron.execution.sampler.on_device`) keeps
-    its tokens on the device
-    (``token_ids``) and copies them to pinned host memory without waiting, so the host can
-    schedule and prepare the next step while this one runs; the next step takes its pending
-    input tokens straight from ``token_ids``. Any other step is read on the spot (``is_ready``).
+    its tokens on the device (``token_ids``) and copies them to pinned host memory without
+    waiting, so the host can schedule and prepare the next step while this one runs; the next
+    step takes its pending input tokens straight from ``token_ids``. Any other step is read on
+    the spot (``is_ready``).
     """
 
     def __init__(
         self,
-        sample_requests: list[Request],
+        sample_states: list[RequestState],
         token_ids: torch.Tensor | None = None,
-        result: StepResult | None = None,
+        result: StepOutput | None = None,
     ) -> None:
-        self.sample_requests = sample_requests
+        self.sample_states = sample_states
         self.token_ids = token_ids
         self._result = result
         self._copied: torch.cuda.Event | None = None
@@ -62,23 +54,34 @@ class LaunchedStep:
             if token_ids.is_cuda:
                 self._copied = torch.cuda.Event()
                 self._copied.record()
+        self._read = False
 
     @property
     def is_ready(self) -> bool:
         return self._result is not None
 
     @property
-    def rows(self) -> dict[Request, int]:
+    def rows(self) -> dict[str, int]:
         """Each sampled request's row in ``token_ids``."""
-        return {r: i for i, r in enumerate(self.sample_requests)}
+        return {s.request_id: i for i, s in enumerate(self.sample_states)}
 
-    def result(self) -> StepResult:
-        """The sampled tokens (waits for the device if they are still on their way)."""
+    def result(self) -> StepOutput:
+        """The sampled tokens (waits for the device if they are still on their way).
+
+        The first call appends them to their requests' states: steps are read in launch order,
+        so a request's tokens arrive in order even when a step read at once follows one still
+        in flight.
+        """
         if self._result is None:
             if self._copied is not None:
                 self._copied.synchronize()
             ids = self._host_ids.tolist()
-            self._result = StepResult(list(zip(self.sample_requests, ids, [None] * len(ids))), [])
+            request_ids = [s.request_id for s in self.sample_states]
+            self._result = StepOutput(request_ids, ids, [None] * len(ids))
+        if not self._read:
+            self._read = True
+            for state, token_id in zip(self.sample_states, self._result.token_ids):
+                state.all_token_ids.append(token_id)
         return self._result
 
 
@@ -100,8 +103,11 @@ class ModelRunner:
         self.plan: StepMetaPlan | None = None
         self.model = build_model(model_config, platform, self, attention_backend, block_size)
         self.cache = CacheLayout(
-            [m for m in self.model.modules() if isinstance(m, MetadataOperator)
-             and m.cache_spec is not None]
+            [
+                m
+                for m in self.model.modules()
+                if isinstance(m, MetadataOperator) and m.cache_spec is not None
+            ]
         )
         self._bind_cache_groups()
         self.sampler = Sampler()
@@ -109,6 +115,7 @@ class ModelRunner:
         self.num_blocks: list[int] = []
         self.inputs = StepInputBuilder(block_size, self.device, self.cache_specs)
         self.graphs: CudaGraphRunner | None = None
+        self.requests: dict[str, RequestState] = {}
         self._coverage_checked = False
 
     @property
@@ -184,13 +191,21 @@ class ModelRunner:
         self.graphs = CudaGraphRunner(self.model, self.plan, self.device, max_batch)
         self.graphs.capture(self.block_size, self.num_cache_groups)
 
+    def _apply(self, plan: StepPlan) -> None:
+        """Bring the per-request state and block tables up to the plan."""
+        tables = self.inputs.tables
+        for request_id in plan.finished_ids:
+            self.requests.pop(request_id, None)
+            tables.drop(request_id)
+        for request_id in plan.preempted_ids:
+            tables.drop(request_id)
+        for new in plan.new_requests:
+            self.requests[new.request_id] = RequestState(new, self.device)
+        for update in plan.table_updates:
+            tables.apply(update)
+
     @torch.inference_mode()
-    def launch(
-        self,
-        output: SchedulerOutput,
-        block_tables: Callable[[str], Sequence[list[int]]],
-        previous: LaunchedStep | None = None,
-    ) -> LaunchedStep:
+    def launch(self, plan: StepPlan, previous: LaunchedStep | None = None) -> LaunchedStep:
         """Queue the step's forward pass and sampling; ``previous`` is the step still in flight
         whose sampled tokens are this step's pending inputs."""
         if not self._coverage_checked:
@@ -198,7 +213,10 @@ class ModelRunner:
             # on stale metadata.
             self.plan.check_coverage(self.model)
             self._coverage_checked = True
-        step = self.inputs.prepare(output, block_tables, previous.rows if previous else None)
+        self._apply(plan)
+        if not plan.request_ids:
+            return LaunchedStep([], result=StepOutput([], [], []))
+        step = self.inputs.prepare(plan, self.requests, previous.rows if previous else None)
         seq = step.seq
         if step.pending_sources:
             self._fill_pending_tokens(seq.token_ids, step.pending_sources, previous.token_ids)
@@ -211,25 +229,28 @@ class ModelRunner:
             self.plan.build_views(seq)
             hidden = self.model(seq.token_ids)
             logits = self.model.compute_logits(hidden[seq.logits_indices.long()])
-        requests = step.sample_requests
-        if requests and not step.prompt_rows and all(map(on_device, requests)):
-            if greedy_ids is not None and all(r.sampling_params.greedy for r in requests):
+        states = step.sample_states
+        if states and not step.prompt_rows and all(map(on_device, states)):
+            if greedy_ids is not None and all(s.sampling_params.greedy for s in states):
                 token_ids = greedy_ids[step.sample_rows]
             else:
                 token_ids = self.sampler.sample_on_device(
-                    logits[step.sample_rows], requests, self.generator
+                    logits[step.sample_rows], states, self.generator
                 )
-            return LaunchedStep(requests, token_ids=token_ids)
-        sampled = []
-        if requests:
-            result = self.sampler(logits[step.sample_rows], requests, self.generator)
-            sampled = list(zip(requests, result.token_ids, result.logprobs))
-        prompt_lps = []
-        for r, row, position, count in step.prompt_rows:
-            next_ids = r.all_token_ids[position + 1 : position + 1 + count]
-            top = r.sampling_params.prompt_logprobs
-            prompt_lps.append((r, prompt_logprobs(logits[row : row + count], next_ids, top)))
-        return LaunchedStep(requests, result=StepResult(sampled, prompt_lps))
+            return LaunchedStep(states, token_ids=token_ids)
+        token_ids, logprobs = [], []
+        if states:
+            sampled = self.sampler(logits[step.sample_rows], states, self.generator)
+            token_ids, logprobs = sampled.token_ids, sampled.logprobs
+        prompt_lps = {}
+        for state, row, position, count in step.prompt_rows:
+            next_ids = state.all_token_ids[position + 1 : position + 1 + count]
+            top = state.sampling_params.prompt_logprobs
+            lps = prompt_logprobs(logits[row : row + count], next_ids, top)
+            prompt_lps.setdefault(state.request_id, []).extend(lps)
+        request_ids = [s.request_id for s in states]
+        output = StepOutput(request_ids, token_ids, logprobs, prompt_lps)
+        return LaunchedStep(states, result=output)
 
     def _fill_pending_tokens(
         self, token_ids: torch.Tensor, sources: list[tuple[int, int]], sampled: torch.Tensor

@@ -14,7 +14,8 @@ from itertools import chain
 
 import torch
 
-from heron.engine.request import Logprob, Request
+from heron.execution.request_state import RequestState
+from heron.outputs import Logprob
 from heron.sampling_params import SamplingParams
 
 # Rows of prompt logits turned into log-probabilities at once; bounds the float32 copy
@@ -42,7 +43,7 @@ class Sampler:
     def __call__(
         self,
         logits: torch.Tensor,
-        requests: Sequence[Request],
+        requests: Sequence[RequestState],
         generator: torch.Generator | None = None,
     ) -> SamplerOutput:
         if all(map(on_device, requests)):
@@ -74,7 +75,7 @@ class Sampler:
     def sample_on_device(
         self,
         logits: torch.Tensor,
-        requests: Sequence[Request],
+        requests: Sequence[RequestState],
         generator: torch.Generator | None = None,
     ) -> torch.Tensor:
         """The tokens of rows whose requests are all :func:`on_device`, left on the device:
@@ -94,7 +95,7 @@ def _argmax(logits: torch.Tensor) -> torch.Tensor:
     return logits.argmax(dim=-1)
 
 
-def on_device(request: Request) -> bool:
+def on_device(request: RequestState) -> bool:
     """Whether the request's next token can be sampled without the host: no logprobs to
     report, no penalty or ``min_tokens`` mask that depends on the tokens so far (which may still
     be on their way)."""
@@ -109,7 +110,7 @@ def on_device(request: Request) -> bool:
 
 
 def _choose(
-    logits: torch.Tensor, requests: Sequence[Request], generator: torch.Generator | None
+    logits: torch.Tensor, requests: Sequence[RequestState], generator: torch.Generator | None
 ) -> torch.Tensor:
     """Greedy rows take their argmax, the others a draw from their sampling distribution.
 
@@ -136,7 +137,7 @@ def _to_device(values: list, device: torch.device) -> torch.Tensor:
     return host.to(device)
 
 
-def apply_min_tokens(logits: torch.Tensor, requests: Sequence[Request]) -> None:
+def apply_min_tokens(logits: torch.Tensor, requests: Sequence[RequestState]) -> None:
     """Masks (in place) EOS and stop tokens of rows that have not yet reached ``min_tokens``."""
     vocab = logits.shape[-1]
     rows: list[int] = []
@@ -151,7 +152,7 @@ def apply_min_tokens(logits: torch.Tensor, requests: Sequence[Request]) -> None:
         logits[rows, cols] = float("-inf")
 
 
-def apply_penalties(logits: torch.Tensor, requests: Sequence[Request]) -> torch.Tensor:
+def apply_penalties(logits: torch.Tensor, requests: Sequence[RequestState]) -> torch.Tensor:
     """Applies repetition, frequency and presence penalties; returns the penalised logits.
 
     Repetition penalty (HF / vLLM): over tokens of the prompt and the output, positive logits
@@ -258,7 +259,7 @@ def _apply_top_k_top_p(
 
 
 def _draw(
-    probs: torch.Tensor, requests: Sequence[Request], generator: torch.Generator | None
+    probs: torch.Tensor, requests: Sequence[RequestState], generator: torch.Generator | None
 ) -> torch.Tensor:
     """One token per row by the exponential race: ``argmax(probs / q)``, ``q ~ Exp(1)``.
 

@@ -83,9 +83,10 @@ def test_tokens_stay_on_device_between_steps(engines):
     launched = []
     launch = engine.runner.launch
 
-    def spy(schedule, tables, previous=None):
-        launched.append([(s.request.request_id, s.num_new_tokens) for s in schedule.scheduled])
-        return launch(schedule, tables, previous)
+    def spy(plan, previous=None):
+        if plan.request_ids:
+            launched.append(list(zip(plan.request_ids, plan.num_new)))
+        return launch(plan, previous)
 
     engine.runner.launch = spy
     try:

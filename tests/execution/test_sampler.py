@@ -6,7 +6,8 @@ import numpy as np
 import pytest
 import torch
 
-from heron.engine.request import Request
+from heron.execution.request_state import RequestState
+from heron.execution.step_plan import NewRequest
 from heron.execution import sampler as sampler_module
 from heron.execution.sampler import (
     Sampler,
@@ -35,13 +36,10 @@ def make_request(
     prompt: list[int] | None = None,
     output: list[int] | None = None,
     device: str = "cpu",
-) -> Request:
-    request = Request(request_id="r", prompt_token_ids=prompt or [5, 6, 7], sampling_params=params)
-    for token in output or []:
-        request.append_output_token(token)
-    if params.seed is not None:
-        request.generator = torch.Generator(device).manual_seed(params.seed)
-    return request
+) -> RequestState:
+    prompt = prompt or [5, 6, 7]
+    new = NewRequest("r", prompt + (output or []), len(prompt), params, params.seed)
+    return RequestState(new, torch.device(device))
 
 
 def softmax(x: np.ndarray) -> np.ndarray:
@@ -174,7 +172,7 @@ def _seeded_tokens(device: str, position: int, batch_size: int, others_seed: int
         shared = torch.Generator(device).manual_seed(others_seed)
         out = sampler(logits.to(device), requests, shared)
         for request, token in zip(requests, out.token_ids):
-            request.append_output_token(token)
+            request.all_token_ids.append(token)
     return target.output_token_ids
 
 

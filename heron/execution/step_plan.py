@@ -1,0 +1,67 @@
+"""The plain step plan the scheduler hands the runner, and the plain arrays it hands back.
+
+Nothing here refers to engine objects: a plan pickles, and a runner (or a tensor-parallel
+worker) can run from plans alone, keeping its own per-request state between them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from heron.outputs import Logprob
+from heron.sampling_params import SamplingParams
+
+
+@dataclass(frozen=True)
+class NewRequest:
+    """A request the runner has not seen: its tokens so far and how to sample it."""
+
+    request_id: str
+    token_ids: list[int]  # the prompt, then any output tokens already generated
+    num_prompt_tokens: int
+    sampling_params: SamplingParams
+    seed: int | None  # the sample's own seed (its draws ignore the rest of the batch)
+
+
+@dataclass(frozen=True)
+class TableUpdate:
+    """Entries ``start:`` of a request's table in one cache group become ``block_ids``."""
+
+    request_id: str
+    group: int
+    start: int
+    block_ids: list[int]
+
+
+@dataclass(frozen=True)
+class StepPlan:
+    """One step: the scheduled requests in row order, with their context (``num_computed``) and
+    query (``num_new``) lengths, and whether the step samples their next token.
+
+    The runner applies, in this order: ``finished_ids`` (forgotten), ``preempted_ids`` (their
+    tables dropped; they come back with whole tables), ``new_requests``, ``table_updates``.
+    A running request's input tokens are the runner's own: its prompt and the tokens it sampled.
+    """
+
+    request_ids: list[str] = field(default_factory=list)
+    num_computed: list[int] = field(default_factory=list)
+    num_new: list[int] = field(default_factory=list)
+    samples: list[bool] = field(default_factory=list)
+    new_requests: list[NewRequest] = field(default_factory=list)
+    table_updates: list[TableUpdate] = field(default_factory=list)
+    preempted_ids: list[str] = field(default_factory=list)
+    finished_ids: list[str] = field(default_factory=list)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(self.num_new)
+
+
+@dataclass(frozen=True)
+class StepOutput:
+    """What a step sampled, in the plan's order of sampled rows."""
+
+    request_ids: list[str]
+    token_ids: list[int]
+    logprobs: list[Logprob | None]
+    prompt_logprobs: dict[str, list[Logprob]] = field(default_factory=dict)
