@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import gc
 import logging
 import time
 from dataclasses import dataclass, field
@@ -135,12 +134,6 @@ class LLMEngine:
                 group.num_blocks - 1,
                 (group.num_blocks - 1) * group.spec.block_size,
             )
-        # What start-up made (the model, tokenizer, graphs, and what the importers made) lives
-        # as long as the engine: moved out of the collector's sight, a full collection no
-        # longer walks it. On an H200 host such a collection took 20-260 ms, a pause that a
-        # step then waits out (as vLLM's engine does, after its start-up).
-        gc.collect()
-        gc.freeze()
 
     def _num_kv_blocks(self) -> list[int]:
         """Pool size (null block included) of each cache group: the measured budget split by

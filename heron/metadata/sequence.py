@@ -136,10 +136,8 @@ class SequenceMetadata:
     token_ids: torch.Tensor
     positions: torch.Tensor
     slot_mapping: torch.Tensor
-    query_lens: torch.Tensor
     kv_lens: torch.Tensor
     query_start_loc: torch.Tensor
-    kv_start_loc: torch.Tensor
     block_tables: torch.Tensor
     logits_indices: torch.Tensor
     group_slot_mappings: tuple[torch.Tensor, ...] = ()
@@ -180,10 +178,8 @@ class SequenceMetadata:
             token_ids=row("token_ids"),
             positions=row("positions"),
             slot_mapping=group_slot_mappings[0],
-            query_lens=row("lens"),
             kv_lens=row("lens", 1),
             query_start_loc=row("start_locs"),
-            kv_start_loc=row("start_locs", 1),
             block_tables=group_block_tables[0],
             logits_indices=row("logits_indices"),
             group_slot_mappings=group_slot_mappings,

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import logging
 import signal
 from types import FrameType
@@ -49,20 +50,17 @@ def serve(
     """Serve until a shutdown signal; returns the exit code."""
     logging.getLogger("heron").setLevel(min(logging.INFO, logging.getLogger().level))
     llm_engine = LLMEngine(config)
-    mc, kv = llm_engine.model_config, llm_engine.kv_cache
+    mc = llm_engine.model_config
     name = served_model_name or config.model or mc.path.stem
     engine = AsyncLLMEngine(llm_engine)
     logger.info(
-        "serving %s as %r: dtype %s, device %s, max_model_len %d, KV cache %d blocks x %d = %d "
-        "tokens, graph mode %s",
+        "serving %s as %r: dtype %s, device %s, max_model_len %d, graph mode %s (cache groups "
+        "as logged above)",
         mc.path,
         name,
         str(mc.dtype).removeprefix("torch."),
         llm_engine.platform.device,
         mc.max_model_len,
-        kv.num_blocks - 1,
-        llm_engine.block_size,
-        (kv.num_blocks - 1) * llm_engine.block_size,
         _graph_mode(llm_engine),
     )
     logger.info("listening on http://%s:%d (OpenAI API under /v1)", host, port)
@@ -74,5 +72,10 @@ def serve(
     # handlers would then turn a clean shutdown into a nonzero exit status.
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: None)
+    # What start-up made (model, tokenizer, graphs, the importers' objects) lives as long as
+    # the server: frozen out of the collector's sight, a full collection no longer walks it
+    # and pauses a step for as long (vLLM's engine process does the same).
+    gc.collect()
+    gc.freeze()
     _Server(uv_config, engine).run()
     return 0

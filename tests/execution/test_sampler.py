@@ -6,9 +6,8 @@ import numpy as np
 import pytest
 import torch
 
-from heron.execution.request_state import RequestState
-from heron.execution.step_plan import NewRequest
 from heron.execution import sampler as sampler_module
+from heron.execution.request_state import RequestState
 from heron.execution.sampler import (
     Sampler,
     apply_min_tokens,
@@ -16,6 +15,7 @@ from heron.execution.sampler import (
     prompt_logprobs,
     sampling_probs,
 )
+from heron.execution.step_plan import NewRequest
 from heron.sampling_params import SamplingParams
 
 VOCAB = 1000  # not a multiple of a SIMD width, so rows sit at different alignments

@@ -123,7 +123,7 @@ def test_vectorised_rows_equal_per_request_rows():
         seq = sync.prepare(states, rows, tables).seq
         width = max(len(t) for r, _, _ in rows for t in tables[r])
         assert seq.positions.tolist() == [p for _, c, n in rows for p in range(c, c + n)]
-        assert seq.query_lens.tolist() == [n for _, _, n in rows]
+        assert seq.query_lens_host.tolist() == [n for _, _, n in rows]
         assert seq.kv_lens.tolist() == [c + n for _, c, n in rows]
         for g, window in enumerate(windows):
             block_rows, slots = [], []

@@ -29,12 +29,10 @@ def test_start_locs_are_cumsums_with_a_leading_zero():
     seq = SequenceMetadata.from_step_batch(_batch(query_lens, kv_lens), CPU)
     zero = torch.zeros(1, dtype=torch.int64)
     q_expected = torch.cat([zero, torch.cumsum(torch.tensor(query_lens), 0)])
-    kv_expected = torch.cat([zero, torch.cumsum(torch.tensor(kv_lens), 0)])
     assert torch.equal(seq.query_start_loc.long(), q_expected)
-    assert torch.equal(seq.kv_start_loc.long(), kv_expected)
     assert seq.query_start_loc.dtype == torch.int32
     assert seq.query_start_host.tolist() == q_expected.tolist()
-    assert seq.query_lens.tolist() == query_lens and seq.kv_lens.tolist() == kv_lens
+    assert seq.kv_lens.tolist() == kv_lens
     assert seq.query_lens_host.tolist() == query_lens and seq.kv_lens_host.tolist() == kv_lens
     assert (seq.num_reqs, seq.num_tokens) == (4, 11)
     assert (seq.max_query_len, seq.max_kv_len) == (5, 10)
@@ -52,8 +50,8 @@ def test_every_field_slices_its_own_data():
     assert seq.block_tables.tolist() == [[400, 401], [402, 403], [404, 405]]
     # One packed buffer: every device field is a view of the same storage.
     ptr = seq.token_ids.untyped_storage().data_ptr()
-    for t in (seq.positions, seq.slot_mapping, seq.query_lens, seq.kv_lens, seq.block_tables,
-              seq.query_start_loc, seq.kv_start_loc, seq.logits_indices):  # fmt: skip
+    for t in (seq.positions, seq.slot_mapping, seq.kv_lens, seq.block_tables,
+              seq.query_start_loc, seq.logits_indices, *seq.group_table_starts):  # fmt: skip
         assert t.untyped_storage().data_ptr() == ptr
 
 
@@ -61,7 +59,6 @@ def test_decode_batch_is_flagged():
     seq = SequenceMetadata.from_step_batch(_batch([1, 1, 1], [7, 2, 30]), CPU)
     assert seq.is_decode and seq.max_query_len == 1 and seq.max_kv_len == 30
     assert seq.query_start_loc.tolist() == [0, 1, 2, 3]
-    assert seq.kv_start_loc.tolist() == [0, 7, 9, 39]
 
 
 def test_one_table_and_slot_mapping_per_cache_group_in_one_packed_array():
@@ -118,8 +115,8 @@ def test_every_array_starts_aligned_whatever_the_sizes():
         assert np.shares_memory(batch.group_block_tables, batch.packed.numpy())
         assert batch.group_block_tables.shape == (groups, n, width)
         seq = SequenceMetadata.from_step_batch(batch, CPU)
-        fields = [seq.token_ids, seq.positions, seq.query_lens, seq.kv_lens, seq.logits_indices]
-        fields += [seq.query_start_loc, seq.kv_start_loc]
+        fields = [seq.token_ids, seq.positions, seq.kv_lens, seq.logits_indices]
+        fields += [seq.query_start_loc, *seq.group_table_starts]
         fields += [*seq.group_slot_mappings, *seq.group_block_tables]
         assert all(t.storage_offset() % 16 == 0 for t in fields)
         assert all(t.stride(0) % 16 == 0 for t in seq.group_block_tables)
