@@ -59,6 +59,7 @@ def tune_case(batch, context, heads, kv_heads, head_dim, window, sms, variants, 
     """[(µs, variant)] for each variant of one case (inf where it does not compile); ``splits``
     forces the split count. The module's launch defaults are back in place afterwards."""
     q, cache, tables, lens = case_inputs(batch, context, heads, kv_heads, head_dim)
+    starts = torch.zeros_like(lens)  # tables hold each request's blocks from its first
     out = torch.empty_like(q)
     results = []
     defaults = (decode._BLOCK_N, decode._launch_shape)
@@ -81,7 +82,7 @@ def tune_case(batch, context, heads, kv_heads, head_dim, window, sms, variants, 
 
         def call(table, count=count, ws=ws):
             decode.paged_decode_attention(
-                q, cache, table, lens, head_dim**-0.5, window, out, count, **ws
+                q, cache, table, starts, lens, head_dim**-0.5, window, out, count, **ws
             )
 
         try:

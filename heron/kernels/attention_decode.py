@@ -6,9 +6,10 @@ Layout contract (all tensors on one device):
 * ``kv_cache``: ``[2, num_blocks, block_size, KVH, D]`` (0 = K, 1 = V), the model dtype; block 0
   is the null block that padded rows point at.
 * ``block_tables``: int32 ``[B, width]``; position ``p`` of request ``r`` lives in block
-  ``block_tables[r, p // block_size - base]`` at offset ``p % block_size``, where ``base`` is 0
-  without a window and, with one, the block of the first key the query sees,
-  ``max(kv_len - sliding_window, 0) // block_size``: a windowed row starts at the window.
+  ``block_tables[r, p // block_size - table_starts[r]]`` at offset ``p % block_size``.
+* ``table_starts``: int32 ``[B]``, the table index each row starts at (the step metadata's):
+  0 without a window; with one, the block of the first key the query sees, so that a windowed
+  row starts at the window.
 * ``kv_lens``: int32 ``[B]``, tokens in the cache including this step's (already written) one;
   0 marks a padded row, whose output is zeros.
 * ``partial_out``: fp32 ``[B, H, num_splits, D]``, ``partial_lse``: fp32 ``[B, H, num_splits]``
@@ -285,6 +286,7 @@ def _decode_kernel(
     q_ptr,
     kv_ptr,
     block_tables_ptr,
+    table_starts_ptr,
     kv_lens_ptr,
     out_ptr,
     part_out_ptr,
@@ -328,9 +330,9 @@ def _decode_kernel(
     several splits, the last of a (request, KV head)'s programs to finish merges them.
 
     Before it waits for the previous kernel, a program loads the keys and values of its first
-    tile, all but the newest: the lengths and tables were copied before the step's kernels and
-    the cached keys and values written by earlier steps, so no running kernel writes them. The
-    newest key and value (position ``kv_len - 1``) are this step's, written by the kernel
+    tile, all but the newest: the lengths, tables and table starts were copied before the
+    step's kernels and the cached keys and values written by earlier steps, so no running
+    kernel writes them. The newest key and value (position ``kv_len - 1``) are this step's, written by the kernel
     before (which lets this one start early, see ``heron.kernels.pdl.start_next_kernel``): they
     are loaded after the wait. With ``START_NEXT`` (a launch that fits one wave) a program lets
     the output projection after it start once it has waited."""
@@ -359,8 +361,9 @@ def _decode_kernel(
     hi = tl.minimum(lo + per_split, kv_len)
     busy = tl.cdiv(kv_len - first, tl.maximum(per_split, 1))  # splits with keys; 0 if padded
 
-    # A windowed row starts at the block holding `first` (see the module docstring).
-    table_row = block_tables_ptr + b.to(tl.int64) * stride_btb - first // BLOCK_SIZE
+    # A windowed row starts at the window (the row's table start, see the module docstring).
+    table_start = tl.load(table_starts_ptr + b)
+    table_row = block_tables_ptr + b.to(tl.int64) * stride_btb - table_start
     kv_head = kv_ptr + kvh.to(tl.int64) * stride_kvh
     k_ptrs, valid = _tile(table_row, kv_head, lo, kv_len, offs_n, offs_d,
                           stride_blk, stride_slot, BLOCK_SIZE)  # fmt: skip
@@ -493,6 +496,7 @@ def paged_decode_attention(
     q: torch.Tensor,
     kv_cache: torch.Tensor,
     block_tables: torch.Tensor,
+    table_starts: torch.Tensor,
     kv_lens: torch.Tensor,
     scale: float,
     sliding_window: int | None,
@@ -563,6 +567,7 @@ def paged_decode_attention(
         q,
         kv_cache,
         block_tables,
+        table_starts,
         kv_lens,
         out,
         part_out,

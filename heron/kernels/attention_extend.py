@@ -8,10 +8,10 @@ with one new token included). Layout contract (all tensors on one device):
 * ``kv_cache``: ``[2, num_blocks, block_size, KVH, D]`` (0 = K, 1 = V), the model dtype, with
   the new tokens' K/V ALREADY written; everything is read from it through the block table.
 * ``block_tables``: int32 ``[B, width]``; position ``p`` of request ``r`` lives in block
-  ``block_tables[r, p // block_size - base]`` at offset ``p % block_size``, where ``base`` is 0
-  without a window and, with one, the block of the first key the request's first new token
-  sees, ``max(kv_len - q_len - sliding_window + 1, 0) // block_size``: a windowed row starts at
-  the window.
+  ``block_tables[r, p // block_size - table_starts[r]]`` at offset ``p % block_size``.
+* ``table_starts``: int32 ``[B]``, the table index each row starts at (the step metadata's):
+  0 without a window; with one, the block of the first key the request's first new token
+  sees, so that a windowed row starts at the window.
 * ``query_start_loc``: int32 ``[B + 1]``; ``kv_lens``: int32 ``[B]``, cached tokens including
   the new ones, so new token ``i`` of a request with ``q_len`` new tokens is at position
   ``kv_len - q_len + i``.
@@ -43,6 +43,7 @@ def _extend_kernel(
     q_ptr,
     kv_ptr,
     block_tables_ptr,
+    table_starts_ptr,
     query_start_ptr,
     kv_lens_ptr,
     out_ptr,
@@ -103,18 +104,18 @@ def _extend_kernel(
     hi = context + tl.minimum(m0 + BLOCK_M, q_len)
     if USE_WINDOW:
         lo = (tl.maximum(context + m0 - window + 1, 0) // BLOCK_N) * BLOCK_N
-        # A windowed row starts at the block of the first key the request's first new token
-        # sees (see the module docstring); keys before it are outside every row's window.
-        row_start = (tl.maximum(context - window + 1, 0) // BLOCK_SIZE) * BLOCK_SIZE
     else:
         lo = hi * 0
-        row_start = lo
+    # A windowed row starts at the window (the row's table start, see the module docstring);
+    # keys before its first block are outside every new token's window.
+    table_start = tl.load(table_starts_ptr + r)
+    row_start = table_start * BLOCK_SIZE
 
     m_i = tl.full([BLOCK_M], _NEG_BIG, tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
 
-    table_row = block_tables_ptr + r.to(tl.int64) * stride_btb - row_start // BLOCK_SIZE
+    table_row = block_tables_ptr + r.to(tl.int64) * stride_btb - table_start
     kv_head = kv_ptr + (h // GROUP).to(tl.int64) * stride_kvh
     for start in range(lo, hi, BLOCK_N):
         k_pos = start + offs_n
@@ -157,6 +158,7 @@ def paged_extend_attention(
     q: torch.Tensor,
     kv_cache: torch.Tensor,
     block_tables: torch.Tensor,
+    table_starts: torch.Tensor,
     query_start_loc: torch.Tensor,
     kv_lens: torch.Tensor,
     max_query_len: int,
@@ -196,6 +198,7 @@ def paged_extend_attention(
         q,
         kv_cache,
         block_tables,
+        table_starts,
         query_start_loc,
         kv_lens,
         out,

@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import logging
-from typing import Protocol
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
@@ -11,33 +12,49 @@ from torch import nn
 from heron.config import ModelConfig
 from heron.loader.safetensors import iterate_weights
 from heron.loader.weights import load_weights
-from heron.metadata import MetadataBuilder, MetadataOperator, StepMetaPlan
+from heron.metadata import MetadataBuilder, MetadataOperator, StepMetadataError, StepMetaPlan
 from heron.models.registry import model_class
+from heron.ops.attention.base import AttentionOperator
 from heron.ops.attention.paged import PagedAttentionBuilder
 from heron.ops.selector import OperatorRuntime, layer_kernels
 from heron.platforms import Platform
 
+if TYPE_CHECKING:
+    from heron.execution.model_runner import ModelRunner
+
 logger = logging.getLogger(__name__)
 
 
-class PlanHolder(Protocol):
-    plan: StepMetaPlan | None
-
-
-def compatibility_builder(model_config: ModelConfig, block_size: int) -> MetadataBuilder:
-    """Metadata derived from the model configuration, as engines before Heron did.
+def compatibility_builder(
+    model_config: ModelConfig, block_size: int, operators: Sequence[MetadataOperator]
+) -> MetadataBuilder:
+    """Metadata derived from the model configuration, as engines before Heron did, for the
+    ``operators`` that fall back to it.
 
     One sliding window for the whole model, if the config names one: exactly the guess that
-    goes wrong for models that mix layer kinds, which is why it is only the fallback.
+    goes wrong for models that mix layer kinds, so an operator it would serve wrongly (another
+    window, or not paged attention) is refused with the reason.
     """
     window = getattr(model_config.hf_config, "sliding_window", None)
+    for op in operators:
+        if not isinstance(op, AttentionOperator):
+            raise StepMetadataError(
+                f"layer {op.layer_name!r}: the compatibility fallback only serves paged "
+                f"attention, not {type(op).__name__}"
+            )
+        if op.spec.sliding_window != window:
+            raise StepMetadataError(
+                f"layer {op.layer_name!r} attends over sliding window {op.spec.sliding_window}, "
+                f"but the compatibility fallback gives every layer the model config's window "
+                f"({window}); this model needs a platform that collects operator metadata"
+            )
     return PagedAttentionBuilder("fallback", block_size, window, model_config.max_model_len)
 
 
 def build_model(
     model_config: ModelConfig,
     platform: Platform,
-    target: PlanHolder,
+    target: ModelRunner,
     attention_backend: str,
     block_size: int,
 ) -> nn.Module:
@@ -62,16 +79,15 @@ def build_model(
     load_weights(model, iterate_weights(model_config.path))
     model.eval()
 
-    fallback = lambda: compatibility_builder(model_config, block_size)
     if scope.collecting:
-        plan = StepMetaPlan.from_operators(scope.operators, fallback)
+        operators, reason = scope.operators, None
     else:
         operators = [m for m in model.modules() if isinstance(m, MetadataOperator)]
-        plan = StepMetaPlan.from_operators(
-            operators,
-            fallback,
-            fallback_reason=f"platform {platform.name!r} does not collect operator metadata",
-        )
+        reason = f"platform {platform.name!r} does not collect operator metadata"
+    # The operators the fallback serves: those without a builder, or all of them.
+    orphans = operators if reason else [op for op in operators if op.metadata_builder() is None]
+    fallback = lambda: compatibility_builder(model_config, block_size, orphans)
+    plan = StepMetaPlan.from_operators(operators, fallback, fallback_reason=reason)
     plan.check_coverage(model)
     if plan.fallback_reason:
         logger.warning("metadata plan uses the compatibility fallback: %s", plan.fallback_reason)

@@ -60,8 +60,9 @@ def test_one_wave_launches_start_the_next_kernel(monkeypatch):
     for batch in (1, 2):  # 4 splits of one KV head: 4 and 8 programs
         q = torch.zeros(batch, 2, 64)
         tables = torch.zeros(batch, 8, dtype=torch.int32)
+        starts = torch.zeros(batch, dtype=torch.int32)
         lens = torch.full((batch,), 100, dtype=torch.int32)
         attention_decode.paged_decode_attention(
-            q, cache, tables, lens, 0.125, None, torch.empty_like(q), num_splits=4
+            q, cache, tables, starts, lens, 0.125, None, torch.empty_like(q), num_splits=4
         )
     assert [kwargs["START_NEXT"] for _, kwargs in attention.calls] == [True, False]

@@ -20,11 +20,7 @@ from heron.metadata import (
     StepMetaPlan,
 )
 from heron.ops.attention.base import AttentionSpec
-from heron.ops.attention.paged import (
-    PagedAttentionBuilder,
-    PagedAttentionView,
-    window_start_block,
-)
+from heron.ops.attention.paged import PagedAttentionBuilder, PagedAttentionView
 from heron.ops.attention.reference import ReferenceAttention
 
 from tiny_models import attend
@@ -319,8 +315,9 @@ def test_each_operator_reads_its_own_groups_view():
         for i, (rid, c, n) in enumerate(work):
             batch.query_lens[i], batch.kv_lens[i] = n, c + n
             for g, window in enumerate(windows):
-                first = window_start_block(c, window, bs)
+                first = 0 if window is None else max(c - window + 1, 0) // bs
                 batch.group_block_tables[g, i, : len(tables[rid]) - first] = tables[rid][first:]
+                batch.group_table_starts[g, i] = first
             pos = list(range(c, c + n))
             batch.positions[offset : offset + n] = pos
             batch.group_slot_mappings[:, offset : offset + n] = [

@@ -10,7 +10,7 @@ import torch.nn.functional as F
 
 from heron.metadata import ModelBuildContext, SequenceMetadata, StepBatch, StepMetaPlan
 from heron.ops.attention.base import AttentionSpec
-from heron.ops.attention.paged import PagedAttentionBuilder, PagedGraphBuffers, window_start_block
+from heron.ops.attention.paged import PagedAttentionBuilder, PagedGraphBuffers
 from heron.ops.attention.reference import ReferenceAttention
 
 from tiny_models import attend
@@ -53,6 +53,12 @@ def dense_attention(
         scale=scale,
     )
     return out.transpose(0, 1).float()
+
+
+def first_table_block(context: int, window: int | None, block_size: int) -> int:
+    """The table index a row starts at: the block of the first key a token at ``context``
+    sees (``SlidingWindowSpec.first_table_block``); 0 without a window."""
+    return 0 if window is None else max(context - window + 1, 0) // block_size
 
 
 class PagedHarness:
@@ -111,8 +117,9 @@ class PagedHarness:
             batch.query_lens[i] = n
             batch.kv_lens[i] = c + n
             # A windowed row starts at the window (the runner's layout; see PagedAttentionBuilder)
-            first = window_start_block(c, self.spec.sliding_window, bs)
+            first = first_table_block(c, self.spec.sliding_window, bs)
             batch.block_tables[i, : len(table) - first] = table[first:]
+            batch.group_table_starts[0, i] = first
             positions = torch.arange(c, c + n)
             batch.positions[offset : offset + n] = positions.numpy()
             batch.token_ids[offset : offset + n] = 7  # unused by attention
@@ -287,6 +294,7 @@ def test_graph_fill_pads_rows_and_matches_eager(window):
     assert not view.kv_lens[3:].any()
     assert not view.block_tables[3:].any()
     assert not view.slot_mapping[3:].any()
+    assert not view.table_starts[3:].any()
 
     pad = lambda t: torch.cat([t, torch.randn(batch - 3, *t.shape[1:], generator=g)])
     graph_out = attend(h.op, pad(q), pad(k), pad(v))
@@ -304,9 +312,10 @@ def test_graph_fill_pads_rows_and_matches_eager(window):
     seq2, _ = h.make_seq([("c", 1)])
     builder.fill(seq2, buffers, batch)
     view2 = builder.graph_view(seq2, buffers, batch)
-    first = window_start_block(len(h.k_hist["c"]), window, 4)
+    first = first_table_block(len(h.k_hist["c"]), window, 4)
     table_c = h.tables["c"][first:]
     assert view2.kv_lens.tolist() == [len(h.k_hist["c"]) + 1] + [0] * (batch - 1)
+    assert view2.table_starts.tolist() == [first] + [0] * (batch - 1)
     assert view2.slot_mapping.tolist() == seq2.slot_mapping.tolist() + [0] * (batch - 1)
     assert view2.block_tables[0, : len(table_c)].tolist() == table_c
     assert not view2.block_tables[0, len(table_c) :].any()

@@ -27,7 +27,6 @@ from heron.kernels.attention_decode import (
 from heron.kernels.attention_extend import paged_extend_attention
 from heron.metadata import SequenceMetadata, StepBatch
 from heron.ops.attention.base import AttentionSpec
-from heron.ops.attention.paged import window_start_block
 from heron.ops.attention.triton.operator import TritonAttentionBuilder
 
 # The interpreter converts its 1-element scalars to loop bounds through a deprecated numpy path.
@@ -76,16 +75,16 @@ def make_paged_cache(
 
 def window_rows(
     tables: torch.Tensor, kv_lens: list[int], q_lens: list[int], window: int | None, bs: int
-) -> torch.Tensor:
-    """``tables`` in the windowed layout the builders produce: each row starts at the block of
-    the first key its request's first new token sees (``window_start_block``)."""
-    if window is None:
-        return tables
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``tables`` in the windowed layout the step metadata holds, and each row's table start:
+    a row starts at the block of the first key its request's first new token sees."""
+    firsts = [
+        0 if window is None else max(k - q - window + 1, 0) // bs for k, q in zip(kv_lens, q_lens)
+    ]
     rows = torch.zeros_like(tables)
-    for r, (kv_len, q_len) in enumerate(zip(kv_lens, q_lens)):
-        first = window_start_block(kv_len - q_len, window, bs)
+    for r, first in enumerate(firsts):
         rows[r, : tables.shape[1] - first] = tables[r, first:]
-    return rows
+    return rows, torch.tensor(firsts, dtype=torch.int32, device=tables.device)
 
 
 def dense_attention(
@@ -174,7 +173,7 @@ def run_decode(
     cache, tables, ks, vs = make_paged_cache(
         kv_lens, block_size, num_kv_heads, head_dim, dtype, device
     )
-    tables = window_rows(tables, kv_lens, [1] * len(kv_lens), window, block_size)
+    tables, starts = window_rows(tables, kv_lens, [1] * len(kv_lens), window, block_size)
     batch, scale = len(kv_lens), head_dim**-0.5
     q = strided_q(batch, num_heads, head_dim, dtype, device, seed=1)
     sink_logits = make_sinks(num_heads, dtype, device) if sinks else None
@@ -193,7 +192,7 @@ def run_decode(
         ws["tickets"] = tickets
     lens = torch.tensor(kv_lens, dtype=torch.int32, device=device)
     paged_decode_attention(
-        q, cache, tables, lens, scale, window, out, num_splits, **ws,
+        q, cache, tables, starts, lens, scale, window, out, num_splits, **ws,
         softcap=softcap, sinks=sink_logits,
     )  # fmt: skip
     if "tickets" in ws:
@@ -219,7 +218,7 @@ def run_extend(
     cache, tables, ks, vs = make_paged_cache(
         kv_lens, block_size, num_kv_heads, head_dim, dtype, device
     )
-    tables = window_rows(tables, kv_lens, q_lens, window, block_size)
+    tables, table_starts = window_rows(tables, kv_lens, q_lens, window, block_size)
     scale = head_dim**-0.5
     q = strided_q(sum(q_lens), num_heads, head_dim, dtype, device, seed=2)
     sink_logits = make_sinks(num_heads, dtype, device) if sinks else None
@@ -231,6 +230,7 @@ def run_extend(
         q,
         cache,
         tables,
+        table_starts,
         torch.tensor(starts, dtype=torch.int32, device=device),
         torch.tensor(kv_lens, dtype=torch.int32, device=device),
         max(q_lens),
@@ -404,12 +404,13 @@ def decode_step(
     """Step metadata of one new token per request over the given (already filled) tables,
     laid out for ``window``."""
     n = len(kv_lens)
-    tables = window_rows(tables, kv_lens, [1] * n, window, block_size)
+    tables, starts = window_rows(tables, kv_lens, [1] * n, window, block_size)
     step = StepBatch(n, n, n, tables.shape[1], block_size)
     step.query_lens[:] = 1
     step.kv_lens[:] = kv_lens
     step.positions[:] = [length - 1 for length in kv_lens]
     step.block_tables[:] = tables.cpu().numpy()
+    step.group_table_starts[0] = starts.cpu().numpy()
     step.logits_indices[:] = range(n)
     step.finish()
     return SequenceMetadata.from_step_batch(step, DEVICE)
@@ -446,8 +447,8 @@ def test_builder_workspace_tickets():
             assert ws.partial_out.shape == (n, heads, ws.num_splits, HEAD_DIM)
         out = torch.full((n, heads, HEAD_DIM), float("nan"), device=DEVICE)
         paged_decode_attention(
-            q[:n], cache, view.block_tables, view.kv_lens, spec.scale, window, out,
-            ws.num_splits, ws.partial_out, ws.partial_lse, ws.tickets,
+            q[:n], cache, view.block_tables, view.table_starts, view.kv_lens, spec.scale, window,
+            out, ws.num_splits, ws.partial_out, ws.partial_lse, ws.tickets,
         )  # fmt: skip
         real = int((view.kv_lens > 0).sum())
         assert_close(out[:real], decode_reference(q[:real], ks, vs, window, spec.scale), 1e-4)
@@ -589,6 +590,7 @@ def test_gpu_decode_cuda_graph_replay(features):
     out = torch.empty_like(q)
     lens = torch.full((batch,), 2048, dtype=torch.int32, device=CUDA)
     static_tables = tables.clone()
+    static_starts = torch.zeros(batch, dtype=torch.int32, device=CUDA)
     ws = dict(
         partial_out=torch.empty(batch, heads, splits, dim, device=CUDA),
         partial_lse=torch.empty(batch, heads, splits, device=CUDA),
@@ -603,7 +605,7 @@ def test_gpu_decode_cuda_graph_replay(features):
 
     def step():
         paged_decode_attention(
-            q, cache, static_tables, lens, 0.088, None, out, splits, **ws, **extra
+            q, cache, static_tables, static_starts, lens, 0.088, None, out, splits, **ws, **extra
         )
 
     step()  # compile outside the capture
@@ -619,7 +621,9 @@ def test_gpu_decode_cuda_graph_replay(features):
         graph.replay()
         replayed = out.clone()
         eager = torch.empty_like(q)
-        paged_decode_attention(q, cache, static_tables, lens, 0.088, None, eager, splits, **extra)
+        paged_decode_attention(
+            q, cache, static_tables, static_starts, lens, 0.088, None, eager, splits, **extra
+        )
         # Bitwise equal although the splits finish in another order: the merge is ordered.
         torch.testing.assert_close(replayed, eager, atol=0, rtol=0)
         assert not replayed.isnan().any()
@@ -641,17 +645,20 @@ def attention_launches() -> None:
     ):
         cache = torch.empty(2, 8, 16, kv_heads, head_dim, dtype=bf16)
         tables = torch.zeros(2, 4, dtype=torch.int32)
+        table_starts = torch.zeros(2, dtype=torch.int32)
         lens = torch.ones(2, dtype=torch.int32)
         features = dict(softcap=softcap, sinks=torch.empty(heads, dtype=bf16) if sinks else None)
         q = torch.empty(2, heads, head_dim, dtype=bf16)
         for splits in (1, 16, 128):
             paged_decode_attention(
-                q, cache, tables, lens, 0.1, window, torch.empty_like(q), splits, **features
-            )
+                q, cache, tables, table_starts, lens, 0.1, window, torch.empty_like(q), splits,
+                **features,
+            )  # fmt: skip
         starts = torch.tensor([0, 1, 2], dtype=torch.int32)
         paged_extend_attention(
-            q, cache, tables, starts, lens, 1, 0.1, window, torch.empty_like(q), **features
-        )
+            q, cache, tables, table_starts, starts, lens, 1, 0.1, window, torch.empty_like(q),
+            **features,
+        )  # fmt: skip
 
 
 def test_attention_launches_lower_for_hopper():

@@ -27,6 +27,7 @@ class PagedAttentionView:
     positions: torch.Tensor  # [tokens]
     slot_mapping: torch.Tensor  # [tokens]
     block_tables: torch.Tensor  # [reqs, table width]; a windowed row starts at the window
+    table_starts: torch.Tensor  # [reqs]: the table index of each row's first entry
     kv_lens: torch.Tensor  # [reqs]
     query_start_loc: torch.Tensor  # [reqs + 1]
     query_start_host: np.ndarray
@@ -44,6 +45,7 @@ class PagedGraphBuffers:
     slot_mapping: torch.Tensor
     block_tables: torch.Tensor
     kv_lens: torch.Tensor
+    table_starts: torch.Tensor
     query_start_loc: torch.Tensor
     # The destination views of the last step's shape, by (requests, table width).
     _rows: dict[tuple[int, int], list[torch.Tensor]] = field(
@@ -51,8 +53,8 @@ class PagedGraphBuffers:
     )
 
     def rows(self, num_reqs: int, width: int) -> list[torch.Tensor]:
-        """Positions, slots, block tables (``width`` columns) and KV lengths of the first
-        ``num_reqs`` rows. Views are made again only when the shape changes: consecutive
+        """Positions, slots, block tables (``width`` columns), KV lengths and table starts of
+        the first ``num_reqs`` rows. Views are made again only when the shape changes: consecutive
         decode steps mostly share it, and each view costs the host a dispatch."""
         views = self._rows.get((num_reqs, width))
         if views is None:
@@ -62,6 +64,7 @@ class PagedGraphBuffers:
                 self.slot_mapping[:num_reqs],
                 self.block_tables[:num_reqs, :width],
                 self.kv_lens[:num_reqs],
+                self.table_starts[:num_reqs],
             ]
         return views
 
@@ -70,8 +73,8 @@ class PagedAttentionBuilder(MetadataBuilder):
     """Builds :class:`PagedAttentionView` for one (block size, sliding window) configuration.
 
     A sliding-window configuration's block tables hold only the blocks its queries can still
-    read: row ``r`` starts at the block of the first key that the request's first new token sees,
-    ``max(kv_len - query_len - window + 1, 0) // block_size`` (see ``window_start_block``), so a
+    read: row ``r`` starts at the block of the first key that the request's first new token sees
+    (``SlidingWindowSpec.first_table_block``; the step metadata carries each row's start), so a
     decode row is at most :meth:`table_width` entries wide whatever the context length.
 
     Decode steps are graph-capturable: ``fill`` copies the step into persistent buffers whose
@@ -116,12 +119,13 @@ class PagedAttentionBuilder(MetadataBuilder):
 
     def build(self, seq: SequenceMetadata) -> PagedAttentionView:
         self._check_layout(seq)
-        slot_mapping, block_tables = self._group_tables(seq)
+        slot_mapping, block_tables, table_starts = self._group_tables(seq)
         return self._view(
             seq,
             seq.positions,
             slot_mapping,
             block_tables,
+            table_starts,
             seq.kv_lens,
             seq.query_start_loc,
             seq.num_reqs,
@@ -134,6 +138,7 @@ class PagedAttentionBuilder(MetadataBuilder):
             slot_mapping=zeros(max_batch),
             block_tables=zeros(max_batch, self.table_width),
             kv_lens=zeros(max_batch),
+            table_starts=zeros(max_batch),
             query_start_loc=torch.arange(max_batch + 1, dtype=torch.int32, device=device),
         )
 
@@ -144,22 +149,28 @@ class PagedAttentionBuilder(MetadataBuilder):
                 f"graph buffers take decode steps of at most {batch} requests, got "
                 f"{seq.num_reqs} requests with {seq.num_tokens} tokens"
             )
-        slot_mapping, block_tables = self._group_tables(seq)
+        slot_mapping, block_tables, table_starts = self._group_tables(seq)
         n, width = seq.num_reqs, block_tables.shape[1]
         if width > self.table_width:
             width = self.table_width
             block_tables = block_tables[:, :width]
         # Few, in-place copies: this runs before every replay. Table entries past a row's
         # length are never read, so stale ones need no reset; padded rows get length 0, the
-        # null block and slot 0 (their garbage K/V goes to the null block).
+        # null block, slot 0 (their garbage K/V goes to the null block) and table start 0.
         # One foreach call: a launch per dtype on the GPU instead of one per copy.
         torch._foreach_copy_(
-            buffers.rows(n, width), [seq.positions, slot_mapping, block_tables, seq.kv_lens]
+            buffers.rows(n, width),
+            [seq.positions, slot_mapping, block_tables, seq.kv_lens, table_starts],
         )
         if n < batch:
-            buffers.slot_mapping[n:batch].zero_()
-            buffers.block_tables[n:batch].zero_()
-            buffers.kv_lens[n:batch].zero_()
+            torch._foreach_zero_(
+                [
+                    buffers.slot_mapping[n:batch],
+                    buffers.block_tables[n:batch],
+                    buffers.kv_lens[n:batch],
+                    buffers.table_starts[n:batch],
+                ]
+            )
 
     def graph_view(
         self, seq: SequenceMetadata, buffers: PagedGraphBuffers, batch: int
@@ -169,21 +180,24 @@ class PagedAttentionBuilder(MetadataBuilder):
             buffers.positions[:batch],
             buffers.slot_mapping[:batch],
             buffers.block_tables[:batch],
+            buffers.table_starts[:batch],
             buffers.kv_lens[:batch],
             buffers.query_start_loc[: batch + 1],
             batch,
         )
 
-    def _group_tables(self, seq: SequenceMetadata) -> tuple[torch.Tensor, torch.Tensor]:
-        """This builder's cache group's slots and block tables."""
+    def _group_tables(
+        self, seq: SequenceMetadata
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """This builder's cache group's slots, block tables and table starts."""
         g = self.cache_group
         if g == 0 and seq.num_groups <= 1:
-            return seq.slot_mapping, seq.block_tables
+            return seq.slot_mapping, seq.block_tables, seq.group_table_starts[0]
         if g >= seq.num_groups:
             raise StepMetadataError(
                 f"{self.describe()} reads KV cache group {g}, the step has {seq.num_groups}"
             )
-        return seq.group_slot_mappings[g], seq.group_block_tables[g]
+        return seq.group_slot_mappings[g], seq.group_block_tables[g], seq.group_table_starts[g]
 
     def _check_layout(self, seq: SequenceMetadata) -> None:
         # Block tables and slots in SequenceMetadata are laid out for one block size.
@@ -199,6 +213,7 @@ class PagedAttentionBuilder(MetadataBuilder):
         positions: torch.Tensor,
         slot_mapping: torch.Tensor,
         block_tables: torch.Tensor,
+        table_starts: torch.Tensor,
         kv_lens: torch.Tensor,
         query_start_loc: torch.Tensor,
         num_reqs: int,
@@ -211,6 +226,7 @@ class PagedAttentionBuilder(MetadataBuilder):
             positions=positions,
             slot_mapping=slot_mapping,
             block_tables=block_tables,
+            table_starts=table_starts,
             kv_lens=kv_lens,
             query_start_loc=query_start_loc,
             query_start_host=seq.query_start_host,
@@ -218,14 +234,3 @@ class PagedAttentionBuilder(MetadataBuilder):
             kv_lens_host=seq.kv_lens_host,
             max_query_len=seq.max_query_len,
         )
-
-
-def window_start_block(
-    context: int | np.ndarray, window: int | None, block_size: int
-) -> int | np.ndarray:
-    """The first block index of a request's row in a windowed block table: the block of the
-    first key that its first new token (at position ``context``) sees; 0 without a window.
-    ``context`` may also be an array (one per request), giving an array."""
-    if window is None:
-        return 0
-    return np.maximum(context - window + 1, 0) // block_size

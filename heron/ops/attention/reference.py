@@ -6,11 +6,7 @@ import torch
 import torch.nn.functional as F
 
 from heron.ops.attention.base import AttentionOperator, AttentionSpec
-from heron.ops.attention.paged import (
-    PagedAttentionBuilder,
-    PagedAttentionView,
-    window_start_block,
-)
+from heron.ops.attention.paged import PagedAttentionBuilder, PagedAttentionView
 
 
 class ReferenceAttention(AttentionOperator):
@@ -73,14 +69,12 @@ class ReferenceAttention(AttentionOperator):
         spec = self.spec
         k, v = self._gather(view.block_tables)  # [reqs, L, kv_heads, D]
         kv_lens = view.kv_lens[:, None]
-        positions = torch.arange(k.shape[1], device=q.device)[None, :]
-        window, bs = view.sliding_window, view.block_size
-        if window is None:
-            visible = positions < kv_lens
-        else:
-            # Rows start at the block of the window's first key (window_start_block).
-            positions = positions + (kv_lens - window).clamp(min=0) // bs * bs
-            visible = (positions < kv_lens) & (positions > kv_lens - 1 - window)
+        # Each row's table starts at the block its metadata names (0 without a window).
+        first = view.table_starts[:, None] * view.block_size
+        positions = torch.arange(k.shape[1], device=q.device)[None, :] + first
+        visible = positions < kv_lens
+        if view.sliding_window is not None:
+            visible &= positions > kv_lens - 1 - view.sliding_window
         qg = q.view(-1, spec.num_kv_heads, spec.num_heads // spec.num_kv_heads, 1, spec.head_dim)
         out = self._attend(qg, k, v, visible[:, None, :])
         return out.reshape(q.shape).to(q.dtype)
@@ -89,11 +83,11 @@ class ReferenceAttention(AttentionOperator):
         spec = self.spec
         plain = spec.logit_softcap is None and self.sinks is None
         out = torch.empty_like(q)
+        table_starts = view.table_starts.tolist()  # slices below need host ints
         for i in range(view.num_reqs):
             q_start, q_len = int(view.query_start_host[i]), int(view.query_lens_host[i])
             kv_len = int(view.kv_lens_host[i])
-            bs = view.block_size
-            first = window_start_block(kv_len - q_len, view.sliding_window, bs)
+            bs, first = view.block_size, table_starts[i]
             k, v = self._gather(view.block_tables[i, : -(-kv_len // bs) - first])
             k, v = k[: kv_len - first * bs], v[: kv_len - first * bs]
             q_pos = torch.arange(kv_len - q_len, kv_len, device=q.device)[:, None]

@@ -216,11 +216,13 @@ class TritonAttention(AttentionOperator):
         )
 
     def forward_decode(self, q: torch.Tensor, view: PagedAttentionView) -> torch.Tensor:
-        ws: DecodeWorkspace = view.workspace
+        # A view without a workspace (the compatibility fallback's) runs one split.
+        ws: DecodeWorkspace = view.workspace or _SINGLE_SPLIT
         return paged_decode_attention(
             q,
             self.kv_cache,
             view.block_tables,
+            view.table_starts,
             view.kv_lens,
             self.spec.scale,
             view.sliding_window,
@@ -238,6 +240,7 @@ class TritonAttention(AttentionOperator):
             q,
             self.kv_cache,
             view.block_tables,
+            view.table_starts,
             view.query_start_loc,
             view.kv_lens,
             view.max_query_len,
