@@ -64,6 +64,9 @@ class KVCacheCoordinator:
         # Per request holding blocks: its headroom (see allocate_slots) and its tables.
         self._headroom: dict[str, AllocationHeadroom] = {}
         self._tables: dict[str, list[list[int]]] = {}
+        # Requests whose tables this pass's allocations changed (the others kept theirs), for
+        # the step plan's table updates; its reader clears it.
+        self.changed_tables: list[str] = []
 
     @property
     def num_groups(self) -> int:
@@ -153,6 +156,7 @@ class KVCacheCoordinator:
             group.commit(request, num_new_tokens, blocks, plan, chain)
             chain = group.block_hashes(request_id)
         self._headroom[request_id] = self._group_headroom(request_id)
+        self.changed_tables.append(request_id)
         if request_id not in self._tables:
             self._tables[request_id] = [g.block_table(request_id) for g in self.groups]
         return True

@@ -122,31 +122,23 @@ class Scheduler:
         plan.preempted_ids.extend(self._preempted_ids)
         self._finished_ids.clear()
         self._preempted_ids.clear()
-        request_ids, computed, num_new, samples = (
-            plan.request_ids,
-            plan.num_computed,
-            plan.num_new,
-            plan.samples,
-        )
-        updates, sent_counts, block_tables = (
-            plan.table_updates,
-            self._sent,
-            self.kv_cache.block_tables,
-        )
-        for request, n, sample in out.scheduled:
-            request_id = request.request_id
-            request_ids.append(request_id)
-            computed.append(request.num_computed_tokens)
-            num_new.append(n)
-            samples.append(sample)
-            tables = block_tables(request_id)
+        scheduled = out.scheduled
+        plan.request_ids.extend([item.request.request_id for item in scheduled])
+        plan.num_computed.extend([item.request.num_computed_tokens for item in scheduled])
+        plan.num_new.extend([item.num_new_tokens for item in scheduled])
+        plan.samples.extend([item.samples for item in scheduled])
+        # Only a request that allocated this pass can have new table entries.
+        changed, sent_counts = self.kv_cache.changed_tables, self._sent
+        for request_id in changed:
+            tables = self.kv_cache.block_tables(request_id)
             sent = sent_counts.get(request_id)
             if sent is None:
                 sent = sent_counts[request_id] = [0] * len(tables)
             for g, table in enumerate(tables):
                 if len(table) != sent[g]:
-                    updates.append(TableUpdate(request_id, g, sent[g], table[sent[g] :]))
+                    plan.table_updates.append(TableUpdate(request_id, g, sent[g], table[sent[g] :]))
                     sent[g] = len(table)
+        changed.clear()
 
     def _preempt(self, request: Request) -> None:
         self.kv_cache.free(request)
