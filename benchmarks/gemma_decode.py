@@ -11,9 +11,10 @@ its window and a full layer the whole context. Then, in a separate run, the shar
 step in which the GPU waits for the host (see ``gpu_decode.heron_host_idle``).
 
     python benchmarks/gemma_decode.py [--skip-hf] [--new-tokens 64] [--cases 4096x8 ...]
+        [--load-format dummy]
 
 ``--cases`` replaces the (context x batch) cases; the idle share is measured when 4096x64 is
-among them.
+among them. ``--load-format dummy`` is as in ``gpu_decode.py`` (no checkpoint is written).
 """
 
 from __future__ import annotations
@@ -31,6 +32,8 @@ from gpu_decode import (
     heron_decode_ms,
     heron_host_idle,
     hf_decode_ms,
+    hf_model,
+    save_config_only,
     save_random_checkpoint,
 )
 
@@ -49,10 +52,13 @@ GEMMA3_1B = dict(
 CASES = [(4096, 1), (4096, 64), (16384, 1)]  # (context, batch)
 
 
-def build_model(path: Path) -> None:
+def build_model(path: Path, load_format: str) -> None:
     import transformers as tf
 
     config = tf.Gemma3TextConfig(**GEMMA3_1B)  # defaults: 5 sliding : 1 full, bases 10k / 1M
+    if load_format == "dummy":
+        save_config_only(config, "Gemma3ForCausalLM", path)
+        return
     torch.manual_seed(0)
     with torch.device("cuda"):
         model = tf.Gemma3ForCausalLM(config).to(torch.bfloat16)
@@ -86,6 +92,7 @@ def main() -> None:
     parser.add_argument(
         "--cases", nargs="+", default=[f"{c}x{b}" for c, b in CASES], help="CONTEXTxBATCH"
     )
+    parser.add_argument("--load-format", choices=["auto", "dummy"], default="auto")
     args = parser.parse_args()
     cases = [tuple(map(int, case.split("x"))) for case in args.cases]
     bandwidth = copy_bandwidth()
@@ -93,8 +100,12 @@ def main() -> None:
     results: dict[str, list[float]] = {}
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp)
-        build_model(path)
-        llm = LLM(str(path), max_model_len=max(c for c, _ in cases) + new + 16)
+        build_model(path, args.load_format)
+        llm = LLM(
+            str(path),
+            max_model_len=max(c for c, _ in cases) + new + 16,
+            load_format=args.load_format,
+        )
         layer_types = llm.engine.model_config.hf_config.layer_types
         prompts = lambda context, batch: [[3 + i] * context for i in range(batch)]
         # Warm-up: a short run of every case first, so that one-time work (first replays,
@@ -109,9 +120,7 @@ def main() -> None:
         del llm
         torch.cuda.empty_cache()
         if not args.skip_hf:
-            import transformers as tf
-
-            hf = tf.AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16).cuda()
+            hf = hf_model(path, args.load_format)
             results["HF transformers CB"] = [
                 hf_decode_ms(hf, prompts(c, b), new)[0] if b <= args.hf_max_batch else float("nan")
                 for c, b in cases

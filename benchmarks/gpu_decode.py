@@ -12,7 +12,10 @@ format and measures, in one run:
 B and C are measured as the caller sees them: per request (time of last token - time of first
 token) / (tokens - 1), averaged over requests. Prints a markdown table.
 
-    python benchmarks/gpu_decode.py [--skip-hf] [--hf-requests 32]
+    python benchmarks/gpu_decode.py [--skip-hf] [--hf-requests 32] [--load-format dummy]
+
+``--load-format dummy`` writes only config.json and the tokenizer: Heron makes random weights
+on the GPU, and HF its own random init.
 """
 
 from __future__ import annotations
@@ -43,10 +46,13 @@ QWEN3_0_6B = dict(
 )
 
 
-def build_model(path: Path) -> None:
+def build_model(path: Path, load_format: str) -> None:
     import transformers as tf
 
     config = tf.Qwen3Config(**QWEN3_0_6B)
+    if load_format == "dummy":
+        save_config_only(config, "Qwen3ForCausalLM", path)
+        return
     torch.manual_seed(0)
     with torch.device("cuda"):
         model = tf.Qwen3ForCausalLM(config).to(torch.bfloat16)
@@ -55,15 +61,37 @@ def build_model(path: Path) -> None:
 
 def save_random_checkpoint(model: torch.nn.Module, path: Path) -> None:
     """Save ``model`` with a trivial word-level tokenizer (prompts are token ids) and no EOS."""
+    model.generation_config.eos_token_id = None
+    model.save_pretrained(path)
+    save_tokenizer(model.config.vocab_size, path)
+
+
+def save_config_only(config, architecture: str, path: Path) -> None:
+    """What ``--load-format dummy`` needs: config.json and the tokenizer, no weights."""
+    config.architectures = [architecture]
+    config.save_pretrained(path)
+    save_tokenizer(config.vocab_size, path)
+
+
+def save_tokenizer(vocab_size: int, path: Path) -> None:
     from tokenizers import Tokenizer, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
-    model.generation_config.eos_token_id = None
-    model.save_pretrained(path)
-    vocab = {f"t{i}": i for i in range(model.config.vocab_size)}
+    vocab = {f"t{i}": i for i in range(vocab_size)}
     tok = Tokenizer(models.WordLevel(vocab, unk_token="t0"))
     tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
     PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="t1").save_pretrained(path)
+
+
+def hf_model(path: Path, load_format: str) -> torch.nn.Module:
+    """HF's bf16 model of ``path`` on the GPU; HF's own random init where there are no weights."""
+    import transformers as tf
+
+    if load_format == "dummy":
+        with torch.device("cuda"):
+            config = tf.AutoConfig.from_pretrained(path)
+            return tf.AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16).eval()
+    return tf.AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16).cuda()
 
 
 def copy_bandwidth() -> float:
@@ -194,14 +222,20 @@ def main() -> None:
     parser.add_argument("--skip-hf", action="store_true")
     parser.add_argument("--hf-requests", type=int, default=32, help="requests of A run by HF")
     parser.add_argument("--enforce-eager", action="store_true")
+    parser.add_argument("--load-format", choices=["auto", "dummy"], default="auto")
     args = parser.parse_args()
 
     bandwidth = copy_bandwidth()
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp)
-        build_model(path)
-        llm = LLM(str(path), enforce_eager=args.enforce_eager, max_model_len=4096)
+        build_model(path, args.load_format)
+        llm = LLM(
+            str(path),
+            enforce_eager=args.enforce_eager,
+            max_model_len=4096,
+            load_format=args.load_format,
+        )
         prompts, out_lens = throughput_workload(256)
         params = [SamplingParams(temperature=0, max_tokens=o, ignore_eos=True) for o in out_lens]
         # Warm-up: the same kind of workload (other prompts, so no prefix-cache hits, and short
@@ -225,9 +259,7 @@ def main() -> None:
         torch.cuda.empty_cache()
 
         if not args.skip_hf:
-            import transformers as tf
-
-            model = tf.AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16).cuda()
+            model = hf_model(path, args.load_format)
             n = args.hf_requests
             from transformers import GenerationConfig
 

@@ -29,6 +29,8 @@ _ENGINE_FLAG_HELP = {
     "seed": "seed of requests that have none",
     "num_kv_blocks": "fix the KV pool size in blocks",
     "attention_backend": "attention operator (default: the platform's)",
+    "load_format": "auto (the checkpoint's weights) or dummy (seeded random weights from "
+    "config.json alone, for benchmarks; give --tokenizer if the directory has none)",
 }
 
 

@@ -22,6 +22,12 @@ _DTYPES = {
 # VLLM_CPU_KVCACHE_SPACE; capped by what max_num_seqs full-length sequences could use.
 DEFAULT_HOST_KV_CACHE_BYTES = 2 << 30
 
+# "auto": the checkpoint's safetensors (or GGUF) weights; "dummy": seeded random weights made on
+# the device from config.json alone, as vLLM's, for benchmarks of shapes with no checkpoint.
+LOAD_FORMATS = ("auto", "dummy")
+# Any of these lets AutoTokenizer load a directory (tokenizer_config.json alone does not).
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "vocab.txt")
+
 
 @dataclass
 class EngineConfig:
@@ -43,8 +49,18 @@ class EngineConfig:
     seed: int = 0
     num_kv_blocks: int | None = None
     attention_backend: str | None = None
+    load_format: str = "auto"
 
     def __post_init__(self) -> None:
+        if self.load_format not in LOAD_FORMATS:
+            raise ValueError(
+                f"load_format must be one of {', '.join(LOAD_FORMATS)}, got {self.load_format!r}"
+            )
+        if self.load_format == "dummy" and self.tokenizer is None and _lacks_tokenizer(self.model):
+            raise ValueError(
+                f"load_format='dummy': {self.model} has no tokenizer files; pass tokenizer= "
+                "(a directory with one, e.g. the default model's) to build the dummy model"
+            )
         if self.max_num_seqs < 1:
             raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
         if self.block_size is not None and (
@@ -74,6 +90,8 @@ class ModelConfig:
     dtype: torch.dtype
     max_model_len: int
     eos_token_ids: frozenset[int] = field(default_factory=frozenset)
+    load_format: str = "auto"  # see LOAD_FORMATS
+    seed: int = 0  # of the dummy weights
 
     @property
     def architecture(self) -> str:
@@ -85,7 +103,13 @@ class ModelConfig:
 
     @classmethod
     def from_path(
-        cls, path: Path, dtype: str, device: torch.device, max_model_len: int | None
+        cls,
+        path: Path,
+        dtype: str,
+        device: torch.device,
+        max_model_len: int | None,
+        load_format: str = "auto",
+        seed: int = 0,
     ) -> ModelConfig:
         if not (path / "config.json").is_file():
             raise ValueError(f"{path} is not a model directory: it has no config.json")
@@ -96,7 +120,18 @@ class ModelConfig:
             dtype=_resolve_dtype(dtype, hf_config, device),
             max_model_len=_resolve_max_model_len(hf_config, max_model_len),
             eos_token_ids=_eos_token_ids(path, hf_config),
+            load_format=load_format,
+            seed=seed,
         )
+
+
+def _lacks_tokenizer(model: str | None) -> bool:
+    """Whether ``model`` is a directory without tokenizer files (the default model and GGUF
+    files always bring theirs)."""
+    if model is None:
+        return False
+    path = Path(model).expanduser()
+    return path.is_dir() and not any((path / name).is_file() for name in _TOKENIZER_FILES)
 
 
 def _resolve_dtype(dtype: str, hf_config: PretrainedConfig, device: torch.device) -> torch.dtype:

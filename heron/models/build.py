@@ -10,8 +10,7 @@ import torch
 from torch import nn
 
 from heron.config import ModelConfig
-from heron.loader.safetensors import iterate_weights
-from heron.loader.weights import load_weights
+from heron.loader import load_model
 from heron.metadata import MetadataBuilder, MetadataOperator, StepMetadataError, StepMetaPlan
 from heron.models.registry import model_class
 from heron.ops.attention.base import AttentionOperator
@@ -76,7 +75,7 @@ def build_model(
     finally:
         torch.set_default_dtype(previous_dtype)
     model.to(platform.device)
-    load_weights(model, iterate_weights(model_config.path))
+    load_model(model, model_config)
     model.eval()
 
     if scope.collecting:
