@@ -116,6 +116,7 @@ class ModelRunner:
         self.inputs = StepInputBuilder(block_size, self.device, self.cache_specs)
         self.graphs: CudaGraphRunner | None = None
         self.requests: dict[str, RequestState] = {}
+        self._coverage_checked = False
 
     @property
     def cache_specs(self) -> list[CacheSpec]:
@@ -207,6 +208,11 @@ class ModelRunner:
     def launch(self, plan: StepPlan, previous: LaunchedStep | None = None) -> LaunchedStep:
         """Queue the step's forward pass and sampling; ``previous`` is the step still in flight
         whose sampled tokens are this step's pending inputs."""
+        if not self._coverage_checked:
+            # Operators added after the build (or outside its scope) must fail loudly, not run
+            # on stale metadata.
+            self.plan.check_coverage(self.model)
+            self._coverage_checked = True
         self._apply(plan)
         if not plan.request_ids:
             return LaunchedStep([], result=StepOutput([], [], []))

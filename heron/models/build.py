@@ -87,7 +87,6 @@ def build_model(
     orphans = operators if reason else [op for op in operators if op.metadata_builder() is None]
     fallback = lambda: compatibility_builder(model_config, block_size, orphans)
     plan = StepMetaPlan.from_operators(operators, fallback, fallback_reason=reason)
-    plan.check_coverage(model)
     if plan.fallback_reason:
         logger.warning("metadata plan uses the compatibility fallback: %s", plan.fallback_reason)
     target.plan = plan

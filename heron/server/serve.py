@@ -39,6 +39,14 @@ def _graph_mode(engine: LLMEngine) -> str:
     return "eager" if graphs is None else f"CUDA graphs for decode batches up to {graphs.max_batch}"
 
 
+def freeze_start_up_heap() -> None:
+    """Move what start-up made (model, tokenizer, graphs, the importers' objects), which lives
+    as long as the server, out of the collector's sight: a full collection then no longer walks
+    it, a pause that a step would wait out (vLLM's engine process does the same)."""
+    gc.collect()
+    gc.freeze()
+
+
 def serve(
     config: EngineConfig,
     host: str,
@@ -72,10 +80,6 @@ def serve(
     # handlers would then turn a clean shutdown into a nonzero exit status.
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: None)
-    # What start-up made (model, tokenizer, graphs, the importers' objects) lives as long as
-    # the server: frozen out of the collector's sight, a full collection no longer walks it
-    # and pauses a step for as long (vLLM's engine process does the same).
-    gc.collect()
-    gc.freeze()
+    freeze_start_up_heap()
     _Server(uv_config, engine).run()
     return 0

@@ -154,11 +154,18 @@ def test_engine_checks_coverage_before_first_step(tiny_model_dir):
 
 
 def test_start_up_heap_is_frozen_out_of_the_collector(llm):
-    """The engine's start-up objects (model, tokenizer, graphs) sit in the collector's permanent
-    generation, so a full garbage collection while serving does not walk them."""
+    """The server freezes the engine's start-up objects (model, tokenizer, graphs) into the
+    collector's permanent generation, so a full garbage collection while serving does not walk
+    them; an engine used offline is left to the caller's collector."""
+    from heron.server.serve import freeze_start_up_heap
+
     model = llm.engine.runner.model
-    assert gc.get_freeze_count() > 0
-    assert not any(o is model for o in gc.get_objects())
+    freeze_start_up_heap()
+    try:
+        assert gc.get_freeze_count() > 0
+        assert not any(o is model for o in gc.get_objects())
+    finally:
+        gc.unfreeze()
 
 
 def test_a_deleted_engine_frees_its_model_and_cache(tiny_model_dir):
