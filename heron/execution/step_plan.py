@@ -52,10 +52,6 @@ class StepPlan:
     preempted_ids: list[str] = field(default_factory=list)
     finished_ids: list[str] = field(default_factory=list)
 
-    @property
-    def num_tokens(self) -> int:
-        return sum(self.num_new)
-
 
 @dataclass(frozen=True)
 class StepOutput:
