@@ -4,6 +4,7 @@ from heron.cache.block_pool import NULL_BLOCK_ID, BlockPool, hash_block_tokens
 from heron.cache.coordinator import GroupUsage, KVCacheCoordinator
 from heron.cache.manager import AllocationHeadroom, AllocationPlan, CacheManager
 from heron.cache.paged import PagedCacheManager, PagedPlan
+from heron.cache.recurrent import RecurrentStateManager, RecurrentStateSpec
 from heron.cache.spec import CacheSpec, FullAttentionSpec, SlidingWindowSpec
 
 __all__ = [
@@ -18,6 +19,8 @@ __all__ = [
     "KVCacheCoordinator",
     "PagedCacheManager",
     "PagedPlan",
+    "RecurrentStateManager",
+    "RecurrentStateSpec",
     "SlidingWindowSpec",
     "hash_block_tokens",
 ]

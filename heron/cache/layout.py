@@ -22,7 +22,7 @@ class CacheOwner(Protocol):
     @property
     def cache_spec(self) -> CacheSpec: ...
 
-    def bind_cache(self, cache: torch.Tensor | None) -> None: ...
+    def bind_cache(self, cache: torch.Tensor | tuple | None) -> None: ...
 
 
 class CacheLayout:
@@ -92,12 +92,9 @@ class CacheLayout:
                 )
 
     def allocate(self, num_blocks: Sequence[int], device: torch.device) -> None:
-        """Give every owner a zeroed tensor over its group's pool of ``num_blocks[g]``."""
+        """Give every owner its zeroed cache over its group's pool of ``num_blocks[g]``."""
         for owner, g in zip(self.owners, self.owner_groups):
-            spec = owner.cache_spec
-            owner.bind_cache(
-                torch.zeros(spec.tensor_shape(num_blocks[g]), dtype=spec.dtype, device=device)
-            )
+            owner.bind_cache(owner.cache_spec.allocate(num_blocks[g], device))
 
     def release(self) -> None:
         for owner in self.owners:

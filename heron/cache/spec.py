@@ -23,6 +23,11 @@ class CacheSpec:
     block_size: int
     dtype: torch.dtype
 
+    # Whether the kind's entries are content-addressed by the chain of prefix block hashes
+    # (groups that are share one block size), and whether it can serve prefix-cache hits.
+    joins_prefix_chain = True
+    serves_prefix_hits = True
+
     @property
     def bytes_per_block(self) -> int:
         """Bytes of one block (or slot) of one operator's cache."""
@@ -39,6 +44,10 @@ class CacheSpec:
     def table_width(self, max_model_len: int) -> int:
         """Widest table row a decode step needs."""
         raise NotImplementedError
+
+    def allocate(self, num_blocks: int, device: torch.device) -> torch.Tensor | tuple:
+        """One operator's zeroed cache over a pool of ``num_blocks``."""
+        return torch.zeros(self.tensor_shape(num_blocks), dtype=self.dtype, device=device)
 
     def first_table_block(self, context: int | np.ndarray) -> int | np.ndarray:
         """Index, in a request's table, of the first block a step at ``context`` reads."""
