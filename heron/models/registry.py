@@ -7,6 +7,7 @@ from torch import nn
 from heron.models.gemma import GemmaForCausalLM
 from heron.models.gpt_oss import GptOssForCausalLM
 from heron.models.llama import LlamaForCausalLM
+from heron.models.qwen3_5 import Qwen3_5ForCausalLM
 
 MODEL_REGISTRY: dict[str, type[nn.Module]] = {
     "Gemma2ForCausalLM": GemmaForCausalLM,
@@ -16,6 +17,7 @@ MODEL_REGISTRY: dict[str, type[nn.Module]] = {
     "MistralForCausalLM": LlamaForCausalLM,
     "Qwen2ForCausalLM": LlamaForCausalLM,
     "Qwen3ForCausalLM": LlamaForCausalLM,
+    "Qwen3_5ForCausalLM": Qwen3_5ForCausalLM,
 }
 
 

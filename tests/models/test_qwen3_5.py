@@ -1,0 +1,131 @@
+"""Qwen3.5 (dense, text) against HF transformers on a tiny random model.
+
+Gated-delta-rule layers carry each request's state across steps in its slot, so prompts longer
+than a chunk, decode after prefill, preemption (a new slot, recomputed from zero) and batches
+mixing all of these show up as a wrong token if a row reads another row's state or a stale one.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+import transformers as tf
+
+from heron import LLM, SamplingParams
+from heron.cache.recurrent import RecurrentStateSpec
+from heron.cache.spec import FullAttentionSpec
+
+from tiny_models import BASE, greedy_tokens, hf_greedy, hf_prompt_logprobs, make_tokenizer
+
+MAX_NEW = 12
+LINEAR, FULL = "linear_attention", "full_attention"
+LAYER_TYPES = [LINEAR, LINEAR, FULL, LINEAR]
+PROMPTS = [
+    list(range(10, 50)) + [7, 8, 9],
+    [3, 4],
+    [(i * 37) % 300 + 5 for i in range(70)],
+    [5],
+]
+GREEDY = SamplingParams(temperature=0.0, max_tokens=MAX_NEW, ignore_eos=True)
+
+
+def qwen3_5_config() -> tf.Qwen3_5TextConfig:
+    return tf.Qwen3_5TextConfig(
+        **{k: v for k, v in BASE.items() if k != "num_hidden_layers"},
+        num_hidden_layers=len(LAYER_TYPES),
+        layer_types=LAYER_TYPES,
+        head_dim=32,  # partial RoPE: a quarter of it rotates
+        linear_num_key_heads=2,
+        linear_num_value_heads=4,  # q and k repeated to the value heads
+        linear_key_head_dim=16,
+        linear_value_head_dim=8,
+        tie_word_embeddings=True,
+    )
+
+
+def save_qwen3_5(path: Path) -> Path:
+    torch.manual_seed(0)
+    model = tf.AutoModelForCausalLM.from_config(qwen3_5_config(), dtype=torch.float32)
+    # Larger than HF's init so logits are not near-uniform; decays that keep a memory of
+    # several tokens (g = -A * softplus(a + dt_bias)).
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("A_log"):
+                p.copy_(torch.empty_like(p).uniform_(0.05, 0.5).log())
+            elif name.endswith("conv1d.weight"):
+                p.normal_(0.0, 0.5)
+            elif p.dim() == 2:
+                p.normal_(0.0, 0.08)
+            elif name.endswith("linear_attn.norm.weight"):
+                p.uniform_(0.8, 1.2)
+            else:  # (1 + w) norms, dt_bias
+                p.uniform_(-0.5, 0.5)
+    model.generation_config.eos_token_id = None
+    model.save_pretrained(path)
+    make_tokenizer().save_pretrained(path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def qwen3_5_case(tmp_path_factory):
+    path = save_qwen3_5(tmp_path_factory.mktemp("qwen3_5"))
+    hf = tf.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    assert type(hf).__name__ == "Qwen3_5ForCausalLM"
+    return str(path), hf, hf_greedy(hf, PROMPTS, MAX_NEW)
+
+
+def test_greedy_batch_equals_hf(qwen3_5_case):
+    path, _, refs = qwen3_5_case
+    llm = LLM(path, max_model_len=128)
+    assert greedy_tokens(llm, PROMPTS, GREEDY) == refs
+    assert not llm.engine.kv_cache.enable_prefix_caching  # switched off for the hybrid
+
+
+def test_chunked_prefill_and_preemption_equal_hf(qwen3_5_case):
+    """Chunks of 16 tokens (long prompts continue from their saved state, mixed with decodes)
+    over 6 usable blocks, fewer than the batch grows to: requests are preempted, recomputed
+    from an empty state in a new slot, and every slot and block comes back."""
+    path, _, refs = qwen3_5_case
+    llm = LLM(path, max_model_len=96, max_num_batched_tokens=16, num_kv_blocks=7)
+    assert greedy_tokens(llm, PROMPTS, GREEDY) == refs
+    assert llm.engine.scheduler.num_preemptions > 0
+    kv = llm.engine.kv_cache
+    kv.check_invariants()
+    assert all(g.num_free_blocks == g.num_blocks - 1 for g in kv.groups)
+
+
+def test_prompt_logprobs_match_hf(qwen3_5_case):
+    path, hf, _ = qwen3_5_case
+    llm = LLM(path, max_model_len=128, max_num_batched_tokens=32)
+    prompt = PROMPTS[2]
+    out = llm.generate(prompt, SamplingParams(max_tokens=1, prompt_logprobs=3), use_tqdm=False)[0]
+    got = torch.tensor([lp.logprob for lp in out.prompt_logprobs[1:]])
+    assert (got - hf_prompt_logprobs(hf, prompt)).abs().max().item() <= 1e-3
+
+
+def test_plan_shows_the_attention_and_the_gdn_group(qwen3_5_case, capsys):
+    from heron.cli import main
+
+    path, _, _ = qwen3_5_case
+    assert main(["plan", "--model", path, "--max-model-len", "128", "--json"]) == 0
+    plan = json.loads(capsys.readouterr().out)
+    full = [f"model.layers.{i}.self_attn.attn" for i, t in enumerate(LAYER_TYPES) if t == FULL]
+    gdn = [f"model.layers.{i}.linear_attn.gdn" for i, t in enumerate(LAYER_TYPES) if t == LINEAR]
+    by_builder = {g["builder"]: (g["layers"], g["cache_group"]) for g in plan["groups"]}
+    caches = {c["spec"]["kind"]: (c["layers"], c["group"]) for c in plan["cache_groups"]}
+    assert caches.keys() == {FullAttentionSpec.__name__, RecurrentStateSpec.__name__}
+    assert (
+        caches[RecurrentStateSpec.__name__][0] == gdn
+        and caches[FullAttentionSpec.__name__][0] == full
+    )
+    assert by_builder["GatedDeltaNetBuilder(reference)"] == (
+        gdn,
+        caches[RecurrentStateSpec.__name__][1],
+    )
+    assert by_builder["PagedAttentionBuilder(reference)"] == (
+        full,
+        caches[FullAttentionSpec.__name__][1],
+    )
