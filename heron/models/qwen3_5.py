@@ -26,8 +26,8 @@ from heron.models.common import (
     head_dim_of,
     norm_with_residual,
 )
-from heron.ops.linear_attention.operator import GatedDeltaNet, GatedDeltaNetSpec
-from heron.ops.selector import OperatorRuntime, make_attention
+from heron.ops.linear_attention.operator import GatedDeltaNetSpec
+from heron.ops.selector import OperatorRuntime, make_attention, make_gated_delta_net
 
 _STATE_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -109,13 +109,8 @@ class GatedDeltaNetMixer(nn.Module):
         self.A_log = nn.Parameter(torch.zeros(heads), requires_grad=False)
         self.norm = GatedRMSNorm(spec.value_dim, config.rms_norm_eps)
         self.out_proj = Linear(value_size, config.hidden_size, False, runtime.kernels)
-        self.gdn = GatedDeltaNet(
-            f"{prefix}.gdn",
-            spec,
-            self.conv1d.weight,
-            self.A_log,
-            self.dt_bias,
-            build_context=runtime.build_context,
+        self.gdn = make_gated_delta_net(
+            f"{prefix}.gdn", spec, runtime, self.conv1d.weight, self.A_log, self.dt_bias
         )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

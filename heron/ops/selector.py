@@ -14,6 +14,7 @@ from heron.layers.rotary import QKTransform
 from heron.metadata import ModelBuildContext
 from heron.ops.attention.base import AttentionOperator, AttentionSpec
 from heron.ops.attention.reference import ReferenceAttention
+from heron.ops.linear_attention.operator import GatedDeltaNet, GatedDeltaNetSpec
 
 logger = logging.getLogger(__name__)
 
@@ -28,6 +29,19 @@ def _triton_attention() -> type[AttentionOperator]:
 ATTENTION_BACKENDS: dict[str, Callable[[], type[AttentionOperator]]] = {
     "reference": lambda: ReferenceAttention,
     "triton": _triton_attention,
+}
+
+
+def _triton_gated_delta_net() -> type[GatedDeltaNet]:
+    from heron.ops.linear_attention.triton_operator import TritonGatedDeltaNet
+
+    return TritonGatedDeltaNet
+
+
+#: The gated-delta-rule operator of each attention backend.
+GATED_DELTA_NET_BACKENDS: dict[str, Callable[[], type[GatedDeltaNet]]] = {
+    "reference": lambda: GatedDeltaNet,
+    "triton": _triton_gated_delta_net,
 }
 
 
@@ -101,3 +115,17 @@ def make_attention(
         build_context=runtime.build_context,
         sinks=sinks,
     )
+
+
+def make_gated_delta_net(
+    layer_name: str,
+    spec: GatedDeltaNetSpec,
+    runtime: OperatorRuntime,
+    conv_weight: torch.Tensor,
+    A_log: torch.Tensor,
+    dt_bias: torch.Tensor,
+) -> GatedDeltaNet:
+    """The gated-delta-rule operator of the runtime's attention backend, registered in its
+    build scope (the layer's module owns the weights it reads)."""
+    cls = GATED_DELTA_NET_BACKENDS[runtime.attention_backend]()
+    return cls(layer_name, spec, conv_weight, A_log, dt_bias, runtime.build_context)

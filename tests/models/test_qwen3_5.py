@@ -129,3 +129,16 @@ def test_plan_shows_the_attention_and_the_gdn_group(qwen3_5_case, capsys):
         full,
         caches[FullAttentionSpec.__name__][1],
     )
+
+
+def test_triton_operators_equal_hf(qwen3_5_case):
+    """The CUDA default operators (Triton attention, Heron's GDN decode kernels) run by Triton's
+    interpreter on the CPU; decode steps continue from the states the prompts left (few,
+    short requests: the interpreter is slow)."""
+    path, _, refs = qwen3_5_case
+    llm = LLM(path, attention_backend="triton", max_model_len=128)
+    plan = llm.engine.runner.plan
+    assert {g.builder.backend for g in plan.groups} == {"triton"}
+    short = SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True)
+    prompts = [PROMPTS[1], PROMPTS[3]]
+    assert greedy_tokens(llm, prompts, short) == [refs[i][:5] for i in (1, 3)]

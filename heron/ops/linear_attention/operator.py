@@ -58,6 +58,8 @@ class GatedDeltaNet(MetadataOperator):
     at a time in the chunked form.
     """
 
+    backend = "reference"
+
     def __init__(
         self,
         layer_name: str,
@@ -80,7 +82,7 @@ class GatedDeltaNet(MetadataOperator):
             spec.value_dim,
             spec.state_dtype,
         )
-        self._builder = GatedDeltaNetBuilder("reference")
+        self._builder = GatedDeltaNetBuilder(self.backend)
         self.conv_state: torch.Tensor | None = None  # [slots, conv_dim, kernel - 1]
         self.recurrent_state: torch.Tensor | None = None  # [slots, heads, key_dim, value_dim]
 
