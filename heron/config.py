@@ -99,7 +99,7 @@ class ModelConfig:
 
     @property
     def vocab_size(self) -> int:
-        return self.hf_config.vocab_size
+        return self.hf_config.get_text_config().vocab_size
 
     @classmethod
     def from_path(
@@ -118,7 +118,8 @@ class ModelConfig:
             path=path,
             hf_config=hf_config,
             dtype=_resolve_dtype(dtype, hf_config, device),
-            max_model_len=_resolve_max_model_len(hf_config, max_model_len),
+            # A multimodal config keeps the language model's limits in its text config.
+            max_model_len=_resolve_max_model_len(hf_config.get_text_config(), max_model_len),
             eos_token_ids=_eos_token_ids(path, hf_config),
             load_format=load_format,
             seed=seed,

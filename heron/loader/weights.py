@@ -17,9 +17,12 @@ def load_weights(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]]) 
     """Copy ``weights`` into ``model``; raise naming any unknown tensor or unloaded parameter.
 
     ``model.packed_modules`` maps a checkpoint module name (``q_proj``) to the packed module
-    that holds it and its shard (``("qkv_proj", "q")``).
+    that holds it and its shard (``("qkv_proj", "q")``). ``model.checkpoint_prefixes`` maps a
+    checkpoint name prefix to the model's (``None``: tensors the model does not load, such as
+    a multimodal checkpoint's vision tower).
     """
     packed: dict[str, tuple[str, str]] = getattr(model, "packed_modules", {})
+    prefixes: dict[str, str | None] = getattr(model, "checkpoint_prefixes", {})
     params = dict(model.named_parameters())
     owners = {
         f"{prefix}.{pname}" if prefix else pname: module
@@ -29,6 +32,11 @@ def load_weights(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]]) 
     tied_head = getattr(getattr(model, "lm_head", None), "tied", False)
     loaded: dict[str, set[str | None]] = {}
     for name, tensor in weights:
+        prefix = next((p for p in prefixes if name.startswith(p)), None)
+        if prefix is not None:
+            if prefixes[prefix] is None:
+                continue
+            name = prefixes[prefix] + name.removeprefix(prefix)
         if name.endswith(_IGNORED_SUFFIXES) or (tied_head and name == "lm_head.weight"):
             continue
         target, shard = name, None

@@ -8,6 +8,9 @@ The two operator kinds form two metadata groups and two cache groups.
 
 from __future__ import annotations
 
+import copy
+import logging
+
 import torch
 from torch import nn
 from transformers import PretrainedConfig
@@ -28,6 +31,8 @@ from heron.models.common import (
 )
 from heron.ops.linear_attention.operator import GatedDeltaNetSpec
 from heron.ops.selector import OperatorRuntime, make_attention, make_gated_delta_net
+
+logger = logging.getLogger(__name__)
 
 _STATE_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -183,3 +188,21 @@ class Qwen3_5ForCausalLM(DecoderForCausalLM):
 
     def __init__(self, config: PretrainedConfig, runtime: OperatorRuntime) -> None:
         super().__init__(config, Qwen3_5Model(config, runtime), runtime)
+
+
+class Qwen3_5ForConditionalGeneration(Qwen3_5ForCausalLM):
+    """A Qwen3.5 checkpoint as released (vision tower and multi-token-prediction head beside
+    the language model): the language model alone, from ``text_config``; the rest of the
+    checkpoint is not loaded. The head is tied as the top-level config says (as HF ties it)."""
+
+    checkpoint_prefixes = {"model.language_model.": "model.", "model.visual.": None, "mtp.": None}
+
+    def __init__(self, config: PretrainedConfig, runtime: OperatorRuntime) -> None:
+        text_config = copy.copy(config.get_text_config())
+        text_config.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
+        logger.info(
+            "%s: serving the language model only; the vision tower and the multi-token-"
+            "prediction weights are not loaded",
+            type(self).__name__,
+        )
+        super().__init__(text_config, runtime)

@@ -8,6 +8,7 @@ mixing all of these show up as a wrong token if a row reads another row's state 
 from __future__ import annotations
 
 import json
+import logging
 from pathlib import Path
 
 import pytest
@@ -180,3 +181,37 @@ def test_bf16_with_graphs_follows_fp32(qwen3_5_case):
             with torch.no_grad():
                 logits = hf(torch.tensor([prompt + want[:i]])).logits[0, -1]
             assert got[i] in logits.topk(5).indices.tolist(), (prompt, i)
+
+
+def test_conditional_generation_checkpoint_serves_its_language_model(tmp_path, caplog):
+    """A checkpoint as Qwen3.5 is released (vision tower beside the language model, names under
+    model.language_model): the language model's prompt logprobs and greedy tokens equal HF's
+    Qwen3_5ForConditionalGeneration on text, and the log says the vision tower is left out."""
+    text = qwen3_5_config().to_dict()
+    vision = dict(
+        depth=1, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64,
+        patch_size=4, num_position_embeddings=16,
+    )  # fmt: skip
+    config = tf.Qwen3_5Config(text_config=text, vision_config=vision, tie_word_embeddings=True)
+    torch.manual_seed(1)
+    model = tf.Qwen3_5ForConditionalGeneration(config).eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() == 2:
+                p.normal_(0.0, 0.08)
+    model.generation_config.eos_token_id = None
+    model.save_pretrained(tmp_path)
+    make_tokenizer().save_pretrained(tmp_path)
+    prompt = PROMPTS[0]
+    with torch.no_grad():
+        want_lps = torch.log_softmax(model(torch.tensor([prompt])).logits[0].float(), -1)
+        want = model.generate(torch.tensor([prompt]), max_new_tokens=4, do_sample=False)
+    with caplog.at_level(logging.INFO):
+        llm = LLM(str(tmp_path), max_model_len=128)
+    assert caplog.text.count("vision tower") == 1
+    params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True, prompt_logprobs=1)
+    out = llm.generate(prompt, params, use_tqdm=False)[0]
+    assert out.outputs[0].token_ids == want[0, len(prompt) :].tolist()
+    got = torch.tensor([lp.logprob for lp in out.prompt_logprobs[1:]])
+    expected = want_lps[torch.arange(len(prompt) - 1), torch.tensor(prompt[1:])]
+    assert (got - expected).abs().max().item() <= 1e-3
