@@ -35,8 +35,8 @@ class RecurrentStateSpec(CacheSpec):
     ``recurrent_state [num_heads, key_dim, value_dim]`` in ``state_dtype`` (fp32 unless the
     config's ``mamba_ssm_dtype`` says otherwise).
 
-    ``block_size`` is 1: a slot is one entry. The kind does not take part in the chain of
-    prefix block hashes, and serves no prefix hits (it keeps no state checkpoints).
+    ``block_size`` is 1: a slot is one entry, one per request. The kind does not take part in
+    the chain of prefix block hashes, and serves no prefix hits (it keeps no state checkpoints).
     """
 
     conv_dim: int
@@ -48,6 +48,7 @@ class RecurrentStateSpec(CacheSpec):
 
     joins_prefix_chain = False
     serves_prefix_hits = False
+    per_request = True
 
     @property
     def conv_shape(self) -> tuple[int, int]:

@@ -27,6 +27,8 @@ class CacheSpec:
     # (groups that are share one block size), and whether it can serve prefix-cache hits.
     joins_prefix_chain = True
     serves_prefix_hits = True
+    # Whether a request holds a fixed number of entries whatever its length (a state slot).
+    per_request = False
 
     @property
     def bytes_per_block(self) -> int:

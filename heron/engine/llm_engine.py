@@ -146,10 +146,16 @@ class LLMEngine:
         elif self.platform.device.type == "cuda":
             peak = self.runner.profile_peak_memory(min(max_tokens, max_len))
             budget = self.platform.kv_cache_budget(self.config.gpu_memory_utilization, peak)
-            num_blocks = layout.split_budget(budget, max_len, max_tokens)
+            num_blocks = layout.split_budget(
+                budget, max_len, max_tokens, max_running=self.config.max_num_seqs
+            )
         else:
             num_blocks = layout.split_budget(
-                DEFAULT_HOST_KV_CACHE_BYTES, max_len, max_tokens, self.config.max_num_seqs
+                DEFAULT_HOST_KV_CACHE_BYTES,
+                max_len,
+                max_tokens,
+                self.config.max_num_seqs,
+                max_running=self.config.max_num_seqs,
             )
         layout.check_fits(num_blocks, max_len, max_tokens)
         return num_blocks

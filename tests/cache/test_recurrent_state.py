@@ -65,6 +65,18 @@ def test_budget_counts_slots_beside_blocks():
         layout.check_fits([17, 1], max_len, 64)
 
 
+def test_slots_follow_the_running_requests_not_the_longest_sequence():
+    """With ``max_running``, the recurrent group gets a slot per running request and the full
+    group the rest of the budget, when that still holds one max-length sequence."""
+    layout = CacheLayout([_Owner("a", FULL), _Owner("g", SPEC)])
+    (full, slot) = layout.bytes_per_block()
+    budget = full + 8 * 16 * full + 33 * slot  # 8 max-length sequences of 64 tokens and 33 slots
+    assert layout.split_budget(budget, 64, 64)[1] < 16  # as many slots as long sequences fit
+    assert layout.split_budget(budget, 64, 64, max_running=32) == [8 * 16 + 1, 33]
+    tight = full + 16 * full + 10 * slot  # 32 slots would leave no max-length sequence
+    assert layout.split_budget(tight, 64, 64, max_running=32) == layout.split_budget(tight, 64, 64)
+
+
 def test_one_slot_per_request_never_the_null_one():
     kv = CheckedCoordinator([FULL, SPEC], [20, 3], enable_prefix_caching=False)
     a, b, c = (make_request(i, range(6)) for i in "abc")
