@@ -13,7 +13,7 @@ from heron import LLM, SamplingParams
 from heron.models.gpt_oss import gpt_oss_moe
 from heron.ops.selector import layer_kernels
 
-from tiny_models import greedy_tokens, hf_greedy, hf_prompt_logprobs, make_tokenizer
+from tiny_models import cuda_graph_llm, greedy_tokens, hf_greedy, hf_prompt_logprobs, make_tokenizer
 
 WINDOW = 12
 MAX_NEW = 20
@@ -211,15 +211,6 @@ def test_moe_block_equals_hf(path):
 def test_greedy_on_cuda_with_graphs(gpt_oss):
     """Sinks and windows on the Triton operator, the Triton MoE inside the graphs."""
     path, _, refs = gpt_oss
-    llm = LLM(
-        str(path),
-        device="cuda",
-        dtype="float32",
-        max_model_len=128,
-        num_kv_blocks=64,
-        cuda_graph_max_bs=4,
-        max_num_batched_tokens=32,
-    )
-    assert llm.engine.runner.graphs is not None
+    llm = cuda_graph_llm(path)
     assert {g.builder.backend for g in llm.engine.runner.plan.groups} == {"triton"}
     assert _greedy_tokens(llm) == refs
