@@ -42,9 +42,8 @@ class CpuPlatform(Platform):
 class CudaPlatform(Platform):
     name = "cuda"
     # 64-token blocks (lmdeploy's size): a decode step takes the KV cache's slow path (a block
-    # boundary) every 64 tokens instead of every 16, and its block tables are a quarter as wide.
-    # On an H200, 64 requests of 4k on a Gemma-3-1B-shaped model went from 2.06-2.19 to
-    # 1.93-2.05 ms a step, other cases unchanged (BENCHMARKS.md, twelfth session).
+    # boundary) every 64 tokens instead of every 16, and its block tables are a quarter as wide,
+    # which measured faster on large batches of long contexts (BENCHMARKS.md).
     default_block_size = 64
 
     def default_attention_backend(self) -> str:

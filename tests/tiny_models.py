@@ -128,3 +128,21 @@ def hf_prompt_logprobs(hf, prompt: list[int]) -> torch.Tensor:
     with torch.no_grad():
         logits = hf(torch.tensor([prompt])).logits[0].float()
     return torch.log_softmax(logits, -1)[torch.arange(len(prompt) - 1), torch.tensor(prompt[1:])]
+
+
+def cuda_graph_llm(path: Path):
+    """An fp32 engine on CUDA with decode graphs up to batch 4 and 32-token prefill chunks, for
+    exact greedy parity with HF on the GPU."""
+    from heron import LLM
+
+    llm = LLM(
+        str(path),
+        device="cuda",
+        dtype="float32",
+        max_model_len=128,
+        num_kv_blocks=64,
+        cuda_graph_max_bs=4,
+        max_num_batched_tokens=32,
+    )
+    assert llm.engine.runner.graphs is not None
+    return llm

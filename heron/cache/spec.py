@@ -16,6 +16,15 @@ if TYPE_CHECKING:
     from heron.cache.manager import CacheManager
 
 
+def paged_table_width(max_model_len: int, block_size: int, sliding_window: int | None) -> int:
+    """Widest table row a decode step reads: every block of the context, or with a window the
+    blocks from the window's first key to the newest token."""
+    width = -(-max_model_len // block_size)
+    if sliding_window is None:
+        return width
+    return min(width, -(-(sliding_window - 1) // block_size) + 1)
+
+
 @dataclass(frozen=True)
 class CacheSpec:
     """The contract of a cache kind. ``block_size`` is in tokens (1 for per-request slots)."""
@@ -84,7 +93,7 @@ class FullAttentionSpec(CacheSpec):
         return (2, num_blocks, self.block_size, self.num_kv_heads, self.head_dim)
 
     def table_width(self, max_model_len: int) -> int:
-        return -(-max_model_len // self.block_size)
+        return paged_table_width(max_model_len, self.block_size, None)
 
     def first_table_block(self, context: int | np.ndarray) -> int | np.ndarray:
         return 0
@@ -120,8 +129,7 @@ class SlidingWindowSpec(FullAttentionSpec):
         return min(super().blocks_per_seq(max_model_len, max_num_batched_tokens), live)
 
     def table_width(self, max_model_len: int) -> int:
-        window_blocks = -(-(self.sliding_window - 1) // self.block_size) + 1
-        return min(super().table_width(max_model_len), window_blocks)
+        return paged_table_width(max_model_len, self.block_size, self.sliding_window)
 
     def first_table_block(self, context: int | np.ndarray) -> int | np.ndarray:
         """The block of the first key that a token at position ``context`` sees: the one rule

@@ -8,6 +8,7 @@ from heron.models.gemma import GemmaForCausalLM
 from heron.models.gpt_oss import GptOssForCausalLM
 from heron.models.llama import LlamaForCausalLM
 from heron.models.qwen3_5 import Qwen3_5ForCausalLM, Qwen3_5ForConditionalGeneration
+from heron.models.qwen_moe import QwenMoeForCausalLM
 
 MODEL_REGISTRY: dict[str, type[nn.Module]] = {
     "Gemma2ForCausalLM": GemmaForCausalLM,
@@ -16,7 +17,9 @@ MODEL_REGISTRY: dict[str, type[nn.Module]] = {
     "LlamaForCausalLM": LlamaForCausalLM,
     "MistralForCausalLM": LlamaForCausalLM,
     "Qwen2ForCausalLM": LlamaForCausalLM,
+    "Qwen2MoeForCausalLM": QwenMoeForCausalLM,
     "Qwen3ForCausalLM": LlamaForCausalLM,
+    "Qwen3MoeForCausalLM": QwenMoeForCausalLM,
     "Qwen3_5ForCausalLM": Qwen3_5ForCausalLM,
     "Qwen3_5ForConditionalGeneration": Qwen3_5ForConditionalGeneration,
 }
