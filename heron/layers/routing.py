@@ -59,8 +59,11 @@ class Routing:
 
     @classmethod
     def qwen(cls, config: PretrainedConfig) -> Routing:
-        """Qwen2-MoE, Qwen3-MoE, Qwen3-Next and Qwen3.5-MoE."""
-        return cls(config.num_experts_per_tok, "softmax", bool(config.norm_topk_prob))
+        """Qwen2-MoE, Qwen3-MoE, Qwen3-Next and Qwen3.5-MoE (whose config has no
+        ``norm_topk_prob``: it always renormalises)."""
+        return cls(
+            config.num_experts_per_tok, "softmax", bool(getattr(config, "norm_topk_prob", True))
+        )
 
     @classmethod
     def deepseek_v2(cls, config: PretrainedConfig) -> Routing:

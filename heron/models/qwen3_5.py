@@ -10,15 +10,18 @@ from __future__ import annotations
 
 import copy
 import logging
+from collections.abc import Callable
 
 import torch
 from torch import nn
 from transformers import PretrainedConfig
 
+from heron.kernels import LayerKernels
 from heron.layers.activation import SiluAndMul
 from heron.layers.embedding import VocabEmbedding
 from heron.layers.linear import Linear, PackedLinear
 from heron.layers.mlp import GatedMLP
+from heron.layers.moe import SparseMoE
 from heron.layers.norm import GatedRMSNorm, GemmaRMSNorm
 from heron.layers.rotary import QKTransform, RotaryEmbedding
 from heron.models.common import (
@@ -33,6 +36,9 @@ from heron.ops.linear_attention.operator import GatedDeltaNetSpec
 from heron.ops.selector import OperatorRuntime, make_attention, make_gated_delta_net
 
 logger = logging.getLogger(__name__)
+
+#: A layer's MLP from ``(config, kernels)``.
+MLPFactory = Callable[[PretrainedConfig, LayerKernels], nn.Module]
 
 _STATE_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -139,6 +145,7 @@ class Qwen3_5DecoderLayer(nn.Module):
         rotary: RotaryEmbedding,
         runtime: OperatorRuntime,
         prefix: str,
+        mlp: MLPFactory,
     ) -> None:
         super().__init__()
         eps, kernels = config.rms_norm_eps, runtime.kernels
@@ -153,9 +160,7 @@ class Qwen3_5DecoderLayer(nn.Module):
         else:
             raise ValueError(f"layer {layer_idx}: unsupported layer type {layer_type!r}")
         self.post_attention_layernorm = GemmaRMSNorm(config.hidden_size, eps, kernels)
-        self.mlp = GatedMLP(
-            config.hidden_size, config.intermediate_size, SiluAndMul, False, kernels
-        )
+        self.mlp = mlp(config, kernels)
 
     def forward(
         self, x: torch.Tensor, residual: torch.Tensor | None, prenorm: nn.Module | None = None
@@ -165,14 +170,26 @@ class Qwen3_5DecoderLayer(nn.Module):
         return self.mlp(x), residual
 
 
+def dense_mlp(config: PretrainedConfig, kernels: LayerKernels) -> nn.Module:
+    return GatedMLP(config.hidden_size, config.intermediate_size, SiluAndMul, False, kernels)
+
+
+def sparse_mlp(config: PretrainedConfig, kernels: LayerKernels) -> nn.Module:
+    """Qwen3.5-MoE's block: softmax top-k over the experts (weights renormalised), and a
+    sigmoid-gated shared expert."""
+    return SparseMoE.qwen(config, kernels)
+
+
 class Qwen3_5Model(DecoderModel):
-    def __init__(self, config: PretrainedConfig, runtime: OperatorRuntime) -> None:
+    def __init__(
+        self, config: PretrainedConfig, runtime: OperatorRuntime, mlp: MLPFactory = dense_mlp
+    ) -> None:
         super().__init__()
         rotary = RotaryEmbedding(config, head_dim_of(config), runtime.max_model_len)
         self.rotary = rotary
         self.embed_tokens = VocabEmbedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(
-            Qwen3_5DecoderLayer(config, i, rotary, runtime, f"model.layers.{i}")
+            Qwen3_5DecoderLayer(config, i, rotary, runtime, f"model.layers.{i}", mlp)
             for i in range(config.num_hidden_layers)
         )
         self.norm = GemmaRMSNorm(config.hidden_size, config.rms_norm_eps, runtime.kernels)
@@ -185,12 +202,20 @@ class Qwen3_5ForCausalLM(DecoderForCausalLM):
         "in_proj_b": ("in_proj", "b"),
         "in_proj_a": ("in_proj", "a"),
     }
+    mlp: MLPFactory = staticmethod(dense_mlp)
 
     def __init__(self, config: PretrainedConfig, runtime: OperatorRuntime) -> None:
-        super().__init__(config, Qwen3_5Model(config, runtime), runtime)
+        super().__init__(config, Qwen3_5Model(config, runtime, self.mlp), runtime)
 
 
-class Qwen3_5ForConditionalGeneration(Qwen3_5ForCausalLM):
+class Qwen3_5MoeForCausalLM(Qwen3_5ForCausalLM):
+    """Qwen3.5-MoE: every layer's MLP is the sparse block (experts stacked as HF stores them,
+    or one tensor per expert)."""
+
+    mlp = staticmethod(sparse_mlp)
+
+
+class _LanguageModelOf:
     """A Qwen3.5 checkpoint as released (vision tower and multi-token-prediction head beside
     the language model): the language model alone, from ``text_config``; the rest of the
     checkpoint is not loaded. The head is tied as the top-level config says (as HF ties it)."""
@@ -206,3 +231,11 @@ class Qwen3_5ForConditionalGeneration(Qwen3_5ForCausalLM):
             type(self).__name__,
         )
         super().__init__(text_config, runtime)
+
+
+class Qwen3_5ForConditionalGeneration(_LanguageModelOf, Qwen3_5ForCausalLM):
+    pass
+
+
+class Qwen3_5MoeForConditionalGeneration(_LanguageModelOf, Qwen3_5MoeForCausalLM):
+    pass

@@ -7,7 +7,12 @@ from torch import nn
 from heron.models.gemma import GemmaForCausalLM
 from heron.models.gpt_oss import GptOssForCausalLM
 from heron.models.llama import LlamaForCausalLM
-from heron.models.qwen3_5 import Qwen3_5ForCausalLM, Qwen3_5ForConditionalGeneration
+from heron.models.qwen3_5 import (
+    Qwen3_5ForCausalLM,
+    Qwen3_5ForConditionalGeneration,
+    Qwen3_5MoeForCausalLM,
+    Qwen3_5MoeForConditionalGeneration,
+)
 from heron.models.qwen_moe import QwenMoeForCausalLM
 
 MODEL_REGISTRY: dict[str, type[nn.Module]] = {
@@ -22,6 +27,8 @@ MODEL_REGISTRY: dict[str, type[nn.Module]] = {
     "Qwen3MoeForCausalLM": QwenMoeForCausalLM,
     "Qwen3_5ForCausalLM": Qwen3_5ForCausalLM,
     "Qwen3_5ForConditionalGeneration": Qwen3_5ForConditionalGeneration,
+    "Qwen3_5MoeForCausalLM": Qwen3_5MoeForCausalLM,
+    "Qwen3_5MoeForConditionalGeneration": Qwen3_5MoeForConditionalGeneration,
 }
 
 
