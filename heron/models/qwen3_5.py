@@ -1,4 +1,5 @@
-"""Qwen3.5 (dense, text): gated-delta-rule layers interleaved with gated full attention.
+"""Qwen3.5 (dense and MoE, text) and Qwen3-Next: gated-delta-rule layers interleaved with gated
+full attention.
 
 ``layer_types`` names each layer ``linear_attention`` (a :class:`GatedDeltaNet` operator over
 one recurrent state per request) or ``full_attention`` (paged attention whose output is gated
@@ -32,13 +33,14 @@ from heron.models.common import (
     head_dim_of,
     norm_with_residual,
 )
+from heron.models.qwen_moe import is_sparse_layer
 from heron.ops.linear_attention.operator import GatedDeltaNetSpec
 from heron.ops.selector import OperatorRuntime, make_attention, make_gated_delta_net
 
 logger = logging.getLogger(__name__)
 
-#: A layer's MLP from ``(config, kernels)``.
-MLPFactory = Callable[[PretrainedConfig, LayerKernels], nn.Module]
+#: A layer's MLP from ``(config, layer index, kernels)``.
+MLPFactory = Callable[[PretrainedConfig, int, LayerKernels], nn.Module]
 
 _STATE_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -95,22 +97,56 @@ class GatedAttention(nn.Module):
         return self.o_proj(out * torch.sigmoid(gate.reshape(tokens, q_size)))
 
 
-class GatedDeltaNetMixer(nn.Module):
-    """Qwen3.5's linear-attention block: projections, the GDN operator, the gated norm with
-    ``z`` and ``out_proj``. ``in_proj_qkv``, ``in_proj_z``, ``in_proj_b`` and ``in_proj_a``
-    are packed into one ``in_proj``."""
+def split_in_proj(hidden_size: int, spec: GatedDeltaNetSpec, kernels: LayerKernels) -> PackedLinear:
+    """Qwen3.5's ``in_proj_qkv``, ``in_proj_z``, ``in_proj_b`` and ``in_proj_a``, packed."""
+    heads, value_size = spec.num_value_heads, spec.num_value_heads * spec.value_dim
+    shards = {"qkv": spec.conv_dim, "z": value_size, "b": heads, "a": heads}
+    return PackedLinear(hidden_size, shards, False, kernels)
 
-    def __init__(self, config: PretrainedConfig, runtime: OperatorRuntime, prefix: str) -> None:
+
+class InterleavedInProj(PackedLinear):
+    """Qwen3-Next's ``in_proj_qkvz`` and ``in_proj_ba``, which group rows by key head (per
+    head: q, k, its value heads' v, then z; b then a), loaded into Qwen3.5's order
+    ``[q | k | v | z | b | a]`` (each over all heads), so one split serves both."""
+
+    def __init__(self, hidden_size: int, spec: GatedDeltaNetSpec, kernels: LayerKernels) -> None:
+        heads = spec.num_value_heads
+        shards = {"qkvz": spec.conv_dim + heads * spec.value_dim, "ba": 2 * heads}
+        super().__init__(hidden_size, shards, False, kernels)
+        self.spec = spec
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard: str | None) -> None:
+        s = self.spec
+        per_key = s.num_value_heads // s.num_key_heads
+        if shard == "qkvz":
+            sizes = [s.key_dim, s.key_dim, per_key * s.value_dim, per_key * s.value_dim]
+        else:
+            sizes = [per_key, per_key]
+        grouped = loaded.reshape(s.num_key_heads, -1, loaded.shape[-1]).split(sizes, dim=1)
+        regrouped = torch.cat([part.reshape(-1, loaded.shape[-1]) for part in grouped])
+        super().weight_loader(param, regrouped, shard)
+
+
+#: The packed input projection of a GDN layer from ``(hidden_size, spec, kernels)``.
+InProjFactory = Callable[[int, GatedDeltaNetSpec, LayerKernels], PackedLinear]
+
+
+class GatedDeltaNetMixer(nn.Module):
+    """The linear-attention block: the packed input projection (``[qkv | z | b | a]`` after
+    loading), the GDN operator, the gated norm with ``z`` and ``out_proj``."""
+
+    def __init__(
+        self,
+        config: PretrainedConfig,
+        runtime: OperatorRuntime,
+        prefix: str,
+        in_proj: InProjFactory = split_in_proj,
+    ) -> None:
         super().__init__()
         spec = gated_delta_net_spec(config)
         self.spec = spec
         heads, value_size = spec.num_value_heads, spec.num_value_heads * spec.value_dim
-        self.in_proj = PackedLinear(
-            config.hidden_size,
-            {"qkv": spec.conv_dim, "z": value_size, "b": heads, "a": heads},
-            False,
-            runtime.kernels,
-        )
+        self.in_proj = in_proj(config.hidden_size, spec, runtime.kernels)
         # Registered before the operator (which holds them too): checkpoint names linear_attn.*.
         self.conv1d = nn.Conv1d(
             spec.conv_dim, spec.conv_dim, spec.conv_kernel, groups=spec.conv_dim, bias=False
@@ -146,13 +182,14 @@ class Qwen3_5DecoderLayer(nn.Module):
         runtime: OperatorRuntime,
         prefix: str,
         mlp: MLPFactory,
+        in_proj: InProjFactory,
     ) -> None:
         super().__init__()
         eps, kernels = config.rms_norm_eps, runtime.kernels
         self.input_layernorm = GemmaRMSNorm(config.hidden_size, eps, kernels)
         layer_type = config.layer_types[layer_idx]
         if layer_type == "linear_attention":
-            self.linear_attn = GatedDeltaNetMixer(config, runtime, f"{prefix}.linear_attn")
+            self.linear_attn = GatedDeltaNetMixer(config, runtime, f"{prefix}.linear_attn", in_proj)
             self.mixer = self.linear_attn
         elif layer_type == "full_attention":
             self.self_attn = GatedAttention(config, rotary, runtime, f"{prefix}.self_attn")
@@ -160,7 +197,7 @@ class Qwen3_5DecoderLayer(nn.Module):
         else:
             raise ValueError(f"layer {layer_idx}: unsupported layer type {layer_type!r}")
         self.post_attention_layernorm = GemmaRMSNorm(config.hidden_size, eps, kernels)
-        self.mlp = mlp(config, kernels)
+        self.mlp = mlp(config, layer_idx, kernels)
 
     def forward(
         self, x: torch.Tensor, residual: torch.Tensor | None, prenorm: nn.Module | None = None
@@ -170,26 +207,38 @@ class Qwen3_5DecoderLayer(nn.Module):
         return self.mlp(x), residual
 
 
-def dense_mlp(config: PretrainedConfig, kernels: LayerKernels) -> nn.Module:
+def dense_mlp(config: PretrainedConfig, layer_idx: int, kernels: LayerKernels) -> nn.Module:
     return GatedMLP(config.hidden_size, config.intermediate_size, SiluAndMul, False, kernels)
 
 
-def sparse_mlp(config: PretrainedConfig, kernels: LayerKernels) -> nn.Module:
-    """Qwen3.5-MoE's block: softmax top-k over the experts (weights renormalised), and a
-    sigmoid-gated shared expert."""
+def sparse_mlp(config: PretrainedConfig, layer_idx: int, kernels: LayerKernels) -> nn.Module:
+    """Qwen3.5-MoE's block on every layer: softmax top-k over the experts (weights
+    renormalised), and a sigmoid-gated shared expert."""
     return SparseMoE.qwen(config, kernels)
+
+
+def qwen3_next_mlp(config: PretrainedConfig, layer_idx: int, kernels: LayerKernels) -> nn.Module:
+    """The sparse block where ``decoder_sparse_step`` / ``mlp_only_layers`` put one, else a
+    dense MLP (as HF's Qwen3-Next)."""
+    if is_sparse_layer(config, layer_idx):
+        return SparseMoE.qwen(config, kernels)
+    return dense_mlp(config, layer_idx, kernels)
 
 
 class Qwen3_5Model(DecoderModel):
     def __init__(
-        self, config: PretrainedConfig, runtime: OperatorRuntime, mlp: MLPFactory = dense_mlp
+        self,
+        config: PretrainedConfig,
+        runtime: OperatorRuntime,
+        mlp: MLPFactory = dense_mlp,
+        in_proj: InProjFactory = split_in_proj,
     ) -> None:
         super().__init__()
         rotary = RotaryEmbedding(config, head_dim_of(config), runtime.max_model_len)
         self.rotary = rotary
         self.embed_tokens = VocabEmbedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(
-            Qwen3_5DecoderLayer(config, i, rotary, runtime, f"model.layers.{i}", mlp)
+            Qwen3_5DecoderLayer(config, i, rotary, runtime, f"model.layers.{i}", mlp, in_proj)
             for i in range(config.num_hidden_layers)
         )
         self.norm = GemmaRMSNorm(config.hidden_size, config.rms_norm_eps, runtime.kernels)
@@ -203,9 +252,10 @@ class Qwen3_5ForCausalLM(DecoderForCausalLM):
         "in_proj_a": ("in_proj", "a"),
     }
     mlp: MLPFactory = staticmethod(dense_mlp)
+    in_proj: InProjFactory = staticmethod(split_in_proj)
 
     def __init__(self, config: PretrainedConfig, runtime: OperatorRuntime) -> None:
-        super().__init__(config, Qwen3_5Model(config, runtime, self.mlp), runtime)
+        super().__init__(config, Qwen3_5Model(config, runtime, self.mlp, self.in_proj), runtime)
 
 
 class Qwen3_5MoeForCausalLM(Qwen3_5ForCausalLM):
@@ -213,6 +263,18 @@ class Qwen3_5MoeForCausalLM(Qwen3_5ForCausalLM):
     or one tensor per expert)."""
 
     mlp = staticmethod(sparse_mlp)
+
+
+class Qwen3NextForCausalLM(Qwen3_5ForCausalLM):
+    """Qwen3-Next: the same layers with fused, per-key-head interleaved input projections, and
+    sparse MLPs where the config puts them."""
+
+    packed_modules = PACKED_MODULES | {
+        "in_proj_qkvz": ("in_proj", "qkvz"),
+        "in_proj_ba": ("in_proj", "ba"),
+    }
+    mlp = staticmethod(qwen3_next_mlp)
+    in_proj = staticmethod(InterleavedInProj)
 
 
 class _LanguageModelOf:

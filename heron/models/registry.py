@@ -12,6 +12,7 @@ from heron.models.qwen3_5 import (
     Qwen3_5ForConditionalGeneration,
     Qwen3_5MoeForCausalLM,
     Qwen3_5MoeForConditionalGeneration,
+    Qwen3NextForCausalLM,
 )
 from heron.models.qwen_moe import QwenMoeForCausalLM
 
@@ -25,6 +26,7 @@ MODEL_REGISTRY: dict[str, type[nn.Module]] = {
     "Qwen2MoeForCausalLM": QwenMoeForCausalLM,
     "Qwen3ForCausalLM": LlamaForCausalLM,
     "Qwen3MoeForCausalLM": QwenMoeForCausalLM,
+    "Qwen3NextForCausalLM": Qwen3NextForCausalLM,
     "Qwen3_5ForCausalLM": Qwen3_5ForCausalLM,
     "Qwen3_5ForConditionalGeneration": Qwen3_5ForConditionalGeneration,
     "Qwen3_5MoeForCausalLM": Qwen3_5MoeForCausalLM,

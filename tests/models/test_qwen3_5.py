@@ -240,3 +240,38 @@ def test_qwen3_5_moe_equals_hf(tmp_path):
     llm = LLM(str(tmp_path), max_model_len=128, max_num_batched_tokens=16)
     short = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
     assert greedy_tokens(llm, prompts, short) == hf_greedy(model, prompts, 8)
+
+
+def test_qwen3_next_equals_hf(tmp_path):
+    """Qwen3-Next: fused per-key-head interleaved in_proj_qkvz / in_proj_ba (two value heads
+    per key head), sparse and dense MLPs alternating (decoder_sparse_step 2), chunked prefill
+    mixed with decode, against HF."""
+    shape = {"model_type", "architectures", "transformers_version", "dtype"}
+    fields = {
+        k: v
+        for k, v in qwen3_5_config().to_dict().items()
+        if k in tf.Qwen3NextConfig.__dataclass_fields__ and k not in shape
+    }
+    fields.update(
+        num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+        shared_expert_intermediate_size=48, decoder_sparse_step=2, norm_topk_prob=False,
+    )  # fmt: skip
+    config = tf.Qwen3NextConfig(**fields)
+    config.architectures = ["Qwen3NextForCausalLM"]
+    torch.manual_seed(3)
+    model = tf.Qwen3NextForCausalLM(config).eval()
+    assert {type(layer.mlp).__name__ for layer in model.model.layers} == {
+        "Qwen3NextMLP",
+        "Qwen3NextSparseMoeBlock",
+    }
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() >= 2:
+                p.normal_(0.0, 0.08)
+    model.generation_config.eos_token_id = None
+    model.save_pretrained(tmp_path)
+    make_tokenizer().save_pretrained(tmp_path)
+    prompts = [PROMPTS[0], PROMPTS[1], PROMPTS[3]]
+    llm = LLM(str(tmp_path), max_model_len=128, max_num_batched_tokens=16)
+    short = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    assert greedy_tokens(llm, prompts, short) == hf_greedy(model, prompts, 8)
