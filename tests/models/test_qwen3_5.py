@@ -217,61 +217,58 @@ def test_conditional_generation_checkpoint_serves_its_language_model(tmp_path, c
     assert (got - expected).abs().max().item() <= 1e-3
 
 
-def test_qwen3_5_moe_equals_hf(tmp_path):
-    """Qwen3.5-MoE (every MLP a sparse block: softmax top-2 of 4 experts renormalised, and a
-    sigmoid-gated shared expert), chunked prefill mixed with decode, against HF."""
-    fields = qwen3_5_config().to_dict()
-    fields.update(
-        num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
-        shared_expert_intermediate_size=48,
+def moe_variant(config_cls, model_cls, seed: int, **fields) -> torch.nn.Module:
+    """HF's ``model_cls``: the tiny shape with 4 experts (top 2) of width 32 and a shared
+    expert of 48, larger random weights."""
+    skip = {"model_type", "architectures", "transformers_version", "dtype"}
+    shape = {
+        k: v
+        for k, v in qwen3_5_config().to_dict().items()
+        if k in config_cls.__dataclass_fields__ and k not in skip
+    }
+    config = config_cls(
+        **shape, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+        shared_expert_intermediate_size=48, **fields,
     )  # fmt: skip
-    config = tf.Qwen3_5MoeTextConfig(**fields)
-    config.architectures = ["Qwen3_5MoeForCausalLM"]
-    torch.manual_seed(2)
-    model = tf.Qwen3_5MoeForCausalLM(config).eval()
+    config.architectures = [model_cls.__name__]
+    torch.manual_seed(seed)
+    model = model_cls(config).eval()
     with torch.no_grad():
         for p in model.parameters():
             if p.dim() >= 2:
                 p.normal_(0.0, 0.08)
     model.generation_config.eos_token_id = None
-    model.save_pretrained(tmp_path)
-    make_tokenizer().save_pretrained(tmp_path)
+    return model
+
+
+def assert_chunked_greedy_equals_hf(model: torch.nn.Module, path: Path) -> None:
+    """Saved, then run by Heron in 16-token chunks mixed with decode: HF's greedy tokens."""
+    model.save_pretrained(path)
+    make_tokenizer().save_pretrained(path)
     prompts = [PROMPTS[0], PROMPTS[1], PROMPTS[3]]
-    llm = LLM(str(tmp_path), max_model_len=128, max_num_batched_tokens=16)
+    llm = LLM(str(path), max_model_len=128, max_num_batched_tokens=16)
     short = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
     assert greedy_tokens(llm, prompts, short) == hf_greedy(model, prompts, 8)
+
+
+def test_qwen3_5_moe_equals_hf(tmp_path):
+    """Qwen3.5-MoE: every MLP a sparse block (softmax top-2 of 4 experts, renormalised, and a
+    sigmoid-gated shared expert)."""
+    model = moe_variant(tf.Qwen3_5MoeTextConfig, tf.Qwen3_5MoeForCausalLM, seed=2)
+    assert_chunked_greedy_equals_hf(model, tmp_path)
 
 
 def test_qwen3_next_equals_hf(tmp_path):
     """Qwen3-Next: fused per-key-head interleaved in_proj_qkvz / in_proj_ba (two value heads
-    per key head), sparse and dense MLPs alternating (decoder_sparse_step 2), chunked prefill
-    mixed with decode, against HF."""
-    shape = {"model_type", "architectures", "transformers_version", "dtype"}
-    fields = {
-        k: v
-        for k, v in qwen3_5_config().to_dict().items()
-        if k in tf.Qwen3NextConfig.__dataclass_fields__ and k not in shape
-    }
-    fields.update(
-        num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
-        shared_expert_intermediate_size=48, decoder_sparse_step=2, norm_topk_prob=False,
-    )  # fmt: skip
-    config = tf.Qwen3NextConfig(**fields)
-    config.architectures = ["Qwen3NextForCausalLM"]
-    torch.manual_seed(3)
-    model = tf.Qwen3NextForCausalLM(config).eval()
-    assert {type(layer.mlp).__name__ for layer in model.model.layers} == {
-        "Qwen3NextMLP",
-        "Qwen3NextSparseMoeBlock",
-    }
-    with torch.no_grad():
-        for p in model.parameters():
-            if p.dim() >= 2:
-                p.normal_(0.0, 0.08)
-    model.generation_config.eos_token_id = None
-    model.save_pretrained(tmp_path)
-    make_tokenizer().save_pretrained(tmp_path)
-    prompts = [PROMPTS[0], PROMPTS[1], PROMPTS[3]]
-    llm = LLM(str(tmp_path), max_model_len=128, max_num_batched_tokens=16)
-    short = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
-    assert greedy_tokens(llm, prompts, short) == hf_greedy(model, prompts, 8)
+    per key head), sparse and dense MLPs alternating (decoder_sparse_step 2), unnormalised
+    top-k weights."""
+    model = moe_variant(
+        tf.Qwen3NextConfig,
+        tf.Qwen3NextForCausalLM,
+        seed=3,
+        decoder_sparse_step=2,
+        norm_topk_prob=False,
+    )
+    mlps = {type(layer.mlp).__name__ for layer in model.model.layers}
+    assert mlps == {"Qwen3NextMLP", "Qwen3NextSparseMoeBlock"}
+    assert_chunked_greedy_equals_hf(model, tmp_path)
