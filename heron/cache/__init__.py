@@ -4,7 +4,7 @@ from heron.cache.block_pool import NULL_BLOCK_ID, BlockPool, hash_block_tokens
 from heron.cache.coordinator import GroupUsage, KVCacheCoordinator
 from heron.cache.manager import AllocationHeadroom, AllocationPlan, CacheManager
 from heron.cache.paged import PagedCacheManager, PagedPlan
-from heron.cache.spec import CacheSpec, FullAttentionSpec, SlidingWindowSpec
+from heron.cache.spec import CacheSpec, FullAttentionSpec, LatentAttentionSpec, SlidingWindowSpec
 
 __all__ = [
     "NULL_BLOCK_ID",
@@ -16,6 +16,7 @@ __all__ = [
     "FullAttentionSpec",
     "GroupUsage",
     "KVCacheCoordinator",
+    "LatentAttentionSpec",
     "PagedCacheManager",
     "PagedPlan",
     "SlidingWindowSpec",
