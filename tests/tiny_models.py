@@ -128,3 +128,32 @@ def hf_prompt_logprobs(hf, prompt: list[int]) -> torch.Tensor:
     with torch.no_grad():
         logits = hf(torch.tensor([prompt])).logits[0].float()
     return torch.log_softmax(logits, -1)[torch.arange(len(prompt) - 1), torch.tensor(prompt[1:])]
+
+
+# Prompts for engine parity tests with 16-token blocks: the first two share a 32-token prefix
+# (two full blocks), one is shorter than a block, one spans several.
+SHARED_PREFIX_PROMPTS = [
+    list(range(10, 42)) + [7, 8, 9],
+    list(range(10, 42)) + [200, 201, 202, 203, 204],
+    [3, 4, 5, 6],
+    [(i * 37) % 300 + 5 for i in range(50)],
+]
+
+
+def rerun_from_prefix_cache(llm, prompts: list[list[int]], params, refs) -> None:
+    """Run ``prompts`` again on ``llm``, which ran them before: equal tokens, the shared prefix
+    of the first (two blocks) taken from the cache."""
+    outputs = llm.generate(prompts, params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outputs] == refs
+    assert outputs[0].num_cached_tokens == 32
+    assert llm.engine.kv_cache.prefix_cache_hits > 0
+
+
+def prompt_logprob_error(llm, hf, prompt: list[int]) -> float:
+    """The largest difference between Heron's and HF's prompt logprobs of ``prompt``."""
+    from heron import SamplingParams
+
+    params = SamplingParams(max_tokens=1, prompt_logprobs=1)
+    out = llm.generate(prompt, params, use_tqdm=False)[0]
+    got = torch.tensor([lp.logprob for lp in out.prompt_logprobs[1:]])
+    return (got - hf_prompt_logprobs(hf, prompt)).abs().max().item()

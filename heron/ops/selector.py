@@ -8,12 +8,15 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
+from torch import nn
 
 from heron.kernels import TORCH_KERNELS, LayerKernels
 from heron.layers.rotary import QKTransform
 from heron.metadata import ModelBuildContext
 from heron.ops.attention.base import AttentionOperator, AttentionSpec
 from heron.ops.attention.reference import ReferenceAttention
+from heron.ops.mla.base import MLAOperator, MLASpec
+from heron.ops.mla.reference import ReferenceMLA
 
 logger = logging.getLogger(__name__)
 
@@ -28,6 +31,19 @@ def _triton_attention() -> type[AttentionOperator]:
 ATTENTION_BACKENDS: dict[str, Callable[[], type[AttentionOperator]]] = {
     "reference": lambda: ReferenceAttention,
     "triton": _triton_attention,
+}
+
+
+def _triton_mla() -> type[MLAOperator]:
+    from heron.ops.mla.triton import TritonMLA
+
+    return TritonMLA
+
+
+# Latent attention follows the attention backend's name: one switch picks both families.
+MLA_BACKENDS: dict[str, Callable[[], type[MLAOperator]]] = {
+    "reference": lambda: ReferenceMLA,
+    "triton": _triton_mla,
 }
 
 
@@ -100,4 +116,28 @@ def make_attention(
         qk_transform=qk_transform,
         build_context=runtime.build_context,
         sinks=sinks,
+    )
+
+
+def make_mla(
+    layer_name: str,
+    spec: MLASpec,
+    runtime: OperatorRuntime,
+    rotary: nn.Module,
+    kv_b_proj: nn.Module,
+) -> MLAOperator:
+    """The latent attention operator for one layer, of the runtime's attention backend."""
+    backend = runtime.attention_backend
+    if backend not in MLA_BACKENDS:
+        raise ValueError(
+            f"no latent attention for backend {backend!r}; available: {sorted(MLA_BACKENDS)}"
+        )
+    return MLA_BACKENDS[backend]()(
+        layer_name,
+        spec,
+        runtime.block_size,
+        runtime.max_model_len,
+        rotary,
+        kv_b_proj,
+        build_context=runtime.build_context,
     )
