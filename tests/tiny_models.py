@@ -157,3 +157,20 @@ def prompt_logprob_error(llm, hf, prompt: list[int]) -> float:
     out = llm.generate(prompt, params, use_tqdm=False)[0]
     got = torch.tensor([lp.logprob for lp in out.prompt_logprobs[1:]])
     return (got - hf_prompt_logprobs(hf, prompt)).abs().max().item()
+
+
+def cuda_graph_llm(path):
+    """An fp32 LLM on CUDA with decode graphs up to batch 4, for greedy parity with HF."""
+    from heron import LLM
+
+    llm = LLM(
+        str(path),
+        device="cuda",
+        dtype="float32",
+        max_model_len=128,
+        num_kv_blocks=64,
+        cuda_graph_max_bs=4,
+        max_num_batched_tokens=32,
+    )
+    assert llm.engine.runner.graphs is not None
+    return llm

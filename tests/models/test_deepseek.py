@@ -14,6 +14,7 @@ from heron.models.deepseek import mla_softmax_scale
 
 from tiny_models import (
     SHARED_PREFIX_PROMPTS,
+    cuda_graph_llm,
     greedy_tokens,
     hf_greedy,
     make_tokenizer,
@@ -143,3 +144,24 @@ def test_moe_layers_are_refused_by_name(tmp_path):
     make_tokenizer().save_pretrained(tmp_path)
     with pytest.raises(ValueError, match="layer 1 .* mixture-of-experts"):
         LLM(str(tmp_path), max_model_len=64)
+
+
+def test_triton_operator_equals_hf(deepseek):
+    """The CUDA default latent operator, its decode kernel run by Triton's interpreter, with a
+    chunked prefill mixed into decode steps."""
+    path, hf, _ = deepseek
+    prompts, new = [PROMPTS[0], PROMPTS[2]], 6
+    llm = LLM(str(path), attention_backend="triton", max_model_len=128, max_num_batched_tokens=16)
+    assert [g.builder.describe() for g in llm.engine.runner.plan.groups] == [
+        "TritonMLABuilder(triton)"
+    ]
+    params = SamplingParams(temperature=0.0, max_tokens=new, ignore_eos=True)
+    assert greedy_tokens(llm, prompts, params) == hf_greedy(hf, prompts, new)
+
+
+@pytest.mark.gpu
+def test_greedy_on_cuda_with_graphs(deepseek):
+    """The Triton latent operator inside captured decode graphs (its plan made on replay)."""
+    path, _, refs = deepseek
+    llm = cuda_graph_llm(path)
+    assert greedy_tokens(llm, PROMPTS, GREEDY) == refs

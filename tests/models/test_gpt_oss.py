@@ -14,6 +14,7 @@ from heron.layers.moe import MoEMLP
 
 from tiny_models import (
     SHARED_PREFIX_PROMPTS,
+    cuda_graph_llm,
     greedy_tokens,
     hf_greedy,
     make_tokenizer,
@@ -203,15 +204,6 @@ def test_moe_block_equals_hf(path):
 def test_greedy_on_cuda_with_graphs(gpt_oss):
     """Sinks and windows on the Triton operator, the Triton MoE inside the graphs."""
     path, _, refs = gpt_oss
-    llm = LLM(
-        str(path),
-        device="cuda",
-        dtype="float32",
-        max_model_len=128,
-        num_kv_blocks=64,
-        cuda_graph_max_bs=4,
-        max_num_batched_tokens=32,
-    )
-    assert llm.engine.runner.graphs is not None
+    llm = cuda_graph_llm(path)
     assert {g.builder.backend for g in llm.engine.runner.plan.groups} == {"triton"}
     assert _greedy_tokens(llm) == refs
