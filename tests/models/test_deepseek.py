@@ -4,12 +4,14 @@ prefill with prefix hits, preemption, prompt logprobs, and the plan's latent gro
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 import transformers as tf
 
 from heron import LLM, SamplingParams
-from heron.cache import LatentAttentionSpec
+from heron.cli import main
 from heron.models.deepseek import mla_softmax_scale
 
 from tiny_models import (
@@ -75,22 +77,43 @@ def randomize(module: torch.nn.Module) -> None:
                 p.normal_(0.0, 0.1)
 
 
-@pytest.fixture(scope="module", params=["v2", "v3"])
-def deepseek(request, tmp_path_factory):
-    """The saved tiny model, its HF eager reference and HF's greedy continuations."""
-    torch.manual_seed(0)
-    path = tmp_path_factory.mktemp(f"deepseek_{request.param}")
-    config = v2_config() if request.param == "v2" else v3_config()
-    cls = tf.DeepseekV2ForCausalLM if request.param == "v2" else tf.DeepseekV3ForCausalLM
-    model = cls(config)
-    randomize(model)
-    model.generation_config.eos_token_id = None
-    model.save_pretrained(path)
-    make_tokenizer().save_pretrained(path)
-    hf = tf.AutoModelForCausalLM.from_pretrained(
-        path, dtype=torch.float32, attn_implementation="eager"
-    ).eval()
-    return path, hf, hf_greedy(hf, PROMPTS, MAX_NEW)
+@pytest.fixture(scope="module")
+def saved_models(tmp_path_factory):
+    """Factory: the saved tiny model of a variant, its HF eager reference and HF's greedy
+    continuations (built once per module)."""
+    cache = {}
+
+    def get(variant: str):
+        if variant not in cache:
+            torch.manual_seed(0)
+            path = tmp_path_factory.mktemp(f"deepseek_{variant}")
+            v2 = variant == "v2"
+            model = (tf.DeepseekV2ForCausalLM if v2 else tf.DeepseekV3ForCausalLM)(
+                v2_config() if v2 else v3_config()
+            )
+            randomize(model)
+            model.generation_config.eos_token_id = None
+            model.save_pretrained(path)
+            make_tokenizer().save_pretrained(path)
+            hf = tf.AutoModelForCausalLM.from_pretrained(
+                path, dtype=torch.float32, attn_implementation="eager"
+            ).eval()
+            cache[variant] = path, hf, hf_greedy(hf, PROMPTS, MAX_NEW)
+        return cache[variant]
+
+    return get
+
+
+@pytest.fixture(params=["v2", "v3"])
+def deepseek(request, saved_models):
+    return saved_models(request.param)
+
+
+@pytest.fixture
+def deepseek_v3(saved_models):
+    """V3 alone, for the engine paths (chunks, prefix hits, preemption) that do not depend
+    on the attention's variant."""
+    return saved_models("v3")
 
 
 def test_softmax_scale_is_hfs(deepseek):
@@ -98,18 +121,26 @@ def test_softmax_scale_is_hfs(deepseek):
     assert mla_softmax_scale(hf.config) == hf.model.layers[0].self_attn.scaling
 
 
-def test_plan_has_a_latent_group_and_cache_group(deepseek):
-    path, _, _ = deepseek
-    runner = LLM(str(path), max_model_len=128).engine.runner
-    groups = runner.plan.describe()["groups"]
-    assert runner.plan.fallback_reason is None
-    assert [(g["builder"], g["layers"]) for g in groups] == [
-        (
-            "LatentAttentionBuilder(reference)",
-            ["model.layers.0.self_attn.attn", "model.layers.1.self_attn.attn"],
-        )
+def test_plan_shows_the_latent_group_and_cache_group(deepseek_v3, capsys):
+    path, _, _ = deepseek_v3
+    assert main(["plan", "--model", str(path), "--max-model-len", "128", "--json"]) == 0
+    plan = json.loads(capsys.readouterr().out)
+    layers = ["model.layers.0.self_attn.attn", "model.layers.1.self_attn.attn"]
+    assert plan["fallback_reason"] is None
+    assert [(g["builder"], g["layers"], g["cache_group"]) for g in plan["groups"]] == [
+        ("LatentAttentionBuilder(reference)", layers, 0)
     ]
-    assert runner.cache_specs == [LatentAttentionSpec(16, torch.float32, 32, 8)]
+    (cache,) = plan["cache_groups"]
+    assert cache["spec"] == {
+        "kind": "LatentAttentionSpec",
+        "block_size": 16,
+        "dtype": "float32",
+        "kv_lora_rank": 32,
+        "rope_dim": 8,
+    }
+    assert cache["layers"] == layers
+    assert main(["plan", "--model", str(path), "--max-model-len", "128"]) == 0
+    assert "latent attention: 16-token blocks, latent 32 + rope 8" in capsys.readouterr().out
 
 
 def test_greedy_batch_equals_hf(deepseek):
@@ -118,22 +149,22 @@ def test_greedy_batch_equals_hf(deepseek):
     assert greedy_tokens(llm, PROMPTS, GREEDY) == refs
 
 
-def test_chunked_prefill_and_prefix_caching(deepseek):
-    path, _, refs = deepseek
+def test_chunked_prefill_and_prefix_caching(deepseek_v3):
+    path, _, refs = deepseek_v3
     llm = LLM(str(path), max_model_len=128, max_num_batched_tokens=16)
     assert greedy_tokens(llm, PROMPTS, GREEDY) == refs
     rerun_from_prefix_cache(llm, PROMPTS, GREEDY, refs)
 
 
-def test_preemption_under_memory_pressure(deepseek):
-    path, _, refs = deepseek
+def test_preemption_under_memory_pressure(deepseek_v3):
+    path, _, refs = deepseek_v3
     llm = LLM(str(path), max_model_len=80, num_kv_blocks=7, enable_prefix_caching=False)
     assert greedy_tokens(llm, PROMPTS, GREEDY) == refs
     assert llm.engine.scheduler.num_preemptions > 0
 
 
-def test_prompt_logprobs_match_hf(deepseek):
-    path, hf, _ = deepseek
+def test_prompt_logprobs_match_hf(deepseek_v3):
+    path, hf, _ = deepseek_v3
     llm = LLM(str(path), max_model_len=128, max_num_batched_tokens=16)
     assert prompt_logprob_error(llm, hf, PROMPTS[3]) <= 1e-3
 
@@ -146,10 +177,10 @@ def test_moe_layers_are_refused_by_name(tmp_path):
         LLM(str(tmp_path), max_model_len=64)
 
 
-def test_triton_operator_equals_hf(deepseek):
+def test_triton_operator_equals_hf(deepseek_v3):
     """The CUDA default latent operator, its decode kernel run by Triton's interpreter, with a
     chunked prefill mixed into decode steps."""
-    path, hf, _ = deepseek
+    path, hf, _ = deepseek_v3
     prompts, new = [PROMPTS[0], PROMPTS[2]], 6
     llm = LLM(str(path), attention_backend="triton", max_model_len=128, max_num_batched_tokens=16)
     assert [g.builder.describe() for g in llm.engine.runner.plan.groups] == [
