@@ -174,3 +174,17 @@ def cuda_graph_llm(path):
     )
     assert llm.engine.runner.graphs is not None
     return llm
+
+
+def save_with_hf_reference(model, path, prompts: list[list[int]], max_new: int):
+    """Save ``model`` (with the test tokenizer) to ``path``, load it back as HF's eager fp32
+    reference; return ``(path, hf, HF's greedy continuations of prompts)``."""
+    import transformers as tf
+
+    model.generation_config.eos_token_id = None
+    model.save_pretrained(path)
+    make_tokenizer().save_pretrained(path)
+    hf = tf.AutoModelForCausalLM.from_pretrained(
+        path, dtype=torch.float32, attn_implementation="eager"
+    ).eval()
+    return path, hf, hf_greedy(hf, prompts, max_new)

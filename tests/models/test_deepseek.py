@@ -22,6 +22,7 @@ from tiny_models import (
     make_tokenizer,
     prompt_logprob_error,
     rerun_from_prefix_cache,
+    save_with_hf_reference,
 )
 
 MAX_NEW = 16
@@ -92,13 +93,7 @@ def saved_models(tmp_path_factory):
                 v2_config() if v2 else v3_config()
             )
             randomize(model)
-            model.generation_config.eos_token_id = None
-            model.save_pretrained(path)
-            make_tokenizer().save_pretrained(path)
-            hf = tf.AutoModelForCausalLM.from_pretrained(
-                path, dtype=torch.float32, attn_implementation="eager"
-            ).eval()
-            cache[variant] = path, hf, hf_greedy(hf, PROMPTS, MAX_NEW)
+            cache[variant] = save_with_hf_reference(model, path, PROMPTS, MAX_NEW)
         return cache[variant]
 
     return get

@@ -17,9 +17,9 @@ from tiny_models import (
     cuda_graph_llm,
     greedy_tokens,
     hf_greedy,
-    make_tokenizer,
     prompt_logprob_error,
     rerun_from_prefix_cache,
+    save_with_hf_reference,
 )
 
 WINDOW = 12
@@ -83,14 +83,7 @@ def gpt_oss(tmp_path_factory):
     path = tmp_path_factory.mktemp("gpt_oss")
     model = tf.GptOssForCausalLM(tiny_config())
     randomize(model)
-    model.generation_config.eos_token_id = None
-    model.save_pretrained(path)
-    make_tokenizer().save_pretrained(path)
-    hf = tf.AutoModelForCausalLM.from_pretrained(
-        path, dtype=torch.float32, attn_implementation="eager"
-    ).eval()
-    refs = hf_greedy(hf, PROMPTS, MAX_NEW)
-    return path, hf, refs
+    return save_with_hf_reference(model, path, PROMPTS, MAX_NEW)
 
 
 def _greedy_tokens(llm: LLM) -> list[list[int]]:
