@@ -12,7 +12,8 @@ import transformers as tf
 
 from heron import LLM, SamplingParams
 from heron.cli import main
-from heron.models.deepseek import mla_softmax_scale
+from heron.layers.rotary import RotaryEmbedding
+from heron.models.deepseek import DeepseekRotary, mla_softmax_scale
 
 from tiny_models import (
     SHARED_PREFIX_PROMPTS,
@@ -114,6 +115,23 @@ def deepseek_v3(saved_models):
 def test_softmax_scale_is_hfs(deepseek):
     _, hf, _ = deepseek
     assert mla_softmax_scale(hf.config) == hf.model.layers[0].self_attn.scaling
+
+
+@pytest.mark.parametrize("interleave", [True, False])
+def test_rope_equals_hfs(interleave):
+    """V3's rope in both layouts (V2's is the interleaved one, as complex products)."""
+    from transformers.models.deepseek_v3 import modeling_deepseek_v3 as hf_v3
+
+    config = v3_config()
+    config.rope_interleave = interleave
+    rotary = DeepseekRotary(RotaryEmbedding(config, config.qk_rope_head_dim, 128), interleave)
+    positions = torch.tensor([0, 5, 77, 127])
+    q, k = torch.randn(4, 3, 8), torch.randn(4, 1, 8)
+    cos, sin = hf_v3.DeepseekV3RotaryEmbedding(config)(q, positions[None])
+    apply = hf_v3.apply_rotary_pos_emb_interleave if interleave else hf_v3.apply_rotary_pos_emb
+    want = apply(q.transpose(0, 1)[None], k.transpose(0, 1)[None], cos, sin)
+    for got, ref in zip(rotary(positions, q, k), want):
+        torch.testing.assert_close(got, ref[0].transpose(0, 1))
 
 
 def test_plan_shows_the_latent_group_and_cache_group(deepseek_v3, capsys):
