@@ -13,9 +13,9 @@ from triton_lowering import check_lowering
 
 import heron.kernels.mla_decode as mla
 from heron.kernels.mla_decode import MLADecodePlan, mla_decode_attention, plan_mla_decode
-from heron.metadata import SequenceMetadata, StepBatch
+from heron.metadata import ModelBuildContext, SequenceMetadata, StepBatch
 from heron.ops.mla.base import MLASpec
-from heron.ops.mla.triton import TritonMLABuilder
+from heron.ops.mla.triton import TritonMLA, TritonMLABuilder
 
 pytestmark = pytest.mark.filterwarnings("ignore:Conversion of an array with ndim > 0")
 
@@ -150,47 +150,60 @@ def decode_step(kv_lens, block_size, tables):
     return SequenceMetadata.from_step_batch(step, DEVICE)
 
 
-class _NoHook(TritonMLABuilder):
-    def before_capture(self, buffers) -> None:
-        """Leaves the warm-up's plan in place: the graph then never plans."""
+def test_graph_buffers_plan_once_until_before_capture(monkeypatch):
+    """On graph buffers the first call plans and later calls reuse the plan, even after new
+    lengths are filled in (what a replay of a graph captured without the hook would do);
+    ``before_capture`` makes the next call plan again, from the lengths now in the buffers."""
+    monkeypatch.setattr(mla, "MIN_KEYS_PER_SPLIT", 16)
+    block_size, kv_lens = 16, [40, 70, 3, 50]
+    op = TritonMLA("l0", MLASpec(4, 32, 16, 16, 16, 0.1), block_size, 256, None, None,
+                   ModelBuildContext())  # fmt: skip
+    builder = op.metadata_builder()
+    op.kv_cache, tables, _ = latent_cache(kv_lens, block_size, 48, torch.float32)
+    tables = torch.cat([tables, tables.new_zeros(4, 16 - tables.shape[1])], 1)
+    q = torch.randn(4, 4, 48, device=DEVICE)
+    eager = op.attend_latent(q, builder.build(decode_step(kv_lens, block_size, tables)))
+    buffers = builder.make_graph_buffers(4, DEVICE)
+    dummy = decode_step([1] * 4, block_size, torch.zeros_like(tables))
+    builder.fill(dummy, buffers, 4)
+    view = builder.graph_view(dummy, buffers, 4)
+    op.attend_latent(q, view)
+    assert buffers.plan.ready and buffers.plan.split_len.tolist() == [32] * 4
+    builder.fill(decode_step(kv_lens, block_size, tables), buffers, 4)
+    assert not torch.equal(op.attend_latent(q, view), eager)  # the dummy step's plan
+    builder.before_capture(buffers)
+    torch.testing.assert_close(op.attend_latent(q, view), eager)
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("hook", [True, False])
 def test_replayed_graph_plans_only_with_the_pre_capture_hook(monkeypatch, hook):
-    """Capture a decode on a dummy step (every length 1), replay it on long contexts: with
-    ``before_capture`` the replay recomputes the plan and equals eager; without it the plan of
-    the warm-up (one 32-key split) is replayed and the output is wrong."""
+    """The operator's decode captured on a dummy step (every length 1) and replayed on long
+    contexts: with ``before_capture`` the replay recomputes the plan and equals eager; without
+    it the warm-up's plan (one 32-key split) is replayed and the output is wrong."""
     monkeypatch.setattr(mla, "MIN_KEYS_PER_SPLIT", 64)
+    if not hook:
+        monkeypatch.setattr(TritonMLABuilder, "before_capture", lambda self, buffers: None)
     spec = MLASpec(16, 512, 128, 64, 128, 0.1)
     block_size, kv_lens = 64, [900, 2000, 300, 1500]
-    builder = (TritonMLABuilder if hook else _NoHook)(spec, block_size, 4096)
-    cache, tables, _ = latent_cache(kv_lens, block_size, 576, torch.bfloat16)
+    op = TritonMLA("l0", spec, block_size, 4096, None, None, ModelBuildContext())
+    builder = op.metadata_builder()
+    op.kv_cache, tables, _ = latent_cache(kv_lens, block_size, 576, torch.bfloat16)
     tables = torch.cat([tables, tables.new_zeros(4, 64 - tables.shape[1])], 1)
     q = torch.randn(4, 16, 576, dtype=torch.bfloat16, device=DEVICE)
 
-    def attend(view):
-        ws = view.workspace
-        if not ws.plan.ready:
-            plan_mla_decode(view.kv_lens, ws.max_splits, ws.plan)
-            ws.plan.ready = True
-        out = torch.empty(4, 16, 512, dtype=torch.bfloat16, device=DEVICE)
-        return mla_decode_attention(q, cache, view.block_tables, view.kv_lens, 0.1, 512,
-                                    ws.plan, ws.max_splits, out, ws.partial_out, ws.partial_lse)  # fmt: skip
-
-    real = decode_step(kv_lens, block_size, tables)
-    eager = attend(builder.build(real)).clone()
+    eager = op.attend_latent(q, builder.build(decode_step(kv_lens, block_size, tables)))
     buffers = builder.make_graph_buffers(4, DEVICE)
     dummy = decode_step([1] * 4, block_size, torch.zeros_like(tables))
     builder.fill(dummy, buffers, 4)
     view = builder.graph_view(dummy, buffers, 4)
     assert view.workspace.max_splits > 1
-    attend(view)  # warm-up: plans for the dummy lengths
+    op.attend_latent(q, view)  # warm-up: plans for the dummy lengths
     builder.before_capture(buffers)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        captured = attend(view)
-    builder.fill(real, buffers, 4)
+        captured = op.attend_latent(q, view)
+    builder.fill(decode_step(kv_lens, block_size, tables), buffers, 4)
     graph.replay()
     torch.cuda.synchronize()
     assert torch.equal(captured, eager) == hook
