@@ -8,6 +8,7 @@ from heron.models.deepseek import DeepseekForCausalLM
 from heron.models.gemma import GemmaForCausalLM
 from heron.models.gpt_oss import GptOssForCausalLM
 from heron.models.llama import LlamaForCausalLM
+from heron.models.qwen_moe import QwenMoeForCausalLM
 
 MODEL_REGISTRY: dict[str, type[nn.Module]] = {
     "DeepseekV2ForCausalLM": DeepseekForCausalLM,
@@ -18,7 +19,9 @@ MODEL_REGISTRY: dict[str, type[nn.Module]] = {
     "LlamaForCausalLM": LlamaForCausalLM,
     "MistralForCausalLM": LlamaForCausalLM,
     "Qwen2ForCausalLM": LlamaForCausalLM,
+    "Qwen2MoeForCausalLM": QwenMoeForCausalLM,
     "Qwen3ForCausalLM": LlamaForCausalLM,
+    "Qwen3MoeForCausalLM": QwenMoeForCausalLM,
 }
 
 

@@ -10,7 +10,8 @@ from safetensors import safe_open
 from transformers.models.gpt_oss.modeling_gpt_oss import GptOssMLP
 
 from heron import LLM, SamplingParams
-from heron.layers.moe import MoEMLP
+from heron.models.gpt_oss import gpt_oss_moe
+from heron.ops.selector import layer_kernels
 
 from tiny_models import (
     SHARED_PREFIX_PROMPTS,
@@ -164,21 +165,23 @@ def test_moe_block_equals_hf(path):
     """Heron's MoE block on random input, weights copied from HF's GptOssMLP (same names).
 
     The input is large enough that the SwiGLU clamps bite; ``sparse`` is the experts' reference
-    (the CPU path, which tests/layers/test_triton_moe.py holds the Triton one to), ``routed`` the
-    block's own forward.
+    (the CPU path, which tests/layers/test_triton_moe.py holds the Triton one to) on the
+    router's choice, ``routed`` the block's own forward.
     """
     torch.manual_seed(1)
     config = tiny_config()
     hf = GptOssMLP(config)
     randomize(hf)
-    moe = MoEMLP(
+    moe = gpt_oss_moe(
         config.hidden_size,
         config.intermediate_size,
         config.num_local_experts,
         config.num_experts_per_tok,
-        swiglu_limit=7.0,
+        7.0,
+        layer_kernels("torch"),
     )
-    moe.load_state_dict(hf.state_dict())
+    # The checkpoint's router is the block's gate (GptOssForCausalLM.checkpoint_renames).
+    moe.load_state_dict({k.replace("router.", "gate."): v for k, v in hf.state_dict().items()})
     x = torch.randn(37, config.hidden_size) * 8
     with torch.no_grad():
         want = hf(x[None])[0][0]
@@ -187,9 +190,7 @@ def test_moe_block_equals_hf(path):
         if path == "routed":
             got = moe(x)
         else:
-            top_logits, indices = moe.router(x).topk(config.num_experts_per_tok, dim=-1)
-            forward = getattr(moe.experts, f"forward_{path}")
-            got = forward(x, torch.softmax(top_logits, dim=-1), indices)
+            got = moe.experts.forward_sparse(x, *moe.gate(x))
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
 
