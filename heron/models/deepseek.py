@@ -1,4 +1,4 @@
-"""DeepSeek-V2 and V3: decoder layers around multi-head latent attention (MLA).
+"""DeepSeek-V2 and V3: multi-head latent attention (MLA), dense then mixture-of-experts MLPs.
 
 The attention layer projects the query (directly, or through the low-rank ``q_a_proj`` ->
 ``q_a_layernorm`` -> ``q_b_proj``) and the compressed latent plus shared rotary key
@@ -18,6 +18,7 @@ from heron.layers.activation import SiluAndMul
 from heron.layers.embedding import VocabEmbedding
 from heron.layers.linear import Linear
 from heron.layers.mlp import GatedMLP
+from heron.layers.moe import SparseMoE
 from heron.layers.norm import RMSNorm
 from heron.layers.rotary import RotaryEmbedding
 from heron.models.common import (
@@ -122,20 +123,17 @@ class DeepseekDecoderLayer(PreNormDecoderLayer):
         prefix: str,
     ) -> None:
         super().__init__()
-        if layer_idx >= config.first_k_dense_replace:
-            raise ValueError(
-                f"layer {layer_idx} of this DeepSeek model is a mixture-of-experts layer "
-                f"(first_k_dense_replace={config.first_k_dense_replace}); Heron runs DeepSeek "
-                "models whose layers are all dense only"
-            )
         eps, kernels = config.rms_norm_eps, runtime.kernels
         self.input_layernorm = RMSNorm(config.hidden_size, eps, kernels)
         self.self_attn = DeepseekAttention(config, rotary, runtime, f"{prefix}.self_attn")
         self.post_attention_layernorm = RMSNorm(config.hidden_size, eps, kernels)
-        mlp_bias = bool(getattr(config, "mlp_bias", False))
-        self.mlp = GatedMLP(
-            config.hidden_size, config.intermediate_size, SiluAndMul, mlp_bias, kernels
-        )
+        if layer_idx >= config.first_k_dense_replace:
+            self.mlp = SparseMoE.deepseek(config, kernels)
+        else:
+            mlp_bias = bool(getattr(config, "mlp_bias", False))
+            self.mlp = GatedMLP(
+                config.hidden_size, config.intermediate_size, SiluAndMul, mlp_bias, kernels
+            )
 
 
 class DeepseekModel(DecoderModel):
@@ -156,10 +154,12 @@ class DeepseekModel(DecoderModel):
 
 
 class DeepseekForCausalLM(DecoderForCausalLM):
-    """``DeepseekV2ForCausalLM`` and ``DeepseekV3ForCausalLM`` (all layers dense)."""
+    """``DeepseekV2ForCausalLM`` and ``DeepseekV3ForCausalLM``: the first
+    ``first_k_dense_replace`` layers dense, the others DeepSeek MoE (``SparseMoE.deepseek``)."""
 
-    # Only the MLP's gate and up are packed; the attention projections load as they are named.
+    # Only the MLPs' gate and up are packed; the attention projections load as they are named.
     packed_modules = {k: v for k, v in PACKED_MODULES.items() if v[0] == "gate_up_proj"}
+    checkpoint_renames = {"shared_experts": "shared_expert"}  # SparseMoE's name for it
 
     def __init__(self, config: PretrainedConfig, runtime: OperatorRuntime) -> None:
         super().__init__(config, DeepseekModel(config, runtime), runtime)
