@@ -111,9 +111,12 @@ def attend(op, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tenso
 def hf_greedy(hf, prompts: list[list[int]], max_new: int) -> list[list[int]]:
     """HF transformers' greedy continuation of each prompt (no EOS stop: ids only)."""
     return [
-        hf.generate(torch.tensor([p]), max_new_tokens=max_new, do_sample=False, pad_token_id=0)[
-            0, len(p) :
-        ].tolist()
+        hf.generate(
+            torch.tensor([p], device=hf.device),
+            max_new_tokens=max_new,
+            do_sample=False,
+            pad_token_id=0,
+        )[0, len(p) :].tolist()
         for p in prompts
     ]
 
@@ -189,3 +192,13 @@ def save_with_hf_reference(model, path, prompts: list[list[int]], max_new: int):
         path, dtype=torch.float32, attn_implementation="eager"
     ).eval()
     return path, hf, hf_greedy(hf, prompts, max_new)
+
+
+def first_divergence_is_a_near_tie(hf, prompt: list[int], got: list[int], want: list[int]) -> bool:
+    """DESIGN §5: where greedy outputs diverge, each side's token is in the other's top-5."""
+    for i, (a, b) in enumerate(zip(got, want)):
+        if a != b:
+            with torch.no_grad():
+                logits = hf(torch.tensor([prompt + want[:i]], device=hf.device)).logits[0, -1]
+            return a in logits.topk(5).indices.tolist()
+    return True
