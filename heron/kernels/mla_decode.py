@@ -33,8 +33,9 @@ import triton.language as tl
 _LOG2E = tl.constexpr(1.4426950408889634)
 _NEG_BIG = tl.constexpr(-1.0e30)  # finite "minus infinity": no NaN from (-inf) - (-inf)
 # Keys a split takes at least: fewer would make splits whose merge costs more than they save.
-MIN_KEYS_PER_SPLIT = 256
-_MAX_SPLITS = 32
+MIN_KEYS_PER_SPLIT = 64
+_MAX_SPLITS = 128
+_MERGE_CHUNK = 16  # partials the merge loads at once (a [16, kv_lora_rank] fp32 tile)
 _BLOCK_N = 32  # keys per tile (gathered token by token, so independent of the block size)
 _BLOCK_H = 16  # query heads per program (tl.dot's smallest M; fewer heads are masked)
 
@@ -180,22 +181,31 @@ def _mla_merge_kernel(
 ):
     b = tl.program_id(0)
     h = tl.program_id(1)
-    offs_s = tl.arange(0, BLOCK_S)
+    num_splits = tl.load(num_splits_ptr + b)
     offs_l = tl.arange(0, BLOCK_L)
-    used = offs_s < tl.load(num_splits_ptr + b)
-    lse_src = part_lse_ptr + b * stride_lb + h * stride_lh + offs_s
-    lse = tl.load(lse_src, mask=used, other=_NEG_BIG)
-    weights = tl.where(lse > _NEG_BIG, tl.exp2(lse - tl.max(lse, 0)), 0.0)
-    part_src = part_out_ptr + b * stride_pb + h * stride_ph + offs_s[:, None] * stride_ps
-    parts = tl.load(
-        part_src + offs_l[None, :],
-        mask=(weights > 0)[:, None] & (offs_l < LORA)[None, :],
-        other=0.0,
-    )
-    total = tl.sum(weights, 0)
-    merged = tl.sum(parts * weights[:, None], 0) / tl.where(total > 0, total, 1.0)
+    l_mask = offs_l < LORA
+    # Splits in chunks of BLOCK_S, with a running maximum (the partials' online softmax).
+    m_i = tl.full([1], _NEG_BIG, tl.float32)
+    total = tl.zeros([1], tl.float32)
+    acc = tl.zeros([BLOCK_L], tl.float32)
+    for s0 in range(0, num_splits, BLOCK_S):
+        offs_s = s0 + tl.arange(0, BLOCK_S)
+        used = offs_s < num_splits
+        lse_src = part_lse_ptr + b * stride_lb + h * stride_lh + offs_s
+        lse = tl.load(lse_src, mask=used, other=_NEG_BIG)
+        m_new = tl.maximum(m_i, tl.max(lse, 0))
+        weights = tl.where(lse > _NEG_BIG, tl.exp2(lse - m_new), 0.0)
+        part_src = part_out_ptr + b * stride_pb + h * stride_ph + offs_s[:, None] * stride_ps
+        parts = tl.load(
+            part_src + offs_l[None, :], mask=(weights > 0)[:, None] & l_mask[None, :], other=0.0
+        )
+        alpha = tl.exp2(m_i - m_new)
+        total = total * alpha + tl.sum(weights, 0)
+        acc = acc * alpha + tl.sum(parts * weights[:, None], 0)
+        m_i = m_new
+    merged = acc / tl.where(total > 0, total, 1.0)
     dst = out_ptr + b * stride_ob + h * stride_oh + offs_l
-    tl.store(dst, merged.to(out_ptr.dtype.element_ty), mask=offs_l < LORA)
+    tl.store(dst, merged.to(out_ptr.dtype.element_ty), mask=l_mask)
 
 
 def mla_decode_attention(
@@ -284,6 +294,6 @@ def mla_decode_attention(
             partial_lse.stride(1),
             LORA=kv_lora_rank,
             BLOCK_L=block_l,
-            BLOCK_S=triton.next_power_of_2(max_splits),
+            BLOCK_S=min(_MERGE_CHUNK, triton.next_power_of_2(max_splits)),
         )
     return out

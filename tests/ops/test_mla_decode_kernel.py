@@ -87,14 +87,16 @@ def run_case(kv_lens, heads, lora, rope, nope, v_dim, max_splits, dtype, block_s
     return got, want, plan
 
 
-@pytest.mark.parametrize("max_splits", [1, 3])
-def test_decode_equals_dense_attention(monkeypatch, max_splits):
-    # 20 keys per split: the 70-key request plans 3 splits (or 1), the others fewer.
-    monkeypatch.setattr(mla, "MIN_KEYS_PER_SPLIT", 20)
-    kv_lens = [70, 1, 33, 0]  # the last is a padded row
+@pytest.mark.parametrize(("max_splits", "min_keys"), [(1, 20), (3, 20), (20, 4)])
+def test_decode_equals_dense_attention(monkeypatch, max_splits, min_keys):
+    # The 70-key request plans 1, 3 or 18 splits (the merge then takes two chunks), the others
+    # fewer; the last row is padded.
+    monkeypatch.setattr(mla, "MIN_KEYS_PER_SPLIT", min_keys)
+    kv_lens = [70, 1, 33, 0]
     got, want, plan = run_case(kv_lens, heads=5, lora=32, rope=8, nope=16, v_dim=12,
                                max_splits=max_splits, dtype=torch.float32)  # fmt: skip
-    assert plan.num_splits.tolist() == [min(max_splits, n) for n in (4, 1, 2, 1)]
+    splits = [min(max_splits, max(1, -(-n // min_keys))) for n in kv_lens]
+    assert plan.num_splits.tolist() == splits
     assert not got.isnan().any()
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
 
@@ -102,9 +104,9 @@ def test_decode_equals_dense_attention(monkeypatch, max_splits):
 def test_plan_splits_by_length_within_the_launch():
     lens = torch.tensor([0, 1, 256, 257, 5000], dtype=torch.int32)
     plan = MLADecodePlan(torch.empty(6, dtype=torch.int32), torch.empty(6, dtype=torch.int32))
-    plan_mla_decode(lens, 4, plan)  # a plan over the first rows of bigger buffers
-    assert plan.num_splits[:5].tolist() == [1, 1, 1, 2, 4]
-    assert plan.split_len[:5].tolist() == [0, 32, 256, 160, 1280]  # whole tiles, covering all
+    plan_mla_decode(lens, 8, plan)  # a plan over the first rows of bigger buffers
+    assert plan.num_splits[:5].tolist() == [1, 1, 4, 5, 8]
+    assert plan.split_len[:5].tolist() == [0, 32, 64, 64, 640]  # whole tiles, covering all
 
 
 def mla_launches() -> None:
