@@ -20,7 +20,7 @@ from heron.layers.linear import Linear
 from heron.layers.mlp import GatedMLP
 from heron.layers.moe import SparseMoE
 from heron.layers.norm import RMSNorm
-from heron.layers.rotary import RotaryEmbedding
+from heron.layers.rotary import MLARotary, RotaryEmbedding
 from heron.models.common import (
     PACKED_MODULES,
     DecoderForCausalLM,
@@ -47,32 +47,13 @@ def mla_softmax_scale(config: PretrainedConfig) -> float:
     return scale
 
 
-class DeepseekRotary(nn.Module):
-    """RoPE over the rotary dims. DeepSeek's checkpoints pair dims ``(2i, 2i + 1)`` (V2 always,
-    V3 with ``rope_interleave``): they are de-interleaved into rotate-half order first, the
-    same permutation for queries and keys, so their products are HF's."""
-
-    def __init__(self, rotary: RotaryEmbedding, interleaved: bool) -> None:
-        super().__init__()
-        self.rotary = rotary
-        self.interleaved = interleaved
-
-    def forward(
-        self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        if self.interleaved:
-            q = torch.cat([q[..., 0::2], q[..., 1::2]], dim=-1)
-            k = torch.cat([k[..., 0::2], k[..., 1::2]], dim=-1)
-        return self.rotary(positions, q, k)
-
-
 class DeepseekAttention(nn.Module):
     """The query and latent projections around the latent attention operator."""
 
     def __init__(
         self,
         config: PretrainedConfig,
-        rotary: DeepseekRotary,
+        rotary: MLARotary,
         runtime: OperatorRuntime,
         prefix: str,
     ) -> None:
@@ -118,7 +99,7 @@ class DeepseekDecoderLayer(PreNormDecoderLayer):
         self,
         config: PretrainedConfig,
         layer_idx: int,
-        rotary: DeepseekRotary,
+        rotary: MLARotary,
         runtime: OperatorRuntime,
         prefix: str,
     ) -> None:
@@ -144,7 +125,7 @@ class DeepseekModel(DecoderModel):
         )
         table = RotaryEmbedding(config, config.qk_rope_head_dim, runtime.max_model_len)
         # One table for all layers, stored once (not a submodule of each layer first).
-        self.rotary = DeepseekRotary(table, interleaved)
+        self.rotary = MLARotary(table, interleaved)
         self.embed_tokens = VocabEmbedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(
             DeepseekDecoderLayer(config, i, self.rotary, runtime, f"model.layers.{i}")

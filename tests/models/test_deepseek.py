@@ -14,8 +14,8 @@ import transformers as tf
 
 from heron import LLM, SamplingParams
 from heron.cli import main
-from heron.layers.rotary import RotaryEmbedding
-from heron.models.deepseek import DeepseekRotary, mla_softmax_scale
+from heron.layers.rotary import MLARotary, RotaryEmbedding
+from heron.models.deepseek import mla_softmax_scale
 
 from tiny_models import (
     SHARED_PREFIX_PROMPTS,
@@ -149,7 +149,7 @@ def test_rope_equals_hfs(interleave):
 
     config = v3_config()
     config.rope_interleave = interleave
-    rotary = DeepseekRotary(RotaryEmbedding(config, config.qk_rope_head_dim, 128), interleave)
+    rotary = MLARotary(RotaryEmbedding(config, config.qk_rope_head_dim, 128), interleave)
     positions = torch.tensor([0, 5, 77, 127])
     q, k = torch.randn(4, 3, 8), torch.randn(4, 1, 8)
     cos, sin = hf_v3.DeepseekV3RotaryEmbedding(config)(q, positions[None])

@@ -13,6 +13,7 @@ from triton_lowering import check_lowering
 
 import heron.kernels.mla_decode as mla
 from heron.kernels.mla_decode import MLADecodePlan, mla_decode_attention, plan_mla_decode
+from heron.kernels.mla_rope import mla_rope_latent_write
 from heron.metadata import ModelBuildContext, SequenceMetadata, StepBatch
 from heron.ops.mla.base import MLASpec
 from heron.ops.mla.triton import TritonMLA, TritonMLABuilder
@@ -110,8 +111,9 @@ def test_plan_splits_by_length_within_the_launch():
 
 
 def mla_launches() -> None:
-    """bf16 decode launches of DeepSeek's latent shape (V3's 128 heads; every head count
-    compiles to the same 16-head programs), one split and several."""
+    """bf16 launches at DeepSeek's latent shape: the decode (V3's 128 heads; every head count
+    compiles to the same 16-head programs) with one split and several, the fused RoPE + latent
+    write (interleaved, 128 heads)."""
     bf16 = torch.bfloat16
     cache = torch.empty(8, 64, 576, dtype=bf16)
     tables = torch.zeros(2, 4, dtype=torch.int32)
@@ -125,6 +127,11 @@ def mla_launches() -> None:
         mla_decode_attention(
             q, cache, tables, lens, 0.1, 512, plan, splits, out, partial_out, partial_lse
         )
+    table = torch.empty(64, 32)
+    slots = torch.zeros(2, dtype=torch.int32)
+    q_full = torch.empty(2, 128, 192, dtype=bf16)
+    latent, k_rope = torch.empty(2, 512, dtype=bf16), torch.empty(2, 64, dtype=bf16)
+    mla_rope_latent_write(q_full, latent, k_rope, lens, slots, table, table, cache, 128, True)
 
 
 def test_mla_launches_lower_for_hopper():
@@ -132,6 +139,7 @@ def test_mla_launches_lower_for_hopper():
         "ops.test_mla_decode_kernel:mla_launches",
         "heron.kernels.mla_decode:_mla_split_kernel",
         "heron.kernels.mla_decode:_mla_merge_kernel",
+        "heron.kernels.mla_rope:_mla_rope_write_kernel",
     )
 
 

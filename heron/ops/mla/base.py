@@ -96,19 +96,31 @@ class MLAOperator(MetadataOperator):
         if self.kv_cache is None:
             raise StepMetadataError(f"layer {self.layer_name!r} has no latent cache bound")
         s, view, tokens = self.spec, self.view, q.shape[0]
-        q = q.view(tokens, s.num_heads, s.qk_head_dim)
-        q_nope, q_rope = q.split([s.nope_dim, s.rope_dim], dim=-1)
+        q = self.rope_and_store(q.view(tokens, s.num_heads, s.qk_head_dim), kv_latent, k_rope, view)
+        if view.is_decode:
+            q_nope, q_rope = q.split([s.nope_dim, s.rope_dim], dim=-1)
+            out = self.expand_values(self.attend_latent(self.absorb_query(q_nope, q_rope), view))
+        else:
+            out = self.forward_extend(q, view)
+        return out.reshape(tokens, -1)
+
+    def rope_and_store(
+        self,
+        q: torch.Tensor,
+        kv_latent: torch.Tensor,
+        k_rope: torch.Tensor,
+        view: PagedAttentionView,
+    ) -> torch.Tensor:
+        """RoPE on ``q [tokens, heads, nope + rope]`` and the shared key, ``[latent, roped key]``
+        into the cache at the view's slots; returns the roped query."""
+        tokens = q.shape[0]
+        q_nope, q_rope = q.split([self.spec.nope_dim, self.spec.rope_dim], dim=-1)
         q_rope, k_rope = self.rotary(view.positions[:tokens], q_rope, k_rope.view(tokens, 1, -1))
         entry = torch.cat([kv_latent, k_rope.view(tokens, -1)], dim=-1)
         self.kv_cache.view(-1, self._cache_spec.entry_size)[view.slot_mapping[:tokens].long()] = (
             entry.to(self.kv_cache.dtype)
         )
-        if view.is_decode:
-            latent_out = self.attend_latent(self.absorb_query(q_nope, q_rope), view)
-            out = self.expand_values(latent_out)
-        else:
-            out = self.forward_extend(torch.cat([q_nope, q_rope], dim=-1), view)
-        return out.reshape(tokens, -1)
+        return torch.cat([q_nope, q_rope], dim=-1)
 
     def _kv_b_heads(self) -> tuple[torch.Tensor, torch.Tensor]:
         """``kv_b_proj``'s weight per head: W_UK ``[heads, nope, lora]``, W_UV ``[heads, v, lora]``."""

@@ -14,7 +14,9 @@ from heron.kernels.mla_decode import (
     mla_decode_attention,
     plan_mla_decode,
 )
+from heron.kernels.mla_rope import mla_rope_latent_write
 from heron.kernels.pdl import multiprocessor_count
+from heron.layers.rotary import MLARotary
 from heron.metadata import SequenceMetadata, StepMetadataError
 from heron.ops.attention.paged import PagedAttentionView, PagedGraphBuffers
 from heron.ops.mla.base import LatentAttentionBuilder, MLAOperator, MLASpec
@@ -126,13 +128,39 @@ class TritonMLABuilder(LatentAttentionBuilder):
 
 
 class TritonMLA(MLAOperator):
-    """Latent attention whose decode runs the Triton MLA kernel over the latent cache (the
-    extend path decompresses through ``kv_b_proj`` as the base class does). Its cache write is
-    a torch scatter, not a kernel that could let the attention kernel start early, so no
-    launch here uses programmatic dependent launch."""
+    """Latent attention with Triton kernels: RoPE and the latent write fused in one launch
+    (for an ``MLARotary``; any other rotary runs the base class's torch path), and the MLA
+    decode kernel over the latent cache (the extend path decompresses through ``kv_b_proj`` as
+    the base class does). No launch uses programmatic dependent launch: the decode is preceded
+    by the query absorption, not by the kernel that writes what it reads."""
 
     def make_builder(self, block_size: int, max_model_len: int) -> TritonMLABuilder:
         return TritonMLABuilder(self.spec, block_size, max_model_len)
+
+    def rope_and_store(
+        self,
+        q: torch.Tensor,
+        kv_latent: torch.Tensor,
+        k_rope: torch.Tensor,
+        view: PagedAttentionView,
+    ) -> torch.Tensor:
+        if not isinstance(self.rotary, MLARotary):
+            return super().rope_and_store(q, kv_latent, k_rope, view)
+        q, tokens = q.contiguous(), q.shape[0]  # rotated in place: a copy if it is a view
+        table = self.rotary.rotary
+        mla_rope_latent_write(
+            q,
+            kv_latent,
+            k_rope,
+            view.positions[:tokens],
+            view.slot_mapping[:tokens],
+            table.cos,
+            table.sin,
+            self.kv_cache,
+            self.spec.nope_dim,
+            self.rotary.interleaved,
+        )
+        return q
 
     def attend_latent(self, q: torch.Tensor, view: PagedAttentionView) -> torch.Tensor:
         ws: MLADecodeWorkspace | None = view.workspace
