@@ -8,6 +8,7 @@ import logging
 import sys
 from dataclasses import fields
 
+from heron import __version__
 from heron.config import EngineConfig
 from heron.sampling_params import SamplingParams
 
@@ -171,6 +172,12 @@ def _json_fields(spec: object) -> dict[str, object]:
 def cmd_serve(args: argparse.Namespace) -> int:
     from heron.server.serve import serve
 
+    if args.model_tag is not None:
+        if args.model is not None and args.model != args.model_tag:
+            raise ValueError(
+                f"the model is given twice: {args.model_tag!r} and --model {args.model!r}"
+            )
+        args.model = args.model_tag
     return serve(
         engine_config(args),
         host=args.host,
@@ -178,12 +185,16 @@ def cmd_serve(args: argparse.Namespace) -> int:
         api_key=args.api_key,
         served_model_name=args.served_model_name,
         log_level=args.log_level,
+        max_request_body_bytes=args.max_request_body_bytes,
     )
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from heron.server.request_body import DEFAULT_MAX_REQUEST_BODY_BYTES
+
     parser = argparse.ArgumentParser(prog="heron", description=__doc__)
     parser.add_argument("--log-level", default="WARNING")
+    parser.add_argument("--version", action="version", version=f"heron {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
     gen = sub.add_parser("generate", help="complete prompts")
     gen.add_argument("--prompt", action="append", help="prompt text (repeatable; default: stdin)")
@@ -195,11 +206,20 @@ def build_parser() -> argparse.ArgumentParser:
     plan = sub.add_parser("plan", help="show the model's resolved step-metadata plan")
     plan.add_argument("--json", action="store_true")
     serve = sub.add_parser("serve", help="serve the OpenAI-compatible HTTP API")
+    serve.add_argument(
+        "model_tag", nargs="?", metavar="MODEL", help="the model, as --model (vllm serve MODEL)"
+    )
     serve.add_argument("--host", default="127.0.0.1")
     serve.add_argument("--port", type=int, default=8000)
     serve.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY'")
     serve.add_argument(
         "--served-model-name", default=None, help="model name of the API (default: --model)"
+    )
+    serve.add_argument(
+        "--max-request-body-bytes",
+        type=int,
+        default=DEFAULT_MAX_REQUEST_BODY_BYTES,
+        help="larger request bodies are refused with 413",
     )
     for p in (gen, chat, plan, serve):
         add_engine_args(p)

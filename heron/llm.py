@@ -80,12 +80,20 @@ class LLM:
         return self.generate(prompts, sampling_params, use_tqdm)
 
     def apply_chat_template(
-        self, conversation: Conversation, add_generation_prompt: bool = True
+        self,
+        conversation: Conversation,
+        add_generation_prompt: bool = True,
+        chat_template: str | None = None,
     ) -> list[int]:
-        if not getattr(self.tokenizer, "chat_template", None):
+        """Token ids of ``conversation`` through ``chat_template`` (a Jinja template) or, by
+        default, the tokenizer's own."""
+        if chat_template is None and not getattr(self.tokenizer, "chat_template", None):
             raise ValueError("this model's tokenizer has no chat template")
         text = self.tokenizer.apply_chat_template(
-            conversation, tokenize=False, add_generation_prompt=add_generation_prompt
+            conversation,
+            tokenize=False,
+            add_generation_prompt=add_generation_prompt,
+            chat_template=chat_template,
         )
         # The template already wrote any BOS token; do not add a second one.
         return self.tokenizer.encode(text, add_special_tokens=False)
