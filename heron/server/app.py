@@ -595,9 +595,12 @@ async def _sse_events(
             if output.finished:
                 finals[index] = output
             yield index, output
-    except ClientDisconnected:
+    except (ClientDisconnected, asyncio.CancelledError, GeneratorExit) as e:
+        # Seen by the merge, or by Starlette, which then cancels or closes the stream.
         logger.info("client left a stream; its requests were aborted")
-        return
+        if isinstance(e, ClientDisconnected):
+            return
+        raise
     except (StepError, EngineDeadError) as e:
         info = ErrorInfo(message=str(e), type=_ERROR_TYPES[500])
         yield _sse(ErrorResponse(error=info).model_dump_json())

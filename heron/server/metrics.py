@@ -132,9 +132,8 @@ class ServerMetrics:
 
     async def track(self, outputs: AsyncIterator[RequestOutput]) -> AsyncIterator[RequestOutput]:
         """Pass ``outputs`` through, observing token latencies and the finished request."""
-        # prompt_len is set once the request was accepted (a rejected one raises before any
-        # output).
-        last_time, last_count, prompt_len, finished = None, 0, None, False
+        # prompt_len: known from the first output on; rejected: the request was invalid.
+        last_time, last_count, prompt_len, finished, rejected = None, 0, None, False, False
         async with aclosing(outputs):
             try:
                 async for output in outputs:
@@ -152,11 +151,14 @@ class ServerMetrics:
                         finished = True
                         self._observe_finished(output, count)
                     yield output
+            except ValueError:
+                rejected = True
+                raise
             finally:
-                if prompt_len is not None and not finished:
-                    # The consumer left early (client disconnect): the request was aborted
-                    # after computing its prompt and the tokens seen so far.
-                    self.prompt_tokens.inc(prompt_len)
+                if not (finished or rejected):
+                    # The consumer left early (client disconnect): the request was aborted,
+                    # maybe before its first output, with the tokens seen so far.
+                    self.prompt_tokens.inc(prompt_len or 0)
                     self.generation_tokens.inc(last_count)
                     self.request_success.labels(finished_reason="abort").inc()
 
