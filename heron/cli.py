@@ -10,6 +10,7 @@ from dataclasses import fields
 
 from heron import __version__
 from heron.config import EngineConfig
+from heron.outputs import CompletionOutput
 from heron.sampling_params import SamplingParams
 
 # Engine flags, named like vLLM's: --max-num-seqs, --enable-prefix-caching/--no-..., ...
@@ -87,8 +88,23 @@ def cmd_generate(args: argparse.Namespace) -> int:
         if output.error:
             print(f"error: {output.error}", file=sys.stderr)
             return 1
-        print(output.outputs[0].text)
+        sample = output.outputs[0]
+        print(sample.text)
+        if _ended_at_once(sample):
+            hint = "; it is a chat model: try heron chat" if llm.tokenizer.chat_template else ""
+            print(
+                f"heron: the model ended the completion at once (end of sequence){hint}",
+                file=sys.stderr,
+            )
     return 0
+
+
+def _ended_at_once(sample: CompletionOutput) -> bool:
+    """Whether the first token was end-of-sequence: what an instruct model often answers to
+    a raw prompt without its chat template."""
+    return (
+        sample.finish_reason == "stop" and sample.stop_reason is None and len(sample.token_ids) == 1
+    )
 
 
 def cmd_chat(args: argparse.Namespace) -> int:

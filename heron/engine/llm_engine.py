@@ -9,7 +9,13 @@ from dataclasses import dataclass, field
 from transformers import AutoTokenizer
 
 from heron.cache.coordinator import KVCacheCoordinator
-from heron.config import DEFAULT_HOST_KV_CACHE_BYTES, EngineConfig, ModelConfig
+from heron.config import (
+    DEFAULT_HOST_KV_CACHE_BYTES,
+    TOKENIZER_FILES,
+    EngineConfig,
+    ModelConfig,
+    lacks_tokenizer,
+)
 from heron.engine.detokenizer import IncrementalDetokenizer
 from heron.engine.request import FinishReason, Request, RequestStatus
 from heron.engine.scheduler import Scheduler, SchedulerConfig
@@ -89,12 +95,23 @@ class LLMEngine:
         self.model_config = ModelConfig.from_path(
             path, config.dtype, device, config.max_model_len, config.load_format, config.seed
         )
-        self.tokenizer = AutoTokenizer.from_pretrained(config.tokenizer or path)
+        tokenizer = config.tokenizer or path
+        if lacks_tokenizer(tokenizer):
+            # transformers would build an empty tokenizer from the config alone.
+            raise ValueError(
+                f"{tokenizer} has no tokenizer files (none of {', '.join(TOKENIZER_FILES)}); "
+                "pass --tokenizer DIR"
+            )
+        self.tokenizer = AutoTokenizer.from_pretrained(tokenizer)
         self.block_size = config.block_size or self.platform.default_block_size
         backend = config.attention_backend or self.platform.default_attention_backend()
-        self.runner = ModelRunner(
-            self.model_config, self.platform, self.block_size, backend, config.seed
-        )
+        try:
+            self.runner = ModelRunner(
+                self.model_config, self.platform, self.block_size, backend, config.seed
+            )
+        except ValueError as e:
+            # Name what the user gave: a GGUF file's weights are read from its converted copy.
+            raise ValueError(f"{config.model or path}: {e}") from e
         self.max_num_batched_tokens = config.max_num_batched_tokens or (
             DEFAULT_MAX_NUM_BATCHED_TOKENS.get(device.type, FALLBACK_MAX_NUM_BATCHED_TOKENS)
         )

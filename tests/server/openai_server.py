@@ -81,8 +81,7 @@ def start_server(model_dir: Path, *extra: str) -> ServerHandle:
         "--log-level",
         "INFO",
         "serve",
-        "--model",
-        str(model_dir),
+        str(model_dir),  # positional, as `vllm serve MODEL`
         "--port",
         str(port),
         "--served-model-name",
