@@ -15,7 +15,9 @@ from heron.sampling_params import SamplingParams
 
 # Engine flags, named like vLLM's: --max-num-seqs, --enable-prefix-caching/--no-..., ...
 _ENGINE_FLAG_HELP = {
-    "model": "HF directory or .gguf file (default: the embedded SmolLM2-135M-Instruct)",
+    "model": "HF directory, .gguf file or Hub id: owner/name, owner/name:file.gguf "
+    "(default: the embedded SmolLM2-135M-Instruct)",
+    "revision": "branch, tag or commit of a Hub id (default: main)",
     "tokenizer": "tokenizer directory (default: the model's)",
     "dtype": "auto, float32, float16 or bfloat16",
     "device": "auto, cpu or cuda[:N]",

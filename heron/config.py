@@ -33,7 +33,9 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "vocab.txt
 class EngineConfig:
     """User-facing engine options, named as vLLM users know them."""
 
-    model: str | None = None  # HF directory or .gguf file; None: the embedded default model
+    # HF directory, .gguf file or Hub id (owner/name[:file.gguf]); None: the default model
+    model: str | None = None
+    revision: str | None = None  # of a Hub id: branch, tag or commit
     tokenizer: str | None = None
     dtype: str = "auto"
     device: str = "auto"

@@ -91,7 +91,7 @@ class LLMEngine:
         self.config = config
         device = resolve_device(config.device)
         self.platform = platform_for(device)
-        path = resolve_model_path(config.model)
+        path = resolve_model_path(config.model, config.revision)
         self.model_config = ModelConfig.from_path(
             path, config.dtype, device, config.max_model_len, config.load_format, config.seed
         )
