@@ -196,6 +196,12 @@ class LLMEngine:
         params.eos_token_ids = frozenset(self._eos_token_ids)
         text, token_ids = self.tokenize_prompt(prompt)
         self._validate_prompt(token_ids)
+        vocab = self.model_config.vocab_size
+        if params.logit_bias and max(params.logit_bias) >= vocab:
+            raise ValueError(
+                f"logit_bias token id {max(params.logit_bias)} is outside the vocabulary "
+                f"[0, {vocab})"
+            )
         children = []
         for index in range(params.n):
             child = Request(

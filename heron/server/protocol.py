@@ -64,6 +64,7 @@ class _SamplingRequest(BaseModel):
     seed: int | None = None
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
+    logit_bias: dict[int, float] | None = None  # JSON keys are token ids as strings
     # Extras beyond the OpenAI schema, named as in vLLM.
     top_k: int | None = None
     min_p: float | None = None
@@ -112,6 +113,7 @@ class _SamplingRequest(BaseModel):
             logprobs=logprobs,
             prompt_logprobs=prompt_logprobs,
             skip_special_tokens=self.skip_special_tokens,
+            logit_bias=self.logit_bias,
         )
 
     @property

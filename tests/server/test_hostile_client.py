@@ -39,11 +39,11 @@ def test_unknown_model_is_not_found(client):
 @pytest.mark.parametrize(
     "route, extra, param",
     [
-        ("completions", {"logit_bias": {"5": 100}}, "logit_bias"),
         ("completions", {"suffix": "!"}, "suffix"),
         ("completions", {"prompt_logprobs": 1}, "prompt_logprobs"),
         ("completions", {"best_of": 3}, "best_of"),
-        ("chat", {"logit_bias": {"5": 100}}, "logit_bias"),
+        ("chat", {"logit_bias": {"100000": 1}}, "logit_bias"),
+        ("chat", {"logit_bias": {"5": 101}}, "logit_bias"),
         ("chat", {"functions": [{"name": "f"}]}, "functions"),
         ("chat", {"reasoning_effort": "low"}, "reasoning_effort"),
         ("chat", {"top_logprobs": 2}, "top_logprobs"),
@@ -61,6 +61,15 @@ def test_fields_that_change_the_result_are_refused_by_name(client, route, extra,
             )
     assert e.value.body["param"] == param
     assert param in e.value.body["message"]
+
+
+def test_logit_bias(client, http):
+    """+100 makes a token certain, whatever the model says."""
+    response = client.completions.create(
+        model=MODEL_NAME, prompt=PROMPT, max_tokens=4, temperature=0, logit_bias={"5": 100}
+    )
+    want = http.post("/detokenize", json={"tokens": [5] * 4}).json()["prompt"]
+    assert response.choices[0].text == want
 
 
 def test_image_parts_are_refused(client):
