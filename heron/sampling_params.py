@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 _GREEDY_EPS = 1e-5
 # OpenAI's own limit; it also bounds the sequences one request can add to the engine.
 MAX_N = 128
+_INT64_MIN, _INT64_MAX = -(2**63), 2**63 - 1
 
 
 @dataclass
@@ -68,8 +69,11 @@ class SamplingParams:
             raise bad("presence_penalty", "in [-2, 2]")
         if not -2.0 <= self.frequency_penalty <= 2.0:
             raise bad("frequency_penalty", "in [-2, 2]")
-        if self.seed is not None and not isinstance(self.seed, int):
-            raise bad("seed", "an integer or None")
+        if self.seed is not None and (
+            not isinstance(self.seed, int) or not _INT64_MIN <= self.seed <= _INT64_MAX
+        ):
+            # A seed torch cannot take would fail the whole step, every request in it.
+            raise bad("seed", "a 64-bit signed integer or None")
         if self.max_tokens is not None and (
             not isinstance(self.max_tokens, int) or self.max_tokens < 1
         ):

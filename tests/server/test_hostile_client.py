@@ -30,6 +30,17 @@ def _error(response: httpx.Response, status: int) -> dict:
     return error
 
 
+def test_a_seed_torch_cannot_take_fails_only_its_request(client):
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        other = pool.submit(
+            client.completions.create, model=MODEL_NAME, prompt=PROMPT, max_tokens=20
+        )
+        with pytest.raises(openai.BadRequestError) as e:
+            client.completions.create(model=MODEL_NAME, prompt=PROMPT, seed=2**64)
+        assert e.value.body["param"] == "seed"
+        assert other.result().choices[0].finish_reason in ("length", "stop")
+
+
 def test_unknown_model_is_not_found(client):
     with pytest.raises(openai.NotFoundError) as e:
         client.completions.create(model="gpt-nope", prompt=PROMPT, max_tokens=2)
