@@ -204,6 +204,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         served_model_name=args.served_model_name,
         log_level=args.log_level,
         max_request_body_bytes=args.max_request_body_bytes,
+        trust_request_chat_template=args.trust_request_chat_template,
     )
 
 
@@ -238,6 +239,11 @@ def build_parser() -> argparse.ArgumentParser:
         type=int,
         default=DEFAULT_MAX_REQUEST_BODY_BYTES,
         help="larger request bodies are refused with 413",
+    )
+    serve.add_argument(
+        "--trust-request-chat-template",
+        action="store_true",
+        help="let requests bring their own chat_template (a Jinja template the server runs)",
     )
     for p in (gen, chat, plan, serve):
         add_engine_args(p)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import hmac
 import logging
+import math
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Sequence
@@ -144,7 +145,11 @@ class OpenAIServing:
     apply_chat_template = LLM.apply_chat_template
 
     def __init__(
-        self, engine: AsyncLLMEngine, served_model_name: str, max_request_body_bytes: int
+        self,
+        engine: AsyncLLMEngine,
+        served_model_name: str,
+        max_request_body_bytes: int,
+        trust_request_chat_template: bool,
     ) -> None:
         self.engine = engine
         self.tokenizer = engine.engine.tokenizer
@@ -152,6 +157,7 @@ class OpenAIServing:
         self.max_model_len = engine.engine.model_config.max_model_len
         self.metrics = ServerMetrics(engine.engine)
         self.max_request_body_bytes = max_request_body_bytes
+        self.trust_request_chat_template = trust_request_chat_template
         # No token covers more characters than its vocabulary string has (byte-level and
         # SentencePiece vocabularies), so a longer text cannot fit in the context: refusing it
         # spares the tokenizer a multi-megabyte prompt.
@@ -210,6 +216,17 @@ class OpenAIServing:
         size = sum(len(m["content"]) for m in conversation)
         if isinstance(body, ChatCompletionRequest):
             self.check_prompt_chars(size)  # the template writes every message's content
+        if body.chat_template is not None:
+            if not self.trust_request_chat_template:
+                # As vLLM: a client's template is code the server runs (sandboxed, but its
+                # loops are unbounded), so the operator has to allow it.
+                raise APIError(
+                    400,
+                    "chat_template from requests is refused; start the server with "
+                    "--trust-request-chat-template to allow it",
+                    param="chat_template",
+                )
+            size = math.inf  # its cost is not the input's: never on the event loop
 
         def render() -> list[int]:
             return self.apply_chat_template(
@@ -388,13 +405,16 @@ def build_app(
     served_model_name: str,
     api_key: str | None = None,
     max_request_body_bytes: int = DEFAULT_MAX_REQUEST_BODY_BYTES,
+    trust_request_chat_template: bool = False,
 ) -> FastAPI:
     """The FastAPI app serving ``engine`` as ``served_model_name``; ``api_key`` guards /v1.
 
     Routes read their bodies themselves (:meth:`OpenAIServing.parse`), so the API key is
     checked before a body is read and the size limit holds while it is read.
     """
-    serving = OpenAIServing(engine, served_model_name, max_request_body_bytes)
+    serving = OpenAIServing(
+        engine, served_model_name, max_request_body_bytes, trust_request_chat_template
+    )
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:

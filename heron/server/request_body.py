@@ -41,7 +41,7 @@ async def read_body(request: Request, limit: int) -> bytes:
 
 
 async def off_loop_if_large(
-    size: int, work: Callable[[], T], executor: Executor | None = None
+    size: float, work: Callable[[], T], executor: Executor | None = None
 ) -> T:
     """``work()``, in ``executor`` (default: the loop's) when ``size`` passes the threshold, so
     that /health and the other clients' streams are answered meanwhile."""

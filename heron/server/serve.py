@@ -75,6 +75,7 @@ def serve(
     served_model_name: str | None,
     log_level: str,
     max_request_body_bytes: int,
+    trust_request_chat_template: bool,
 ) -> int:
     """Serve until a shutdown signal; returns the exit code."""
     logging.getLogger("heron").setLevel(min(logging.INFO, logging.getLogger().level))
@@ -93,7 +94,8 @@ def serve(
         _graph_mode(llm_engine),
     )
     logger.info("listening on http://%s:%d (OpenAI API under /v1)", host, port)
-    gate = _RefuseWhileStopping(build_app(engine, name, api_key, max_request_body_bytes))
+    app = build_app(engine, name, api_key, max_request_body_bytes, trust_request_chat_template)
+    gate = _RefuseWhileStopping(app)
     uv_config = uvicorn.Config(
         gate, host=host, port=port, log_level=log_level.lower(), timeout_graceful_shutdown=30
     )

@@ -12,7 +12,9 @@ from openai_server import API_KEY, start_server, stop_server
 @pytest.fixture(scope="session")
 def server(tiny_model_dir):
     """A server with an API key; the tests' clients send it."""
-    handle = start_server(tiny_model_dir("qwen2"), "--api-key", API_KEY)
+    handle = start_server(
+        tiny_model_dir("qwen2"), "--api-key", API_KEY, "--trust-request-chat-template"
+    )
     yield handle
     stop_server(handle)
 

@@ -2,7 +2,8 @@
 while they still wait, and the server logs one line for each, no traceback.
 
 The server runs one sequence at a time, so requests sent behind a long stream wait (the
-metrics say so) and are surely left before their first token."""
+metrics say so) and are surely left before their first token. It is also the tests' server
+without --trust-request-chat-template."""
 
 from __future__ import annotations
 
@@ -80,3 +81,11 @@ def test_requests_left_before_their_first_token_are_aborted(one_seq_server):
     log = server.log()
     assert log.count("client left") == 3  # one line per HTTP request
     assert "Traceback" not in log
+
+
+def test_chat_template_of_a_request_needs_the_operators_consent(one_seq_server):
+    body = {"messages": [{"role": "user", "content": "hi"}], "chat_template": "{{ 1 }}"}
+    response = httpx.post(f"{one_seq_server.base_url}/v1/chat/completions", json=body, headers=AUTH)
+    assert response.status_code == 400
+    error = response.json()["error"]
+    assert error["param"] == "chat_template" and "--trust-request-chat-template" in error["message"]
