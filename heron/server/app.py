@@ -240,7 +240,9 @@ class OpenAIServing:
         except ValueError as e:
             raise _bad_value(e) from e
 
-    def check_context(self, num_prompt_tokens: int, body: Any) -> None:
+    def check_context(
+        self, num_prompt_tokens: int, body: CompletionRequest | ChatCompletionRequest
+    ) -> None:
         """Refuse ``max_tokens`` that would run past the context, as vLLM does (a prompt that
         alone is too long is refused by the engine)."""
         max_tokens, limit = body.requested_max_tokens, self.max_model_len
@@ -481,7 +483,12 @@ def build_app(
             raise APIError(
                 400, f"token id {bad} is outside the vocabulary [0, {size})", param="tokens"
             )
-        return DetokenizeResponse(prompt=serving.tokenizer.decode(body.tokens))
+        text = await off_loop_if_large(
+            len(body.tokens),
+            lambda: serving.tokenizer.decode(body.tokens),
+            serving.tokenizer_thread,
+        )
+        return DetokenizeResponse(prompt=text)
 
     @api.post("/v1/completions")
     async def completions(request: Request) -> Response:

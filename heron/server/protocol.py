@@ -126,6 +126,7 @@ class CompletionRequest(_SamplingRequest):
     max_tokens: int | None = 16
     logprobs: int | None = None
     echo: bool = False
+    max_tokens_field: ClassVar[str] = "max_tokens"  # the field requested_max_tokens reads
 
     @field_validator("prompt")
     @classmethod
@@ -140,8 +141,6 @@ class CompletionRequest(_SamplingRequest):
         if isinstance(p, str) or (p and isinstance(p[0], int)):
             return [p]
         return list(p)
-
-    max_tokens_field: ClassVar[str] = "max_tokens"
 
     @property
     def requested_max_tokens(self) -> int | None:
