@@ -12,6 +12,7 @@ from collections.abc import AsyncIterator, Awaitable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
 from dataclasses import fields
+from itertools import islice
 from typing import Any, TypeVar
 
 import jinja2
@@ -47,6 +48,8 @@ from heron.server.protocol import (
     ErrorResponse,
     ModelCard,
     ModelList,
+    PromptLogprob,
+    PromptLogprobs,
     TokenizeRequest,
     TokenizeResponse,
     TopLogprob,
@@ -325,17 +328,17 @@ class OpenAIServing:
         return self.tokenizer.decode([token_id])
 
     def completion_logprobs(
-        self, entries: Sequence[tuple[int, Logprob | None]], offset: int
+        self, entries: Sequence[tuple[int, Logprob | None]], offset: int, num_top: int
     ) -> CompletionLogprobs:
-        """OpenAI's logprobs of ``(token id, logprob)`` pairs; a prompt's first token has no
-        logprob (``None``)."""
+        """OpenAI's logprobs of ``(token id, logprob)`` pairs with ``num_top`` alternatives each;
+        a prompt's first token has no logprob (``None``)."""
         result = CompletionLogprobs()
         for token_id, lp in entries:
             token = self._token(token_id)
             result.tokens.append(token)
             result.token_logprobs.append(None if lp is None else lp.logprob)
             result.top_logprobs.append(
-                None if lp is None else {self._token(t): v for t, v in lp.top.items()}
+                None if lp is None else {self._token(t): v for t, v in _top(lp, num_top)}
             )
             result.text_offset.append(offset)
             offset += len(token)
@@ -354,6 +357,25 @@ class OpenAIServing:
                 ChatTokenLogprob(**chosen.model_dump(), top_logprobs=[entry(*kv) for kv in top])
             )
         return ChatLogprobs(content=content)
+
+    def prompt_logprobs(self, output: RequestOutput, num_top: int | None) -> PromptLogprobs | None:
+        """vLLM's ``prompt_logprobs``: per prompt token its own and the ``num_top`` likeliest."""
+        if num_top is None:
+            return None
+        result: PromptLogprobs = []
+        for token_id, lp in _prompt_entries(output):
+            if lp is None:
+                result.append(None)
+                continue
+            entry = {
+                str(t): PromptLogprob(logprob=v, rank=rank, decoded_token=self._token(t))
+                for rank, (t, v) in enumerate(_top(lp, num_top), start=1)
+            }
+            entry[str(token_id)] = PromptLogprob(
+                logprob=lp.logprob, rank=lp.rank, decoded_token=self._token(token_id)
+            )
+            result.append(entry)
+        return result
 
     @staticmethod
     def usage(outputs: list[RequestOutput]) -> Usage:
@@ -517,14 +539,17 @@ def build_app(
             for sample in output.outputs:
                 logprobs = None
                 if sample.logprobs is not None:
-                    entries = _prompt_entries(output) + _entries(sample.logprobs)
-                    logprobs = serving.completion_logprobs(entries, 0)
+                    entries = _entries(sample.logprobs)
+                    if body.echo:
+                        entries = _prompt_entries(output) + entries
+                    logprobs = serving.completion_logprobs(entries, 0, body.logprobs)
                 choices.append(
                     CompletionChoice(
                         index=i * params.n + sample.index,
                         text=echoes[i] + sample.text,
                         logprobs=logprobs,
                         finish_reason=sample.finish_reason,
+                        prompt_logprobs=serving.prompt_logprobs(output, body.prompt_logprobs),
                     )
                 )
         return JSONResponse(
@@ -569,6 +594,7 @@ def build_app(
                 model=served_model_name,
                 choices=choices,
                 usage=serving.usage([output]),
+                prompt_logprobs=serving.prompt_logprobs(output, body.prompt_logprobs),
             ).model_dump()
         )
 
@@ -581,10 +607,16 @@ def _entries(logprobs: Sequence[Logprob]) -> list[tuple[int, Logprob | None]]:
 
 
 def _prompt_entries(output: RequestOutput) -> list[tuple[int, Logprob | None]]:
-    """The prompt's logprobs (the first None), when they were asked for (an echo)."""
+    """The prompt's logprobs (the first None), when they were asked for."""
     if output.prompt_logprobs is None:
         return []
     return list(zip(output.prompt_token_ids, output.prompt_logprobs))
+
+
+def _top(lp: Logprob, n: int) -> list[tuple[int, float]]:
+    """The ``n`` likeliest alternatives (``lp.top`` is in descending order and may hold more,
+    when prompt logprobs were asked for with a larger count)."""
+    return list(islice(lp.top.items(), n))
 
 
 async def _final_outputs(
@@ -671,7 +703,8 @@ async def _completion_stream(
             text, entries = delta, _entries(logprobs)
             if key not in offsets:  # the sample's first chunk: the echo goes first
                 text = echoes[index] + delta
-                entries = _prompt_entries(output) + entries
+                if body.echo:
+                    entries = _prompt_entries(output) + entries
                 offsets[key] = 0
             choice = CompletionChoice(
                 index=index * n + sample.index,
@@ -680,7 +713,7 @@ async def _completion_stream(
             )
             if sample.logprobs is not None:
                 # The new tokens start where the previously sent ones ended.
-                choice.logprobs = serving.completion_logprobs(entries, offsets[key])
+                choice.logprobs = serving.completion_logprobs(entries, offsets[key], body.logprobs)
                 offsets[key] += sum(map(len, choice.logprobs.tokens))
             yield _sse(chunk([choice]).model_dump_json())
 

@@ -74,6 +74,7 @@ class _SamplingRequest(BaseModel):
     include_stop_str_in_output: bool = False
     ignore_eos: bool = False
     skip_special_tokens: bool = True
+    prompt_logprobs: int | None = None  # top-N per prompt token, returned apart from `logprobs`
 
     def check_supported(self) -> None:
         """Raise :class:`UnsupportedFieldError` for the first field Heron cannot honour."""
@@ -83,6 +84,10 @@ class _SamplingRequest(BaseModel):
         if self.best_of is not None and self.best_of != self.n:
             raise UnsupportedFieldError(
                 "best_of", f"best_of must equal n ({self.n}): every sample is returned"
+            )
+        if self.stream and self.prompt_logprobs is not None:
+            raise UnsupportedFieldError(
+                "prompt_logprobs", "prompt_logprobs are not available when streaming (as vLLM)"
             )
 
     def _sampling_params(
@@ -148,7 +153,8 @@ class CompletionRequest(_SamplingRequest):
 
     def sampling_params(self) -> SamplingParams:
         # Echoed prompt tokens carry their logprobs too, as in OpenAI's API.
-        prompt_logprobs = self.logprobs if self.echo else None
+        wanted = [self.prompt_logprobs, self.logprobs if self.echo else None]
+        prompt_logprobs = max((n for n in wanted if n is not None), default=None)
         return self._sampling_params(self.max_tokens, self.logprobs, prompt_logprobs)
 
 
@@ -216,7 +222,7 @@ class ChatCompletionRequest(_SamplingRequest):
 
     def sampling_params(self) -> SamplingParams:
         logprobs = (self.top_logprobs or 0) if self.logprobs else None
-        return self._sampling_params(self.requested_max_tokens, logprobs)
+        return self._sampling_params(self.requested_max_tokens, logprobs, self.prompt_logprobs)
 
 
 class Usage(BaseModel):
@@ -232,11 +238,24 @@ class CompletionLogprobs(BaseModel):
     text_offset: list[int] = Field(default_factory=list)
 
 
+class PromptLogprob(BaseModel):
+    """vLLM's entry of a prompt token's logprobs."""
+
+    logprob: float
+    rank: int
+    decoded_token: str
+
+
+# Per prompt token (the first None): token id (as a JSON key) -> its logprob, as vLLM returns.
+PromptLogprobs = list[dict[str, PromptLogprob] | None]
+
+
 class CompletionChoice(BaseModel):
     index: int
     text: str
     logprobs: CompletionLogprobs | None = None
     finish_reason: str | None = None
+    prompt_logprobs: PromptLogprobs | None = None
 
 
 class CompletionResponse(BaseModel):
@@ -281,6 +300,7 @@ class ChatCompletionResponse(BaseModel):
     model: str
     choices: list[ChatChoice]
     usage: Usage
+    prompt_logprobs: PromptLogprobs | None = None
 
 
 class DeltaMessage(BaseModel):

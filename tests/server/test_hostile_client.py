@@ -13,7 +13,8 @@ from collections.abc import Iterable
 import httpx
 import openai
 import pytest
-from transformers import AutoTokenizer
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from openai_server import API_KEY, MAX_MODEL_LEN, MODEL_NAME
 
@@ -51,7 +52,8 @@ def test_unknown_model_is_not_found(client):
     "route, extra, param",
     [
         ("completions", {"suffix": "!"}, "suffix"),
-        ("completions", {"prompt_logprobs": 1}, "prompt_logprobs"),
+        ("completions", {"prompt_logprobs": 1, "stream": True}, "prompt_logprobs"),
+        ("completions", {"prompt_logprobs": 21}, "prompt_logprobs"),
         ("completions", {"best_of": 3}, "best_of"),
         ("chat", {"logit_bias": {"100000": 1}}, "logit_bias"),
         ("chat", {"logit_bias": {"5": 101}}, "logit_bias"),
@@ -205,6 +207,36 @@ def _raw_post(server, headers: dict[str, str], body: Iterable[bytes] = ()) -> st
         for part in body:
             s.sendall(part)
         return s.makefile("rb").readline().decode().strip()
+
+
+def test_prompt_logprobs_equal_hf_log_softmax(client, server):
+    """vLLM's prompt_logprobs: per prompt token (the first None) its own logprob and rank and
+    the top-N, against HF transformers' log-softmax of the prompt's logits."""
+    prompt = [7, 8, 9, 10, 11, 12]
+    kwargs = dict(model=MODEL_NAME, max_tokens=2, temperature=0)
+    completion = client.completions.create(
+        prompt=prompt, extra_body={"prompt_logprobs": 2}, **kwargs
+    )
+    got = completion.choices[0].prompt_logprobs
+    hf = AutoModelForCausalLM.from_pretrained(server.model_dir, dtype=torch.float32)
+    with torch.no_grad():
+        ref = torch.log_softmax(hf(torch.tensor([prompt])).logits[0].float(), -1)
+    assert got[0] is None and len(got) == len(prompt)
+    for position, entry in enumerate(got[1:], start=1):
+        row, token = ref[position - 1], prompt[position]
+        want_top = row.topk(2).indices.tolist()
+        assert set(entry) == {str(t) for t in [token, *want_top]}
+        assert entry[str(token)]["logprob"] == pytest.approx(row[token].item(), abs=1e-4)
+        assert entry[str(token)]["rank"] == int((row > row[token]).sum()) + 1
+        assert [entry[str(t)]["rank"] for t in want_top if t != token] == [
+            r for r, t in enumerate(want_top, start=1) if t != token
+        ]
+    chat = client.chat.completions.create(
+        messages=MESSAGES, extra_body={"prompt_logprobs": 0}, **kwargs
+    )
+    assert chat.prompt_logprobs[0] is None
+    assert len(chat.prompt_logprobs) == chat.usage.prompt_tokens
+    assert all(len(entry) == 1 for entry in chat.prompt_logprobs[1:])
 
 
 def test_api_key_is_checked_before_the_body(server):
