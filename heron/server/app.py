@@ -65,7 +65,12 @@ from heron.server.request_body import (
 
 logger = logging.getLogger(__name__)
 
-_SAMPLING_FIELDS = {f.name for f in fields(SamplingParams)}
+# A ValueError whose message starts with one of these names is about that field.
+_FIELDS = (
+    {f.name for f in fields(SamplingParams)}
+    | set(CompletionRequest.model_fields)
+    | set(ChatCompletionRequest.model_fields)
+)
 _ERROR_TYPES = {
     400: "invalid_request_error",
     401: "authentication_error",
@@ -108,7 +113,7 @@ def _bad_value(e: ValueError) -> APIError:
     if isinstance(e, UnsupportedFieldError):
         return APIError(400, str(e), param=e.name, code="unsupported_field")
     first_word = str(e).split(" ", 1)[0]
-    return APIError(400, str(e), param=first_word if first_word in _SAMPLING_FIELDS else None)
+    return APIError(400, str(e), param=first_word if first_word in _FIELDS else None)
 
 
 def _sse(payload: str) -> str:
@@ -233,7 +238,10 @@ class OpenAIServing:
 
         def render() -> list[int]:
             return self.apply_chat_template(
-                conversation, body.add_generation_prompt, body.chat_template
+                conversation,
+                body.add_generation_prompt,
+                body.chat_template,
+                body.chat_template_kwargs,
             )
 
         try:

@@ -200,6 +200,7 @@ class ChatCompletionRequest(_SamplingRequest):
     top_logprobs: int | None = None
     add_generation_prompt: bool = True
     chat_template: str | None = None  # a Jinja template instead of the tokenizer's, as vLLM
+    chat_template_kwargs: dict[str, Any] | None = None  # more variables of the template
 
     @field_validator("top_logprobs")
     @classmethod
@@ -350,6 +351,7 @@ class TokenizeRequest(BaseModel):
     add_special_tokens: bool = True
     add_generation_prompt: bool = True
     chat_template: str | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
 
     def conversation(self) -> list[dict[str, Any]]:
         return _conversation(self.messages or [])

@@ -121,6 +121,18 @@ def test_chat_template_of_the_request_is_used(client, http, server):
     )
     completion = client.completions.create(prompt=want, **kwargs)
     assert chat.choices[0].message.content == completion.choices[0].text
+    with_variables = {
+        "messages": MESSAGES,
+        "chat_template": "{{ greeting }}" + template,
+        "chat_template_kwargs": {"greeting": "Hello "},
+    }
+    greeted = http.post("/tokenize", json=with_variables).json()["tokens"]
+    assert greeted == tokenizer.encode("Hello <user>Where is Paris?", add_special_tokens=False)
+    reserved = http.post(
+        "/v1/chat/completions",
+        json={"messages": MESSAGES, "chat_template_kwargs": {"tokenize": True}, "max_tokens": 2},
+    )
+    assert _error(reserved, 400)["param"] == "chat_template_kwargs"
     broken = http.post(
         "/v1/chat/completions",
         json={"messages": MESSAGES, "chat_template": "{% for %}", "max_tokens": 2},
