@@ -67,7 +67,13 @@ class CudaPlatform(Platform):
 def resolve_device(device: str | torch.device | None) -> torch.device:
     if device is None or device == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    device = torch.device(device)
+    name = str(device)
+    try:
+        device = torch.device(device)
+    except RuntimeError:
+        device = None
+    if device is None or device.type not in ("cpu", "cuda"):
+        raise ValueError(f"unknown device {name!r}: use auto, cpu or cuda[:N]")
     if device.type == "cuda" and not torch.cuda.is_available():
         raise ValueError(f"device {str(device)!r} requested but CUDA is not available")
     if device.type == "cuda" and device.index is None:

@@ -5,7 +5,7 @@ from heron.cache.coordinator import GroupUsage, KVCacheCoordinator
 from heron.cache.manager import AllocationHeadroom, AllocationPlan, CacheManager
 from heron.cache.paged import PagedCacheManager, PagedPlan
 from heron.cache.recurrent import RecurrentStateManager, RecurrentStateSpec
-from heron.cache.spec import CacheSpec, FullAttentionSpec, SlidingWindowSpec
+from heron.cache.spec import CacheSpec, FullAttentionSpec, LatentAttentionSpec, SlidingWindowSpec
 
 __all__ = [
     "NULL_BLOCK_ID",
@@ -17,6 +17,7 @@ __all__ = [
     "FullAttentionSpec",
     "GroupUsage",
     "KVCacheCoordinator",
+    "LatentAttentionSpec",
     "PagedCacheManager",
     "PagedPlan",
     "RecurrentStateManager",

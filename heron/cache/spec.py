@@ -76,21 +76,12 @@ class CacheSpec:
 
 
 @dataclass(frozen=True)
-class FullAttentionSpec(CacheSpec):
-    """Paged K and V of every token: ``[2, blocks, block_size, kv_heads, head_dim]``."""
-
-    num_kv_heads: int
-    head_dim: int
-
-    @property
-    def bytes_per_block(self) -> int:
-        return 2 * self.block_size * self.num_kv_heads * self.head_dim * self._element_size()
+class PagedSpec(CacheSpec):
+    """A kind whose every token keeps its entry in paged blocks for the whole sequence, served
+    by the paged manager (prefix caching included); subclasses give the entry's shape."""
 
     def blocks_per_seq(self, max_model_len: int, max_num_batched_tokens: int) -> int:
         return -(-max_model_len // self.block_size)
-
-    def tensor_shape(self, num_blocks: int) -> tuple[int, ...]:
-        return (2, num_blocks, self.block_size, self.num_kv_heads, self.head_dim)
 
     def table_width(self, max_model_len: int) -> int:
         return paged_table_width(max_model_len, self.block_size, None)
@@ -102,6 +93,21 @@ class FullAttentionSpec(CacheSpec):
         from heron.cache.paged import PagedCacheManager  # paged.py imports this module
 
         return PagedCacheManager(self, num_blocks, enable_prefix_caching)
+
+
+@dataclass(frozen=True)
+class FullAttentionSpec(PagedSpec):
+    """Paged K and V of every token: ``[2, blocks, block_size, kv_heads, head_dim]``."""
+
+    num_kv_heads: int
+    head_dim: int
+
+    @property
+    def bytes_per_block(self) -> int:
+        return 2 * self.block_size * self.num_kv_heads * self.head_dim * self._element_size()
+
+    def tensor_shape(self, num_blocks: int) -> tuple[int, ...]:
+        return (2, num_blocks, self.block_size, self.num_kv_heads, self.head_dim)
 
     def describe(self) -> str:
         return (
@@ -141,3 +147,31 @@ class SlidingWindowSpec(FullAttentionSpec):
 
     def describe(self) -> str:
         return f"sliding window {self.sliding_window}, " + super().describe()
+
+
+@dataclass(frozen=True)
+class LatentAttentionSpec(PagedSpec):
+    """Paged multi-head latent attention (DeepSeek's MLA): per token one entry of the
+    compressed KV latent and the shared rotary key, ``[blocks, block_size, kv_lora_rank +
+    rope_dim]``. Every query head reads the same entry, so it is one "KV head" wide; blocks are
+    paged and prefix-cached as full attention's are."""
+
+    kv_lora_rank: int
+    rope_dim: int
+
+    @property
+    def entry_size(self) -> int:
+        return self.kv_lora_rank + self.rope_dim
+
+    @property
+    def bytes_per_block(self) -> int:
+        return self.block_size * self.entry_size * self._element_size()
+
+    def tensor_shape(self, num_blocks: int) -> tuple[int, ...]:
+        return (num_blocks, self.block_size, self.entry_size)
+
+    def describe(self) -> str:
+        return (
+            f"latent attention: {self.block_size}-token blocks, latent {self.kv_lora_rank} + "
+            f"rope {self.rope_dim}, {str(self.dtype).removeprefix('torch.')}"
+        )

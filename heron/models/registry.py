@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from torch import nn
 
+from heron.models.deepseek import DeepseekForCausalLM
 from heron.models.gemma import GemmaForCausalLM
 from heron.models.gpt_oss import GptOssForCausalLM
 from heron.models.llama import LlamaForCausalLM
@@ -17,6 +18,8 @@ from heron.models.qwen3_5 import (
 from heron.models.qwen_moe import QwenMoeForCausalLM
 
 MODEL_REGISTRY: dict[str, type[nn.Module]] = {
+    "DeepseekV2ForCausalLM": DeepseekForCausalLM,
+    "DeepseekV3ForCausalLM": DeepseekForCausalLM,
     "Gemma2ForCausalLM": GemmaForCausalLM,
     "Gemma3ForCausalLM": GemmaForCausalLM,
     "GptOssForCausalLM": GptOssForCausalLM,

@@ -8,6 +8,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
+from torch import nn
 
 from heron.kernels import TORCH_KERNELS, LayerKernels
 from heron.layers.rotary import QKTransform
@@ -15,6 +16,8 @@ from heron.metadata import ModelBuildContext
 from heron.ops.attention.base import AttentionOperator, AttentionSpec
 from heron.ops.attention.reference import ReferenceAttention
 from heron.ops.linear_attention.operator import GatedDeltaNet, GatedDeltaNetSpec
+from heron.ops.mla.base import MLAOperator, MLASpec
+from heron.ops.mla.reference import ReferenceMLA
 
 logger = logging.getLogger(__name__)
 
@@ -42,6 +45,19 @@ def _triton_gated_delta_net() -> type[GatedDeltaNet]:
 GATED_DELTA_NET_BACKENDS: dict[str, Callable[[], type[GatedDeltaNet]]] = {
     "reference": lambda: GatedDeltaNet,
     "triton": _triton_gated_delta_net,
+}
+
+
+def _triton_mla() -> type[MLAOperator]:
+    from heron.ops.mla.triton import TritonMLA
+
+    return TritonMLA
+
+
+# Latent attention follows the attention backend's name: one switch picks both families.
+MLA_BACKENDS: dict[str, Callable[[], type[MLAOperator]]] = {
+    "reference": lambda: ReferenceMLA,
+    "triton": _triton_mla,
 }
 
 
@@ -129,3 +145,27 @@ def make_gated_delta_net(
     build scope (the layer's module owns the weights it reads)."""
     cls = GATED_DELTA_NET_BACKENDS[runtime.attention_backend]()
     return cls(layer_name, spec, conv_weight, A_log, dt_bias, runtime.build_context)
+
+
+def make_mla(
+    layer_name: str,
+    spec: MLASpec,
+    runtime: OperatorRuntime,
+    rotary: nn.Module,
+    kv_b_proj: nn.Module,
+) -> MLAOperator:
+    """The latent attention operator for one layer, of the runtime's attention backend."""
+    backend = runtime.attention_backend
+    if backend not in MLA_BACKENDS:
+        raise ValueError(
+            f"no latent attention for backend {backend!r}; available: {sorted(MLA_BACKENDS)}"
+        )
+    return MLA_BACKENDS[backend]()(
+        layer_name,
+        spec,
+        runtime.block_size,
+        runtime.max_model_len,
+        rotary,
+        kv_b_proj,
+        build_context=runtime.build_context,
+    )

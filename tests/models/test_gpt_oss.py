@@ -13,18 +13,20 @@ from heron import LLM, SamplingParams
 from heron.models.gpt_oss import gpt_oss_moe
 from heron.ops.selector import layer_kernels
 
-from tiny_models import cuda_graph_llm, greedy_tokens, hf_greedy, hf_prompt_logprobs, make_tokenizer
+from tiny_models import (
+    SHARED_PREFIX_PROMPTS,
+    cuda_graph_llm,
+    greedy_tokens,
+    hf_greedy,
+    prompt_logprob_error,
+    rerun_from_prefix_cache,
+    save_with_hf_reference,
+)
 
 WINDOW = 12
 MAX_NEW = 20
-# Prompts longer than the window (the first two share a 32-token prefix: two full blocks),
-# one shorter than it whose generation crosses it, and a long one.
-PROMPTS = [
-    list(range(10, 42)) + [7, 8, 9],
-    list(range(10, 42)) + [200, 201, 202, 203, 204],
-    [3, 4, 5, 6],
-    [(i * 37) % 300 + 5 for i in range(50)],
-]
+# Three prompts longer than the window; the short one's generation crosses it.
+PROMPTS = SHARED_PREFIX_PROMPTS
 GREEDY = SamplingParams(temperature=0.0, max_tokens=MAX_NEW, ignore_eos=True)
 
 
@@ -82,14 +84,7 @@ def gpt_oss(tmp_path_factory):
     path = tmp_path_factory.mktemp("gpt_oss")
     model = tf.GptOssForCausalLM(tiny_config())
     randomize(model)
-    model.generation_config.eos_token_id = None
-    model.save_pretrained(path)
-    make_tokenizer().save_pretrained(path)
-    hf = tf.AutoModelForCausalLM.from_pretrained(
-        path, dtype=torch.float32, attn_implementation="eager"
-    ).eval()
-    refs = hf_greedy(hf, PROMPTS, MAX_NEW)
-    return path, hf, refs
+    return save_with_hf_reference(model, path, PROMPTS, MAX_NEW)
 
 
 def _greedy_tokens(llm: LLM) -> list[list[int]]:
@@ -134,11 +129,7 @@ def test_chunked_prefill_and_prefix_caching(gpt_oss):
     path, _, refs = gpt_oss
     llm = LLM(str(path), max_model_len=128, max_num_batched_tokens=16)
     assert _greedy_tokens(llm) == refs
-    # Again: every prompt's full blocks are now cached, only the rest is computed.
-    outputs = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
-    assert [o.outputs[0].token_ids for o in outputs] == refs
-    assert outputs[0].num_cached_tokens == 32
-    assert llm.engine.kv_cache.prefix_cache_hits > 0
+    rerun_from_prefix_cache(llm, PROMPTS, GREEDY, refs)
 
 
 def test_preemption_under_memory_pressure(gpt_oss):
@@ -166,11 +157,7 @@ def test_triton_operator_equals_hf(gpt_oss):
 def test_prompt_logprobs_match_hf(gpt_oss):
     path, hf, _ = gpt_oss
     llm = LLM(str(path), max_model_len=128, max_num_batched_tokens=16)
-    prompt = PROMPTS[3]
-    out = llm.generate(prompt, SamplingParams(max_tokens=1, prompt_logprobs=1), use_tqdm=False)[0]
-    got = torch.tensor([lp.logprob for lp in out.prompt_logprobs[1:]])
-    want = hf_prompt_logprobs(hf, prompt)
-    assert (got - want).abs().max().item() <= 1e-3
+    assert prompt_logprob_error(llm, hf, PROMPTS[3]) <= 1e-3
 
 
 @pytest.mark.parametrize("path", ["routed", "sparse"])
