@@ -34,6 +34,7 @@ ATTENTION_BACKENDS: dict[str, Callable[[], type[AttentionOperator]]] = {
 def _triton_layer_kernels() -> LayerKernels:
     # Imported on demand, as the Triton attention operator is.
     from heron.kernels import activation, gemv, moe, rmsnorm
+    from heron.layers import fp8
 
     return LayerKernels(
         "triton",
@@ -42,6 +43,7 @@ def _triton_layer_kernels() -> LayerKernels:
         gemv=gemv.linear_small_m,
         gemv_serves=gemv.serves,
         fused_experts=moe.fused_experts,
+        fp8_mm=fp8.scaled_mm,
     )
 
 
