@@ -31,6 +31,8 @@ _ENGINE_FLAG_HELP = {
     "attention_backend": "attention operator (default: the platform's)",
     "load_format": "auto (the checkpoint's weights) or dummy (seeded random weights from "
     "config.json alone, for benchmarks; give --tokenizer if the directory has none)",
+    "quantization": "fp8: FP8 E4M3 linear weights quantised at load (FP8 checkpoints are read "
+    "as FP8 without it)",
 }
 
 

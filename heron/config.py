@@ -8,6 +8,8 @@ from pathlib import Path
 import torch
 from transformers import AutoConfig, GenerationConfig, PretrainedConfig
 
+from heron.layers.fp8 import QUANTIZATIONS, Fp8Scheme, fp8_scheme
+
 _DTYPES = {
     "float32": torch.float32,
     "fp32": torch.float32,
@@ -50,8 +52,13 @@ class EngineConfig:
     num_kv_blocks: int | None = None
     attention_backend: str | None = None
     load_format: str = "auto"
+    quantization: str | None = None  # QUANTIZATIONS; an FP8 checkpoint is read as FP8 anyway
 
     def __post_init__(self) -> None:
+        if self.quantization is not None and self.quantization not in QUANTIZATIONS:
+            raise ValueError(
+                f"quantization must be one of {', '.join(QUANTIZATIONS)}, got {self.quantization!r}"
+            )
         if self.load_format not in LOAD_FORMATS:
             raise ValueError(
                 f"load_format must be one of {', '.join(LOAD_FORMATS)}, got {self.load_format!r}"
@@ -92,6 +99,7 @@ class ModelConfig:
     eos_token_ids: frozenset[int] = field(default_factory=frozenset)
     load_format: str = "auto"  # see LOAD_FORMATS
     seed: int = 0  # of the dummy weights
+    quantization: Fp8Scheme | None = None  # how linear layers hold FP8 weights; None: they don't
 
     @property
     def architecture(self) -> str:
@@ -110,6 +118,7 @@ class ModelConfig:
         max_model_len: int | None,
         load_format: str = "auto",
         seed: int = 0,
+        quantization: str | None = None,
     ) -> ModelConfig:
         if not (path / "config.json").is_file():
             raise ValueError(f"{path} is not a model directory: it has no config.json")
@@ -122,6 +131,7 @@ class ModelConfig:
             eos_token_ids=_eos_token_ids(path, hf_config),
             load_format=load_format,
             seed=seed,
+            quantization=fp8_scheme(hf_config, quantization),
         )
 
 

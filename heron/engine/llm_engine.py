@@ -87,7 +87,13 @@ class LLMEngine:
         self.platform = platform_for(device)
         path = resolve_model_path(config.model)
         self.model_config = ModelConfig.from_path(
-            path, config.dtype, device, config.max_model_len, config.load_format, config.seed
+            path,
+            config.dtype,
+            device,
+            config.max_model_len,
+            config.load_format,
+            config.seed,
+            config.quantization,
         )
         self.tokenizer = AutoTokenizer.from_pretrained(config.tokenizer or path)
         self.block_size = config.block_size or self.platform.default_block_size
@@ -119,12 +125,14 @@ class LLMEngine:
         self._eos_token_ids = self.model_config.eos_token_ids | (
             {self.tokenizer.eos_token_id} if self.tokenizer.eos_token_id is not None else set()
         )
+        scheme = self.model_config.quantization
         logger.info(
-            "model %s (%s), dtype %s, device %s",
+            "model %s (%s), dtype %s, device %s, %s",
             path,
             self.model_config.architecture,
             self.model_config.dtype,
             device,
+            scheme.describe() if scheme else "unquantised weights",
         )
         for group in self.kv_cache.group_usage():
             logger.info(

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterable
 
 import torch
@@ -9,8 +10,15 @@ from torch import nn
 
 from heron.layers.linear import Linear, PackedLinear
 
+logger = logging.getLogger(__name__)
+
 # Tensors some checkpoints carry that are recomputed here.
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+# Block-wise FP8 checkpoints name a weight's scales weight_scale_inv (they multiply, despite
+# the name); Heron's layers call both layouts weight_scale.
+_SCALE_INV = ".weight_scale_inv"
+# A static FP8 checkpoint's activation scales: Heron scales activations per token instead.
+_INPUT_SCALE = ".input_scale"
 
 
 def load_weights(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
@@ -28,9 +36,12 @@ def load_weights(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]]) 
     }
     tied_head = getattr(getattr(model, "lm_head", None), "tied", False)
     loaded: dict[str, set[str | None]] = {}
+    unused_input_scales = 0
     for name, tensor in weights:
         if name.endswith(_IGNORED_SUFFIXES) or (tied_head and name == "lm_head.weight"):
             continue
+        if name.endswith(_SCALE_INV):
+            name = name.removesuffix(_SCALE_INV) + ".weight_scale"
         target, shard = name, None
         parts = name.split(".")
         for i, part in enumerate(parts):
@@ -38,6 +49,9 @@ def load_weights(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]]) 
                 parts[i], shard = packed[part]
                 target = ".".join(parts)
                 break
+        if target.endswith(_INPUT_SCALE) and _scale_name(target) in params:
+            unused_input_scales += 1
+            continue
         param = params.get(target)
         if param is None:
             raise ValueError(
@@ -57,6 +71,11 @@ def load_weights(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]]) 
                 param.copy_(tensor)
         loaded.setdefault(target, set()).add(shard)
 
+    if unused_input_scales:
+        logger.info(
+            "%d static FP8 input scales not used: activations are scaled per token",
+            unused_input_scales,
+        )
     missing = []
     for name in params:
         owner = owners[name]
@@ -65,3 +84,8 @@ def load_weights(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]]) 
             missing.append(name)
     if missing:
         raise ValueError(f"checkpoint is missing weights for: {', '.join(missing)}")
+
+
+def _scale_name(input_scale: str) -> str:
+    """The weight scales of the layer that ``input_scale`` (a parameter name) belongs to."""
+    return input_scale.removesuffix(_INPUT_SCALE) + ".weight_scale"
