@@ -94,6 +94,7 @@ class LLMEngine:
             config.load_format,
             config.seed,
             config.quantization,
+            config.kv_cache_dtype,
         )
         self.tokenizer = AutoTokenizer.from_pretrained(config.tokenizer or path)
         self.block_size = config.block_size or self.platform.default_block_size

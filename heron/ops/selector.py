@@ -69,6 +69,7 @@ class OperatorRuntime:
     max_model_len: int
     build_context: ModelBuildContext
     kernels: LayerKernels = TORCH_KERNELS  # what the layers launch (``layer_kernels``)
+    kv_cache_dtype: torch.dtype | None = None  # None: the model's dtype
 
 
 def make_attention(
@@ -102,4 +103,5 @@ def make_attention(
         qk_transform=qk_transform,
         build_context=runtime.build_context,
         sinks=sinks,
+        kv_cache_dtype=runtime.kv_cache_dtype,
     )
