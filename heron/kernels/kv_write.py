@@ -26,7 +26,7 @@ from heron.kernels.rmsnorm import rms_inv, rms_scale
 # Largest [heads, head_dim] tile one program handles; larger ones leave too few programs to
 # cover the GPU at decode, when there is one token per sequence.
 _MAX_TILE = 512
-_FP8_MAX: tl.constexpr = 448.0  # E4M3's largest value
+_FP8_MAX = tl.constexpr(448.0)  # E4M3's largest value
 
 
 @triton.jit

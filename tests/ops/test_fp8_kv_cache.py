@@ -7,9 +7,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-from test_kv_write_kernel import make_rotary, reference
-from test_reference_attention import PagedHarness
-from test_triton_attention_kernels import (
+from ops.test_kv_write_kernel import make_rotary, reference
+from ops.test_reference_attention import PagedHarness
+from ops.test_triton_attention_kernels import (
     assert_close,
     decode_reference,
     dense_attention,
@@ -17,6 +17,7 @@ from test_triton_attention_kernels import (
     strided_q,
     window_rows,
 )
+from triton_lowering import check_lowering
 
 from heron import LLM
 from heron.kernels.attention_decode import paged_decode_attention
@@ -193,3 +194,43 @@ def test_engine_halves_cache_bytes_with_fp8(tiny_model_dir):
 def test_invalid_kv_cache_dtype_is_named(tiny_model_dir):
     with pytest.raises(ValueError, match="kv_cache_dtype must be one of auto, fp8, got 'int8'"):
         LLM(str(tiny_model_dir("llama")), kv_cache_dtype="int8")
+
+
+def fp8_cache_launches() -> None:
+    """bf16 launches over an FP8 cache at Qwen3-0.6B's layer shape: the KV writes, decode
+    with one and several splits, extend."""
+    bf16, heads, kv_heads = torch.bfloat16, 16, 8
+    cache = torch.empty(2, 8, 16, kv_heads, 128, dtype=FP8)
+    slots = torch.zeros(2, dtype=torch.int32)
+    k = torch.empty(2, kv_heads, 128, dtype=bf16)
+    kv_write(k, k, cache, slots, k_scale=K_SCALE, v_scale=V_SCALE)
+    rotary = make_rotary(heads, kv_heads, 128, 1.0)
+    qkv = torch.empty(2, (heads + 2 * kv_heads) * 128, dtype=bf16)
+    qk_norm_rope_kv_write(
+        qkv, slots, rotary.cos, rotary.sin, None, None, 0.0, cache, slots,
+        heads, kv_heads, 128, k_scale=K_SCALE, v_scale=V_SCALE,
+    )  # fmt: skip
+    tables, starts = torch.zeros(2, 4, dtype=torch.int32), torch.zeros(2, dtype=torch.int32)
+    lens, q = torch.ones(2, dtype=torch.int32), torch.empty(2, heads, 128, dtype=bf16)
+    for splits in (1, 4):
+        paged_decode_attention(
+            q, cache, tables, starts, lens, 0.1, None, torch.empty_like(q), splits,
+            k_scale=K_SCALE, v_scale=V_SCALE,
+        )  # fmt: skip
+    query_start = torch.tensor([0, 1, 2], dtype=torch.int32)
+    paged_extend_attention(
+        q, cache, tables, starts, query_start, lens, 1, 0.1, None, torch.empty_like(q),
+        k_scale=K_SCALE, v_scale=V_SCALE,
+    )  # fmt: skip
+
+
+def test_fp8_cache_launches_lower_for_hopper():
+    """Triton's compiler accepts every kernel over an FP8 cache (the interpreter alone would
+    not prove it)."""
+    assert check_lowering(
+        "ops.test_fp8_kv_cache:fp8_cache_launches",
+        "heron.kernels.kv_write:_kv_write_kernel",
+        "heron.kernels.kv_write:_qk_norm_rope_kv_write_kernel",
+        "heron.kernels.attention_decode:_decode_kernel",
+        "heron.kernels.attention_extend:_extend_kernel",
+    )
