@@ -120,3 +120,33 @@ def test_invalid_quantization_settings_are_named(tiny_model_dir, tmp_path):
         (path / "config.json").write_text(json.dumps(config | {"quantization_config": qc}))
         with pytest.raises(ValueError, match=message):
             LLM(str(path))
+
+
+def test_checkpoint_kv_scales_reach_an_fp8_cache_only(tiny_model_dir, tmp_path):
+    """``self_attn.k_scale`` / ``v_scale`` set the operators' scales under an FP8 cache (whose
+    logprobs stay near HF's); under a full-precision cache they are not used and parity with
+    HF stays exact."""
+    src, dst = tiny_model_dir("llama"), tmp_path / "scaled"
+    shutil.copytree(src, dst)
+    tensors = load_file(dst / "model.safetensors")
+    for i in range(3):
+        tensors[f"model.layers.{i}.self_attn.k_scale"] = torch.tensor(0.5 + i)
+        tensors[f"model.layers.{i}.self_attn.v_scale"] = torch.tensor(0.25)
+    save_file(tensors, dst / "model.safetensors")
+    hf = tf.AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32).eval()
+    ops = lambda llm: [m for m in llm.engine.runner.model.modules() if hasattr(m, "k_scale")]
+
+    fp8 = LLM(str(dst), max_model_len=128, kv_cache_dtype="fp8")
+    assert [(op.k_scale, op.v_scale) for op in ops(fp8)] == [(0.5, 0.25), (1.5, 0.25), (2.5, 0.25)]
+    out = fp8.generate(PROMPTS[0], SamplingParams(max_tokens=1, prompt_logprobs=0), use_tqdm=False)
+    got = torch.tensor([lp.logprob for lp in out[0].prompt_logprobs[1:]])
+    assert (got - hf_prompt_logprobs(hf, PROMPTS[0])).abs().mean() < 0.05
+
+    full = LLM(str(dst), max_model_len=128)
+    assert all(op.k_scale == op.v_scale == 1.0 for op in ops(full))
+    assert greedy_tokens(full, PROMPTS, GREEDY) == hf_greedy(hf, PROMPTS, GREEDY.max_tokens)
+
+    tensors["model.layers.0.self_attn.k_scale"] = torch.ones(2)
+    save_file(tensors, dst / "model.safetensors")
+    with pytest.raises(ValueError, match="only one scale per layer is supported"):
+        LLM(str(dst), max_model_len=128, kv_cache_dtype="fp8")

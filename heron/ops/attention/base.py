@@ -75,8 +75,9 @@ class AttentionOperator(MetadataOperator):
         # The model's dtype is the default dtype while the model is built.
         cache_dtype = kv_cache_dtype or torch.get_default_dtype()
         self._cache_spec = _attention_cache_spec(spec, block_size, cache_dtype)
-        # An FP8 cache stores K / k_scale and V / v_scale. 1.0: E4M3 keeps 3 mantissa bits
-        # for any magnitude in [2**-6, 448], the range of these models' keys and values.
+        # An FP8 cache stores K / k_scale and V / v_scale: the checkpoint's (the loader sets
+        # them), else 1.0, as E4M3 keeps 3 mantissa bits for any magnitude in [2**-6, 448],
+        # the range of these models' keys and values.
         self.k_scale = self.v_scale = 1.0
         self._builder = self.make_builder(spec, block_size, max_model_len)
         self.qk_transform = qk_transform
