@@ -80,6 +80,7 @@ def check_gates(device: str, reference) -> dict[str, float]:
             max_model_len=256,
             quantization=quantization,
             kv_cache_dtype=kv_cache_dtype,
+            enforce_eager=True,  # prompt logprobs run eagerly: no graphs to capture
         )
         figures[name] = mean_abs_delta(llm, sequences)
         del llm

@@ -91,8 +91,9 @@ class Linear(nn.Module):
         if param is not self.weight_scale:
             _copy_checked(param.data.narrow(0, start, size), loaded, param)
         elif self.weight_block is None:  # per channel; a per-tensor scale repeats
-            rows = param.data.narrow(0, start, size)
-            rows.copy_(loaded.reshape(-1).expand(size) if loaded.numel() == 1 else loaded.view(-1))
+            values = loaded.reshape(-1)
+            values = values.expand(size) if values.numel() == 1 else values
+            _copy_checked(param.data.narrow(0, start, size), values, param)
         else:
             bn = self.weight_block[0]
             if start % bn:

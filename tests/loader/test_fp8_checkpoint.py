@@ -29,12 +29,14 @@ def _per_tensor(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return (w / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8), scale
 
 
-def _write_fp8(src, dst, layout: str) -> dict[str, torch.Tensor]:
-    """``src`` re-saved with FP8 projections; returns the dequantised weights HF should run."""
+def _write_fp8(src, dst, layout: str, skip: tuple[str, ...] = ()) -> dict[str, torch.Tensor]:
+    """``src`` re-saved with FP8 projections (but those in ``skip``, which the config lists as
+    ``modules_to_not_convert``); returns the dequantised weights HF should run."""
     shutil.copytree(src, dst)
     tensors = load_file(dst / "model.safetensors")
     dequantised = {}
-    for name in [n for n in tensors if n.endswith("weight") and n.split(".")[-2] in PROJECTIONS]:
+    projections = [p for p in PROJECTIONS if p not in skip]
+    for name in [n for n in tensors if n.endswith("weight") and n.split(".")[-2] in projections]:
         w = tensors.pop(name)
         if layout == "per-tensor":
             q, scale = _per_tensor(w)
@@ -53,6 +55,8 @@ def _write_fp8(src, dst, layout: str) -> dict[str, torch.Tensor]:
         if layout == "per-tensor"
         else {"quant_method": "fp8", "fmt": "e4m3", "weight_block_size": [32, 32]}
     )
+    if skip:
+        config["quantization_config"]["modules_to_not_convert"] = list(skip)
     (dst / "config.json").write_text(json.dumps(config))
     return dequantised
 
@@ -94,11 +98,18 @@ def test_quantised_at_load_equals_hf_on_the_dequantised_weights(tiny_model_dir):
 
 @pytest.mark.parametrize("layout", ["per-tensor", "block-wise"])
 def test_fp8_checkpoint_loads_as_stored_and_equals_hf(layout, tiny_model_dir, tmp_path):
+    """Block-wise, the down projections are left in full precision (modules_to_not_convert)."""
     src = tiny_model_dir("llama")
-    weights = _write_fp8(src, tmp_path / "fp8", layout)
+    skip = ("down_proj",) if layout == "block-wise" else ()
+    weights = _write_fp8(src, tmp_path / "fp8", layout, skip)
     llm = LLM(str(tmp_path / "fp8"), max_model_len=128)
     block = (32, 32) if layout == "block-wise" else None
-    for m in _fp8_layers(llm):
+    layers = [(n, m) for n, m in llm.engine.runner.model.named_modules() if isinstance(m, Linear)]
+    assert len(layers) == 12
+    for name, m in layers:
+        if skip and name.endswith(skip):
+            assert m.weight.dtype == torch.float32 and m.weight_scale is None
+            continue
         rows = (m.out_features,) if block is None else (m.out_features // 32, m.in_features // 32)
         assert m.weight.dtype == FP8 and m.weight_block == block
         assert m.weight_scale.shape == rows
@@ -116,6 +127,7 @@ def test_invalid_quantization_settings_are_named(tiny_model_dir, tmp_path):
         ({"quant_method": "awq"}, "checkpoint quantization 'awq' is not supported"),
         ({"quant_method": "fp8", "kv_cache_scheme": {}}, "unsupported fields kv_cache_scheme"),
         ({"quant_method": "fp8", "weight_block_size": [128, 96]}, "not two powers of two"),
+        ({"quant_method": "fp8", "modules_to_not_convert": ["q_proj"]}, "skips some of"),
     ]:
         (path / "config.json").write_text(json.dumps(config | {"quantization_config": qc}))
         with pytest.raises(ValueError, match=message):
