@@ -53,12 +53,9 @@ class Fp8Scheme:
 
 def fp8_scheme(hf_config: PretrainedConfig, quantization: str | None) -> Fp8Scheme | None:
     """The FP8 scheme of a checkpoint (its ``quantization_config``) and the user's
-    ``quantization``; None when the model runs unquantised. Anything else is an error that
+    ``quantization`` (None or a value of ``QUANTIZATIONS``, checked by ``EngineConfig``); None
+    when the model runs unquantised. A checkpoint config Heron cannot load is an error that
     names what is unsupported."""
-    if quantization is not None and quantization not in QUANTIZATIONS:
-        raise ValueError(
-            f"quantization must be one of {', '.join(QUANTIZATIONS)} or None, got {quantization!r}"
-        )
     qc = getattr(hf_config, "quantization_config", None)
     if qc is None:
         return Fp8Scheme(from_checkpoint=False) if quantization == "fp8" else None

@@ -11,6 +11,7 @@ import pytest
 import torch
 import transformers as tf
 from safetensors.torch import load_file, save_file
+from test_dummy import config_for
 
 from heron import LLM, SamplingParams
 from heron.layers.fp8 import FP8, FP8_MAX, dequantize, quantize
@@ -162,3 +163,22 @@ def test_checkpoint_kv_scales_reach_an_fp8_cache_only(tiny_model_dir, tmp_path):
     save_file(tensors, dst / "model.safetensors")
     with pytest.raises(ValueError, match="only one scale per layer is supported"):
         LLM(str(dst), max_model_len=128, kv_cache_dtype="fp8")
+
+
+def test_moe_routers_and_experts_stay_unquantised(tiny_model_dir, tmp_path):
+    """gpt-oss with FP8 weights (dummy ones): attention projections are FP8, the MoE router
+    and experts keep the model's dtype, and it generates."""
+    config_for("gpt_oss").save_pretrained(tmp_path)
+    llm = LLM(
+        str(tmp_path),
+        tokenizer=str(tiny_model_dir("llama")),
+        load_format="dummy",
+        max_model_len=64,
+        quantization="fp8",
+    )
+    params = dict(llm.engine.runner.model.named_parameters())
+    fp8 = sorted(name for name, p in params.items() if p.dtype == FP8)
+    assert fp8 and all(".self_attn." in name for name in fp8)
+    assert all(p.dtype == torch.float32 for n, p in params.items() if ".mlp." in n)
+    out = llm.generate([[5, 6, 7]], GREEDY, use_tqdm=False)[0]
+    assert len(out.outputs[0].token_ids) == GREEDY.max_tokens
