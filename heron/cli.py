@@ -35,6 +35,9 @@ _ENGINE_FLAG_HELP = {
     "attention_backend": "attention operator (default: the platform's)",
     "load_format": "auto (the checkpoint's weights) or dummy (seeded random weights from "
     "config.json alone, for benchmarks; give --tokenizer if the directory has none)",
+    "quantization": "fp8: FP8 E4M3 linear weights quantised at load (FP8 checkpoints are read "
+    "as FP8 without it)",
+    "kv_cache_dtype": "auto (the model's dtype) or fp8 (E4M3: half of bf16's bytes per block)",
 }
 
 
@@ -147,6 +150,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
     engine = LLMEngine(engine_config(args))
     runner = engine.runner
     plan = runner.plan.describe()
+    scheme = engine.model_config.quantization
+    plan["weights"] = scheme.describe() if scheme else "unquantised"
     plan["cache_groups"] = [
         {
             "group": u.group,
@@ -170,6 +175,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
         for layer in group["layers"]:
             print(f"    {layer}")
     print(f"fallback: {plan['fallback_reason'] or 'none'}")
+    print(f"weights: {plan['weights']}")
     for cache in plan["cache_groups"]:
         print(f"cache group {cache['group']}: {cache['description']}; {cache['num_blocks']} blocks")
         for layer in cache["layers"]:

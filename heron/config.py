@@ -8,6 +8,8 @@ from pathlib import Path
 import torch
 from transformers import AutoConfig, GenerationConfig, PretrainedConfig
 
+from heron.layers.fp8 import FP8, QUANTIZATIONS, Fp8Scheme, fp8_scheme
+
 _DTYPES = {
     "float32": torch.float32,
     "fp32": torch.float32,
@@ -25,6 +27,8 @@ DEFAULT_HOST_KV_CACHE_BYTES = 2 << 30
 # "auto": the checkpoint's safetensors (or GGUF) weights; "dummy": seeded random weights made on
 # the device from config.json alone, as vLLM's, for benchmarks of shapes with no checkpoint.
 LOAD_FORMATS = ("auto", "dummy")
+# "auto": the KV cache in the model's dtype; "fp8": E4M3 (half the bytes of bf16).
+KV_CACHE_DTYPES = ("auto", "fp8")
 # Any of these lets AutoTokenizer load a directory (tokenizer_config.json alone does not).
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "vocab.txt")
 
@@ -52,8 +56,19 @@ class EngineConfig:
     num_kv_blocks: int | None = None
     attention_backend: str | None = None
     load_format: str = "auto"
+    quantization: str | None = None  # QUANTIZATIONS; an FP8 checkpoint is read as FP8 anyway
+    kv_cache_dtype: str = "auto"  # KV_CACHE_DTYPES
 
     def __post_init__(self) -> None:
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(
+                f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, "
+                f"got {self.kv_cache_dtype!r}"
+            )
+        if self.quantization is not None and self.quantization not in QUANTIZATIONS:
+            raise ValueError(
+                f"quantization must be one of {', '.join(QUANTIZATIONS)}, got {self.quantization!r}"
+            )
         if self.load_format not in LOAD_FORMATS:
             raise ValueError(
                 f"load_format must be one of {', '.join(LOAD_FORMATS)}, got {self.load_format!r}"
@@ -94,6 +109,8 @@ class ModelConfig:
     eos_token_ids: frozenset[int] = field(default_factory=frozenset)
     load_format: str = "auto"  # see LOAD_FORMATS
     seed: int = 0  # of the dummy weights
+    quantization: Fp8Scheme | None = None  # how linear layers hold FP8 weights; None: they don't
+    kv_cache_dtype: torch.dtype | None = None  # None: the model's dtype
 
     @property
     def architecture(self) -> str:
@@ -112,6 +129,8 @@ class ModelConfig:
         max_model_len: int | None,
         load_format: str = "auto",
         seed: int = 0,
+        quantization: str | None = None,
+        kv_cache_dtype: str = "auto",
     ) -> ModelConfig:
         if not (path / "config.json").is_file():
             raise ValueError(f"{path} is not a model directory: it has no config.json")
@@ -125,6 +144,8 @@ class ModelConfig:
             eos_token_ids=_eos_token_ids(path, hf_config),
             load_format=load_format,
             seed=seed,
+            quantization=fp8_scheme(hf_config, quantization),
+            kv_cache_dtype=FP8 if kv_cache_dtype == "fp8" else None,
         )
 
 

@@ -101,3 +101,15 @@ def test_generate_says_when_the_model_ended_at_once(tiny_model_dir, tmp_path, ca
     captured = capsys.readouterr()
     assert captured.out == "\n"
     assert "ended the completion at once" in captured.err and "heron chat" in captured.err
+
+
+def test_plan_shows_fp8_weights_and_cache(tiny_model_dir, capsys):
+    model = str(tiny_model_dir("qwen3"))
+    assert main(["plan", "--model", model, "--quantization", "fp8", "--kv-cache-dtype", "fp8"]) == 0
+    text = capsys.readouterr().out
+    assert "weights: fp8 e4m3 weights, channel scales, quantised at load" in text
+    assert "\ncache group 0: full attention" in text and "float8_e4m3fn;" in text
+    assert main(["plan", "--model", model, "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["weights"] == "unquantised"
+    assert main(["plan", "--model", model, "--kv-cache-dtype", "e5m2"]) == 2
+    assert "kv_cache_dtype must be one of auto, fp8, got 'e5m2'" in capsys.readouterr().err

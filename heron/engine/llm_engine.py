@@ -93,7 +93,14 @@ class LLMEngine:
         self.platform = platform_for(device)
         path = resolve_model_path(config.model, config.revision)
         self.model_config = ModelConfig.from_path(
-            path, config.dtype, device, config.max_model_len, config.load_format, config.seed
+            path,
+            config.dtype,
+            device,
+            config.max_model_len,
+            config.load_format,
+            config.seed,
+            config.quantization,
+            config.kv_cache_dtype,
         )
         tokenizer = config.tokenizer or path
         if lacks_tokenizer(tokenizer):
@@ -136,12 +143,14 @@ class LLMEngine:
         self._eos_token_ids = self.model_config.eos_token_ids | (
             {self.tokenizer.eos_token_id} if self.tokenizer.eos_token_id is not None else set()
         )
+        scheme = self.model_config.quantization
         logger.info(
-            "model %s (%s), dtype %s, device %s",
+            "model %s (%s), dtype %s, device %s, %s",
             path,
             self.model_config.architecture,
             self.model_config.dtype,
             device,
+            scheme.describe() if scheme else "unquantised weights",
         )
         for group in self.kv_cache.group_usage():
             logger.info(

@@ -2,16 +2,28 @@
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterable
 
 import torch
 from torch import nn
 
+from heron.layers.fp8 import FP8
 from heron.layers.linear import Linear, PackedLinear
 from heron.layers.moe import ExpertBank
+from heron.ops.attention.base import AttentionOperator
+
+logger = logging.getLogger(__name__)
 
 # Tensors some checkpoints carry that are recomputed here.
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+# Block-wise FP8 checkpoints name a weight's scales weight_scale_inv (they multiply, despite
+# the name); Heron's layers call both layouts weight_scale.
+_SCALE_INV = ".weight_scale_inv"
+# A static FP8 checkpoint's activation scales: Heron scales activations per token instead.
+_INPUT_SCALE = ".input_scale"
+# An FP8 checkpoint's per-layer KV-cache scales, on the attention module (self_attn.k_scale).
+_KV_SCALES = (".k_scale", ".v_scale")
 
 
 def load_weights(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
@@ -36,6 +48,8 @@ def load_weights(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]]) 
     }
     tied_head = getattr(getattr(model, "lm_head", None), "tied", False)
     loaded: dict[str, set] = {}
+    unused_input_scales = unused_kv_scales = 0
+    modules = dict(model.named_modules())
     for name, tensor in weights:
         prefix = next((p for p in prefixes if name.startswith(p)), None)
         if prefix is not None:
@@ -44,7 +58,15 @@ def load_weights(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]]) 
             name = prefixes[prefix] + name.removeprefix(prefix)
         if name.endswith(_IGNORED_SUFFIXES) or (tied_head and name == "lm_head.weight"):
             continue
+        if name.endswith(_KV_SCALES):
+            unused_kv_scales += not _set_kv_scale(modules, name, tensor)
+            continue
+        if name.endswith(_SCALE_INV):
+            name = name.removesuffix(_SCALE_INV) + ".weight_scale"
         target, shard = _target([renames.get(p, p) for p in name.split(".")], packed, banks)
+        if target.endswith(_INPUT_SCALE) and _scale_name(target) in params:
+            unused_input_scales += 1
+            continue
         param = params.get(target)
         if param is None:
             raise ValueError(
@@ -64,6 +86,13 @@ def load_weights(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]]) 
                 param.copy_(tensor)
         loaded.setdefault(target, set()).add(shard)
 
+    if unused_kv_scales:
+        logger.info("%d KV-cache scales not used: the KV cache is not FP8", unused_kv_scales)
+    if unused_input_scales:
+        logger.info(
+            "%d static FP8 input scales not used: activations are scaled per token",
+            unused_input_scales,
+        )
     missing = [name for name in params if not _complete(owners[name], name, loaded.get(name))]
     if missing:
         raise ValueError(f"checkpoint is missing weights for: {', '.join(missing)}")
@@ -93,3 +122,26 @@ def _complete(owner: nn.Module, name: str, shards: set | None) -> bool:
     if isinstance(owner, ExpertBank):
         return shards == {None} or shards == owner.checkpoint_shards(name.rsplit(".", 1)[-1])
     return shards == {None}
+
+
+def _scale_name(input_scale: str) -> str:
+    """The weight scales of the layer that ``input_scale`` (a parameter name) belongs to."""
+    return input_scale.removesuffix(_INPUT_SCALE) + ".weight_scale"
+
+
+def _set_kv_scale(modules: dict[str, nn.Module], name: str, tensor: torch.Tensor) -> bool:
+    """Give the attention operator under ``name``'s module its checkpoint K or V scale;
+    False if its cache is not FP8 (the scale means nothing there)."""
+    prefix, which = name.rsplit(".", 1)
+    op = modules.get(f"{prefix}.attn")
+    if not isinstance(op, AttentionOperator):
+        raise ValueError(f"checkpoint tensor {name!r} has no attention operator to scale")
+    if tensor.numel() != 1:
+        raise ValueError(
+            f"checkpoint tensor {name!r}: only one scale per layer is supported, got shape "
+            f"{tuple(tensor.shape)}"
+        )
+    if op.cache_spec.dtype != FP8:
+        return False
+    setattr(op, which, float(tensor))
+    return True

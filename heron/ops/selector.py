@@ -64,6 +64,7 @@ MLA_BACKENDS: dict[str, Callable[[], type[MLAOperator]]] = {
 def _triton_layer_kernels() -> LayerKernels:
     # Imported on demand, as the Triton attention operator is.
     from heron.kernels import activation, gemv, moe, rmsnorm
+    from heron.layers import fp8
 
     return LayerKernels(
         "triton",
@@ -72,6 +73,7 @@ def _triton_layer_kernels() -> LayerKernels:
         gemv=gemv.linear_small_m,
         gemv_serves=gemv.serves,
         fused_experts=moe.fused_experts,
+        fp8_mm=fp8.scaled_mm,
     )
 
 
@@ -97,6 +99,7 @@ class OperatorRuntime:
     max_model_len: int
     build_context: ModelBuildContext
     kernels: LayerKernels = TORCH_KERNELS  # what the layers launch (``layer_kernels``)
+    kv_cache_dtype: torch.dtype | None = None  # None: the model's dtype
 
 
 def make_attention(
@@ -130,6 +133,7 @@ def make_attention(
         qk_transform=qk_transform,
         build_context=runtime.build_context,
         sinks=sinks,
+        kv_cache_dtype=runtime.kv_cache_dtype,
     )
 
 
