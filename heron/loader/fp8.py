@@ -6,7 +6,7 @@ from torch import nn
 
 from heron.layers.fp8 import Fp8Scheme
 from heron.layers.linear import Linear
-from heron.layers.moe import MoEMLP
+from heron.layers.routing import TopKRouter
 
 
 def fp8_linears(model: nn.Module, scheme: Fp8Scheme) -> list[Linear]:
@@ -18,11 +18,10 @@ def fp8_linears(model: nn.Module, scheme: Fp8Scheme) -> list[Linear]:
     (``q_proj`` of ``qkv_proj``); a packed module some of whose shards match is an error, as
     one matrix cannot mix formats.
     """
-    routers = {id(m.router) for m in model.modules() if isinstance(m, MoEMLP)}
     packed: dict[str, tuple[str, str]] = getattr(model, "packed_modules", {})
     out = []
     for name, module in model.named_modules():
-        if not isinstance(module, Linear) or id(module) in routers:
+        if not isinstance(module, Linear) or isinstance(module, TopKRouter):
             continue
         parts = name.split(".")
         sources = [
