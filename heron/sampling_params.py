@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from heron.structured.params import StructuredOutputsParams
+
 _GREEDY_EPS = 1e-5
 # OpenAI's own limit; it also bounds the sequences one request can add to the engine.
 MAX_N = 128
@@ -35,6 +37,7 @@ class SamplingParams:
     logprobs: int | None = None  # top-N logprobs per generated token (0: only the sampled one)
     prompt_logprobs: int | None = None  # top-N logprobs per prompt token
     skip_special_tokens: bool = True
+    structured_outputs: StructuredOutputsParams | None = None  # a grammar the output matches
     # Filled by the engine from the model's generation config / tokenizer, not by users.
     eos_token_ids: frozenset[int] = field(default_factory=frozenset, repr=False)
 
@@ -85,6 +88,14 @@ class SamplingParams:
             value = getattr(self, name)
             if value is not None and (not isinstance(value, int) or not 0 <= value <= 20):
                 raise bad(name, "an integer in [0, 20] or None")
+        if self.structured_outputs is not None:
+            if not isinstance(self.structured_outputs, StructuredOutputsParams):
+                raise bad("structured_outputs", "a StructuredOutputsParams or None")
+            # A finished grammar allows only a stop token, which these would forbid.
+            if self.min_tokens or self.ignore_eos:
+                raise ValueError(
+                    "structured_outputs cannot be combined with min_tokens or ignore_eos"
+                )
 
     @property
     def greedy(self) -> bool:

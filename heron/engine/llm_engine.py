@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from transformers import AutoTokenizer
 
@@ -19,12 +19,15 @@ from heron.loader.resolve import resolve_model_path
 from heron.outputs import CompletionOutput, PrefixView, RequestOutput
 from heron.platforms import platform_for, resolve_device
 from heron.sampling_params import SamplingParams
+from heron.structured.grammar import GrammarCompiler, RequestGrammar, token_bitmask, wait_for_any
 
 logger = logging.getLogger(__name__)
 
 # With chunked prefill a step never exceeds this many tokens unless the user says otherwise.
 DEFAULT_MAX_NUM_BATCHED_TOKENS = {"cuda": 8192}
 FALLBACK_MAX_NUM_BATCHED_TOKENS = 2048
+# How long an idle step waits for a grammar being compiled before it looks at its commands.
+_GRAMMAR_WAIT_S = 0.02
 
 
 @dataclass(frozen=True)
@@ -116,6 +119,7 @@ class LLMEngine:
         )
         self._parents: dict[str, _Parent] = {}
         self._in_flight: _Launched | None = None  # launched, its tokens not read yet
+        self._grammars: GrammarCompiler | None = None  # made for the first structured request
         self._eos_token_ids = self.model_config.eos_token_ids | (
             {self.tokenizer.eos_token_id} if self.tokenizer.eos_token_id is not None else set()
         )
@@ -189,12 +193,24 @@ class LLMEngine:
                 sample_index=index,
             )
             children.append(child)
+        if params.structured_outputs is not None:
+            compiler = self._grammar_compiler()
+            compiled = compiler.compile(params.structured_outputs)
+            for child in children:
+                child.grammar = RequestGrammar(compiled, compiler.stop_token_ids)
         detokenizers = [IncrementalDetokenizer(self.tokenizer, token_ids, params) for _ in children]
         self._parents[request_id] = _Parent(
             request_id, text, token_ids, children, detokenizers, stream
         )
         for child in children:
             self.scheduler.add(child)
+
+    def _grammar_compiler(self) -> GrammarCompiler:
+        if self._grammars is None:
+            self._grammars = GrammarCompiler(
+                self.tokenizer, self.model_config.vocab_size, self._eos_token_ids
+            )
+        return self._grammars
 
     def _validate_prompt(self, token_ids: list[int]) -> None:
         if not token_ids:
@@ -246,8 +262,14 @@ class LLMEngine:
         plan = schedule.plan
         launched = None
         if plan.request_ids or plan.finished_ids or plan.preempted_ids:
+            sample_requests = [i.request for i in schedule.scheduled if i.samples]
+            if any(r.grammar is not None for r in sample_requests):
+                grammars = [r.grammar for r in sample_requests]
+                plan = replace(
+                    plan, token_bitmask=token_bitmask(grammars, self._grammars.vocab_size)
+                )
             step = self.runner.launch(plan, previous.launched if previous else None)
-            launched = _Launched(step, [i.request for i in schedule.scheduled if i.samples])
+            launched = _Launched(step, sample_requests)
             self.scheduler.finish_step(schedule)
             for request in launched.sample_requests:
                 request.num_pending_tokens += 1
@@ -255,10 +277,19 @@ class LLMEngine:
         if previous is not None:
             self._read(previous, touched)
         if launched is not None:
-            if self.config.async_scheduling and not launched.launched.is_ready:
+            # A grammar's next mask needs this step's tokens: such a step is read at once.
+            if (
+                self.config.async_scheduling
+                and not launched.launched.is_ready
+                and plan.token_bitmask is None
+            ):
                 self._in_flight = launched
             else:
                 self._read(launched, touched)
+        elif previous is None:
+            compiling = [r.grammar for r in self.scheduler.waiting if r.waits_for_grammar]
+            if compiling:
+                wait_for_any(compiling, _GRAMMAR_WAIT_S)
 
         outputs = []
         for parent in touched.values():
@@ -295,6 +326,10 @@ class LLMEngine:
                 continue  # stopped or aborted while this step ran: the token is dropped
             parent = parents[request.parent_id]
             request.append_output_token(token_id)
+            if request.grammar is not None and not request.grammar.accept(token_id):
+                logger.warning(
+                    "request %s: token %d breaks its grammar", request.request_id, token_id
+                )
             if logprob is not None:
                 request.logprobs.append(logprob)
             if request.first_token_time is None:

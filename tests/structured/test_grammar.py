@@ -1,0 +1,188 @@
+"""Structured outputs in the engine: specs, the device mask against a dense reference, grammar
+compilation off the step loop, and constrained sampling of a tiny random model."""
+
+from __future__ import annotations
+
+import json
+import re
+from concurrent.futures import Future
+
+import jsonschema
+import pytest
+import torch
+
+from heron import LLM, SamplingParams
+from heron.engine.request import Request
+from heron.structured import StructuredOutputsParams
+from heron.structured.bitmask import apply_token_bitmask
+from heron.structured.grammar import GrammarCompiler, RequestGrammar, parse_grammar, token_bitmask
+
+from tiny_models import make_tokenizer
+
+# Strings are patterned (or enums): a random model would otherwise write strings of hundreds
+# of tokens. Together they cover nested objects, enums, arrays, integers and booleans.
+SCHEMAS = [
+    {
+        "type": "object",
+        "properties": {
+            "name": {"type": "string", "pattern": "^[a-z]{1,6}$"},
+            "age": {"type": "integer", "minimum": 0, "maximum": 120},
+            "tags": {"type": "array", "items": {"enum": ["red", "green"]}, "maxItems": 3},
+        },
+        "required": ["name", "age", "tags"],
+    },
+    {
+        "type": "object",
+        "properties": {
+            "user": {
+                "type": "object",
+                "properties": {
+                    "id": {"type": "integer", "minimum": 0, "maximum": 999},
+                    "admin": {"type": "boolean"},
+                },
+                "required": ["id", "admin"],
+            },
+            "level": {"enum": ["low", "mid", "high"]},
+            "scores": {
+                "type": "array",
+                "items": {"type": "integer", "minimum": 0, "maximum": 9},
+                "minItems": 1,
+                "maxItems": 4,
+            },
+        },
+        "required": ["user", "level", "scores"],
+    },
+]
+
+
+def _dense_reference(logits: torch.Tensor, bitmask: torch.Tensor) -> torch.Tensor:
+    """Bit ``j % 32`` of word ``j // 32`` of each row allows token ``j``; the rest is -inf."""
+    vocab = logits.shape[-1]
+    j = torch.arange(vocab)
+    words = bitmask[:, (j // 32).clamp(max=bitmask.shape[-1] - 1)].long()
+    allowed = ((words >> (j % 32)) & 1).bool() & (j < bitmask.shape[-1] * 32)
+    return torch.where(allowed, logits, torch.full_like(logits, float("-inf")))
+
+
+@pytest.mark.parametrize("vocab,mask_vocab", [(320, 320), (100, 100), (352, 320)])
+def test_mask_matches_dense_reference(vocab, mask_vocab):
+    gen = torch.Generator().manual_seed(0)
+    logits = torch.randn(5, vocab, generator=gen)
+    words = -(-mask_vocab // 32)
+    bitmask = torch.randint(-(2**31), 2**31 - 1, (5, words), generator=gen, dtype=torch.int32)
+    bitmask[2] = -1  # a row without a grammar allows everything (up to the mask's width)
+    expected = _dense_reference(logits, bitmask)
+    apply_token_bitmask(logits, bitmask)
+    torch.testing.assert_close(logits, expected, rtol=0, atol=0)
+
+
+@pytest.mark.gpu
+def test_mask_on_cuda_matches_dense_reference():
+    gen = torch.Generator().manual_seed(1)
+    logits = torch.randn(7, 1000, generator=gen)
+    bitmask = torch.randint(-(2**31), 2**31 - 1, (7, 32), generator=gen, dtype=torch.int32)
+    on_device = logits.cuda()
+    apply_token_bitmask(on_device, bitmask)
+    torch.testing.assert_close(on_device.cpu(), _dense_reference(logits, bitmask), rtol=0, atol=0)
+
+
+def test_params_take_exactly_one_valid_constraint():
+    with pytest.raises(ValueError, match="exactly one of"):
+        StructuredOutputsParams()
+    with pytest.raises(ValueError, match="exactly one of.*regex, choice"):
+        StructuredOutputsParams(regex="a", choice=["a"])
+    with pytest.raises(ValueError, match="structured_outputs.json is not valid JSON"):
+        StructuredOutputsParams(json="{bad")
+    with pytest.raises(ValueError, match="structured_outputs.choice"):
+        StructuredOutputsParams(choice=[])
+    assert StructuredOutputsParams(json='{"type": "object"}').key == (
+        StructuredOutputsParams(json={"type": "object"}).key
+    )
+    with pytest.raises(ValueError, match="min_tokens or ignore_eos"):
+        SamplingParams(min_tokens=2, structured_outputs=StructuredOutputsParams(regex="a+"))
+
+
+@pytest.mark.parametrize(
+    "params,field",
+    [
+        (StructuredOutputsParams(regex="(ab"), "regex"),
+        (StructuredOutputsParams(grammar="root ::= missing"), "grammar"),
+        (StructuredOutputsParams(json={"type": "no-such-type"}), "json"),
+    ],
+)
+def test_invalid_specs_are_refused_naming_the_field(params, field):
+    with pytest.raises(ValueError, match=rf"structured_outputs\.{field} is invalid"):
+        parse_grammar(params)
+
+
+def test_compiled_grammars_are_cached_and_padded_ids_masked():
+    compiler = GrammarCompiler(make_tokenizer(), vocab_size=352, stop_token_ids=[0])
+    params = StructuredOutputsParams(choice=["red", "green"])
+    first = compiler.compile(params)
+    assert compiler.compile(StructuredOutputsParams(choice=["red", "green"])) is first
+    grammar = RequestGrammar(first, compiler.stop_token_ids)
+    first.result(timeout=30)
+    mask = token_bitmask([grammar, None], 352)
+    allowed = _dense_reference(torch.zeros(2, 352), mask).isfinite()
+    assert allowed[1].all()  # no grammar: every id
+    assert allowed[0].any() and not allowed[0, 320:].any()  # ids past the tokenizer: never
+    compiler.shutdown()
+
+
+def test_requests_wait_for_their_grammar_without_blocking_others(tiny_model_dir):
+    engine = LLM(str(tiny_model_dir("qwen2")), max_model_len=128, num_kv_blocks=64).engine
+    pending: Future = Future()
+    waiting = Request("w", [1, 2, 3], SamplingParams(max_tokens=2))
+    waiting.grammar = RequestGrammar(pending, [0])
+    engine.scheduler.add(waiting)
+    engine.scheduler.add(Request("plain", [4, 5, 6], SamplingParams(max_tokens=2)))
+    scheduled = [s.request.request_id for s in engine.scheduler.schedule().scheduled]
+    assert scheduled == ["plain"] and list(engine.scheduler.waiting) == [waiting]
+    pending.set_result(None)
+    assert "w" in [s.request.request_id for s in engine.scheduler.schedule().scheduled]
+
+
+@pytest.fixture(scope="module")
+def llm(tiny_model_dir):
+    return LLM(str(tiny_model_dir("qwen2")), max_model_len=256, num_kv_blocks=200)
+
+
+def test_sampled_json_validates_against_its_schema(llm):
+    """(The server's test samples 50 completions; this one checks the offline path.)"""
+    schema = SCHEMAS[0]
+    params = SamplingParams(
+        n=4,
+        temperature=1.0,
+        max_tokens=96,
+        seed=3,
+        structured_outputs=StructuredOutputsParams(json=schema),
+    )
+    (output,) = llm.generate(["Describe a user:"], params, use_tqdm=False)
+    assert len(output.outputs) == 4
+    for sample in output.outputs:
+        assert sample.finish_reason == "stop", sample.text
+        jsonschema.validate(json.loads(sample.text), schema)
+
+
+def test_json_object_grammar_takes_objects_only():
+    compiler = GrammarCompiler(make_tokenizer(), vocab_size=320, stop_token_ids=[0])
+    compiled = compiler.compile(StructuredOutputsParams(json_object=True))
+    assert RequestGrammar(compiled, [0]).matcher.accept_string('{"a": [1, {"b": null}]}')
+    assert not RequestGrammar(compiled, [0]).matcher.accept_string("[1]")
+    compiler.shutdown()
+
+
+def test_regex_and_choice_mixed_with_free_rows(llm):
+    """Constrained and free requests share steps (with asynchronous scheduling on)."""
+    regex = StructuredOutputsParams(regex=r"[a-c]{2}-\d{3}")
+    choice = StructuredOutputsParams(choice=["yes", "no", "it depends"])
+    params = [
+        SamplingParams(n=4, temperature=1.0, max_tokens=16, structured_outputs=regex),
+        SamplingParams(n=4, temperature=1.0, max_tokens=16, structured_outputs=choice),
+        SamplingParams(n=2, temperature=1.0, max_tokens=8, ignore_eos=True),
+    ]
+    outputs = llm.generate(["regex:", "choice:", "free text"], params, use_tqdm=False)
+    regex_texts, choices = ([s.text for s in o.outputs] for o in outputs[:2])
+    assert all(re.fullmatch(r"[a-c]{2}-\d{3}", t) for t in regex_texts), regex_texts
+    assert all(t in ("yes", "no", "it depends") for t in choices), choices
+    assert all(len(s.token_ids) == 8 for s in outputs[2].outputs)
