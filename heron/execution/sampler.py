@@ -2,10 +2,9 @@
 
 The stages and their order follow vLLM: the grammar mask of structured outputs (a bitmask the
 engine filled on the host, applied on the device), min_tokens masking, penalties, then greedy
-argmax or
-temperature / top-k / top-p / min-p and a random draw. Every stage works on the whole batch at
-once with per-row parameter tensors and is skipped when no row needs it, because this runs
-every step and the host-side cost is paid per step.
+argmax or temperature / top-k / top-p / min-p and a random draw. Every stage works on the whole
+batch at once with per-row parameter tensors and is skipped when no row needs it, because this
+runs every step and the host-side cost is paid per step.
 """
 
 from __future__ import annotations
