@@ -169,8 +169,12 @@ def _json_fields(spec: object) -> dict[str, object]:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
+    from heron.server.chat_output import ChatOutputConfig
     from heron.server.serve import serve
 
+    chat_output = ChatOutputConfig(
+        args.reasoning_parser, args.tool_call_parser, args.enable_auto_tool_choice
+    )
     return serve(
         engine_config(args),
         host=args.host,
@@ -178,6 +182,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         api_key=args.api_key,
         served_model_name=args.served_model_name,
         log_level=args.log_level,
+        chat_output=chat_output,
     )
 
 
@@ -200,6 +205,19 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY'")
     serve.add_argument(
         "--served-model-name", default=None, help="model name of the API (default: --model)"
+    )
+    serve.add_argument(
+        "--enable-auto-tool-choice",
+        action="store_true",
+        help='let the model call tools on its own (tool_choice "auto"; needs --tool-call-parser)',
+    )
+    serve.add_argument(
+        "--tool-call-parser", default=None, help="tool-call format: hermes or llama3_json"
+    )
+    serve.add_argument(
+        "--reasoning-parser",
+        default=None,
+        help="split <think> reasoning into reasoning_content: qwen3 or deepseek_r1",
     )
     for p in (gen, chat, plan, serve):
         add_engine_args(p)

@@ -80,12 +80,20 @@ class LLM:
         return self.generate(prompts, sampling_params, use_tqdm)
 
     def apply_chat_template(
-        self, conversation: Conversation, add_generation_prompt: bool = True
+        self,
+        conversation: Conversation,
+        add_generation_prompt: bool = True,
+        tools: list[dict[str, Any]] | None = None,
     ) -> list[int]:
+        """The conversation's prompt tokens; ``tools`` (OpenAI's tool definitions) go to the
+        template, which decides how the model sees them."""
         if not getattr(self.tokenizer, "chat_template", None):
             raise ValueError("this model's tokenizer has no chat template")
         text = self.tokenizer.apply_chat_template(
-            conversation, tokenize=False, add_generation_prompt=add_generation_prompt
+            conversation,
+            tools=tools,
+            tokenize=False,
+            add_generation_prompt=add_generation_prompt,
         )
         # The template already wrote any BOS token; do not add a second one.
         return self.tokenizer.encode(text, add_special_tokens=False)

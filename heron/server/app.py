@@ -23,6 +23,7 @@ from heron.engine.request import Logprob
 from heron.llm import LLM
 from heron.outputs import CompletionOutput, RequestOutput
 from heron.sampling_params import SamplingParams
+from heron.server.chat_output import ChatOutputConfig, ChatOutputParser, MessagePiece
 from heron.server.metrics import ServerMetrics
 from heron.server.protocol import (
     AssistantMessage,
@@ -49,6 +50,7 @@ from heron.server.protocol import (
     TopLogprob,
     Usage,
 )
+from heron.server.structured_protocol import DeltaToolCall
 
 logger = logging.getLogger(__name__)
 
@@ -111,12 +113,22 @@ class OpenAIServing:
     # The offline API's template handling only needs ``self.tokenizer``; reuse it as is.
     apply_chat_template = LLM.apply_chat_template
 
-    def __init__(self, engine: AsyncLLMEngine, served_model_name: str) -> None:
+    def __init__(
+        self,
+        engine: AsyncLLMEngine,
+        served_model_name: str,
+        chat_output: ChatOutputConfig | None = None,
+    ) -> None:
         self.engine = engine
+        self.chat_output = chat_output or ChatOutputConfig()
         self.tokenizer = engine.engine.tokenizer
         self.model_name = served_model_name
         self.max_model_len = engine.engine.model_config.max_model_len
         self.metrics = ServerMetrics(engine.engine)
+
+    def output_parser(self, body: ChatCompletionRequest) -> ChatOutputParser:
+        """A fresh parser of one choice's text (reasoning, tool calls) for this request."""
+        return ChatOutputParser(self.chat_output, bool(body.tools), body.effective_tool_choice)
 
     def check_model(self, model: str | None) -> None:
         if model is not None and model != self.model_name:
@@ -267,10 +279,14 @@ def _api_key_checker(api_key: str | None):
 
 
 def build_app(
-    engine: AsyncLLMEngine, served_model_name: str, api_key: str | None = None
+    engine: AsyncLLMEngine,
+    served_model_name: str,
+    api_key: str | None = None,
+    chat_output: ChatOutputConfig | None = None,
 ) -> FastAPI:
-    """The FastAPI app serving ``engine`` as ``served_model_name``; ``api_key`` guards /v1."""
-    serving = OpenAIServing(engine, served_model_name)
+    """The FastAPI app serving ``engine`` as ``served_model_name``; ``api_key`` guards /v1;
+    ``chat_output`` names the reasoning and tool-call parsers of chat replies."""
+    serving = OpenAIServing(engine, served_model_name, chat_output)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -376,8 +392,11 @@ def build_app(
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
         serving.check_model(body.model)
         try:
+            serving.chat_output.check_tool_choice(bool(body.tools), body.effective_tool_choice)
             params = body.sampling_params()
-            prompt = serving.apply_chat_template(body.conversation(), body.add_generation_prompt)
+            prompt = serving.apply_chat_template(
+                body.conversation(), body.add_generation_prompt, body.template_tools()
+            )
         except ValueError as e:
             raise _bad_value(e) from e
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
@@ -388,17 +407,24 @@ def build_app(
                 _chat_stream(serving, request, body, request_id, created, started, params.n)
             )
         (output,) = await _final_outputs(serving, request, started)
-        choices = [
-            ChatChoice(
-                index=sample.index,
-                message=AssistantMessage(content=sample.text),
-                logprobs=serving.chat_logprobs(sample.logprobs)
-                if sample.logprobs is not None
-                else None,
-                finish_reason=sample.finish_reason,
+        choices = []
+        for sample in output.outputs:
+            parser = serving.output_parser(body)
+            piece = _joined(parser.feed(sample.text), parser.finish())
+            choices.append(
+                ChatChoice(
+                    index=sample.index,
+                    message=AssistantMessage(
+                        content=piece.content or (None if piece.tool_calls else ""),
+                        reasoning_content=piece.reasoning or None,
+                        tool_calls=piece.tool_calls,
+                    ),
+                    logprobs=serving.chat_logprobs(sample.logprobs)
+                    if sample.logprobs is not None
+                    else None,
+                    finish_reason=_chat_finish_reason(sample.finish_reason, bool(piece.tool_calls)),
+                )
             )
-            for sample in output.outputs
-        ]
         return JSONResponse(
             ChatCompletionResponse(
                 id=request_id,
@@ -411,6 +437,19 @@ def build_app(
 
     app.include_router(api)
     return app
+
+
+def _joined(first: MessagePiece, second: MessagePiece) -> MessagePiece:
+    return MessagePiece(
+        first.reasoning + second.reasoning,
+        first.content + second.content,
+        first.tool_calls + second.tool_calls,
+    )
+
+
+def _chat_finish_reason(finish_reason: str | None, called_tools: bool) -> str | None:
+    """OpenAI's reason for a reply that ended by calling tools."""
+    return "tool_calls" if called_tools and finish_reason == "stop" else finish_reason
 
 
 async def _final_outputs(
@@ -531,6 +570,8 @@ async def _chat_stream(
     ]
     yield _sse(chunk(opening).model_dump_json())
     deltas = _Deltas()
+    parsers = [serving.output_parser(body) for _ in range(n)]
+    num_calls = [0] * n  # tool calls sent per choice, for their indices
     events = _sse_events(serving, request, started, body.include_usage, lambda u: chunk([], u))
     async for event in events:
         if isinstance(event, str):
@@ -543,14 +584,38 @@ async def _chat_stream(
             if taken is None:
                 continue
             text, logprobs, finished = taken
+            parser = parsers[sample.index]
+            if not parser.active:
+                delta, finish_reason = DeltaMessage(content=text), sample.finish_reason
+            else:
+                piece = parser.feed(text)
+                if finished:
+                    piece = _joined(piece, parser.finish())
+                if not (piece.reasoning or piece.content or piece.tool_calls):
+                    if not (finished or logprobs):
+                        continue  # held back: it may be part of a tag
+                first = num_calls[sample.index]
+                num_calls[sample.index] += len(piece.tool_calls)
+                delta = DeltaMessage(
+                    content=piece.content or None,
+                    reasoning_content=piece.reasoning or None,
+                    tool_calls=[
+                        DeltaToolCall(index=first + i, **call.model_dump())
+                        for i, call in enumerate(piece.tool_calls)
+                    ]
+                    or None,
+                )
+                finish_reason = _chat_finish_reason(
+                    sample.finish_reason, num_calls[sample.index] > 0
+                )
             choices.append(
                 ChatChunkChoice(
                     index=sample.index,
-                    delta=DeltaMessage(content=text),
+                    delta=delta,
                     logprobs=serving.chat_logprobs(logprobs)
                     if sample.logprobs is not None
                     else None,
-                    finish_reason=sample.finish_reason if finished else None,
+                    finish_reason=finish_reason if finished else None,
                 )
             )
         if choices:

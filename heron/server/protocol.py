@@ -2,19 +2,29 @@
 
 from __future__ import annotations
 
+import json
 import time
 from typing import Any, Literal
 
 from pydantic import BaseModel, Field, model_serializer
 
 from heron.sampling_params import SamplingParams
+from heron.server.structured_protocol import (
+    ChatTool,
+    DeltaToolCall,
+    StructuredRequestFields,
+    ToolCall,
+    ToolChoice,
+)
+from heron.server.tool_parsers import forced_tool_schema
+from heron.structured import StructuredOutputsParams
 
 
 class StreamOptions(BaseModel):
     include_usage: bool = False
 
 
-class _SamplingRequest(BaseModel):
+class _SamplingRequest(StructuredRequestFields):
     """Fields shared by completions and chat completions; unknown fields are ignored."""
 
     model: str | None = None
@@ -38,7 +48,12 @@ class _SamplingRequest(BaseModel):
     ignore_eos: bool = False
     skip_special_tokens: bool = True
 
-    def _sampling_params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
+    def _sampling_params(
+        self,
+        max_tokens: int | None,
+        logprobs: int | None,
+        structured_outputs: StructuredOutputsParams | None = None,
+    ) -> SamplingParams:
         """Build validated params; ``SamplingParams`` raises ``ValueError`` naming a bad field."""
         defaults = SamplingParams()
 
@@ -63,6 +78,7 @@ class _SamplingRequest(BaseModel):
             ignore_eos=self.ignore_eos,
             logprobs=logprobs,
             skip_special_tokens=self.skip_special_tokens,
+            structured_outputs=structured_outputs or self.structured_outputs_params(),
         )
 
     @property
@@ -91,6 +107,8 @@ class ChatMessage(BaseModel):
     role: str
     content: str | list[dict[str, Any]] | None = None
     name: str | None = None
+    tool_calls: list[ToolCall] | None = None  # an assistant turn that called tools
+    tool_call_id: str | None = None  # a tool turn: the call it answers
 
     def text(self) -> str:
         """The content as one string (text parts of a multi-part message joined)."""
@@ -106,6 +124,14 @@ class ChatCompletionRequest(_SamplingRequest):
     logprobs: bool = False
     top_logprobs: int | None = None
     add_generation_prompt: bool = True
+    tools: list[ChatTool] | None = None
+    tool_choice: ToolChoice | None = None
+    parallel_tool_calls: bool = True
+
+    @property
+    def effective_tool_choice(self) -> ToolChoice:
+        """OpenAI's default: ``auto`` when tools are given, else ``none``."""
+        return self.tool_choice or ("auto" if self.tools else "none")
 
     def conversation(self) -> list[dict[str, Any]]:
         conv = []
@@ -113,13 +139,42 @@ class ChatCompletionRequest(_SamplingRequest):
             message = {"role": m.role, "content": m.text()}
             if m.name is not None:
                 message["name"] = m.name
+            if m.tool_calls:
+                message["tool_calls"] = [_template_call(c) for c in m.tool_calls]
+            if m.tool_call_id is not None:
+                message["tool_call_id"] = m.tool_call_id
             conv.append(message)
         return conv
 
+    def template_tools(self) -> list[dict[str, Any]] | None:
+        """The tools as chat templates take them (``tools=``)."""
+        return [t.model_dump(exclude_none=True) for t in self.tools] if self.tools else None
+
     def sampling_params(self) -> SamplingParams:
         logprobs = (self.top_logprobs or 0) if self.logprobs else None
+        schema = None
+        if self.tools and self.effective_tool_choice not in ("auto", "none"):
+            if self.structured_outputs_params() is not None:
+                raise ValueError("structured_outputs cannot be combined with a forced tool_choice")
+            schema = forced_tool_schema(
+                self.tools, self.effective_tool_choice, self.parallel_tool_calls
+            )
+        forced = None if schema is None else StructuredOutputsParams(json=schema)
         # OpenAI's default is "until the context ends"; max_completion_tokens supersedes.
-        return self._sampling_params(self.max_completion_tokens or self.max_tokens, logprobs)
+        return self._sampling_params(
+            self.max_completion_tokens or self.max_tokens, logprobs, forced
+        )
+
+
+def _template_call(call: ToolCall) -> dict[str, Any]:
+    """A past tool call for the chat template, its arguments as an object (what templates
+    such as Qwen's and Llama's expect) when they are JSON."""
+    data = call.model_dump()
+    try:
+        data["function"]["arguments"] = json.loads(call.function.arguments)
+    except ValueError:
+        pass
+    return data
 
 
 class Usage(BaseModel):
@@ -167,7 +222,9 @@ class ChatLogprobs(BaseModel):
 
 class AssistantMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
-    content: str
+    content: str | None
+    reasoning_content: str | None = None
+    tool_calls: list[ToolCall] = Field(default_factory=list)
 
 
 class ChatChoice(BaseModel):
@@ -189,6 +246,8 @@ class ChatCompletionResponse(BaseModel):
 class DeltaMessage(BaseModel):
     role: Literal["assistant"] | None = None
     content: str | None = None
+    reasoning_content: str | None = None
+    tool_calls: list[DeltaToolCall] | None = None
 
     @model_serializer(mode="wrap")
     def _omit_unset(self, handler: Any) -> dict[str, Any]:

@@ -13,6 +13,7 @@ from heron.config import EngineConfig
 from heron.engine.async_engine import AsyncLLMEngine
 from heron.engine.llm_engine import LLMEngine
 from heron.server.app import build_app
+from heron.server.chat_output import ChatOutputConfig
 
 logger = logging.getLogger(__name__)
 
@@ -54,6 +55,7 @@ def serve(
     api_key: str | None,
     served_model_name: str | None,
     log_level: str,
+    chat_output: ChatOutputConfig | None = None,
 ) -> int:
     """Serve until a shutdown signal; returns the exit code."""
     logging.getLogger("heron").setLevel(min(logging.INFO, logging.getLogger().level))
@@ -72,7 +74,7 @@ def serve(
         _graph_mode(llm_engine),
     )
     logger.info("listening on http://%s:%d (OpenAI API under /v1)", host, port)
-    app = build_app(engine, name, api_key)
+    app = build_app(engine, name, api_key, chat_output)
     uv_config = uvicorn.Config(
         app, host=host, port=port, log_level=log_level.lower(), timeout_graceful_shutdown=30
     )
