@@ -326,16 +326,15 @@ class LLMEngine:
                 continue  # stopped or aborted while this step ran: the token is dropped
             parent = parents[request.parent_id]
             request.append_output_token(token_id)
-            if request.grammar is not None and not request.grammar.accept(token_id):
-                logger.warning(
-                    "request %s: token %d breaks its grammar", request.request_id, token_id
-                )
             if logprob is not None:
                 request.logprobs.append(logprob)
             if request.first_token_time is None:
                 request.first_token_time = now
             detokenizer = parent.detokenizers[request.sample_index]
             stop = check_stop(request, token_id, detokenizer.append(token_id), max_model_len)
+            if request.grammar is not None and not request.grammar.accept(token_id):
+                # (its grammar failed to compile: logged by accept)
+                stop = (FinishReason.ABORT, None)
             if stop is not None:
                 request.finish(*stop)
                 detokenizer.finish()

@@ -43,7 +43,10 @@ class ChatOutputConfig:
             raise ValueError("--enable-auto-tool-choice needs --tool-call-parser")
 
     def check_tool_choice(self, has_tools: bool, choice: ToolChoice) -> None:
-        """``auto`` needs the auto tool choice enabled, as in vLLM (a ``ValueError`` if not)."""
+        """A choice other than ``none`` needs tools, and ``auto`` the auto tool choice enabled,
+        as in vLLM (a ``ValueError`` if not)."""
+        if not has_tools and choice != "none":
+            raise ValueError("tool_choice needs tools")
         if has_tools and choice == "auto" and not self.enable_auto_tool_choice:
             raise ValueError(
                 'tool_choice "auto" needs the server started with --enable-auto-tool-choice '

@@ -9,6 +9,7 @@ schema, regex or grammar is refused when the request is added.
 from __future__ import annotations
 
 import json
+import logging
 from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
@@ -18,6 +19,8 @@ import torch
 import xgrammar as xgr
 
 from heron.structured.params import StructuredOutputsParams
+
+logger = logging.getLogger(__name__)
 
 # Compiled grammars kept for reuse by later requests with the same spec.
 _CACHE_ENTRIES = 256
@@ -134,9 +137,20 @@ class RequestGrammar:
             )
         return self._matcher
 
+    @property
+    def failed(self) -> bool:
+        return self.compiled.done() and self.compiled.exception() is not None
+
     def accept(self, token_id: int) -> bool:
-        """Advance past a sampled token; False if the grammar does not allow it."""
-        return self.matcher.accept_token(token_id)
+        """Advance past a sampled token; False (logged) if the grammar does not allow it or
+        failed to compile."""
+        if self.failed:
+            logger.error("a grammar failed to compile: %r", self.compiled.exception())
+            return False
+        if not self.matcher.accept_token(token_id):
+            logger.error("token %d breaks its grammar", token_id)
+            return False
+        return True
 
     @property
     def is_terminated(self) -> bool:
@@ -146,10 +160,10 @@ class RequestGrammar:
 
 def token_bitmask(grammars: Sequence[RequestGrammar | None], vocab_size: int) -> torch.Tensor:
     """Each row's allowed next tokens as xgrammar's bit-packed int32 mask (host memory);
-    rows without a grammar allow everything."""
+    rows without a grammar (or whose grammar failed, which ends them) allow everything."""
     bitmask = xgr.allocate_token_bitmask(len(grammars), vocab_size)
     for row, grammar in enumerate(grammars):
-        if grammar is not None:
+        if grammar is not None and not grammar.failed:
             grammar.matcher.fill_next_token_bitmask(bitmask, row)
     return bitmask
 

@@ -112,4 +112,6 @@ def test_config_refuses_unknown_parsers_and_auto_without_parser():
         ChatOutputConfig(enable_auto_tool_choice=True)
     with pytest.raises(ValueError, match="--enable-auto-tool-choice"):
         ChatOutputConfig(tool_call_parser="hermes").check_tool_choice(True, "auto")
+    with pytest.raises(ValueError, match="tool_choice needs tools"):
+        ChatOutputConfig().check_tool_choice(False, "required")
     ChatOutputConfig().check_tool_choice(True, "required")

@@ -152,3 +152,52 @@ def test_regex_and_choice_mixed_with_free_rows(llm):
     assert all(re.fullmatch(r"[a-c]{2}-\d{3}", t) for t in regex_texts), regex_texts
     assert all(t in ("yes", "no", "it depends") for t in choices), choices
     assert all(len(s.token_ids) == 8 for s in outputs[2].outputs)
+
+
+def test_a_grammar_that_fails_to_compile_ends_only_its_request(llm):
+    engine = llm.engine
+    constrained = StructuredOutputsParams(regex="a+b")
+    engine.add_request("bad", "x", SamplingParams(max_tokens=4, structured_outputs=constrained))
+    engine.add_request("good", "y", SamplingParams(max_tokens=4, ignore_eos=True))
+    failed: Future = Future()
+    failed.set_exception(MemoryError("no room for the grammar"))
+    engine.samples("bad")[0].grammar.compiled = failed
+    finished = {}
+    while engine.has_unfinished_requests():
+        finished.update((o.request_id, o) for o in engine.step() if o.finished)
+    assert finished["bad"].outputs[0].finish_reason == "abort"
+    assert len(finished["good"].outputs[0].token_ids) == 4
+
+
+@pytest.mark.gpu
+def test_masked_sampling_under_cuda_graphs_equals_eager(tiny_model_dir):
+    """Grammar rows in decode steps that replay CUDA graphs (asynchronous scheduling on): the
+    masked greedy tokens equal eager mode's, and sampled rows (n > 1) keep to the grammar."""
+    path = str(tiny_model_dir("qwen3"))
+    options = dict(device="cuda", dtype="float32", max_model_len=256, num_kv_blocks=128)
+    graphs = LLM(path, cuda_graph_max_bs=8, **options)
+    replayed = []
+    run = graphs.engine.runner.graphs.run
+    graphs.engine.runner.graphs.run = lambda seq: replayed.append(seq.num_reqs) or run(seq)
+    eager = LLM(path, enforce_eager=True, **options)
+    regex = r"[a-c]{3}-\d{2}-[xyz]{4}"
+    schema = SCHEMAS[1]
+
+    def params(constraint, **kwargs):
+        return SamplingParams(max_tokens=96, structured_outputs=constraint, **kwargs)
+
+    requests = [
+        params(StructuredOutputsParams(regex=regex), temperature=0),
+        params(StructuredOutputsParams(json=schema), temperature=0),
+        SamplingParams(max_tokens=24, temperature=0, ignore_eos=True),
+        params(StructuredOutputsParams(regex=regex), n=4, temperature=1.0, seed=9),
+    ]
+    prompts = ["a", "b", "c", "d"]
+    with_graphs = graphs.generate(prompts, requests, use_tqdm=False)
+    assert replayed  # decode steps with grammar rows replayed graphs
+    without = eager.generate(prompts[:3], requests[:3], use_tqdm=False)
+    for a, b in zip(with_graphs[:3], without):
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids
+    assert re.fullmatch(regex, with_graphs[0].outputs[0].text)
+    jsonschema.validate(json.loads(with_graphs[1].outputs[0].text), schema)
+    assert all(re.fullmatch(regex, s.text) for s in with_graphs[3].outputs)
