@@ -19,7 +19,7 @@ from heron.loader.resolve import resolve_model_path
 from heron.outputs import CompletionOutput, PrefixView, RequestOutput
 from heron.platforms import platform_for, resolve_device
 from heron.sampling_params import SamplingParams
-from heron.structured.grammar import GrammarCompiler, RequestGrammar, token_bitmask, wait_for_any
+from heron.structured.grammar import GrammarCompiler, RequestGrammar, wait_for_any
 
 logger = logging.getLogger(__name__)
 
@@ -265,9 +265,7 @@ class LLMEngine:
             sample_requests = [i.request for i in schedule.scheduled if i.samples]
             if any(r.grammar is not None for r in sample_requests):
                 grammars = [r.grammar for r in sample_requests]
-                plan = replace(
-                    plan, token_bitmask=token_bitmask(grammars, self._grammars.vocab_size)
-                )
+                plan = replace(plan, token_bitmask=self._grammars.token_bitmask(grammars))
             step = self.runner.launch(plan, previous.launched if previous else None)
             launched = _Launched(step, sample_requests)
             self.scheduler.finish_step(schedule)

@@ -92,6 +92,7 @@ class GrammarCompiler:
         self.vocab_size = vocab_size
         self._compiler = self._executor.submit(self._make_compiler, tokenizer)
         self._cache: OrderedDict[tuple[str, str], Future[xgr.CompiledGrammar]] = OrderedDict()
+        self._batch = xgr.BatchGrammarMatcher()
 
     def _make_compiler(self, tokenizer) -> xgr.GrammarCompiler:
         info = xgr.TokenizerInfo.from_huggingface(
@@ -100,10 +101,11 @@ class GrammarCompiler:
         return xgr.GrammarCompiler(info, max_threads=1, cache_enabled=False)
 
     def compile(self, params: StructuredOutputsParams) -> Future[xgr.CompiledGrammar]:
-        """The compiled grammar of ``params`` (shared by every request with the same spec)."""
+        """The compiled grammar of ``params`` (shared by every request with the same spec; a
+        failed compilation is tried again)."""
         key = params.key
         future = self._cache.get(key)
-        if future is not None:
+        if future is not None and not (future.done() and future.exception() is not None):
             self._cache.move_to_end(key)
             return future
         grammar = parse_grammar(params)
@@ -112,6 +114,17 @@ class GrammarCompiler:
         if len(self._cache) > _CACHE_ENTRIES:
             self._cache.popitem(last=False)
         return future
+
+    def token_bitmask(self, grammars: Sequence[RequestGrammar | None]) -> torch.Tensor:
+        """Each row's allowed next tokens as xgrammar's bit-packed int32 mask (host memory),
+        filled by several threads; rows without a grammar (or whose grammar failed, which ends
+        them) allow everything."""
+        bitmask = xgr.allocate_token_bitmask(len(grammars), self.vocab_size)
+        rows = [i for i, g in enumerate(grammars) if g is not None and not g.failed]
+        if rows:
+            matchers = [grammars[i].matcher for i in rows]
+            self._batch.batch_fill_next_token_bitmask(matchers, bitmask, rows)
+        return bitmask
 
     def shutdown(self) -> None:
         self._executor.shutdown(wait=False, cancel_futures=True)
@@ -156,16 +169,6 @@ class RequestGrammar:
     def is_terminated(self) -> bool:
         """The grammar accepted a stop token: nothing more may follow."""
         return self.matcher.is_terminated()
-
-
-def token_bitmask(grammars: Sequence[RequestGrammar | None], vocab_size: int) -> torch.Tensor:
-    """Each row's allowed next tokens as xgrammar's bit-packed int32 mask (host memory);
-    rows without a grammar (or whose grammar failed, which ends them) allow everything."""
-    bitmask = xgr.allocate_token_bitmask(len(grammars), vocab_size)
-    for row, grammar in enumerate(grammars):
-        if grammar is not None and not grammar.failed:
-            grammar.matcher.fill_next_token_bitmask(bitmask, row)
-    return bitmask
 
 
 def wait_for_any(grammars: Iterable[RequestGrammar], timeout: float) -> None:

@@ -15,7 +15,7 @@ from heron import LLM, SamplingParams
 from heron.engine.request import Request
 from heron.structured import StructuredOutputsParams
 from heron.structured.bitmask import apply_token_bitmask
-from heron.structured.grammar import GrammarCompiler, RequestGrammar, parse_grammar, token_bitmask
+from heron.structured.grammar import GrammarCompiler, RequestGrammar, parse_grammar
 
 from json_schemas import SCHEMAS
 from tiny_models import make_tokenizer
@@ -88,7 +88,7 @@ def test_compiled_grammars_are_cached_and_padded_ids_masked():
     assert compiler.compile(StructuredOutputsParams(choice=["red", "green"])) is first
     grammar = RequestGrammar(first, compiler.stop_token_ids)
     first.result(timeout=30)
-    mask = token_bitmask([grammar, None], 352)
+    mask = compiler.token_bitmask([grammar, None])
     allowed = _dense_reference(torch.zeros(2, 352), mask).isfinite()
     assert allowed[1].all()  # no grammar: every id
     assert allowed[0].any() and not allowed[0, 320:].any()  # ids past the tokenizer: never
