@@ -18,7 +18,7 @@ from heron.structured.bitmask import apply_token_bitmask
 from heron.structured.grammar import GrammarCompiler, RequestGrammar, parse_grammar
 
 from json_schemas import SCHEMAS
-from tiny_models import make_tokenizer
+from tiny_models import make_tokenizer, tiny_config
 
 
 def _dense_reference(logits: torch.Tensor, bitmask: torch.Tensor) -> torch.Tensor:
@@ -167,6 +167,28 @@ def test_a_grammar_that_fails_to_compile_ends_only_its_request(llm):
         finished.update((o.request_id, o) for o in engine.step() if o.finished)
     assert finished["bad"].outputs[0].finish_reason == "abort"
     assert len(finished["good"].outputs[0].token_ids) == 4
+
+
+def test_padded_vocabulary_ids_are_never_sampled(tmp_path):
+    """A model whose logits are wider than its tokenizer (padded embeddings): the ids past the
+    tokenizer have logits but no text, and the grammar must rule them out."""
+    import transformers as tf
+
+    torch.manual_seed(0)
+    config = tiny_config("qwen2")
+    config.vocab_size = 384
+    model = tf.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    with torch.no_grad():
+        model.lm_head.weight[320:] = 2.0  # make the padding ids the likeliest
+    model.save_pretrained(tmp_path)
+    make_tokenizer().save_pretrained(tmp_path)
+    llm = LLM(str(tmp_path), max_model_len=64, num_kv_blocks=32)
+    constraint = StructuredOutputsParams(regex=r"[a-f]{4}")
+    params = SamplingParams(n=3, temperature=1.0, max_tokens=8, structured_outputs=constraint)
+    (output,) = llm.generate(["x"], params, use_tqdm=False)
+    for sample in output.outputs:
+        assert sample.finish_reason == "stop" and max(sample.token_ids) < 320
+        assert re.fullmatch(r"[a-f]{4}", sample.text)
 
 
 @pytest.mark.gpu
