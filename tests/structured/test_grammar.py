@@ -154,6 +154,34 @@ def test_regex_and_choice_mixed_with_free_rows(llm):
     assert all(len(s.token_ids) == 8 for s in outputs[2].outputs)
 
 
+def test_only_steps_with_grammar_rows_are_read_at_once(llm, monkeypatch):
+    """Asynchronous scheduling stays on for free steps; a step with grammar rows is read in the
+    same call, so each grammar has seen its tokens before the next mask is built."""
+    engine = llm.engine
+    masked = []
+    launch = engine.runner.launch
+    monkeypatch.setattr(
+        engine.runner,
+        "launch",
+        lambda plan, previous: (
+            masked.append(plan.token_bitmask is not None) or launch(plan, previous)
+        ),
+    )
+    constraint = StructuredOutputsParams(regex="[a-z]{6}")
+    engine.add_request("g", "x", SamplingParams(max_tokens=8, structured_outputs=constraint))
+    engine.add_request("free", "y", SamplingParams(max_tokens=24, ignore_eos=True))
+    in_flight = []
+    texts = {}
+    while engine.has_unfinished_requests():
+        count = len(masked)
+        texts.update((o.request_id, o.outputs[0].text) for o in engine.step() if o.finished)
+        if len(masked) > count:
+            in_flight.append(engine._in_flight is not None)
+    assert re.fullmatch("[a-z]{6}", texts["g"])
+    assert any(masked) and not any(f for m, f in zip(masked, in_flight) if m)
+    assert any(f for m, f in zip(masked, in_flight) if not m)
+
+
 def test_a_grammar_that_fails_to_compile_ends_only_its_request(llm):
     engine = llm.engine
     constrained = StructuredOutputsParams(regex="a+b")
