@@ -115,3 +115,10 @@ def test_config_refuses_unknown_parsers_and_auto_without_parser():
     with pytest.raises(ValueError, match="tool_choice needs tools"):
         ChatOutputConfig().check_tool_choice(False, "required")
     ChatOutputConfig().check_tool_choice(True, "required")
+
+
+def test_serve_refuses_an_unknown_parser_before_loading_the_model(capsys):
+    from heron.cli import main
+
+    assert main(["serve", "--model", "/no/such/model", "--tool-call-parser", "bad"]) == 2
+    assert "unknown tool call parser 'bad'" in capsys.readouterr().err
