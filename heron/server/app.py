@@ -394,6 +394,10 @@ def build_app(
         try:
             serving.chat_output.check_tool_choice(bool(body.tools), body.effective_tool_choice)
             params = body.sampling_params()
+            if serving.chat_output.keeps_special_tokens(
+                bool(body.tools), body.effective_tool_choice
+            ):
+                params.skip_special_tokens = False
             prompt = serving.apply_chat_template(
                 body.conversation(), body.add_generation_prompt, body.template_tools()
             )

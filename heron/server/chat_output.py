@@ -53,6 +53,11 @@ class ChatOutputConfig:
                 "and --tool-call-parser"
             )
 
+    def keeps_special_tokens(self, has_tools: bool, choice: ToolChoice) -> bool:
+        """Whether replies must keep special tokens: some Hermes models' ``<tool_call>`` is
+        one, and dropping it from the text would hide the call (vLLM does the same)."""
+        return has_tools and choice == "auto" and self.tool_call_parser == "hermes"
+
 
 class ChatOutputParser:
     """Splits a choice's text (``feed`` per delta, then ``finish``) into message pieces."""

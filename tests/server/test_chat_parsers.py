@@ -115,6 +115,9 @@ def test_config_refuses_unknown_parsers_and_auto_without_parser():
     with pytest.raises(ValueError, match="tool_choice needs tools"):
         ChatOutputConfig().check_tool_choice(False, "required")
     ChatOutputConfig().check_tool_choice(True, "required")
+    hermes = ChatOutputConfig(tool_call_parser="hermes", enable_auto_tool_choice=True)
+    assert hermes.keeps_special_tokens(True, "auto")
+    assert not hermes.keeps_special_tokens(True, "none")
 
 
 def test_serve_refuses_an_unknown_parser_before_loading_the_model(capsys):
