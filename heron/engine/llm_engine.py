@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass, field, replace
+from typing import TYPE_CHECKING
 
 from transformers import AutoTokenizer
 
@@ -19,7 +20,9 @@ from heron.loader.resolve import resolve_model_path
 from heron.outputs import CompletionOutput, PrefixView, RequestOutput
 from heron.platforms import platform_for, resolve_device
 from heron.sampling_params import SamplingParams
-from heron.structured.grammar import GrammarCompiler, RequestGrammar, wait_for_any
+
+if TYPE_CHECKING:
+    from heron.structured.grammar import GrammarCompiler
 
 logger = logging.getLogger(__name__)
 
@@ -194,10 +197,11 @@ class LLMEngine:
             )
             children.append(child)
         if params.structured_outputs is not None:
-            compiler = self._grammar_compiler()
-            compiled = compiler.compile(params.structured_outputs)
-            for child in children:
-                child.grammar = RequestGrammar(compiled, compiler.stop_token_ids)
+            grammars = self._grammar_compiler().request_grammars(
+                params.structured_outputs, params.n
+            )
+            for child, grammar in zip(children, grammars):
+                child.grammar = grammar
         detokenizers = [IncrementalDetokenizer(self.tokenizer, token_ids, params) for _ in children]
         self._parents[request_id] = _Parent(
             request_id, text, token_ids, children, detokenizers, stream
@@ -207,6 +211,9 @@ class LLMEngine:
 
     def _grammar_compiler(self) -> GrammarCompiler:
         if self._grammars is None:
+            # xgrammar is imported only by an engine that sees a grammar.
+            from heron.structured.grammar import GrammarCompiler
+
             self._grammars = GrammarCompiler(
                 self.tokenizer, self.model_config.vocab_size, self._eos_token_ids
             )
@@ -287,7 +294,7 @@ class LLMEngine:
         elif previous is None:
             compiling = [r.grammar for r in self.scheduler.waiting if r.waits_for_grammar]
             if compiling:
-                wait_for_any(compiling, _GRAMMAR_WAIT_S)
+                self._grammars.wait_for_any(compiling, _GRAMMAR_WAIT_S)
 
         outputs = []
         for parent in touched.values():

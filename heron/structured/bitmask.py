@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import torch
-import xgrammar as xgr
 
 
 def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor) -> None:
@@ -13,6 +12,8 @@ def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor) -> None:
     copied to the device from pinned memory so the host does not wait. Columns past the mask's
     width (a model vocabulary wider than the mask) are masked too.
     """
+    import xgrammar as xgr  # only grammar rows need it; see heron.structured.grammar
+
     if logits.is_cuda:
         bitmask = bitmask.pin_memory().to(logits.device, non_blocking=True)
     width = min(logits.shape[-1], bitmask.shape[-1] * 32)

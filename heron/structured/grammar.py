@@ -115,6 +115,16 @@ class GrammarCompiler:
             self._cache.popitem(last=False)
         return future
 
+    def request_grammars(self, params: StructuredOutputsParams, n: int) -> list[RequestGrammar]:
+        """One grammar position per sample of a request (``ValueError`` for a bad spec)."""
+        compiled = self.compile(params)
+        return [RequestGrammar(compiled, self.stop_token_ids) for _ in range(n)]
+
+    @staticmethod
+    def wait_for_any(grammars: Iterable[RequestGrammar], timeout: float) -> None:
+        """Block until one of these grammars is compiled, or ``timeout`` seconds pass."""
+        wait([g.compiled for g in grammars], timeout=timeout, return_when=FIRST_COMPLETED)
+
     def token_bitmask(self, grammars: Sequence[RequestGrammar | None]) -> torch.Tensor:
         """Each row's allowed next tokens as xgrammar's bit-packed int32 mask (host memory),
         filled by several threads; rows without a grammar (or whose grammar failed, which ends
@@ -169,8 +179,3 @@ class RequestGrammar:
     def is_terminated(self) -> bool:
         """The grammar accepted a stop token: nothing more may follow."""
         return self.matcher.is_terminated()
-
-
-def wait_for_any(grammars: Iterable[RequestGrammar], timeout: float) -> None:
-    """Block until one of these grammars is compiled, or ``timeout`` seconds pass."""
-    wait([g.compiled for g in grammars], timeout=timeout, return_when=FIRST_COMPLETED)
