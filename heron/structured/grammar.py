@@ -136,9 +136,6 @@ class GrammarCompiler:
             self._batch.batch_fill_next_token_bitmask(matchers, bitmask, rows)
         return bitmask
 
-    def shutdown(self) -> None:
-        self._executor.shutdown(wait=False, cancel_futures=True)
-
 
 class RequestGrammar:
     """One sample's position in its grammar: a matcher, made once the grammar is compiled."""

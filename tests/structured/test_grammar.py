@@ -92,7 +92,6 @@ def test_compiled_grammars_are_cached_and_padded_ids_masked():
     allowed = _dense_reference(torch.zeros(2, 352), mask).isfinite()
     assert allowed[1].all()  # no grammar: every id
     assert allowed[0].any() and not allowed[0, 320:].any()  # ids past the tokenizer: never
-    compiler.shutdown()
 
 
 def test_requests_wait_for_their_grammar_without_blocking_others(tiny_model_dir):
@@ -135,7 +134,6 @@ def test_json_object_grammar_takes_objects_only():
     compiled = compiler.compile(StructuredOutputsParams(json_object=True))
     assert RequestGrammar(compiled, [0]).matcher.accept_string('{"a": [1, {"b": null}]}')
     assert not RequestGrammar(compiled, [0]).matcher.accept_string("[1]")
-    compiler.shutdown()
 
 
 def test_regex_and_choice_mixed_with_free_rows(llm):
