@@ -338,7 +338,7 @@ class LLMEngine:
             detokenizer = parent.detokenizers[request.sample_index]
             stop = check_stop(request, token_id, detokenizer.append(token_id), max_model_len)
             if request.grammar is not None and not request.grammar.accept(token_id):
-                # (its grammar failed to compile: logged by accept)
+                # a grammar that failed to compile, or a token it refuses (logged by accept)
                 stop = (FinishReason.ABORT, None)
             if stop is not None:
                 request.finish(*stop)

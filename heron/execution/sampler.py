@@ -89,11 +89,13 @@ class Sampler:
         """The tokens of rows whose requests are all :func:`on_device`, left on the device:
         nothing here waits for the device, so the host can go on while they are drawn."""
         if bitmask is not None:
-            logits = logits.to(torch.float32, copy=True)
+            logits = logits.to(torch.float32, copy=True)  # private: masked and drawn in place
             apply_token_bitmask(logits, bitmask)
         if all(r.sampling_params.greedy for r in requests):
             return _argmax(logits)
-        return _choose(logits.to(torch.float32, copy=True), requests, generator)
+        if bitmask is None:
+            logits = logits.to(torch.float32, copy=True)
+        return _choose(logits, requests, generator)
 
 
 def _argmax(logits: torch.Tensor) -> torch.Tensor:

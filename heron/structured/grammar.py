@@ -171,8 +171,3 @@ class RequestGrammar:
             logger.error("token %d breaks its grammar", token_id)
             return False
         return True
-
-    @property
-    def is_terminated(self) -> bool:
-        """The grammar accepted a stop token: nothing more may follow."""
-        return self.matcher.is_terminated()
