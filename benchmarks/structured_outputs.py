@@ -5,8 +5,8 @@ On the default model (or ``--model``), prints a markdown table of:
   compile   ms to compile a JSON schema the first time (tokenizer info included) and again
             (the cache), measured as the time until a one-token request returns
   decode    output tokens/s of ``--batch`` requests of up to ``--max-tokens`` tokens each, free
-            and with every row under a JSON schema, then with half the rows under it (steps with
-            grammar rows give up the asynchronous overlap)
+            and with every row under a JSON schema, then with half the rows under it (a step
+            with grammar rows waits for the previous step's tokens before its mask is filled)
 
     PYTHONPATH=$PWD python benchmarks/structured_outputs.py [--model PATH] [--batch 64]
         [--max-tokens 128]

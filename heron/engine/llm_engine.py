@@ -22,6 +22,8 @@ from heron.platforms import platform_for, resolve_device
 from heron.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
+    import torch
+
     from heron.structured.grammar import GrammarCompiler
 
 logger = logging.getLogger(__name__)
@@ -262,32 +264,34 @@ class LLMEngine:
 
         With asynchronous scheduling (the default) a step whose tokens stay on the device is
         read one call later: this call schedules and launches the next step first, so the host's
-        work (scheduling, inputs, detokenisation, stop checks) overlaps the device's.
+        work (scheduling, inputs, detokenisation, stop checks) overlaps the device's. A step
+        that samples grammar rows reads the previous step before it is launched (only its
+        scheduling overlaps), since each grammar must see its last token before the next mask.
         """
         previous, self._in_flight = self._in_flight, None
+        touched: dict[str, _Parent] = {}
         schedule = self.scheduler.schedule()
         plan = schedule.plan
         launched = None
         if plan.request_ids or plan.finished_ids or plan.preempted_ids:
             sample_requests = [i.request for i in schedule.scheduled if i.samples]
             if any(r.grammar is not None for r in sample_requests):
-                grammars = [r.grammar for r in sample_requests]
-                plan = replace(plan, token_bitmask=self._grammars.token_bitmask(grammars))
+                if previous is not None and any(
+                    r.grammar is not None and r.num_pending_tokens for r in sample_requests
+                ):
+                    # The masks need the tokens the previous step sampled: wait for them here.
+                    self._read(previous, touched)
+                    previous = None
+                plan = replace(plan, token_bitmask=self._token_bitmask(sample_requests))
             step = self.runner.launch(plan, previous.launched if previous else None)
             launched = _Launched(step, sample_requests)
             self.scheduler.finish_step(schedule)
             for request in launched.sample_requests:
                 request.num_pending_tokens += 1
-        touched: dict[str, _Parent] = {}
         if previous is not None:
             self._read(previous, touched)
         if launched is not None:
-            # A grammar's next mask needs this step's tokens: such a step is read at once.
-            if (
-                self.config.async_scheduling
-                and not launched.launched.is_ready
-                and plan.token_bitmask is None
-            ):
+            if self.config.async_scheduling and not launched.launched.is_ready:
                 self._in_flight = launched
             else:
                 self._read(launched, touched)
@@ -307,6 +311,12 @@ class LLMEngine:
             if finished or parent.stream:
                 outputs.append(parent.output())
         return outputs
+
+    def _token_bitmask(self, sample_requests: list[Request]) -> torch.Tensor:
+        """The sampled rows' grammar masks; a request that finished when the previous step was
+        read (its token will be dropped) is left free."""
+        grammars = [None if r.is_finished else r.grammar for r in sample_requests]
+        return self._grammars.token_bitmask(grammars)
 
     def _read(self, launched: _Launched, touched: dict[str, _Parent]) -> None:
         """Apply a step's sampled tokens (and prompt logprobs) to its requests."""

@@ -152,32 +152,37 @@ def test_regex_and_choice_mixed_with_free_rows(llm):
     assert all(len(s.token_ids) == 8 for s in outputs[2].outputs)
 
 
-def test_only_steps_with_grammar_rows_are_read_at_once(llm, monkeypatch):
-    """Asynchronous scheduling stays on for free steps; a step with grammar rows is read in the
-    same call, so each grammar has seen its tokens before the next mask is built."""
+def test_grammar_steps_launch_once_the_previous_step_is_read(llm, monkeypatch):
+    """Asynchronous scheduling stays on: free steps take their input tokens from the step in
+    flight, a step whose grammar rows have tokens on the way is launched after reading it
+    (each grammar has seen its tokens before its next mask), and is itself left in flight."""
     engine = llm.engine
-    masked = []
+    launches = []  # (masked, launched with a step in flight)
     launch = engine.runner.launch
     monkeypatch.setattr(
         engine.runner,
         "launch",
         lambda plan, previous: (
-            masked.append(plan.token_bitmask is not None) or launch(plan, previous)
+            launches.append((plan.token_bitmask is not None, bool(previous)))
+            or launch(plan, previous)
         ),
     )
     constraint = StructuredOutputsParams(regex="[a-z]{6}")
     engine.add_request("g", "x", SamplingParams(max_tokens=8, structured_outputs=constraint))
     engine.add_request("free", "y", SamplingParams(max_tokens=24, ignore_eos=True))
-    in_flight = []
+    left_in_flight = []
     texts = {}
     while engine.has_unfinished_requests():
-        count = len(masked)
+        count = len(launches)
         texts.update((o.request_id, o.outputs[0].text) for o in engine.step() if o.finished)
-        if len(masked) > count:
-            in_flight.append(engine._in_flight is not None)
-    assert re.fullmatch("[a-z]{6}", texts["g"])
-    assert any(masked) and not any(f for m, f in zip(masked, in_flight) if m)
-    assert any(f for m, f in zip(masked, in_flight) if not m)
+        if len(launches) > count:
+            left_in_flight.append(engine._in_flight is not None)
+    assert re.fullmatch("[a-z]{6}", texts["g"]) and len(texts["free"]) > 0
+    masked = [i for i, (m, _) in enumerate(launches) if m]
+    # (the first is the prefill: its grammar has no token on the way, so nothing waits)
+    assert len(masked) >= 6 and not any(launches[i][1] for i in masked[1:])
+    assert all(left_in_flight[i] for i in masked)
+    assert any(p for m, p in launches if not m)
 
 
 def test_a_grammar_that_fails_to_compile_ends_only_its_request(llm):
