@@ -8,12 +8,16 @@ import logging
 import sys
 from dataclasses import fields
 
+from heron import __version__
 from heron.config import EngineConfig
+from heron.outputs import CompletionOutput
 from heron.sampling_params import SamplingParams
 
 # Engine flags, named like vLLM's: --max-num-seqs, --enable-prefix-caching/--no-..., ...
 _ENGINE_FLAG_HELP = {
-    "model": "HF directory or .gguf file (default: the embedded SmolLM2-135M-Instruct)",
+    "model": "HF directory, .gguf file or Hub id: owner/name, owner/name:file.gguf "
+    "(default: the embedded SmolLM2-135M-Instruct)",
+    "revision": "branch, tag or commit of a Hub id (default: main)",
     "tokenizer": "tokenizer directory (default: the model's)",
     "dtype": "auto, float32, float16 or bfloat16",
     "device": "auto, cpu or cuda[:N]",
@@ -86,8 +90,23 @@ def cmd_generate(args: argparse.Namespace) -> int:
         if output.error:
             print(f"error: {output.error}", file=sys.stderr)
             return 1
-        print(output.outputs[0].text)
+        sample = output.outputs[0]
+        print(sample.text)
+        if _ended_at_once(sample):
+            hint = "; it is a chat model: try heron chat" if llm.tokenizer.chat_template else ""
+            print(
+                f"heron: the model ended the completion at once (end of sequence){hint}",
+                file=sys.stderr,
+            )
     return 0
+
+
+def _ended_at_once(sample: CompletionOutput) -> bool:
+    """Whether the first token was end-of-sequence: what an instruct model often answers to
+    a raw prompt without its chat template."""
+    return (
+        sample.finish_reason == "stop" and sample.stop_reason is None and len(sample.token_ids) == 1
+    )
 
 
 def cmd_chat(args: argparse.Namespace) -> int:
@@ -172,6 +191,12 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from heron.server.chat_output import ChatOutputConfig
     from heron.server.serve import serve
 
+    if args.model_tag is not None:
+        if args.model is not None and args.model != args.model_tag:
+            raise ValueError(
+                f"the model is given twice: {args.model_tag!r} and --model {args.model!r}"
+            )
+        args.model = args.model_tag
     chat_output = ChatOutputConfig(
         args.reasoning_parser, args.tool_call_parser, args.enable_auto_tool_choice
     )
@@ -182,13 +207,18 @@ def cmd_serve(args: argparse.Namespace) -> int:
         api_key=args.api_key,
         served_model_name=args.served_model_name,
         log_level=args.log_level,
+        max_request_body_bytes=args.max_request_body_bytes,
+        trust_request_chat_template=args.trust_request_chat_template,
         chat_output=chat_output,
     )
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from heron.server.request_body import DEFAULT_MAX_REQUEST_BODY_BYTES
+
     parser = argparse.ArgumentParser(prog="heron", description=__doc__)
     parser.add_argument("--log-level", default="WARNING")
+    parser.add_argument("--version", action="version", version=f"heron {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
     gen = sub.add_parser("generate", help="complete prompts")
     gen.add_argument("--prompt", action="append", help="prompt text (repeatable; default: stdin)")
@@ -200,6 +230,9 @@ def build_parser() -> argparse.ArgumentParser:
     plan = sub.add_parser("plan", help="show the model's resolved step-metadata plan")
     plan.add_argument("--json", action="store_true")
     serve = sub.add_parser("serve", help="serve the OpenAI-compatible HTTP API")
+    serve.add_argument(
+        "model_tag", nargs="?", metavar="MODEL", help="the model, as --model (vllm serve MODEL)"
+    )
     serve.add_argument("--host", default="127.0.0.1")
     serve.add_argument("--port", type=int, default=8000)
     serve.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY'")
@@ -218,6 +251,17 @@ def build_parser() -> argparse.ArgumentParser:
         "--reasoning-parser",
         default=None,
         help="split <think> reasoning into reasoning_content: qwen3 or deepseek_r1",
+    )
+    serve.add_argument(
+        "--max-request-body-bytes",
+        type=int,
+        default=DEFAULT_MAX_REQUEST_BODY_BYTES,
+        help="larger request bodies are refused with 413",
+    )
+    serve.add_argument(
+        "--trust-request-chat-template",
+        action="store_true",
+        help="let requests bring their own chat_template (a Jinja template the server runs)",
     )
     for p in (gen, chat, plan, serve):
         add_engine_args(p)

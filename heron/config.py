@@ -26,14 +26,16 @@ DEFAULT_HOST_KV_CACHE_BYTES = 2 << 30
 # the device from config.json alone, as vLLM's, for benchmarks of shapes with no checkpoint.
 LOAD_FORMATS = ("auto", "dummy")
 # Any of these lets AutoTokenizer load a directory (tokenizer_config.json alone does not).
-_TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "vocab.txt")
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "vocab.txt")
 
 
 @dataclass
 class EngineConfig:
     """User-facing engine options, named as vLLM users know them."""
 
-    model: str | None = None  # HF directory or .gguf file; None: the embedded default model
+    # HF directory, .gguf file or Hub id (owner/name[:file.gguf]); None: the default model
+    model: str | None = None
+    revision: str | None = None  # of a Hub id: branch, tag or commit
     tokenizer: str | None = None
     dtype: str = "auto"
     device: str = "auto"
@@ -56,7 +58,7 @@ class EngineConfig:
             raise ValueError(
                 f"load_format must be one of {', '.join(LOAD_FORMATS)}, got {self.load_format!r}"
             )
-        if self.load_format == "dummy" and self.tokenizer is None and _lacks_tokenizer(self.model):
+        if self.load_format == "dummy" and self.tokenizer is None and lacks_tokenizer(self.model):
             raise ValueError(
                 f"load_format='dummy': {self.model} has no tokenizer files; pass tokenizer= "
                 "(a directory with one, e.g. the default model's) to build the dummy model"
@@ -99,7 +101,7 @@ class ModelConfig:
 
     @property
     def vocab_size(self) -> int:
-        return self.hf_config.vocab_size
+        return self.hf_config.get_text_config().vocab_size
 
     @classmethod
     def from_path(
@@ -118,20 +120,21 @@ class ModelConfig:
             path=path,
             hf_config=hf_config,
             dtype=_resolve_dtype(dtype, hf_config, device),
-            max_model_len=_resolve_max_model_len(hf_config, max_model_len),
+            # A multimodal config keeps the language model's limits in its text config.
+            max_model_len=_resolve_max_model_len(hf_config.get_text_config(), max_model_len),
             eos_token_ids=_eos_token_ids(path, hf_config),
             load_format=load_format,
             seed=seed,
         )
 
 
-def _lacks_tokenizer(model: str | None) -> bool:
+def lacks_tokenizer(model: str | Path | None) -> bool:
     """Whether ``model`` is a directory without tokenizer files (the default model and GGUF
     files always bring theirs)."""
     if model is None:
         return False
     path = Path(model).expanduser()
-    return path.is_dir() and not any((path / name).is_file() for name in _TOKENIZER_FILES)
+    return path.is_dir() and not any((path / name).is_file() for name in TOKENIZER_FILES)
 
 
 def _resolve_dtype(dtype: str, hf_config: PretrainedConfig, device: torch.device) -> torch.dtype:

@@ -149,6 +149,10 @@ class AsyncLLMEngine:
     ) -> None:
         if not added.set_running_or_notify_cancel():
             return  # the caller went away before the request was added
+        if self._stopped:
+            # Queued behind the stop: nothing would step it any more.
+            added.set_exception(EngineDeadError("the engine is shutting down"))
+            return
         try:
             self.engine.add_request(request_id, prompt, params)
         except Exception as e:

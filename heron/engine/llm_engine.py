@@ -10,7 +10,13 @@ from typing import TYPE_CHECKING
 from transformers import AutoTokenizer
 
 from heron.cache.coordinator import KVCacheCoordinator
-from heron.config import DEFAULT_HOST_KV_CACHE_BYTES, EngineConfig, ModelConfig
+from heron.config import (
+    DEFAULT_HOST_KV_CACHE_BYTES,
+    TOKENIZER_FILES,
+    EngineConfig,
+    ModelConfig,
+    lacks_tokenizer,
+)
 from heron.engine.detokenizer import IncrementalDetokenizer
 from heron.engine.request import FinishReason, Request, RequestStatus
 from heron.engine.scheduler import Scheduler, SchedulerConfig
@@ -93,16 +99,27 @@ class LLMEngine:
         self.config = config
         device = resolve_device(config.device)
         self.platform = platform_for(device)
-        path = resolve_model_path(config.model)
+        path = resolve_model_path(config.model, config.revision)
         self.model_config = ModelConfig.from_path(
             path, config.dtype, device, config.max_model_len, config.load_format, config.seed
         )
-        self.tokenizer = AutoTokenizer.from_pretrained(config.tokenizer or path)
+        tokenizer = config.tokenizer or path
+        if lacks_tokenizer(tokenizer):
+            # transformers would build an empty tokenizer from the config alone.
+            raise ValueError(
+                f"{tokenizer} has no tokenizer files (none of {', '.join(TOKENIZER_FILES)}); "
+                "pass --tokenizer DIR"
+            )
+        self.tokenizer = AutoTokenizer.from_pretrained(tokenizer)
         self.block_size = config.block_size or self.platform.default_block_size
         backend = config.attention_backend or self.platform.default_attention_backend()
-        self.runner = ModelRunner(
-            self.model_config, self.platform, self.block_size, backend, config.seed
-        )
+        try:
+            self.runner = ModelRunner(
+                self.model_config, self.platform, self.block_size, backend, config.seed
+            )
+        except ValueError as e:
+            # Name what the user gave: a GGUF file's weights are read from its converted copy.
+            raise ValueError(f"{config.model or path}: {e}") from e
         self.max_num_batched_tokens = config.max_num_batched_tokens or (
             DEFAULT_MAX_NUM_BATCHED_TOKENS.get(device.type, FALLBACK_MAX_NUM_BATCHED_TOKENS)
         )
@@ -155,10 +172,16 @@ class LLMEngine:
         elif self.platform.device.type == "cuda":
             peak = self.runner.profile_peak_memory(min(max_tokens, max_len))
             budget = self.platform.kv_cache_budget(self.config.gpu_memory_utilization, peak)
-            num_blocks = layout.split_budget(budget, max_len, max_tokens)
+            num_blocks = layout.split_budget(
+                budget, max_len, max_tokens, max_running=self.config.max_num_seqs
+            )
         else:
             num_blocks = layout.split_budget(
-                DEFAULT_HOST_KV_CACHE_BYTES, max_len, max_tokens, self.config.max_num_seqs
+                DEFAULT_HOST_KV_CACHE_BYTES,
+                max_len,
+                max_tokens,
+                self.config.max_num_seqs,
+                max_running=self.config.max_num_seqs,
             )
         layout.check_fits(num_blocks, max_len, max_tokens)
         return num_blocks
@@ -188,6 +211,12 @@ class LLMEngine:
         params.eos_token_ids = frozenset(self._eos_token_ids)
         text, token_ids = self.tokenize_prompt(prompt)
         self._validate_prompt(token_ids)
+        vocab = self.model_config.vocab_size
+        if params.logit_bias and max(params.logit_bias) >= vocab:
+            raise ValueError(
+                f"logit_bias token id {max(params.logit_bias)} is outside the vocabulary "
+                f"[0, {vocab})"
+            )
         children = []
         for index in range(params.n):
             child = Request(

@@ -231,11 +231,7 @@ class ModelRunner:
             logits = self.model.compute_logits(hidden[seq.logits_indices.long()])
         states, bitmask = step.sample_states, plan.token_bitmask
         if states and not step.prompt_rows and all(map(on_device, states)):
-            if (
-                greedy_ids is not None
-                and bitmask is None
-                and all(s.sampling_params.greedy for s in states)
-            ):
+            if greedy_ids is not None and all(s.sampling_params.plain_argmax for s in states):
                 token_ids = greedy_ids[step.sample_rows]
             else:
                 token_ids = self.sampler.sample_on_device(

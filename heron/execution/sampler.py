@@ -1,10 +1,10 @@
 """Turns next-token logits into tokens, one row per request, following each request's params.
 
 The stages and their order follow vLLM: the grammar mask of structured outputs (a bitmask the
-engine filled on the host, applied on the device), min_tokens masking, penalties, then greedy
-argmax or temperature / top-k / top-p / min-p and a random draw. Every stage works on the whole
-batch at once with per-row parameter tensors and is skipped when no row needs it, because this
-runs every step and the host-side cost is paid per step.
+engine filled on the host, applied on the device), min_tokens masking, logit bias, penalties,
+then greedy argmax or temperature / top-k / top-p / min-p and a random draw. Every stage works
+on the whole batch at once with per-row parameter tensors and is skipped when no row needs it,
+because this runs every step and the host-side cost is paid per step.
 """
 
 from __future__ import annotations
@@ -67,6 +67,7 @@ class Sampler:
         if bitmask is not None:
             apply_token_bitmask(logits, bitmask)
         apply_min_tokens(logits, requests)
+        apply_logit_bias(logits, requests)
         logits = apply_penalties(logits, requests)
         token_ids = _choose(logits, requests, generator)
 
@@ -88,13 +89,12 @@ class Sampler:
     ) -> torch.Tensor:
         """The tokens of rows whose requests are all :func:`on_device`, left on the device:
         nothing here waits for the device, so the host can go on while they are drawn."""
-        if bitmask is not None:
-            logits = logits.to(torch.float32, copy=True)  # private: masked and drawn in place
-            apply_token_bitmask(logits, bitmask)
-        if all(r.sampling_params.greedy for r in requests):
+        if all(r.sampling_params.plain_argmax for r in requests):
             return _argmax(logits)
-        if bitmask is None:
-            logits = logits.to(torch.float32, copy=True)
+        logits = logits.to(torch.float32, copy=True)  # private: the stages work in place
+        if bitmask is not None:
+            apply_token_bitmask(logits, bitmask)
+        apply_logit_bias(logits, requests)
         return _choose(logits, requests, generator)
 
 
@@ -133,7 +133,7 @@ def _choose(
     params = [r.sampling_params for r in requests]
     greedy = [p.greedy for p in params]
     if all(greedy):
-        return logits.argmax(dim=-1)
+        return _argmax(logits)
     if not any(greedy):
         return _draw(sampling_probs(logits, params), requests, generator)
     argmax = logits.argmax(dim=-1)
@@ -163,6 +163,23 @@ def apply_min_tokens(logits: torch.Tensor, requests: Sequence[RequestState]) -> 
             cols += banned
     if rows:
         logits[rows, cols] = float("-inf")
+
+
+def apply_logit_bias(logits: torch.Tensor, requests: Sequence[RequestState]) -> None:
+    """Adds (in place) each row's ``logit_bias``; one upload, no wait for the device."""
+    rows: list[int] = []
+    cols: list[int] = []
+    biases: list[float] = []
+    for i, request in enumerate(requests):
+        bias = request.sampling_params.logit_bias or {}
+        rows += [i] * len(bias)
+        cols += bias.keys()
+        biases += bias.values()
+    if rows:
+        index = _to_device([rows, cols], logits.device)
+        logits.index_put_(
+            (index[0], index[1]), _to_device(biases, logits.device).float(), accumulate=True
+        )
 
 
 def apply_penalties(logits: torch.Tensor, requests: Sequence[RequestState]) -> torch.Tensor:

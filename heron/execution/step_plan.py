@@ -35,6 +35,26 @@ class TableUpdate:
     block_ids: list[int]
 
 
+class SentTables:
+    """How much of each request's tables the runner has been sent: a plan carries only the
+    entries since (tables grow append-only; a request sent again after a drop starts at 0)."""
+
+    def __init__(self) -> None:
+        self._sent: dict[str, list[int]] = {}
+
+    def updates(self, request_id: str, tables: list[list[int]]) -> list[TableUpdate]:
+        sent = self._sent.setdefault(request_id, [0] * len(tables))
+        out = []
+        for g, table in enumerate(tables):
+            if len(table) != sent[g]:
+                out.append(TableUpdate(request_id, g, sent[g], table[sent[g] :]))
+                sent[g] = len(table)
+        return out
+
+    def forget(self, request_id: str) -> None:
+        self._sent.pop(request_id, None)
+
+
 @dataclass(frozen=True)
 class StepPlan:
     """One step: the scheduled requests in row order, with their context (``num_computed``) and

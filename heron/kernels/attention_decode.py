@@ -71,9 +71,9 @@ _MAX_SPLITS = 128
 # fp32 values per thread of the merge's [heads, splits, head_dim] tile of partial outputs:
 # it loads many splits at once (one L2 round trip per chunk, not per split) within registers.
 _MERGE_VALUES_PER_THREAD = 32
-# The most partial results one program merges (see the module docstring). One program
-# merging the 128 splits of a 16 k context took ~7 µs of the layer's 19 on an H200; in
-# groups of 16, the layer takes 12 (`benchmarks/tune_decode_attention.py --splits`).
+# The most partial results one program merges (see the module docstring): one program merging
+# every split of a long context is slow, groups of this size measured fastest
+# (`benchmarks/tune_decode_attention.py --splits`).
 _MERGE_GROUP = 16
 
 
@@ -460,8 +460,8 @@ def _decode_kernel(
 
 def _launch_shape(head_dim: int, num_splits: int) -> tuple[int, int]:
     """``(num_warps, num_stages)`` of the decode kernel. Without splits (large batches) each
-    program walks a whole context, and a third pipeline stage keeps more tiles in flight: 8 %
-    faster for 256 requests of 1024 tokens on an H200 (``benchmarks/tune_decode_attention.py``).
+    program walks a whole context, and a third pipeline stage keeps more tiles in flight, which
+    measured faster on large batches (``benchmarks/tune_decode_attention.py``).
     Split programs walk a few tiles each and keep two stages."""
     return (4 if head_dim <= 128 else 8), (3 if num_splits == 1 else 2)
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import httpx
+import openai
 import pytest
 
 from openai_server import API_KEY, start_server, stop_server
@@ -10,6 +12,23 @@ from openai_server import API_KEY, start_server, stop_server
 @pytest.fixture(scope="session")
 def server(tiny_model_dir):
     """A server with an API key; the tests' clients send it."""
-    handle = start_server(tiny_model_dir("qwen2"), "--api-key", API_KEY)
+    handle = start_server(
+        tiny_model_dir("qwen2"), "--api-key", API_KEY, "--trust-request-chat-template"
+    )
     yield handle
     stop_server(handle)
+
+
+@pytest.fixture(scope="session")
+def client(server):
+    """The official openai client of the session's server."""
+    return openai.OpenAI(base_url=f"{server.base_url}/v1", api_key=API_KEY, max_retries=0)
+
+
+@pytest.fixture(scope="session")
+def http(server):
+    """Raw HTTP to the session's server, with its API key."""
+    with httpx.Client(
+        base_url=server.base_url, headers={"Authorization": f"Bearer {API_KEY}"}, timeout=60
+    ) as c:
+        yield c
