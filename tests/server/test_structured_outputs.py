@@ -1,5 +1,6 @@
-"""Structured outputs, tool calls and reasoning through the official client, against a server
-of the tiny random model with the hermes tool parser and the qwen3 reasoning parser."""
+"""Structured outputs, tool calls and reasoning through the official client: grammars against
+the session's server, tools and reasoning against a server of the tiny random model with a
+template that shows the tools, the hermes tool parser and the qwen3 reasoning parser."""
 
 from __future__ import annotations
 
@@ -7,20 +8,21 @@ import json
 import re
 import shutil
 
-import httpx
 import jsonschema
 import openai
 import pytest
 from transformers import AutoTokenizer
 
 from json_schemas import SCHEMAS
-from openai_server import API_KEY, MODEL_NAME, start_server, stop_server
+from openai_server import API_KEY, MODEL_NAME, openai_client, start_server, stop_server
 from tiny_models import CHAT_TEMPLATE
 
-# The tiny template, showing the model its tools as chat templates of tool models do.
+# The tiny template, showing the model its tools as chat templates of tool models do (names
+# and parameters only: the prompt must leave room in the tiny context for a whole call).
 TOOLS_TEMPLATE = (
-    "{% if tools %}<|system|>{% for t in tools %}{{ t | tojson }}{% endfor %}<|end|>{% endif %}"
-    + CHAT_TEMPLATE
+    "{% if tools %}<|system|>{% for t in tools %}"
+    "{{ t.function.name }}: {{ t.function.parameters | tojson }}"
+    "{% endfor %}<|end|>{% endif %}" + CHAT_TEMPLATE
 )
 MESSAGES = [{"role": "user", "content": "What is the weather in Paris?"}]
 WEATHER = {
@@ -49,7 +51,7 @@ PARAMETERS = {t["function"]["name"]: t["function"]["parameters"] for t in TOOLS}
 
 
 @pytest.fixture(scope="module")
-def server(tiny_model_dir, tmp_path_factory):
+def tools_server(tiny_model_dir, tmp_path_factory):
     model_dir = tmp_path_factory.mktemp("tools-model")
     shutil.copytree(tiny_model_dir("qwen2"), model_dir, dirs_exist_ok=True)
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
@@ -62,8 +64,8 @@ def server(tiny_model_dir, tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def client(server):
-    return openai.OpenAI(base_url=f"{server.base_url}/v1", api_key=API_KEY, max_retries=0)
+def tools_client(tools_server):
+    return openai_client(tools_server)
 
 
 def _chat(client, **kwargs):
@@ -124,13 +126,8 @@ def test_regex_and_choice_on_completions_streamed_and_not(client):
         ({"response_format": {"type": "yaml"}}, "response_format.type"),
     ],
 )
-def test_bad_constraints_are_400_naming_the_field(server, body, message):
-    response = httpx.post(
-        f"{server.base_url}/v1/completions",
-        headers={"Authorization": f"Bearer {API_KEY}"},
-        json={"prompt": "x", "max_tokens": 2, **body},
-        timeout=30,
-    )
+def test_bad_constraints_are_400_naming_the_field(http, body, message):
+    response = http.post("/v1/completions", json={"prompt": "x", "max_tokens": 2, **body})
     assert response.status_code == 400 and message in response.json()["error"]["message"]
 
 
@@ -149,7 +146,7 @@ def _streamed_calls(stream):
 
 
 @pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
-def test_required_tool_choice(client, stream):
+def test_required_tool_choice(tools_client, stream):
     kwargs = dict(
         tools=TOOLS,
         tool_choice="required",
@@ -159,7 +156,7 @@ def test_required_tool_choice(client, stream):
         seed=5,
     )
     if not stream:
-        response = _chat(client, n=4, **kwargs)
+        response = _chat(tools_client, n=4, **kwargs)
         for choice in response.choices:
             assert choice.finish_reason == "tool_calls", choice.message.content
             assert choice.message.content is None
@@ -167,24 +164,24 @@ def test_required_tool_choice(client, stream):
             assert call.type == "function" and call.id.startswith("call_")
             jsonschema.validate(json.loads(call.function.arguments), PARAMETERS[call.function.name])
         return
-    content, calls, finish = _streamed_calls(_chat(client, stream=True, **kwargs))
+    content, calls, finish = _streamed_calls(_chat(tools_client, stream=True, **kwargs))
     assert content == "" and finish == "tool_calls" and list(calls) == [0]
     for name, arguments in calls.values():
         jsonschema.validate(arguments, PARAMETERS[name])
 
 
 @pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
-def test_named_tool_choice(client, stream):
+def test_named_tool_choice(tools_client, stream):
     named = {"type": "function", "function": {"name": "get_weather"}}
     kwargs = dict(tools=TOOLS, tool_choice=named, temperature=1.0, max_tokens=64, seed=6)
     if not stream:
-        (choice,) = _chat(client, **kwargs).choices
+        (choice,) = _chat(tools_client, **kwargs).choices
         assert choice.finish_reason == "tool_calls"
         (call,) = choice.message.tool_calls
         assert call.function.name == "get_weather"
         jsonschema.validate(json.loads(call.function.arguments), WEATHER)
         return
-    content, calls, finish = _streamed_calls(_chat(client, stream=True, **kwargs))
+    content, calls, finish = _streamed_calls(_chat(tools_client, stream=True, **kwargs))
     assert finish == "tool_calls" and list(calls) == [0] and calls[0][0] == "get_weather"
     jsonschema.validate(calls[0][1], WEATHER)
 
@@ -196,45 +193,47 @@ HERMES_REPLY = (
 
 
 @pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
-def test_auto_tool_choice_parses_hermes_calls(client, stream):
+def test_auto_tool_choice_parses_hermes_calls(tools_client, stream):
     kwargs = dict(
         tools=TOOLS, max_tokens=128, extra_body={"structured_outputs": {"regex": HERMES_REPLY}}
     )
     if not stream:
-        (choice,) = _chat(client, **kwargs).choices
+        (choice,) = _chat(tools_client, **kwargs).choices
         assert choice.finish_reason == "tool_calls" and choice.message.content == "ok "
         (call,) = choice.message.tool_calls
         assert call.function.name == "get_time"
         assert json.loads(call.function.arguments)["zone"] in ("utc", "cet")
         return
-    content, calls, finish = _streamed_calls(_chat(client, stream=True, **kwargs))
+    content, calls, finish = _streamed_calls(_chat(tools_client, stream=True, **kwargs))
     assert content == "ok " and finish == "tool_calls" and calls[0][0] == "get_time"
 
 
-def test_tools_reach_the_template_and_bad_choices_are_400(client):
-    plain = _chat(client, max_tokens=1, temperature=0)
-    with_tools = _chat(client, max_tokens=1, temperature=0, tools=TOOLS, tool_choice="none")
+def test_tools_reach_the_template_and_bad_choices_are_400(tools_client):
+    plain = _chat(tools_client, max_tokens=1, temperature=0)
+    with_tools = _chat(tools_client, max_tokens=1, temperature=0, tools=TOOLS, tool_choice="none")
     assert with_tools.usage.prompt_tokens > plain.usage.prompt_tokens + 20
     with pytest.raises(openai.BadRequestError, match="not in tools"):
-        _chat(client, tools=TOOLS, tool_choice={"type": "function", "function": {"name": "x"}})
+        _chat(
+            tools_client, tools=TOOLS, tool_choice={"type": "function", "function": {"name": "x"}}
+        )
 
 
 THINKING = r"<think>[a-z]{1,8}( [a-z]{1,8}){0,2}</think>[A-Z][a-z]{1,8}\."
 
 
-def test_reasoning_is_split_streamed_and_not(client):
+def test_reasoning_is_split_streamed_and_not(tools_client):
     kwargs = dict(
         temperature=1.0,
         max_tokens=64,
         seed=7,
         extra_body={"structured_outputs": {"regex": THINKING}},
     )
-    (choice,) = _chat(client, **kwargs).choices
+    (choice,) = _chat(tools_client, **kwargs).choices
     message = choice.message
     assert re.fullmatch(r"[a-z]{1,8}( [a-z]{1,8}){0,2}", message.reasoning_content)
     assert re.fullmatch(r"[A-Z][a-z]{1,8}\.", message.content)
     reasoning, content = "", ""
-    for chunk in _chat(client, stream=True, **kwargs):
+    for chunk in _chat(tools_client, stream=True, **kwargs):
         for c in chunk.choices:
             reasoning += getattr(c.delta, "reasoning_content", None) or ""
             content += c.delta.content or ""
