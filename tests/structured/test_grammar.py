@@ -185,6 +185,28 @@ def test_grammar_steps_launch_once_the_previous_step_is_read(llm, monkeypatch):
     assert any(p for m, p in launches if not m)
 
 
+def test_logit_bias_chooses_within_the_grammar(llm):
+    """Greedy rows with a grammar and a bias: the bias picks among the allowed tokens and never
+    lifts a forbidden one (biased more), on the device and on the host path (logprobs)."""
+    first_token = {
+        word: llm.tokenizer.encode(word, add_special_tokens=False)[0] for word in ("yes", "no", "z")
+    }
+    choice = StructuredOutputsParams(choice=["yes", "no"])
+    params = [
+        SamplingParams(
+            temperature=0,
+            max_tokens=8,
+            logprobs=logprobs,
+            structured_outputs=choice,
+            logit_bias={first_token[word]: 50.0, first_token["z"]: 100.0},
+        )
+        for word in ("yes", "no")
+        for logprobs in (None, 1)
+    ]
+    outputs = llm.generate(["answer:"] * 4, params, use_tqdm=False)
+    assert [o.outputs[0].text for o in outputs] == ["yes", "yes", "no", "no"]
+
+
 def test_a_grammar_that_fails_to_compile_ends_only_its_request(llm):
     engine = llm.engine
     constrained = StructuredOutputsParams(regex="a+b")
