@@ -194,6 +194,7 @@ def _json_fields(spec: object) -> dict[str, object]:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
+    from heron.server.chat_output import ChatOutputConfig
     from heron.server.serve import serve
 
     if args.model_tag is not None:
@@ -202,6 +203,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
                 f"the model is given twice: {args.model_tag!r} and --model {args.model!r}"
             )
         args.model = args.model_tag
+    chat_output = ChatOutputConfig(
+        args.reasoning_parser, args.tool_call_parser, args.enable_auto_tool_choice
+    )
     return serve(
         engine_config(args),
         host=args.host,
@@ -211,6 +215,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         log_level=args.log_level,
         max_request_body_bytes=args.max_request_body_bytes,
         trust_request_chat_template=args.trust_request_chat_template,
+        chat_output=chat_output,
     )
 
 
@@ -239,6 +244,19 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY'")
     serve.add_argument(
         "--served-model-name", default=None, help="model name of the API (default: --model)"
+    )
+    serve.add_argument(
+        "--enable-auto-tool-choice",
+        action="store_true",
+        help='let the model call tools on its own (tool_choice "auto"; needs --tool-call-parser)',
+    )
+    serve.add_argument(
+        "--tool-call-parser", default=None, help="tool-call format: hermes or llama3_json"
+    )
+    serve.add_argument(
+        "--reasoning-parser",
+        default=None,
+        help="split <think> reasoning into reasoning_content: qwen3 or deepseek_r1",
     )
     serve.add_argument(
         "--max-request-body-bytes",

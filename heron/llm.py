@@ -84,12 +84,14 @@ class LLM:
         self,
         conversation: Conversation,
         add_generation_prompt: bool = True,
+        tools: list[dict[str, Any]] | None = None,
         chat_template: str | None = None,
         template_kwargs: dict[str, Any] | None = None,
     ) -> list[int]:
         """Token ids of ``conversation`` through ``chat_template`` (a Jinja template) or, by
-        default, the tokenizer's own; ``template_kwargs`` are more variables of the template
-        (``enable_thinking`` of Qwen3's, say)."""
+        default, the tokenizer's own; ``tools`` (OpenAI's tool definitions) go to the template,
+        which decides how the model sees them; ``template_kwargs`` are more variables of the
+        template (``enable_thinking`` of Qwen3's, say)."""
         if chat_template is None and not getattr(self.tokenizer, "chat_template", None):
             raise ValueError("this model's tokenizer has no chat template")
         taken = set(template_kwargs or ()) & set(
@@ -102,6 +104,7 @@ class LLM:
             )
         text = self.tokenizer.apply_chat_template(
             conversation,
+            tools=tools,
             tokenize=False,
             add_generation_prompt=add_generation_prompt,
             chat_template=chat_template,

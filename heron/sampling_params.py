@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from heron.structured.params import StructuredOutputsParams
+
 _GREEDY_EPS = 1e-5
 # OpenAI's own limit; it also bounds the sequences one request can add to the engine.
 MAX_N = 128
@@ -36,6 +38,7 @@ class SamplingParams:
     logprobs: int | None = None  # top-N logprobs per generated token (0: only the sampled one)
     prompt_logprobs: int | None = None  # top-N logprobs per prompt token
     skip_special_tokens: bool = True
+    structured_outputs: StructuredOutputsParams | None = None  # a grammar the output matches
     logit_bias: dict[int, float] | None = None  # token id -> added to its logit, in [-100, 100]
     # Filled by the engine from the model's generation config / tokenizer, not by users.
     eos_token_ids: frozenset[int] = field(default_factory=frozenset, repr=False)
@@ -95,6 +98,14 @@ class SamplingParams:
             value = getattr(self, name)
             if value is not None and (not isinstance(value, int) or not 0 <= value <= 20):
                 raise bad(name, "an integer in [0, 20] or None")
+        if self.structured_outputs is not None:
+            if not isinstance(self.structured_outputs, StructuredOutputsParams):
+                raise bad("structured_outputs", "a StructuredOutputsParams or None")
+            # A finished grammar allows only a stop token, which these would forbid.
+            if self.min_tokens or self.ignore_eos:
+                raise ValueError(
+                    "structured_outputs cannot be combined with min_tokens or ignore_eos"
+                )
 
     @property
     def greedy(self) -> bool:
@@ -102,8 +113,9 @@ class SamplingParams:
 
     @property
     def plain_argmax(self) -> bool:
-        """Greedy on the model's own logits: nothing changes them before the argmax."""
-        return self.greedy and not self.logit_bias
+        """Greedy on the model's own logits: no bias or grammar mask changes them before the
+        argmax."""
+        return self.greedy and not self.logit_bias and self.structured_outputs is None
 
     def clone(self) -> SamplingParams:
         """A copy that can be modified without touching the caller's object."""

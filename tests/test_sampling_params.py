@@ -4,6 +4,7 @@ import pytest
 
 from heron import SamplingParams
 from heron.sampling_params import MAX_N
+from heron.structured import StructuredOutputsParams
 
 INVALID = [
     ("n", 0, "[1, 128]"),
@@ -47,3 +48,10 @@ def test_normalisation():
     p = SamplingParams(stop="END", top_k=-1, temperature=0)
     assert p.stop == ["END"] and p.top_k == 0 and p.greedy
     assert SamplingParams(max_tokens=None).max_tokens is None
+
+
+def test_plain_argmax_is_greedy_on_untouched_logits():
+    assert SamplingParams(temperature=0).plain_argmax
+    assert not SamplingParams(temperature=0, logit_bias={3: 1.0}).plain_argmax
+    grammar = StructuredOutputsParams(regex="a+")
+    assert not SamplingParams(temperature=0, structured_outputs=grammar).plain_argmax

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
+from typing import TYPE_CHECKING
 
 from transformers import AutoTokenizer
 
@@ -26,11 +27,18 @@ from heron.outputs import CompletionOutput, PrefixView, RequestOutput
 from heron.platforms import platform_for, resolve_device
 from heron.sampling_params import SamplingParams
 
+if TYPE_CHECKING:
+    import torch
+
+    from heron.structured.grammar import GrammarCompiler
+
 logger = logging.getLogger(__name__)
 
 # With chunked prefill a step never exceeds this many tokens unless the user says otherwise.
 DEFAULT_MAX_NUM_BATCHED_TOKENS = {"cuda": 8192}
 FALLBACK_MAX_NUM_BATCHED_TOKENS = 2048
+# How long an idle step waits for a grammar being compiled before it looks at its commands.
+_GRAMMAR_WAIT_S = 0.02
 
 
 @dataclass(frozen=True)
@@ -140,6 +148,7 @@ class LLMEngine:
         )
         self._parents: dict[str, _Parent] = {}
         self._in_flight: _Launched | None = None  # launched, its tokens not read yet
+        self._grammars: GrammarCompiler | None = None  # made for the first structured request
         self._eos_token_ids = self.model_config.eos_token_ids | (
             {self.tokenizer.eos_token_id} if self.tokenizer.eos_token_id is not None else set()
         )
@@ -227,12 +236,28 @@ class LLMEngine:
                 sample_index=index,
             )
             children.append(child)
+        if params.structured_outputs is not None:
+            grammars = self._grammar_compiler().request_grammars(
+                params.structured_outputs, params.n
+            )
+            for child, grammar in zip(children, grammars):
+                child.grammar = grammar
         detokenizers = [IncrementalDetokenizer(self.tokenizer, token_ids, params) for _ in children]
         self._parents[request_id] = _Parent(
             request_id, text, token_ids, children, detokenizers, stream
         )
         for child in children:
             self.scheduler.add(child)
+
+    def _grammar_compiler(self) -> GrammarCompiler:
+        if self._grammars is None:
+            # xgrammar is imported only by an engine that sees a grammar.
+            from heron.structured.grammar import GrammarCompiler
+
+            self._grammars = GrammarCompiler(
+                self.tokenizer, self.model_config.vocab_size, self._eos_token_ids
+            )
+        return self._grammars
 
     def _validate_prompt(self, token_ids: list[int]) -> None:
         if not token_ids:
@@ -277,19 +302,30 @@ class LLMEngine:
 
         With asynchronous scheduling (the default) a step whose tokens stay on the device is
         read one call later: this call schedules and launches the next step first, so the host's
-        work (scheduling, inputs, detokenisation, stop checks) overlaps the device's.
+        work (scheduling, inputs, detokenisation, stop checks) overlaps the device's. A step
+        that samples grammar rows reads the previous step before it is launched (only its
+        scheduling overlaps), since each grammar must see its last token before the next mask.
         """
         previous, self._in_flight = self._in_flight, None
+        touched: dict[str, _Parent] = {}
         schedule = self.scheduler.schedule()
         plan = schedule.plan
         launched = None
         if plan.request_ids or plan.finished_ids or plan.preempted_ids:
+            sample_requests = [i.request for i in schedule.scheduled if i.samples]
+            if any(r.grammar is not None for r in sample_requests):
+                if previous is not None and any(
+                    r.grammar is not None and r.num_pending_tokens for r in sample_requests
+                ):
+                    # The masks need the tokens the previous step sampled: wait for them here.
+                    self._read(previous, touched)
+                    previous = None
+                plan = replace(plan, token_bitmask=self._token_bitmask(sample_requests))
             step = self.runner.launch(plan, previous.launched if previous else None)
-            launched = _Launched(step, [i.request for i in schedule.scheduled if i.samples])
+            launched = _Launched(step, sample_requests)
             self.scheduler.finish_step(schedule)
             for request in launched.sample_requests:
                 request.num_pending_tokens += 1
-        touched: dict[str, _Parent] = {}
         if previous is not None:
             self._read(previous, touched)
         if launched is not None:
@@ -297,6 +333,10 @@ class LLMEngine:
                 self._in_flight = launched
             else:
                 self._read(launched, touched)
+        elif previous is None:
+            compiling = [r.grammar for r in self.scheduler.waiting if r.waits_for_grammar]
+            if compiling:
+                self._grammars.wait_for_any(compiling, _GRAMMAR_WAIT_S)
 
         outputs = []
         for parent in touched.values():
@@ -309,6 +349,12 @@ class LLMEngine:
             if finished or parent.stream:
                 outputs.append(parent.output())
         return outputs
+
+    def _token_bitmask(self, sample_requests: list[Request]) -> torch.Tensor:
+        """The sampled rows' grammar masks; a request that finished when the previous step was
+        read (its token will be dropped) is left free."""
+        grammars = [None if r.is_finished else r.grammar for r in sample_requests]
+        return self._grammars.token_bitmask(grammars)
 
     def _read(self, launched: _Launched, touched: dict[str, _Parent]) -> None:
         """Apply a step's sampled tokens (and prompt logprobs) to its requests."""
@@ -339,6 +385,9 @@ class LLMEngine:
                 request.first_token_time = now
             detokenizer = parent.detokenizers[request.sample_index]
             stop = check_stop(request, token_id, detokenizer.append(token_id), max_model_len)
+            if request.grammar is not None and not request.grammar.accept(token_id):
+                # a grammar that failed to compile, or a token it refuses (logged by accept)
+                stop = (FinishReason.ABORT, None)
             if stop is not None:
                 request.finish(*stop)
                 detokenizer.finish()

@@ -90,6 +90,7 @@ class Scheduler:
                 i += 1
 
         # Admitting new work right after a preemption would only thrash the pool.
+        compiling: list[Request] = []  # passed over until their grammars are ready
         while (
             not out.preempted
             and self.waiting
@@ -97,6 +98,9 @@ class Scheduler:
             and len(self.running) < self.config.max_num_seqs
         ):
             request = self.waiting[0]
+            if request.waits_for_grammar:
+                compiling.append(self.waiting.popleft())
+                continue
             computed_blocks, num_cached = self.kv_cache.get_computed_blocks(request)
             remaining = request.num_tokens - num_cached
             num_new = min(remaining, budget)
@@ -112,6 +116,7 @@ class Scheduler:
             self.running.append(request)
             out.scheduled.append(ScheduledRequest(request, num_new, num_new == remaining))
             budget -= num_new
+        self.waiting.extendleft(reversed(compiling))
         self._fill_plan(out)
         return out
 

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import torch
+
 from heron.outputs import Logprob
 from heron.sampling_params import SamplingParams
 
@@ -71,6 +73,9 @@ class StepPlan:
     table_updates: list[TableUpdate] = field(default_factory=list)
     preempted_ids: list[str] = field(default_factory=list)
     finished_ids: list[str] = field(default_factory=list)
+    # Rows with a grammar: each sampled row's allowed tokens (xgrammar's packed int32 mask, in
+    # host memory, one row per sampled row in order; other rows allow everything).
+    token_bitmask: torch.Tensor | None = None
 
 
 @dataclass(frozen=True)

@@ -27,6 +27,7 @@ from heron.engine.request import Logprob
 from heron.llm import LLM
 from heron.outputs import CompletionOutput, RequestOutput
 from heron.sampling_params import SamplingParams
+from heron.server.chat_output import ChatOutputConfig, ChatOutputParser, MessagePiece
 from heron.server.metrics import ServerMetrics
 from heron.server.protocol import (
     AssistantMessage,
@@ -62,6 +63,7 @@ from heron.server.request_body import (
     off_loop_if_large,
     parse_body,
 )
+from heron.server.structured_protocol import DeltaToolCall
 
 logger = logging.getLogger(__name__)
 
@@ -158,8 +160,10 @@ class OpenAIServing:
         served_model_name: str,
         max_request_body_bytes: int,
         trust_request_chat_template: bool,
+        chat_output: ChatOutputConfig | None = None,
     ) -> None:
         self.engine = engine
+        self.chat_output = chat_output or ChatOutputConfig()
         self.tokenizer = engine.engine.tokenizer
         self.model_name = served_model_name
         self.max_model_len = engine.engine.model_config.max_model_len
@@ -174,6 +178,10 @@ class OpenAIServing:
         # One thread: a fast tokenizer must not be entered by two threads that could change
         # its settings; the engine thread only decodes.
         self.tokenizer_thread = ThreadPoolExecutor(1, thread_name_prefix="heron-tokenize")
+
+    def output_parser(self, body: ChatCompletionRequest) -> ChatOutputParser:
+        """A fresh parser of one choice's text (reasoning, tool calls) for this request."""
+        return ChatOutputParser(self.chat_output, bool(body.tools), body.effective_tool_choice)
 
     def check_model(self, model: str | None) -> None:
         if model is not None and model != self.model_name:
@@ -196,6 +204,18 @@ class OpenAIServing:
             return body.sampling_params()
         except ValueError as e:
             raise _bad_value(e) from e
+
+    def chat_sampling_params(self, body: ChatCompletionRequest) -> SamplingParams:
+        """:meth:`sampling_params` under the server's tool-call settings."""
+        params = self.sampling_params(body)
+        has_tools, choice = bool(body.tools), body.effective_tool_choice
+        try:
+            self.chat_output.check_tool_choice(has_tools, choice)
+        except ValueError as e:
+            raise _bad_value(e) from e
+        if self.chat_output.keeps_special_tokens(has_tools, choice):
+            params.skip_special_tokens = False
+        return params
 
     def check_prompt_chars(self, num_chars: int) -> None:
         if num_chars > self.max_prompt_chars:
@@ -220,10 +240,11 @@ class OpenAIServing:
 
     async def chat_prompt(self, body: ChatCompletionRequest | TokenizeRequest) -> list[int]:
         """The conversation through the chat template (the request's own, if it has one)."""
-        conversation = body.conversation()
+        conversation, tools = body.conversation(), None
         size = sum(len(m["content"]) for m in conversation)
         if isinstance(body, ChatCompletionRequest):
             self.check_prompt_chars(size)  # the template writes every message's content
+            tools = body.template_tools()
         if body.chat_template is not None:
             if not self.trust_request_chat_template:
                 # As vLLM: a client's template is code the server runs (sandboxed, but its
@@ -240,6 +261,7 @@ class OpenAIServing:
             return self.apply_chat_template(
                 conversation,
                 body.add_generation_prompt,
+                tools,
                 body.chat_template,
                 body.chat_template_kwargs,
             )
@@ -438,14 +460,16 @@ def build_app(
     api_key: str | None = None,
     max_request_body_bytes: int = DEFAULT_MAX_REQUEST_BODY_BYTES,
     trust_request_chat_template: bool = False,
+    chat_output: ChatOutputConfig | None = None,
 ) -> FastAPI:
-    """The FastAPI app serving ``engine`` as ``served_model_name``; ``api_key`` guards /v1.
+    """The FastAPI app serving ``engine`` as ``served_model_name``; ``api_key`` guards /v1;
+    ``chat_output`` names the reasoning and tool-call parsers of chat replies.
 
     Routes read their bodies themselves (:meth:`OpenAIServing.parse`), so the API key is
     checked before a body is read and the size limit holds while it is read.
     """
     serving = OpenAIServing(
-        engine, served_model_name, max_request_body_bytes, trust_request_chat_template
+        engine, served_model_name, max_request_body_bytes, trust_request_chat_template, chat_output
     )
 
     @asynccontextmanager
@@ -573,7 +597,7 @@ def build_app(
     @api.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
         body = await serving.parse(request, ChatCompletionRequest)
-        params = serving.sampling_params(body)
+        params = serving.chat_sampling_params(body)
         prompt = await serving.chat_prompt(body)
         serving.check_context(len(prompt), body)
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
@@ -584,17 +608,24 @@ def build_app(
                 _chat_stream(serving, request, body, request_id, created, started, params.n)
             )
         (output,) = await _final_outputs(serving, request, started)
-        choices = [
-            ChatChoice(
-                index=sample.index,
-                message=AssistantMessage(content=sample.text),
-                logprobs=serving.chat_logprobs(sample.logprobs)
-                if sample.logprobs is not None
-                else None,
-                finish_reason=sample.finish_reason,
+        choices = []
+        for sample in output.outputs:
+            parser = serving.output_parser(body)
+            piece = _joined(parser.feed(sample.text), parser.finish())
+            choices.append(
+                ChatChoice(
+                    index=sample.index,
+                    message=AssistantMessage(
+                        content=piece.content or (None if piece.tool_calls else ""),
+                        reasoning_content=piece.reasoning or None,
+                        tool_calls=piece.tool_calls,
+                    ),
+                    logprobs=serving.chat_logprobs(sample.logprobs)
+                    if sample.logprobs is not None
+                    else None,
+                    finish_reason=_chat_finish_reason(sample.finish_reason, bool(piece.tool_calls)),
+                )
             )
-            for sample in output.outputs
-        ]
         return JSONResponse(
             ChatCompletionResponse(
                 id=request_id,
@@ -608,6 +639,19 @@ def build_app(
 
     app.include_router(api)
     return app
+
+
+def _joined(first: MessagePiece, second: MessagePiece) -> MessagePiece:
+    return MessagePiece(
+        first.reasoning + second.reasoning,
+        first.content + second.content,
+        first.tool_calls + second.tool_calls,
+    )
+
+
+def _chat_finish_reason(finish_reason: str | None, called_tools: bool) -> str | None:
+    """OpenAI's reason for a reply that ended by calling tools."""
+    return "tool_calls" if called_tools and finish_reason == "stop" else finish_reason
 
 
 def _entries(logprobs: Sequence[Logprob]) -> list[tuple[int, Logprob | None]]:
@@ -745,6 +789,8 @@ async def _chat_stream(
         opening = ChatChunkChoice(index=i, delta=DeltaMessage(role="assistant", content=""))
         yield _sse(chunk([opening]).model_dump_json())
     deltas = _Deltas()
+    parsers = [serving.output_parser(body) for _ in range(n)]
+    num_calls = [0] * n  # tool calls sent per choice, for their indices
     events = _sse_events(serving, request, started, body.include_usage, lambda u: chunk([], u))
     async for event in events:
         if isinstance(event, str):
@@ -756,11 +802,35 @@ async def _chat_stream(
             if taken is None:
                 continue
             text, logprobs, finished = taken
+            parser = parsers[sample.index]
+            if not parser.active:
+                delta, finish_reason = DeltaMessage(content=text), sample.finish_reason
+            else:
+                piece = parser.feed(text)
+                if finished:
+                    piece = _joined(piece, parser.finish())
+                if not (piece.reasoning or piece.content or piece.tool_calls):
+                    if not (finished or logprobs):
+                        continue  # held back: it may be part of a tag
+                first = num_calls[sample.index]
+                num_calls[sample.index] += len(piece.tool_calls)
+                delta = DeltaMessage(
+                    content=piece.content or None,
+                    reasoning_content=piece.reasoning or None,
+                    tool_calls=[
+                        DeltaToolCall(index=first + i, **call.model_dump())
+                        for i, call in enumerate(piece.tool_calls)
+                    ]
+                    or None,
+                )
+                finish_reason = _chat_finish_reason(
+                    sample.finish_reason, num_calls[sample.index] > 0
+                )
             choice = ChatChunkChoice(
                 index=sample.index,
-                delta=DeltaMessage(content=text),
+                delta=delta,
                 logprobs=serving.chat_logprobs(logprobs) if sample.logprobs is not None else None,
-                finish_reason=sample.finish_reason if finished else None,
+                finish_reason=finish_reason if finished else None,
             )
             yield _sse(chunk([choice]).model_dump_json())
 

@@ -2,12 +2,22 @@
 
 from __future__ import annotations
 
+import json
 import time
 from typing import Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_serializer
 
 from heron.sampling_params import SamplingParams
+from heron.server.structured_protocol import (
+    ChatTool,
+    DeltaToolCall,
+    StructuredRequestFields,
+    ToolCall,
+    ToolChoice,
+)
+from heron.server.tool_parsers import forced_tool_schema
+from heron.structured import StructuredOutputsParams
 
 
 class StreamOptions(BaseModel):
@@ -17,22 +27,6 @@ class StreamOptions(BaseModel):
 # OpenAI fields about storage, billing and identity: accepted, as they do not change the output.
 _NO_EFFECT_FIELDS = frozenset(
     {"user", "metadata", "store", "service_tier", "prompt_cache_key", "safety_identifier"}
-)
-# Structured-output and tool fields: validated where they are implemented, not here.
-_STRUCTURED_OUTPUT_FIELDS = frozenset(
-    {
-        "response_format",
-        "tools",
-        "tool_choice",
-        "parallel_tool_calls",
-        "structured_outputs",
-        "guided_json",
-        "guided_regex",
-        "guided_choice",
-        "guided_grammar",
-        "guided_decoding_backend",
-        "guided_whitespace_pattern",
-    }
 )
 
 
@@ -44,7 +38,7 @@ class UnsupportedFieldError(ValueError):
         self.name = name
 
 
-class _SamplingRequest(BaseModel):
+class _SamplingRequest(StructuredRequestFields):
     """Fields shared by completions and chat completions.
 
     Unknown fields are kept (``extra="allow"``) so that :meth:`check_supported` can reject
@@ -79,7 +73,7 @@ class _SamplingRequest(BaseModel):
     def check_supported(self) -> None:
         """Raise :class:`UnsupportedFieldError` for the first field Heron cannot honour."""
         for name in self.model_extra or {}:
-            if name not in _NO_EFFECT_FIELDS | _STRUCTURED_OUTPUT_FIELDS:
+            if name not in _NO_EFFECT_FIELDS:
                 raise UnsupportedFieldError(name)
         if self.best_of is not None and self.best_of != self.n:
             raise UnsupportedFieldError(
@@ -91,7 +85,11 @@ class _SamplingRequest(BaseModel):
             )
 
     def _sampling_params(
-        self, max_tokens: int | None, logprobs: int | None, prompt_logprobs: int | None = None
+        self,
+        max_tokens: int | None,
+        logprobs: int | None,
+        prompt_logprobs: int | None = None,
+        structured_outputs: StructuredOutputsParams | None = None,
     ) -> SamplingParams:
         """Build validated params; ``SamplingParams`` raises ``ValueError`` naming a bad field."""
         defaults = SamplingParams()
@@ -119,6 +117,7 @@ class _SamplingRequest(BaseModel):
             prompt_logprobs=prompt_logprobs,
             skip_special_tokens=self.skip_special_tokens,
             logit_bias=self.logit_bias,
+            structured_outputs=structured_outputs or self.structured_outputs_params(),
         )
 
     @property
@@ -162,6 +161,8 @@ class ChatMessage(BaseModel):
     role: str
     content: str | list[dict[str, Any]] | None = None
     name: str | None = None
+    tool_calls: list[ToolCall] | None = None  # an assistant turn that called tools
+    tool_call_id: str | None = None  # a tool turn: the call it answers
 
     @field_validator("content")
     @classmethod
@@ -188,6 +189,10 @@ def _conversation(messages: list[ChatMessage]) -> list[dict[str, Any]]:
         message = {"role": m.role, "content": m.text()}
         if m.name is not None:
             message["name"] = m.name
+        if m.tool_calls:
+            message["tool_calls"] = [_template_call(c) for c in m.tool_calls]
+        if m.tool_call_id is not None:
+            message["tool_call_id"] = m.tool_call_id
         conv.append(message)
     return conv
 
@@ -201,6 +206,9 @@ class ChatCompletionRequest(_SamplingRequest):
     add_generation_prompt: bool = True
     chat_template: str | None = None  # a Jinja template instead of the tokenizer's, as vLLM
     chat_template_kwargs: dict[str, Any] | None = None  # more variables of the template
+    tools: list[ChatTool] | None = None
+    tool_choice: ToolChoice | None = None
+    parallel_tool_calls: bool = True
 
     @field_validator("top_logprobs")
     @classmethod
@@ -208,6 +216,11 @@ class ChatCompletionRequest(_SamplingRequest):
         if top_logprobs is not None and not info.data.get("logprobs"):
             raise ValueError("top_logprobs needs logprobs=true")
         return top_logprobs
+
+    @property
+    def effective_tool_choice(self) -> ToolChoice:
+        """OpenAI's default: ``auto`` when tools are given, else ``none``."""
+        return self.tool_choice or ("auto" if self.tools else "none")
 
     def conversation(self) -> list[dict[str, Any]]:
         return _conversation(self.messages)
@@ -221,9 +234,34 @@ class ChatCompletionRequest(_SamplingRequest):
         # OpenAI's default is "until the context ends"; max_completion_tokens supersedes.
         return self.max_completion_tokens or self.max_tokens
 
+    def template_tools(self) -> list[dict[str, Any]] | None:
+        """The tools as chat templates take them (``tools=``)."""
+        return [t.model_dump(exclude_none=True) for t in self.tools] if self.tools else None
+
     def sampling_params(self) -> SamplingParams:
         logprobs = (self.top_logprobs or 0) if self.logprobs else None
-        return self._sampling_params(self.requested_max_tokens, logprobs, self.prompt_logprobs)
+        schema = None
+        if self.tools and self.effective_tool_choice not in ("auto", "none"):
+            if self.structured_outputs_params() is not None:
+                raise ValueError("structured_outputs cannot be combined with a forced tool_choice")
+            schema = forced_tool_schema(
+                self.tools, self.effective_tool_choice, self.parallel_tool_calls
+            )
+        forced = None if schema is None else StructuredOutputsParams(json=schema)
+        return self._sampling_params(
+            self.requested_max_tokens, logprobs, self.prompt_logprobs, forced
+        )
+
+
+def _template_call(call: ToolCall) -> dict[str, Any]:
+    """A past tool call for the chat template, its arguments as an object (what templates
+    such as Qwen's and Llama's expect) when they are JSON."""
+    data = call.model_dump()
+    try:
+        data["function"]["arguments"] = json.loads(call.function.arguments)
+    except ValueError:
+        pass
+    return data
 
 
 class Usage(BaseModel):
@@ -284,7 +322,9 @@ class ChatLogprobs(BaseModel):
 
 class AssistantMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
-    content: str
+    content: str | None
+    reasoning_content: str | None = None
+    tool_calls: list[ToolCall] = Field(default_factory=list)
 
 
 class ChatChoice(BaseModel):
@@ -307,6 +347,8 @@ class ChatCompletionResponse(BaseModel):
 class DeltaMessage(BaseModel):
     role: Literal["assistant"] | None = None
     content: str | None = None
+    reasoning_content: str | None = None
+    tool_calls: list[DeltaToolCall] | None = None
 
     @model_serializer(mode="wrap")
     def _omit_unset(self, handler: Any) -> dict[str, Any]:

@@ -14,6 +14,7 @@ from heron.config import EngineConfig
 from heron.engine.async_engine import AsyncLLMEngine
 from heron.engine.llm_engine import LLMEngine
 from heron.server.app import build_app, error_response
+from heron.server.chat_output import ChatOutputConfig
 
 logger = logging.getLogger(__name__)
 
@@ -76,6 +77,7 @@ def serve(
     log_level: str,
     max_request_body_bytes: int,
     trust_request_chat_template: bool,
+    chat_output: ChatOutputConfig | None = None,
 ) -> int:
     """Serve until a shutdown signal; returns the exit code."""
     logging.getLogger("heron").setLevel(min(logging.INFO, logging.getLogger().level))
@@ -94,7 +96,9 @@ def serve(
         _graph_mode(llm_engine),
     )
     logger.info("listening on http://%s:%d (OpenAI API under /v1)", host, port)
-    app = build_app(engine, name, api_key, max_request_body_bytes, trust_request_chat_template)
+    app = build_app(
+        engine, name, api_key, max_request_body_bytes, trust_request_chat_template, chat_output
+    )
     gate = _RefuseWhileStopping(app)
     uv_config = uvicorn.Config(
         gate, host=host, port=port, log_level=log_level.lower(), timeout_graceful_shutdown=30

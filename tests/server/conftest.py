@@ -3,10 +3,9 @@
 from __future__ import annotations
 
 import httpx
-import openai
 import pytest
 
-from openai_server import API_KEY, start_server, stop_server
+from openai_server import API_KEY, openai_client, start_server, stop_server
 
 
 @pytest.fixture(scope="session")
@@ -22,7 +21,7 @@ def server(tiny_model_dir):
 @pytest.fixture(scope="session")
 def client(server):
     """The official openai client of the session's server."""
-    return openai.OpenAI(base_url=f"{server.base_url}/v1", api_key=API_KEY, max_retries=0)
+    return openai_client(server)
 
 
 @pytest.fixture(scope="session")

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
+import openai
 
 API_KEY = "test-key"
 MODEL_NAME = "tiny"
@@ -64,6 +65,11 @@ class ServerHandle:
                 return m
             assert time.monotonic() < deadline, f"engine not idle: {m}"
             time.sleep(0.05)
+
+
+def openai_client(handle: ServerHandle) -> openai.OpenAI:
+    """The official openai client of a test server, with the tests' API key."""
+    return openai.OpenAI(base_url=f"{handle.base_url}/v1", api_key=API_KEY, max_retries=0)
 
 
 def free_port() -> int:

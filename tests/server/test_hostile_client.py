@@ -59,6 +59,9 @@ def test_unknown_model_is_not_found(client):
         ("chat", {"logit_bias": {"5": 101}}, "logit_bias"),
         ("chat", {"functions": [{"name": "f"}]}, "functions"),
         ("chat", {"reasoning_effort": "low"}, "reasoning_effort"),
+        # (structured outputs are implemented; these vLLM extras are not, and tools only in chat)
+        ("chat", {"guided_whitespace_pattern": " "}, "guided_whitespace_pattern"),
+        ("completions", {"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
         ("chat", {"top_logprobs": 2}, "top_logprobs"),
     ],
 )
