@@ -10,7 +10,8 @@ python3 -m venv .venv
 pip=".venv/bin/python -m pip"
 $pip install -q --upgrade pip
 if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then
-    $pip install -q -e ".${extras}"
+    # The `cuda` extra: GPU-only kernels (fla-core for gated-delta-rule prefill).
+    $pip install -q -e ".[${extras:+dev,}cuda]"
 else
     $pip install -q -c scripts/constraints.txt torch==2.13.0
     $pip install -q -c scripts/constraints.txt -e ".${extras}"

@@ -57,3 +57,20 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+@pytest.fixture
+def fla_chunk_rule(monkeypatch):
+    """fla-core's chunked rule for a GPU test of Heron's prefill path, with HF's models still
+    bound to their torch fallbacks (their modules are imported while fla is blocked)."""
+    import transformers.models.qwen3_5.modeling_qwen3_5  # noqa: F401
+    import transformers.models.qwen3_5_moe.modeling_qwen3_5_moe  # noqa: F401
+    import transformers.models.qwen3_next.modeling_qwen3_next  # noqa: F401
+
+    from heron.ops.linear_attention.fla_prefill import load_chunk_rule
+
+    monkeypatch.delitem(sys.modules, "fla")
+    rule = load_chunk_rule()
+    if rule is None:
+        pytest.fail("fla-core (pyproject's CUDA dependency) is not installed")
+    return rule

@@ -168,6 +168,25 @@ def test_graph_replay_equals_eager_and_capture_leaves_real_slots_alone(qwen3_5_c
 
 
 @pytest.mark.gpu
+def test_fla_prefill_equals_hf_with_chunked_prefill(qwen3_5_case, fla_chunk_rule):
+    """On the GPU (fp32) with fla-core: every prefill and extend step (16-token chunks that
+    continue from saved states, mixed with decodes) runs the batched fla path, and the tokens
+    are HF's."""
+    path, _, refs = qwen3_5_case
+    llm = LLM(
+        path, device="cuda", dtype="float32", max_model_len=128, max_num_batched_tokens=16,
+        num_kv_blocks=64,
+    )  # fmt: skip
+    gdn = [m for m in llm.engine.runner.model.modules() if isinstance(m, GatedDeltaNet)]
+    calls = []
+    for m in gdn:
+        assert m._chunk_rule is fla_chunk_rule
+        m._chunk_rule = lambda *args, **kwargs: calls.append(1) or fla_chunk_rule(*args, **kwargs)
+    assert greedy_tokens(llm, PROMPTS, GREEDY) == refs
+    assert calls
+
+
+@pytest.mark.gpu
 def test_bf16_with_graphs_follows_fp32(qwen3_5_case):
     """bf16 on the GPU with graphs (Triton attention and GDN decode, PyTorch chunked prefill):
     where a request's tokens first leave HF's fp32 ones, Heron's token is in HF's top-5 there

@@ -47,3 +47,14 @@ def test_graph_rows_past_the_batch_take_the_null_slot_without_state():
     assert view.is_decode and view.num_reqs == 4
     with pytest.raises(StepMetadataError, match="decode steps"):
         b.fill(step([0], [3], [1]), buffers, 4)
+
+
+def test_a_chunk_size_tiles_extend_steps_for_the_chunked_kernels():
+    b = GatedDeltaNetBuilder("triton", chunk_size=4)
+    b.cache_group = 1
+    view = b.build(step([0, 5, 9], [9, 1, 4], [3, 1, 2]))
+    assert view.cu_seqlens.tolist() == [0, 9, 10, 14]
+    assert view.chunk_indices.tolist() == [[0, 0], [0, 1], [0, 2], [1, 0], [2, 0]]
+    decode = b.build(step([3, 4], [1, 1], [1, 2]))
+    assert decode.chunk_indices is None and decode.cu_seqlens is None
+    assert builder().build(step([0], [9], [1])).chunk_indices is None  # no chunk size

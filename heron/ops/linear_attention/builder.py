@@ -4,12 +4,15 @@ The recurrent-state cache group gives every request a one-entry table, its slot;
 from the slot's saved state exactly when it has computed tokens before this step (its context
 is not 0). Both are read per row, never as one flag for the batch: a step mixes new prompts,
 continued chunks and decodes.
+
+A builder given a ``chunk_size`` (the GPU operator's) also hands extend steps the chunked
+kernels' tiling: ``cu_seqlens`` and ``chunk_indices``, made once per step for every layer.
 """
 
 from __future__ import annotations
 
 from collections.abc import Hashable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 import torch
@@ -29,6 +32,17 @@ class GatedDeltaNetView:
     query_start_loc: torch.Tensor  # [reqs + 1]: the prefill kernels' cu_seqlens
     query_start_host: np.ndarray  # [reqs + 1]
     max_query_len: int
+    cu_seqlens: torch.Tensor | None = None  # [reqs + 1] int64, extend steps with a chunk size
+    chunk_indices: torch.Tensor | None = None  # [tiles, 2] int64: request, tile within it
+
+
+def chunk_indices(query_start: np.ndarray, chunk_size: int) -> np.ndarray:
+    """(request, tile within the request) of every ``chunk_size``-token tile, in order: the
+    tiling fla's varlen kernels take as ``chunk_indices``."""
+    tiles = -(-np.diff(query_start.astype(np.int64)) // chunk_size)
+    first = np.repeat(np.cumsum(tiles) - tiles, tiles)
+    rows = np.repeat(np.arange(len(tiles)), tiles)
+    return np.stack([rows, np.arange(first.shape[0]) - first], axis=1)
 
 
 @dataclass(frozen=True)
@@ -46,19 +60,29 @@ class GatedDeltaNetBuilder(MetadataBuilder):
 
     graph_support = GraphSupport.DECODE_ONLY
 
-    def __init__(self, backend: str) -> None:
+    def __init__(self, backend: str, chunk_size: int | None = None) -> None:
         self.backend = backend
+        self.chunk_size = chunk_size
 
     @property
     def key(self) -> Hashable:
-        return (type(self).__name__, self.backend)
+        return (type(self).__name__, self.backend, self.chunk_size)
 
     def describe(self) -> str:
         return f"{type(self).__name__}({self.backend})"
 
     def build(self, seq: SequenceMetadata) -> GatedDeltaNetView:
         slots, has_state = self._rows(seq)
-        return self._view(seq, slots, has_state, seq.query_start_loc, seq.num_reqs)
+        view = self._view(seq, slots, has_state, seq.query_start_loc, seq.num_reqs)
+        if self.chunk_size is None or seq.is_decode:
+            return view
+        tiles = chunk_indices(seq.query_start_host, self.chunk_size)
+        device = seq.query_start_loc.device
+        return replace(
+            view,
+            cu_seqlens=seq.query_start_loc.long(),
+            chunk_indices=torch.from_numpy(tiles).to(device),
+        )
 
     def make_graph_buffers(self, max_batch: int, device: torch.device) -> GatedDeltaNetGraphBuffers:
         return GatedDeltaNetGraphBuffers(
