@@ -252,6 +252,7 @@ def test_cuda_graph_replays_equal_eager_steps_with_fp8(tiny_model_dir):
             device="cuda",
             dtype="bfloat16",
             max_model_len=128,
+            num_kv_blocks=64,
             quantization="fp8",
             kv_cache_dtype="fp8",
             enforce_eager=eager,
