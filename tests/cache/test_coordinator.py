@@ -403,8 +403,9 @@ CALLS: Counter = Counter()
 class _InterfaceOnlySpec:
     """Put before a spec class: its groups' managers are wrapped in :class:`InterfaceOnly`."""
 
-    def make_manager(self, num_blocks, enable_prefix_caching):
-        return InterfaceOnly(super().make_manager(num_blocks, enable_prefix_caching), CALLS)
+    def make_manager(self, num_blocks, enable_prefix_caching, chain_block_size):
+        manager = super().make_manager(num_blocks, enable_prefix_caching, chain_block_size)
+        return InterfaceOnly(manager, CALLS)
 
 
 class InterfaceOnlyFull(_InterfaceOnlySpec, FullAttentionSpec):

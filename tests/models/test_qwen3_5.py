@@ -83,7 +83,7 @@ def test_greedy_batch_equals_hf(qwen3_5_case):
     path, _, refs = qwen3_5_case
     llm = LLM(path, max_model_len=128)
     assert greedy_tokens(llm, PROMPTS, GREEDY) == refs
-    assert not llm.engine.kv_cache.enable_prefix_caching  # switched off for the hybrid
+    assert llm.engine.kv_cache.enable_prefix_caching
 
 
 def test_chunked_prefill_and_preemption_equal_hf(qwen3_5_case):
@@ -93,6 +93,48 @@ def test_chunked_prefill_and_preemption_equal_hf(qwen3_5_case):
     path, _, refs = qwen3_5_case
     llm = LLM(path, max_model_len=96, max_num_batched_tokens=16, num_kv_blocks=7)
     assert greedy_tokens(llm, PROMPTS, GREEDY) == refs
+    assert llm.engine.scheduler.num_preemptions > 0
+    kv = llm.engine.kv_cache
+    kv.check_invariants()
+    assert all(g.num_free_blocks == g.num_blocks - 1 for g in kv.groups)
+
+
+SHARED = [(i * 53) % 290 + 7 for i in range(37)]
+SHARED_PROMPTS = [
+    SHARED + [11, 12, 13],
+    SHARED + [(i * 17) % 300 + 1 for i in range(20)],
+    SHARED[:21] + [5, 6],
+    SHARED + [2],
+    [3, 4],
+]
+
+
+@pytest.fixture(scope="module")
+def shared_prefix_refs(qwen3_5_case):
+    return hf_greedy(qwen3_5_case[1], SHARED_PROMPTS, MAX_NEW)
+
+
+@pytest.mark.parametrize("prefix_caching", [True, False])
+def test_shared_prefixes_with_chunks_and_preemption_equal_hf(
+    qwen3_5_case, shared_prefix_refs, prefix_caching
+):
+    """Prompts sharing a prefix, in chunks of 16 over 8-token blocks and a pool tight enough to
+    preempt: with prefix caching, later prompts start from a checkpointed state (at 32 tokens of
+    the shared 37; at 16 for the one sharing 21) copied into their slot, and the tokens are
+    HF's, as without it; every slot, checkpoint and block comes back."""
+    llm = LLM(
+        qwen3_5_case[0],
+        max_model_len=96,
+        max_num_batched_tokens=16,
+        block_size=8,
+        num_kv_blocks=13,
+        enable_prefix_caching=prefix_caching,
+    )
+    outs = llm.generate(SHARED_PROMPTS, GREEDY, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == shared_prefix_refs
+    assert [o.num_cached_tokens for o in outs] == (
+        [0, 32, 16, 32, 0] if prefix_caching else [0] * 5
+    )
     assert llm.engine.scheduler.num_preemptions > 0
     kv = llm.engine.kv_cache
     kv.check_invariants()
