@@ -114,6 +114,13 @@ def shared_prefix_refs(qwen3_5_case):
     return hf_greedy(qwen3_5_case[1], SHARED_PROMPTS, MAX_NEW)
 
 
+def generate_shared_prefixes(path: str, **options) -> tuple[list[list[int]], list[int], LLM]:
+    """Heron's tokens and cached prompt tokens for SHARED_PROMPTS, in chunks of 16."""
+    llm = LLM(path, max_model_len=96, max_num_batched_tokens=16, **options)
+    outs = llm.generate(SHARED_PROMPTS, GREEDY, use_tqdm=False)
+    return [o.outputs[0].token_ids for o in outs], [o.num_cached_tokens for o in outs], llm
+
+
 @pytest.mark.parametrize("prefix_caching", [True, False])
 def test_shared_prefixes_with_chunks_and_preemption_equal_hf(
     qwen3_5_case, shared_prefix_refs, prefix_caching
@@ -122,23 +129,26 @@ def test_shared_prefixes_with_chunks_and_preemption_equal_hf(
     preempt: with prefix caching, later prompts start from a checkpointed state (at 32 tokens of
     the shared 37; at 16 for the one sharing 21) copied into their slot, and the tokens are
     HF's, as without it; every slot, checkpoint and block comes back."""
-    llm = LLM(
-        qwen3_5_case[0],
-        max_model_len=96,
-        max_num_batched_tokens=16,
-        block_size=8,
-        num_kv_blocks=13,
-        enable_prefix_caching=prefix_caching,
+    tokens, cached, llm = generate_shared_prefixes(
+        qwen3_5_case[0], block_size=8, num_kv_blocks=13, enable_prefix_caching=prefix_caching
     )
-    outs = llm.generate(SHARED_PROMPTS, GREEDY, use_tqdm=False)
-    assert [o.outputs[0].token_ids for o in outs] == shared_prefix_refs
-    assert [o.num_cached_tokens for o in outs] == (
-        [0, 32, 16, 32, 0] if prefix_caching else [0] * 5
-    )
+    assert tokens == shared_prefix_refs
+    assert cached == ([0, 32, 16, 32, 0] if prefix_caching else [0] * 5)
     assert llm.engine.scheduler.num_preemptions > 0
     kv = llm.engine.kv_cache
     kv.check_invariants()
     assert all(g.num_free_blocks == g.num_blocks - 1 for g in kv.groups)
+
+
+@pytest.mark.gpu
+def test_shared_prefixes_on_the_gpu_with_graphs_equal_hf(qwen3_5_case, shared_prefix_refs):
+    """fp32 on the GPU, CUDA graphs and Triton kernels: the checkpoint copies run beside graph
+    replays, and hits still give HF's tokens."""
+    tokens, cached, llm = generate_shared_prefixes(
+        qwen3_5_case[0], device="cuda", dtype="float32", block_size=16, num_kv_blocks=32
+    )
+    assert llm.engine.runner.graphs is not None
+    assert tokens == shared_prefix_refs and cached == [0, 32, 16, 32, 0]
 
 
 def test_prompt_logprobs_match_hf(qwen3_5_case):
