@@ -118,11 +118,22 @@ class KVCacheCoordinator:
         num_hit = None
         for g in self._chain_first:
             group = self.groups[g]
+            if not group.spec.joins_prefix_chain:
+                break
             if num_hit != 0:
-                # A group outside the chain gets the hashes only as far as the chain hits.
-                given = hashes if group.spec.joins_prefix_chain else hashes[: num_hit or 0]
-                chains[g] = group.find_cached_chain(request, given)
+                chains[g] = group.find_cached_chain(request, hashes)
             num_hit = len(chains[g]) if num_hit is None else min(num_hit, len(chains[g]))
+        num_hit = num_hit or 0
+        # The other groups hit at their own points (checkpoints) within the chain's hit: ask
+        # again with the shorter chain until every one ends where the shortest does.
+        others = [g for g in self._chain_first if not self.specs[g].joins_prefix_chain]
+        while others and num_hit:
+            for g in others:
+                chains[g] = self.groups[g].find_cached_chain(request, hashes[:num_hit])
+            shortest = min(len(chains[g]) for g in others)
+            if shortest == num_hit:
+                break
+            num_hit = shortest
         num_hit_tokens = num_hit * self.block_size
         self.prefix_cache_hits += num_hit_tokens
         return tuple(chain[:num_hit] for chain in chains), num_hit_tokens

@@ -98,6 +98,27 @@ def test_a_hit_is_the_longest_prefix_both_groups_hold_ending_at_a_checkpoint():
     assert kv.get_computed_blocks(c)[1] == 16
 
 
+def test_two_recurrent_groups_hit_where_both_hold_a_checkpoint():
+    """Group 2's small pool loses a's checkpoint at 8 to f's (its state at 4 was used by f's
+    hit since), so the hit is 4 tokens, served in group 0 from its checkpoint at 4 (not the
+    head of its one at 8)."""
+    other = RecurrentStateSpec(1, torch.float16, 4, 2, 1, 2, 2)
+    kv = CheckedCoordinator([SPEC, FULL, other], [8, 30, 4])
+    a = make_request("a", range(13))
+    assert admit(kv, a, 4)
+    (_, [(_, at_4)]), _, _ = kv.take_state_copies()
+    a.num_computed_tokens = 4
+    assert kv.allocate_slots(a, 4)
+    kv.take_state_copies()
+    a.num_computed_tokens = 8
+    kv.free(a)
+    f = make_request("f", list(range(6)) + [90, 91, 92, 93])
+    assert admit(kv, f, 4) and f.num_computed_tokens == 4
+    kv.take_state_copies()
+    blocks, num_cached = kv.get_computed_blocks(make_request("b", range(13)))
+    assert num_cached == 4 and blocks[0] == [at_4] and len(blocks[1]) == len(blocks[2]) == 1
+
+
 def test_checkpoints_yield_to_slots_least_recently_used_first():
     kv = CheckedCoordinator([SPEC, FULL], [4, 40])  # 3 entries for slots and checkpoints
     a, b = make_request("a", range(9)), make_request("b", range(100, 109))
