@@ -117,8 +117,9 @@ class RecurrentStateManager(CacheManager):
     is held until :meth:`take_state_copies` seals the pass (so no request of the same pass can
     hit a state not saved yet), then joins the free queue's tail: it stays findable until the
     LRU queue hands it out again, as a slot or a checkpoint (free entries and evictable
-    checkpoints are one budget). A freed slot joins the head: it holds no checkpoint. A hit on a checkpoint starts the request from a copy of it in its slot.
-    A save is skipped when no entry is free: checkpoints never make a step wait.
+    checkpoints are one budget). A freed slot joins the head: it holds no checkpoint. A hit
+    starts the request from a copy of the checkpoint in its slot. A save is skipped when no
+    entry is free: checkpoints never make a step wait.
     """
 
     def __init__(

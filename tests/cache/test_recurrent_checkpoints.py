@@ -25,10 +25,7 @@ SPEC = RecurrentStateSpec(
 
 
 class CheckedCoordinator(InvariantChecked, KVCacheCoordinator):
-    def take_state_copies(self):
-        copies = super().take_state_copies()
-        self.check_invariants()
-        return copies
+    pass
 
 
 def make_request(request_id: str, tokens) -> Request:
