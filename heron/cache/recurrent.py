@@ -262,10 +262,18 @@ class RecurrentStateManager(CacheManager):
         return self._requests.keys()
 
     def free(self, request: Request) -> None:
+        """A save the request's step of this pass planned is dropped with its slot (freed in
+        the same pass, the slot may serve another request before the step ends)."""
         state = self._requests.pop(request.request_id, None)
-        if state is not None:
-            del self._tables[request.request_id]
-            self._pool.release_to_head([state.slot])  # its last state is no checkpoint
+        if state is None:
+            return
+        del self._tables[request.request_id]
+        dropped = [c for s, c in self._saves if s == state.slot]
+        if dropped:
+            self._saves = [(s, c) for s, c in self._saves if s != state.slot]
+            for checkpoint in dropped:
+                del self._pending[checkpoint]
+        self._pool.release_to_head([state.slot, *dropped])  # no checkpoint among them
 
     def reset_prefix_cache(self) -> bool:
         if self._pool.num_free != self.num_blocks - 1:

@@ -95,6 +95,16 @@ def test_a_hit_is_the_longest_prefix_both_groups_hold_ending_at_a_checkpoint():
     assert kv.get_computed_blocks(c)[1] == 16
 
 
+def test_a_request_freed_in_its_pass_saves_nothing():
+    kv = CheckedCoordinator([SPEC, FULL], [6, 20])
+    a = make_request("a", range(10))
+    assert admit(kv, a, 16)
+    kv.free(a)  # preempted before its step ran
+    assert kv.take_state_copies()[0] == ([], [])
+    assert kv.groups[0].num_free_blocks == 5
+    assert kv.get_computed_blocks(make_request("b", range(10)))[1] == 0
+
+
 def test_two_recurrent_groups_hit_where_both_hold_a_checkpoint():
     """Group 2's small pool loses a's checkpoint at 8 to f's (its state at 4 was used by f's
     hit since), so the hit is 4 tokens, served in group 0 from its checkpoint at 4 (not the
