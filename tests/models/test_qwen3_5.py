@@ -294,13 +294,17 @@ def moe_variant(config_cls, model_cls, seed: int, **fields) -> torch.nn.Module:
 
 
 def assert_chunked_greedy_equals_hf(model: torch.nn.Module, path: Path) -> None:
-    """Saved, then run by Heron in 16-token chunks mixed with decode: HF's greedy tokens."""
+    """Saved, then run by Heron in 16-token chunks mixed with decode: HF's greedy tokens. The
+    last prompt, admitted once the first one's second chunk ran, starts from its checkpointed
+    state at 32 tokens."""
     model.save_pretrained(path)
     make_tokenizer().save_pretrained(path)
-    prompts = [PROMPTS[0], PROMPTS[1], PROMPTS[3]]
+    prompts = [PROMPTS[0], PROMPTS[1], PROMPTS[3], PROMPTS[0][:32] + [21, 22]]
     llm = LLM(str(path), max_model_len=128, max_num_batched_tokens=16)
     short = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
-    assert greedy_tokens(llm, prompts, short) == hf_greedy(model, prompts, 8)
+    outs = llm.generate(prompts, short, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == hf_greedy(model, prompts, 8)
+    assert [o.num_cached_tokens for o in outs] == [0, 0, 0, 32]
 
 
 def test_qwen3_5_moe_equals_hf(tmp_path):
