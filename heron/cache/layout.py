@@ -138,14 +138,15 @@ class CacheLayout:
             raise ValueError(
                 f"cache group {group} ({self.specs[group].describe()}) has no entry copies"
             )
-        index = None
-        for cache, g in zip(self._caches, self.owner_groups):
-            if g != group:
-                continue
-            for tensor in cache:
-                if index is None:
-                    index = torch.tensor([sources, destinations], device=tensor.device)
-                tensor.index_copy_(0, index[1], tensor[index[0]])
+        tensors = [
+            t for cache, g in zip(self._caches, self.owner_groups) if g == group for t in cache
+        ]
+        index = torch.tensor([sources, destinations])
+        if tensors[0].is_cuda:  # pinned, so the upload does not wait for the step in flight
+            index = index.pin_memory()
+        index = index.to(tensors[0].device, non_blocking=True)
+        for tensor in tensors:
+            tensor.index_copy_(0, index[1], tensor[index[0]])
 
     def release(self) -> None:
         self._caches = []

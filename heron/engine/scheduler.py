@@ -46,7 +46,8 @@ class Scheduler:
     then waiting requests join while the token budget, the sequence limit and the KV pool allow.
     A request whose blocks cannot be allocated preempts the most recently admitted running
     request: its blocks are freed and it goes back to the front of the queue, to be recomputed
-    (its generated tokens are kept, so nothing is lost).
+    (its generated tokens are kept, so nothing is lost). A prefill chunk may be cut short where
+    a cache group keeps a prefix checkpoint (``KVCacheCoordinator.chunk_end``).
     """
 
     def __init__(self, config: SchedulerConfig, kv_cache: KVCacheCoordinator) -> None:
