@@ -10,7 +10,7 @@ and conv state bytes read and written by the GDN layers) / measured copy bandwid
 throughput on workload A of ``gpu_decode.py`` (256 requests, in/out uniform in [100, 1024]).
 
     python benchmarks/qwen3_5_decode.py [--skip-hf] [--new-tokens 64] [--cases 4096x1 ...]
-        [--skip-throughput] [--load-format dummy]
+        [--skip-throughput] [--load-format dummy] [--no-prefix-caching]
 
 HF transformers uses fla-core's kernels where it is installed.
 """
@@ -101,6 +101,11 @@ def main() -> None:
         "--cases", nargs="+", default=[f"{c}x{b}" for c, b in CASES], help="CONTEXTxBATCH"
     )
     parser.add_argument("--load-format", choices=["auto", "dummy"], default="dummy")
+    parser.add_argument(
+        "--no-prefix-caching",
+        action="store_true",
+        help="the cost of state checkpoints: compare workload A with and without",
+    )
     args = parser.parse_args()
     cases = [tuple(map(int, case.split("x"))) for case in args.cases]
     bandwidth = copy_bandwidth()
@@ -115,6 +120,7 @@ def main() -> None:
             str(path),
             max_model_len=max([c for c, _ in cases] + [2048]) + new + 16,
             load_format=args.load_format,
+            enable_prefix_caching=not args.no_prefix_caching,
         )
         warm = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
         for c, b in cases:

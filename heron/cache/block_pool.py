@@ -82,6 +82,16 @@ class BlockPool:
             if ref_cnt[block_id] == 0:
                 free_queue[block_id] = None
 
+    def release_to_head(self, block_ids: Iterable[int]) -> None:
+        """Drop one reference on each block; those reaching 0 join the queue head, to be taken
+        first (blocks whose content no one will look up)."""
+        free_queue, ref_cnt = self.free_queue, self.ref_cnt
+        for block_id in block_ids:
+            ref_cnt[block_id] -= 1
+            if ref_cnt[block_id] == 0:
+                free_queue[block_id] = None
+                free_queue.move_to_end(block_id, last=False)
+
     def register(self, block_id: int, block_hash: int) -> None:
         """Make ``block_id`` findable under ``block_hash`` unless another block already is.
 

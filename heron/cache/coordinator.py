@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, NamedTuple
 
@@ -16,8 +15,6 @@ from heron.cache.manager import (
 if TYPE_CHECKING:
     from heron.cache.spec import CacheSpec
     from heron.engine.request import Request
-
-logger = logging.getLogger(__name__)
 
 
 class GroupUsage(NamedTuple):
@@ -61,18 +58,13 @@ class KVCacheCoordinator:
             )
         self.specs = list(specs)
         self.block_size = next(iter(block_sizes), 1)
-        unserved = [spec for spec in specs if not spec.serves_prefix_hits]
-        if enable_prefix_caching and unserved:
-            logger.warning(
-                "prefix caching is off: the cache group (%s) keeps no prefix checkpoints, so "
-                "no cached prefix could be reused",
-                unserved[0].describe(),
-            )
-            enable_prefix_caching = False
         self.enable_prefix_caching = enable_prefix_caching
         self.groups: list[CacheManager] = [
-            spec.make_manager(n, enable_prefix_caching) for spec, n in zip(specs, num_blocks)
+            spec.make_manager(n, enable_prefix_caching, self.block_size)
+            for spec, n in zip(specs, num_blocks)
         ]
+        # Groups in the chain first: the others key their entries by its hashes.
+        self._chain_first = sorted(range(len(specs)), key=lambda g: not specs[g].joins_prefix_chain)
         self.prefix_cache_queries = 0
         self.prefix_cache_hits = 0
         # Per request holding blocks: its headroom (see allocate_slots) and its tables.
@@ -122,15 +114,40 @@ class KVCacheCoordinator:
             return (), 0
         self.prefix_cache_queries += request.num_tokens
         hashes: list[int] = []  # same tokens and block size: one chain of hashes for all groups
-        chains = []
+        chains: list[list[int]] = [[] for _ in self.groups]
         num_hit = None
-        for group in self.groups:
-            chain = group.find_cached_chain(request, hashes) if num_hit != 0 else []
-            chains.append(chain)
-            num_hit = len(chain) if num_hit is None else min(num_hit, len(chain))
+        for g in self._chain_first:
+            group = self.groups[g]
+            if not group.spec.joins_prefix_chain:
+                break
+            if num_hit != 0:
+                chains[g] = group.find_cached_chain(request, hashes)
+            num_hit = len(chains[g]) if num_hit is None else min(num_hit, len(chains[g]))
+        num_hit = num_hit or 0
+        # The other groups hit at their own points (checkpoints) within the chain's hit: ask
+        # again with the shorter chain until every one ends where the shortest does.
+        others = [g for g in self._chain_first if not self.specs[g].joins_prefix_chain]
+        while others and num_hit:
+            for g in others:
+                chains[g] = self.groups[g].find_cached_chain(request, hashes[:num_hit])
+            shortest = min(len(chains[g]) for g in others)
+            if shortest == num_hit:
+                break
+            num_hit = shortest
         num_hit_tokens = num_hit * self.block_size
         self.prefix_cache_hits += num_hit_tokens
         return tuple(chain[:num_hit] for chain in chains), num_hit_tokens
+
+    def chunk_end(self, request: Request, start: int, num_new_tokens: int) -> int:
+        """How many of ``num_new_tokens`` tokens from ``start`` a step should compute: a group
+        may cut a prefill chunk where it keeps a prefix checkpoint."""
+        end = start + num_new_tokens
+        return min(group.chunk_end(request, start, end) for group in self.groups) - start
+
+    def take_state_copies(self) -> list[tuple[list[tuple[int, int]], list[tuple[int, int]]]]:
+        """Per group, this pass's ``(source, destination)`` entry copies to run before the
+        step and after it (state checkpoints); seals the pass for the groups' checkpoints."""
+        return [group.take_state_copies() for group in self.groups]
 
     def allocate_slots(
         self,
@@ -166,8 +183,9 @@ class KVCacheCoordinator:
                 return False
         request_id = request.request_id
         chain: Sequence[int] = ()
-        for group, blocks, plan in zip(groups, hits, plans):
-            group.commit(request, num_new_tokens, blocks, plan, chain)
+        for g in self._chain_first:
+            group = groups[g]
+            group.commit(request, num_new_tokens, hits[g], plans[g], chain)
             if group.spec.joins_prefix_chain:
                 chain = group.block_hashes(request_id)
         self._headroom[request_id] = self._group_headroom(request_id)

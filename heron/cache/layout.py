@@ -30,6 +30,7 @@ class CacheLayout:
 
     def __init__(self, owners: Sequence[CacheOwner]) -> None:
         self.owners = list(owners)
+        self._caches: list[torch.Tensor | tuple] = []  # each owner's, while allocated
         self.specs: list[CacheSpec] = []
         self.owner_groups: list[int] = []
         for owner in self.owners:
@@ -62,6 +63,7 @@ class CacheLayout:
         max_num_batched_tokens: int,
         max_num_seqs: int | None = None,
         max_running: int | None = None,
+        state_checkpoints: bool = False,
     ) -> list[int]:
         """Pool size (null block included) of each group for ``budget`` bytes.
 
@@ -74,19 +76,24 @@ class CacheLayout:
         requests run at once: given ``max_running``, they get ``max_running + 1`` when the
         rest of the budget still holds a max-length sequence in every other group, and the
         other groups split that rest as above. Short requests are then not bounded by how many
-        max-length ones would fit.
+        max-length ones would fit. With ``state_checkpoints`` (prefix caching) such a group
+        counts two entries per request: its slot and a checkpoint's worth of cached prefixes.
         """
         per_block = self.bytes_per_block()
         per_seq = self.blocks_per_seq(max_model_len, max_num_batched_tokens)
         fixed = [spec.per_request for spec in self.specs]
+        if state_checkpoints:
+            per_seq = [2 * b if f else b for b, f in zip(per_seq, fixed)]
         if max_running is not None and any(fixed) and not all(fixed):
-            reserved = sum((max_running + 1) * B for B, f in zip(per_block, fixed) if f)
+            reserved = sum(
+                (max_running * b + 1) * B for b, B, f in zip(per_seq, per_block, fixed) if f
+            )
             growing = [(b, B) for b, B, f in zip(per_seq, per_block, fixed) if not f]
             usable = budget - reserved - sum(B for _, B in growing)
             bytes_per_seq = sum(b * B for b, B in growing)
             if usable >= bytes_per_seq:
                 num_blocks = [
-                    max_running + 1 if f else usable * b // bytes_per_seq + 1
+                    max_running * b + 1 if f else usable * b // bytes_per_seq + 1
                     for b, f in zip(per_seq, fixed)
                 ]
                 return self._capped(num_blocks, per_seq, max_num_seqs)
@@ -116,9 +123,32 @@ class CacheLayout:
 
     def allocate(self, num_blocks: Sequence[int], device: torch.device) -> None:
         """Give every owner its zeroed cache over its group's pool of ``num_blocks[g]``."""
-        for owner, g in zip(self.owners, self.owner_groups):
-            owner.bind_cache(owner.cache_spec.allocate(num_blocks[g], device))
+        self._caches = [
+            owner.cache_spec.allocate(num_blocks[g], device)
+            for owner, g in zip(self.owners, self.owner_groups)
+        ]
+        for owner, cache in zip(self.owners, self._caches):
+            owner.bind_cache(cache)
+
+    def copy_entries(self, group: int, sources: list[int], destinations: list[int]) -> None:
+        """In every cache tensor of ``group`` (a kind of per-request entries, indexed first),
+        entry ``destinations[i]`` becomes entry ``sources[i]``; all are read before any is
+        written, so a destination may be another pair's source."""
+        if not self.specs[group].per_request:
+            raise ValueError(
+                f"cache group {group} ({self.specs[group].describe()}) has no entry copies"
+            )
+        tensors = [
+            t for cache, g in zip(self._caches, self.owner_groups) if g == group for t in cache
+        ]
+        index = torch.tensor([sources, destinations])
+        if tensors[0].is_cuda:  # pinned, so the upload does not wait for the step in flight
+            index = index.pin_memory()
+        index = index.to(tensors[0].device, non_blocking=True)
+        for tensor in tensors:
+            tensor.index_copy_(0, index[1], tensor[index[0]])
 
     def release(self) -> None:
+        self._caches = []
         for owner in self.owners:
             owner.bind_cache(None)

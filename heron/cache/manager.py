@@ -82,6 +82,16 @@ class CacheManager(ABC):
     def check_hits(self, request: Request, hits: Sequence[int]) -> None:
         """Raise ``ValueError`` if ``hits`` are not acceptable for ``request`` now."""
 
+    def chunk_end(self, request: Request, start: int, end: int) -> int:
+        """Where a step computing tokens ``start:end`` should end (``end`` unless the group
+        keeps something at a point before it)."""
+        return end
+
+    def take_state_copies(self) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
+        """This scheduling pass's ``(source, destination)`` entry copies to run before the step
+        and after it; called once per pass, when its plan is sealed. None for most kinds."""
+        return [], []
+
     @abstractmethod
     def plan(self, request: Request, num_new_tokens: int, hits: Sequence[int]) -> AllocationPlan:
         """What a step of ``num_new_tokens`` after ``hits`` needs (changes nothing)."""

@@ -4,7 +4,7 @@ A slot holds, per layer of the group, the causal convolution's last inputs and t
 state. Its size does not grow with the sequence, so a request takes one slot on its first
 allocation and keeps it until it is finished, aborted or preempted. Slot 0 is the null slot
 (padded graph rows read and write it). The slot reaches the runner as the request's one-entry
-table of the group.
+table of the group; the state copies into and out of checkpoints reach it as plan fields.
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, NamedTuple
 import numpy as np
 import torch
 
+from heron.cache.block_pool import BlockPool
 from heron.cache.manager import NO_HEADROOM, AllocationHeadroom, CacheManager
 from heron.cache.spec import CacheSpec
 
@@ -24,9 +25,6 @@ if TYPE_CHECKING:
     from heron.engine.request import Request
 
 NULL_SLOT = 0
-
-# A request holding its slot needs nothing more for any step.
-_UNBOUNDED = AllocationHeadroom(sys.maxsize, sys.maxsize)
 
 
 @dataclass(frozen=True)
@@ -36,7 +34,8 @@ class RecurrentStateSpec(CacheSpec):
     config's ``mamba_ssm_dtype`` says otherwise).
 
     ``block_size`` is 1: a slot is one entry, one per request. The kind does not take part in
-    the chain of prefix block hashes, and serves no prefix hits (it keeps no state checkpoints).
+    the chain of prefix block hashes; it serves prefix hits from state checkpoints, entries of
+    the same pool keyed by the chain hash of the prefix they hold.
     """
 
     conv_dim: int
@@ -47,7 +46,6 @@ class RecurrentStateSpec(CacheSpec):
     state_dtype: torch.dtype = torch.float32
 
     joins_prefix_chain = False
-    serves_prefix_hits = False
     per_request = True
 
     @property
@@ -82,8 +80,10 @@ class RecurrentStateSpec(CacheSpec):
             torch.zeros((num_blocks, *self.state_shape), dtype=self.state_dtype, device=device),
         )
 
-    def make_manager(self, num_blocks: int, enable_prefix_caching: bool) -> CacheManager:
-        return RecurrentStateManager(self, num_blocks)
+    def make_manager(
+        self, num_blocks: int, enable_prefix_caching: bool, chain_block_size: int
+    ) -> CacheManager:
+        return RecurrentStateManager(self, num_blocks, enable_prefix_caching, chain_block_size)
 
     def describe(self) -> str:
         dtype = lambda d: str(d).removeprefix("torch.")
@@ -100,36 +100,91 @@ class SlotPlan(NamedTuple):
     num_needed: int
 
 
-class RecurrentStateManager(CacheManager):
-    """Hands out state slots: a request's first allocation takes one, :meth:`free` returns it.
+@dataclass(slots=True)
+class _RequestSlot:
+    slot: int
+    # The step-end token count of the request's next checkpoint (sys.maxsize: none left).
+    next_checkpoint: int
 
-    Slots are given lowest first, so a short run touches few of them. No hits are served: a
-    request always starts from an empty state (its ``num_computed_tokens`` is 0 on admission).
+
+class RecurrentStateManager(CacheManager):
+    """Hands out state slots and keeps state checkpoints of cached prefixes, in one pool.
+
+    A request takes one entry as its slot on its first allocation; :meth:`free` returns it.
+    With prefix caching, a step that ends on a boundary of the prefix chain's blocks
+    (``chain_block_size`` tokens) inside the prompt also takes an entry to save the slot's state
+    into at step end, registered under the chain hash of the prefix it holds. Such a checkpoint
+    is held until :meth:`take_state_copies` seals the pass (so no request of the same pass can
+    hit a state not saved yet), then joins the free queue's tail: it stays findable until the
+    LRU queue hands it out again, as a slot or a checkpoint (free entries and evictable
+    checkpoints are one budget). A freed slot joins the head: it holds no checkpoint. A hit
+    starts the request from a copy of the checkpoint in its slot. A save is skipped when no
+    entry is free: checkpoints never make a step wait.
     """
 
-    def __init__(self, spec: RecurrentStateSpec, num_blocks: int) -> None:
+    def __init__(
+        self,
+        spec: RecurrentStateSpec,
+        num_blocks: int,
+        enable_prefix_caching: bool = False,
+        chain_block_size: int = 1,
+    ) -> None:
         if num_blocks < 2:
             raise ValueError(f"num_blocks must be >= 2 (slot 0 is reserved), got {num_blocks}")
         self.spec = spec
         self.num_blocks = num_blocks
-        self._free = list(range(num_blocks - 1, NULL_SLOT, -1))  # popped from the end
-        self._slots: dict[str, list[int]] = {}  # request -> [its slot] (its table)
+        self.enable_prefix_caching = enable_prefix_caching
+        self.chain_block_size = chain_block_size
+        self._pool = BlockPool(num_blocks)
+        self._requests: dict[str, _RequestSlot] = {}
+        self._tables: dict[str, list[int]] = {}  # request -> [its slot]
+        # This pass's copies: (checkpoint, slot) before the step, (slot, checkpoint) after it,
+        # and the hash each saved checkpoint is registered under once the pass is sealed.
+        self._restores: list[tuple[int, int]] = []
+        self._saves: list[tuple[int, int]] = []
+        self._pending: dict[int, int] = {}  # checkpoint -> hash
 
     @property
     def num_free_blocks(self) -> int:
-        return len(self._free)
+        return self._pool.num_free
 
     def find_cached_chain(self, request: Request, hashes: list[int] | None = None) -> list[int]:
+        """The longest prefix of ``hashes`` (the chain's, as far as the other groups hold it)
+        ending at a checkpoint: null entries, then the checkpoint."""
+        if not hashes:
+            return []
+        cached = self._pool.cached
+        for i in range(len(hashes), 0, -1):
+            checkpoint = cached.get(hashes[i - 1])
+            if checkpoint is not None:
+                return [NULL_SLOT] * (i - 1) + [checkpoint]
         return []
 
     def check_hits(self, request: Request, hits: Sequence[int]) -> None:
-        if hits:
+        if not hits:
+            return
+        if request.request_id in self._requests:
             raise ValueError(
-                f"request {request.request_id}: a recurrent-state group serves no prefix hits"
+                f"request {request.request_id}: new_computed_blocks is only accepted on the "
+                "first allocation"
+            )
+        if self._pool.block_hash[hits[-1]] is None:
+            raise ValueError(
+                f"request {request.request_id}: a state checkpoint was evicted since "
+                "get_computed_blocks; allocate in the same scheduling pass as the lookup"
             )
 
+    def chunk_end(self, request: Request, start: int, end: int) -> int:
+        """The last checkpoint boundary inside the prompt in ``(start, end)``, else ``end``:
+        a prefill chunk cut there leaves a state to save, for later prompts sharing it."""
+        if not self.enable_prefix_caching:
+            return end
+        bs = self.chain_block_size
+        boundary = min(end, request.num_prompt_tokens) // bs * bs
+        return boundary if start < boundary < end else end
+
     def plan(self, request: Request, num_new_tokens: int, hits: Sequence[int]) -> SlotPlan:
-        return SlotPlan(0 if request.request_id in self._slots else 1)
+        return SlotPlan(0 if request.request_id in self._requests else 1)
 
     def commit(
         self,
@@ -139,35 +194,102 @@ class RecurrentStateManager(CacheManager):
         plan: SlotPlan,
         chain: Sequence[int] = (),
     ) -> None:
-        if plan.num_needed:
-            self._slots[request.request_id] = [self._free.pop()]
+        pool = self._pool
+        state = self._requests.get(request.request_id)
+        if state is None:
+            state = self._take_slot(request, hits[-1] if hits else None)
+        if not self.enable_prefix_caching:
+            return
+        bs = self.chain_block_size
+        end = request.num_computed_tokens + len(hits) * bs + num_new_tokens
+        if end % bs == 0 and bs <= end <= request.num_prompt_tokens and end // bs <= len(chain):
+            block_hash = chain[end // bs - 1]
+            if (
+                block_hash not in pool.cached
+                and block_hash not in self._pending.values()
+                and pool.num_free
+            ):
+                checkpoint: list[int] = []
+                pool.take(1, checkpoint)
+                self._pending[checkpoint[0]] = block_hash
+                self._saves.append((state.slot, checkpoint[0]))
+        following = (end // bs + 1) * bs
+        state.next_checkpoint = following if following <= request.num_prompt_tokens else sys.maxsize
+
+    def _take_slot(self, request: Request, checkpoint: int | None) -> _RequestSlot:
+        """The request's slot, filled from ``checkpoint`` (its hit) before its first step. The
+        checkpoint is kept from being handed out as the slot while another entry is free, and
+        moves to the queue's tail (the most recently used); else it becomes the slot itself,
+        its state already in place."""
+        pool = self._pool
+        keep = checkpoint is not None and pool.num_free > 1
+        if keep:
+            pool.touch([checkpoint])
+        table: list[int] = []
+        pool.take(1, table)
+        state = self._requests[request.request_id] = _RequestSlot(table[0], sys.maxsize)
+        self._tables[request.request_id] = table
+        if keep:
+            self._restores.append((checkpoint, state.slot))
+            pool.release([checkpoint])
+        return state
+
+    def take_state_copies(self) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
+        """This pass's restores and saves; seals the pass: its checkpoints become findable."""
+        restores, saves = self._restores, self._saves
+        self._restores, self._saves = [], []
+        pool = self._pool
+        for checkpoint, block_hash in self._pending.items():
+            pool.register(checkpoint, block_hash)
+        pool.release(self._pending)
+        self._pending = {}
+        return restores, saves
 
     def headroom(self, request_id: str) -> AllocationHeadroom:
-        return _UNBOUNDED if request_id in self._slots else NO_HEADROOM
+        """A step needs nothing until it ends at the request's next checkpoint."""
+        state = self._requests.get(request_id)
+        if state is None:
+            return NO_HEADROOM
+        return AllocationHeadroom(state.next_checkpoint - 1, sys.maxsize)
 
     def block_table(self, request_id: str) -> list[int]:
-        return self._slots.get(request_id, [])
+        return self._tables.get(request_id, [])
 
     def block_hashes(self, request_id: str) -> Sequence[int]:
         return ()
 
     def request_ids(self) -> Collection[str]:
-        return self._slots.keys()
+        return self._requests.keys()
 
     def free(self, request: Request) -> None:
-        table = self._slots.pop(request.request_id, None)
-        if table is not None:
-            self._free.append(table[0])
+        """A save the request's step of this pass planned is dropped with its slot (freed in
+        the same pass, the slot may serve another request before the step ends)."""
+        state = self._requests.pop(request.request_id, None)
+        if state is None:
+            return
+        del self._tables[request.request_id]
+        dropped = [c for s, c in self._saves if s == state.slot]
+        if dropped:
+            self._saves = [(s, c) for s, c in self._saves if s != state.slot]
+            for checkpoint in dropped:
+                del self._pending[checkpoint]
+        self._pool.release_to_head([state.slot, *dropped])  # no checkpoint among them
 
     def reset_prefix_cache(self) -> bool:
-        return len(self._free) == self.num_blocks - 1
+        if self._pool.num_free != self.num_blocks - 1:
+            return False
+        self._pool.reset_hashes()
+        return True
 
     def check_invariants(self) -> None:
-        held = [table[0] for table in self._slots.values()]
-        if any(len(table) != 1 for table in self._slots.values()):
-            raise RuntimeError("a request holds other than one slot")
-        everything = sorted(held + self._free)
-        if everything != list(range(1, self.num_blocks)):
-            raise RuntimeError(
-                f"slots leaked, duplicated or null: held {sorted(held)}, free {sorted(self._free)}"
-            )
+        if any(
+            table != [s.slot] for table, s in zip(self._tables.values(), self._requests.values())
+        ):
+            raise RuntimeError("a request's table is other than its one slot")
+        if self._tables.keys() != self._requests.keys():
+            raise RuntimeError("slot tables kept for requests holding no slot")
+        self._pool.check_invariants(
+            [[s.slot] for s in self._requests.values()] + [list(self._pending)]
+        )
+        if not self.enable_prefix_caching and (self._pool.cached or self._pending):
+            raise RuntimeError("state checkpoints kept with prefix caching off")

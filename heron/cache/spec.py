@@ -33,9 +33,8 @@ class CacheSpec:
     dtype: torch.dtype
 
     # Whether the kind's entries are content-addressed by the chain of prefix block hashes
-    # (groups that are share one block size), and whether it can serve prefix-cache hits.
+    # (groups that are share one block size); the others key theirs by the chain's hashes.
     joins_prefix_chain = True
-    serves_prefix_hits = True
     # Whether a request holds a fixed number of entries whatever its length (a state slot).
     per_request = False
 
@@ -67,8 +66,11 @@ class CacheSpec:
     def describe(self) -> str:
         raise NotImplementedError
 
-    def make_manager(self, num_blocks: int, enable_prefix_caching: bool) -> CacheManager:
-        """The manager of a cache group of this spec over a pool of ``num_blocks``."""
+    def make_manager(
+        self, num_blocks: int, enable_prefix_caching: bool, chain_block_size: int
+    ) -> CacheManager:
+        """The manager of a cache group of this spec over a pool of ``num_blocks``; the prefix
+        chain's blocks are ``chain_block_size`` tokens."""
         raise NotImplementedError
 
     def _element_size(self) -> int:
@@ -89,7 +91,9 @@ class PagedSpec(CacheSpec):
     def first_table_block(self, context: int | np.ndarray) -> int | np.ndarray:
         return 0
 
-    def make_manager(self, num_blocks: int, enable_prefix_caching: bool) -> CacheManager:
+    def make_manager(
+        self, num_blocks: int, enable_prefix_caching: bool, chain_block_size: int
+    ) -> CacheManager:
         from heron.cache.paged import PagedCacheManager  # paged.py imports this module
 
         return PagedCacheManager(self, num_blocks, enable_prefix_caching)

@@ -182,7 +182,11 @@ class LLMEngine:
             peak = self.runner.profile_peak_memory(min(max_tokens, max_len))
             budget = self.platform.kv_cache_budget(self.config.gpu_memory_utilization, peak)
             num_blocks = layout.split_budget(
-                budget, max_len, max_tokens, max_running=self.config.max_num_seqs
+                budget,
+                max_len,
+                max_tokens,
+                max_running=self.config.max_num_seqs,
+                state_checkpoints=self.config.enable_prefix_caching,
             )
         else:
             num_blocks = layout.split_budget(
@@ -191,6 +195,7 @@ class LLMEngine:
                 max_tokens,
                 self.config.max_num_seqs,
                 max_running=self.config.max_num_seqs,
+                state_checkpoints=self.config.enable_prefix_caching,
             )
         layout.check_fits(num_blocks, max_len, max_tokens)
         return num_blocks

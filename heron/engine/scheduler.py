@@ -9,7 +9,7 @@ from typing import NamedTuple
 
 from heron.cache.coordinator import KVCacheCoordinator
 from heron.engine.request import Request, RequestStatus
-from heron.execution.step_plan import NewRequest, SentTables, StepPlan
+from heron.execution.step_plan import EntryCopies, NewRequest, SentTables, StepPlan
 
 
 @dataclass(frozen=True)
@@ -46,7 +46,8 @@ class Scheduler:
     then waiting requests join while the token budget, the sequence limit and the KV pool allow.
     A request whose blocks cannot be allocated preempts the most recently admitted running
     request: its blocks are freed and it goes back to the front of the queue, to be recomputed
-    (its generated tokens are kept, so nothing is lost).
+    (its generated tokens are kept, so nothing is lost). A prefill chunk may be cut short where
+    a cache group keeps a prefix checkpoint (``KVCacheCoordinator.chunk_end``).
     """
 
     def __init__(self, config: SchedulerConfig, kv_cache: KVCacheCoordinator) -> None:
@@ -78,6 +79,8 @@ class Scheduler:
                 continue
             remaining = request.num_tokens - request.num_computed_tokens
             num_new = min(remaining, budget)
+            if num_new > 1:
+                num_new = self.kv_cache.chunk_end(request, request.num_computed_tokens, num_new)
             while not allocate_slots(request, num_new):
                 victim = running.pop()
                 self._preempt(victim)
@@ -104,6 +107,8 @@ class Scheduler:
             computed_blocks, num_cached = self.kv_cache.get_computed_blocks(request)
             remaining = request.num_tokens - num_cached
             num_new = min(remaining, budget)
+            if num_new > 1:
+                num_new = self.kv_cache.chunk_end(request, num_cached, num_new)
             if not self.kv_cache.allocate_slots(request, num_new, computed_blocks):
                 break
             self.waiting.popleft()
@@ -139,6 +144,11 @@ class Scheduler:
                 self._sent.updates(request_id, self.kv_cache.block_tables(request_id))
             )
         changed.clear()
+        for g, (before, after) in enumerate(self.kv_cache.take_state_copies()):
+            if before:
+                plan.copies_before.append(EntryCopies(g, *map(list, zip(*before))))
+            if after:
+                plan.copies_after.append(EntryCopies(g, *map(list, zip(*after))))
 
     def _preempt(self, request: Request) -> None:
         self.kv_cache.free(request)

@@ -220,6 +220,8 @@ class ModelRunner:
         seq = step.seq
         if step.pending_sources:
             self._fill_pending_tokens(seq.token_ids, step.pending_sources, previous.token_ids)
+        for copies in plan.copies_before:
+            self.cache.copy_entries(copies.group, copies.sources, copies.destinations)
         greedy_ids = None  # each row's greedy token, where the step drew them already
         if self.graphs is not None and self.graphs.can_run(seq):
             logits, greedy_ids = self.graphs.run(seq)
@@ -229,6 +231,8 @@ class ModelRunner:
             self.plan.build_views(seq)
             hidden = self.model(seq.token_ids)
             logits = self.model.compute_logits(hidden[seq.logits_indices.long()])
+        for copies in plan.copies_after:
+            self.cache.copy_entries(copies.group, copies.sources, copies.destinations)
         states, bitmask = step.sample_states, plan.token_bitmask
         if states and not step.prompt_rows and all(map(on_device, states)):
             if greedy_ids is not None and all(s.sampling_params.plain_argmax for s in states):

@@ -35,6 +35,16 @@ class TableUpdate:
     block_ids: list[int]
 
 
+@dataclass(frozen=True)
+class EntryCopies:
+    """In every cache tensor of one group, entry ``destinations[i]`` becomes a copy of entry
+    ``sources[i]`` (all sources are read before any destination is written)."""
+
+    group: int
+    sources: list[int]
+    destinations: list[int]
+
+
 class SentTables:
     """How much of each request's tables the runner has been sent: a plan carries only the
     entries since (tables grow append-only; a request sent again after a drop starts at 0)."""
@@ -61,7 +71,9 @@ class StepPlan:
     query (``num_new``) lengths, and whether the step samples their next token.
 
     The runner applies, in this order: ``finished_ids`` (forgotten), ``preempted_ids`` (their
-    tables dropped; they come back with whole tables), ``new_requests``, ``table_updates``.
+    tables dropped; they come back with whole tables), ``new_requests``, ``table_updates``,
+    ``copies_before`` (a prefix hit's state from its checkpoint into its slot); after the
+    forward pass, ``copies_after`` (states saved into checkpoints).
     A running request's input tokens are the runner's own: its prompt and the tokens it sampled.
     """
 
@@ -73,6 +85,8 @@ class StepPlan:
     table_updates: list[TableUpdate] = field(default_factory=list)
     preempted_ids: list[str] = field(default_factory=list)
     finished_ids: list[str] = field(default_factory=list)
+    copies_before: list[EntryCopies] = field(default_factory=list)
+    copies_after: list[EntryCopies] = field(default_factory=list)
     # Rows with a grammar: each sampled row's allowed tokens (xgrammar's packed int32 mask, in
     # host memory, one row per sampled row in order; other rows allow everything).
     token_bitmask: torch.Tensor | None = None

@@ -41,3 +41,8 @@ class InvariantChecked:
         result = super().reset_prefix_cache()
         self.check_invariants()
         return result
+
+    def take_state_copies(self):
+        copies = super().take_state_copies()
+        self.check_invariants()
+        return copies

@@ -369,6 +369,12 @@ class InterfaceOnly(CacheManager):
     def check_hits(self, request, hits):
         return self._call("check_hits", request, hits)
 
+    def chunk_end(self, request, start, end):
+        return self._call("chunk_end", request, start, end)
+
+    def take_state_copies(self):
+        return self._call("take_state_copies")
+
     def plan(self, request, num_new_tokens, hits):
         return self._call("plan", request, num_new_tokens, hits)
 
@@ -403,8 +409,9 @@ CALLS: Counter = Counter()
 class _InterfaceOnlySpec:
     """Put before a spec class: its groups' managers are wrapped in :class:`InterfaceOnly`."""
 
-    def make_manager(self, num_blocks, enable_prefix_caching):
-        return InterfaceOnly(super().make_manager(num_blocks, enable_prefix_caching), CALLS)
+    def make_manager(self, num_blocks, enable_prefix_caching, chain_block_size):
+        manager = super().make_manager(num_blocks, enable_prefix_caching, chain_block_size)
+        return InterfaceOnly(manager, CALLS)
 
 
 class InterfaceOnlyFull(_InterfaceOnlySpec, FullAttentionSpec):
@@ -447,7 +454,8 @@ def test_the_coordinator_uses_managers_only_through_the_interface():
                 ref.get_computed_blocks(r),
             )
             assert num_hit == ref_num_hit and [len(h) for h in hits] == [len(h) for h in ref_hits]
-            n = min(r.num_tokens - num_hit, 8)
+            n = kv.chunk_end(r, num_hit, min(r.num_tokens - num_hit, 8))
+            assert n == ref.chunk_end(r, num_hit, min(r.num_tokens - num_hit, 8))
             r.num_computed_tokens = num_hit
             ok = kv.allocate_slots(r, n, hits)
             assert ok == ref.allocate_slots(r, n, ref_hits)
@@ -475,6 +483,7 @@ def test_the_coordinator_uses_managers_only_through_the_interface():
                     running.remove(r)
                     kv.free(r)
                     ref.free(r)
+        assert kv.take_state_copies() == ref.take_state_copies()
         ids = [r.request_id for r in running]
         assert observed(kv, ids) == observed(ref, ids)
     assert not kv.reset_prefix_cache() and running
@@ -487,4 +496,5 @@ def test_the_coordinator_uses_managers_only_through_the_interface():
     assert set(CALLS) == {
         "find_cached_chain", "check_hits", "plan", "commit", "headroom", "block_table",
         "block_hashes", "request_ids", "free", "reset_prefix_cache", "check_invariants",
+        "chunk_end", "take_state_copies",
     }  # fmt: skip

@@ -2,9 +2,6 @@
 
 from __future__ import annotations
 
-import logging
-import random
-
 import pytest
 import torch
 
@@ -75,6 +72,12 @@ def test_slots_follow_the_running_requests_not_the_longest_sequence():
     assert layout.split_budget(budget, 64, 64, max_running=32) == [8 * 16 + 1, 33]
     tight = full + 16 * full + 10 * slot  # 32 slots would leave no max-length sequence
     assert layout.split_budget(tight, 64, 64, max_running=32) == layout.split_budget(tight, 64, 64)
+    # With prefix caching, a checkpoint's worth of entries beside each slot.
+    budget += 32 * slot
+    assert layout.split_budget(budget, 64, 64, max_running=32, state_checkpoints=True) == [
+        8 * 16 + 1,
+        65,
+    ]
 
 
 def test_one_slot_per_request_never_the_null_one():
@@ -93,56 +96,8 @@ def test_one_slot_per_request_never_the_null_one():
     assert kv.allocate_slots(c, 2) and kv.block_tables("c")[1] != [NULL_SLOT]
 
 
-def test_hybrid_switches_prefix_caching_off_and_says_why(caplog):
-    with caplog.at_level(logging.WARNING):
-        kv = CheckedCoordinator([FULL, SPEC], [20, 3], enable_prefix_caching=True)
-    assert not kv.enable_prefix_caching
-    assert "prefix caching is off" in caplog.text and "recurrent state" in caplog.text
-    r = make_request("a", range(12))
-    assert kv.get_computed_blocks(r) == ((), 0)
-    with pytest.raises(ValueError, match="no prefix hits"):
-        kv.groups[1].check_hits(r, [1])
-
-
 def test_block_size_is_shared_only_within_the_prefix_chain():
     kv = KVCacheCoordinator([FULL, SPEC], [10, 3], enable_prefix_caching=False)
     assert kv.block_size == FULL.block_size
     with pytest.raises(ValueError, match="one block size"):
         KVCacheCoordinator([FULL, FullAttentionSpec(8, torch.float16, 1, 8), SPEC], [9, 9, 3])
-
-
-def test_no_slot_leaks_after_finish_abort_and_preemption():
-    """A random workload in the scheduler's pattern; both groups return to their totals."""
-    rng = random.Random(0)
-    kv = CheckedCoordinator([FULL, SPEC], [30, 4], enable_prefix_caching=False)
-    running: list[Request] = []
-    for i in range(400):
-        if len(running) < 5 and rng.random() < 0.3:
-            r = make_request(f"r{i}", range(rng.randint(1, 20)))
-            n = min(r.num_tokens, 8)
-            if kv.allocate_slots(r, n):
-                r._step = n
-                running.append(r)
-            continue
-        if not running:
-            continue
-        r = rng.choice(running)
-        if rng.random() < 0.15:  # finished, aborted, or preempted before its step ran
-            running.remove(r)
-            kv.free(r)
-            continue
-        r.num_computed_tokens += r._step
-        if r.num_computed_tokens == r.num_tokens:
-            r.append_output_token(rng.randint(0, 300))
-        n = min(r.num_tokens - r.num_computed_tokens, 8)
-        if kv.allocate_slots(r, n):
-            r._step = n
-        else:  # preempted: its blocks and its slot go back
-            running.remove(r)
-            kv.free(r)
-            r.num_computed_tokens = 0
-    for r in running:
-        kv.free(r)
-    for group in kv.groups:
-        assert group.num_free_blocks == group.num_blocks - 1
-    assert kv.usage == 0.0 and kv.reset_prefix_cache()

@@ -83,7 +83,7 @@ def test_greedy_batch_equals_hf(qwen3_5_case):
     path, _, refs = qwen3_5_case
     llm = LLM(path, max_model_len=128)
     assert greedy_tokens(llm, PROMPTS, GREEDY) == refs
-    assert not llm.engine.kv_cache.enable_prefix_caching  # switched off for the hybrid
+    assert llm.engine.kv_cache.enable_prefix_caching
 
 
 def test_chunked_prefill_and_preemption_equal_hf(qwen3_5_case):
@@ -97,6 +97,58 @@ def test_chunked_prefill_and_preemption_equal_hf(qwen3_5_case):
     kv = llm.engine.kv_cache
     kv.check_invariants()
     assert all(g.num_free_blocks == g.num_blocks - 1 for g in kv.groups)
+
+
+SHARED = [(i * 53) % 290 + 7 for i in range(37)]
+SHARED_PROMPTS = [
+    SHARED + [11, 12, 13],
+    SHARED + [(i * 17) % 300 + 1 for i in range(20)],
+    SHARED[:21] + [5, 6],
+    SHARED + [2],
+    [3, 4],
+]
+
+
+@pytest.fixture(scope="module")
+def shared_prefix_refs(qwen3_5_case):
+    return hf_greedy(qwen3_5_case[1], SHARED_PROMPTS, MAX_NEW)
+
+
+def generate_shared_prefixes(path: str, **options) -> tuple[list[list[int]], list[int], LLM]:
+    """Heron's tokens and cached prompt tokens for SHARED_PROMPTS, in chunks of 16."""
+    llm = LLM(path, max_model_len=96, max_num_batched_tokens=16, **options)
+    outs = llm.generate(SHARED_PROMPTS, GREEDY, use_tqdm=False)
+    return [o.outputs[0].token_ids for o in outs], [o.num_cached_tokens for o in outs], llm
+
+
+@pytest.mark.parametrize("prefix_caching", [True, False])
+def test_shared_prefixes_with_chunks_and_preemption_equal_hf(
+    qwen3_5_case, shared_prefix_refs, prefix_caching
+):
+    """Prompts sharing a prefix, in chunks of 16 over 8-token blocks and a pool tight enough to
+    preempt: with prefix caching, later prompts start from a checkpointed state (at 32 tokens of
+    the shared 37; at 16 for the one sharing 21) copied into their slot, and the tokens are
+    HF's, as without it; every slot, checkpoint and block comes back."""
+    tokens, cached, llm = generate_shared_prefixes(
+        qwen3_5_case[0], block_size=8, num_kv_blocks=13, enable_prefix_caching=prefix_caching
+    )
+    assert tokens == shared_prefix_refs
+    assert cached == ([0, 32, 16, 32, 0] if prefix_caching else [0] * 5)
+    assert llm.engine.scheduler.num_preemptions > 0
+    kv = llm.engine.kv_cache
+    kv.check_invariants()
+    assert all(g.num_free_blocks == g.num_blocks - 1 for g in kv.groups)
+
+
+@pytest.mark.gpu
+def test_shared_prefixes_on_the_gpu_with_graphs_equal_hf(qwen3_5_case, shared_prefix_refs):
+    """fp32 on the GPU, CUDA graphs and Triton kernels: the checkpoint copies run beside graph
+    replays, and hits still give HF's tokens."""
+    tokens, cached, llm = generate_shared_prefixes(
+        qwen3_5_case[0], device="cuda", dtype="float32", block_size=16, num_kv_blocks=32
+    )
+    assert llm.engine.runner.graphs is not None
+    assert tokens == shared_prefix_refs and cached == [0, 32, 16, 32, 0]
 
 
 def test_prompt_logprobs_match_hf(qwen3_5_case):
@@ -261,13 +313,17 @@ def moe_variant(config_cls, model_cls, seed: int, **fields) -> torch.nn.Module:
 
 
 def assert_chunked_greedy_equals_hf(model: torch.nn.Module, path: Path) -> None:
-    """Saved, then run by Heron in 16-token chunks mixed with decode: HF's greedy tokens."""
+    """Saved, then run by Heron in 16-token chunks mixed with decode: HF's greedy tokens. The
+    last prompt, admitted once the first one's second chunk ran, starts from its checkpointed
+    state at 32 tokens."""
     model.save_pretrained(path)
     make_tokenizer().save_pretrained(path)
-    prompts = [PROMPTS[0], PROMPTS[1], PROMPTS[3]]
+    prompts = [PROMPTS[0], PROMPTS[1], PROMPTS[3], PROMPTS[0][:32] + [21, 22]]
     llm = LLM(str(path), max_model_len=128, max_num_batched_tokens=16)
     short = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
-    assert greedy_tokens(llm, prompts, short) == hf_greedy(model, prompts, 8)
+    outs = llm.generate(prompts, short, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == hf_greedy(model, prompts, 8)
+    assert [o.num_cached_tokens for o in outs] == [0, 0, 0, 32]
 
 
 def test_qwen3_5_moe_equals_hf(tmp_path):
