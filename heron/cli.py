@@ -169,16 +169,21 @@ def _json_fields(spec: object) -> dict[str, object]:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
+    from heron.engine.core_client import EngineStartupError
     from heron.server.serve import serve
 
-    return serve(
-        engine_config(args),
-        host=args.host,
-        port=args.port,
-        api_key=args.api_key,
-        served_model_name=args.served_model_name,
-        log_level=args.log_level,
-    )
+    try:
+        return serve(
+            engine_config(args),
+            host=args.host,
+            port=args.port,
+            api_key=args.api_key,
+            served_model_name=args.served_model_name,
+            log_level=args.log_level,
+        )
+    except EngineStartupError as e:
+        print(f"heron: error: the engine could not start: {e}", file=sys.stderr)
+        return 2
 
 
 def build_parser() -> argparse.ArgumentParser:

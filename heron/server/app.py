@@ -1,4 +1,4 @@
-"""The OpenAI-compatible HTTP API over an :class:`AsyncLLMEngine`."""
+"""The OpenAI-compatible HTTP API over an :class:`EngineCoreClient`."""
 
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from heron import __version__
-from heron.engine.async_engine import AsyncLLMEngine, EngineDeadError, StepError
+from heron.engine.core_client import EngineCoreClient, EngineDeadError, StepError
 from heron.engine.request import Logprob
 from heron.llm import LLM
 from heron.outputs import CompletionOutput, RequestOutput
@@ -111,12 +111,12 @@ class OpenAIServing:
     # The offline API's template handling only needs ``self.tokenizer``; reuse it as is.
     apply_chat_template = LLM.apply_chat_template
 
-    def __init__(self, engine: AsyncLLMEngine, served_model_name: str) -> None:
+    def __init__(self, engine: EngineCoreClient, served_model_name: str) -> None:
         self.engine = engine
-        self.tokenizer = engine.engine.tokenizer
+        self.tokenizer = engine.tokenizer
         self.model_name = served_model_name
-        self.max_model_len = engine.engine.model_config.max_model_len
-        self.metrics = ServerMetrics(engine.engine)
+        self.max_model_len = engine.max_model_len
+        self.metrics = ServerMetrics(lambda: engine.stats)
 
     def check_model(self, model: str | None) -> None:
         if model is not None and model != self.model_name:
@@ -267,7 +267,7 @@ def _api_key_checker(api_key: str | None):
 
 
 def build_app(
-    engine: AsyncLLMEngine, served_model_name: str, api_key: str | None = None
+    engine: EngineCoreClient, served_model_name: str, api_key: str | None = None
 ) -> FastAPI:
     """The FastAPI app serving ``engine`` as ``served_model_name``; ``api_key`` guards /v1."""
     serving = OpenAIServing(engine, served_model_name)
@@ -275,7 +275,7 @@ def build_app(
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         yield
-        # Joining the engine thread blocks; keep the loop free to deliver the final outputs.
+        # Joining the engine core blocks; keep the loop free to deliver the final outputs.
         await asyncio.to_thread(engine.shutdown)
 
     app = FastAPI(title="Heron", version=__version__, lifespan=lifespan)
@@ -301,7 +301,7 @@ def build_app(
     async def models() -> ModelList:
         card = ModelCard(
             id=served_model_name,
-            root=str(engine.engine.model_config.path),
+            root=engine.model_path,
             max_model_len=serving.max_model_len,
         )
         return ModelList(data=[card])

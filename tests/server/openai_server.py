@@ -18,6 +18,7 @@ MODEL_NAME = "tiny"
 # Long enough that an unbounded stream outlives the disconnect and shutdown tests' checks.
 MAX_MODEL_LEN = 512
 NUM_KV_BLOCKS = 400
+SUCCESS = 'heron:request_success_total{finished_reason="%s"}'
 
 
 @dataclass
@@ -39,6 +40,46 @@ class ServerHandle:
             if match:
                 samples[match[1]] = float(match[2])
         return samples
+
+
+def wait_idle(server, timeout: float) -> dict[str, float]:
+    """Metrics once no request runs and every KV block is free again (or fail after timeout)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        m = server.metrics()
+        idle = (
+            m["heron:num_requests_running"] == 0
+            and m["heron:num_requests_waiting"] == 0
+            and m["heron:kv_cache_usage_perc"] == 0
+            and m["heron:kv_cache_free_blocks"] == m["heron:kv_cache_total_blocks"]
+        )
+        if idle:
+            return m
+        assert time.monotonic() < deadline, f"engine not idle: {m}"
+        time.sleep(0.05)
+
+
+def child_pids(pid: int) -> list[int]:
+    """The processes whose parent is ``pid`` (a server's engine core), from /proc."""
+    children = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            # "pid (comm) state ppid ...": comm may hold spaces, so split after its ")".
+            fields = stat.read_text().rpartition(")")[2].split()
+        except OSError:
+            continue  # exited meanwhile
+        if int(fields[1]) == pid:
+            children.append(int(stat.parent.name))
+    return children
+
+
+def pid_exists(pid: int) -> bool:
+    """Whether ``pid`` runs (a zombie counts as gone: it has exited)."""
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()[0]
+    except OSError:
+        return False
+    return state != "Z"
 
 
 def free_port() -> int:

@@ -3,31 +3,11 @@
 from __future__ import annotations
 
 import asyncio
-import time
 
 import httpx
 import openai
 
-from openai_server import API_KEY, MODEL_NAME
-
-SUCCESS = 'heron:request_success_total{finished_reason="%s"}'
-
-
-def _wait_idle(server, timeout: float) -> dict[str, float]:
-    """Metrics once no request runs and every KV block is free again (or fail after timeout)."""
-    deadline = time.monotonic() + timeout
-    while True:
-        m = server.metrics()
-        idle = (
-            m["heron:num_requests_running"] == 0
-            and m["heron:num_requests_waiting"] == 0
-            and m["heron:kv_cache_usage_perc"] == 0
-            and m["heron:kv_cache_free_blocks"] == m["heron:kv_cache_total_blocks"]
-        )
-        if idle:
-            return m
-        assert time.monotonic() < deadline, f"engine not idle: {m}"
-        time.sleep(0.05)
+from openai_server import API_KEY, MODEL_NAME, SUCCESS, wait_idle
 
 
 def test_64_concurrent_streams(server):
@@ -59,7 +39,7 @@ def test_64_concurrent_streams(server):
             return await asyncio.gather(*(one(client, i) for i in range(64)))
 
     assert asyncio.run(main()) == [(6, "length")] * 64
-    after = _wait_idle(server, timeout=2)
+    after = wait_idle(server, timeout=2)
     assert after[SUCCESS % "length"] - before == 64
 
 
@@ -77,5 +57,5 @@ def test_disconnect_aborts_request(server):
             if chunks == 3:
                 break
     assert server.metrics()["heron:num_requests_running"] <= 1
-    after = _wait_idle(server, timeout=1)
+    after = wait_idle(server, timeout=1)
     assert after[SUCCESS % "abort"] - before == 1

@@ -1,0 +1,111 @@
+"""The engine core's own process: its death is reported at once, the front's death ends it,
+start-up errors reach the command line, and a stop string the front matches stops the core."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import httpx
+import openai
+import pytest
+
+from openai_server import (
+    API_KEY,
+    MODEL_NAME,
+    SUCCESS,
+    child_pids,
+    pid_exists,
+    start_server,
+    stop_server,
+    wait_idle,
+)
+
+
+def _wait_gone(pid: int, timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while pid_exists(pid):
+        assert time.monotonic() < deadline, f"process {pid} still runs"
+        time.sleep(0.05)
+
+
+def test_killed_core_fails_requests_and_health(tiny_model_dir):
+    server = start_server(tiny_model_dir("qwen2"))
+    try:
+        (core,) = child_pids(server.proc.pid)
+        client = openai.OpenAI(base_url=f"{server.base_url}/v1", api_key="-", max_retries=0)
+        stream = client.completions.create(
+            model=MODEL_NAME,
+            prompt="Paris",
+            max_tokens=450,
+            stream=True,
+            extra_body={"ignore_eos": True},
+        )
+        chunks = iter(stream)
+        next(chunks)
+        os.kill(core, signal.SIGKILL)
+        killed = time.monotonic()
+        with pytest.raises(openai.APIError, match="engine core process died"):
+            for _ in chunks:
+                pass
+        assert time.monotonic() - killed < 5  # at once, not when some timeout runs out
+        assert httpx.get(f"{server.base_url}/health").status_code == 503
+        with pytest.raises(openai.InternalServerError, match="engine core process died") as e:
+            client.completions.create(model=MODEL_NAME, prompt="Paris", max_tokens=2)
+        assert e.value.status_code == 503
+    finally:
+        code = stop_server(server)
+    assert code == 0
+
+
+def test_killed_front_ends_the_core(tiny_model_dir):
+    server = start_server(tiny_model_dir("qwen2"))
+    try:
+        (core,) = child_pids(server.proc.pid)
+        server.proc.kill()
+        _wait_gone(core, timeout=10)
+    finally:
+        stop_server(server)
+
+
+def test_start_up_error_reaches_the_command_line(tmp_path):
+    missing = tmp_path / "no-such-model"
+    result = subprocess.run(
+        [sys.executable, "-m", "heron.cli", "serve", "--model", str(missing), "--device", "cpu"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert result.returncode == 2
+    assert result.stderr.startswith("heron: error: the engine could not start:")
+    assert str(missing) in result.stderr
+    assert "Traceback" not in result.stderr
+
+
+def test_stop_string_stops_the_core(server):
+    client = openai.OpenAI(base_url=f"{server.base_url}/v1", api_key=API_KEY, max_retries=0)
+    prompt, extra = "The quick brown fox", {"ignore_eos": True}
+    greedy = client.completions.create(
+        model=MODEL_NAME, prompt=prompt, max_tokens=8, temperature=0, extra_body=extra
+    )
+    text = greedy.choices[0].text
+    stop = text[3:5]
+    before = server.metrics()
+    stopped = client.completions.create(
+        model=MODEL_NAME,
+        prompt=prompt,
+        max_tokens=400,
+        temperature=0,
+        stop=[stop],
+        n=2,
+        extra_body=extra,
+    )
+    assert [c.finish_reason for c in stopped.choices] == ["stop", "stop"]
+    assert [c.text for c in stopped.choices] == [text[: text.index(stop)]] * 2
+    # The core was told: it is idle at once, instead of generating the 400 tokens.
+    after = wait_idle(server, timeout=1)
+    assert after["heron:generation_tokens_total"] - before["heron:generation_tokens_total"] < 20
+    assert after.get(SUCCESS % "stop", 0) - before.get(SUCCESS % "stop", 0) == 1
