@@ -62,14 +62,18 @@ class _Sent:
 class EngineCore:
     """The core's loop: apply the front's messages, step, send each step's new tokens."""
 
-    def __init__(self, engine: LLMEngine, inbox: zmq.Socket, outbox: zmq.Socket) -> None:
+    def __init__(
+        self, engine: LLMEngine, inbox: zmq.Socket, outbox: zmq.Socket, front_fd: int
+    ) -> None:
+        """``front_fd``: the read end of a pipe the front holds open; readable (end of file)
+        once the front is gone."""
         self.engine = engine
-        self.inbox, self.outbox = inbox, outbox
+        self.inbox, self.outbox, self.front_fd = inbox, outbox, front_fd
         self._encoder = msgspec.msgpack.Encoder()
         self._decoder = msgspec.msgpack.Decoder(FrontMessage)
         self._poller = zmq.Poller()
         self._poller.register(inbox, zmq.POLLIN)
-        self._poller.register(sys.stdin.fileno(), zmq.POLLIN)  # readable: the front is gone
+        self._poller.register(front_fd, zmq.POLLIN)
         self._live: dict[str, _Sent] = {}
         self._deltas: list[RequestDelta] = []
         self._stats: EngineStats | None = None
@@ -87,7 +91,7 @@ class EngineCore:
     def _receive(self, timeout_ms: int) -> bool:
         """Apply every waiting message; False once the core should exit."""
         events = dict(self._poller.poll(timeout_ms))
-        if sys.stdin.fileno() in events:
+        if self.front_fd in events:
             logger.error("the front process is gone; the engine core exits")
             return False
         while events:
@@ -218,7 +222,7 @@ def _start(args: CoreArgs, inbox: zmq.Socket, outbox: zmq.Socket) -> EngineCore 
             logger.exception("the engine core failed to start")
         outbox.send(encoder.encode(StartupFailed(str(e) or type(e).__name__)))
         return None
-    core = EngineCore(engine, inbox, outbox)
+    core = EngineCore(engine, inbox, outbox, sys.stdin.fileno())
     mc = engine.model_config
     freeze_start_up_heap()
     core.send(
