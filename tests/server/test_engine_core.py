@@ -109,3 +109,23 @@ def test_stop_string_stops_the_core(server):
     after = wait_idle(server, timeout=1)
     assert after["heron:generation_tokens_total"] - before["heron:generation_tokens_total"] < 20
     assert after.get(SUCCESS % "stop", 0) - before.get(SUCCESS % "stop", 0) == 1
+
+
+def test_stop_string_of_one_sample_stops_only_it(server):
+    client = openai.OpenAI(base_url=f"{server.base_url}/v1", api_key=API_KEY, max_retries=0)
+    request = dict(
+        model=MODEL_NAME,
+        prompt="Paris is the capital of",
+        max_tokens=12,
+        temperature=1.0,
+        n=2,
+        seed=3,
+        extra_body={"ignore_eos": True},
+    )
+    first, second = (c.text for c in client.completions.create(**request).choices)
+    stop = next(first[i : i + 2] for i in range(len(first) - 1) if first[i : i + 2] not in second)
+    stopped = client.completions.create(**request, stop=[stop]).choices
+    assert [(c.finish_reason, c.text) for c in stopped] == [
+        ("stop", first[: first.index(stop)]),
+        ("length", second),
+    ]
