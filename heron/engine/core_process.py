@@ -10,10 +10,12 @@ the front's pipe, reaches end of file), so it is never left orphaned.
 from __future__ import annotations
 
 import logging
+import shutil
 import signal
 import sys
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
 import msgspec
 import zmq
@@ -210,6 +212,8 @@ def run_engine_core(args: CoreArgs) -> int:
         outbox.close(linger=5000)
         inbox.close(linger=0)
         context.term()
+        # The sockets' directory: the front removes it too, unless it was killed.
+        shutil.rmtree(Path(args.input_address.removeprefix("ipc://")).parent, ignore_errors=True)
     return 0 if core is not None else 1
 
 

@@ -3,11 +3,13 @@ start-up errors reach the command line, and a stop string the front matches stop
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import httpx
 import openai
@@ -65,8 +67,13 @@ def test_killed_front_ends_the_core(tiny_model_dir):
     server = start_server(tiny_model_dir("qwen2"))
     try:
         (core,) = child_pids(server.proc.pid)
+        # The core's last argument is its CoreArgs, which name the sockets' directory.
+        args = Path(f"/proc/{core}/cmdline").read_bytes().split(b"\0")[-2]
+        sockets = Path(json.loads(args)["input_address"].removeprefix("ipc://")).parent
+        assert sockets.is_dir()
         server.proc.kill()
         _wait_gone(core, timeout=10)
+        assert not sockets.exists()  # nor left its sockets behind
     finally:
         stop_server(server)
 
