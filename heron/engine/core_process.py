@@ -38,7 +38,6 @@ from heron.engine.messages import (
     StepOutputs,
 )
 from heron.engine.request import Request
-from heron.outputs import RequestOutput
 from heron.server.serve import freeze_start_up_heap
 
 logger = logging.getLogger(__name__)
@@ -117,12 +116,15 @@ class EngineCore:
     def _abort(self, request_id: str, sample_index: int | None = None) -> None:
         output = self.engine.abort_request(request_id, sample_index)
         if output is not None:
-            self._collect(output)
+            self._collect(request_id, output.finished)
 
     def _add(self, message: AddRequest) -> None:
         request_id = message.request_id
         try:
-            self.engine.add_request(request_id, message.prompt_token_ids, message.params)
+            # Outputs of finished requests only: deltas are read off the samples themselves.
+            self.engine.add_request(
+                request_id, message.prompt_token_ids, message.params, stream=False
+            )
         except ValueError as e:
             self.send(Rejected(request_id, str(e)))
             return
@@ -131,7 +133,7 @@ class EngineCore:
 
     def _step(self) -> None:
         try:
-            outputs = self.engine.step()
+            finished = {output.request_id for output in self.engine.step()}
         except Exception as e:
             # The step may have left these requests half-updated; aborting them frees their
             # blocks and keeps the engine usable for the next requests.
@@ -142,13 +144,12 @@ class EngineCore:
             self._live.clear()
             self.send(StepFailed(request_ids, f"the model step failed: {e!r}"))
             return
-        for output in outputs:
-            self._collect(output)
+        for request_id in list(self._live):
+            self._collect(request_id, request_id in finished)
 
-    def _collect(self, output: RequestOutput) -> None:
-        """Queue what ``output`` adds to what its request's front was sent (read from the
-        samples' own lists: slicing the output's views would copy them whole)."""
-        sent = self._live.get(output.request_id)
+    def _collect(self, request_id: str, finished: bool) -> None:
+        """Queue what the request's samples gained since its front was last sent a delta."""
+        sent = self._live.get(request_id)
         if sent is None:
             return
         samples = []
@@ -168,14 +169,18 @@ class EngineCore:
                     child.stop_reason,  # a stop token: stop strings are the front's
                 )
             )
-        delta = RequestDelta(output.request_id, samples, output.finished, output.num_cached_tokens)
+        if not samples and not finished:
+            return
+        first = sent.children[0]
+        delta = RequestDelta(request_id, samples, finished, first.num_cached_tokens)
         if not sent.first_sent:
             sent.first_sent = True
-            delta.prompt_logprobs = output.prompt_logprobs
+            if first.wants_prompt_logprobs:
+                delta.prompt_logprobs = list(first.prompt_logprobs)
             scheduled = [c.first_scheduled_time for c in sent.children]
             delta.first_scheduled_time = min((t for t in scheduled if t is not None), default=None)
-        if output.finished:
-            del self._live[output.request_id]
+        if finished:
+            del self._live[request_id]
         self._deltas.append(delta)
 
     def _publish(self) -> None:
