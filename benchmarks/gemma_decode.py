@@ -11,10 +11,11 @@ its window and a full layer the whole context. Then, in a separate run, the shar
 step in which the GPU waits for the host (see ``gpu_decode.heron_host_idle``).
 
     python benchmarks/gemma_decode.py [--skip-hf] [--new-tokens 64] [--cases 4096x8 ...]
-        [--load-format dummy]
+        [--load-format dummy] [--quantization fp8] [--kv-cache-dtype fp8]
 
 ``--cases`` replaces the (context x batch) cases; the idle share is measured when 4096x64 is
-among them. ``--load-format dummy`` is as in ``gpu_decode.py`` (no checkpoint is written).
+among them. ``--load-format dummy`` is as in ``gpu_decode.py`` (no checkpoint is written), and
+so are the FP8 switches (Heron only; the floors count their bytes).
 """
 
 from __future__ import annotations
@@ -28,7 +29,9 @@ import torch
 from heron import LLM, SamplingParams
 
 from gpu_decode import (
+    add_fp8_args,
     copy_bandwidth,
+    element_bytes,
     heron_decode_ms,
     heron_host_idle,
     hf_decode_ms,
@@ -65,7 +68,14 @@ def build_model(path: Path, load_format: str) -> None:
     save_random_checkpoint(model, path)
 
 
-def floor_ms(batch: int, context: int, bandwidth: float, layer_types: list[str]) -> float:
+def floor_ms(
+    batch: int,
+    context: int,
+    bandwidth: float,
+    layer_types: list[str],
+    weight_bytes: int = 2,
+    kv_bytes: int = 2,
+) -> float:
     c = GEMMA3_1B
     d, h, kv, hd = (
         c["hidden_size"],
@@ -74,12 +84,12 @@ def floor_ms(batch: int, context: int, bandwidth: float, layer_types: list[str])
         c["head_dim"],
     )
     per_layer = d * (h + 2 * kv) * hd + h * hd * d + 3 * d * c["intermediate_size"]
-    weights = 2 * (len(layer_types) * per_layer + c["vocab_size"] * d)
+    weights = weight_bytes * len(layer_types) * per_layer + 2 * c["vocab_size"] * d
     read = sum(
         min(context, c["sliding_window"]) if t == "sliding_attention" else context
         for t in layer_types
     )
-    return (weights + batch * read * 2 * kv * hd * 2) / bandwidth * 1e3
+    return (weights + batch * read * 2 * kv * hd * kv_bytes) / bandwidth * 1e3
 
 
 def main() -> None:
@@ -93,6 +103,7 @@ def main() -> None:
         "--cases", nargs="+", default=[f"{c}x{b}" for c, b in CASES], help="CONTEXTxBATCH"
     )
     parser.add_argument("--load-format", choices=["auto", "dummy"], default="auto")
+    add_fp8_args(parser)
     args = parser.parse_args()
     cases = [tuple(map(int, case.split("x"))) for case in args.cases]
     bandwidth = copy_bandwidth()
@@ -105,6 +116,8 @@ def main() -> None:
             str(path),
             max_model_len=max(c for c, _ in cases) + new + 16,
             load_format=args.load_format,
+            quantization=args.quantization,
+            kv_cache_dtype=args.kv_cache_dtype,
         )
         layer_types = llm.engine.model_config.hf_config.layer_types
         prompts = lambda context, batch: [[3 + i] * context for i in range(batch)]
@@ -125,8 +138,12 @@ def main() -> None:
                 hf_decode_ms(hf, prompts(c, b), new)[0] if b <= args.hf_max_batch else float("nan")
                 for c, b in cases
             ]
-    floors = [floor_ms(b, c + new // 2, bandwidth, layer_types) for c, b in cases]
-    print(f"copy bandwidth {bandwidth / 1e12:.2f} TB/s")
+    sizes = element_bytes(args)
+    floors = [floor_ms(b, c + new // 2, bandwidth, layer_types, *sizes) for c, b in cases]
+    print(
+        f"Heron weights {args.quantization or 'bf16'}, KV cache {args.kv_cache_dtype}; "
+        f"copy bandwidth {bandwidth / 1e12:.2f} TB/s"
+    )
     header = " | ".join(
         f"ctx {c}, batch {b}: ms/step (× floor {f:.2f} ms)" for (c, b), f in zip(cases, floors)
     )

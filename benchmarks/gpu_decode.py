@@ -13,9 +13,12 @@ B and C are measured as the caller sees them: per request (time of last token - 
 token) / (tokens - 1), averaged over requests. Prints a markdown table.
 
     python benchmarks/gpu_decode.py [--skip-hf] [--hf-requests 32] [--load-format dummy]
+        [--quantization fp8] [--kv-cache-dtype fp8]
 
 ``--load-format dummy`` writes only config.json and the tokenizer: Heron makes random weights
-on the GPU, and HF its own random init.
+on the GPU, and HF its own random init. ``--quantization fp8`` (FP8 linear weights) and
+``--kv-cache-dtype fp8`` apply to Heron only; the floors count their bytes (one per FP8
+element; the tied embedding / LM head stays bf16).
 """
 
 from __future__ import annotations
@@ -109,8 +112,11 @@ def copy_bandwidth() -> float:
     return 10 * 2 * src.numel() * 2 / (start.elapsed_time(end) / 1e3)
 
 
-def floor_ms(batch: int, context: int, bandwidth: float) -> float:
-    """Per-step lower bound: every weight once plus every request's KV history, at full speed."""
+def floor_ms(
+    batch: int, context: int, bandwidth: float, weight_bytes: int = 2, kv_bytes: int = 2
+) -> float:
+    """Per-step lower bound: every weight once plus every request's KV history, at full speed
+    (``weight_bytes`` per linear-layer element, ``kv_bytes`` per cached element)."""
     c = QWEN3_0_6B
     d, h, kv, hd = (
         c["hidden_size"],
@@ -120,9 +126,20 @@ def floor_ms(batch: int, context: int, bandwidth: float) -> float:
     )
     layers = c["num_hidden_layers"]
     per_layer = d * (h + 2 * kv) * hd + h * hd * d + 3 * d * c["intermediate_size"]
-    weights = 2 * (layers * per_layer + c["vocab_size"] * d)
-    kv_bytes = batch * context * layers * 2 * kv * hd * 2
-    return (weights + kv_bytes) / bandwidth * 1e3
+    weights = weight_bytes * layers * per_layer + 2 * c["vocab_size"] * d
+    cache = batch * context * layers * 2 * kv * hd * kv_bytes
+    return (weights + cache) / bandwidth * 1e3
+
+
+def add_fp8_args(parser: argparse.ArgumentParser) -> None:
+    """Heron's FP8 switches (``EngineConfig.quantization`` and ``kv_cache_dtype``)."""
+    parser.add_argument("--quantization", choices=["fp8"], default=None)
+    parser.add_argument("--kv-cache-dtype", choices=["auto", "fp8"], default="auto")
+
+
+def element_bytes(args: argparse.Namespace) -> tuple[int, int]:
+    """Bytes of one linear-layer weight element and of one cached K/V element."""
+    return (1 if args.quantization else 2), (1 if args.kv_cache_dtype == "fp8" else 2)
 
 
 def steady_decode_ms(token_times: list[list[float]]) -> float:
@@ -223,6 +240,7 @@ def main() -> None:
     parser.add_argument("--hf-requests", type=int, default=32, help="requests of A run by HF")
     parser.add_argument("--enforce-eager", action="store_true")
     parser.add_argument("--load-format", choices=["auto", "dummy"], default="auto")
+    add_fp8_args(parser)
     args = parser.parse_args()
 
     bandwidth = copy_bandwidth()
@@ -235,6 +253,8 @@ def main() -> None:
             enforce_eager=args.enforce_eager,
             max_model_len=4096,
             load_format=args.load_format,
+            quantization=args.quantization,
+            kv_cache_dtype=args.kv_cache_dtype,
         )
         prompts, out_lens = throughput_workload(256)
         params = [SamplingParams(temperature=0, max_tokens=o, ignore_eos=True) for o in out_lens]
@@ -284,8 +304,12 @@ def main() -> None:
                 )
             )
 
-    fb, fc = floor_ms(1, 128 + 128, bandwidth), floor_ms(64, 128 + 128, bandwidth)
-    print(f"copy bandwidth {bandwidth / 1e12:.2f} TB/s; floor B {fb:.3f} ms, C {fc:.3f} ms")
+    sizes = element_bytes(args)
+    fb, fc = floor_ms(1, 128 + 128, bandwidth, *sizes), floor_ms(64, 128 + 128, bandwidth, *sizes)
+    print(
+        f"Heron weights {args.quantization or 'bf16'}, KV cache {args.kv_cache_dtype}; copy "
+        f"bandwidth {bandwidth / 1e12:.2f} TB/s; floor B {fb:.3f} ms, C {fc:.3f} ms"
+    )
     print(
         "| engine | A tok/s | B ms/step | B / floor | C ms/step | C / floor | C tok/s | D host idle |"
     )

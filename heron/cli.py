@@ -8,12 +8,16 @@ import logging
 import sys
 from dataclasses import fields
 
+from heron import __version__
 from heron.config import EngineConfig
+from heron.outputs import CompletionOutput
 from heron.sampling_params import SamplingParams
 
 # Engine flags, named like vLLM's: --max-num-seqs, --enable-prefix-caching/--no-..., ...
 _ENGINE_FLAG_HELP = {
-    "model": "HF directory or .gguf file (default: the embedded SmolLM2-135M-Instruct)",
+    "model": "HF directory, .gguf file or Hub id: owner/name, owner/name:file.gguf "
+    "(default: the embedded SmolLM2-135M-Instruct)",
+    "revision": "branch, tag or commit of a Hub id (default: main)",
     "tokenizer": "tokenizer directory (default: the model's)",
     "dtype": "auto, float32, float16 or bfloat16",
     "device": "auto, cpu or cuda[:N]",
@@ -31,6 +35,9 @@ _ENGINE_FLAG_HELP = {
     "attention_backend": "attention operator (default: the platform's)",
     "load_format": "auto (the checkpoint's weights) or dummy (seeded random weights from "
     "config.json alone, for benchmarks; give --tokenizer if the directory has none)",
+    "quantization": "fp8: FP8 E4M3 linear weights quantised at load (FP8 checkpoints are read "
+    "as FP8 without it)",
+    "kv_cache_dtype": "auto (the model's dtype) or fp8 (E4M3: half of bf16's bytes per block)",
 }
 
 
@@ -86,8 +93,23 @@ def cmd_generate(args: argparse.Namespace) -> int:
         if output.error:
             print(f"error: {output.error}", file=sys.stderr)
             return 1
-        print(output.outputs[0].text)
+        sample = output.outputs[0]
+        print(sample.text)
+        if _ended_at_once(sample):
+            hint = "; it is a chat model: try heron chat" if llm.tokenizer.chat_template else ""
+            print(
+                f"heron: the model ended the completion at once (end of sequence){hint}",
+                file=sys.stderr,
+            )
     return 0
+
+
+def _ended_at_once(sample: CompletionOutput) -> bool:
+    """Whether the first token was end-of-sequence: what an instruct model often answers to
+    a raw prompt without its chat template."""
+    return (
+        sample.finish_reason == "stop" and sample.stop_reason is None and len(sample.token_ids) == 1
+    )
 
 
 def cmd_chat(args: argparse.Namespace) -> int:
@@ -128,6 +150,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
     engine = LLMEngine(engine_config(args))
     runner = engine.runner
     plan = runner.plan.describe()
+    scheme = engine.model_config.quantization
+    plan["weights"] = scheme.describe() if scheme else "unquantised"
     plan["cache_groups"] = [
         {
             "group": u.group,
@@ -151,6 +175,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
         for layer in group["layers"]:
             print(f"    {layer}")
     print(f"fallback: {plan['fallback_reason'] or 'none'}")
+    print(f"weights: {plan['weights']}")
     for cache in plan["cache_groups"]:
         print(f"cache group {cache['group']}: {cache['description']}; {cache['num_blocks']} blocks")
         for layer in cache["layers"]:
@@ -170,8 +195,18 @@ def _json_fields(spec: object) -> dict[str, object]:
 
 def cmd_serve(args: argparse.Namespace) -> int:
     from heron.engine.core_client import EngineStartupError
+    from heron.server.chat_output import ChatOutputConfig
     from heron.server.serve import serve
 
+    if args.model_tag is not None:
+        if args.model is not None and args.model != args.model_tag:
+            raise ValueError(
+                f"the model is given twice: {args.model_tag!r} and --model {args.model!r}"
+            )
+        args.model = args.model_tag
+    chat_output = ChatOutputConfig(
+        args.reasoning_parser, args.tool_call_parser, args.enable_auto_tool_choice
+    )
     try:
         return serve(
             engine_config(args),
@@ -180,6 +215,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
             api_key=args.api_key,
             served_model_name=args.served_model_name,
             log_level=args.log_level,
+            max_request_body_bytes=args.max_request_body_bytes,
+            trust_request_chat_template=args.trust_request_chat_template,
+            chat_output=chat_output,
         )
     except EngineStartupError as e:
         print(f"heron: error: the engine could not start: {e}", file=sys.stderr)
@@ -187,8 +225,11 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from heron.server.request_body import DEFAULT_MAX_REQUEST_BODY_BYTES
+
     parser = argparse.ArgumentParser(prog="heron", description=__doc__)
     parser.add_argument("--log-level", default="WARNING")
+    parser.add_argument("--version", action="version", version=f"heron {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
     gen = sub.add_parser("generate", help="complete prompts")
     gen.add_argument("--prompt", action="append", help="prompt text (repeatable; default: stdin)")
@@ -200,11 +241,38 @@ def build_parser() -> argparse.ArgumentParser:
     plan = sub.add_parser("plan", help="show the model's resolved step-metadata plan")
     plan.add_argument("--json", action="store_true")
     serve = sub.add_parser("serve", help="serve the OpenAI-compatible HTTP API")
+    serve.add_argument(
+        "model_tag", nargs="?", metavar="MODEL", help="the model, as --model (vllm serve MODEL)"
+    )
     serve.add_argument("--host", default="127.0.0.1")
     serve.add_argument("--port", type=int, default=8000)
     serve.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY'")
     serve.add_argument(
         "--served-model-name", default=None, help="model name of the API (default: --model)"
+    )
+    serve.add_argument(
+        "--enable-auto-tool-choice",
+        action="store_true",
+        help='let the model call tools on its own (tool_choice "auto"; needs --tool-call-parser)',
+    )
+    serve.add_argument(
+        "--tool-call-parser", default=None, help="tool-call format: hermes or llama3_json"
+    )
+    serve.add_argument(
+        "--reasoning-parser",
+        default=None,
+        help="split <think> reasoning into reasoning_content: qwen3 or deepseek_r1",
+    )
+    serve.add_argument(
+        "--max-request-body-bytes",
+        type=int,
+        default=DEFAULT_MAX_REQUEST_BODY_BYTES,
+        help="larger request bodies are refused with 413",
+    )
+    serve.add_argument(
+        "--trust-request-chat-template",
+        action="store_true",
+        help="let requests bring their own chat_template (a Jinja template the server runs)",
     )
     for p in (gen, chat, plan, serve):
         add_engine_args(p)

@@ -8,6 +8,8 @@ from pathlib import Path
 import torch
 from transformers import AutoConfig, GenerationConfig, PretrainedConfig
 
+from heron.layers.fp8 import FP8, QUANTIZATIONS, Fp8Scheme, fp8_scheme
+
 _DTYPES = {
     "float32": torch.float32,
     "fp32": torch.float32,
@@ -25,15 +27,19 @@ DEFAULT_HOST_KV_CACHE_BYTES = 2 << 30
 # "auto": the checkpoint's safetensors (or GGUF) weights; "dummy": seeded random weights made on
 # the device from config.json alone, as vLLM's, for benchmarks of shapes with no checkpoint.
 LOAD_FORMATS = ("auto", "dummy")
+# "auto": the KV cache in the model's dtype; "fp8": E4M3 (half the bytes of bf16).
+KV_CACHE_DTYPES = ("auto", "fp8")
 # Any of these lets AutoTokenizer load a directory (tokenizer_config.json alone does not).
-_TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "vocab.txt")
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "vocab.txt")
 
 
 @dataclass
 class EngineConfig:
     """User-facing engine options, named as vLLM users know them."""
 
-    model: str | None = None  # HF directory or .gguf file; None: the embedded default model
+    # HF directory, .gguf file or Hub id (owner/name[:file.gguf]); None: the default model
+    model: str | None = None
+    revision: str | None = None  # of a Hub id: branch, tag or commit
     tokenizer: str | None = None
     dtype: str = "auto"
     device: str = "auto"
@@ -50,13 +56,24 @@ class EngineConfig:
     num_kv_blocks: int | None = None
     attention_backend: str | None = None
     load_format: str = "auto"
+    quantization: str | None = None  # QUANTIZATIONS; an FP8 checkpoint is read as FP8 anyway
+    kv_cache_dtype: str = "auto"  # KV_CACHE_DTYPES
 
     def __post_init__(self) -> None:
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(
+                f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, "
+                f"got {self.kv_cache_dtype!r}"
+            )
+        if self.quantization is not None and self.quantization not in QUANTIZATIONS:
+            raise ValueError(
+                f"quantization must be one of {', '.join(QUANTIZATIONS)}, got {self.quantization!r}"
+            )
         if self.load_format not in LOAD_FORMATS:
             raise ValueError(
                 f"load_format must be one of {', '.join(LOAD_FORMATS)}, got {self.load_format!r}"
             )
-        if self.load_format == "dummy" and self.tokenizer is None and _lacks_tokenizer(self.model):
+        if self.load_format == "dummy" and self.tokenizer is None and lacks_tokenizer(self.model):
             raise ValueError(
                 f"load_format='dummy': {self.model} has no tokenizer files; pass tokenizer= "
                 "(a directory with one, e.g. the default model's) to build the dummy model"
@@ -92,6 +109,8 @@ class ModelConfig:
     eos_token_ids: frozenset[int] = field(default_factory=frozenset)
     load_format: str = "auto"  # see LOAD_FORMATS
     seed: int = 0  # of the dummy weights
+    quantization: Fp8Scheme | None = None  # how linear layers hold FP8 weights; None: they don't
+    kv_cache_dtype: torch.dtype | None = None  # None: the model's dtype
 
     @property
     def architecture(self) -> str:
@@ -99,7 +118,7 @@ class ModelConfig:
 
     @property
     def vocab_size(self) -> int:
-        return self.hf_config.vocab_size
+        return self.hf_config.get_text_config().vocab_size
 
     @classmethod
     def from_path(
@@ -110,6 +129,8 @@ class ModelConfig:
         max_model_len: int | None,
         load_format: str = "auto",
         seed: int = 0,
+        quantization: str | None = None,
+        kv_cache_dtype: str = "auto",
     ) -> ModelConfig:
         if not (path / "config.json").is_file():
             raise ValueError(f"{path} is not a model directory: it has no config.json")
@@ -118,20 +139,23 @@ class ModelConfig:
             path=path,
             hf_config=hf_config,
             dtype=_resolve_dtype(dtype, hf_config, device),
-            max_model_len=_resolve_max_model_len(hf_config, max_model_len),
+            # A multimodal config keeps the language model's limits in its text config.
+            max_model_len=_resolve_max_model_len(hf_config.get_text_config(), max_model_len),
             eos_token_ids=_eos_token_ids(path, hf_config),
             load_format=load_format,
             seed=seed,
+            quantization=fp8_scheme(hf_config, quantization),
+            kv_cache_dtype=FP8 if kv_cache_dtype == "fp8" else None,
         )
 
 
-def _lacks_tokenizer(model: str | None) -> bool:
+def lacks_tokenizer(model: str | Path | None) -> bool:
     """Whether ``model`` is a directory without tokenizer files (the default model and GGUF
     files always bring theirs)."""
     if model is None:
         return False
     path = Path(model).expanduser()
-    return path.is_dir() and not any((path / name).is_file() for name in _TOKENIZER_FILES)
+    return path.is_dir() and not any((path / name).is_file() for name in TOKENIZER_FILES)
 
 
 def _resolve_dtype(dtype: str, hf_config: PretrainedConfig, device: torch.device) -> torch.dtype:

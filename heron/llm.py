@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 import itertools
 import logging
 import time
@@ -80,12 +81,34 @@ class LLM:
         return self.generate(prompts, sampling_params, use_tqdm)
 
     def apply_chat_template(
-        self, conversation: Conversation, add_generation_prompt: bool = True
+        self,
+        conversation: Conversation,
+        add_generation_prompt: bool = True,
+        tools: list[dict[str, Any]] | None = None,
+        chat_template: str | None = None,
+        template_kwargs: dict[str, Any] | None = None,
     ) -> list[int]:
-        if not getattr(self.tokenizer, "chat_template", None):
+        """Token ids of ``conversation`` through ``chat_template`` (a Jinja template) or, by
+        default, the tokenizer's own; ``tools`` (OpenAI's tool definitions) go to the template,
+        which decides how the model sees them; ``template_kwargs`` are more variables of the
+        template (``enable_thinking`` of Qwen3's, say)."""
+        if chat_template is None and not getattr(self.tokenizer, "chat_template", None):
             raise ValueError("this model's tokenizer has no chat template")
+        taken = set(template_kwargs or ()) & set(
+            inspect.signature(self.tokenizer.apply_chat_template).parameters
+        )
+        if taken:
+            raise ValueError(
+                f"chat_template_kwargs may not set {', '.join(sorted(taken))}: "
+                "those are arguments of the template call, not template variables"
+            )
         text = self.tokenizer.apply_chat_template(
-            conversation, tokenize=False, add_generation_prompt=add_generation_prompt
+            conversation,
+            tools=tools,
+            tokenize=False,
+            add_generation_prompt=add_generation_prompt,
+            chat_template=chat_template,
+            **(template_kwargs or {}),
         )
         # The template already wrote any BOS token; do not add a second one.
         return self.tokenizer.encode(text, add_special_tokens=False)

@@ -42,9 +42,8 @@ class CpuPlatform(Platform):
 class CudaPlatform(Platform):
     name = "cuda"
     # 64-token blocks (lmdeploy's size): a decode step takes the KV cache's slow path (a block
-    # boundary) every 64 tokens instead of every 16, and its block tables are a quarter as wide.
-    # On an H200, 64 requests of 4k on a Gemma-3-1B-shaped model went from 2.06-2.19 to
-    # 1.93-2.05 ms a step, other cases unchanged (BENCHMARKS.md, twelfth session).
+    # boundary) every 64 tokens instead of every 16, and its block tables are a quarter as wide,
+    # which measured faster on large batches of long contexts (BENCHMARKS.md).
     default_block_size = 64
 
     def default_attention_backend(self) -> str:
@@ -68,7 +67,13 @@ class CudaPlatform(Platform):
 def resolve_device(device: str | torch.device | None) -> torch.device:
     if device is None or device == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    device = torch.device(device)
+    name = str(device)
+    try:
+        device = torch.device(device)
+    except RuntimeError:
+        device = None
+    if device is None or device.type not in ("cpu", "cuda"):
+        raise ValueError(f"unknown device {name!r}: use auto, cpu or cuda[:N]")
     if device.type == "cuda" and not torch.cuda.is_available():
         raise ValueError(f"device {str(device)!r} requested but CUDA is not available")
     if device.type == "cuda" and device.index is None:

@@ -4,9 +4,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from heron.structured.params import StructuredOutputsParams
+
 _GREEDY_EPS = 1e-5
 # OpenAI's own limit; it also bounds the sequences one request can add to the engine.
 MAX_N = 128
+_INT64_MIN, _INT64_MAX = -(2**63), 2**63 - 1
 
 
 @dataclass
@@ -35,6 +38,8 @@ class SamplingParams:
     logprobs: int | None = None  # top-N logprobs per generated token (0: only the sampled one)
     prompt_logprobs: int | None = None  # top-N logprobs per prompt token
     skip_special_tokens: bool = True
+    structured_outputs: StructuredOutputsParams | None = None  # a grammar the output matches
+    logit_bias: dict[int, float] | None = None  # token id -> added to its logit, in [-100, 100]
     # Filled by the engine from the model's generation config / tokenizer, not by users.
     eos_token_ids: frozenset[int] = field(default_factory=frozenset, repr=False)
 
@@ -67,8 +72,11 @@ class SamplingParams:
             raise bad("presence_penalty", "in [-2, 2]")
         if not -2.0 <= self.frequency_penalty <= 2.0:
             raise bad("frequency_penalty", "in [-2, 2]")
-        if self.seed is not None and not isinstance(self.seed, int):
-            raise bad("seed", "an integer or None")
+        if self.seed is not None and (
+            not isinstance(self.seed, int) or not _INT64_MIN <= self.seed <= _INT64_MAX
+        ):
+            # A seed torch cannot take would fail the whole step, every request in it.
+            raise bad("seed", "a 64-bit signed integer or None")
         if self.max_tokens is not None and (
             not isinstance(self.max_tokens, int) or self.max_tokens < 1
         ):
@@ -81,14 +89,33 @@ class SamplingParams:
             raise bad("stop", "a non-empty string or a list of non-empty strings")
         if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
             raise bad("stop_token_ids", "a list of non-negative integers")
+        if self.logit_bias is not None and any(
+            not isinstance(t, int) or t < 0 or not -100.0 <= b <= 100.0
+            for t, b in self.logit_bias.items()
+        ):
+            raise bad("logit_bias", "a map of token ids >= 0 to biases in [-100, 100]")
         for name in ("logprobs", "prompt_logprobs"):
             value = getattr(self, name)
             if value is not None and (not isinstance(value, int) or not 0 <= value <= 20):
                 raise bad(name, "an integer in [0, 20] or None")
+        if self.structured_outputs is not None:
+            if not isinstance(self.structured_outputs, StructuredOutputsParams):
+                raise bad("structured_outputs", "a StructuredOutputsParams or None")
+            # A finished grammar allows only a stop token, which these would forbid.
+            if self.min_tokens or self.ignore_eos:
+                raise ValueError(
+                    "structured_outputs cannot be combined with min_tokens or ignore_eos"
+                )
 
     @property
     def greedy(self) -> bool:
         return self.temperature < _GREEDY_EPS
+
+    @property
+    def plain_argmax(self) -> bool:
+        """Greedy on the model's own logits: no bias or grammar mask changes them before the
+        argmax."""
+        return self.greedy and not self.logit_bias and self.structured_outputs is None
 
     def clone(self) -> SamplingParams:
         """A copy that can be modified without touching the caller's object."""

@@ -4,6 +4,7 @@ import pytest
 
 from heron import SamplingParams
 from heron.sampling_params import MAX_N
+from heron.structured import StructuredOutputsParams
 
 INVALID = [
     ("n", 0, "[1, 128]"),
@@ -18,6 +19,9 @@ INVALID = [
     ("presence_penalty", 2.5, "[-2, 2]"),
     ("frequency_penalty", -3.0, "[-2, 2]"),
     ("seed", "7", "integer"),
+    ("seed", 2**64, "64-bit signed integer"),
+    ("logit_bias", {5: 100.5}, "[-100, 100]"),
+    ("logit_bias", {-1: 1.0}, "token ids >= 0"),
     ("max_tokens", 0, ">= 1"),
     ("min_tokens", -1, ">= 0"),
     ("stop", [""], "non-empty"),
@@ -44,3 +48,10 @@ def test_normalisation():
     p = SamplingParams(stop="END", top_k=-1, temperature=0)
     assert p.stop == ["END"] and p.top_k == 0 and p.greedy
     assert SamplingParams(max_tokens=None).max_tokens is None
+
+
+def test_plain_argmax_is_greedy_on_untouched_logits():
+    assert SamplingParams(temperature=0).plain_argmax
+    assert not SamplingParams(temperature=0, logit_bias={3: 1.0}).plain_argmax
+    grammar = StructuredOutputsParams(regex="a+")
+    assert not SamplingParams(temperature=0, structured_outputs=grammar).plain_argmax

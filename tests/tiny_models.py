@@ -111,9 +111,12 @@ def attend(op, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tenso
 def hf_greedy(hf, prompts: list[list[int]], max_new: int) -> list[list[int]]:
     """HF transformers' greedy continuation of each prompt (no EOS stop: ids only)."""
     return [
-        hf.generate(torch.tensor([p]), max_new_tokens=max_new, do_sample=False, pad_token_id=0)[
-            0, len(p) :
-        ].tolist()
+        hf.generate(
+            torch.tensor([p], device=hf.device),
+            max_new_tokens=max_new,
+            do_sample=False,
+            pad_token_id=0,
+        )[0, len(p) :].tolist()
         for p in prompts
     ]
 
@@ -128,3 +131,74 @@ def hf_prompt_logprobs(hf, prompt: list[int]) -> torch.Tensor:
     with torch.no_grad():
         logits = hf(torch.tensor([prompt])).logits[0].float()
     return torch.log_softmax(logits, -1)[torch.arange(len(prompt) - 1), torch.tensor(prompt[1:])]
+
+
+# Prompts for engine parity tests with 16-token blocks: the first two share a 32-token prefix
+# (two full blocks), one is shorter than a block, one spans several.
+SHARED_PREFIX_PROMPTS = [
+    list(range(10, 42)) + [7, 8, 9],
+    list(range(10, 42)) + [200, 201, 202, 203, 204],
+    [3, 4, 5, 6],
+    [(i * 37) % 300 + 5 for i in range(50)],
+]
+
+
+def rerun_from_prefix_cache(llm, prompts: list[list[int]], params, refs) -> None:
+    """Run ``prompts`` again on ``llm``, which ran them before: equal tokens, the shared prefix
+    of the first (two blocks) taken from the cache."""
+    outputs = llm.generate(prompts, params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outputs] == refs
+    assert outputs[0].num_cached_tokens == 32
+    assert llm.engine.kv_cache.prefix_cache_hits > 0
+
+
+def prompt_logprob_error(llm, hf, prompt: list[int]) -> float:
+    """The largest difference between Heron's and HF's prompt logprobs of ``prompt``."""
+    from heron import SamplingParams
+
+    params = SamplingParams(max_tokens=1, prompt_logprobs=1)
+    out = llm.generate(prompt, params, use_tqdm=False)[0]
+    got = torch.tensor([lp.logprob for lp in out.prompt_logprobs[1:]])
+    return (got - hf_prompt_logprobs(hf, prompt)).abs().max().item()
+
+
+def cuda_graph_llm(path: Path):
+    """An fp32 engine on CUDA with decode graphs up to batch 4 and 32-token prefill chunks, for
+    exact greedy parity with HF on the GPU."""
+    from heron import LLM
+
+    llm = LLM(
+        str(path),
+        device="cuda",
+        dtype="float32",
+        max_model_len=128,
+        num_kv_blocks=64,
+        cuda_graph_max_bs=4,
+        max_num_batched_tokens=32,
+    )
+    assert llm.engine.runner.graphs is not None
+    return llm
+
+
+def save_with_hf_reference(model, path, prompts: list[list[int]], max_new: int):
+    """Save ``model`` (with the test tokenizer) to ``path``, load it back as HF's eager fp32
+    reference; return ``(path, hf, HF's greedy continuations of prompts)``."""
+    import transformers as tf
+
+    model.generation_config.eos_token_id = None
+    model.save_pretrained(path)
+    make_tokenizer().save_pretrained(path)
+    hf = tf.AutoModelForCausalLM.from_pretrained(
+        path, dtype=torch.float32, attn_implementation="eager"
+    ).eval()
+    return path, hf, hf_greedy(hf, prompts, max_new)
+
+
+def first_divergence_is_a_near_tie(hf, prompt: list[int], got: list[int], want: list[int]) -> bool:
+    """DESIGN §5: where greedy outputs diverge, each side's token is in the other's top-5."""
+    for i, (a, b) in enumerate(zip(got, want)):
+        if a != b:
+            with torch.no_grad():
+                logits = hf(torch.tensor([prompt + want[:i]], device=hf.device)).logits[0, -1]
+            return a in logits.topk(5).indices.tolist()
+    return True

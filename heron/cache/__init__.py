@@ -4,7 +4,8 @@ from heron.cache.block_pool import NULL_BLOCK_ID, BlockPool, hash_block_tokens
 from heron.cache.coordinator import GroupUsage, KVCacheCoordinator
 from heron.cache.manager import AllocationHeadroom, AllocationPlan, CacheManager
 from heron.cache.paged import PagedCacheManager, PagedPlan
-from heron.cache.spec import CacheSpec, FullAttentionSpec, SlidingWindowSpec
+from heron.cache.recurrent import RecurrentStateManager, RecurrentStateSpec
+from heron.cache.spec import CacheSpec, FullAttentionSpec, LatentAttentionSpec, SlidingWindowSpec
 
 __all__ = [
     "NULL_BLOCK_ID",
@@ -16,8 +17,11 @@ __all__ = [
     "FullAttentionSpec",
     "GroupUsage",
     "KVCacheCoordinator",
+    "LatentAttentionSpec",
     "PagedCacheManager",
     "PagedPlan",
+    "RecurrentStateManager",
+    "RecurrentStateSpec",
     "SlidingWindowSpec",
     "hash_block_tokens",
 ]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, NamedTuple
 
@@ -15,6 +16,8 @@ from heron.cache.manager import (
 if TYPE_CHECKING:
     from heron.cache.spec import CacheSpec
     from heron.engine.request import Request
+
+logger = logging.getLogger(__name__)
 
 
 class GroupUsage(NamedTuple):
@@ -49,12 +52,23 @@ class KVCacheCoordinator:
                 f"need one pool size per cache group, got {list(num_blocks)} for "
                 f"{len(specs)} cache spec(s)"
             )
-        block_sizes = {spec.block_size for spec in specs}
-        if len(block_sizes) != 1:
-            # One hit length and one chain of block hashes serve every group.
-            raise ValueError(f"cache groups must share one block size, got {sorted(block_sizes)}")
+        block_sizes = {spec.block_size for spec in specs if spec.joins_prefix_chain}
+        if len(block_sizes) > 1:
+            # One hit length and one chain of block hashes serve every group that hashes.
+            raise ValueError(
+                f"cache groups in the prefix chain must share one block size, got "
+                f"{sorted(block_sizes)}"
+            )
         self.specs = list(specs)
-        self.block_size = specs[0].block_size
+        self.block_size = next(iter(block_sizes), 1)
+        unserved = [spec for spec in specs if not spec.serves_prefix_hits]
+        if enable_prefix_caching and unserved:
+            logger.warning(
+                "prefix caching is off: the cache group (%s) keeps no prefix checkpoints, so "
+                "no cached prefix could be reused",
+                unserved[0].describe(),
+            )
+            enable_prefix_caching = False
         self.enable_prefix_caching = enable_prefix_caching
         self.groups: list[CacheManager] = [
             spec.make_manager(n, enable_prefix_caching) for spec, n in zip(specs, num_blocks)
@@ -154,7 +168,8 @@ class KVCacheCoordinator:
         chain: Sequence[int] = ()
         for group, blocks, plan in zip(groups, hits, plans):
             group.commit(request, num_new_tokens, blocks, plan, chain)
-            chain = group.block_hashes(request_id)
+            if group.spec.joins_prefix_chain:
+                chain = group.block_hashes(request_id)
         self._headroom[request_id] = self._group_headroom(request_id)
         self.changed_tables.append(request_id)
         if request_id not in self._tables:

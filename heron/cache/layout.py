@@ -22,7 +22,7 @@ class CacheOwner(Protocol):
     @property
     def cache_spec(self) -> CacheSpec: ...
 
-    def bind_cache(self, cache: torch.Tensor | None) -> None: ...
+    def bind_cache(self, cache: torch.Tensor | tuple | None) -> None: ...
 
 
 class CacheLayout:
@@ -61,6 +61,7 @@ class CacheLayout:
         max_model_len: int,
         max_num_batched_tokens: int,
         max_num_seqs: int | None = None,
+        max_running: int | None = None,
     ) -> list[int]:
         """Pool size (null block included) of each group for ``budget`` bytes.
 
@@ -68,15 +69,37 @@ class CacheLayout:
         sequence and ``B_g`` bytes per block, ``S = (budget - sum B_g) / sum(b_g * B_g)`` and
         group ``g`` gets ``floor(S * b_g) + 1`` blocks (the ``+ 1`` is its null block), at most
         what ``max_num_seqs`` sequences can hold when given.
+
+        Groups of one entry per request (``spec.per_request``) need no more entries than
+        requests run at once: given ``max_running``, they get ``max_running + 1`` when the
+        rest of the budget still holds a max-length sequence in every other group, and the
+        other groups split that rest as above. Short requests are then not bounded by how many
+        max-length ones would fit.
         """
         per_block = self.bytes_per_block()
         per_seq = self.blocks_per_seq(max_model_len, max_num_batched_tokens)
+        fixed = [spec.per_request for spec in self.specs]
+        if max_running is not None and any(fixed) and not all(fixed):
+            reserved = sum((max_running + 1) * B for B, f in zip(per_block, fixed) if f)
+            growing = [(b, B) for b, B, f in zip(per_seq, per_block, fixed) if not f]
+            usable = budget - reserved - sum(B for _, B in growing)
+            bytes_per_seq = sum(b * B for b, B in growing)
+            if usable >= bytes_per_seq:
+                num_blocks = [
+                    max_running + 1 if f else usable * b // bytes_per_seq + 1
+                    for b, f in zip(per_seq, fixed)
+                ]
+                return self._capped(num_blocks, per_seq, max_num_seqs)
         bytes_per_seq = sum(b * B for b, B in zip(per_seq, per_block))
         usable = max(0, budget - sum(per_block))
         num_blocks = [usable * b // bytes_per_seq + 1 for b in per_seq]
-        if max_num_seqs is not None:
-            num_blocks = [min(n, max_num_seqs * b + 1) for n, b in zip(num_blocks, per_seq)]
-        return num_blocks
+        return self._capped(num_blocks, per_seq, max_num_seqs)
+
+    @staticmethod
+    def _capped(num_blocks: list[int], per_seq: list[int], max_num_seqs: int | None) -> list[int]:
+        if max_num_seqs is None:
+            return num_blocks
+        return [min(n, max_num_seqs * b + 1) for n, b in zip(num_blocks, per_seq)]
 
     def check_fits(
         self, num_blocks: Sequence[int], max_model_len: int, max_num_batched_tokens: int
@@ -92,12 +115,9 @@ class CacheLayout:
                 )
 
     def allocate(self, num_blocks: Sequence[int], device: torch.device) -> None:
-        """Give every owner a zeroed tensor over its group's pool of ``num_blocks[g]``."""
+        """Give every owner its zeroed cache over its group's pool of ``num_blocks[g]``."""
         for owner, g in zip(self.owners, self.owner_groups):
-            spec = owner.cache_spec
-            owner.bind_cache(
-                torch.zeros(spec.tensor_shape(num_blocks[g]), dtype=spec.dtype, device=device)
-            )
+            owner.bind_cache(owner.cache_spec.allocate(num_blocks[g], device))
 
     def release(self) -> None:
         for owner in self.owners:

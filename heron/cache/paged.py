@@ -1,5 +1,6 @@
-"""The manager of a paged cache group (full attention or a sliding window): per-request block
-tables over one :class:`~heron.cache.block_pool.BlockPool`, prefix caching of full blocks."""
+"""The manager of a paged cache group (full attention, a sliding window or MLA's latent):
+per-request block tables over one :class:`~heron.cache.block_pool.BlockPool`, prefix caching
+of full blocks."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ from typing import TYPE_CHECKING, NamedTuple
 
 from heron.cache.block_pool import NULL_BLOCK_ID, ROOT_HASH, BlockPool, hash_block_tokens
 from heron.cache.manager import NO_HEADROOM, AllocationHeadroom, CacheManager
-from heron.cache.spec import FullAttentionSpec, SlidingWindowSpec
+from heron.cache.spec import CacheSpec, SlidingWindowSpec
 
 if TYPE_CHECKING:
     from heron.engine.request import Request
@@ -68,7 +69,7 @@ class PagedCacheManager(CacheManager):
     """
 
     def __init__(
-        self, spec: FullAttentionSpec, num_blocks: int, enable_prefix_caching: bool = True
+        self, spec: CacheSpec, num_blocks: int, enable_prefix_caching: bool = True
     ) -> None:
         if num_blocks < 2:
             raise ValueError(f"num_blocks must be >= 2 (block 0 is reserved), got {num_blocks}")

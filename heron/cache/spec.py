@@ -16,12 +16,28 @@ if TYPE_CHECKING:
     from heron.cache.manager import CacheManager
 
 
+def paged_table_width(max_model_len: int, block_size: int, sliding_window: int | None) -> int:
+    """Widest table row a decode step reads: every block of the context, or with a window the
+    blocks from the window's first key to the newest token."""
+    width = -(-max_model_len // block_size)
+    if sliding_window is None:
+        return width
+    return min(width, -(-(sliding_window - 1) // block_size) + 1)
+
+
 @dataclass(frozen=True)
 class CacheSpec:
     """The contract of a cache kind. ``block_size`` is in tokens (1 for per-request slots)."""
 
     block_size: int
     dtype: torch.dtype
+
+    # Whether the kind's entries are content-addressed by the chain of prefix block hashes
+    # (groups that are share one block size), and whether it can serve prefix-cache hits.
+    joins_prefix_chain = True
+    serves_prefix_hits = True
+    # Whether a request holds a fixed number of entries whatever its length (a state slot).
+    per_request = False
 
     @property
     def bytes_per_block(self) -> int:
@@ -40,6 +56,10 @@ class CacheSpec:
         """Widest table row a decode step needs."""
         raise NotImplementedError
 
+    def allocate(self, num_blocks: int, device: torch.device) -> torch.Tensor | tuple:
+        """One operator's zeroed cache over a pool of ``num_blocks``."""
+        return torch.zeros(self.tensor_shape(num_blocks), dtype=self.dtype, device=device)
+
     def first_table_block(self, context: int | np.ndarray) -> int | np.ndarray:
         """Index, in a request's table, of the first block a step at ``context`` reads."""
         raise NotImplementedError
@@ -56,7 +76,27 @@ class CacheSpec:
 
 
 @dataclass(frozen=True)
-class FullAttentionSpec(CacheSpec):
+class PagedSpec(CacheSpec):
+    """A kind whose every token keeps its entry in paged blocks for the whole sequence, served
+    by the paged manager (prefix caching included); subclasses give the entry's shape."""
+
+    def blocks_per_seq(self, max_model_len: int, max_num_batched_tokens: int) -> int:
+        return -(-max_model_len // self.block_size)
+
+    def table_width(self, max_model_len: int) -> int:
+        return paged_table_width(max_model_len, self.block_size, None)
+
+    def first_table_block(self, context: int | np.ndarray) -> int | np.ndarray:
+        return 0
+
+    def make_manager(self, num_blocks: int, enable_prefix_caching: bool) -> CacheManager:
+        from heron.cache.paged import PagedCacheManager  # paged.py imports this module
+
+        return PagedCacheManager(self, num_blocks, enable_prefix_caching)
+
+
+@dataclass(frozen=True)
+class FullAttentionSpec(PagedSpec):
     """Paged K and V of every token: ``[2, blocks, block_size, kv_heads, head_dim]``."""
 
     num_kv_heads: int
@@ -66,22 +106,8 @@ class FullAttentionSpec(CacheSpec):
     def bytes_per_block(self) -> int:
         return 2 * self.block_size * self.num_kv_heads * self.head_dim * self._element_size()
 
-    def blocks_per_seq(self, max_model_len: int, max_num_batched_tokens: int) -> int:
-        return -(-max_model_len // self.block_size)
-
     def tensor_shape(self, num_blocks: int) -> tuple[int, ...]:
         return (2, num_blocks, self.block_size, self.num_kv_heads, self.head_dim)
-
-    def table_width(self, max_model_len: int) -> int:
-        return -(-max_model_len // self.block_size)
-
-    def first_table_block(self, context: int | np.ndarray) -> int | np.ndarray:
-        return 0
-
-    def make_manager(self, num_blocks: int, enable_prefix_caching: bool) -> CacheManager:
-        from heron.cache.paged import PagedCacheManager  # paged.py imports this module
-
-        return PagedCacheManager(self, num_blocks, enable_prefix_caching)
 
     def describe(self) -> str:
         return (
@@ -109,8 +135,7 @@ class SlidingWindowSpec(FullAttentionSpec):
         return min(super().blocks_per_seq(max_model_len, max_num_batched_tokens), live)
 
     def table_width(self, max_model_len: int) -> int:
-        window_blocks = -(-(self.sliding_window - 1) // self.block_size) + 1
-        return min(super().table_width(max_model_len), window_blocks)
+        return paged_table_width(max_model_len, self.block_size, self.sliding_window)
 
     def first_table_block(self, context: int | np.ndarray) -> int | np.ndarray:
         """The block of the first key that a token at position ``context`` sees: the one rule
@@ -122,3 +147,31 @@ class SlidingWindowSpec(FullAttentionSpec):
 
     def describe(self) -> str:
         return f"sliding window {self.sliding_window}, " + super().describe()
+
+
+@dataclass(frozen=True)
+class LatentAttentionSpec(PagedSpec):
+    """Paged multi-head latent attention (DeepSeek's MLA): per token one entry of the
+    compressed KV latent and the shared rotary key, ``[blocks, block_size, kv_lora_rank +
+    rope_dim]``. Every query head reads the same entry, so it is one "KV head" wide; blocks are
+    paged and prefix-cached as full attention's are."""
+
+    kv_lora_rank: int
+    rope_dim: int
+
+    @property
+    def entry_size(self) -> int:
+        return self.kv_lora_rank + self.rope_dim
+
+    @property
+    def bytes_per_block(self) -> int:
+        return self.block_size * self.entry_size * self._element_size()
+
+    def tensor_shape(self, num_blocks: int) -> tuple[int, ...]:
+        return (num_blocks, self.block_size, self.entry_size)
+
+    def describe(self) -> str:
+        return (
+            f"latent attention: {self.block_size}-token blocks, latent {self.kv_lora_rank} + "
+            f"rope {self.rope_dim}, {str(self.dtype).removeprefix('torch.')}"
+        )

@@ -134,7 +134,7 @@ class EngineCoreClient:
     # ------------------------------------------------------------ event loop side
 
     async def generate(
-        self, request_id: str, prompt: str | list[int], params: SamplingParams
+        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams
     ) -> AsyncIterator[RequestOutput]:
         """Yield the request's outputs until it finishes.
 
@@ -149,13 +149,10 @@ class EngineCoreClient:
         self._loop = asyncio.get_running_loop()
         params = params.clone()
         params.eos_token_ids = self._eos_token_ids
-        if isinstance(prompt, str):
-            text, token_ids = prompt, self.tokenizer.encode(prompt)
-        else:
-            text, token_ids = None, list(prompt)
+        token_ids = list(prompt_token_ids)
         children = [Request(request_id, token_ids, params, sample_index=i) for i in range(params.n)]
         detokenizers = [IncrementalDetokenizer(self.tokenizer, token_ids, params) for _ in children]
-        parent = ParentRequest(request_id, text, token_ids, children, detokenizers, stream=True)
+        parent = ParentRequest(request_id, None, token_ids, children, detokenizers, stream=True)
         stream = _Stream(parent, asyncio.Queue())
         self._streams[request_id] = stream
         self._send(AddRequest(request_id, token_ids, params))

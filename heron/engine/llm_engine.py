@@ -4,12 +4,19 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
+from typing import TYPE_CHECKING
 
 from transformers import AutoTokenizer
 
 from heron.cache.coordinator import KVCacheCoordinator
-from heron.config import DEFAULT_HOST_KV_CACHE_BYTES, EngineConfig, ModelConfig
+from heron.config import (
+    DEFAULT_HOST_KV_CACHE_BYTES,
+    TOKENIZER_FILES,
+    EngineConfig,
+    ModelConfig,
+    lacks_tokenizer,
+)
 from heron.engine.detokenizer import IncrementalDetokenizer
 from heron.engine.request import FinishReason, Request, RequestStatus
 from heron.engine.scheduler import Scheduler, SchedulerConfig
@@ -20,11 +27,18 @@ from heron.outputs import CompletionOutput, PrefixView, RequestOutput
 from heron.platforms import platform_for, resolve_device
 from heron.sampling_params import SamplingParams
 
+if TYPE_CHECKING:
+    import torch
+
+    from heron.structured.grammar import GrammarCompiler
+
 logger = logging.getLogger(__name__)
 
 # With chunked prefill a step never exceeds this many tokens unless the user says otherwise.
 DEFAULT_MAX_NUM_BATCHED_TOKENS = {"cuda": 8192}
 FALLBACK_MAX_NUM_BATCHED_TOKENS = 2048
+# How long an idle step waits for a grammar being compiled before it looks at its commands.
+_GRAMMAR_WAIT_S = 0.02
 
 
 @dataclass(frozen=True)
@@ -90,16 +104,34 @@ class LLMEngine:
         self.detokenize = detokenize
         device = resolve_device(config.device)
         self.platform = platform_for(device)
-        path = resolve_model_path(config.model)
+        path = resolve_model_path(config.model, config.revision)
         self.model_config = ModelConfig.from_path(
-            path, config.dtype, device, config.max_model_len, config.load_format, config.seed
+            path,
+            config.dtype,
+            device,
+            config.max_model_len,
+            config.load_format,
+            config.seed,
+            config.quantization,
+            config.kv_cache_dtype,
         )
-        self.tokenizer = AutoTokenizer.from_pretrained(config.tokenizer or path)
+        tokenizer = config.tokenizer or path
+        if lacks_tokenizer(tokenizer):
+            # transformers would build an empty tokenizer from the config alone.
+            raise ValueError(
+                f"{tokenizer} has no tokenizer files (none of {', '.join(TOKENIZER_FILES)}); "
+                "pass --tokenizer DIR"
+            )
+        self.tokenizer = AutoTokenizer.from_pretrained(tokenizer)
         self.block_size = config.block_size or self.platform.default_block_size
         backend = config.attention_backend or self.platform.default_attention_backend()
-        self.runner = ModelRunner(
-            self.model_config, self.platform, self.block_size, backend, config.seed
-        )
+        try:
+            self.runner = ModelRunner(
+                self.model_config, self.platform, self.block_size, backend, config.seed
+            )
+        except ValueError as e:
+            # Name what the user gave: a GGUF file's weights are read from its converted copy.
+            raise ValueError(f"{config.model or path}: {e}") from e
         self.max_num_batched_tokens = config.max_num_batched_tokens or (
             DEFAULT_MAX_NUM_BATCHED_TOKENS.get(device.type, FALLBACK_MAX_NUM_BATCHED_TOKENS)
         )
@@ -121,15 +153,18 @@ class LLMEngine:
         )
         self._parents: dict[str, ParentRequest] = {}
         self._in_flight: _Launched | None = None  # launched, its tokens not read yet
+        self._grammars: GrammarCompiler | None = None  # made for the first structured request
         self.eos_token_ids = self.model_config.eos_token_ids | (
             {self.tokenizer.eos_token_id} if self.tokenizer.eos_token_id is not None else set()
         )
+        scheme = self.model_config.quantization
         logger.info(
-            "model %s (%s), dtype %s, device %s",
+            "model %s (%s), dtype %s, device %s, %s",
             path,
             self.model_config.architecture,
             self.model_config.dtype,
             device,
+            scheme.describe() if scheme else "unquantised weights",
         )
         for group in self.kv_cache.group_usage():
             logger.info(
@@ -151,10 +186,16 @@ class LLMEngine:
         elif self.platform.device.type == "cuda":
             peak = self.runner.profile_peak_memory(min(max_tokens, max_len))
             budget = self.platform.kv_cache_budget(self.config.gpu_memory_utilization, peak)
-            num_blocks = layout.split_budget(budget, max_len, max_tokens)
+            num_blocks = layout.split_budget(
+                budget, max_len, max_tokens, max_running=self.config.max_num_seqs
+            )
         else:
             num_blocks = layout.split_budget(
-                DEFAULT_HOST_KV_CACHE_BYTES, max_len, max_tokens, self.config.max_num_seqs
+                DEFAULT_HOST_KV_CACHE_BYTES,
+                max_len,
+                max_tokens,
+                self.config.max_num_seqs,
+                max_running=self.config.max_num_seqs,
             )
         layout.check_fits(num_blocks, max_len, max_tokens)
         return num_blocks
@@ -184,6 +225,12 @@ class LLMEngine:
         params.eos_token_ids = frozenset(self.eos_token_ids)
         text, token_ids = self.tokenize_prompt(prompt)
         self._validate_prompt(token_ids)
+        vocab = self.model_config.vocab_size
+        if params.logit_bias and max(params.logit_bias) >= vocab:
+            raise ValueError(
+                f"logit_bias token id {max(params.logit_bias)} is outside the vocabulary "
+                f"[0, {vocab})"
+            )
         children = []
         for index in range(params.n):
             child = Request(
@@ -194,6 +241,12 @@ class LLMEngine:
                 sample_index=index,
             )
             children.append(child)
+        if params.structured_outputs is not None:
+            grammars = self._grammar_compiler().request_grammars(
+                params.structured_outputs, params.n
+            )
+            for child, grammar in zip(children, grammars):
+                child.grammar = grammar
         detokenizers = [
             IncrementalDetokenizer(self.tokenizer, token_ids, params)
             for _ in children
@@ -204,6 +257,16 @@ class LLMEngine:
         )
         for child in children:
             self.scheduler.add(child)
+
+    def _grammar_compiler(self) -> GrammarCompiler:
+        if self._grammars is None:
+            # xgrammar is imported only by an engine that sees a grammar.
+            from heron.structured.grammar import GrammarCompiler
+
+            self._grammars = GrammarCompiler(
+                self.tokenizer, self.model_config.vocab_size, self.eos_token_ids
+            )
+        return self._grammars
 
     def _validate_prompt(self, token_ids: list[int]) -> None:
         if not token_ids:
@@ -253,19 +316,30 @@ class LLMEngine:
 
         With asynchronous scheduling (the default) a step whose tokens stay on the device is
         read one call later: this call schedules and launches the next step first, so the host's
-        work (scheduling, inputs, detokenisation, stop checks) overlaps the device's.
+        work (scheduling, inputs, detokenisation, stop checks) overlaps the device's. A step
+        that samples grammar rows reads the previous step before it is launched (only its
+        scheduling overlaps), since each grammar must see its last token before the next mask.
         """
         previous, self._in_flight = self._in_flight, None
+        touched: dict[str, ParentRequest] = {}
         schedule = self.scheduler.schedule()
         plan = schedule.plan
         launched = None
         if plan.request_ids or plan.finished_ids or plan.preempted_ids:
+            sample_requests = [i.request for i in schedule.scheduled if i.samples]
+            if any(r.grammar is not None for r in sample_requests):
+                if previous is not None and any(
+                    r.grammar is not None and r.num_pending_tokens for r in sample_requests
+                ):
+                    # The masks need the tokens the previous step sampled: wait for them here.
+                    self._read(previous, touched)
+                    previous = None
+                plan = replace(plan, token_bitmask=self._token_bitmask(sample_requests))
             step = self.runner.launch(plan, previous.launched if previous else None)
-            launched = _Launched(step, [i.request for i in schedule.scheduled if i.samples])
+            launched = _Launched(step, sample_requests)
             self.scheduler.finish_step(schedule)
             for request in launched.sample_requests:
                 request.num_pending_tokens += 1
-        touched: dict[str, ParentRequest] = {}
         if previous is not None:
             self._read(previous, touched)
         if launched is not None:
@@ -273,6 +347,10 @@ class LLMEngine:
                 self._in_flight = launched
             else:
                 self._read(launched, touched)
+        elif previous is None:
+            compiling = [r.grammar for r in self.scheduler.waiting if r.waits_for_grammar]
+            if compiling:
+                self._grammars.wait_for_any(compiling, _GRAMMAR_WAIT_S)
 
         outputs = []
         for parent in touched.values():
@@ -285,6 +363,12 @@ class LLMEngine:
             if finished or parent.stream:
                 outputs.append(parent.output())
         return outputs
+
+    def _token_bitmask(self, sample_requests: list[Request]) -> torch.Tensor:
+        """The sampled rows' grammar masks; a request that finished when the previous step was
+        read (its token will be dropped) is left free."""
+        grammars = [None if r.is_finished else r.grammar for r in sample_requests]
+        return self._grammars.token_bitmask(grammars)
 
     def _read(self, launched: _Launched, touched: dict[str, ParentRequest]) -> None:
         """Apply a step's sampled tokens (and prompt logprobs) to its requests."""
@@ -316,6 +400,9 @@ class LLMEngine:
             detokenizer = parent.detokenizers[request.sample_index] if self.detokenize else None
             stop_string = detokenizer.append(token_id) if detokenizer else None
             stop = check_stop(request, token_id, stop_string, max_model_len)
+            if request.grammar is not None and not request.grammar.accept(token_id):
+                # a grammar that failed to compile, or a token it refuses (logged by accept)
+                stop = (FinishReason.ABORT, None)
             if stop is not None:
                 request.finish(*stop)
                 if detokenizer:

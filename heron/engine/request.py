@@ -5,9 +5,13 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from heron.outputs import Logprob
 from heron.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from heron.structured.grammar import RequestGrammar
 
 
 class RequestStatus(enum.Enum):
@@ -52,6 +56,7 @@ class Request:
     prompt_logprobs: list[Logprob | None] = field(default_factory=list)
     first_scheduled_time: float | None = None
     first_token_time: float | None = None
+    grammar: RequestGrammar | None = None  # with structured outputs: where it is in its grammar
 
     def __post_init__(self) -> None:
         self.parent_id = self.parent_id or self.request_id
@@ -76,6 +81,11 @@ class Request:
         return len(self.all_token_ids) + pending >= max_model_len or (
             max_tokens is not None and len(self.output_token_ids) + pending >= max_tokens
         )
+
+    @property
+    def waits_for_grammar(self) -> bool:
+        """Its grammar is still being compiled: it cannot be scheduled yet."""
+        return self.grammar is not None and not self.grammar.is_ready
 
     @property
     def num_output_tokens(self) -> int:

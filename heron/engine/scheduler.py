@@ -9,7 +9,7 @@ from typing import NamedTuple
 
 from heron.cache.coordinator import KVCacheCoordinator
 from heron.engine.request import Request, RequestStatus
-from heron.execution.step_plan import NewRequest, StepPlan, TableUpdate
+from heron.execution.step_plan import NewRequest, SentTables, StepPlan
 
 
 @dataclass(frozen=True)
@@ -56,10 +56,10 @@ class Scheduler:
         self.running: list[Request] = []
         self.num_preemptions = 0
         # For the next plan: requests gone since the last one, and those whose tables were
-        # dropped; per request holding blocks, how many entries of each table were sent.
+        # dropped; how much of each table the runner holds.
         self._finished_ids: list[str] = []
         self._preempted_ids: list[str] = []
-        self._sent: dict[str, list[int]] = {}
+        self._sent = SentTables()
 
     def add(self, request: Request) -> None:
         self.waiting.append(request)
@@ -90,6 +90,7 @@ class Scheduler:
                 i += 1
 
         # Admitting new work right after a preemption would only thrash the pool.
+        compiling: list[Request] = []  # passed over until their grammars are ready
         while (
             not out.preempted
             and self.waiting
@@ -97,6 +98,9 @@ class Scheduler:
             and len(self.running) < self.config.max_num_seqs
         ):
             request = self.waiting[0]
+            if request.waits_for_grammar:
+                compiling.append(self.waiting.popleft())
+                continue
             computed_blocks, num_cached = self.kv_cache.get_computed_blocks(request)
             remaining = request.num_tokens - num_cached
             num_new = min(remaining, budget)
@@ -112,6 +116,7 @@ class Scheduler:
             self.running.append(request)
             out.scheduled.append(ScheduledRequest(request, num_new, num_new == remaining))
             budget -= num_new
+        self.waiting.extendleft(reversed(compiling))
         self._fill_plan(out)
         return out
 
@@ -128,21 +133,16 @@ class Scheduler:
         plan.num_new.extend([item.num_new_tokens for item in scheduled])
         plan.samples.extend([item.samples for item in scheduled])
         # Only a request that allocated this pass can have new table entries.
-        changed, sent_counts = self.kv_cache.changed_tables, self._sent
+        changed = self.kv_cache.changed_tables
         for request_id in changed:
-            tables = self.kv_cache.block_tables(request_id)
-            sent = sent_counts.get(request_id)
-            if sent is None:
-                sent = sent_counts[request_id] = [0] * len(tables)
-            for g, table in enumerate(tables):
-                if len(table) != sent[g]:
-                    plan.table_updates.append(TableUpdate(request_id, g, sent[g], table[sent[g] :]))
-                    sent[g] = len(table)
+            plan.table_updates.extend(
+                self._sent.updates(request_id, self.kv_cache.block_tables(request_id))
+            )
         changed.clear()
 
     def _preempt(self, request: Request) -> None:
         self.kv_cache.free(request)
-        self._sent.pop(request.request_id, None)
+        self._sent.forget(request.request_id)
         self._preempted_ids.append(request.request_id)
         request.status = RequestStatus.WAITING
         request.num_computed_tokens = 0
@@ -162,7 +162,7 @@ class Scheduler:
         elif request in self.waiting:
             self.waiting.remove(request)
         self.kv_cache.free(request)
-        self._sent.pop(request.request_id, None)
+        self._sent.forget(request.request_id)
         self._finished_ids.append(request.request_id)
 
 

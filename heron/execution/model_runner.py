@@ -229,18 +229,18 @@ class ModelRunner:
             self.plan.build_views(seq)
             hidden = self.model(seq.token_ids)
             logits = self.model.compute_logits(hidden[seq.logits_indices.long()])
-        states = step.sample_states
+        states, bitmask = step.sample_states, plan.token_bitmask
         if states and not step.prompt_rows and all(map(on_device, states)):
-            if greedy_ids is not None and all(s.sampling_params.greedy for s in states):
+            if greedy_ids is not None and all(s.sampling_params.plain_argmax for s in states):
                 token_ids = greedy_ids[step.sample_rows]
             else:
                 token_ids = self.sampler.sample_on_device(
-                    logits[step.sample_rows], states, self.generator
+                    logits[step.sample_rows], states, self.generator, bitmask
                 )
             return LaunchedStep(states, token_ids=token_ids)
         token_ids, logprobs = [], []
         if states:
-            sampled = self.sampler(logits[step.sample_rows], states, self.generator)
+            sampled = self.sampler(logits[step.sample_rows], states, self.generator, bitmask)
             token_ids, logprobs = sampled.token_ids, sampled.logprobs
         prompt_lps = {}
         for state, row, position, count in step.prompt_rows:

@@ -1,9 +1,10 @@
 """Turns next-token logits into tokens, one row per request, following each request's params.
 
-The stages and their order follow vLLM: min_tokens masking, penalties, then greedy argmax or
-temperature / top-k / top-p / min-p and a random draw. Every stage works on the whole batch at
-once with per-row parameter tensors and is skipped when no row needs it, because this runs
-every step and the host-side cost is paid per step.
+The stages and their order follow vLLM: the grammar mask of structured outputs (a bitmask the
+engine filled on the host, applied on the device), min_tokens masking, logit bias, penalties,
+then greedy argmax or temperature / top-k / top-p / min-p and a random draw. Every stage works
+on the whole batch at once with per-row parameter tensors and is skipped when no row needs it,
+because this runs every step and the host-side cost is paid per step.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import torch
 from heron.execution.request_state import RequestState
 from heron.outputs import Logprob
 from heron.sampling_params import SamplingParams
+from heron.structured.bitmask import apply_token_bitmask
 
 # Rows of prompt logits turned into log-probabilities at once; bounds the float32 copy
 # (rows x vocab) that log_softmax needs for long prompts.
@@ -45,10 +47,13 @@ class Sampler:
         logits: torch.Tensor,
         requests: Sequence[RequestState],
         generator: torch.Generator | None = None,
+        bitmask: torch.Tensor | None = None,
     ) -> SamplerOutput:
+        """``bitmask`` (host memory, one packed row per row) restricts rows to the tokens their
+        grammars allow."""
         if all(map(on_device, requests)):
             # The common serving case: no stage needs the host.
-            token_ids = self.sample_on_device(logits, requests, generator).tolist()
+            token_ids = self.sample_on_device(logits, requests, generator, bitmask).tolist()
             return SamplerOutput(token_ids, [None] * len(requests))
         params = [r.sampling_params for r in requests]
         # Logprobs are reported from the raw logits (vLLM's default), before any processing.
@@ -59,7 +64,10 @@ class Sampler:
 
         # A private float32 copy: the stages below work in place.
         logits = logits.to(torch.float32, copy=True)
+        if bitmask is not None:
+            apply_token_bitmask(logits, bitmask)
         apply_min_tokens(logits, requests)
+        apply_logit_bias(logits, requests)
         logits = apply_penalties(logits, requests)
         token_ids = _choose(logits, requests, generator)
 
@@ -77,12 +85,17 @@ class Sampler:
         logits: torch.Tensor,
         requests: Sequence[RequestState],
         generator: torch.Generator | None = None,
+        bitmask: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """The tokens of rows whose requests are all :func:`on_device`, left on the device:
         nothing here waits for the device, so the host can go on while they are drawn."""
-        if all(r.sampling_params.greedy for r in requests):
+        if all(r.sampling_params.plain_argmax for r in requests):
             return _argmax(logits)
-        return _choose(logits.to(torch.float32, copy=True), requests, generator)
+        logits = logits.to(torch.float32, copy=True)  # private: the stages work in place
+        if bitmask is not None:
+            apply_token_bitmask(logits, bitmask)
+        apply_logit_bias(logits, requests)
+        return _choose(logits, requests, generator)
 
 
 def _argmax(logits: torch.Tensor) -> torch.Tensor:
@@ -120,7 +133,7 @@ def _choose(
     params = [r.sampling_params for r in requests]
     greedy = [p.greedy for p in params]
     if all(greedy):
-        return logits.argmax(dim=-1)
+        return _argmax(logits)
     if not any(greedy):
         return _draw(sampling_probs(logits, params), requests, generator)
     argmax = logits.argmax(dim=-1)
@@ -150,6 +163,23 @@ def apply_min_tokens(logits: torch.Tensor, requests: Sequence[RequestState]) -> 
             cols += banned
     if rows:
         logits[rows, cols] = float("-inf")
+
+
+def apply_logit_bias(logits: torch.Tensor, requests: Sequence[RequestState]) -> None:
+    """Adds (in place) each row's ``logit_bias``; one upload, no wait for the device."""
+    rows: list[int] = []
+    cols: list[int] = []
+    biases: list[float] = []
+    for i, request in enumerate(requests):
+        bias = request.sampling_params.logit_bias or {}
+        rows += [i] * len(bias)
+        cols += bias.keys()
+        biases += bias.values()
+    if rows:
+        index = _to_device([rows, cols], logits.device)
+        logits.index_put_(
+            (index[0], index[1]), _to_device(biases, logits.device).float(), accumulate=True
+        )
 
 
 def apply_penalties(logits: torch.Tensor, requests: Sequence[RequestState]) -> torch.Tensor:

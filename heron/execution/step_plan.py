@@ -8,6 +8,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import torch
+
 from heron.outputs import Logprob
 from heron.sampling_params import SamplingParams
 
@@ -33,6 +35,26 @@ class TableUpdate:
     block_ids: list[int]
 
 
+class SentTables:
+    """How much of each request's tables the runner has been sent: a plan carries only the
+    entries since (tables grow append-only; a request sent again after a drop starts at 0)."""
+
+    def __init__(self) -> None:
+        self._sent: dict[str, list[int]] = {}
+
+    def updates(self, request_id: str, tables: list[list[int]]) -> list[TableUpdate]:
+        sent = self._sent.setdefault(request_id, [0] * len(tables))
+        out = []
+        for g, table in enumerate(tables):
+            if len(table) != sent[g]:
+                out.append(TableUpdate(request_id, g, sent[g], table[sent[g] :]))
+                sent[g] = len(table)
+        return out
+
+    def forget(self, request_id: str) -> None:
+        self._sent.pop(request_id, None)
+
+
 @dataclass(frozen=True)
 class StepPlan:
     """One step: the scheduled requests in row order, with their context (``num_computed``) and
@@ -51,6 +73,9 @@ class StepPlan:
     table_updates: list[TableUpdate] = field(default_factory=list)
     preempted_ids: list[str] = field(default_factory=list)
     finished_ids: list[str] = field(default_factory=list)
+    # Rows with a grammar: each sampled row's allowed tokens (xgrammar's packed int32 mask, in
+    # host memory, one row per sampled row in order; other rows allow everything).
+    token_bitmask: torch.Tensor | None = None
 
 
 @dataclass(frozen=True)

@@ -3,7 +3,7 @@
 Layout contract (all tensors on one device):
 
 * ``q``, ``out``: ``[B, H, D]`` (any strides, last dim contiguous).
-* ``kv_cache``: ``[2, num_blocks, block_size, KVH, D]`` (0 = K, 1 = V), the model dtype; block 0
+* ``kv_cache``: ``[2, num_blocks, block_size, KVH, D]`` (0 = K, 1 = V), the model dtype or FP8; block 0
   is the null block that padded rows point at.
 * ``block_tables``: int32 ``[B, width]``; position ``p`` of request ``r`` lives in block
   ``block_tables[r, p // block_size - table_starts[r]]`` at offset ``p % block_size``.
@@ -71,9 +71,9 @@ _MAX_SPLITS = 128
 # fp32 values per thread of the merge's [heads, splits, head_dim] tile of partial outputs:
 # it loads many splits at once (one L2 round trip per chunk, not per split) within registers.
 _MERGE_VALUES_PER_THREAD = 32
-# The most partial results one program merges (see the module docstring). One program
-# merging the 128 splits of a 16 k context took ~7 µs of the layer's 19 on an H200; in
-# groups of 16, the layer takes 12 (`benchmarks/tune_decode_attention.py --splits`).
+# The most partial results one program merges (see the module docstring): one program merging
+# every split of a long context is slow, groups of this size measured fastest
+# (`benchmarks/tune_decode_attention.py --splits`).
 _MERGE_GROUP = 16
 
 
@@ -310,6 +310,7 @@ def _decode_kernel(
     stride_lh,
     sinks_ptr,
     softcap,  # with HAS_SOFTCAP: cap * log2(e) (see soft_cap)
+    v_scale,  # an FP8 cache's V scale (its K scale is in qk_scale)
     GROUP: tl.constexpr,
     BLOCK_H: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -370,8 +371,9 @@ def _decode_kernel(
     last = kv_len - 1  # the newest key's position
     newest = valid & (lo + offs_n == last)
     cached = (valid & ~newest)[:, None]
-    k = tl.load(k_ptrs, mask=cached, other=0.0)
-    v = tl.load(k_ptrs + stride_kv, mask=cached, other=0.0)
+    dt = q_ptr.dtype.element_ty  # an FP8 cache's keys and values are converted to it
+    k = tl.load(k_ptrs, mask=cached, other=0.0).to(dt)
+    v = tl.load(k_ptrs + stride_kv, mask=cached, other=0.0).to(dt)
     in_tile = (last >= lo) & (last < lo + BLOCK_N)
     last_block = tl.load(table_row + last // BLOCK_SIZE, mask=in_tile, other=0).to(tl.int64)
     last_key = kv_head + last_block * stride_blk + (last % BLOCK_SIZE) * stride_slot + offs_d
@@ -379,8 +381,9 @@ def _decode_kernel(
     wait_for_previous_kernel(USE_PDL)
     if START_NEXT:  # the output projection is scheduled now, on the idle multiprocessors
         start_next_kernel(USE_PDL)
-    k = tl.where(newest[:, None], tl.load(last_key, mask=in_tile, other=0.0)[None, :], k)
-    v_new = tl.load(last_key + stride_kv, mask=in_tile, other=0.0)
+    k_new = tl.load(last_key, mask=in_tile, other=0.0).to(dt)
+    k = tl.where(newest[:, None], k_new[None, :], k)
+    v_new = tl.load(last_key + stride_kv, mask=in_tile, other=0.0).to(dt)
     v = tl.where(newest[:, None], v_new[None, :], v)
     q_rows = q_ptr + b.to(tl.int64) * stride_qb + heads[:, None] * stride_qh + offs_d[None, :]
     q = tl.load(q_rows, mask=head_mask[:, None], other=0.0)
@@ -390,16 +393,17 @@ def _decode_kernel(
     acc = tl.zeros([BLOCK_H, HEAD_DIM], tl.float32)
     p, alpha, m_i, l_i = _softmax_step(q, k, valid, m_i, l_i, qk_scale, softcap,
                                        HAS_SOFTCAP, DOT_PRECISION)  # fmt: skip
-    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+    acc = acc * alpha[:, None] + tl.dot(p.to(dt), v, input_precision=DOT_PRECISION)
     for start in range(lo + BLOCK_N, hi, BLOCK_N):
         k_ptrs, valid = _tile(table_row, kv_head, start, kv_len, offs_n, offs_d,
                               stride_blk, stride_slot, BLOCK_SIZE)  # fmt: skip
-        k = tl.load(k_ptrs, mask=valid[:, None], other=0.0)
+        k = tl.load(k_ptrs, mask=valid[:, None], other=0.0).to(dt)
         p, alpha, m_i, l_i = _softmax_step(q, k, valid, m_i, l_i, qk_scale, softcap,
                                            HAS_SOFTCAP, DOT_PRECISION)  # fmt: skip
         # V is loaded only now, after the softmax, so K and V tiles are not live together.
-        v = tl.load(k_ptrs + stride_kv, mask=valid[:, None], other=0.0)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+        v = tl.load(k_ptrs + stride_kv, mask=valid[:, None], other=0.0).to(dt)
+        acc = acc * alpha[:, None] + tl.dot(p.to(dt), v, input_precision=DOT_PRECISION)
+    acc *= v_scale
 
     if NUM_SPLITS == 1:
         # This program saw the whole range, so it finishes the softmax, sink included.
@@ -460,8 +464,8 @@ def _decode_kernel(
 
 def _launch_shape(head_dim: int, num_splits: int) -> tuple[int, int]:
     """``(num_warps, num_stages)`` of the decode kernel. Without splits (large batches) each
-    program walks a whole context, and a third pipeline stage keeps more tiles in flight: 8 %
-    faster for 256 requests of 1024 tokens on an H200 (``benchmarks/tune_decode_attention.py``).
+    program walks a whole context, and a third pipeline stage keeps more tiles in flight, which
+    measured faster on large batches (``benchmarks/tune_decode_attention.py``).
     Split programs walk a few tiles each and keep two stages."""
     return (4 if head_dim <= 128 else 8), (3 if num_splits == 1 else 2)
 
@@ -507,6 +511,8 @@ def paged_decode_attention(
     tickets: torch.Tensor | None = None,
     softcap: float | None = None,
     sinks: torch.Tensor | None = None,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> torch.Tensor:
     """Attention of one new token per request over its paged history; writes and returns ``out``.
 
@@ -519,6 +525,7 @@ def paged_decode_attention(
     (request, KV head): ``partial_out`` / ``partial_lse`` / ``tickets`` are its workspace. When
     None they are allocated here (the tickets zeroed: a memset per call); pass persistent ones,
     tickets zeroed once, for CUDA graphs and on hot paths. One launch at a time per workspace.
+    An FP8 (E4M3) cache holds ``K / k_scale`` and ``V / v_scale``.
     """
     batch, num_heads, head_dim = q.shape
     _, _, block_size, num_kv_heads, cache_head_dim = kv_cache.shape
@@ -533,7 +540,7 @@ def paged_decode_attention(
     if batch == 0:
         return out
     group = num_heads // num_kv_heads
-    qk_scale, softcap_log2 = score_constants(scale, softcap)
+    qk_scale, softcap_log2 = score_constants(scale * k_scale, softcap)
     num_warps, num_stages = _launch_shape(head_dim, num_splits)
     merge_h = triton.next_power_of_2(group)
     if num_splits > 1:
@@ -591,6 +598,7 @@ def paged_decode_attention(
         part_lse.stride(1),
         out if sinks is None else sinks,  # any valid pointer when unused
         softcap_log2,
+        v_scale,
         GROUP=group,
         BLOCK_H=max(16, triton.next_power_of_2(group)),
         BLOCK_N=_BLOCK_N,

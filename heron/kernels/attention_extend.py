@@ -60,6 +60,7 @@ def _extend_kernel(
     stride_oh,
     sinks_ptr,
     softcap,  # with HAS_SOFTCAP: cap * log2(e) (see decode.score_constants)
+    v_scale,  # an FP8 cache's V scale (its K scale is in qk_scale)
     GROUP: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -98,6 +99,7 @@ def _extend_kernel(
         mask=row_mask[:, None],
         other=0.0,
     )
+    dt = q_ptr.dtype.element_ty  # an FP8 cache's keys and values are converted to it
 
     # Keys up to the causal end of the block's last real row, from the window start of its
     # first row (aligned down to a tile; earlier positions are masked per element).
@@ -124,7 +126,7 @@ def _extend_kernel(
         # int64: block_id * block stride overflows int32 for caches beyond 2^31 elements.
         tok_off = block_ids.to(tl.int64) * stride_blk + (k_pos % BLOCK_SIZE) * stride_slot
         k_ptrs = kv_head + tok_off[:, None] + offs_d[None, :]
-        k = tl.load(k_ptrs, mask=in_range[:, None], other=0.0)
+        k = tl.load(k_ptrs, mask=in_range[:, None], other=0.0).to(dt)
 
         visible = (k_pos[None, :] <= q_pos[:, None]) & in_range[None, :]
         if USE_WINDOW:
@@ -138,15 +140,15 @@ def _extend_kernel(
         p = tl.exp2(qk - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
         # V is loaded only now, after the softmax, so K and V tiles are not live together.
-        v = tl.load(k_ptrs + stride_kv, mask=in_range[:, None], other=0.0)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+        v = tl.load(k_ptrs + stride_kv, mask=in_range[:, None], other=0.0).to(dt)
+        acc = acc * alpha[:, None] + tl.dot(p.to(dt), v, input_precision=DOT_PRECISION)
         m_i = m_new
 
     if HAS_SINKS:
         l_i, acc = add_sink(m_i, l_i, acc, tl.load(sinks_ptr + h).to(tl.float32))
     # Every real row sees at least its own key, so l_i > 0 there; the guard keeps padding rows
     # of the tile finite.
-    result = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]
+    result = acc * v_scale / tl.where(l_i > 0.0, l_i, 1.0)[:, None]
     tl.store(
         out_ptr + q_rows[:, None] * stride_ot + h * stride_oh + offs_d[None, :],
         result.to(out_ptr.dtype.element_ty),
@@ -167,6 +169,8 @@ def paged_extend_attention(
     out: torch.Tensor,
     softcap: float | None = None,
     sinks: torch.Tensor | None = None,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> torch.Tensor:
     """Causal attention of the new tokens over their requests' paged KV; writes, returns ``out``.
 
@@ -174,7 +178,8 @@ def paged_extend_attention(
     ``p - sliding_window < j <= p`` (all ``j <= p`` when the window is None). ``softcap``
     caps the scaled scores (Gemma 2), ``sinks`` [H] joins each head's softmax (gpt-oss).
     ``max_query_len`` (a host int, at least the longest request's new-token count) sizes the
-    grid; programs beyond a request's new tokens return at once.
+    grid; programs beyond a request's new tokens return at once. An FP8 (E4M3) cache holds
+    ``K / k_scale`` and ``V / v_scale``.
     """
     num_tokens, num_heads, head_dim = q.shape
     _, _, block_size, num_kv_heads, cache_head_dim = kv_cache.shape
@@ -188,7 +193,7 @@ def paged_extend_attention(
     assert softcap is None or softcap > 0
     if num_tokens == 0 or num_reqs == 0 or max_query_len == 0:
         return out
-    qk_scale, softcap_log2 = score_constants(scale, softcap)
+    qk_scale, softcap_log2 = score_constants(scale * k_scale, softcap)
     # Tiles and warps chosen (by ptxas register reports for sm_90, not by timing) so q, the
     # K/V tiles and the fp32 accumulator fit in registers: no spills up to head_dim 128.
     block_m, block_n = (64, 64) if head_dim <= 128 else (64, 32)
@@ -215,6 +220,7 @@ def paged_extend_attention(
         out.stride(1),
         out if sinks is None else sinks,  # any valid pointer when unused
         softcap_log2,
+        v_scale,
         GROUP=num_heads // num_kv_heads,
         BLOCK_M=block_m,
         BLOCK_N=block_n,

@@ -76,10 +76,23 @@ def _accumulate(acc, w, x, USE_DOT: tl.constexpr, DOT_PREC: tl.constexpr):
 
 
 @triton.jit
+def _accumulate_scaled(acc, w, x, s, USE_DOT: tl.constexpr, DOT_PREC: tl.constexpr):
+    """``acc`` plus the tile's products times ``s`` [BLOCK_N], the scale of each weight row's
+    block that this tile lies in."""
+    part = _accumulate(tl.zeros_like(acc), w, x, USE_DOT, DOT_PREC)
+    if USE_DOT:
+        acc += part * s[:, None]
+    else:
+        acc += part * s[None, :]
+    return acc
+
+
+@triton.jit
 def _gemv_kernel(
     x_ptr,
     w_ptr,
     b_ptr,
+    s_ptr,
     y_ptr,
     part_ptr,
     cnt_ptr,
@@ -89,10 +102,16 @@ def _gemv_kernel(
     stride_xm,
     stride_ym,
     k_per_split,
+    stride_sn,
     ACT: tl.constexpr,  # 0: x as given; else x = act(x[:, :K]) * x[:, K:] (ACTIVATIONS)
     # 0: y = x @ w.T; else w is [2N, K], [gate; up], and y = act(x @ gate.T) * (x @ up.T)
     GATED_OUT: tl.constexpr,
     HAS_BIAS: tl.constexpr,
+    # 0: w in x's dtype; 1: FP8 w times s[n] (per output channel, in the epilogue); 2: FP8 w
+    # times s[n // SCALE_BN, k // SCALE_BK] (per block, per tile: BLOCK_K divides SCALE_BK)
+    SCALE: tl.constexpr,
+    SCALE_BN: tl.constexpr,
+    SCALE_BK: tl.constexpr,
     HAS_SPLIT: tl.constexpr,
     EVEN_N: tl.constexpr,
     EVEN_K: tl.constexpr,
@@ -129,19 +148,36 @@ def _gemv_kernel(
             x_mask = m_mask[:, None]
         else:
             x_mask = m_mask[:, None] & k_mask[None, :]
-        w = _load_tile(w_ptrs + k, n_mask, k_mask, EVEN_N, EVEN_K)
+        w = _load_tile(w_ptrs + k, n_mask, k_mask, EVEN_N, EVEN_K).to(x_ptr.dtype.element_ty)
         x = tl.load(x_ptrs + k, mask=x_mask, other=0.0)
         if ACT != 0:
             # Rounded to the input dtype, as an unfused activation kernel would store it.
             up = tl.load(x_ptrs + K + k, mask=x_mask, other=0.0)
             x = gated(x, up, ACT, x_ptr.dtype.element_ty).to(x_ptr.dtype.element_ty)
-        acc = _accumulate(acc, w, x, USE_DOT, DOT_PREC)
+        if SCALE == 2:
+            s_ptrs = s_ptr + (offs_n // SCALE_BN) * stride_sn + k // SCALE_BK
+            acc = _accumulate_scaled(
+                acc, w, x, tl.load(s_ptrs, mask=n_mask, other=0.0), USE_DOT, DOT_PREC
+            )
+        else:
+            acc = _accumulate(acc, w, x, USE_DOT, DOT_PREC)
         if GATED_OUT != 0:
             w_up = _load_tile(w_ptrs + tl.cast(N, tl.int64) * K + k, n_mask, k_mask, EVEN_N, EVEN_K)
-            acc_up = _accumulate(acc_up, w_up, x, USE_DOT, DOT_PREC)
+            w_up = w_up.to(x_ptr.dtype.element_ty)
+            if SCALE == 2:
+                s_ptrs = s_ptr + ((offs_n + N) // SCALE_BN) * stride_sn + k // SCALE_BK
+                acc_up = _accumulate_scaled(
+                    acc_up, w_up, x, tl.load(s_ptrs, mask=n_mask, other=0.0), USE_DOT, DOT_PREC
+                )
+            else:
+                acc_up = _accumulate(acc_up, w_up, x, USE_DOT, DOT_PREC)
     if USE_DOT:
         acc = tl.trans(acc)
         acc_up = tl.trans(acc_up)
+    if SCALE == 1:
+        acc *= tl.load(s_ptr + offs_n, mask=n_mask, other=0.0)[None, :]
+        if GATED_OUT != 0:
+            acc_up *= tl.load(s_ptr + N + offs_n, mask=n_mask, other=0.0)[None, :]
     if GATED_OUT != 0:
         # Each half rounded as the unfused product stores it (bias included), then the
         # activation as the unfused activation kernel computes it.
@@ -357,6 +393,8 @@ def _launch(
     cfg: GemvConfig,
     act: int = 0,
     gated_out: int = 0,
+    w_scale: torch.Tensor | None = None,
+    w_block: tuple[int, int] | None = None,
 ) -> None:
     M = x.shape[0]
     N, K = weight.shape
@@ -378,6 +416,7 @@ def _launch(
         x,
         weight,
         bias if bias is not None else weight,
+        w_scale if w_scale is not None else weight,
         out,
         part,
         cnt,
@@ -387,9 +426,13 @@ def _launch(
         x.stride(0),
         out.stride(0),
         k_per_split,
+        w_scale.stride(0) if w_block else 0,
         ACT=act,
         GATED_OUT=gated_out,
         HAS_BIAS=bias is not None,
+        SCALE=0 if w_scale is None else 2 if w_block else 1,
+        SCALE_BN=w_block[0] if w_block else 1,
+        SCALE_BK=w_block[1] if w_block else 1,
         HAS_SPLIT=split > 1,
         EVEN_N=N % cfg.block_n == 0,
         EVEN_K=K % k_per_split == 0,
@@ -419,6 +462,8 @@ def linear_small_m(
     out: torch.Tensor | None = None,
     act: str | None = None,
     gated_out: str | None = None,
+    w_scale: torch.Tensor | None = None,
+    w_block: tuple[int, int] | None = None,
 ) -> torch.Tensor:
     """``x @ weight.T (+ bias)`` for few rows of ``x`` [M, K]; ``weight`` is [N, K] row-major.
 
@@ -427,7 +472,9 @@ def linear_small_m(
     projection. With ``gated_out`` (a key of ``ACTIVATIONS``) ``weight`` (and ``bias``) stack
     ``[gate; up]``, ``2N`` rows, and the result is ``act(x @ gate.T) * (x @ up.T)`` [M, N]:
     the activation in the epilogue of a gated MLP's gate_up projection, rounded as the unfused
-    product and activation would round. Accumulates in fp32 and returns ``x.dtype`` (bf16,
+    product and activation would round. With ``w_scale`` the weight is FP8 E4M3 and stands for
+    ``weight * w_scale``: fp32 ``[N]`` per output row (applied in the epilogue), or, with
+    ``w_block = (bn, bk)`` (powers of two), ``[ceil(N / bn), ceil(K / bk)]`` per block. Accumulates in fp32 and returns ``x.dtype`` (bf16,
     fp16 or fp32). Rows of ``x`` and ``out`` may be strided (unit last stride). Meant for
     ``M <= MAX_M``; larger ``M`` runs ``MAX_M`` rows per launch. No host sync: capturable in a
     CUDA graph once each shape has run eagerly.
@@ -435,8 +482,9 @@ def linear_small_m(
     width = weight.shape[1] * (2 if act is not None else 1) if weight.dim() == 2 else -1
     if x.dim() != 2 or x.shape[1] != width or (gated_out and (act or weight.shape[0] % 2)):
         raise ValueError(f"linear_small_m: shapes {tuple(x.shape)} x {tuple(weight.shape)}")
-    if weight.dtype != x.dtype or (bias is not None and bias.dtype != x.dtype):
-        raise ValueError("linear_small_m: x, weight and bias must share a dtype")
+    if bias is not None and bias.dtype != x.dtype:
+        raise ValueError("linear_small_m: x and bias must share a dtype")
+    _check_weight(x, weight, w_scale, w_block)
     if x.stride(1) != 1:
         x = x.contiguous()
     if not weight.is_contiguous():
@@ -459,6 +507,8 @@ def linear_small_m(
         rows = slice(start, min(M, start + MAX_M))
         m_pad = _m_pad(rows.stop - rows.start)
         cfg = _config(m_pad, N, K, x.element_size(), x.device, act is not None, bool(gated_out))
+        if w_block and cfg.block_k > w_block[1]:  # a tile lies in one block of scales
+            cfg = GemvConfig(cfg[0], cfg[1], w_block[1], *cfg[3:])
         _launch(
             x[rows],
             weight,
@@ -467,5 +517,37 @@ def linear_small_m(
             cfg,
             ACTIVATIONS[act] if act else 0,
             ACTIVATIONS[gated_out] if gated_out else 0,
+            w_scale,
+            w_block,
         )
     return out
+
+
+def _check_weight(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    w_scale: torch.Tensor | None,
+    w_block: tuple[int, int] | None,
+) -> None:
+    """Raises unless ``weight`` is in ``x``'s dtype, or FP8 with scales of a known layout."""
+    if w_scale is None:
+        if weight.dtype != x.dtype or w_block is not None:
+            raise ValueError("linear_small_m: x and weight must share a dtype (or pass w_scale)")
+        return
+    n, k = weight.shape
+    if w_block is None:
+        expected = (n,)
+    elif all(b > 0 and b & (b - 1) == 0 for b in w_block):
+        expected = (-(-n // w_block[0]), -(-k // w_block[1]))
+    else:
+        raise ValueError(f"linear_small_m: w_block {w_block} is not two powers of two")
+    if (
+        weight.dtype != torch.float8_e4m3fn
+        or w_scale.dtype != torch.float32
+        or tuple(w_scale.shape) != expected
+        or not w_scale.is_contiguous()
+    ):
+        raise ValueError(
+            f"linear_small_m: a scaled weight is float8_e4m3fn with contiguous fp32 scales of "
+            f"shape {expected}; got {weight.dtype} and {w_scale.dtype} {tuple(w_scale.shape)}"
+        )

@@ -26,6 +26,7 @@ from heron.kernels.rmsnorm import rms_inv, rms_scale
 # Largest [heads, head_dim] tile one program handles; larger ones leave too few programs to
 # cover the GPU at decode, when there is one token per sequence.
 _MAX_TILE = 512
+_FP8_MAX = tl.constexpr(448.0)  # E4M3's largest value
 
 
 @triton.jit
@@ -43,8 +44,11 @@ def _store_kv(
     stride_c_blk,
     stride_c_slot,
     stride_c_head,
+    k_scale,
+    v_scale,
 ):
-    """Stores the [heads, dims] tiles ``k`` and ``v`` of ``token`` in its cache slot.
+    """Stores the [heads, dims] tiles ``k`` and ``v`` of ``token`` in its cache slot; an FP8
+    cache gets ``k / k_scale`` and ``v / v_scale``, saturated to E4M3's range.
 
     A negative slot marks a token whose KV is not kept (padding); nothing is written for it.
     """
@@ -58,6 +62,9 @@ def _store_kv(
     )
     mask = mask & (slot >= 0)
     dtype = cache_ptr.dtype.element_ty
+    if dtype == tl.float8e4nv:
+        k = tl.clamp(k.to(tl.float32) / k_scale, -_FP8_MAX, _FP8_MAX)
+        v = tl.clamp(v.to(tl.float32) / v_scale, -_FP8_MAX, _FP8_MAX)
     tl.store(cache_ptr + base, k.to(dtype), mask=mask)
     tl.store(cache_ptr + stride_c_kv + base, v.to(dtype), mask=mask)
 
@@ -79,6 +86,8 @@ def _kv_write_kernel(
     stride_c_blk,
     stride_c_slot,
     stride_c_head,
+    k_scale,
+    v_scale,
     BLOCK_H: tl.constexpr,
     BLOCK_D: tl.constexpr,
     START_NEXT: tl.constexpr,
@@ -107,6 +116,8 @@ def _kv_write_kernel(
         stride_c_blk,
         stride_c_slot,
         stride_c_head,
+        k_scale,
+        v_scale,
     )
 
 
@@ -135,6 +146,8 @@ def _qk_norm_rope_kv_write_kernel(
     stride_c_blk,
     stride_c_slot,
     stride_c_head,
+    k_scale,
+    v_scale,
     HAS_NORM: tl.constexpr,
     WEIGHT_OFFSET: tl.constexpr,
     SCALE_IN_FP32: tl.constexpr,
@@ -213,6 +226,8 @@ def _qk_norm_rope_kv_write_kernel(
             stride_c_blk,
             stride_c_slot,
             stride_c_head,
+            k_scale,
+            v_scale,
         )
 
 
@@ -244,9 +259,12 @@ def kv_write(
     kv_cache: torch.Tensor,
     slot_mapping: torch.Tensor,
     start_next: bool = False,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> None:
     """Stores ``k`` and ``v`` [T, KVH, D] in ``kv_cache`` [2, NB, BS, KVH, D] at the slots
-    ``slot_mapping[:T]`` (slot = block * BS + offset; negative slots are skipped).
+    ``slot_mapping[:T]`` (slot = block * BS + offset; negative slots are skipped). An FP8
+    (E4M3) cache stores ``k / k_scale`` and ``v / v_scale``.
 
     ``start_next`` lets the next kernel start while this one runs (see
     ``heron.kernels.pdl.start_next_kernel``): for the decode attention, which loads cached keys
@@ -271,6 +289,8 @@ def kv_write(
         v.stride(0),
         v.stride(1),
         *cache,
+        k_scale,
+        v_scale,
         BLOCK_H=block_h,
         BLOCK_D=block_d,
         START_NEXT=start_next,
@@ -296,6 +316,8 @@ def qk_norm_rope_kv_write(
     norm_weight_offset: float = 0.0,
     norm_scale_in_fp32: bool = False,
     start_next: bool = False,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> torch.Tensor:
     """Splits ``qkv`` [T, (H + 2 KVH) * D] into q, k, v; RMS-normalises q and k per head when
     the norm weights are given (Qwen3's qk-norm ``w * norm(x)``, or with
@@ -306,7 +328,8 @@ def qk_norm_rope_kv_write(
     ``slot_mapping[:T]`` (negative slots are skipped) and returns q as ``q_out`` [T, H, D].
 
     The norm weights are taken to be in ``qkv``'s dtype, as the model's are: the normed values
-    are rounded to it before the rotation. ``start_next``: as for :func:`kv_write`.
+    are rounded to it before the rotation. ``start_next``, ``k_scale``, ``v_scale``: as for
+    :func:`kv_write`.
     """
     tokens = qkv.shape[0]
     if qkv.dim() != 2 or qkv.shape[1] != (num_heads + 2 * num_kv_heads) * head_dim:
@@ -351,6 +374,8 @@ def qk_norm_rope_kv_write(
         q_out.stride(0),
         q_out.stride(1),
         *cache,
+        k_scale,
+        v_scale,
         HAS_NORM=has_norm,
         WEIGHT_OFFSET=float(norm_weight_offset),
         SCALE_IN_FP32=bool(norm_scale_in_fp32),

@@ -1,4 +1,14 @@
-"""Fused mixture-of-experts for gpt-oss's clamped-SwiGLU experts: two grouped GEMMs in Triton.
+"""Fused mixture-of-experts: two grouped GEMMs in Triton over one bank of SwiGLU experts.
+
+One pair of kernels serves every expert bank Heron loads (``heron.layers.moe``); constexprs
+choose what differs between them:
+
+- ``ACTIVATION``: ``"swiglu"`` (``silu(gate) * up``; Qwen-MoE, DeepSeek) or ``"clamped_swiglu"``
+  (gpt-oss: clamped gate and up, ``(up + 1) * gate * sigmoid(alpha * gate)``);
+- ``OUTPUT_MAJOR``: weights stored as ``nn.Linear`` stores them (``[E, out, in]``, HF's stacked
+  experts) or input-major (``[E, in, out]``, gpt-oss);
+- ``INTERLEAVED``: gate and up outputs alternate (gpt-oss) or form two halves ``[gate | up]``;
+- ``HAS_BIAS``: per-expert biases (gpt-oss) or none.
 
 Every step runs on the GPU with shapes that depend only on the token count, never on the
 routing, so there is no host sync and the whole call can be captured in a CUDA graph.
@@ -9,13 +19,13 @@ routing, so there is no host sync and the whole call can be captured in a CUDA g
    The buffers are sized for the worst case, ``T * k + min(E, T * k) * (BLOCK_M - 1)`` rows; the
    number of blocks actually used stays on the device.
 2. ``_gate_up_kernel``: one program per (row block, column tile). It gathers the block's token
-   rows of ``x``, multiplies them by its expert's ``gate_up_proj`` tile, adds the bias and applies
-   the clamped SwiGLU in the epilogue: the gate and up columns alternate in the weight, so a
-   tile of ``BLOCK_N`` weight columns gives ``BLOCK_N / 2`` outputs. The result ``h`` [rows, I]
+   rows of ``x``, multiplies them by its expert's gate/up weights and applies the activation in
+   the epilogue: a tile of ``BLOCK_N`` accumulator columns holds ``BLOCK_N / 2`` (gate, up)
+   pairs side by side, read from wherever the layout keeps them. The result ``h`` [rows, I]
    stays in the sorted row order.
-3. ``_down_kernel``: the same grouped GEMM on ``h`` and ``down_proj``, plus the bias, times the
-   pair's routing weight; each row is stored (fp32) at its pair's place in ``[T * k, hidden]``,
-   and the ``k`` slots of each token are summed afterwards (deterministic: no atomics).
+3. ``_down_kernel``: the same grouped GEMM on ``h`` and the down weights, times the pair's
+   routing weight; each row is stored (fp32) at its pair's place in ``[T * k, hidden]``, and the
+   ``k`` slots of each token are summed afterwards (deterministic: no atomics).
 
 Programs whose row block lies past the used ones return at once; padding rows are computed (on
 zeros) but never stored by the second kernel. Accumulation is fp32 throughout.
@@ -29,27 +39,35 @@ import triton.language as tl
 
 from heron.kernels.pdl import pdl_launch, wait_for_previous_kernel
 
+ACTIVATIONS = ("swiglu", "clamped_swiglu")
+
 
 @triton.jit
 def _expert_matmul(
     a_ptrs,
     a_mask,
     w_ptr,
-    offs_n,
+    cols,
     n_mask,
     N,
     K,
+    OUTPUT_MAJOR: tl.constexpr,
     EVEN_K: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     DOT_PREC: tl.constexpr,
 ):
-    """fp32 ``a @ w`` [BLOCK_M, BLOCK_N] over ``K``: ``a_ptrs`` [BLOCK_M, 1] point at the rows'
-    starts (``a_mask`` [BLOCK_M, 1] says which to read), ``w_ptr`` at one expert's [K, N]."""
+    """fp32 ``a @ w[:, cols]`` [BLOCK_M, BLOCK_N] over ``K``: ``a_ptrs`` [BLOCK_M, 1] point at
+    the rows' starts (``a_mask`` [BLOCK_M, 1] says which to read), ``w_ptr`` at one expert's
+    weight, [N, K] if ``OUTPUT_MAJOR`` else [K, N]."""
+    if OUTPUT_MAJOR:
+        stride_k, stride_n = 1, K
+    else:
+        stride_k, stride_n = N, 1
     offs_k = tl.arange(0, BLOCK_K)
     a_ptrs = a_ptrs + offs_k[None, :]
-    w_ptrs = w_ptr + offs_k[:, None] * N + offs_n[None, :]
+    w_ptrs = w_ptr + offs_k[:, None] * stride_k + cols[None, :] * stride_n
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for k in range(0, K, BLOCK_K):
         if EVEN_K:
@@ -61,7 +79,7 @@ def _expert_matmul(
             w = tl.load(w_ptrs, mask=k_mask[:, None] & n_mask[None, :], other=0.0)
         acc = tl.dot(a, w, acc=acc, input_precision=DOT_PREC)
         a_ptrs += BLOCK_K
-        w_ptrs += BLOCK_K * N
+        w_ptrs += BLOCK_K * stride_k
     return acc
 
 
@@ -91,6 +109,10 @@ def _gate_up_kernel(
     stride_x,
     alpha,
     limit,
+    ACTIVATION: tl.constexpr,
+    OUTPUT_MAJOR: tl.constexpr,
+    INTERLEAVED: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
     EVEN_K: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -98,7 +120,7 @@ def _gate_up_kernel(
     DOT_PREC: tl.constexpr,
     USE_PDL: tl.constexpr,
 ):
-    """``h[rows, tile] = swiglu(x[token(rows)] @ gate_up_proj[e] + bias)`` for one row block."""
+    """``h[rows, tile] = act(x[token(rows)] @ gate_up[e] (+ bias))`` for one row block."""
     wait_for_previous_kernel(USE_PDL)
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
@@ -109,36 +131,47 @@ def _gate_up_kernel(
     )
     tokens = tl.cast(pairs // top_k, tl.int64)
 
-    # BLOCK_N weight columns: BLOCK_N / 2 (gate, up) pairs, the outputs pid_n * BLOCK_N / 2 + j.
+    # Accumulator column c holds output j = pid_n * BLOCK_N / 2 + c // 2, its gate for even c,
+    # its up for odd c; cols says which weight column that is.
     n_cols = 2 * inter
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    n_mask = offs_n < n_cols
+    offs_c = tl.arange(0, BLOCK_N)
+    offs_j = pid_n * (BLOCK_N // 2) + offs_c // 2
+    is_up = offs_c % 2
+    if INTERLEAVED:
+        cols = 2 * offs_j + is_up
+    else:
+        cols = is_up * inter + offs_j
+    n_mask = offs_j < inter
     acc = _expert_matmul(
         x_ptr + tokens[:, None] * stride_x,
         valid[:, None],
         w_ptr + expert * hidden * n_cols,
-        offs_n,
+        cols,
         n_mask,
         n_cols,
         hidden,
+        OUTPUT_MAJOR,
         EVEN_K,
         BLOCK_M,
         BLOCK_N,
         BLOCK_K,
         DOT_PREC,
     )
-    bias = tl.load(b_ptr + expert * n_cols + offs_n, mask=n_mask, other=0.0)
-    acc += bias.to(tl.float32)[None, :]
+    if HAS_BIAS:
+        bias = tl.load(b_ptr + expert * n_cols + cols, mask=n_mask, other=0.0)
+        acc += bias.to(tl.float32)[None, :]
 
-    # Clamped SwiGLU (heron.layers.moe.clamped_swiglu): even columns are gates, odd ones ups.
     gate, up = tl.split(tl.reshape(acc, [BLOCK_M, BLOCK_N // 2, 2]))
-    gate = tl.minimum(gate, limit)
-    up = tl.minimum(tl.maximum(up, -limit), limit)
-    glu = (up + 1.0) * (gate * tl.sigmoid(alpha * gate))
+    if ACTIVATION == "clamped_swiglu":  # heron.layers.moe.clamped_swiglu
+        gate = tl.minimum(gate, limit)
+        up = tl.minimum(tl.maximum(up, -limit), limit)
+        glu = (up + 1.0) * (gate * tl.sigmoid(alpha * gate))
+    else:
+        glu = up * (gate * tl.sigmoid(gate))
 
-    offs_j = pid_n * (BLOCK_N // 2) + tl.arange(0, BLOCK_N // 2)
-    h_ptrs = h_ptr + offs_m[:, None] * inter + offs_j[None, :]
-    tl.store(h_ptrs, glu.to(h_ptr.dtype.element_ty), mask=(offs_j < inter)[None, :])
+    offs_h = pid_n * (BLOCK_N // 2) + tl.arange(0, BLOCK_N // 2)
+    h_ptrs = h_ptr + offs_m[:, None] * inter + offs_h[None, :]
+    tl.store(h_ptrs, glu.to(h_ptr.dtype.element_ty), mask=(offs_h < inter)[None, :])
 
 
 @triton.jit
@@ -154,6 +187,8 @@ def _down_kernel(
     num_pairs,
     inter,
     hidden,
+    OUTPUT_MAJOR: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
     EVEN_K: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -161,7 +196,7 @@ def _down_kernel(
     DOT_PREC: tl.constexpr,
     USE_PDL: tl.constexpr,
 ):
-    """``out[pair(rows), tile] = route(pair) * (h[rows] @ down_proj[e] + bias)``, real rows only."""
+    """``out[pair(rows), tile] = route(pair) * (h[rows] @ down[e] (+ bias))``, real rows only."""
     wait_for_previous_kernel(USE_PDL)
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
@@ -182,14 +217,16 @@ def _down_kernel(
         n_mask,
         hidden,
         inter,
+        OUTPUT_MAJOR,
         EVEN_K,
         BLOCK_M,
         BLOCK_N,
         BLOCK_K,
         DOT_PREC,
     )
-    bias = tl.load(b_ptr + expert * hidden + offs_n, mask=n_mask, other=0.0)
-    acc += bias.to(tl.float32)[None, :]
+    if HAS_BIAS:
+        bias = tl.load(b_ptr + expert * hidden + offs_n, mask=n_mask, other=0.0)
+        acc += bias.to(tl.float32)[None, :]
     route = tl.load(route_ptr + pairs, mask=valid, other=0.0).to(tl.float32)
     acc *= route[:, None]
 
@@ -251,31 +288,46 @@ def fused_experts(
     x: torch.Tensor,
     weights: torch.Tensor,
     indices: torch.Tensor,
-    gate_up_proj: torch.Tensor,
-    gate_up_bias: torch.Tensor,
-    down_proj: torch.Tensor,
-    down_bias: torch.Tensor,
-    alpha: float,
-    limit: float,
+    gate_up: torch.Tensor,
+    down: torch.Tensor,
+    *,
+    activation: str,
+    output_major: bool,
+    interleaved: bool,
+    gate_up_bias: torch.Tensor | None = None,
+    down_bias: torch.Tensor | None = None,
+    alpha: float = 0.0,
+    limit: float = 0.0,
     blocks: tuple[int, int, int] | None = None,
 ) -> torch.Tensor:
-    """gpt-oss's experts on ``x`` [T, hidden]: the sum over each token's experts ``indices``
-    [T, k] of ``weights`` [T, k] times the expert's clamped-SwiGLU MLP; returns [T, hidden].
+    """The experts on ``x`` [T, hidden]: the sum over each token's experts ``indices`` [T, k]
+    of ``weights`` [T, k] times the expert's gated MLP; returns [T, hidden].
 
-    Weights are input-major as in ``ClampedSwiGLUExperts``: ``gate_up_proj`` [E, hidden, 2I]
-    (gate and up columns interleaved), ``down_proj`` [E, I, hidden]. ``blocks`` overrides
-    ``(BLOCK_M, BLOCK_N, BLOCK_K)`` (each a power of two of at least 16).
+    ``activation`` is one of ``ACTIVATIONS`` (``alpha`` and ``limit`` are the clamped one's).
+    With ``output_major`` the weights are ``gate_up`` [E, 2I, hidden] and ``down`` [E, hidden,
+    I], else ``gate_up`` [E, hidden, 2I] and ``down`` [E, I, hidden]; ``interleaved`` says the
+    gate and up outputs alternate rather than form halves. Biases are [E, 2I] and [E, hidden].
+    ``blocks`` overrides ``(BLOCK_M, BLOCK_N, BLOCK_K)`` (each a power of two of at least 16).
     """
-    num_experts, hidden, n_cols = gate_up_proj.shape
+    if activation not in ACTIVATIONS:
+        raise ValueError(f"fused_experts: activation {activation!r} is not one of {ACTIVATIONS}")
+    num_experts = gate_up.shape[0]
+    if output_major:
+        n_cols, hidden = gate_up.shape[1:]
+    else:
+        hidden, n_cols = gate_up.shape[1:]
     inter = n_cols // 2
+    down_shape = (num_experts, hidden, inter) if output_major else (num_experts, inter, hidden)
     num_tokens, top_k = indices.shape
-    if x.shape != (num_tokens, hidden) or down_proj.shape != (num_experts, inter, hidden):
+    if x.shape != (num_tokens, hidden) or down.shape != down_shape:
         raise ValueError(
-            f"fused_experts: x {tuple(x.shape)}, indices {tuple(indices.shape)}, gate_up_proj "
-            f"{tuple(gate_up_proj.shape)}, down_proj {tuple(down_proj.shape)}"
+            f"fused_experts: x {tuple(x.shape)}, indices {tuple(indices.shape)}, gate_up "
+            f"{tuple(gate_up.shape)}, down {tuple(down.shape)} (output_major={output_major})"
         )
-    for w in (gate_up_proj, gate_up_bias, down_proj, down_bias):
-        if not w.is_contiguous() or w.dtype != x.dtype:
+    if (gate_up_bias is None) != (down_bias is None):
+        raise ValueError("fused_experts: give both biases or neither")
+    for w in (gate_up, down, gate_up_bias, down_bias):
+        if w is not None and (not w.is_contiguous() or w.dtype != x.dtype):
             raise ValueError("fused_experts: expert weights must be contiguous, in x's dtype")
     if x.stride(1) != 1:
         x = x.contiguous()
@@ -285,13 +337,23 @@ def fused_experts(
     block_m, block_n, block_k = blocks or default_blocks(num_pairs, num_experts)
     sorted_ids, block_expert, num_blocks = align_by_expert(indices, num_experts, block_m)
     max_blocks = block_expert.numel()
-    dot_prec = "ieee" if x.dtype == torch.float32 else "tf32"
-    num_stages = 2 if x.dtype == torch.float32 else 3
+    has_bias = gate_up_bias is not None
+    common = dict(
+        OUTPUT_MAJOR=output_major,
+        HAS_BIAS=has_bias,
+        BLOCK_M=block_m,
+        BLOCK_N=block_n,
+        BLOCK_K=block_k,
+        DOT_PREC="ieee" if x.dtype == torch.float32 else "tf32",
+        num_warps=4,
+        num_stages=2 if x.dtype == torch.float32 else 3,
+        **pdl_launch(x.device),
+    )
 
     h = torch.empty(sorted_ids.numel(), inter, dtype=x.dtype, device=x.device)
     _gate_up_kernel[(max_blocks, triton.cdiv(n_cols, block_n))](
         x,
-        gate_up_proj,
+        gate_up,
         gate_up_bias,
         h,
         sorted_ids,
@@ -304,20 +366,16 @@ def fused_experts(
         x.stride(0),
         alpha,
         limit,
+        ACTIVATION=activation,
+        INTERLEAVED=interleaved,
         EVEN_K=hidden % block_k == 0,
-        BLOCK_M=block_m,
-        BLOCK_N=block_n,
-        BLOCK_K=block_k,
-        DOT_PREC=dot_prec,
-        num_warps=4,
-        num_stages=num_stages,
-        **pdl_launch(x.device),
+        **common,
     )
 
     per_slot = torch.empty(num_pairs, hidden, dtype=torch.float32, device=x.device)
     _down_kernel[(max_blocks, triton.cdiv(hidden, block_n))](
         h,
-        down_proj,
+        down,
         down_bias,
         weights.contiguous(),
         per_slot,
@@ -328,12 +386,6 @@ def fused_experts(
         inter,
         hidden,
         EVEN_K=inter % block_k == 0,
-        BLOCK_M=block_m,
-        BLOCK_N=block_n,
-        BLOCK_K=block_k,
-        DOT_PREC=dot_prec,
-        num_warps=4,
-        num_stages=num_stages,
-        **pdl_launch(x.device),
+        **common,
     )
     return per_slot.view(num_tokens, top_k, hidden).sum(dim=1).to(x.dtype)

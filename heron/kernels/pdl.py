@@ -10,14 +10,13 @@ path.
 Every participating kernel calls :func:`wait_for_previous_kernel` first, before it reads or
 writes anything, so each kernel still does all its work after the one before it completed (the
 order is exactly the stream's). Kernels do not, as a rule, signal their dependents early
-(``griddepcontrol.launch_dependents``): on an H200 that made the next kernel's programs resident
-while the current one ran, crowding some multiprocessors, and a Qwen3-0.6B batch-1 step took
-1.03 ms instead of 0.95. The exceptions call :func:`start_next_kernel`: the qk-norm/RoPE/
+(``griddepcontrol.launch_dependents``): that makes the next kernel's programs resident while the
+current one runs, crowding its multiprocessors, and was measured slower. The exceptions call
+:func:`start_next_kernel`: the qk-norm/RoPE/
 KV-write kernel on every decode step, before the decode attention (which loads cached keys
 before its wait); and, where their launch fits one wave (:func:`fits_one_wave`), so that the
 next kernel's programs take multiprocessors this one leaves idle, the RMSNorm kernel before the
-projection that reads it and the decode attention before its output projection (Gemma-3-1B-shaped
-decode on an H200, batch 1 at 4 k context: 1.211-1.216 -> 1.166-1.171 ms per step). Kernels
+projection that reads it and the decode attention before its output projection. Kernels
 that do not take part (PyTorch's, cuBLAS's) launch and wait as usual. ``HERON_PDL=0`` turns it
 off.
 """

@@ -7,11 +7,16 @@ import torch.nn.functional as F
 from torch import nn
 
 from heron.kernels import TORCH_KERNELS, LayerKernels
+from heron.layers.fp8 import FP8, dequantize, quantize
 
 
 class Linear(nn.Module):
     """``y = x W^T (+ b)``; weights load through :meth:`weight_loader`. Decode-sized products
-    take the kernel set's GEMV where it serves them (:func:`linear`)."""
+    take the kernel set's GEMV where it serves them (:func:`linear`).
+
+    After :meth:`hold_fp8` or :meth:`quantize_fp8` the weight is FP8 E4M3 with fp32
+    ``weight_scale`` (per output channel, or per ``weight_block`` tile): see :func:`fp8_linear`.
+    """
 
     def __init__(
         self,
@@ -25,13 +30,40 @@ class Linear(nn.Module):
         self.weight = nn.Parameter(torch.empty(out_features, in_features), requires_grad=False)
         self.bias = nn.Parameter(torch.empty(out_features), requires_grad=False) if bias else None
         self.kernels = kernels
+        self.register_parameter("weight_scale", None)
+        self.weight_block: tuple[int, int] | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.weight_scale is not None:
+            return fp8_linear(
+                x, self.weight, self.weight_scale, self.weight_block, self.bias, self.kernels
+            )
         return linear(x, self.weight, self.bias, self.kernels)
+
+    def hold_fp8(self, block: tuple[int, int] | None) -> None:
+        """Empty FP8 weight and scales for a checkpoint to fill: per channel (``block`` None;
+        a per-tensor checkpoint's scales repeat over their rows) or per ``block`` tile."""
+        n, k = self.weight.shape
+        rows = (n,) if block is None else (-(-n // block[0]), -(-k // block[1]))
+        self.weight = _frozen(torch.empty(n, k, dtype=FP8, device=self.weight.device))
+        self.weight_scale = _frozen(torch.empty(rows, device=self.weight.device))
+        self.weight_block = block
+
+    def quantize_fp8(self, block: tuple[int, int] | None = None) -> None:
+        """Replace the loaded full-precision weight by its FP8 quantisation."""
+        q, scale = quantize(self.weight.data, block)
+        self.weight, self.weight_scale, self.weight_block = _frozen(q), _frozen(scale), block
 
     def takes_gemv(self, x: torch.Tensor) -> bool:
         """Whether this layer's product with ``x``'s rows runs as the GEMV."""
         return takes_gemv(self.kernels, x, self.weight)
+
+    def _gemv(self, x: torch.Tensor, **fused: str) -> torch.Tensor:
+        if self.weight_scale is None:
+            return self.kernels.gemv(x, self.weight, self.bias, **fused)
+        return self.kernels.gemv(
+            x, self.weight, self.bias, w_scale=self.weight_scale, w_block=self.weight_block, **fused
+        )
 
     def forward_gated(self, gate_up: torch.Tensor, act: nn.Module) -> torch.Tensor:
         """``self(act(gate_up))`` for a gated activation over ``[gate | up]``; where the product
@@ -39,7 +71,7 @@ class Linear(nn.Module):
         intermediate)."""
         fused = getattr(act, "fused_name", None)
         if fused is not None and self.takes_gemv(gate_up):
-            return self.kernels.gemv(gate_up, self.weight, self.bias, act=fused)
+            return self._gemv(gate_up, act=fused)
         return self(act(gate_up))
 
     def forward_activated(self, x: torch.Tensor, act: nn.Module) -> torch.Tensor:
@@ -48,11 +80,27 @@ class Linear(nn.Module):
         intermediate)."""
         fused = getattr(act, "fused_name", None)
         if fused is not None and self.takes_gemv(x):
-            return self.kernels.gemv(x, self.weight, self.bias, gated_out=fused)
+            return self._gemv(x, gated_out=fused)
         return act(self(x))
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard: str | None) -> None:
-        _copy_checked(param.data, loaded, param)
+        self._load_rows(param, loaded, 0, self.out_features)
+
+    def _load_rows(self, param: nn.Parameter, loaded: torch.Tensor, start: int, size: int) -> None:
+        """Fill output rows ``[start, start + size)`` of ``param`` (the weight, bias or scales)."""
+        if param is not self.weight_scale:
+            _copy_checked(param.data.narrow(0, start, size), loaded, param)
+        elif self.weight_block is None:  # per channel; a per-tensor scale repeats
+            values = loaded.reshape(-1)
+            values = values.expand(size) if values.numel() == 1 else values
+            _copy_checked(param.data.narrow(0, start, size), values, param)
+        else:
+            bn = self.weight_block[0]
+            if start % bn:
+                raise ValueError(
+                    f"a shard at row {start} does not start a {bn}-row block of FP8 scales"
+                )
+            _copy_checked(param.data.narrow(0, start // bn, -(-size // bn)), loaded, param)
 
 
 class PackedLinear(Linear):
@@ -78,8 +126,7 @@ class PackedLinear(Linear):
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard: str | None) -> None:
         if shard not in self.shard_offsets:
             raise ValueError(f"unknown shard {shard!r}; expected one of {list(self.shard_offsets)}")
-        start, size = self.shard_offsets[shard]
-        _copy_checked(param.data.narrow(0, start, size), loaded, param)
+        self._load_rows(param, loaded, *self.shard_offsets[shard])
 
 
 def linear(
@@ -96,6 +143,26 @@ def linear(
     return F.linear(x, weight, bias)
 
 
+def fp8_linear(
+    x: torch.Tensor,
+    q: torch.Tensor,
+    scale: torch.Tensor,
+    block: tuple[int, int] | None,
+    bias: torch.Tensor | None = None,
+    kernels: LayerKernels = TORCH_KERNELS,
+) -> torch.Tensor:
+    """``x (q * scale)^T (+ b)`` for an FP8 weight: the GEMV (scales in its epilogue, or per
+    tile for blocks) for few rows; FP8 tensor cores (``kernels.fp8_mm``) for more rows of a
+    per-channel weight; else the dequantised weight (the CPU's reference path, and block-wise
+    weights for many rows on a GPU)."""
+    if takes_gemv(kernels, x, q):
+        return kernels.gemv(x, q, bias, w_scale=scale, w_block=block)
+    n, k = q.shape
+    if kernels.fp8_mm is not None and block is None and x.dim() == 2 and n % 16 == k % 16 == 0:
+        return kernels.fp8_mm(x, q, scale, bias)
+    return F.linear(x, dequantize(q, scale, block).to(x.dtype), bias)
+
+
 _GEMV_DTYPES = (torch.bfloat16, torch.float16)
 
 
@@ -108,6 +175,10 @@ def takes_gemv(kernels: LayerKernels, x: torch.Tensor, weight: torch.Tensor) -> 
         and x.dtype in _GEMV_DTYPES
         and kernels.gemv_serves(x.shape[0], *weight.shape, x.device)
     )
+
+
+def _frozen(t: torch.Tensor) -> nn.Parameter:
+    return nn.Parameter(t, requires_grad=False)
 
 
 def _copy_checked(target: torch.Tensor, loaded: torch.Tensor, param: nn.Parameter) -> None:

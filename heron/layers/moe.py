@@ -1,17 +1,41 @@
-"""Mixture-of-experts MLP (gpt-oss): a top-k router over experts with clamped SwiGLU.
+"""Sparse mixture-of-experts: a bank of gated-MLP experts, and the block that routes to them.
 
-With the Triton kernel set the experts run as two fused grouped GEMMs (``heron.kernels.moe``),
-with no host sync, in eager steps and CUDA graphs alike. Otherwise they run the reference in
-plain PyTorch, which loops over the experts: correct and readable but not fast.
+An ``ExpertBank`` stacks ``num_experts`` MLPs in the layout its checkpoints use; its two kinds
+differ only in layout and activation, which ``heron.kernels.moe.fused_experts`` takes as
+switches:
+
+- ``SwiGLUExperts``: ``down(silu(gate(x)) * up(x))`` without biases, stored as HF transformers
+  stacks them (``gate_up_proj`` [E, 2I, hidden] as ``[gate | up]``, ``down_proj`` [E, hidden,
+  I]); checkpoints holding one tensor per expert (``experts.{e}.gate_proj.weight``) load into
+  the stacks through :meth:`ExpertBank.weight_loader` (Qwen-MoE, Qwen3-Next/3.5, DeepSeek);
+- ``ClampedSwiGLUExperts``: gpt-oss's, with biases, input-major, gate and up interleaved.
+
+With the Triton kernel set the experts run as two fused grouped GEMMs, with no host sync, in
+eager steps and CUDA graphs alike. Otherwise they run the reference in plain PyTorch, which
+loops over the experts: correct and readable but not fast.
+
+``SparseMoE`` is router -> experts, plus an optional shared expert (Qwen's is scaled by a
+sigmoid gate, DeepSeek's is not). Its submodules carry HF's Qwen-MoE names (``gate``,
+``experts``, ``shared_expert``, ``shared_expert_gate``); a family whose checkpoints name them
+otherwise maps the names with its model's ``checkpoint_renames``.
 """
 
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import nn
+from transformers import PretrainedConfig
 
 from heron.kernels import TORCH_KERNELS, LayerKernels
+from heron.layers.activation import SiluAndMul
 from heron.layers.linear import Linear
+from heron.layers.mlp import GatedMLP
+from heron.layers.routing import Routing, TopKRouter
+
+
+def _stacked(*shape: int) -> nn.Parameter:
+    return nn.Parameter(torch.empty(*shape), requires_grad=False)
 
 
 def clamped_swiglu(gate_up: torch.Tensor, alpha: float, limit: float) -> torch.Tensor:
@@ -26,58 +50,46 @@ def clamped_swiglu(gate_up: torch.Tensor, alpha: float, limit: float) -> torch.T
     return (up + 1) * (gate * torch.sigmoid(alpha * gate))
 
 
-class ClampedSwiGLUExperts(nn.Module):
-    """``num_experts`` two-layer MLPs with biases, stored as checkpoints store them.
+class ExpertBank(nn.Module):
+    """``num_experts`` gated MLPs; ``forward(x, weights, indices)`` sums each token's experts
+    ``indices`` [T, k] weighted by ``weights`` [T, k].
 
-    The weights are input-major (``y = x @ W + b``): ``gate_up_proj`` [E, hidden, 2I] with gate
-    and up columns interleaved, ``down_proj`` [E, I, hidden]. Parameter names equal the
-    checkpoint's, so the generic loader fills them.
+    A subclass creates the stacked parameters ``gate_up_proj`` and ``down_proj`` (and any
+    biases), says how the fused kernels read them (the class attributes below, see
+    ``heron.kernels.moe``) and how one expert computes (``expert``, the reference).
+    ``per_expert_names`` maps a per-expert checkpoint module (``gate_proj``) to the stacked
+    parameter and the part of it that it fills.
     """
 
-    def __init__(
-        self,
-        num_experts: int,
-        hidden_size: int,
-        intermediate_size: int,
-        swiglu_limit: float,
-        alpha: float = 1.702,
-        kernels: LayerKernels = TORCH_KERNELS,
-    ) -> None:
+    activation: str
+    output_major: bool
+    interleaved: bool
+    per_expert_names: dict[str, tuple[str, str]] = {}
+
+    def __init__(self, num_experts: int, kernels: LayerKernels) -> None:
         super().__init__()
         self.num_experts = num_experts
         self.fused = kernels.fused_experts
-        self.alpha, self.limit = alpha, swiglu_limit
-
-        def param(*shape: int) -> nn.Parameter:
-            return nn.Parameter(torch.empty(*shape), requires_grad=False)
-
-        self.gate_up_proj = param(num_experts, hidden_size, 2 * intermediate_size)
-        self.gate_up_proj_bias = param(num_experts, 2 * intermediate_size)
-        self.down_proj = param(num_experts, intermediate_size, hidden_size)
-        self.down_proj_bias = param(num_experts, hidden_size)
 
     def expert(self, e: int, x: torch.Tensor) -> torch.Tensor:
         """Expert ``e`` applied to the rows of ``x`` [n, hidden]."""
-        gate_up = x @ self.gate_up_proj[e] + self.gate_up_proj_bias[e]
-        glu = clamped_swiglu(gate_up, self.alpha, self.limit)
-        return glu @ self.down_proj[e] + self.down_proj_bias[e]
+        raise NotImplementedError
+
+    def fused_layout(self) -> dict:
+        """``fused_experts``' weight and layout arguments for this bank."""
+        return dict(
+            gate_up=self.gate_up_proj,
+            down=self.down_proj,
+            activation=self.activation,
+            output_major=self.output_major,
+            interleaved=self.interleaved,
+        )
 
     def forward(
         self, x: torch.Tensor, weights: torch.Tensor, indices: torch.Tensor
     ) -> torch.Tensor:
-        """Sum over each token's experts ``indices`` [T, k], weighted by ``weights`` [T, k]."""
         if self.fused is not None:
-            return self.fused(
-                x,
-                weights,
-                indices,
-                self.gate_up_proj,
-                self.gate_up_proj_bias,
-                self.down_proj,
-                self.down_proj_bias,
-                self.alpha,
-                self.limit,
-            )
+            return self.fused(x, weights, indices, **self.fused_layout())
         return self.forward_sparse(x, weights, indices)
 
     def forward_sparse(
@@ -105,32 +117,187 @@ class ClampedSwiGLUExperts(nn.Module):
             start += n
         return out
 
+    def checkpoint_shards(self, param_name: str) -> set[tuple[int, str]]:
+        """The per-expert pieces that together fill ``param_name``."""
+        parts = {part for target, part in self.per_expert_names.values() if target == param_name}
+        return {(e, part) for e in range(self.num_experts) for part in parts}
 
-class MoEMLP(nn.Module):
-    """Router (a linear layer with bias) then each token's top-k experts.
+    def weight_loader(
+        self, param: nn.Parameter, loaded: torch.Tensor, shard: tuple[int, str] | None
+    ) -> None:
+        """Copy a whole stacked tensor (``shard`` None) or one expert's piece of it."""
+        if shard is not None and not 0 <= shard[0] < self.num_experts:
+            raise ValueError(f"expert {shard[0]} is out of range for {self.num_experts} experts")
+        target = param.data if shard is None else self._piece(param.data, *shard)
+        if target.shape != loaded.shape:
+            raise ValueError(
+                f"expert tensor of shape {tuple(loaded.shape)} does not fit {tuple(target.shape)}"
+            )
+        target.copy_(loaded)
 
-    A token's expert weights are the softmax over its selected router logits only.
-    """
+    def _piece(self, stacked: torch.Tensor, expert: int, part: str) -> torch.Tensor:
+        raise NotImplementedError
+
+
+class SwiGLUExperts(ExpertBank):
+    """``down(silu(gate(x)) * up(x))`` experts without biases, in HF's stacked layout
+    (``gate_up_proj`` [E, 2I, hidden] as ``[gate | up]``, ``down_proj`` [E, hidden, I])."""
+
+    activation, output_major, interleaved = "swiglu", True, False
+    per_expert_names = {
+        "gate_proj": ("gate_up_proj", "gate"),
+        "up_proj": ("gate_up_proj", "up"),
+        "down_proj": ("down_proj", "down"),
+    }
 
     def __init__(
         self,
+        num_experts: int,
         hidden_size: int,
         intermediate_size: int,
-        num_experts: int,
-        top_k: int,
-        swiglu_limit: float,
         kernels: LayerKernels = TORCH_KERNELS,
     ) -> None:
+        super().__init__(num_experts, kernels)
+        self.intermediate_size = intermediate_size
+        self.gate_up_proj = _stacked(num_experts, 2 * intermediate_size, hidden_size)
+        self.down_proj = _stacked(num_experts, hidden_size, intermediate_size)
+
+    def expert(self, e: int, x: torch.Tensor) -> torch.Tensor:
+        gate, up = F.linear(x, self.gate_up_proj[e]).chunk(2, dim=-1)
+        return F.linear(F.silu(gate) * up, self.down_proj[e])
+
+    def _piece(self, stacked: torch.Tensor, expert: int, part: str) -> torch.Tensor:
+        inter = self.intermediate_size
+        if part == "gate":
+            return stacked[expert, :inter]
+        if part == "up":
+            return stacked[expert, inter:]
+        return stacked[expert]
+
+
+class ClampedSwiGLUExperts(ExpertBank):
+    """gpt-oss's experts: two-layer MLPs with biases and the clamped SwiGLU, stored as its
+    checkpoints store them.
+
+    The weights are input-major (``y = x @ W + b``): ``gate_up_proj`` [E, hidden, 2I] with gate
+    and up columns interleaved, ``down_proj`` [E, I, hidden]. Parameter names equal the
+    checkpoint's, so the generic loader fills them.
+    """
+
+    activation, output_major, interleaved = "clamped_swiglu", False, True
+
+    def __init__(
+        self,
+        num_experts: int,
+        hidden_size: int,
+        intermediate_size: int,
+        swiglu_limit: float,
+        alpha: float = 1.702,
+        kernels: LayerKernels = TORCH_KERNELS,
+    ) -> None:
+        super().__init__(num_experts, kernels)
+        self.alpha, self.limit = alpha, swiglu_limit
+        self.gate_up_proj = _stacked(num_experts, hidden_size, 2 * intermediate_size)
+        self.gate_up_proj_bias = _stacked(num_experts, 2 * intermediate_size)
+        self.down_proj = _stacked(num_experts, intermediate_size, hidden_size)
+        self.down_proj_bias = _stacked(num_experts, hidden_size)
+
+    def expert(self, e: int, x: torch.Tensor) -> torch.Tensor:
+        gate_up = x @ self.gate_up_proj[e] + self.gate_up_proj_bias[e]
+        glu = clamped_swiglu(gate_up, self.alpha, self.limit)
+        return glu @ self.down_proj[e] + self.down_proj_bias[e]
+
+    def fused_layout(self) -> dict:
+        return super().fused_layout() | dict(
+            gate_up_bias=self.gate_up_proj_bias,
+            down_bias=self.down_proj_bias,
+            alpha=self.alpha,
+            limit=self.limit,
+        )
+
+
+class SparseMoE(nn.Module):
+    """``experts(x)`` over the router's choice, plus ``shared_expert(x)`` (a dense gated MLP
+    every token passes through) scaled by ``sigmoid(shared_expert_gate(x))`` where there is a
+    gate. Build it from explicit pieces, or from a config with a family helper (``qwen``)."""
+
+    def __init__(
+        self,
+        gate: TopKRouter,
+        experts: ExpertBank,
+        shared_expert: GatedMLP | None = None,
+        shared_expert_gate: Linear | None = None,
+    ) -> None:
         super().__init__()
-        if not 1 <= top_k <= num_experts:
-            raise ValueError(f"top_k must be in [1, {num_experts}], got {top_k}")
-        self.top_k = top_k
-        self.router = Linear(hidden_size, num_experts, bias=True, kernels=kernels)
-        self.experts = ClampedSwiGLUExperts(
-            num_experts, hidden_size, intermediate_size, swiglu_limit, kernels=kernels
+        if shared_expert_gate is not None and shared_expert is None:
+            raise ValueError("SparseMoE: a shared_expert_gate needs a shared_expert")
+        self.gate = gate
+        self.experts = experts
+        self.shared_expert = shared_expert
+        self.shared_expert_gate = shared_expert_gate
+
+    @classmethod
+    def swiglu(
+        cls,
+        hidden_size: int,
+        num_experts: int,
+        intermediate_size: int,
+        routing: Routing,
+        *,
+        shared_intermediate_size: int = 0,
+        gated_shared_expert: bool = False,
+        kernels: LayerKernels = TORCH_KERNELS,
+    ) -> SparseMoE:
+        """Plain SwiGLU experts with a bias-free router, and a shared SwiGLU expert of width
+        ``shared_intermediate_size`` (none if 0), sigmoid-gated if ``gated_shared_expert``."""
+        shared = gate = None
+        if shared_intermediate_size:
+            shared = GatedMLP(hidden_size, shared_intermediate_size, SiluAndMul, False, kernels)
+            if gated_shared_expert:
+                gate = Linear(hidden_size, 1, False, kernels)
+        return cls(
+            TopKRouter(hidden_size, num_experts, routing, kernels=kernels),
+            SwiGLUExperts(num_experts, hidden_size, intermediate_size, kernels),
+            shared,
+            gate,
+        )
+
+    @classmethod
+    def qwen(cls, config: PretrainedConfig, kernels: LayerKernels = TORCH_KERNELS) -> SparseMoE:
+        """Qwen2-MoE, Qwen3-MoE, Qwen3-Next, Qwen3.5-MoE: softmax top-k routing and, where the
+        config has ``shared_expert_intermediate_size``, a sigmoid-gated shared expert."""
+        return cls.swiglu(
+            config.hidden_size,
+            config.num_experts,
+            config.moe_intermediate_size,
+            Routing.qwen(config),
+            shared_intermediate_size=getattr(config, "shared_expert_intermediate_size", 0) or 0,
+            gated_shared_expert=True,
+            kernels=kernels,
+        )
+
+    @classmethod
+    def deepseek(cls, config: PretrainedConfig, kernels: LayerKernels = TORCH_KERNELS) -> SparseMoE:
+        """DeepSeek-V2 (softmax routing) and V3 (sigmoid with correction bias): routed experts
+        and ``n_shared_experts`` ungated shared experts, one MLP of their summed width.
+        Checkpoints call them ``shared_experts``: rename that to ``shared_expert``."""
+        v3 = config.model_type != "deepseek_v2"
+        routing = Routing.deepseek_v3(config) if v3 else Routing.deepseek_v2(config)
+        return cls.swiglu(
+            config.hidden_size,
+            config.n_routed_experts,
+            config.moe_intermediate_size,
+            routing,
+            shared_intermediate_size=config.moe_intermediate_size * (config.n_shared_experts or 0),
+            kernels=kernels,
         )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x: [tokens, hidden] -> [tokens, hidden]."""
-        top_logits, indices = self.router(x).topk(self.top_k, dim=-1)
-        return self.experts(x, torch.softmax(top_logits, dim=-1), indices)
+        out = self.experts(x, *self.gate(x))
+        if self.shared_expert is None:
+            return out
+        shared = self.shared_expert(x)
+        if self.shared_expert_gate is not None:
+            shared = torch.sigmoid(self.shared_expert_gate(x)) * shared
+        return out + shared

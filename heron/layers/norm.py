@@ -93,6 +93,20 @@ class GemmaRMSNorm(RMSNorm):
         return (normed * (1.0 + self.weight.float())).to(dtype)
 
 
+class GatedRMSNorm(nn.Module):
+    """HF's ``RMSNormGated`` (Qwen3.5 / Qwen3-Next linear attention): ``weight * norm(x)``
+    (cast to ``x``'s dtype before scaling) times ``silu(gate)`` in fp32, cast last."""
+
+    def __init__(self, hidden_size: int, eps: float = 1e-6) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(hidden_size), requires_grad=False)
+
+    def forward(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+        out = self.weight * _normalize(x, self.eps).to(x.dtype)
+        return (out * torch.nn.functional.silu(gate.float())).to(x.dtype)
+
+
 def _normalize(x: torch.Tensor, eps: float) -> torch.Tensor:
     """``x / rms(x)`` over the last dimension, in fp32."""
     xf = x.float()

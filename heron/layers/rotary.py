@@ -78,6 +78,27 @@ class QKTransform(nn.Module):
         return self.rotary(positions, q, k)
 
 
+class MLARotary(nn.Module):
+    """RoPE over latent attention's rotary dims (queries ``[tokens, heads, rope]``, the shared
+    key ``[tokens, 1, rope]``). DeepSeek's checkpoints pair dims ``(2i, 2i + 1)`` (V2 always,
+    V3 with ``rope_interleave``): with ``interleaved`` they are put in rotate-half order first,
+    the same permutation for queries and keys, so their products are HF's. Outputs are in
+    rotate-half order; the fused MLA kernel (``heron.kernels.mla_rope``) computes the same."""
+
+    def __init__(self, rotary: RotaryEmbedding, interleaved: bool) -> None:
+        super().__init__()
+        self.rotary = rotary
+        self.interleaved = interleaved
+
+    def forward(
+        self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.interleaved:
+            q = torch.cat([q[..., 0::2], q[..., 1::2]], dim=-1)
+            k = torch.cat([k[..., 0::2], k[..., 1::2]], dim=-1)
+        return self.rotary(positions, q, k)
+
+
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     half = cos.shape[-1]
     x1, x2 = x[..., :half].float(), x[..., half : 2 * half].float()

@@ -6,13 +6,27 @@ from torch import nn
 
 from heron.config import ModelConfig
 from heron.loader.dummy import initialize_dummy_weights
+from heron.loader.fp8 import fp8_linears
 from heron.loader.safetensors import iterate_weights
 from heron.loader.weights import load_weights
 
 
 def load_model(model: nn.Module, model_config: ModelConfig) -> None:
+    """Fill ``model``; under an FP8 scheme its linear layers end up holding FP8 weights: read
+    as stored from an FP8 checkpoint, else quantised from the loaded (or dummy) weights."""
+    scheme = model_config.quantization
+    linears = fp8_linears(model, scheme) if scheme is not None else []
+    as_stored = (
+        scheme is not None and scheme.from_checkpoint and model_config.load_format != "dummy"
+    )
+    if as_stored:
+        for layer in linears:
+            layer.hold_fp8(scheme.block)
     if model_config.load_format == "dummy":
         std = getattr(model_config.hf_config, "initializer_range", None) or 0.02
         initialize_dummy_weights(model, std, model_config.seed)
     else:
         load_weights(model, iterate_weights(model_config.path))
+    if not as_stored:
+        for layer in linears:
+            layer.quantize_fp8(scheme.block)

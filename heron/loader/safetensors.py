@@ -7,7 +7,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 
 
 def checkpoint_files(path: Path) -> list[Path]:
@@ -30,6 +30,9 @@ def checkpoint_files(path: Path) -> list[Path]:
 def iterate_weights(path: Path) -> Iterator[tuple[str, torch.Tensor]]:
     """Every (name, tensor) of the checkpoint in ``path``, one file open at a time."""
     for file in checkpoint_files(path):
-        with safe_open(str(file), framework="pt") as f:
-            for name in f.keys():
-                yield name, f.get_tensor(name)
+        try:
+            with safe_open(str(file), framework="pt") as f:
+                for name in f.keys():
+                    yield name, f.get_tensor(name)
+        except SafetensorError as e:
+            raise ValueError(f"{file} is not a readable safetensors file: {e}") from e

@@ -2,49 +2,78 @@
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterable
 
 import torch
 from torch import nn
 
+from heron.layers.fp8 import FP8
 from heron.layers.linear import Linear, PackedLinear
+from heron.layers.moe import ExpertBank
+from heron.ops.attention.base import AttentionOperator
+
+logger = logging.getLogger(__name__)
 
 # Tensors some checkpoints carry that are recomputed here.
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+# Block-wise FP8 checkpoints name a weight's scales weight_scale_inv (they multiply, despite
+# the name); Heron's layers call both layouts weight_scale.
+_SCALE_INV = ".weight_scale_inv"
+# A static FP8 checkpoint's activation scales: Heron scales activations per token instead.
+_INPUT_SCALE = ".input_scale"
+# An FP8 checkpoint's per-layer KV-cache scales, on the attention module (self_attn.k_scale).
+_KV_SCALES = (".k_scale", ".v_scale")
 
 
 def load_weights(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
     """Copy ``weights`` into ``model``; raise naming any unknown tensor or unloaded parameter.
 
-    ``model.packed_modules`` maps a checkpoint module name (``q_proj``) to the packed module
-    that holds it and its shard (``("qkv_proj", "q")``).
+    ``model.checkpoint_prefixes`` maps a checkpoint name prefix to the model's (``None``: tensors
+    the model does not load, such as a multimodal checkpoint's vision tower);
+    ``model.checkpoint_renames`` maps a checkpoint module name to the model's (``router`` ->
+    ``gate``); ``model.packed_modules`` maps a checkpoint module name (``q_proj``) to the packed
+    module that holds it and its shard (``("qkv_proj", "q")``). One tensor per expert
+    (``experts.3.gate_proj.weight``) goes into its ``ExpertBank``'s stacked parameter.
     """
+    renames: dict[str, str] = getattr(model, "checkpoint_renames", {})
     packed: dict[str, tuple[str, str]] = getattr(model, "packed_modules", {})
+    prefixes: dict[str, str | None] = getattr(model, "checkpoint_prefixes", {})
     params = dict(model.named_parameters())
+    banks = {name: m for name, m in model.named_modules() if isinstance(m, ExpertBank)}
     owners = {
         f"{prefix}.{pname}" if prefix else pname: module
         for prefix, module in model.named_modules()
         for pname, _ in module.named_parameters(recurse=False)
     }
     tied_head = getattr(getattr(model, "lm_head", None), "tied", False)
-    loaded: dict[str, set[str | None]] = {}
+    loaded: dict[str, set] = {}
+    unused_input_scales = unused_kv_scales = 0
+    modules = dict(model.named_modules())
     for name, tensor in weights:
+        prefix = next((p for p in prefixes if name.startswith(p)), None)
+        if prefix is not None:
+            if prefixes[prefix] is None:
+                continue
+            name = prefixes[prefix] + name.removeprefix(prefix)
         if name.endswith(_IGNORED_SUFFIXES) or (tied_head and name == "lm_head.weight"):
             continue
-        target, shard = name, None
-        parts = name.split(".")
-        for i, part in enumerate(parts):
-            if part in packed:
-                parts[i], shard = packed[part]
-                target = ".".join(parts)
-                break
+        if name.endswith(_KV_SCALES):
+            unused_kv_scales += not _set_kv_scale(modules, name, tensor)
+            continue
+        if name.endswith(_SCALE_INV):
+            name = name.removesuffix(_SCALE_INV) + ".weight_scale"
+        target, shard = _target([renames.get(p, p) for p in name.split(".")], packed, banks)
+        if target.endswith(_INPUT_SCALE) and _scale_name(target) in params:
+            unused_input_scales += 1
+            continue
         param = params.get(target)
         if param is None:
             raise ValueError(
                 f"checkpoint tensor {name!r} has no parameter in {type(model).__name__}"
             )
         owner = owners[target]
-        loader = owner.weight_loader if isinstance(owner, Linear) else None
+        loader = owner.weight_loader if isinstance(owner, (Linear, ExpertBank)) else None
         with torch.no_grad():
             if loader is not None:
                 loader(param, tensor.to(param.dtype), shard)
@@ -57,11 +86,62 @@ def load_weights(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]]) 
                 param.copy_(tensor)
         loaded.setdefault(target, set()).add(shard)
 
-    missing = []
-    for name in params:
-        owner = owners[name]
-        expected = set(owner.shard_offsets) if isinstance(owner, PackedLinear) else {None}
-        if loaded.get(name, set()) != expected:
-            missing.append(name)
+    if unused_kv_scales:
+        logger.info("%d KV-cache scales not used: the KV cache is not FP8", unused_kv_scales)
+    if unused_input_scales:
+        logger.info(
+            "%d static FP8 input scales not used: activations are scaled per token",
+            unused_input_scales,
+        )
+    missing = [name for name in params if not _complete(owners[name], name, loaded.get(name))]
     if missing:
         raise ValueError(f"checkpoint is missing weights for: {', '.join(missing)}")
+
+
+def _target(
+    parts: list[str], packed: dict[str, tuple[str, str]], banks: dict[str, ExpertBank]
+) -> tuple[str, object]:
+    """The parameter a checkpoint name (split at dots, renamed) fills, and the shard."""
+    for i, part in enumerate(parts):
+        bank = banks.get(".".join(parts[:i])) if part.isdigit() else None
+        if bank is not None and parts[i + 2 :] == ["weight"]:
+            param, piece = bank.per_expert_names.get(parts[i + 1], (parts[i + 1], ""))
+            return ".".join([*parts[:i], param]), (int(part), piece)
+    for i, part in enumerate(parts):
+        if part in packed:
+            parts[i], shard = packed[part]
+            return ".".join(parts), shard
+    return ".".join(parts), None
+
+
+def _complete(owner: nn.Module, name: str, shards: set | None) -> bool:
+    """Whether the shards loaded into parameter ``name`` fill it: all of a packed layer's, a
+    whole stacked expert tensor or every expert's piece of it, else the one whole tensor."""
+    if isinstance(owner, PackedLinear):
+        return shards == set(owner.shard_offsets)
+    if isinstance(owner, ExpertBank):
+        return shards == {None} or shards == owner.checkpoint_shards(name.rsplit(".", 1)[-1])
+    return shards == {None}
+
+
+def _scale_name(input_scale: str) -> str:
+    """The weight scales of the layer that ``input_scale`` (a parameter name) belongs to."""
+    return input_scale.removesuffix(_INPUT_SCALE) + ".weight_scale"
+
+
+def _set_kv_scale(modules: dict[str, nn.Module], name: str, tensor: torch.Tensor) -> bool:
+    """Give the attention operator under ``name``'s module its checkpoint K or V scale;
+    False if its cache is not FP8 (the scale means nothing there)."""
+    prefix, which = name.rsplit(".", 1)
+    op = modules.get(f"{prefix}.attn")
+    if not isinstance(op, AttentionOperator):
+        raise ValueError(f"checkpoint tensor {name!r} has no attention operator to scale")
+    if tensor.numel() != 1:
+        raise ValueError(
+            f"checkpoint tensor {name!r}: only one scale per layer is supported, got shape "
+            f"{tuple(tensor.shape)}"
+        )
+    if op.cache_spec.dtype != FP8:
+        return False
+    setattr(op, which, float(tensor))
+    return True

@@ -70,6 +70,7 @@ def build_model(
                 model_config.max_model_len,
                 scope,
                 layer_kernels(platform.layer_kernels()),
+                model_config.kv_cache_dtype,
             )
             model = cls(model_config.hf_config, runtime)
     finally:

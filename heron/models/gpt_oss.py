@@ -8,10 +8,12 @@ import dataclasses
 from torch import nn
 from transformers import PretrainedConfig
 
+from heron.kernels import LayerKernels
 from heron.layers.embedding import VocabEmbedding
-from heron.layers.moe import MoEMLP
+from heron.layers.moe import ClampedSwiGLUExperts, SparseMoE
 from heron.layers.norm import RMSNorm
 from heron.layers.rotary import RotaryEmbedding
+from heron.layers.routing import Routing, TopKRouter
 from heron.models.common import (
     DecoderForCausalLM,
     DecoderModel,
@@ -25,6 +27,24 @@ from heron.ops.selector import OperatorRuntime
 
 # HF's GptOssExperts uses this clamp whatever the config says; configs that name one say 7.0.
 _DEFAULT_SWIGLU_LIMIT = 7.0
+
+
+def gpt_oss_moe(
+    hidden_size: int,
+    intermediate_size: int,
+    num_experts: int,
+    top_k: int,
+    swiglu_limit: float,
+    kernels: LayerKernels,
+) -> SparseMoE:
+    """gpt-oss's MoE block: a router with bias whose top-k logits are softmaxed, then the
+    clamped-SwiGLU experts; no shared expert."""
+    return SparseMoE(
+        TopKRouter(hidden_size, num_experts, Routing(top_k, "softmax_of_topk"), True, kernels),
+        ClampedSwiGLUExperts(
+            num_experts, hidden_size, intermediate_size, swiglu_limit, kernels=kernels
+        ),
+    )
 
 
 class GptOssDecoderLayer(PreNormDecoderLayer):
@@ -50,13 +70,13 @@ class GptOssDecoderLayer(PreNormDecoderLayer):
             o_bias=config.attention_bias,
         )
         self.post_attention_layernorm = RMSNorm(config.hidden_size, eps, kernels)
-        self.mlp = MoEMLP(
+        self.mlp = gpt_oss_moe(
             config.hidden_size,
             config.intermediate_size,
-            num_experts=config.num_local_experts,
-            top_k=config.num_experts_per_tok,
-            swiglu_limit=getattr(config, "swiglu_limit", _DEFAULT_SWIGLU_LIMIT),
-            kernels=kernels,
+            config.num_local_experts,
+            config.num_experts_per_tok,
+            getattr(config, "swiglu_limit", _DEFAULT_SWIGLU_LIMIT),
+            kernels,
         )
 
 
@@ -77,6 +97,8 @@ class GptOssModel(DecoderModel):
 class GptOssForCausalLM(DecoderForCausalLM):
     """Expert weights load as ``save_pretrained`` writes them (dense, fused ``gate_up_proj``);
     MXFP4-quantized checkpoints (``*_blocks`` / ``*_scales`` tensors) are not supported."""
+
+    checkpoint_renames = {"router": "gate"}  # SparseMoE's name for it
 
     def __init__(self, config: PretrainedConfig, runtime: OperatorRuntime) -> None:
         super().__init__(config, GptOssModel(config, runtime), runtime)

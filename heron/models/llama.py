@@ -1,17 +1,20 @@
 """The Llama family: Llama, Mistral, Qwen2 and Qwen3 decoder-only models.
 
 They differ only in a few switches (biases, qk-norm, which layers slide), read from the HF
-config by :class:`LlamaFamily`.
+config by :class:`LlamaFamily`. Their mixture-of-experts relatives (``heron.models.qwen_moe``)
+reuse the stack with another MLP per layer.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from functools import partial
 
 from torch import nn
 from transformers import PretrainedConfig
 
+from heron.kernels import LayerKernels
 from heron.layers.activation import SiluAndMul
 from heron.layers.embedding import VocabEmbedding
 from heron.layers.mlp import GatedMLP
@@ -43,13 +46,26 @@ class LlamaFamily:
     def from_config(cls, config: PretrainedConfig) -> LlamaFamily:
         model_type = config.model_type
         attention_bias = bool(getattr(config, "attention_bias", False))
+        qwen2 = model_type in ("qwen2", "qwen2_moe")
         return cls(
-            qkv_bias=True if model_type == "qwen2" else attention_bias,
-            o_bias=False if model_type == "qwen2" else attention_bias,
+            qkv_bias=bool(getattr(config, "qkv_bias", True)) if qwen2 else attention_bias,
+            o_bias=False if qwen2 else attention_bias,
             mlp_bias=bool(getattr(config, "mlp_bias", False)),
-            qk_norm=model_type == "qwen3",
+            qk_norm=model_type in ("qwen3", "qwen3_moe"),
             sliding_windows=sliding_windows(config),
         )
+
+
+#: A layer's MLP from ``(config, family, layer index, kernels)``.
+MLPFactory = Callable[[PretrainedConfig, LlamaFamily, int, LayerKernels], nn.Module]
+
+
+def dense_mlp(
+    config: PretrainedConfig, family: LlamaFamily, layer_idx: int, kernels: LayerKernels
+) -> nn.Module:
+    return GatedMLP(
+        config.hidden_size, config.intermediate_size, SiluAndMul, family.mlp_bias, kernels
+    )
 
 
 class LlamaDecoderLayer(PreNormDecoderLayer):
@@ -61,6 +77,7 @@ class LlamaDecoderLayer(PreNormDecoderLayer):
         rotary: RotaryEmbedding,
         runtime: OperatorRuntime,
         prefix: str,
+        mlp: MLPFactory,
     ) -> None:
         super().__init__()
         eps, kernels = config.rms_norm_eps, runtime.kernels
@@ -76,13 +93,13 @@ class LlamaDecoderLayer(PreNormDecoderLayer):
             qk_norm=partial(RMSNorm, eps=eps) if family.qk_norm else None,
         )
         self.post_attention_layernorm = RMSNorm(config.hidden_size, eps, kernels)
-        self.mlp = GatedMLP(
-            config.hidden_size, config.intermediate_size, SiluAndMul, family.mlp_bias, kernels
-        )
+        self.mlp = mlp(config, family, layer_idx, kernels)
 
 
 class LlamaModel(DecoderModel):
-    def __init__(self, config: PretrainedConfig, runtime: OperatorRuntime) -> None:
+    def __init__(
+        self, config: PretrainedConfig, runtime: OperatorRuntime, mlp: MLPFactory = dense_mlp
+    ) -> None:
         super().__init__()
         family = LlamaFamily.from_config(config)
         # One table for all layers; not a submodule of each layer so it is stored once.
@@ -90,7 +107,7 @@ class LlamaModel(DecoderModel):
         self.rotary = rotary
         self.embed_tokens = VocabEmbedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(config, family, i, rotary, runtime, f"model.layers.{i}")
+            LlamaDecoderLayer(config, family, i, rotary, runtime, f"model.layers.{i}", mlp)
             for i in range(config.num_hidden_layers)
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, runtime.kernels)

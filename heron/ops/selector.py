@@ -8,12 +8,16 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
+from torch import nn
 
 from heron.kernels import TORCH_KERNELS, LayerKernels
 from heron.layers.rotary import QKTransform
 from heron.metadata import ModelBuildContext
 from heron.ops.attention.base import AttentionOperator, AttentionSpec
 from heron.ops.attention.reference import ReferenceAttention
+from heron.ops.linear_attention.operator import GatedDeltaNet, GatedDeltaNetSpec
+from heron.ops.mla.base import MLAOperator, MLASpec
+from heron.ops.mla.reference import ReferenceMLA
 
 logger = logging.getLogger(__name__)
 
@@ -31,9 +35,36 @@ ATTENTION_BACKENDS: dict[str, Callable[[], type[AttentionOperator]]] = {
 }
 
 
+def _triton_gated_delta_net() -> type[GatedDeltaNet]:
+    from heron.ops.linear_attention.triton_operator import TritonGatedDeltaNet
+
+    return TritonGatedDeltaNet
+
+
+#: The gated-delta-rule operator of each attention backend.
+GATED_DELTA_NET_BACKENDS: dict[str, Callable[[], type[GatedDeltaNet]]] = {
+    "reference": lambda: GatedDeltaNet,
+    "triton": _triton_gated_delta_net,
+}
+
+
+def _triton_mla() -> type[MLAOperator]:
+    from heron.ops.mla.triton import TritonMLA
+
+    return TritonMLA
+
+
+# Latent attention follows the attention backend's name: one switch picks both families.
+MLA_BACKENDS: dict[str, Callable[[], type[MLAOperator]]] = {
+    "reference": lambda: ReferenceMLA,
+    "triton": _triton_mla,
+}
+
+
 def _triton_layer_kernels() -> LayerKernels:
     # Imported on demand, as the Triton attention operator is.
     from heron.kernels import activation, gemv, moe, rmsnorm
+    from heron.layers import fp8
 
     return LayerKernels(
         "triton",
@@ -42,6 +73,7 @@ def _triton_layer_kernels() -> LayerKernels:
         gemv=gemv.linear_small_m,
         gemv_serves=gemv.serves,
         fused_experts=moe.fused_experts,
+        fp8_mm=fp8.scaled_mm,
     )
 
 
@@ -67,6 +99,7 @@ class OperatorRuntime:
     max_model_len: int
     build_context: ModelBuildContext
     kernels: LayerKernels = TORCH_KERNELS  # what the layers launch (``layer_kernels``)
+    kv_cache_dtype: torch.dtype | None = None  # None: the model's dtype
 
 
 def make_attention(
@@ -100,4 +133,43 @@ def make_attention(
         qk_transform=qk_transform,
         build_context=runtime.build_context,
         sinks=sinks,
+        kv_cache_dtype=runtime.kv_cache_dtype,
+    )
+
+
+def make_gated_delta_net(
+    layer_name: str,
+    spec: GatedDeltaNetSpec,
+    runtime: OperatorRuntime,
+    conv_weight: torch.Tensor,
+    A_log: torch.Tensor,
+    dt_bias: torch.Tensor,
+) -> GatedDeltaNet:
+    """The gated-delta-rule operator of the runtime's attention backend, registered in its
+    build scope (the layer's module owns the weights it reads)."""
+    cls = GATED_DELTA_NET_BACKENDS[runtime.attention_backend]()
+    return cls(layer_name, spec, conv_weight, A_log, dt_bias, runtime.build_context)
+
+
+def make_mla(
+    layer_name: str,
+    spec: MLASpec,
+    runtime: OperatorRuntime,
+    rotary: nn.Module,
+    kv_b_proj: nn.Module,
+) -> MLAOperator:
+    """The latent attention operator for one layer, of the runtime's attention backend."""
+    backend = runtime.attention_backend
+    if backend not in MLA_BACKENDS:
+        raise ValueError(
+            f"no latent attention for backend {backend!r}; available: {sorted(MLA_BACKENDS)}"
+        )
+    return MLA_BACKENDS[backend]()(
+        layer_name,
+        spec,
+        runtime.block_size,
+        runtime.max_model_len,
+        rotary,
+        kv_b_proj,
+        build_context=runtime.build_context,
     )

@@ -5,13 +5,17 @@ from __future__ import annotations
 import asyncio
 import hmac
 import logging
+import math
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
 from dataclasses import fields
-from typing import Any
+from itertools import islice
+from typing import Any, TypeVar
 
+import jinja2
 from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -23,6 +27,7 @@ from heron.engine.request import Logprob
 from heron.llm import LLM
 from heron.outputs import CompletionOutput, RequestOutput
 from heron.sampling_params import SamplingParams
+from heron.server.chat_output import ChatOutputConfig, ChatOutputParser, MessagePiece
 from heron.server.metrics import ServerMetrics
 from heron.server.protocol import (
     AssistantMessage,
@@ -44,20 +49,36 @@ from heron.server.protocol import (
     ErrorResponse,
     ModelCard,
     ModelList,
+    PromptLogprob,
+    PromptLogprobs,
     TokenizeRequest,
     TokenizeResponse,
     TopLogprob,
+    UnsupportedFieldError,
     Usage,
 )
+from heron.server.request_body import (
+    DEFAULT_MAX_REQUEST_BODY_BYTES,
+    BodyTooLargeError,
+    off_loop_if_large,
+    parse_body,
+)
+from heron.server.structured_protocol import DeltaToolCall
 
 logger = logging.getLogger(__name__)
 
-_SAMPLING_FIELDS = {f.name for f in fields(SamplingParams)}
+# A ValueError whose message starts with one of these names is about that field.
+_FIELDS = (
+    {f.name for f in fields(SamplingParams)}
+    | set(CompletionRequest.model_fields)
+    | set(ChatCompletionRequest.model_fields)
+)
 _ERROR_TYPES = {
     400: "invalid_request_error",
     401: "authentication_error",
     404: "not_found_error",
     405: "invalid_request_error",
+    413: "invalid_request_error",
     500: "internal_server_error",
     503: "service_unavailable_error",
 }
@@ -77,7 +98,7 @@ class ClientDisconnected(Exception):
     """The HTTP client went away; its requests are aborted."""
 
 
-def _error_response(
+def error_response(
     status: int, message: str, param: str | None = None, code: str | None = None
 ) -> JSONResponse:
     info = ErrorInfo(
@@ -91,8 +112,10 @@ def _error_response(
 
 def _bad_value(e: ValueError) -> APIError:
     """A 400 for a rejected value; SamplingParams messages start with the field's name."""
+    if isinstance(e, UnsupportedFieldError):
+        return APIError(400, str(e), param=e.name, code="unsupported_field")
     first_word = str(e).split(" ", 1)[0]
-    return APIError(400, str(e), param=first_word if first_word in _SAMPLING_FIELDS else None)
+    return APIError(400, str(e), param=first_word if first_word in _FIELDS else None)
 
 
 def _sse(payload: str) -> str:
@@ -105,32 +128,172 @@ async def _wait_for_disconnect(request: Request) -> None:
         pass
 
 
+T = TypeVar("T")
+
+
+async def _until_disconnect(request: Request, work: Awaitable[T]) -> T:
+    """Await ``work``; if the client goes away first, cancel it (which aborts the requests it
+    added) and raise :class:`ClientDisconnected`."""
+    task = asyncio.ensure_future(work)
+    watch = asyncio.ensure_future(_wait_for_disconnect(request))
+    try:
+        await asyncio.wait((task, watch), return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watch.cancel()
+        if not task.done():
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+    if task.cancelled():
+        raise ClientDisconnected()
+    return task.result()
+
+
 class OpenAIServing:
     """State and request handling shared by the endpoints of one app."""
 
     # The offline API's template handling only needs ``self.tokenizer``; reuse it as is.
     apply_chat_template = LLM.apply_chat_template
 
-    def __init__(self, engine: EngineCoreClient, served_model_name: str) -> None:
+    def __init__(
+        self,
+        engine: EngineCoreClient,
+        served_model_name: str,
+        max_request_body_bytes: int,
+        trust_request_chat_template: bool,
+        chat_output: ChatOutputConfig | None = None,
+    ) -> None:
         self.engine = engine
+        self.chat_output = chat_output or ChatOutputConfig()
         self.tokenizer = engine.tokenizer
         self.model_name = served_model_name
         self.max_model_len = engine.max_model_len
         self.metrics = ServerMetrics(lambda: engine.stats)
+        self.max_request_body_bytes = max_request_body_bytes
+        self.trust_request_chat_template = trust_request_chat_template
+        # No token covers more characters than its vocabulary string has (byte-level and
+        # SentencePiece vocabularies), so a longer text cannot fit in the context: refusing it
+        # spares the tokenizer a multi-megabyte prompt.
+        longest_token = max(map(len, self.tokenizer.get_vocab()))
+        self.max_prompt_chars = self.max_model_len * longest_token
+        # One thread: a fast tokenizer must not be entered by two threads that could change
+        # its settings; the event loop only decodes.
+        self.tokenizer_thread = ThreadPoolExecutor(1, thread_name_prefix="heron-tokenize")
+
+    def output_parser(self, body: ChatCompletionRequest) -> ChatOutputParser:
+        """A fresh parser of one choice's text (reasoning, tool calls) for this request."""
+        return ChatOutputParser(self.chat_output, bool(body.tools), body.effective_tool_choice)
 
     def check_model(self, model: str | None) -> None:
         if model is not None and model != self.model_name:
             raise APIError(
-                400,
+                404,
                 f"the model {model!r} does not exist; this server serves {self.model_name!r}",
                 param="model",
                 code="model_not_found",
             )
 
+    # ---------------------------------------------------------------- request input
+
+    async def parse(self, request: Request, model: type[T]) -> T:
+        return await parse_body(request, model, self.max_request_body_bytes)
+
+    def sampling_params(self, body: CompletionRequest | ChatCompletionRequest) -> SamplingParams:
+        self.check_model(body.model)
+        try:
+            body.check_supported()
+            return body.sampling_params()
+        except ValueError as e:
+            raise _bad_value(e) from e
+
+    def chat_sampling_params(self, body: ChatCompletionRequest) -> SamplingParams:
+        """:meth:`sampling_params` under the server's tool-call settings."""
+        params = self.sampling_params(body)
+        has_tools, choice = bool(body.tools), body.effective_tool_choice
+        try:
+            self.chat_output.check_tool_choice(has_tools, choice)
+        except ValueError as e:
+            raise _bad_value(e) from e
+        if self.chat_output.keeps_special_tokens(has_tools, choice):
+            params.skip_special_tokens = False
+        return params
+
+    def check_prompt_chars(self, num_chars: int) -> None:
+        if num_chars > self.max_prompt_chars:
+            raise APIError(
+                400,
+                f"the prompt has {num_chars} characters, more than the context length "
+                f"(max_model_len={self.max_model_len}) can hold in tokens of this tokenizer "
+                f"(at most {self.max_prompt_chars} characters)",
+            )
+
+    async def tokenize(self, prompts: Sequence[str | list[int]]) -> list[list[int]]:
+        """Token ids of every prompt (text is tokenized, large text off the event loop)."""
+        texts = [p for p in prompts if isinstance(p, str)]
+        for text in texts:
+            self.check_prompt_chars(len(text))
+        size = sum(map(len, texts))
+        return await off_loop_if_large(
+            size,
+            lambda: [self.tokenizer.encode(p) if isinstance(p, str) else p for p in prompts],
+            self.tokenizer_thread,
+        )
+
+    async def chat_prompt(self, body: ChatCompletionRequest | TokenizeRequest) -> list[int]:
+        """The conversation through the chat template (the request's own, if it has one)."""
+        conversation, tools = body.conversation(), None
+        size = sum(len(m["content"]) for m in conversation)
+        if isinstance(body, ChatCompletionRequest):
+            self.check_prompt_chars(size)  # the template writes every message's content
+            tools = body.template_tools()
+        if body.chat_template is not None:
+            if not self.trust_request_chat_template:
+                # As vLLM: a client's template is code the server runs (sandboxed, but its
+                # loops are unbounded), so the operator has to allow it.
+                raise APIError(
+                    400,
+                    "chat_template from requests is refused; start the server with "
+                    "--trust-request-chat-template to allow it",
+                    param="chat_template",
+                )
+            size = math.inf  # its cost is not the input's: never on the event loop
+
+        def render() -> list[int]:
+            return self.apply_chat_template(
+                conversation,
+                body.add_generation_prompt,
+                tools,
+                body.chat_template,
+                body.chat_template_kwargs,
+            )
+
+        try:
+            return await off_loop_if_large(size, render, self.tokenizer_thread)
+        except jinja2.TemplateError as e:
+            raise APIError(400, f"the chat template failed: {e}", param="chat_template") from e
+        except ValueError as e:
+            raise _bad_value(e) from e
+
+    def check_context(
+        self, num_prompt_tokens: int, body: CompletionRequest | ChatCompletionRequest
+    ) -> None:
+        """Refuse ``max_tokens`` that would run past the context, as vLLM does (a prompt that
+        alone is too long is refused by the engine)."""
+        max_tokens, limit = body.requested_max_tokens, self.max_model_len
+        if max_tokens is None or num_prompt_tokens > limit:
+            return
+        if num_prompt_tokens + max_tokens > limit:
+            raise APIError(
+                400,
+                f"{body.max_tokens_field}={max_tokens} and the prompt's {num_prompt_tokens} "
+                f"tokens are more than the context length (max_model_len={limit}); at most "
+                f"{limit - num_prompt_tokens} new tokens fit",
+                param=body.max_tokens_field,
+            )
+
     # ---------------------------------------------------------------- generation
 
     async def start(
-        self, request_id: str, prompts: list[str | list[int]], params: SamplingParams
+        self, request_id: str, prompts: list[list[int]], params: SamplingParams
     ) -> list[tuple[RequestOutput, AsyncIterator[RequestOutput]]]:
         """Add every prompt and wait for its first output, so invalid prompts fail before any
         response is sent. Returns each prompt's first output and the rest of its stream."""
@@ -194,13 +357,19 @@ class OpenAIServing:
     def _token(self, token_id: int) -> str:
         return self.tokenizer.decode([token_id])
 
-    def completion_logprobs(self, logprobs: list[Logprob], offset: int) -> CompletionLogprobs:
+    def completion_logprobs(
+        self, entries: Sequence[tuple[int, Logprob | None]], offset: int, num_top: int
+    ) -> CompletionLogprobs:
+        """OpenAI's logprobs of ``(token id, logprob)`` pairs with ``num_top`` alternatives each;
+        a prompt's first token has no logprob (``None``)."""
         result = CompletionLogprobs()
-        for lp in logprobs:
-            token = self._token(lp.token_id)
+        for token_id, lp in entries:
+            token = self._token(token_id)
             result.tokens.append(token)
-            result.token_logprobs.append(lp.logprob)
-            result.top_logprobs.append({self._token(t): v for t, v in lp.top.items()})
+            result.token_logprobs.append(None if lp is None else lp.logprob)
+            result.top_logprobs.append(
+                None if lp is None else {self._token(t): v for t, v in _top(lp, num_top)}
+            )
             result.text_offset.append(offset)
             offset += len(token)
         return result
@@ -218,6 +387,25 @@ class OpenAIServing:
                 ChatTokenLogprob(**chosen.model_dump(), top_logprobs=[entry(*kv) for kv in top])
             )
         return ChatLogprobs(content=content)
+
+    def prompt_logprobs(self, output: RequestOutput, num_top: int | None) -> PromptLogprobs | None:
+        """vLLM's ``prompt_logprobs``: per prompt token its own and the ``num_top`` likeliest."""
+        if num_top is None:
+            return None
+        result: PromptLogprobs = []
+        for token_id, lp in _prompt_entries(output):
+            if lp is None:
+                result.append(None)
+                continue
+            entry = {
+                str(t): PromptLogprob(logprob=v, rank=rank, decoded_token=self._token(t))
+                for rank, (t, v) in enumerate(_top(lp, num_top), start=1)
+            }
+            entry[str(token_id)] = PromptLogprob(
+                logprob=lp.logprob, rank=lp.rank, decoded_token=self._token(token_id)
+            )
+            result.append(entry)
+        return result
 
     @staticmethod
     def usage(outputs: list[RequestOutput]) -> Usage:
@@ -267,16 +455,29 @@ def _api_key_checker(api_key: str | None):
 
 
 def build_app(
-    engine: EngineCoreClient, served_model_name: str, api_key: str | None = None
+    engine: EngineCoreClient,
+    served_model_name: str,
+    api_key: str | None = None,
+    max_request_body_bytes: int = DEFAULT_MAX_REQUEST_BODY_BYTES,
+    trust_request_chat_template: bool = False,
+    chat_output: ChatOutputConfig | None = None,
 ) -> FastAPI:
-    """The FastAPI app serving ``engine`` as ``served_model_name``; ``api_key`` guards /v1."""
-    serving = OpenAIServing(engine, served_model_name)
+    """The FastAPI app serving ``engine`` as ``served_model_name``; ``api_key`` guards /v1;
+    ``chat_output`` names the reasoning and tool-call parsers of chat replies.
+
+    Routes read their bodies themselves (:meth:`OpenAIServing.parse`), so the API key is
+    checked before a body is read and the size limit holds while it is read.
+    """
+    serving = OpenAIServing(
+        engine, served_model_name, max_request_body_bytes, trust_request_chat_template, chat_output
+    )
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         yield
         # Joining the engine core blocks; keep the loop free to deliver the final outputs.
         await asyncio.to_thread(engine.shutdown)
+        serving.tokenizer_thread.shutdown(wait=False, cancel_futures=True)
 
     app = FastAPI(title="Heron", version=__version__, lifespan=lifespan)
     app.state.serving = serving
@@ -286,7 +487,7 @@ def build_app(
     @app.get("/health")
     async def health() -> Response:
         if not engine.is_running:
-            return _error_response(503, "the engine is not running")
+            return error_response(503, "the engine is not running")
         return Response(status_code=200)
 
     @app.get("/metrics")
@@ -307,14 +508,18 @@ def build_app(
         return ModelList(data=[card])
 
     @api.post("/tokenize")
-    async def tokenize(body: TokenizeRequest) -> TokenizeResponse:
+    async def tokenize(request: Request) -> TokenizeResponse:
+        body = await serving.parse(request, TokenizeRequest)
         serving.check_model(body.model)
         if body.messages is not None:
-            conversation = [{"role": m.role, "content": m.text()} for m in body.messages]
-            tokens = serving.apply_chat_template(conversation, body.add_generation_prompt)
+            tokens = await serving.chat_prompt(body)
         elif body.prompt is not None:
-            tokens = serving.tokenizer.encode(
-                body.prompt, add_special_tokens=body.add_special_tokens
+            tokens = await off_loop_if_large(
+                len(body.prompt),
+                lambda: serving.tokenizer.encode(
+                    body.prompt, add_special_tokens=body.add_special_tokens
+                ),
+                serving.tokenizer_thread,
             )
         else:
             raise APIError(400, "give either prompt or messages", param="prompt")
@@ -323,23 +528,36 @@ def build_app(
         )
 
     @api.post("/detokenize")
-    async def detokenize(body: DetokenizeRequest) -> DetokenizeResponse:
+    async def detokenize(request: Request) -> DetokenizeResponse:
+        body = await serving.parse(request, DetokenizeRequest)
         serving.check_model(body.model)
-        return DetokenizeResponse(prompt=serving.tokenizer.decode(body.tokens))
+        size = len(serving.tokenizer)
+        bad = next((t for t in body.tokens if not 0 <= t < size), None)
+        if bad is not None:
+            raise APIError(
+                400, f"token id {bad} is outside the vocabulary [0, {size})", param="tokens"
+            )
+        text = await off_loop_if_large(
+            len(body.tokens),
+            lambda: serving.tokenizer.decode(body.tokens),
+            serving.tokenizer_thread,
+        )
+        return DetokenizeResponse(prompt=text)
 
     @api.post("/v1/completions")
-    async def completions(body: CompletionRequest, request: Request) -> Response:
-        serving.check_model(body.model)
-        try:
-            params = body.sampling_params()
-        except ValueError as e:
-            raise _bad_value(e) from e
+    async def completions(request: Request) -> Response:
+        body = await serving.parse(request, CompletionRequest)
+        params = serving.sampling_params(body)
+        prompts = body.prompts()
+        token_ids = await serving.tokenize(prompts)
+        for ids in token_ids:
+            serving.check_context(len(ids), body)
         request_id = f"cmpl-{uuid.uuid4().hex}"
-        started = await serving.start(request_id, body.prompts(), params)
+        started = await _until_disconnect(request, serving.start(request_id, token_ids, params))
         created = int(time.time())
         echoes = [
-            (first.prompt or serving.tokenizer.decode(first.prompt_token_ids)) if body.echo else ""
-            for first, _ in started
+            (p if isinstance(p, str) else serving.tokenizer.decode(p)) if body.echo else ""
+            for p in prompts
         ]
         if body.stream:
             return _streaming(
@@ -353,13 +571,17 @@ def build_app(
             for sample in output.outputs:
                 logprobs = None
                 if sample.logprobs is not None:
-                    logprobs = serving.completion_logprobs(sample.logprobs, len(echoes[i]))
+                    entries = _entries(sample.logprobs)
+                    if body.echo:
+                        entries = _prompt_entries(output) + entries
+                    logprobs = serving.completion_logprobs(entries, 0, body.logprobs)
                 choices.append(
                     CompletionChoice(
                         index=i * params.n + sample.index,
                         text=echoes[i] + sample.text,
                         logprobs=logprobs,
                         finish_reason=sample.finish_reason,
+                        prompt_logprobs=serving.prompt_logprobs(output, body.prompt_logprobs),
                     )
                 )
         return JSONResponse(
@@ -373,32 +595,37 @@ def build_app(
         )
 
     @api.post("/v1/chat/completions")
-    async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
-        serving.check_model(body.model)
-        try:
-            params = body.sampling_params()
-            prompt = serving.apply_chat_template(body.conversation(), body.add_generation_prompt)
-        except ValueError as e:
-            raise _bad_value(e) from e
+    async def chat_completions(request: Request) -> Response:
+        body = await serving.parse(request, ChatCompletionRequest)
+        params = serving.chat_sampling_params(body)
+        prompt = await serving.chat_prompt(body)
+        serving.check_context(len(prompt), body)
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
-        started = await serving.start(request_id, [prompt], params)
+        started = await _until_disconnect(request, serving.start(request_id, [prompt], params))
         created = int(time.time())
         if body.stream:
             return _streaming(
                 _chat_stream(serving, request, body, request_id, created, started, params.n)
             )
         (output,) = await _final_outputs(serving, request, started)
-        choices = [
-            ChatChoice(
-                index=sample.index,
-                message=AssistantMessage(content=sample.text),
-                logprobs=serving.chat_logprobs(sample.logprobs)
-                if sample.logprobs is not None
-                else None,
-                finish_reason=sample.finish_reason,
+        choices = []
+        for sample in output.outputs:
+            parser = serving.output_parser(body)
+            piece = _joined(parser.feed(sample.text), parser.finish())
+            choices.append(
+                ChatChoice(
+                    index=sample.index,
+                    message=AssistantMessage(
+                        content=piece.content or (None if piece.tool_calls else ""),
+                        reasoning_content=piece.reasoning or None,
+                        tool_calls=piece.tool_calls,
+                    ),
+                    logprobs=serving.chat_logprobs(sample.logprobs)
+                    if sample.logprobs is not None
+                    else None,
+                    finish_reason=_chat_finish_reason(sample.finish_reason, bool(piece.tool_calls)),
+                )
             )
-            for sample in output.outputs
-        ]
         return JSONResponse(
             ChatCompletionResponse(
                 id=request_id,
@@ -406,11 +633,42 @@ def build_app(
                 model=served_model_name,
                 choices=choices,
                 usage=serving.usage([output]),
+                prompt_logprobs=serving.prompt_logprobs(output, body.prompt_logprobs),
             ).model_dump()
         )
 
     app.include_router(api)
     return app
+
+
+def _joined(first: MessagePiece, second: MessagePiece) -> MessagePiece:
+    return MessagePiece(
+        first.reasoning + second.reasoning,
+        first.content + second.content,
+        first.tool_calls + second.tool_calls,
+    )
+
+
+def _chat_finish_reason(finish_reason: str | None, called_tools: bool) -> str | None:
+    """OpenAI's reason for a reply that ended by calling tools."""
+    return "tool_calls" if called_tools and finish_reason == "stop" else finish_reason
+
+
+def _entries(logprobs: Sequence[Logprob]) -> list[tuple[int, Logprob | None]]:
+    return [(lp.token_id, lp) for lp in logprobs]
+
+
+def _prompt_entries(output: RequestOutput) -> list[tuple[int, Logprob | None]]:
+    """The prompt's logprobs (the first None), when they were asked for."""
+    if output.prompt_logprobs is None:
+        return []
+    return list(zip(output.prompt_token_ids, output.prompt_logprobs))
+
+
+def _top(lp: Logprob, n: int) -> list[tuple[int, float]]:
+    """The ``n`` likeliest alternatives (``lp.top`` is in descending order and may hold more,
+    when prompt logprobs were asked for with a larger count)."""
+    return list(islice(lp.top.items(), n))
 
 
 async def _final_outputs(
@@ -448,8 +706,12 @@ async def _sse_events(
             if output.finished:
                 finals[index] = output
             yield index, output
-    except ClientDisconnected:
-        return
+    except (ClientDisconnected, asyncio.CancelledError, GeneratorExit) as e:
+        # Seen by the merge, or by Starlette, which then cancels or closes the stream.
+        logger.info("client left a stream; its requests were aborted")
+        if isinstance(e, ClientDisconnected):
+            return
+        raise
     except (StepError, EngineDeadError) as e:
         info = ErrorInfo(message=str(e), type=_ERROR_TYPES[500])
         yield _sse(ErrorResponse(error=info).model_dump_json())
@@ -476,39 +738,36 @@ async def _completion_stream(
         )
 
     deltas = _Deltas()
-    sent_chars: dict[tuple[int, int], int] = {}  # for logprobs' text_offset
+    offsets: dict[tuple[int, int], int] = {}  # each sample's next logprobs text_offset
     events = _sse_events(serving, request, started, body.include_usage, lambda u: chunk([], u))
     async for event in events:
         if isinstance(event, str):
             yield event
             continue
         index, output = event
-        choices = []
+        # One choice per chunk, as OpenAI streams n > 1.
         for sample in output.outputs:
             key = (index, sample.index)
             taken = deltas.take(key, sample)
             if taken is None:
                 continue
             delta, logprobs, finished = taken
-            text = delta
-            if key not in sent_chars:
+            text, entries = delta, _entries(logprobs)
+            if key not in offsets:  # the sample's first chunk: the echo goes first
                 text = echoes[index] + delta
-                sent_chars[key] = len(echoes[index])
-            # The new tokens start where the previously sent text (and any echo) ended.
-            offset = sent_chars[key]
-            sent_chars[key] += len(delta)
-            choices.append(
-                CompletionChoice(
-                    index=index * n + sample.index,
-                    text=text,
-                    logprobs=serving.completion_logprobs(logprobs, offset)
-                    if sample.logprobs is not None
-                    else None,
-                    finish_reason=sample.finish_reason if finished else None,
-                )
+                if body.echo:
+                    entries = _prompt_entries(output) + entries
+                offsets[key] = 0
+            choice = CompletionChoice(
+                index=index * n + sample.index,
+                text=text,
+                finish_reason=sample.finish_reason if finished else None,
             )
-        if choices:
-            yield _sse(chunk(choices).model_dump_json())
+            if sample.logprobs is not None:
+                # The new tokens start where the previously sent ones ended.
+                choice.logprobs = serving.completion_logprobs(entries, offsets[key], body.logprobs)
+                offsets[key] += sum(map(len, choice.logprobs.tokens))
+            yield _sse(chunk([choice]).model_dump_json())
 
 
 async def _chat_stream(
@@ -525,48 +784,72 @@ async def _chat_stream(
             id=request_id, created=created, model=serving.model_name, choices=choices, usage=usage
         )
 
-    # As OpenAI does, open every choice with the role and no content.
-    opening = [
-        ChatChunkChoice(index=i, delta=DeltaMessage(role="assistant", content="")) for i in range(n)
-    ]
-    yield _sse(chunk(opening).model_dump_json())
+    # As OpenAI does, open every choice with the role and no content; one choice per chunk.
+    for i in range(n):
+        opening = ChatChunkChoice(index=i, delta=DeltaMessage(role="assistant", content=""))
+        yield _sse(chunk([opening]).model_dump_json())
     deltas = _Deltas()
+    parsers = [serving.output_parser(body) for _ in range(n)]
+    num_calls = [0] * n  # tool calls sent per choice, for their indices
     events = _sse_events(serving, request, started, body.include_usage, lambda u: chunk([], u))
     async for event in events:
         if isinstance(event, str):
             yield event
             continue
         _, output = event
-        choices = []
         for sample in output.outputs:
             taken = deltas.take((0, sample.index), sample)
             if taken is None:
                 continue
             text, logprobs, finished = taken
-            choices.append(
-                ChatChunkChoice(
-                    index=sample.index,
-                    delta=DeltaMessage(content=text),
-                    logprobs=serving.chat_logprobs(logprobs)
-                    if sample.logprobs is not None
-                    else None,
-                    finish_reason=sample.finish_reason if finished else None,
+            parser = parsers[sample.index]
+            if not parser.active:
+                delta, finish_reason = DeltaMessage(content=text), sample.finish_reason
+            else:
+                piece = parser.feed(text)
+                if finished:
+                    piece = _joined(piece, parser.finish())
+                if not (piece.reasoning or piece.content or piece.tool_calls):
+                    if not (finished or logprobs):
+                        continue  # held back: it may be part of a tag
+                first = num_calls[sample.index]
+                num_calls[sample.index] += len(piece.tool_calls)
+                delta = DeltaMessage(
+                    content=piece.content or None,
+                    reasoning_content=piece.reasoning or None,
+                    tool_calls=[
+                        DeltaToolCall(index=first + i, **call.model_dump())
+                        for i, call in enumerate(piece.tool_calls)
+                    ]
+                    or None,
                 )
+                finish_reason = _chat_finish_reason(
+                    sample.finish_reason, num_calls[sample.index] > 0
+                )
+            choice = ChatChunkChoice(
+                index=sample.index,
+                delta=delta,
+                logprobs=serving.chat_logprobs(logprobs) if sample.logprobs is not None else None,
+                finish_reason=finish_reason if finished else None,
             )
-        if choices:
-            yield _sse(chunk(choices).model_dump_json())
+            yield _sse(chunk([choice]).model_dump_json())
 
 
 def _add_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(APIError)
     async def api_error(request: Request, e: APIError) -> JSONResponse:
-        return _error_response(e.status, e.message, e.param, e.code)
+        return error_response(e.status, e.message, e.param, e.code)
 
     @app.exception_handler(RequestValidationError)
     async def validation_error(request: Request, e: RequestValidationError) -> JSONResponse:
         errors = e.errors()
-        if any(err.get("type") == "json_invalid" for err in errors):
-            return _error_response(400, "the request body is not valid JSON", code="invalid_json")
+        invalid = next((err for err in errors if err.get("type") == "json_invalid"), None)
+        if invalid is not None:
+            return error_response(
+                400,
+                f"the request body is not valid JSON: {invalid.get('msg')}",
+                code="invalid_json",
+            )
         first = errors[0] if errors else {}
         # loc is ("body", field, ...): name the field, as OpenAI's param does.
         loc = [str(part) for part in first.get("loc", ()) if part != "body"]
@@ -574,19 +857,36 @@ def _add_error_handlers(app: FastAPI) -> None:
             f"{'.'.join(str(p) for p in err.get('loc', ()) if p != 'body')}: {err.get('msg')}"
             for err in errors
         )
-        return _error_response(400, message, param=".".join(loc) or None)
+        return error_response(400, message, param=".".join(loc) or None)
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request: Request, e: StarletteHTTPException) -> JSONResponse:
         message = str(e.detail)
         if e.status_code == 404:
             message = f"{request.method} {request.url.path} is not a known route"
-        return _error_response(e.status_code, message)
+        return error_response(e.status_code, message)
 
     @app.exception_handler(EngineDeadError)
     async def engine_dead(request: Request, e: EngineDeadError) -> JSONResponse:
-        return _error_response(503, str(e))
+        return error_response(503, str(e))
 
     @app.exception_handler(StepError)
     async def step_error(request: Request, e: StepError) -> JSONResponse:
-        return _error_response(500, str(e))
+        return error_response(500, str(e))
+
+    @app.exception_handler(BodyTooLargeError)
+    async def body_too_large(request: Request, e: BodyTooLargeError) -> JSONResponse:
+        return error_response(413, str(e), code="request_too_large")
+
+    @app.exception_handler(ClientDisconnected)
+    async def client_disconnected(request: Request, e: ClientDisconnected) -> Response:
+        # A normal event, not a failure: one line, no traceback. Nobody reads the response.
+        logger.info(
+            "client left %s %s; its requests were aborted", request.method, request.url.path
+        )
+        return Response(status_code=499)
+
+    @app.exception_handler(Exception)
+    async def internal_error(request: Request, e: Exception) -> JSONResponse:
+        # Starlette still logs the traceback; the client gets OpenAI's error body.
+        return error_response(500, f"internal server error: {e!r}")

@@ -134,12 +134,12 @@ class ServerMetrics:
 
     async def track(self, outputs: AsyncIterator[RequestOutput]) -> AsyncIterator[RequestOutput]:
         """Pass ``outputs`` through, observing token latencies and the finished request."""
-        # received: the request was accepted (a rejected one raises before any output).
-        last_time, last_count, received, finished = None, 0, False, False
+        # prompt_len: known from the first output on; rejected: the request was invalid.
+        last_time, last_count, prompt_len, finished, rejected = None, 0, None, False, False
         async with aclosing(outputs):
             try:
                 async for output in outputs:
-                    received = True
+                    prompt_len = len(output.prompt_token_ids)
                     now = time.monotonic()
                     count = sum(len(c.token_ids) for c in output.outputs)
                     if count > last_count:
@@ -153,9 +153,15 @@ class ServerMetrics:
                         finished = True
                         self._observe_finished(output, count)
                     yield output
+            except ValueError:
+                rejected = True
+                raise
             finally:
-                if received and not finished:
-                    # The consumer left early (client disconnect): the request was aborted.
+                if not (finished or rejected):
+                    # The consumer left early (client disconnect): the request was aborted,
+                    # maybe before its first output, with the tokens seen so far.
+                    self.prompt_tokens.inc(prompt_len or 0)
+                    self.generation_tokens.inc(last_count)
                     self.request_success.labels(finished_reason="abort").inc()
 
     def _observe_finished(self, output: RequestOutput, num_generated: int) -> None:

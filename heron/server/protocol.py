@@ -2,23 +2,54 @@
 
 from __future__ import annotations
 
+import json
 import time
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
-from pydantic import BaseModel, Field, model_serializer
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_serializer
 
 from heron.sampling_params import SamplingParams
+from heron.server.structured_protocol import (
+    ChatTool,
+    DeltaToolCall,
+    StructuredRequestFields,
+    ToolCall,
+    ToolChoice,
+)
+from heron.server.tool_parsers import forced_tool_schema
+from heron.structured import StructuredOutputsParams
 
 
 class StreamOptions(BaseModel):
     include_usage: bool = False
 
 
-class _SamplingRequest(BaseModel):
-    """Fields shared by completions and chat completions; unknown fields are ignored."""
+# OpenAI fields about storage, billing and identity: accepted, as they do not change the output.
+_NO_EFFECT_FIELDS = frozenset(
+    {"user", "metadata", "store", "service_tier", "prompt_cache_key", "safety_identifier"}
+)
+
+
+class UnsupportedFieldError(ValueError):
+    """A request field that would change the result and that Heron does not implement."""
+
+    def __init__(self, name: str, message: str | None = None) -> None:
+        super().__init__(message or f"{name} is not supported by this server")
+        self.name = name
+
+
+class _SamplingRequest(StructuredRequestFields):
+    """Fields shared by completions and chat completions.
+
+    Unknown fields are kept (``extra="allow"``) so that :meth:`check_supported` can reject
+    them by name: a field that changes the result must never be ignored silently.
+    """
+
+    model_config = ConfigDict(extra="allow")
 
     model: str | None = None
     n: int = 1
+    best_of: int | None = None
     temperature: float | None = None
     top_p: float | None = None
     stream: bool = False
@@ -27,7 +58,7 @@ class _SamplingRequest(BaseModel):
     seed: int | None = None
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
-    user: str | None = None
+    logit_bias: dict[int, float] | None = None  # JSON keys are token ids as strings
     # Extras beyond the OpenAI schema, named as in vLLM.
     top_k: int | None = None
     min_p: float | None = None
@@ -37,8 +68,29 @@ class _SamplingRequest(BaseModel):
     include_stop_str_in_output: bool = False
     ignore_eos: bool = False
     skip_special_tokens: bool = True
+    prompt_logprobs: int | None = None  # top-N per prompt token, returned apart from `logprobs`
 
-    def _sampling_params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
+    def check_supported(self) -> None:
+        """Raise :class:`UnsupportedFieldError` for the first field Heron cannot honour."""
+        for name in self.model_extra or {}:
+            if name not in _NO_EFFECT_FIELDS:
+                raise UnsupportedFieldError(name)
+        if self.best_of is not None and self.best_of != self.n:
+            raise UnsupportedFieldError(
+                "best_of", f"best_of must equal n ({self.n}): every sample is returned"
+            )
+        if self.stream and self.prompt_logprobs is not None:
+            raise UnsupportedFieldError(
+                "prompt_logprobs", "prompt_logprobs are not available when streaming (as vLLM)"
+            )
+
+    def _sampling_params(
+        self,
+        max_tokens: int | None,
+        logprobs: int | None,
+        prompt_logprobs: int | None = None,
+        structured_outputs: StructuredOutputsParams | None = None,
+    ) -> SamplingParams:
         """Build validated params; ``SamplingParams`` raises ``ValueError`` naming a bad field."""
         defaults = SamplingParams()
 
@@ -62,7 +114,10 @@ class _SamplingRequest(BaseModel):
             include_stop_str_in_output=self.include_stop_str_in_output,
             ignore_eos=self.ignore_eos,
             logprobs=logprobs,
+            prompt_logprobs=prompt_logprobs,
             skip_special_tokens=self.skip_special_tokens,
+            logit_bias=self.logit_bias,
+            structured_outputs=structured_outputs or self.structured_outputs_params(),
         )
 
     @property
@@ -75,6 +130,14 @@ class CompletionRequest(_SamplingRequest):
     max_tokens: int | None = 16
     logprobs: int | None = None
     echo: bool = False
+    max_tokens_field: ClassVar[str] = "max_tokens"  # the field requested_max_tokens reads
+
+    @field_validator("prompt")
+    @classmethod
+    def _not_empty(cls, prompt: Any) -> Any:
+        if not prompt:
+            raise ValueError("the prompt is empty")
+        return prompt
 
     def prompts(self) -> list[str | list[int]]:
         """The prompt field as a list of prompts (text or token ids)."""
@@ -83,20 +146,55 @@ class CompletionRequest(_SamplingRequest):
             return [p]
         return list(p)
 
+    @property
+    def requested_max_tokens(self) -> int | None:
+        return self.max_tokens
+
     def sampling_params(self) -> SamplingParams:
-        return self._sampling_params(self.max_tokens, self.logprobs)
+        # Echoed prompt tokens carry their logprobs too, as in OpenAI's API.
+        wanted = [self.prompt_logprobs, self.logprobs if self.echo else None]
+        prompt_logprobs = max((n for n in wanted if n is not None), default=None)
+        return self._sampling_params(self.max_tokens, self.logprobs, prompt_logprobs)
 
 
 class ChatMessage(BaseModel):
     role: str
     content: str | list[dict[str, Any]] | None = None
     name: str | None = None
+    tool_calls: list[ToolCall] | None = None  # an assistant turn that called tools
+    tool_call_id: str | None = None  # a tool turn: the call it answers
+
+    @field_validator("content")
+    @classmethod
+    def _text_parts_only(cls, content: Any) -> Any:
+        for part in content if isinstance(content, list) else ():
+            if part.get("type") != "text" or not isinstance(part.get("text"), str):
+                raise ValueError(
+                    f"content parts of type {part.get('type')!r} are not supported "
+                    "(this server takes text parts only)"
+                )
+        return content
 
     def text(self) -> str:
-        """The content as one string (text parts of a multi-part message joined)."""
+        """The content as one string (the text parts of a multi-part message joined)."""
         if isinstance(self.content, list):
-            return "".join(part.get("text", "") for part in self.content)
+            return "".join(part["text"] for part in self.content)
         return self.content or ""
+
+
+def _conversation(messages: list[ChatMessage]) -> list[dict[str, Any]]:
+    """The messages as a chat template takes them."""
+    conv = []
+    for m in messages:
+        message = {"role": m.role, "content": m.text()}
+        if m.name is not None:
+            message["name"] = m.name
+        if m.tool_calls:
+            message["tool_calls"] = [_template_call(c) for c in m.tool_calls]
+        if m.tool_call_id is not None:
+            message["tool_call_id"] = m.tool_call_id
+        conv.append(message)
+    return conv
 
 
 class ChatCompletionRequest(_SamplingRequest):
@@ -106,20 +204,64 @@ class ChatCompletionRequest(_SamplingRequest):
     logprobs: bool = False
     top_logprobs: int | None = None
     add_generation_prompt: bool = True
+    chat_template: str | None = None  # a Jinja template instead of the tokenizer's, as vLLM
+    chat_template_kwargs: dict[str, Any] | None = None  # more variables of the template
+    tools: list[ChatTool] | None = None
+    tool_choice: ToolChoice | None = None
+    parallel_tool_calls: bool = True
+
+    @field_validator("top_logprobs")
+    @classmethod
+    def _needs_logprobs(cls, top_logprobs: int | None, info: ValidationInfo) -> int | None:
+        if top_logprobs is not None and not info.data.get("logprobs"):
+            raise ValueError("top_logprobs needs logprobs=true")
+        return top_logprobs
+
+    @property
+    def effective_tool_choice(self) -> ToolChoice:
+        """OpenAI's default: ``auto`` when tools are given, else ``none``."""
+        return self.tool_choice or ("auto" if self.tools else "none")
 
     def conversation(self) -> list[dict[str, Any]]:
-        conv = []
-        for m in self.messages:
-            message = {"role": m.role, "content": m.text()}
-            if m.name is not None:
-                message["name"] = m.name
-            conv.append(message)
-        return conv
+        return _conversation(self.messages)
+
+    @property
+    def max_tokens_field(self) -> str:
+        return "max_tokens" if self.max_completion_tokens is None else "max_completion_tokens"
+
+    @property
+    def requested_max_tokens(self) -> int | None:
+        # OpenAI's default is "until the context ends"; max_completion_tokens supersedes.
+        return self.max_completion_tokens or self.max_tokens
+
+    def template_tools(self) -> list[dict[str, Any]] | None:
+        """The tools as chat templates take them (``tools=``)."""
+        return [t.model_dump(exclude_none=True) for t in self.tools] if self.tools else None
 
     def sampling_params(self) -> SamplingParams:
         logprobs = (self.top_logprobs or 0) if self.logprobs else None
-        # OpenAI's default is "until the context ends"; max_completion_tokens supersedes.
-        return self._sampling_params(self.max_completion_tokens or self.max_tokens, logprobs)
+        schema = None
+        if self.tools and self.effective_tool_choice not in ("auto", "none"):
+            if self.structured_outputs_params() is not None:
+                raise ValueError("structured_outputs cannot be combined with a forced tool_choice")
+            schema = forced_tool_schema(
+                self.tools, self.effective_tool_choice, self.parallel_tool_calls
+            )
+        forced = None if schema is None else StructuredOutputsParams(json=schema)
+        return self._sampling_params(
+            self.requested_max_tokens, logprobs, self.prompt_logprobs, forced
+        )
+
+
+def _template_call(call: ToolCall) -> dict[str, Any]:
+    """A past tool call for the chat template, its arguments as an object (what templates
+    such as Qwen's and Llama's expect) when they are JSON."""
+    data = call.model_dump()
+    try:
+        data["function"]["arguments"] = json.loads(call.function.arguments)
+    except ValueError:
+        pass
+    return data
 
 
 class Usage(BaseModel):
@@ -135,11 +277,24 @@ class CompletionLogprobs(BaseModel):
     text_offset: list[int] = Field(default_factory=list)
 
 
+class PromptLogprob(BaseModel):
+    """vLLM's entry of a prompt token's logprobs."""
+
+    logprob: float
+    rank: int
+    decoded_token: str
+
+
+# Per prompt token (the first None): token id (as a JSON key) -> its logprob, as vLLM returns.
+PromptLogprobs = list[dict[str, PromptLogprob] | None]
+
+
 class CompletionChoice(BaseModel):
     index: int
     text: str
     logprobs: CompletionLogprobs | None = None
     finish_reason: str | None = None
+    prompt_logprobs: PromptLogprobs | None = None
 
 
 class CompletionResponse(BaseModel):
@@ -167,7 +322,9 @@ class ChatLogprobs(BaseModel):
 
 class AssistantMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
-    content: str
+    content: str | None
+    reasoning_content: str | None = None
+    tool_calls: list[ToolCall] = Field(default_factory=list)
 
 
 class ChatChoice(BaseModel):
@@ -184,11 +341,14 @@ class ChatCompletionResponse(BaseModel):
     model: str
     choices: list[ChatChoice]
     usage: Usage
+    prompt_logprobs: PromptLogprobs | None = None
 
 
 class DeltaMessage(BaseModel):
     role: Literal["assistant"] | None = None
     content: str | None = None
+    reasoning_content: str | None = None
+    tool_calls: list[DeltaToolCall] | None = None
 
     @model_serializer(mode="wrap")
     def _omit_unset(self, handler: Any) -> dict[str, Any]:
@@ -232,6 +392,11 @@ class TokenizeRequest(BaseModel):
     messages: list[ChatMessage] | None = None
     add_special_tokens: bool = True
     add_generation_prompt: bool = True
+    chat_template: str | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+
+    def conversation(self) -> list[dict[str, Any]]:
+        return _conversation(self.messages or [])
 
 
 class TokenizeResponse(BaseModel):

@@ -9,12 +9,30 @@ from pathlib import Path
 from types import FrameType
 
 import uvicorn
+from starlette.types import ASGIApp, Receive, Scope, Send
 
 from heron.config import EngineConfig
 from heron.engine.core_client import EngineCoreClient
-from heron.server.app import build_app
+from heron.server.app import build_app, error_response
+from heron.server.chat_output import ChatOutputConfig
 
 logger = logging.getLogger(__name__)
+
+
+class _RefuseWhileStopping:
+    """ASGI middleware answering 503 at once to every request that starts after the shutdown
+    signal, instead of letting it wait on an engine that is stopping."""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+        self.stopping = False
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if self.stopping and scope["type"] == "http":
+            response = error_response(503, "the server is shutting down")
+            await response(scope, receive, send)
+            return
+        await self.app(scope, receive, send)
 
 
 class _Server(uvicorn.Server):
@@ -24,11 +42,14 @@ class _Server(uvicorn.Server):
     stream would hold the shutdown until it ran out of tokens.
     """
 
-    def __init__(self, config: uvicorn.Config, engine: EngineCoreClient) -> None:
+    def __init__(
+        self, config: uvicorn.Config, engine: EngineCoreClient, gate: _RefuseWhileStopping
+    ) -> None:
         super().__init__(config)
-        self.engine = engine
+        self.engine, self.gate = engine, gate
 
     def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+        self.gate.stopping = True
         super().handle_exit(sig, frame)
         # A signal handler must not block: the lifespan's exit joins the engine core.
         self.engine.shutdown(timeout=0)
@@ -49,6 +70,9 @@ def serve(
     api_key: str | None,
     served_model_name: str | None,
     log_level: str,
+    max_request_body_bytes: int,
+    trust_request_chat_template: bool,
+    chat_output: ChatOutputConfig | None = None,
 ) -> int:
     """Serve until a shutdown signal; returns the exit code."""
     logging.getLogger("heron").setLevel(min(logging.INFO, logging.getLogger().level))
@@ -64,14 +88,17 @@ def serve(
         engine.core_pid,
     )
     logger.info("listening on http://%s:%d (OpenAI API under /v1)", host, port)
-    app = build_app(engine, name, api_key)
+    app = build_app(
+        engine, name, api_key, max_request_body_bytes, trust_request_chat_template, chat_output
+    )
+    gate = _RefuseWhileStopping(app)
     uv_config = uvicorn.Config(
-        app, host=host, port=port, log_level=log_level.lower(), timeout_graceful_shutdown=30
+        gate, host=host, port=port, log_level=log_level.lower(), timeout_graceful_shutdown=30
     )
     # uvicorn re-raises the shutdown signal once it has shut down gracefully; the default
     # handlers would then turn a clean shutdown into a nonzero exit status.
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: None)
     freeze_start_up_heap()
-    _Server(uv_config, engine).run()
+    _Server(uv_config, engine, gate).run()
     return 0

@@ -17,6 +17,7 @@ from heron.engine.messages import (
 )
 from heron.outputs import Logprob
 from heron.sampling_params import SamplingParams
+from heron.structured import StructuredOutputsParams
 
 # A value other than the default for every field.
 NON_DEFAULT = {
@@ -38,19 +39,51 @@ NON_DEFAULT = {
     "logprobs": 5,
     "prompt_logprobs": 0,
     "skip_special_tokens": False,
+    "logit_bias": {5: -100.0, 151643: 2.5},
     "eos_token_ids": frozenset({2, 151645}),
 }
+# Refused together with min_tokens and ignore_eos, so round-tripped on its own, every kind.
+STRUCTURED_OUTPUTS = [
+    StructuredOutputsParams(json={"type": "object", "properties": {"a": {"type": "integer"}}}),
+    StructuredOutputsParams(json='{"type": "array"}'),
+    StructuredOutputsParams(json_object=True),
+    StructuredOutputsParams(regex=r"[0-9]+"),
+    StructuredOutputsParams(choice=["yes", "no"]),
+    StructuredOutputsParams(grammar='root ::= "a" | "b"'),
+]
 
 
-def test_every_sampling_param_round_trips():
-    assert set(NON_DEFAULT) == {f.name for f in fields(SamplingParams)}, "a new field: add it"
-    params = SamplingParams(**NON_DEFAULT)
-    default = SamplingParams()
-    assert all(getattr(params, k) != getattr(default, k) for k in NON_DEFAULT)
+def _round_trip(params: SamplingParams) -> SamplingParams:
     message = AddRequest("req-1", [1, 2, 3], params)
     decoded = msgspec.msgpack.decode(msgspec.msgpack.encode(message), type=FrontMessage)
     assert decoded == message
-    assert isinstance(decoded.params.eos_token_ids, frozenset)
+    return decoded.params
+
+
+def test_every_sampling_param_round_trips():
+    names = {f.name for f in fields(SamplingParams)}
+    assert set(NON_DEFAULT) | {"structured_outputs"} == names, "a new field: add it"
+    params = SamplingParams(**NON_DEFAULT)
+    default = SamplingParams()
+    assert all(getattr(params, k) != getattr(default, k) for k in NON_DEFAULT)
+    decoded = _round_trip(params)
+    assert isinstance(decoded.eos_token_ids, frozenset)
+    assert all(isinstance(t, int) for t in decoded.logit_bias)
+
+
+@pytest.mark.parametrize("spec", STRUCTURED_OUTPUTS, ids=lambda s: s.kind)
+def test_structured_outputs_round_trip(spec):
+    decoded = _round_trip(SamplingParams(structured_outputs=spec, logit_bias={3: 1.0}))
+    assert isinstance(decoded.structured_outputs, StructuredOutputsParams)
+    assert decoded.structured_outputs.key == spec.key
+
+
+def test_decoding_validates_structured_outputs():
+    encoded = msgspec.msgpack.encode(AddRequest("r", [1], SamplingParams()))
+    wire = msgspec.msgpack.decode(encoded)
+    wire[-1]["structured_outputs"] = {"regex": "a", "choice": ["b"]}
+    with pytest.raises(msgspec.ValidationError, match="exactly one of"):
+        msgspec.msgpack.decode(msgspec.msgpack.encode(wire), type=FrontMessage)
 
 
 def test_decoding_validates_sampling_params():

@@ -9,7 +9,7 @@ import torch
 from heron.cache.spec import FullAttentionSpec, SlidingWindowSpec
 from heron.execution.request_state import RequestState
 from heron.execution.step_inputs import StepInputBuilder
-from heron.execution.step_plan import NewRequest, StepPlan, TableUpdate
+from heron.execution.step_plan import NewRequest, SentTables, StepPlan
 from heron.sampling_params import SamplingParams
 
 BS = 4
@@ -34,25 +34,16 @@ class _Sync:
     """What the scheduler sends of each table: its new entries, or all after a drop."""
 
     def __init__(self, builder: StepInputBuilder) -> None:
-        self.builder, self.sent = builder, {}
-
-    def updates(self, request_id: str, tables: list[list[int]]) -> list[TableUpdate]:
-        sent = self.sent.setdefault(request_id, [0] * len(tables))
-        out = []
-        for g, table in enumerate(tables):
-            if len(table) != sent[g]:
-                out.append(TableUpdate(request_id, g, sent[g], table[sent[g] :]))
-                sent[g] = len(table)
-        return out
+        self.builder, self.sent = builder, SentTables()
 
     def drop(self, request_id: str) -> None:
-        self.sent.pop(request_id, None)
+        self.sent.forget(request_id)
         self.builder.tables.drop(request_id)
 
     def prepare(self, states, rows, tables):
         """``rows``: (request id, context, new tokens); ``tables``: request id -> tables."""
         for request_id, _, _ in rows:
-            for update in self.updates(request_id, tables[request_id]):
+            for update in self.sent.updates(request_id, tables[request_id]):
                 self.builder.tables.apply(update)
         plan = StepPlan(
             [r for r, _, _ in rows],

@@ -1,42 +1,50 @@
-"""The fused Triton MoE (heron.kernels.moe) against the experts' sparse reference: tiny
-shapes under the Triton interpreter on the CPU; on a GPU, gpt-oss-20b's shapes (bf16, and fp32)
-against an fp64 reference and CUDA-graph replays with changing routing."""
+"""The fused Triton MoE (heron.kernels.moe) against the experts' sparse reference, for both
+expert banks (plain SwiGLU in HF's layout, gpt-oss's clamped SwiGLU): tiny shapes under the
+Triton interpreter on the CPU; on a GPU, gpt-oss-20b's and Qwen3-30B-A3B's shapes (bf16, and
+fp32) against an fp64 reference and CUDA-graph replays with changing routing."""
 
 from __future__ import annotations
+
+import copy
 
 import pytest
 import torch
 from triton_lowering import check_lowering
 
 from heron.kernels.moe import align_by_expert, fused_experts
-from heron.layers.moe import ClampedSwiGLUExperts, MoEMLP
+from heron.layers.moe import ClampedSwiGLUExperts, SparseMoE, SwiGLUExperts
+from heron.layers.routing import Routing
+from heron.models.gpt_oss import gpt_oss_moe
 from heron.ops.selector import layer_kernels
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 LIMIT = 7.0
 
 
-def make_experts(num_experts, hidden, inter, dtype, device=DEVICE, seed=0, kernels="torch"):
-    """Random experts whose gate_up outputs reach well past the clamp for unit-scale inputs."""
+def make_experts(
+    num_experts, hidden, inter, dtype, device=DEVICE, seed=0, kernels="torch", kind="clamped"
+):
+    """Random experts of ``kind`` (``clamped``: gpt-oss's, whose gate_up outputs reach well
+    past the clamp for unit-scale inputs; ``swiglu``: plain, HF's layout)."""
     g = torch.Generator(device).manual_seed(seed)
     with torch.device(device):
-        experts = ClampedSwiGLUExperts(
-            num_experts, hidden, inter, LIMIT, kernels=layer_kernels(kernels)
-        )
+        if kind == "clamped":
+            experts = ClampedSwiGLUExperts(
+                num_experts, hidden, inter, LIMIT, kernels=layer_kernels(kernels)
+            )
+            std = {"gate_up_proj": 3.5 / hidden**0.5, "down_proj": 1.0 / inter**0.5}
+        else:
+            experts = SwiGLUExperts(num_experts, hidden, inter, layer_kernels(kernels))
+            std = {"gate_up_proj": 1.0 / hidden**0.5, "down_proj": 1.0 / inter**0.5}
     with torch.no_grad():
         for name, p in experts.named_parameters():
-            std = {"gate_up_proj": 3.5 / hidden**0.5, "down_proj": 1.0 / inter**0.5}
             p.normal_(0.0, std.get(name, 0.5), generator=g)
     return experts.to(dtype)
 
 
 def converted(experts, dtype):
     """A copy of ``experts`` in ``dtype`` (the same values, rounded or widened)."""
-    num_experts, inter, hidden = experts.down_proj.shape
-    with torch.device(experts.down_proj.device):
-        copy = ClampedSwiGLUExperts(num_experts, hidden, inter, experts.limit).to(dtype)
-    copy.load_state_dict(experts.state_dict())
-    return copy
+    return copy.deepcopy(experts).to(dtype)
 
 
 def route(num_tokens, num_experts, top_k, kind, device=DEVICE, seed=0):
@@ -59,18 +67,7 @@ def route(num_tokens, num_experts, top_k, kind, device=DEVICE, seed=0):
 
 
 def run_fused(experts, x, weights, indices, blocks=None):
-    return fused_experts(
-        x,
-        weights,
-        indices,
-        experts.gate_up_proj,
-        experts.gate_up_proj_bias,
-        experts.down_proj,
-        experts.down_proj_bias,
-        experts.alpha,
-        experts.limit,
-        blocks,
-    )
+    return fused_experts(x, weights, indices, **experts.fused_layout(), blocks=blocks)
 
 
 def rel_err(got: torch.Tensor, want: torch.Tensor) -> float:
@@ -78,6 +75,9 @@ def rel_err(got: torch.Tensor, want: torch.Tensor) -> float:
 
 
 def clamps_bite(experts, x) -> bool:
+    """For clamped experts, whether some gate/up output of ``x`` is well past the clamp."""
+    if not isinstance(experts, ClampedSwiGLUExperts):
+        return True
     gate_up = torch.einsum("th,ehi->eti", x.double(), experts.gate_up_proj.double())
     return gate_up.abs().max().item() > 2 * experts.limit
 
@@ -116,8 +116,9 @@ def test_align_by_expert():
         (40, 24, (16, 32, 16)),  # column and K tails in both kernels
     ],
 )
-def test_matches_sparse_reference(num_tokens, kind, hidden, inter, blocks):
-    experts = make_experts(4, hidden, inter, torch.float32)
+@pytest.mark.parametrize("bank", ["clamped", "swiglu"])
+def test_matches_sparse_reference(num_tokens, kind, hidden, inter, blocks, bank):
+    experts = make_experts(4, hidden, inter, torch.float32, kind=bank)
     x = torch.randn(num_tokens, hidden, generator=torch.Generator().manual_seed(num_tokens))
     x = 2 * x.to(DEVICE)
     weights, indices = route(num_tokens, 4, 2, kind, seed=num_tokens)
@@ -128,9 +129,10 @@ def test_matches_sparse_reference(num_tokens, kind, hidden, inter, blocks):
 
 
 @pytest.mark.parametrize("num_tokens", [5, 40])
-def test_one_expert_gets_every_token(num_tokens):
+@pytest.mark.parametrize("bank", ["clamped", "swiglu"])
+def test_one_expert_gets_every_token(num_tokens, bank):
     """k = 1 and every token on one expert: that expert's rows span several blocks."""
-    experts = make_experts(4, 32, 16, torch.float32)
+    experts = make_experts(4, 32, 16, torch.float32, kind=bank)
     x = 2 * torch.randn(num_tokens, 32, generator=torch.Generator().manual_seed(1)).to(DEVICE)
     weights, indices = route(num_tokens, 4, 1, "one")
     assert (indices == 3).all()
@@ -139,8 +141,9 @@ def test_one_expert_gets_every_token(num_tokens):
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-4)
 
 
-def test_fp16_strided_input():
-    experts = make_experts(4, 32, 16, torch.float16)
+@pytest.mark.parametrize("bank", ["clamped", "swiglu"])
+def test_fp16_strided_input(bank):
+    experts = make_experts(4, 32, 16, torch.float16, kind=bank)
     x = torch.randn(13, 64, generator=torch.Generator().manual_seed(2)).half().to(DEVICE)
     x = x[:, 16:48]  # rows 64 apart
     weights, indices = route(13, 4, 2, "random")
@@ -159,18 +162,21 @@ def test_no_tokens():
     assert out.shape == (0, 32)
 
 
-# gpt-oss-20b's experts: 32 of them, top-4, hidden 2880, intermediate 2880.
-E20, K20, H20, I20 = 32, 4, 2880, 2880
+# (bank, experts, top-k, hidden, intermediate): gpt-oss-20b's and Qwen3-30B-A3B's experts.
+SHAPES = {"gpt-oss-20b": ("clamped", 32, 4, 2880, 2880), "qwen3-30b-a3b": ("swiglu", 128, 8, 2048, 768)}  # fmt: skip
 
 
-@pytest.fixture(scope="module")
-def experts_20b():
-    """bf16 and fp32 experts of gpt-oss-20b's shapes, each with an fp64 copy (the reference)."""
+@pytest.fixture(scope="module", params=list(SHAPES))
+def real_experts(request):
+    """The shape's bf16 and fp32 experts, each with an fp64 copy (the reference)."""
+    bank, num_experts, top_k, hidden, inter = SHAPES[request.param]
     out = {}
     for dtype in (torch.bfloat16, torch.float32):
-        experts = make_experts(E20, H20, I20, dtype, device="cuda", kernels="triton")
+        experts = make_experts(
+            num_experts, hidden, inter, dtype, device="cuda", kernels="triton", kind=bank
+        )
         out[dtype] = experts, converted(experts, torch.float64)
-    return out
+    return out, num_experts, top_k, hidden
 
 
 def reference(ref, x, weights, indices):
@@ -182,11 +188,12 @@ def reference(ref, x, weights, indices):
 @pytest.mark.parametrize("num_tokens", [1, 64, 300])
 @pytest.mark.parametrize("kind", ["random", "skewed"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-def test_gpu_gpt_oss_20b_shapes(experts_20b, num_tokens, kind, dtype):
-    experts, ref = experts_20b[dtype]
+def test_gpu_real_shapes(real_experts, num_tokens, kind, dtype):
+    banks, num_experts, top_k, hidden = real_experts
+    experts, ref = banks[dtype]
     g = torch.Generator("cuda").manual_seed(num_tokens)
-    x = torch.randn(num_tokens, H20, generator=g, device="cuda").to(dtype)
-    weights, indices = route(num_tokens, E20, K20, kind, device="cuda", seed=num_tokens)
+    x = torch.randn(num_tokens, hidden, generator=g, device="cuda").to(dtype)
+    weights, indices = route(num_tokens, num_experts, top_k, kind, device="cuda", seed=num_tokens)
     weights = weights.to(dtype)
     assert clamps_bite(experts, x)
     got = experts(x, weights, indices)  # the module built with the Triton kernels
@@ -198,11 +205,12 @@ def test_gpu_gpt_oss_20b_shapes(experts_20b, num_tokens, kind, dtype):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("num_tokens", [1, 64, 300])
-def test_gpu_cuda_graph_replay_with_new_routing(experts_20b, num_tokens):
+def test_gpu_cuda_graph_replay_with_new_routing(real_experts, num_tokens):
     """The experts captured once replay right for other inputs and other routings."""
-    experts, ref = experts_20b[torch.bfloat16]
-    x = torch.zeros(num_tokens, H20, dtype=torch.bfloat16, device="cuda")
-    weights, indices = route(num_tokens, E20, K20, "random", device="cuda")
+    banks, num_experts, top_k, hidden = real_experts
+    experts, ref = banks[torch.bfloat16]
+    x = torch.zeros(num_tokens, hidden, dtype=torch.bfloat16, device="cuda")
+    weights, indices = route(num_tokens, num_experts, top_k, "random", device="cuda")
     weights = weights.to(torch.bfloat16)
     experts(x, weights, indices)  # eager warm-up compiles the kernels
     torch.cuda.synchronize()
@@ -211,8 +219,10 @@ def test_gpu_cuda_graph_replay_with_new_routing(experts_20b, num_tokens):
         out = experts(x, weights, indices)
     for seed, kind in [(1, "random"), (2, "skewed"), (3, "random")]:
         g = torch.Generator("cuda").manual_seed(seed)
-        x.copy_(torch.randn(num_tokens, H20, generator=g, device="cuda"))
-        new_weights, new_indices = route(num_tokens, E20, K20, kind, device="cuda", seed=seed)
+        x.copy_(torch.randn(num_tokens, hidden, generator=g, device="cuda"))
+        new_weights, new_indices = route(
+            num_tokens, num_experts, top_k, kind, device="cuda", seed=seed
+        )
         weights.copy_(new_weights)
         indices.copy_(new_indices)
         graph.replay()
@@ -221,16 +231,35 @@ def test_gpu_cuda_graph_replay_with_new_routing(experts_20b, num_tokens):
         assert rel_err(out, reference(ref, x, weights, indices)) < 1e-2
 
 
+def _qwen3_30b_block() -> SparseMoE:
+    routing = Routing(8, "softmax", renormalize=True)
+    return SparseMoE.swiglu(2048, 128, 768, routing, kernels=layer_kernels("triton"))
+
+
 @pytest.mark.gpu
-def test_gpu_cuda_graph_moe_block():
-    """The whole block (router, top-k, softmax, experts) captured: a new ``x`` routes anew."""
+@pytest.mark.parametrize("family", ["gpt-oss-20b", "qwen3-30b-a3b", "qwen3-next-shared"])
+def test_gpu_cuda_graph_moe_block(family):
+    """The whole block (router, top-k, weights, experts, shared expert) captured: a new ``x``
+    routes anew, and the replay equals an eager call."""
     torch.manual_seed(0)
-    moe = MoEMLP(H20, I20, E20, K20, LIMIT, layer_kernels("triton")).cuda()
+    kernels = layer_kernels("triton")
+    if family == "gpt-oss-20b":
+        moe, hidden = gpt_oss_moe(2880, 2880, 32, 4, LIMIT, kernels), 2880
+    elif family == "qwen3-30b-a3b":
+        moe, hidden = _qwen3_30b_block(), 2048
+    else:  # Qwen3-Next-80B-A3B's block: 512 experts top-10 of width 512, gated shared expert
+        routing = Routing(10, "softmax", renormalize=True)
+        moe = SparseMoE.swiglu(
+            2048, 512, 512, routing, shared_intermediate_size=512, gated_shared_expert=True,
+            kernels=kernels,
+        )  # fmt: skip
+        hidden = 2048
+    moe = moe.cuda()
     with torch.no_grad():
-        for name, p in moe.named_parameters():
-            p.normal_(0.0, 0.5 if name.endswith("bias") else 3.5 / H20**0.5)
+        for p in moe.parameters():
+            p.normal_(0.0, 0.5 if p.dim() == 1 else 2.0 / hidden**0.5)
     moe = moe.to(torch.bfloat16)
-    x = torch.randn(8, H20, dtype=torch.bfloat16, device="cuda")
+    x = torch.randn(8, hidden, dtype=torch.bfloat16, device="cuda")
     moe(x)
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
@@ -242,28 +271,27 @@ def test_gpu_cuda_graph_moe_block():
         graph.replay()
         torch.cuda.synchronize()
         assert torch.equal(out, moe(x))
-        routings.append(moe.router(x).topk(K20, dim=-1).indices)
+        routings.append(moe.gate(x)[1])
     assert not torch.equal(routings[0], routings[1])
 
 
 def moe_launches() -> None:
-    """bf16 launches at gpt-oss-20b's expert sizes (hidden and intermediate 2880, top-4), for a
-    decode-sized and a prefill-sized batch (different row blocks), for the lowering test."""
-    bf16, experts = torch.bfloat16, 32
-    gate_up = torch.empty(experts, 2880, 2 * 2880, dtype=bf16)
-    down = torch.empty(experts, 2880, 2880, dtype=bf16)
-    for tokens in (4, 4096):
-        indices = torch.randint(0, experts, (tokens, 4), generator=torch.Generator().manual_seed(0))
-        fused_experts(
-            torch.empty(tokens, 2880, dtype=bf16), torch.empty(tokens, 4, dtype=bf16), indices,
-            gate_up, torch.empty(experts, 2 * 2880, dtype=bf16), down,
-            torch.empty(experts, 2880, dtype=bf16), 1.702, LIMIT,
-        )  # fmt: skip
+    """bf16 launches at gpt-oss-20b's and Qwen3-30B-A3B's expert sizes, for a decode-sized and
+    a prefill-sized batch (different row blocks), for the lowering test."""
+    bf16 = torch.bfloat16
+    clamped = ClampedSwiGLUExperts(32, 2880, 2880, LIMIT).to(bf16)
+    swiglu = SwiGLUExperts(128, 2048, 768).to(bf16)
+    for experts, top_k, hidden in ((clamped, 4, 2880), (swiglu, 8, 2048)):
+        for tokens in (4, 4096):
+            g = torch.Generator().manual_seed(0)
+            indices = torch.randint(0, experts.num_experts, (tokens, top_k), generator=g)
+            x, weights = torch.empty(tokens, hidden, dtype=bf16), torch.empty(tokens, top_k)
+            fused_experts(x, weights.to(bf16), indices, **experts.fused_layout())
 
 
 def test_moe_launches_lower_for_hopper():
-    """Triton's compiler accepts both expert kernels' launch variants at gpt-oss-20b's sizes
-    (which the interpreter alone would not prove)."""
+    """Triton's compiler accepts both expert kernels' launch variants at gpt-oss-20b's and
+    Qwen3-30B-A3B's sizes (which the interpreter alone would not prove)."""
     assert check_lowering(
         "layers.test_triton_moe:moe_launches",
         "heron.kernels.moe:_gate_up_kernel",

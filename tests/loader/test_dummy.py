@@ -20,12 +20,13 @@ ARCHITECTURES = {
     "qwen3": "Qwen3ForCausalLM",
     "gemma3": "Gemma3ForCausalLM",
     "gpt_oss": "GptOssForCausalLM",
+    "qwen3_moe": "Qwen3MoeForCausalLM",
 }
 
 
 def config_for(family: str) -> tf.PretrainedConfig:
     """Tiny configs covering the fill rules: biases (qwen2), qk-norm (qwen3), ``(1 + w)`` norms
-    (gemma3), routers, experts and sinks (gpt-oss)."""
+    (gemma3), routers, experts and sinks (gpt-oss), stacked SwiGLU experts (qwen3_moe)."""
     if family == "gemma3":
         config = tf.Gemma3TextConfig(**BASE, head_dim=16, sliding_window=8)
     elif family == "gpt_oss":
@@ -35,6 +36,10 @@ def config_for(family: str) -> tf.PretrainedConfig:
             num_local_experts=4,
             num_experts_per_tok=2,
             sliding_window=8,
+        )
+    elif family == "qwen3_moe":
+        config = tf.Qwen3MoeConfig(
+            **BASE, head_dim=16, moe_intermediate_size=32, num_experts=8, num_experts_per_tok=2
         )
     else:
         config = tiny_config(family)
@@ -65,7 +70,7 @@ def weights(llm: LLM) -> dict[str, torch.Tensor]:
     return dict(llm.engine.runner.model.named_parameters())
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3", "gemma3", "gpt_oss"])
+@pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3", "gemma3", "gpt_oss", "qwen3_moe"])
 def test_dummy_model_generates_with_the_configured_init(family, dummy_dir, tiny_model_dir):
     llm = dummy_llm(dummy_dir(family), tiny_model_dir("llama"))
     model = llm.engine.runner.model
@@ -83,12 +88,13 @@ def test_dummy_model_generates_with_the_configured_init(family, dummy_dir, tiny_
     assert [len(o.outputs[0].token_ids) for o in outputs] == [8, 8]
 
 
-def test_routers_spread_tokens_over_experts(dummy_dir, tiny_model_dir):
-    llm = dummy_llm(dummy_dir("gpt_oss"), tiny_model_dir("llama"))
+@pytest.mark.parametrize("family", ["gpt_oss", "qwen3_moe"])
+def test_routers_spread_tokens_over_experts(family, dummy_dir, tiny_model_dir):
+    llm = dummy_llm(dummy_dir(family), tiny_model_dir("llama"))
     model = llm.engine.runner.model
     x = model.model.embed_tokens(torch.arange(64))
     for layer in model.model.layers:
-        chosen = layer.mlp.router(x).topk(layer.mlp.top_k, dim=-1).indices
+        _, chosen = layer.mlp.gate(x)
         assert chosen.unique().numel() == layer.mlp.experts.num_experts
 
 

@@ -547,3 +547,22 @@ def test_convert_default_model(tmp_path: Path) -> None:
     state = model.state_dict()
     for name, value in reference.items():
         torch.testing.assert_close(state[name], torch.as_tensor(value), rtol=0, atol=0)
+
+
+def test_gguf_missing_tensors_is_a_clear_cli_error(
+    tmp_path: Path,
+    smollm_tokenizer_fields: dict,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture,
+) -> None:
+    from heron.cli import main
+
+    model = _build_model("qwen2", True, len(smollm_tokenizer_fields["tokenizer.ggml.tokens"]))
+    del model.model.layers[1].mlp.down_proj  # the file then lacks blk.1.ffn_down.weight
+    src = tmp_path / "incomplete.gguf"
+    _write_gguf(src, "qwen2", model, smollm_tokenizer_fields)
+    monkeypatch.setenv("HERON_CACHE_DIR", str(tmp_path / "cache"))
+    assert main(["plan", "--model", str(src)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("heron: error: ") and "Traceback" not in err
+    assert "incomplete.gguf" in err and "model.layers.1.mlp.down_proj" in err

@@ -10,20 +10,23 @@ from safetensors import safe_open
 from transformers.models.gpt_oss.modeling_gpt_oss import GptOssMLP
 
 from heron import LLM, SamplingParams
-from heron.layers.moe import MoEMLP
+from heron.models.gpt_oss import gpt_oss_moe
+from heron.ops.selector import layer_kernels
 
-from tiny_models import greedy_tokens, hf_greedy, hf_prompt_logprobs, make_tokenizer
+from tiny_models import (
+    SHARED_PREFIX_PROMPTS,
+    cuda_graph_llm,
+    greedy_tokens,
+    hf_greedy,
+    prompt_logprob_error,
+    rerun_from_prefix_cache,
+    save_with_hf_reference,
+)
 
 WINDOW = 12
 MAX_NEW = 20
-# Prompts longer than the window (the first two share a 32-token prefix: two full blocks),
-# one shorter than it whose generation crosses it, and a long one.
-PROMPTS = [
-    list(range(10, 42)) + [7, 8, 9],
-    list(range(10, 42)) + [200, 201, 202, 203, 204],
-    [3, 4, 5, 6],
-    [(i * 37) % 300 + 5 for i in range(50)],
-]
+# Three prompts longer than the window; the short one's generation crosses it.
+PROMPTS = SHARED_PREFIX_PROMPTS
 GREEDY = SamplingParams(temperature=0.0, max_tokens=MAX_NEW, ignore_eos=True)
 
 
@@ -81,14 +84,7 @@ def gpt_oss(tmp_path_factory):
     path = tmp_path_factory.mktemp("gpt_oss")
     model = tf.GptOssForCausalLM(tiny_config())
     randomize(model)
-    model.generation_config.eos_token_id = None
-    model.save_pretrained(path)
-    make_tokenizer().save_pretrained(path)
-    hf = tf.AutoModelForCausalLM.from_pretrained(
-        path, dtype=torch.float32, attn_implementation="eager"
-    ).eval()
-    refs = hf_greedy(hf, PROMPTS, MAX_NEW)
-    return path, hf, refs
+    return save_with_hf_reference(model, path, PROMPTS, MAX_NEW)
 
 
 def _greedy_tokens(llm: LLM) -> list[list[int]]:
@@ -133,11 +129,7 @@ def test_chunked_prefill_and_prefix_caching(gpt_oss):
     path, _, refs = gpt_oss
     llm = LLM(str(path), max_model_len=128, max_num_batched_tokens=16)
     assert _greedy_tokens(llm) == refs
-    # Again: every prompt's full blocks are now cached, only the rest is computed.
-    outputs = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
-    assert [o.outputs[0].token_ids for o in outputs] == refs
-    assert outputs[0].num_cached_tokens == 32
-    assert llm.engine.kv_cache.prefix_cache_hits > 0
+    rerun_from_prefix_cache(llm, PROMPTS, GREEDY, refs)
 
 
 def test_preemption_under_memory_pressure(gpt_oss):
@@ -165,11 +157,7 @@ def test_triton_operator_equals_hf(gpt_oss):
 def test_prompt_logprobs_match_hf(gpt_oss):
     path, hf, _ = gpt_oss
     llm = LLM(str(path), max_model_len=128, max_num_batched_tokens=16)
-    prompt = PROMPTS[3]
-    out = llm.generate(prompt, SamplingParams(max_tokens=1, prompt_logprobs=1), use_tqdm=False)[0]
-    got = torch.tensor([lp.logprob for lp in out.prompt_logprobs[1:]])
-    want = hf_prompt_logprobs(hf, prompt)
-    assert (got - want).abs().max().item() <= 1e-3
+    assert prompt_logprob_error(llm, hf, PROMPTS[3]) <= 1e-3
 
 
 @pytest.mark.parametrize("path", ["routed", "sparse"])
@@ -177,21 +165,23 @@ def test_moe_block_equals_hf(path):
     """Heron's MoE block on random input, weights copied from HF's GptOssMLP (same names).
 
     The input is large enough that the SwiGLU clamps bite; ``sparse`` is the experts' reference
-    (the CPU path, which tests/layers/test_triton_moe.py holds the Triton one to), ``routed`` the
-    block's own forward.
+    (the CPU path, which tests/layers/test_triton_moe.py holds the Triton one to) on the
+    router's choice, ``routed`` the block's own forward.
     """
     torch.manual_seed(1)
     config = tiny_config()
     hf = GptOssMLP(config)
     randomize(hf)
-    moe = MoEMLP(
+    moe = gpt_oss_moe(
         config.hidden_size,
         config.intermediate_size,
         config.num_local_experts,
         config.num_experts_per_tok,
-        swiglu_limit=7.0,
+        7.0,
+        layer_kernels("torch"),
     )
-    moe.load_state_dict(hf.state_dict())
+    # The checkpoint's router is the block's gate (GptOssForCausalLM.checkpoint_renames).
+    moe.load_state_dict({k.replace("router.", "gate."): v for k, v in hf.state_dict().items()})
     x = torch.randn(37, config.hidden_size) * 8
     with torch.no_grad():
         want = hf(x[None])[0][0]
@@ -200,9 +190,7 @@ def test_moe_block_equals_hf(path):
         if path == "routed":
             got = moe(x)
         else:
-            top_logits, indices = moe.router(x).topk(config.num_experts_per_tok, dim=-1)
-            forward = getattr(moe.experts, f"forward_{path}")
-            got = forward(x, torch.softmax(top_logits, dim=-1), indices)
+            got = moe.experts.forward_sparse(x, *moe.gate(x))
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
 
@@ -210,15 +198,6 @@ def test_moe_block_equals_hf(path):
 def test_greedy_on_cuda_with_graphs(gpt_oss):
     """Sinks and windows on the Triton operator, the Triton MoE inside the graphs."""
     path, _, refs = gpt_oss
-    llm = LLM(
-        str(path),
-        device="cuda",
-        dtype="float32",
-        max_model_len=128,
-        num_kv_blocks=64,
-        cuda_graph_max_bs=4,
-        max_num_batched_tokens=32,
-    )
-    assert llm.engine.runner.graphs is not None
+    llm = cuda_graph_llm(path)
     assert {g.builder.backend for g in llm.engine.runner.plan.groups} == {"triton"}
     assert _greedy_tokens(llm) == refs

@@ -8,7 +8,13 @@ import transformers as tf
 
 from heron import LLM, SamplingParams
 
-from tiny_models import FAMILIES, greedy_tokens, hf_greedy, hf_prompt_logprobs
+from tiny_models import (
+    FAMILIES,
+    first_divergence_is_a_near_tie,
+    greedy_tokens,
+    hf_greedy,
+    hf_prompt_logprobs,
+)
 
 MAX_NEW = 24
 # Different lengths; the first two share a 40-token prefix (prefix caching), the last crosses
@@ -117,16 +123,6 @@ def test_prompt_logprobs_under_chunking_and_preemption(family_case):
         assert (got - want).abs().max().item() <= 1e-3
 
 
-def _first_divergence_is_a_near_tie(hf, prompt: list[int], got: list[int], want: list[int]) -> bool:
-    """DESIGN §5: where greedy outputs diverge, each side's token is in the other's top-5."""
-    for i, (a, b) in enumerate(zip(got, want)):
-        if a != b:
-            with torch.no_grad():
-                logits = hf(torch.tensor([prompt + want[:i]], device=hf.device)).logits[0, -1]
-            return a in logits.topk(5).indices.tolist()
-    return True
-
-
 @pytest.mark.gpu
 @pytest.mark.parametrize("graphs", [True, False], ids=["graphs", "eager"])
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
@@ -160,7 +156,7 @@ def test_greedy_on_cuda(family_case, dtype, graphs):
             pad_token_id=0,
         )[0, len(prompt) :].tolist()
         for got in runs:
-            assert _first_divergence_is_a_near_tie(hf, prompt, got[i], want)
+            assert first_divergence_is_a_near_tie(hf, prompt, got[i], want)
 
 
 @pytest.mark.parametrize("family", ["qwen3", "mistral"])

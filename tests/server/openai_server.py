@@ -7,11 +7,13 @@ import re
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
+import openai
 
 API_KEY = "test-key"
 MODEL_NAME = "tiny"
@@ -26,6 +28,10 @@ class ServerHandle:
     proc: subprocess.Popen
     port: int
     model_dir: Path
+    log_path: Path  # the server's stdout and stderr (a file: a pipe nobody reads fills up)
+
+    def log(self) -> str:
+        return self.log_path.read_text()
 
     @property
     def base_url(self) -> str:
@@ -41,22 +47,27 @@ class ServerHandle:
                 samples[match[1]] = float(match[2])
         return samples
 
+    def wait_idle(self, timeout: float) -> dict[str, float]:
+        """Metrics once no request runs and every KV block is free again (or fail after
+        ``timeout``)."""
+        deadline = time.monotonic() + timeout
+        while True:
+            m = self.metrics()
+            idle = (
+                m["heron:num_requests_running"] == 0
+                and m["heron:num_requests_waiting"] == 0
+                and m["heron:kv_cache_usage_perc"] == 0
+                and m["heron:kv_cache_free_blocks"] == m["heron:kv_cache_total_blocks"]
+            )
+            if idle:
+                return m
+            assert time.monotonic() < deadline, f"engine not idle: {m}"
+            time.sleep(0.05)
 
-def wait_idle(server, timeout: float) -> dict[str, float]:
-    """Metrics once no request runs and every KV block is free again (or fail after timeout)."""
-    deadline = time.monotonic() + timeout
-    while True:
-        m = server.metrics()
-        idle = (
-            m["heron:num_requests_running"] == 0
-            and m["heron:num_requests_waiting"] == 0
-            and m["heron:kv_cache_usage_perc"] == 0
-            and m["heron:kv_cache_free_blocks"] == m["heron:kv_cache_total_blocks"]
-        )
-        if idle:
-            return m
-        assert time.monotonic() < deadline, f"engine not idle: {m}"
-        time.sleep(0.05)
+
+def openai_client(handle: ServerHandle) -> openai.OpenAI:
+    """The official openai client of a test server, with the tests' API key."""
+    return openai.OpenAI(base_url=f"{handle.base_url}/v1", api_key=API_KEY, max_retries=0)
 
 
 def child_pids(pid: int) -> list[int]:
@@ -97,8 +108,7 @@ def start_server(model_dir: Path, *extra: str) -> ServerHandle:
         "--log-level",
         "INFO",
         "serve",
-        "--model",
-        str(model_dir),
+        str(model_dir),  # positional, as `vllm serve MODEL`
         "--port",
         str(port),
         "--served-model-name",
@@ -112,14 +122,14 @@ def start_server(model_dir: Path, *extra: str) -> ServerHandle:
         *extra,
     ]
     env = {**os.environ, "OMP_NUM_THREADS": "2"}
-    proc = subprocess.Popen(
-        cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
-    )
-    handle = ServerHandle(proc, port, model_dir)
+    log_path = Path(tempfile.mkstemp(prefix="heron-serve-", suffix=".log")[1])
+    with log_path.open("w") as log:
+        proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT)
+    handle = ServerHandle(proc, port, model_dir, log_path)
     deadline = time.monotonic() + 90
     while time.monotonic() < deadline:
         if proc.poll() is not None:
-            raise RuntimeError(f"server exited early:\n{proc.stdout.read()}")
+            raise RuntimeError(f"server exited early:\n{handle.log()}")
         try:
             if httpx.get(f"{handle.base_url}/health", timeout=1).status_code == 200:
                 return handle

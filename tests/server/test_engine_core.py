@@ -1,8 +1,10 @@
 """The engine core's own process: its death is reported at once, the front's death ends it,
-start-up errors reach the command line, and a stop string the front matches stops the core."""
+start-up errors reach the command line, requests made once shutdown began fail at once, and a
+stop string the front matches stops the core."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import signal
@@ -15,6 +17,11 @@ import httpx
 import openai
 import pytest
 
+from heron.config import EngineConfig
+from heron.engine.core_client import EngineCoreClient, EngineDeadError
+from heron.engine.messages import AddRequest
+from heron.sampling_params import SamplingParams
+
 from openai_server import (
     API_KEY,
     MODEL_NAME,
@@ -23,7 +30,6 @@ from openai_server import (
     pid_exists,
     start_server,
     stop_server,
-    wait_idle,
 )
 
 
@@ -92,6 +98,34 @@ def test_start_up_error_reaches_the_command_line(tmp_path):
     assert "Traceback" not in result.stderr
 
 
+def test_requests_after_shutdown_get_engine_dead_error(tiny_model_dir):
+    """Also the race a signal handler makes: shutdown begun between ``generate``'s check and its
+    send, so the core gets the request after ``Shutdown`` and never answers it."""
+    config = EngineConfig(model=str(tiny_model_dir("qwen2")), device="cpu", num_kv_blocks=64)
+    engine = EngineCoreClient(config)
+    send = engine._send
+
+    def shutdown_first(message):
+        if isinstance(message, AddRequest):
+            engine.shutdown(timeout=0)  # as the signal handler does
+        send(message)
+
+    async def main() -> None:
+        engine._send = shutdown_first
+        raced = engine.generate("raced", [1, 2, 3], SamplingParams(max_tokens=4))
+        with pytest.raises(EngineDeadError, match="shutting down"):
+            await asyncio.wait_for(anext(raced), timeout=30)
+        late = engine.generate("late", [1, 2, 3], SamplingParams(max_tokens=4))
+        with pytest.raises(EngineDeadError, match="shutting down"):
+            await anext(late)
+
+    try:
+        asyncio.run(main())
+    finally:
+        engine.shutdown()
+    assert not pid_exists(engine.core_pid)
+
+
 def test_stop_string_stops_the_core(server):
     client = openai.OpenAI(base_url=f"{server.base_url}/v1", api_key=API_KEY, max_retries=0)
     prompt, extra = "The quick brown fox", {"ignore_eos": True}
@@ -113,7 +147,7 @@ def test_stop_string_stops_the_core(server):
     assert [c.finish_reason for c in stopped.choices] == ["stop", "stop"]
     assert [c.text for c in stopped.choices] == [text[: text.index(stop)]] * 2
     # The core was told: it is idle at once, instead of generating the 400 tokens.
-    after = wait_idle(server, timeout=1)
+    after = server.wait_idle(timeout=1)
     assert after["heron:generation_tokens_total"] - before["heron:generation_tokens_total"] < 20
     assert after.get(SUCCESS % "stop", 0) - before.get(SUCCESS % "stop", 0) == 1
 

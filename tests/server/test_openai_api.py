@@ -5,28 +5,14 @@ from __future__ import annotations
 import concurrent.futures
 
 import httpx
-import openai
 import pytest
 
 from heron import LLM, SamplingParams
 
-from openai_server import API_KEY, MAX_MODEL_LEN, MODEL_NAME
+from openai_server import MAX_MODEL_LEN, MODEL_NAME
 
 PROMPT = "The quick brown fox"
 MESSAGES = [{"role": "user", "content": "Where is Paris?"}]
-
-
-@pytest.fixture(scope="module")
-def client(server):
-    return openai.OpenAI(base_url=f"{server.base_url}/v1", api_key=API_KEY, max_retries=0)
-
-
-@pytest.fixture(scope="module")
-def http(server):
-    with httpx.Client(
-        base_url=server.base_url, headers={"Authorization": f"Bearer {API_KEY}"}, timeout=30
-    ) as c:
-        yield c
 
 
 def test_completion_matches_offline_llm(client, server):
@@ -132,26 +118,27 @@ def _error(response: httpx.Response, status: int) -> dict:
 
 
 @pytest.mark.parametrize(
-    "body, param",
+    "body, status, param",
     [
-        ({"temperature": -1}, "temperature"),
-        ({"n": 0}, "n"),
-        ({"top_p": 2}, "top_p"),
-        ({"max_tokens": "many"}, "max_tokens"),
-        ({"prompt": "fox " * (2 * MAX_MODEL_LEN)}, None),
-        ({"model": "gpt-nope"}, "model"),
+        ({"temperature": -1}, 400, "temperature"),
+        ({"n": 0}, 400, "n"),
+        ({"top_p": 2}, 400, "top_p"),
+        ({"max_tokens": "many"}, 400, "max_tokens"),
+        ({"prompt": "fox " * (2 * MAX_MODEL_LEN)}, 400, None),
+        ({"model": "gpt-nope"}, 404, "model"),
     ],
 )
-def test_bad_requests_get_400_while_others_run(client, http, body, param):
+def test_bad_requests_get_4xx_while_others_run(client, http, body, status, param):
     with concurrent.futures.ThreadPoolExecutor(1) as pool:
         good = pool.submit(
             client.completions.create, model=MODEL_NAME, prompt=PROMPT, max_tokens=30
         )
         error = _error(
-            http.post("/v1/completions", json={"model": MODEL_NAME, "prompt": PROMPT, **body}), 400
+            http.post("/v1/completions", json={"model": MODEL_NAME, "prompt": PROMPT, **body}),
+            status,
         )
         assert error["param"] == param
-        assert error["type"] == "invalid_request_error"
+        assert error["type"] == ("not_found_error" if status == 404 else "invalid_request_error")
         assert good.result().choices[0].finish_reason in ("length", "stop")
     if "prompt" in body:
         assert "max_model_len=512" in error["message"] and "tokens" in error["message"]

@@ -7,7 +7,7 @@ import asyncio
 import httpx
 import openai
 
-from openai_server import API_KEY, MODEL_NAME, SUCCESS, wait_idle
+from openai_server import API_KEY, MODEL_NAME, SUCCESS
 
 
 def test_64_concurrent_streams(server):
@@ -39,7 +39,7 @@ def test_64_concurrent_streams(server):
             return await asyncio.gather(*(one(client, i) for i in range(64)))
 
     assert asyncio.run(main()) == [(6, "length")] * 64
-    after = wait_idle(server, timeout=2)
+    after = server.wait_idle(timeout=2)
     assert after[SUCCESS % "length"] - before == 64
 
 
@@ -57,5 +57,5 @@ def test_disconnect_aborts_request(server):
             if chunks == 3:
                 break
     assert server.metrics()["heron:num_requests_running"] <= 1
-    after = wait_idle(server, timeout=1)
+    after = server.wait_idle(timeout=1)
     assert after[SUCCESS % "abort"] - before == 1

@@ -34,7 +34,7 @@ class AttentionSpec:
 def _attention_cache_spec(
     spec: AttentionSpec, block_size: int, dtype: torch.dtype
 ) -> FullAttentionSpec:
-    """Paged K/V in the model's dtype (the default dtype while the model is built)."""
+    """Paged K/V in ``dtype``."""
     if spec.sliding_window is None:
         return FullAttentionSpec(block_size, dtype, spec.num_kv_heads, spec.head_dim)
     return SlidingWindowSpec(
@@ -61,6 +61,7 @@ class AttentionOperator(MetadataOperator):
         qk_transform: QKTransform | None = None,
         build_context: ModelBuildContext | None = None,
         sinks: torch.Tensor | None = None,
+        kv_cache_dtype: torch.dtype | None = None,
     ) -> None:
         super().__init__(layer_name, build_context)
         if spec.has_sinks != (sinks is not None):
@@ -71,7 +72,13 @@ class AttentionOperator(MetadataOperator):
                 "configuration (soft-cap, sinks or q/k norm); use the reference operator"
             )
         self.spec = spec
-        self._cache_spec = _attention_cache_spec(spec, block_size, torch.get_default_dtype())
+        # The model's dtype is the default dtype while the model is built.
+        cache_dtype = kv_cache_dtype or torch.get_default_dtype()
+        self._cache_spec = _attention_cache_spec(spec, block_size, cache_dtype)
+        # An FP8 cache stores K / k_scale and V / v_scale: the checkpoint's (the loader sets
+        # them), else 1.0, as E4M3 keeps 3 mantissa bits for any magnitude in [2**-6, 448],
+        # the range of these models' keys and values.
+        self.k_scale = self.v_scale = 1.0
         self._builder = self.make_builder(spec, block_size, max_model_len)
         self.qk_transform = qk_transform
         # The model's module owns (and loads) the sink logits; the operator only reads them.

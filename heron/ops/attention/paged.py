@@ -9,6 +9,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from heron.cache.spec import paged_table_width
 from heron.metadata import GraphSupport, MetadataBuilder, SequenceMetadata, StepMetadataError
 
 
@@ -98,11 +99,7 @@ class PagedAttentionBuilder(MetadataBuilder):
         self.block_size = block_size
         self.sliding_window = sliding_window
         self.max_blocks_per_seq = -(-max_model_len // block_size)
-        # A decode row: the blocks from the window's first key to the newest token.
-        self.table_width = self.max_blocks_per_seq
-        if sliding_window is not None:
-            window_blocks = -(-(sliding_window - 1) // block_size) + 1
-            self.table_width = min(self.max_blocks_per_seq, window_blocks)
+        self.table_width = paged_table_width(max_model_len, block_size, sliding_window)
 
     @property
     def key(self) -> Hashable:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from heron.layers.fp8 import FP8, to_fp8
 from heron.ops.attention.base import AttentionOperator, AttentionSpec
 from heron.ops.attention.paged import PagedAttentionBuilder, PagedAttentionView
 
@@ -33,13 +34,18 @@ class ReferenceAttention(AttentionOperator):
         _, num_blocks, block_size, kv_heads, head_dim = self.kv_cache.shape
         slots = view.slot_mapping.long()
         n = k.shape[0]
+        if self.kv_cache.dtype == FP8:
+            k, v = to_fp8(k / self.k_scale), to_fp8(v / self.v_scale)
         self.kv_cache[0].view(-1, kv_heads, head_dim)[slots[:n]] = k.to(self.kv_cache.dtype)
         self.kv_cache[1].view(-1, kv_heads, head_dim)[slots[:n]] = v.to(self.kv_cache.dtype)
 
     def _gather(self, block_tables: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """K and V of the given blocks as [..., blocks * block_size, kv_heads, head_dim]."""
+        """K and V of the given blocks as [..., blocks * block_size, kv_heads, head_dim] (an
+        FP8 cache's dequantised to fp32)."""
         k = self.kv_cache[0][block_tables.long()]
         v = self.kv_cache[1][block_tables.long()]
+        if self.kv_cache.dtype == FP8:
+            k, v = k.float() * self.k_scale, v.float() * self.v_scale
         shape = (*block_tables.shape[:-1], -1, *k.shape[-2:])
         return k.reshape(shape), v.reshape(shape)
 

@@ -191,7 +191,15 @@ class TritonAttention(AttentionOperator):
         s, t = self.spec, self.qk_transform
         if t is None:
             q, k, v = self.split_qkv(qkv)
-            kv_write(k, v, self.kv_cache, view.slot_mapping, start_next=view.is_decode)
+            kv_write(
+                k,
+                v,
+                self.kv_cache,
+                view.slot_mapping,
+                start_next=view.is_decode,
+                k_scale=self.k_scale,
+                v_scale=self.v_scale,
+            )
             return q
         q_norm = t.q_norm.weight if t.q_norm is not None else None
         k_norm = t.k_norm.weight if t.k_norm is not None else None
@@ -213,6 +221,8 @@ class TritonAttention(AttentionOperator):
             norm_scale_in_fp32=in_fp32,
             # The decode kernel loads its first cached keys while this one runs.
             start_next=view.is_decode,
+            k_scale=self.k_scale,
+            v_scale=self.v_scale,
         )
 
     def forward_decode(self, q: torch.Tensor, view: PagedAttentionView) -> torch.Tensor:
@@ -233,6 +243,8 @@ class TritonAttention(AttentionOperator):
             ws.tickets,
             softcap=self.spec.logit_softcap,
             sinks=self.sinks,
+            k_scale=self.k_scale,
+            v_scale=self.v_scale,
         )
 
     def forward_extend(self, q: torch.Tensor, view: PagedAttentionView) -> torch.Tensor:
@@ -249,4 +261,6 @@ class TritonAttention(AttentionOperator):
             torch.empty_like(q),
             softcap=self.spec.logit_softcap,
             sinks=self.sinks,
+            k_scale=self.k_scale,
+            v_scale=self.v_scale,
         )

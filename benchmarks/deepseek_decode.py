@@ -1,0 +1,159 @@
+"""Decode on DeepSeek shapes with latent attention (MLA) and DeepSeek MoE, Heron against HF
+transformers (GPU, bf16, CUDA graphs, random weights through ``load_format="dummy"``).
+
+Shapes (``--shape``):
+
+- ``v2-lite``: DeepSeek-V2-Lite: 27 layers, hidden 2048, 16 heads, kv_lora_rank 512, rope 64,
+  nope 128, v 128; the first layer dense (width 10944), then 64 routed experts top-6 of width
+  1408 plus 2 shared; vocab 102400.
+- ``v3-5l``: DeepSeek-V3's layer shape with 5 layers (1 dense + 4 MoE): hidden 7168, 128
+  heads, q_lora 1536, kv_lora 512, 256 experts top-8 of width 2048, 1 shared, 8 groups top-4,
+  sigmoid routing; Heron only (HF would need a second copy of its ~95 GB).
+
+For each (context x batch) case: decode ms per step, measured as in ``gpu_decode.py``, and its
+multiple of the bandwidth floor: (weight bytes the step reads + latent cache bytes) / measured
+copy bandwidth, where the experts read per MoE layer are those the step's routing touches
+(counted as in ``moe_decode.py``). HF runs the batch-1 cases.
+
+    python benchmarks/deepseek_decode.py [--shape v2-lite] [--skip-hf] [--new-tokens 64]
+        [--cases 4096x1 4096x64]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import tempfile
+from pathlib import Path
+
+import torch
+
+from heron import LLM
+
+from gpu_decode import copy_bandwidth, heron_decode_ms, hf_decode_ms, hf_model, save_config_only
+from moe_decode import touched_experts
+
+COMMON = dict(
+    kv_lora_rank=512,
+    qk_rope_head_dim=64,
+    qk_nope_head_dim=128,
+    v_head_dim=128,
+    first_k_dense_replace=1,
+    max_position_embeddings=16384,
+    tie_word_embeddings=False,
+)
+SHAPES = {
+    "v2-lite": (
+        "DeepseekV2",
+        dict(
+            COMMON,
+            hidden_size=2048,
+            num_hidden_layers=27,
+            intermediate_size=10944,
+            num_attention_heads=16,
+            num_key_value_heads=16,
+            q_lora_rank=None,
+            n_routed_experts=64,
+            num_experts_per_tok=6,
+            moe_intermediate_size=1408,
+            n_shared_experts=2,
+            topk_method="greedy",
+            routed_scaling_factor=1.0,
+            vocab_size=102400,
+        ),
+    ),
+    "v3-5l": (
+        "DeepseekV3",
+        dict(
+            COMMON,
+            hidden_size=7168,
+            num_hidden_layers=5,
+            intermediate_size=18432,
+            num_attention_heads=128,
+            num_key_value_heads=128,
+            q_lora_rank=1536,
+            n_routed_experts=256,
+            num_experts_per_tok=8,
+            moe_intermediate_size=2048,
+            n_shared_experts=1,
+            n_group=8,
+            topk_group=4,
+            routed_scaling_factor=2.5,
+            vocab_size=129280,
+            num_mtp_layers=0,
+        ),
+    ),
+}
+CASES = [(4096, 1), (4096, 64)]  # (context, batch)
+
+
+def floor_ms(c: dict, batch: int, context: int, experts_read: float, bandwidth: float) -> float:
+    """Per-step lower bound in bf16: attention, dense and shared MLPs, routers, ``experts_read``
+    routed experts per MoE layer, the LM head (not the embedding rows), and every request's
+    latent cache (``kv_lora_rank + rope`` values per token per layer), at full bandwidth."""
+    d, h, lora, rope = c["hidden_size"], c["num_attention_heads"], c["kv_lora_rank"], 64
+    nope, v, q_lora = c["qk_nope_head_dim"], c["v_head_dim"], c["q_lora_rank"]
+    q = d * h * (nope + rope) if q_lora is None else d * q_lora + q_lora * h * (nope + rope)
+    attention = q + d * (lora + rope) + lora * h * (nope + v) + h * v * d
+    layers, dense = c["num_hidden_layers"], c["first_k_dense_replace"]
+    expert = 3 * d * c["moe_intermediate_size"]
+    moe = c["n_routed_experts"] * d + (experts_read + c["n_shared_experts"]) * expert
+    mlps = dense * 3 * d * c["intermediate_size"] + (layers - dense) * moe
+    weights = 2 * (layers * attention + mlps + c["vocab_size"] * d)
+    latent = batch * context * layers * (lora + rope) * 2
+    return (weights + latent) / bandwidth * 1e3
+
+
+def main() -> None:
+    import transformers as tf
+
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--shape", choices=sorted(SHAPES), default="v2-lite")
+    parser.add_argument("--skip-hf", action="store_true")
+    parser.add_argument("--new-tokens", type=int, default=64)
+    parser.add_argument("--cases", nargs="+", help="CONTEXTxBATCH, e.g. 4096x64")
+    args = parser.parse_args()
+    cases = [tuple(map(int, c.split("x"))) for c in args.cases] if args.cases else CASES
+    family, shape = SHAPES[args.shape]
+    bandwidth = copy_bandwidth()
+    print(f"copy bandwidth {bandwidth / 1e12:.2f} TB/s; shape {args.shape}")
+    print("| engine | context | batch | ms/step | experts touched | floor ms | x floor |")
+    print("| --- | --- | --- | --- | --- | --- | --- |")
+    touched: dict[int, float] = {}
+
+    def row(name: str, context: int, batch: int, ms: float) -> None:
+        # Rows as they come: Heron's stand even if the HF baseline fails.
+        floor = floor_ms(shape, batch, context + args.new_tokens // 2, touched[batch], bandwidth)
+        print(
+            f"| {name} | {context} | {batch} | {ms:.3f} | {touched[batch]:.1f} | {floor:.3f} | "
+            f"{ms / floor:.2f}x |"
+        )
+
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp)
+        config = getattr(tf, f"{family}Config")(**shape)
+        save_config_only(config, f"{family}ForCausalLM", path)
+        longest = max(context for context, _ in cases) + args.new_tokens
+        batches = sorted({b for _, b in cases})
+        llm = LLM(
+            str(path), load_format="dummy", max_model_len=longest, cuda_graph_max_bs=max(batches)
+        )
+        for b in batches:  # compiles the kernel variants each batch's steps need
+            heron_decode_ms(llm, [[3 + i] * 256 for i in range(b)], 8)
+            touched[b] = statistics.mean(touched_experts(llm, b))
+        for context, batch in cases:
+            prompts = [[(7 + i + j) % 100000 + 2 for j in range(context)] for i in range(batch)]
+            row("Heron", context, batch, heron_decode_ms(llm, prompts, args.new_tokens)[0])
+        del llm
+        torch.cuda.empty_cache()
+        if args.skip_hf or args.shape != "v2-lite":
+            return
+        model = hf_model(path, "dummy")
+        for context, batch in cases:
+            if batch == 1:
+                prompt = [[(7 + j) % 100000 + 2 for j in range(context)]]
+                row("HF transformers", context, 1, hf_decode_ms(model, prompt, args.new_tokens)[0])
+
+
+if __name__ == "__main__":
+    main()

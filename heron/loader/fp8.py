@@ -1,0 +1,39 @@
+"""Which of a model's layers hold FP8 weights under an :class:`~heron.layers.fp8.Fp8Scheme`."""
+
+from __future__ import annotations
+
+from torch import nn
+
+from heron.layers.fp8 import Fp8Scheme
+from heron.layers.linear import Linear
+from heron.layers.routing import TopKRouter
+
+
+def fp8_linears(model: nn.Module, scheme: Fp8Scheme) -> list[Linear]:
+    """Every :class:`Linear` of ``model`` except MoE routers (tiny, and their logits pick the
+    experts) and the modules the scheme skips. Embeddings, the LM head and MoE experts are not
+    ``Linear`` and stay in full precision.
+
+    A skip fragment matches a module by its name here or by a checkpoint name it packs
+    (``q_proj`` of ``qkv_proj``); a packed module some of whose shards match is an error, as
+    one matrix cannot mix formats.
+    """
+    packed: dict[str, tuple[str, str]] = getattr(model, "packed_modules", {})
+    out = []
+    for name, module in model.named_modules():
+        if not isinstance(module, Linear) or isinstance(module, TopKRouter):
+            continue
+        parts = name.split(".")
+        sources = [
+            ".".join(parts[:-1] + [ckpt]) for ckpt, (into, _) in packed.items() if into == parts[-1]
+        ] or [name]
+        skipped = [any(f in source for f in scheme.skip) for source in sources]
+        if all(skipped):
+            continue
+        if any(skipped):
+            raise ValueError(
+                f"{name}: the FP8 scheme skips some of the checkpoint matrices it packs "
+                f"({', '.join(s for s, k in zip(sources, skipped, strict=True) if k)}), not all"
+            )
+        out.append(module)
+    return out

@@ -1,0 +1,146 @@
+"""DeepSeek-V2 and V3: multi-head latent attention (MLA), dense then mixture-of-experts MLPs.
+
+The attention layer projects the query (directly, or through the low-rank ``q_a_proj`` ->
+``q_a_layernorm`` -> ``q_b_proj``) and the compressed latent plus shared rotary key
+(``kv_a_proj_with_mqa``, the latent normed by ``kv_a_layernorm``), and hands both to the
+latent attention operator, which owns the latent cache and reads ``kv_b_proj``.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+from transformers import PretrainedConfig
+
+from heron.layers.activation import SiluAndMul
+from heron.layers.embedding import VocabEmbedding
+from heron.layers.linear import Linear
+from heron.layers.mlp import GatedMLP
+from heron.layers.moe import SparseMoE
+from heron.layers.norm import RMSNorm
+from heron.layers.rotary import MLARotary, RotaryEmbedding
+from heron.models.common import (
+    PACKED_MODULES,
+    DecoderForCausalLM,
+    DecoderModel,
+    PreNormDecoderLayer,
+)
+from heron.ops.mla.base import MLASpec
+from heron.ops.selector import OperatorRuntime, make_mla
+
+# HF's DeepSeek norms inside attention keep RMSNorm's default eps, not ``rms_norm_eps``.
+_LORA_NORM_EPS = 1e-6
+
+
+def mla_softmax_scale(config: PretrainedConfig) -> float:
+    """``(nope + rope) ** -0.5``, times YaRN's ``mscale(factor, mscale_all_dim) ** 2`` when the
+    rope is scaled and the config names ``mscale_all_dim`` (HF's ``yarn_apply_mscale``)."""
+    scale = (config.qk_nope_head_dim + config.qk_rope_head_dim) ** -0.5
+    params = getattr(config, "rope_parameters", None) or {}
+    mscale_all_dim = params.get("mscale_all_dim", 0)
+    if params.get("rope_type", "default") != "default" and mscale_all_dim:
+        factor = params["factor"]
+        mscale = 1.0 if factor <= 1 else 0.1 * mscale_all_dim * math.log(factor) + 1.0
+        scale *= mscale * mscale
+    return scale
+
+
+class DeepseekAttention(nn.Module):
+    """The query and latent projections around the latent attention operator."""
+
+    def __init__(
+        self,
+        config: PretrainedConfig,
+        rotary: MLARotary,
+        runtime: OperatorRuntime,
+        prefix: str,
+    ) -> None:
+        super().__init__()
+        kernels, hidden = runtime.kernels, config.hidden_size
+        bias = bool(getattr(config, "attention_bias", False))
+        heads, lora, rope = config.num_attention_heads, config.kv_lora_rank, config.qk_rope_head_dim
+        spec = MLASpec(
+            num_heads=heads,
+            kv_lora_rank=lora,
+            nope_dim=config.qk_nope_head_dim,
+            rope_dim=rope,
+            v_head_dim=config.v_head_dim,
+            scale=mla_softmax_scale(config),
+        )
+        q_size = heads * spec.qk_head_dim
+        self.q_lora_rank = config.q_lora_rank
+        if self.q_lora_rank is None:
+            self.q_proj = Linear(hidden, q_size, False, kernels)
+        else:
+            self.q_a_proj = Linear(hidden, self.q_lora_rank, bias, kernels)
+            self.q_a_layernorm = RMSNorm(self.q_lora_rank, _LORA_NORM_EPS, kernels)
+            self.q_b_proj = Linear(self.q_lora_rank, q_size, False, kernels)
+        self.kv_a_proj_with_mqa = Linear(hidden, lora + rope, bias, kernels)
+        self.kv_a_layernorm = RMSNorm(lora, _LORA_NORM_EPS, kernels)
+        # Registered before the operator (which reads it), so its name is self_attn.kv_b_proj.
+        self.kv_b_proj = Linear(lora, heads * (spec.nope_dim + spec.v_head_dim), False, kernels)
+        self.o_proj = Linear(heads * spec.v_head_dim, hidden, bias, kernels)
+        self.attn = make_mla(f"{prefix}.attn", spec, runtime, rotary, self.kv_b_proj)
+        self._split = [lora, rope]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.q_lora_rank is None:
+            q = self.q_proj(x)
+        else:
+            q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
+        latent, k_rope = self.kv_a_proj_with_mqa(x).split(self._split, dim=-1)
+        return self.o_proj(self.attn(q, self.kv_a_layernorm(latent.contiguous()), k_rope))
+
+
+class DeepseekDecoderLayer(PreNormDecoderLayer):
+    def __init__(
+        self,
+        config: PretrainedConfig,
+        layer_idx: int,
+        rotary: MLARotary,
+        runtime: OperatorRuntime,
+        prefix: str,
+    ) -> None:
+        super().__init__()
+        eps, kernels = config.rms_norm_eps, runtime.kernels
+        self.input_layernorm = RMSNorm(config.hidden_size, eps, kernels)
+        self.self_attn = DeepseekAttention(config, rotary, runtime, f"{prefix}.self_attn")
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, eps, kernels)
+        if layer_idx >= config.first_k_dense_replace:
+            self.mlp = SparseMoE.deepseek(config, kernels)
+        else:
+            mlp_bias = bool(getattr(config, "mlp_bias", False))
+            self.mlp = GatedMLP(
+                config.hidden_size, config.intermediate_size, SiluAndMul, mlp_bias, kernels
+            )
+
+
+class DeepseekModel(DecoderModel):
+    def __init__(self, config: PretrainedConfig, runtime: OperatorRuntime) -> None:
+        super().__init__()
+        interleaved = config.model_type == "deepseek_v2" or bool(
+            getattr(config, "rope_interleave", True)
+        )
+        table = RotaryEmbedding(config, config.qk_rope_head_dim, runtime.max_model_len)
+        # One table for all layers, stored once (not a submodule of each layer first).
+        self.rotary = MLARotary(table, interleaved)
+        self.embed_tokens = VocabEmbedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(
+            DeepseekDecoderLayer(config, i, self.rotary, runtime, f"model.layers.{i}")
+            for i in range(config.num_hidden_layers)
+        )
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, runtime.kernels)
+
+
+class DeepseekForCausalLM(DecoderForCausalLM):
+    """``DeepseekV2ForCausalLM`` and ``DeepseekV3ForCausalLM``: the first
+    ``first_k_dense_replace`` layers dense, the others DeepSeek MoE (``SparseMoE.deepseek``)."""
+
+    # Only the MLPs' gate and up are packed; the attention projections load as they are named.
+    packed_modules = {k: v for k, v in PACKED_MODULES.items() if v[0] == "gate_up_proj"}
+    checkpoint_renames = {"shared_experts": "shared_expert"}  # SparseMoE's name for it
+
+    def __init__(self, config: PretrainedConfig, runtime: OperatorRuntime) -> None:
+        super().__init__(config, DeepseekModel(config, runtime), runtime)

@@ -1,0 +1,303 @@
+"""Qwen3.5 (dense and MoE, text) and Qwen3-Next: gated-delta-rule layers interleaved with gated
+full attention.
+
+``layer_types`` names each layer ``linear_attention`` (a :class:`GatedDeltaNet` operator over
+one recurrent state per request) or ``full_attention`` (paged attention whose output is gated
+by a sigmoid of a second half of ``q_proj``; q/k norms of the ``(1 + w)`` form; partial RoPE).
+The two operator kinds form two metadata groups and two cache groups.
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+from collections.abc import Callable
+
+import torch
+from torch import nn
+from transformers import PretrainedConfig
+
+from heron.kernels import LayerKernels
+from heron.layers.activation import SiluAndMul
+from heron.layers.embedding import VocabEmbedding
+from heron.layers.linear import Linear, PackedLinear
+from heron.layers.mlp import GatedMLP
+from heron.layers.moe import SparseMoE
+from heron.layers.norm import GatedRMSNorm, GemmaRMSNorm
+from heron.layers.rotary import QKTransform, RotaryEmbedding
+from heron.models.common import (
+    PACKED_MODULES,
+    DecoderForCausalLM,
+    DecoderModel,
+    attention_spec,
+    head_dim_of,
+    norm_with_residual,
+)
+from heron.models.qwen_moe import is_sparse_layer
+from heron.ops.linear_attention.operator import GatedDeltaNetSpec
+from heron.ops.selector import OperatorRuntime, make_attention, make_gated_delta_net
+
+logger = logging.getLogger(__name__)
+
+#: A layer's MLP from ``(config, layer index, kernels)``.
+MLPFactory = Callable[[PretrainedConfig, int, LayerKernels], nn.Module]
+
+_STATE_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def gated_delta_net_spec(config: PretrainedConfig) -> GatedDeltaNetSpec:
+    """The GDN layers' shape; the recurrent state is fp32 unless ``mamba_ssm_dtype`` says."""
+    state_dtype = getattr(config, "mamba_ssm_dtype", None) or "float32"
+    if state_dtype not in _STATE_DTYPES:
+        raise ValueError(
+            f"unsupported mamba_ssm_dtype {state_dtype!r}; one of {list(_STATE_DTYPES)}"
+        )
+    return GatedDeltaNetSpec(
+        num_key_heads=config.linear_num_key_heads,
+        num_value_heads=config.linear_num_value_heads,
+        key_dim=config.linear_key_head_dim,
+        value_dim=config.linear_value_head_dim,
+        conv_kernel=config.linear_conv_kernel_dim,
+        state_dtype=_STATE_DTYPES[state_dtype],
+    )
+
+
+class GatedAttention(nn.Module):
+    """Paged attention whose output is multiplied by ``sigmoid(gate)``; ``q_proj`` yields, per
+    head, the query then the gate (both ``head_dim`` wide)."""
+
+    def __init__(
+        self,
+        config: PretrainedConfig,
+        rotary: RotaryEmbedding,
+        runtime: OperatorRuntime,
+        prefix: str,
+    ) -> None:
+        super().__init__()
+        spec = attention_spec(config)
+        self.num_heads, self.head_dim = spec.num_heads, spec.head_dim
+        q_size, kv_size = spec.num_heads * spec.head_dim, spec.num_kv_heads * spec.head_dim
+        bias = bool(getattr(config, "attention_bias", False))
+        self.qkv_proj = PackedLinear(
+            config.hidden_size, {"q": 2 * q_size, "k": kv_size, "v": kv_size}, bias, runtime.kernels
+        )
+        self.o_proj = Linear(q_size, config.hidden_size, bias, runtime.kernels)
+        # Registered before the operator (which holds them too): checkpoint names self_attn.*.
+        self.q_norm = GemmaRMSNorm(spec.head_dim, config.rms_norm_eps)
+        self.k_norm = GemmaRMSNorm(spec.head_dim, config.rms_norm_eps)
+        transform = QKTransform(rotary, self.q_norm, self.k_norm)
+        self.attn = make_attention(f"{prefix}.attn", spec, runtime, transform)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        tokens, q_size = x.shape[0], self.num_heads * self.head_dim
+        qkv = self.qkv_proj(x)
+        q_gate, kv = qkv[:, : 2 * q_size], qkv[:, 2 * q_size :]
+        q, gate = q_gate.view(tokens, self.num_heads, 2 * self.head_dim).chunk(2, dim=-1)
+        out = self.attn(torch.cat([q.reshape(tokens, q_size), kv], dim=-1))
+        return self.o_proj(out * torch.sigmoid(gate.reshape(tokens, q_size)))
+
+
+def split_in_proj(hidden_size: int, spec: GatedDeltaNetSpec, kernels: LayerKernels) -> PackedLinear:
+    """Qwen3.5's ``in_proj_qkv``, ``in_proj_z``, ``in_proj_b`` and ``in_proj_a``, packed."""
+    heads, value_size = spec.num_value_heads, spec.num_value_heads * spec.value_dim
+    shards = {"qkv": spec.conv_dim, "z": value_size, "b": heads, "a": heads}
+    return PackedLinear(hidden_size, shards, False, kernels)
+
+
+class InterleavedInProj(PackedLinear):
+    """Qwen3-Next's ``in_proj_qkvz`` and ``in_proj_ba``, which group rows by key head (per
+    head: q, k, its value heads' v, then z; b then a), loaded into Qwen3.5's order
+    ``[q | k | v | z | b | a]`` (each over all heads), so one split serves both."""
+
+    def __init__(self, hidden_size: int, spec: GatedDeltaNetSpec, kernels: LayerKernels) -> None:
+        heads = spec.num_value_heads
+        shards = {"qkvz": spec.conv_dim + heads * spec.value_dim, "ba": 2 * heads}
+        super().__init__(hidden_size, shards, False, kernels)
+        self.spec = spec
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard: str | None) -> None:
+        s = self.spec
+        per_key = s.num_value_heads // s.num_key_heads
+        if shard == "qkvz":
+            sizes = [s.key_dim, s.key_dim, per_key * s.value_dim, per_key * s.value_dim]
+        else:
+            sizes = [per_key, per_key]
+        grouped = loaded.reshape(s.num_key_heads, -1, loaded.shape[-1]).split(sizes, dim=1)
+        regrouped = torch.cat([part.reshape(-1, loaded.shape[-1]) for part in grouped])
+        super().weight_loader(param, regrouped, shard)
+
+
+#: The packed input projection of a GDN layer from ``(hidden_size, spec, kernels)``.
+InProjFactory = Callable[[int, GatedDeltaNetSpec, LayerKernels], PackedLinear]
+
+
+class GatedDeltaNetMixer(nn.Module):
+    """The linear-attention block: the packed input projection (``[qkv | z | b | a]`` after
+    loading), the GDN operator, the gated norm with ``z`` and ``out_proj``."""
+
+    def __init__(
+        self,
+        config: PretrainedConfig,
+        runtime: OperatorRuntime,
+        prefix: str,
+        in_proj: InProjFactory = split_in_proj,
+    ) -> None:
+        super().__init__()
+        spec = gated_delta_net_spec(config)
+        self.spec = spec
+        heads, value_size = spec.num_value_heads, spec.num_value_heads * spec.value_dim
+        self.in_proj = in_proj(config.hidden_size, spec, runtime.kernels)
+        # Registered before the operator (which holds them too): checkpoint names linear_attn.*.
+        self.conv1d = nn.Conv1d(
+            spec.conv_dim, spec.conv_dim, spec.conv_kernel, groups=spec.conv_dim, bias=False
+        )
+        self.conv1d.weight.requires_grad_(False)
+        self.dt_bias = nn.Parameter(torch.ones(heads), requires_grad=False)
+        self.A_log = nn.Parameter(torch.zeros(heads), requires_grad=False)
+        self.norm = GatedRMSNorm(spec.value_dim, config.rms_norm_eps)
+        self.out_proj = Linear(value_size, config.hidden_size, False, runtime.kernels)
+        self.gdn = make_gated_delta_net(
+            f"{prefix}.gdn", spec, runtime, self.conv1d.weight, self.A_log, self.dt_bias
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        spec = self.spec
+        heads, value_size = spec.num_value_heads, spec.num_value_heads * spec.value_dim
+        qkv, z, b, a = self.in_proj(x).split([spec.conv_dim, value_size, heads, heads], dim=-1)
+        out = self.gdn(qkv, a, b)  # [tokens, heads, value_dim]
+        out = self.norm(out, z.reshape(out.shape))
+        return self.out_proj(out.reshape(x.shape[0], value_size))
+
+
+class Qwen3_5DecoderLayer(nn.Module):
+    """norm -> token mixer (``linear_attn`` or ``self_attn``) -> +residual, norm -> MLP."""
+
+    output_norm = None  # see DecoderModel
+
+    def __init__(
+        self,
+        config: PretrainedConfig,
+        layer_idx: int,
+        rotary: RotaryEmbedding,
+        runtime: OperatorRuntime,
+        prefix: str,
+        mlp: MLPFactory,
+        in_proj: InProjFactory,
+    ) -> None:
+        super().__init__()
+        eps, kernels = config.rms_norm_eps, runtime.kernels
+        self.input_layernorm = GemmaRMSNorm(config.hidden_size, eps, kernels)
+        layer_type = config.layer_types[layer_idx]
+        if layer_type == "linear_attention":
+            self.linear_attn = GatedDeltaNetMixer(config, runtime, f"{prefix}.linear_attn", in_proj)
+            self.mixer = self.linear_attn
+        elif layer_type == "full_attention":
+            self.self_attn = GatedAttention(config, rotary, runtime, f"{prefix}.self_attn")
+            self.mixer = self.self_attn
+        else:
+            raise ValueError(f"layer {layer_idx}: unsupported layer type {layer_type!r}")
+        self.post_attention_layernorm = GemmaRMSNorm(config.hidden_size, eps, kernels)
+        self.mlp = mlp(config, layer_idx, kernels)
+
+    def forward(
+        self, x: torch.Tensor, residual: torch.Tensor | None, prenorm: nn.Module | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        x, residual = norm_with_residual(self.input_layernorm, x, residual, prenorm)
+        x, residual = self.post_attention_layernorm(self.mixer(x), residual)
+        return self.mlp(x), residual
+
+
+def dense_mlp(config: PretrainedConfig, layer_idx: int, kernels: LayerKernels) -> nn.Module:
+    return GatedMLP(config.hidden_size, config.intermediate_size, SiluAndMul, False, kernels)
+
+
+def sparse_mlp(config: PretrainedConfig, layer_idx: int, kernels: LayerKernels) -> nn.Module:
+    """Qwen3.5-MoE's block on every layer: softmax top-k over the experts (weights
+    renormalised), and a sigmoid-gated shared expert."""
+    return SparseMoE.qwen(config, kernels)
+
+
+def qwen3_next_mlp(config: PretrainedConfig, layer_idx: int, kernels: LayerKernels) -> nn.Module:
+    """The sparse block where ``decoder_sparse_step`` / ``mlp_only_layers`` put one, else a
+    dense MLP (as HF's Qwen3-Next)."""
+    if is_sparse_layer(config, layer_idx):
+        return SparseMoE.qwen(config, kernels)
+    return dense_mlp(config, layer_idx, kernels)
+
+
+class Qwen3_5Model(DecoderModel):
+    def __init__(
+        self,
+        config: PretrainedConfig,
+        runtime: OperatorRuntime,
+        mlp: MLPFactory = dense_mlp,
+        in_proj: InProjFactory = split_in_proj,
+    ) -> None:
+        super().__init__()
+        rotary = RotaryEmbedding(config, head_dim_of(config), runtime.max_model_len)
+        self.rotary = rotary
+        self.embed_tokens = VocabEmbedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(
+            Qwen3_5DecoderLayer(config, i, rotary, runtime, f"model.layers.{i}", mlp, in_proj)
+            for i in range(config.num_hidden_layers)
+        )
+        self.norm = GemmaRMSNorm(config.hidden_size, config.rms_norm_eps, runtime.kernels)
+
+
+class Qwen3_5ForCausalLM(DecoderForCausalLM):
+    packed_modules = PACKED_MODULES | {
+        "in_proj_qkv": ("in_proj", "qkv"),
+        "in_proj_z": ("in_proj", "z"),
+        "in_proj_b": ("in_proj", "b"),
+        "in_proj_a": ("in_proj", "a"),
+    }
+    mlp: MLPFactory = staticmethod(dense_mlp)
+    in_proj: InProjFactory = staticmethod(split_in_proj)
+
+    def __init__(self, config: PretrainedConfig, runtime: OperatorRuntime) -> None:
+        super().__init__(config, Qwen3_5Model(config, runtime, self.mlp, self.in_proj), runtime)
+
+
+class Qwen3_5MoeForCausalLM(Qwen3_5ForCausalLM):
+    """Qwen3.5-MoE: every layer's MLP is the sparse block (experts stacked as HF stores them,
+    or one tensor per expert)."""
+
+    mlp = staticmethod(sparse_mlp)
+
+
+class Qwen3NextForCausalLM(Qwen3_5ForCausalLM):
+    """Qwen3-Next: the same layers with fused, per-key-head interleaved input projections, and
+    sparse MLPs where the config puts them."""
+
+    packed_modules = PACKED_MODULES | {
+        "in_proj_qkvz": ("in_proj", "qkvz"),
+        "in_proj_ba": ("in_proj", "ba"),
+    }
+    mlp = staticmethod(qwen3_next_mlp)
+    in_proj = staticmethod(InterleavedInProj)
+
+
+class _LanguageModelOf:
+    """A Qwen3.5 checkpoint as released (vision tower and multi-token-prediction head beside
+    the language model): the language model alone, from ``text_config``; the rest of the
+    checkpoint is not loaded. The head is tied as the top-level config says (as HF ties it)."""
+
+    checkpoint_prefixes = {"model.language_model.": "model.", "model.visual.": None, "mtp.": None}
+
+    def __init__(self, config: PretrainedConfig, runtime: OperatorRuntime) -> None:
+        text_config = copy.copy(config.get_text_config())
+        text_config.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
+        logger.info(
+            "%s: serving the language model only; the vision tower and the multi-token-"
+            "prediction weights are not loaded",
+            type(self).__name__,
+        )
+        super().__init__(text_config, runtime)
+
+
+class Qwen3_5ForConditionalGeneration(_LanguageModelOf, Qwen3_5ForCausalLM):
+    pass
+
+
+class Qwen3_5MoeForConditionalGeneration(_LanguageModelOf, Qwen3_5MoeForCausalLM):
+    pass

@@ -1,0 +1,186 @@
+"""Triton latent attention: the MLA operator on CUDA, with a lazily planned split decode."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Hashable
+from dataclasses import dataclass
+
+import torch
+
+from heron.kernels.mla_decode import (
+    MLADecodePlan,
+    choose_max_splits,
+    mla_decode_attention,
+    plan_mla_decode,
+)
+from heron.kernels.mla_rope import mla_rope_latent_write
+from heron.kernels.pdl import multiprocessor_count
+from heron.layers.rotary import MLARotary
+from heron.metadata import SequenceMetadata, StepMetadataError
+from heron.ops.attention.paged import PagedAttentionView, PagedGraphBuffers
+from heron.ops.mla.base import LatentAttentionBuilder, MLAOperator, MLASpec
+
+
+@dataclass(frozen=True)
+class MLADecodeWorkspace:
+    """A decode step's launch depth, its split plan (filled on the device by the step's first
+    latent layer, then shared by the others) and the partial buffers of the merge."""
+
+    max_splits: int
+    plan: MLADecodePlan
+    partial_out: torch.Tensor | None  # [reqs, heads, max_splits, lora] fp32
+    partial_lse: torch.Tensor | None  # [reqs, heads, max_splits] fp32
+
+
+@dataclass(frozen=True)
+class MLAGraphBuffers:
+    paged: PagedGraphBuffers
+    plan: MLADecodePlan  # [max_batch] tensors, shared by every bucket's view
+    partial_out: torch.Tensor  # flat, sized for the bucket with the most requests * splits
+    partial_lse: torch.Tensor
+
+
+class TritonMLABuilder(LatentAttentionBuilder):
+    """The paged view plus the decode workspace.
+
+    The split plan is the lazily initialised metadata of a FlashMLA-style kernel: it depends on
+    the step's KV lengths, which only the device knows once a graph replays, so the first
+    latent layer of a step computes it on the device and marks it ready for the later layers.
+    A captured graph must contain that computation: ``before_capture`` marks the graph
+    buffers' plan not ready, so the capture records it (the warm-up before left it ready) and
+    every replay plans from its own lengths.
+    """
+
+    def __init__(self, spec: MLASpec, block_size: int, max_model_len: int) -> None:
+        super().__init__("triton", block_size, max_model_len)
+        self.spec = spec
+        self.max_model_len = max_model_len
+
+    @property
+    def key(self) -> Hashable:
+        s = self.spec
+        return (*super().key, s.num_heads, s.kv_lora_rank, s.rope_dim)
+
+    def _max_splits(self, batch: int, max_kv_len: int, device: torch.device) -> int:
+        return choose_max_splits(
+            batch, self.spec.num_heads, max_kv_len, multiprocessor_count(device)
+        )
+
+    def _workspace(
+        self, batch: int, splits: int, plan: MLADecodePlan, out: torch.Tensor, lse: torch.Tensor
+    ) -> MLADecodeWorkspace:
+        if splits == 1:
+            return MLADecodeWorkspace(1, plan, None, None)
+        h, lora = self.spec.num_heads, self.spec.kv_lora_rank
+        return MLADecodeWorkspace(
+            splits,
+            plan,
+            out[: batch * h * splits * lora].view(batch, h, splits, lora),
+            lse[: batch * h * splits].view(batch, h, splits),
+        )
+
+    @staticmethod
+    def _plan(batch: int, device: torch.device) -> MLADecodePlan:
+        empty = lambda: torch.empty(batch, dtype=torch.int32, device=device)
+        return MLADecodePlan(empty(), empty())
+
+    def build(self, seq: SequenceMetadata) -> PagedAttentionView:
+        view = super().build(seq)
+        if not seq.is_decode:
+            return view
+        device, batch = seq.kv_lens.device, seq.num_reqs
+        splits = self._max_splits(batch, seq.max_kv_len, device)
+        rows = batch * self.spec.num_heads * splits if splits > 1 else 0
+        out = torch.empty(rows * self.spec.kv_lora_rank, dtype=torch.float32, device=device)
+        lse = torch.empty(rows, dtype=torch.float32, device=device)
+        workspace = self._workspace(batch, splits, self._plan(batch, device), out, lse)
+        return dataclasses.replace(view, workspace=workspace)
+
+    def make_graph_buffers(self, max_batch: int, device: torch.device) -> MLAGraphBuffers:
+        splits = [self._max_splits(b, self.max_model_len, device) for b in range(1, max_batch + 1)]
+        rows = max((b * s for b, s in enumerate(splits, 1) if s > 1), default=0)
+        rows *= self.spec.num_heads
+        return MLAGraphBuffers(
+            paged=super().make_graph_buffers(max_batch, device),
+            plan=self._plan(max_batch, device),
+            partial_out=torch.empty(
+                rows * self.spec.kv_lora_rank, dtype=torch.float32, device=device
+            ),
+            partial_lse=torch.empty(rows, dtype=torch.float32, device=device),
+        )
+
+    def fill(self, seq: SequenceMetadata, buffers: MLAGraphBuffers, batch: int) -> None:
+        super().fill(seq, buffers.paged, batch)
+
+    def graph_view(
+        self, seq: SequenceMetadata, buffers: MLAGraphBuffers, batch: int
+    ) -> PagedAttentionView:
+        view = super().graph_view(seq, buffers.paged, batch)
+        splits = self._max_splits(batch, self.max_model_len, seq.kv_lens.device)
+        workspace = self._workspace(
+            batch, splits, buffers.plan, buffers.partial_out, buffers.partial_lse
+        )
+        return dataclasses.replace(view, workspace=workspace)
+
+    def before_capture(self, buffers: MLAGraphBuffers) -> None:
+        buffers.plan.ready = False
+
+
+class TritonMLA(MLAOperator):
+    """Latent attention with Triton kernels: RoPE and the latent write fused in one launch
+    (for an ``MLARotary``; any other rotary runs the base class's torch path), and the MLA
+    decode kernel over the latent cache (the extend path decompresses through ``kv_b_proj`` as
+    the base class does). No launch uses programmatic dependent launch: the decode is preceded
+    by the query absorption, not by the kernel that writes what it reads."""
+
+    def make_builder(self, block_size: int, max_model_len: int) -> TritonMLABuilder:
+        return TritonMLABuilder(self.spec, block_size, max_model_len)
+
+    def rope_and_store(
+        self,
+        q: torch.Tensor,
+        kv_latent: torch.Tensor,
+        k_rope: torch.Tensor,
+        view: PagedAttentionView,
+    ) -> torch.Tensor:
+        if not isinstance(self.rotary, MLARotary):
+            return super().rope_and_store(q, kv_latent, k_rope, view)
+        q, tokens = q.contiguous(), q.shape[0]  # rotated in place: a copy if it is a view
+        table = self.rotary.rotary
+        mla_rope_latent_write(
+            q,
+            kv_latent,
+            k_rope,
+            view.positions[:tokens],
+            view.slot_mapping[:tokens],
+            table.cos,
+            table.sin,
+            self.kv_cache,
+            self.spec.nope_dim,
+            self.rotary.interleaved,
+        )
+        return q
+
+    def attend_latent(self, q: torch.Tensor, view: PagedAttentionView) -> torch.Tensor:
+        ws: MLADecodeWorkspace | None = view.workspace
+        if ws is None:
+            raise StepMetadataError(f"layer {self.layer_name!r}: decode view without workspace")
+        if not ws.plan.ready:
+            plan_mla_decode(view.kv_lens, ws.max_splits, ws.plan)
+            ws.plan.ready = True
+        s = self.spec
+        out = q.new_empty(q.shape[0], s.num_heads, s.kv_lora_rank)
+        return mla_decode_attention(
+            q,
+            self.kv_cache,
+            view.block_tables,
+            view.kv_lens,
+            s.scale,
+            s.kv_lora_rank,
+            ws.plan,
+            ws.max_splits,
+            out,
+            ws.partial_out,
+            ws.partial_lse,
+        )

@@ -1,0 +1,274 @@
+"""Qwen3.5 (dense, text) against HF transformers on a tiny random model.
+
+Gated-delta-rule layers carry each request's state across steps in its slot, so prompts longer
+than a chunk, decode after prefill, preemption (a new slot, recomputed from zero) and batches
+mixing all of these show up as a wrong token if a row reads another row's state or a stale one.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+
+import pytest
+import torch
+import transformers as tf
+
+from heron import LLM, SamplingParams
+from heron.cache.recurrent import RecurrentStateSpec
+from heron.cache.spec import FullAttentionSpec
+from heron.ops.linear_attention.operator import GatedDeltaNet
+
+from tiny_models import BASE, greedy_tokens, hf_greedy, hf_prompt_logprobs, make_tokenizer
+
+MAX_NEW = 12
+LINEAR, FULL = "linear_attention", "full_attention"
+LAYER_TYPES = [LINEAR, LINEAR, FULL, LINEAR]
+PROMPTS = [
+    list(range(10, 50)) + [7, 8, 9],
+    [3, 4],
+    [(i * 37) % 300 + 5 for i in range(70)],
+    [5],
+]
+GREEDY = SamplingParams(temperature=0.0, max_tokens=MAX_NEW, ignore_eos=True)
+
+
+def qwen3_5_config() -> tf.Qwen3_5TextConfig:
+    return tf.Qwen3_5TextConfig(
+        **{k: v for k, v in BASE.items() if k != "num_hidden_layers"},
+        num_hidden_layers=len(LAYER_TYPES),
+        layer_types=LAYER_TYPES,
+        head_dim=32,  # partial RoPE: a quarter of it rotates
+        linear_num_key_heads=2,
+        linear_num_value_heads=4,  # q and k repeated to the value heads
+        linear_key_head_dim=16,
+        linear_value_head_dim=8,
+        tie_word_embeddings=True,
+    )
+
+
+def save_qwen3_5(path: Path) -> Path:
+    torch.manual_seed(0)
+    model = tf.AutoModelForCausalLM.from_config(qwen3_5_config(), dtype=torch.float32)
+    # Larger than HF's init so logits are not near-uniform; decays that keep a memory of
+    # several tokens (g = -A * softplus(a + dt_bias)).
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("A_log"):
+                p.copy_(torch.empty_like(p).uniform_(0.05, 0.5).log())
+            elif name.endswith("conv1d.weight"):
+                p.normal_(0.0, 0.5)
+            elif p.dim() == 2:
+                p.normal_(0.0, 0.08)
+            elif name.endswith("linear_attn.norm.weight"):
+                p.uniform_(0.8, 1.2)
+            else:  # (1 + w) norms, dt_bias
+                p.uniform_(-0.5, 0.5)
+    model.generation_config.eos_token_id = None
+    model.save_pretrained(path)
+    make_tokenizer().save_pretrained(path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def qwen3_5_case(tmp_path_factory):
+    path = save_qwen3_5(tmp_path_factory.mktemp("qwen3_5"))
+    hf = tf.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    assert type(hf).__name__ == "Qwen3_5ForCausalLM"
+    return str(path), hf, hf_greedy(hf, PROMPTS, MAX_NEW)
+
+
+def test_greedy_batch_equals_hf(qwen3_5_case):
+    path, _, refs = qwen3_5_case
+    llm = LLM(path, max_model_len=128)
+    assert greedy_tokens(llm, PROMPTS, GREEDY) == refs
+    assert not llm.engine.kv_cache.enable_prefix_caching  # switched off for the hybrid
+
+
+def test_chunked_prefill_and_preemption_equal_hf(qwen3_5_case):
+    """Chunks of 16 tokens (long prompts continue from their saved state, mixed with decodes)
+    over 6 usable blocks, fewer than the batch grows to: requests are preempted, recomputed
+    from an empty state in a new slot, and every slot and block comes back."""
+    path, _, refs = qwen3_5_case
+    llm = LLM(path, max_model_len=96, max_num_batched_tokens=16, num_kv_blocks=7)
+    assert greedy_tokens(llm, PROMPTS, GREEDY) == refs
+    assert llm.engine.scheduler.num_preemptions > 0
+    kv = llm.engine.kv_cache
+    kv.check_invariants()
+    assert all(g.num_free_blocks == g.num_blocks - 1 for g in kv.groups)
+
+
+def test_prompt_logprobs_match_hf(qwen3_5_case):
+    path, hf, _ = qwen3_5_case
+    llm = LLM(path, max_model_len=128, max_num_batched_tokens=32)
+    prompt = PROMPTS[2]
+    out = llm.generate(prompt, SamplingParams(max_tokens=1, prompt_logprobs=3), use_tqdm=False)[0]
+    got = torch.tensor([lp.logprob for lp in out.prompt_logprobs[1:]])
+    assert (got - hf_prompt_logprobs(hf, prompt)).abs().max().item() <= 1e-3
+
+
+def test_plan_shows_the_attention_and_the_gdn_group(qwen3_5_case, capsys):
+    from heron.cli import main
+
+    path, _, _ = qwen3_5_case
+    assert main(["plan", "--model", path, "--max-model-len", "128", "--json"]) == 0
+    plan = json.loads(capsys.readouterr().out)
+    full = [f"model.layers.{i}.self_attn.attn" for i, t in enumerate(LAYER_TYPES) if t == FULL]
+    gdn = [f"model.layers.{i}.linear_attn.gdn" for i, t in enumerate(LAYER_TYPES) if t == LINEAR]
+    by_builder = {g["builder"]: (g["layers"], g["cache_group"]) for g in plan["groups"]}
+    caches = {c["spec"]["kind"]: (c["layers"], c["group"]) for c in plan["cache_groups"]}
+    assert caches.keys() == {FullAttentionSpec.__name__, RecurrentStateSpec.__name__}
+    assert (
+        caches[RecurrentStateSpec.__name__][0] == gdn
+        and caches[FullAttentionSpec.__name__][0] == full
+    )
+    assert by_builder["GatedDeltaNetBuilder(reference)"] == (
+        gdn,
+        caches[RecurrentStateSpec.__name__][1],
+    )
+    assert by_builder["PagedAttentionBuilder(reference)"] == (
+        full,
+        caches[FullAttentionSpec.__name__][1],
+    )
+
+
+def test_triton_operators_equal_hf(qwen3_5_case):
+    """The CUDA default operators (Triton attention, Heron's GDN decode kernels) run by Triton's
+    interpreter on the CPU; decode steps continue from the states the prompts left (few,
+    short requests: the interpreter is slow)."""
+    path, _, refs = qwen3_5_case
+    llm = LLM(path, attention_backend="triton", max_model_len=128)
+    plan = llm.engine.runner.plan
+    assert {g.builder.backend for g in plan.groups} == {"triton"}
+    short = SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True)
+    prompts = [PROMPTS[1], PROMPTS[3]]
+    assert greedy_tokens(llm, prompts, short) == [refs[i][:5] for i in (1, 3)]
+
+
+@pytest.mark.gpu
+def test_graph_replay_equals_eager_and_capture_leaves_real_slots_alone(qwen3_5_case):
+    """On the GPU (fp32): decode steps replayed from CUDA graphs give HF's tokens, as eager
+    steps do; capture and warm-up ran on the null slot only, so every other slot was still
+    zero when the first request arrived."""
+    path, _, refs = qwen3_5_case
+    options = dict(device="cuda", dtype="float32", max_model_len=128, num_kv_blocks=64)
+    graphs = LLM(path, cuda_graph_max_bs=8, **options)
+    runner = graphs.engine.runner
+    assert runner.graphs is not None
+    gdn = [m for m in runner.model.modules() if isinstance(m, GatedDeltaNet)]
+    assert gdn and all(not m.conv_state[1:].any() and not m.recurrent_state[1:].any() for m in gdn)
+    replayed = []
+    run = runner.graphs.run
+    runner.graphs.run = lambda seq: replayed.append(seq.num_reqs) or run(seq)
+    assert greedy_tokens(graphs, PROMPTS, GREEDY) == refs
+    assert replayed
+    eager = LLM(path, enforce_eager=True, **options)
+    assert greedy_tokens(eager, PROMPTS, GREEDY) == refs
+
+
+@pytest.mark.gpu
+def test_bf16_with_graphs_follows_fp32(qwen3_5_case):
+    """bf16 on the GPU with graphs (Triton attention and GDN decode, PyTorch chunked prefill):
+    where a request's tokens first leave HF's fp32 ones, Heron's token is in HF's top-5 there
+    (DESIGN §5's near-tie rule)."""
+    path, hf, refs = qwen3_5_case
+    llm = LLM(path, device="cuda", dtype="bfloat16", max_model_len=128, num_kv_blocks=64)
+    assert llm.engine.runner.graphs is not None
+    for prompt, want, got in zip(PROMPTS, refs, greedy_tokens(llm, PROMPTS, GREEDY)):
+        i = next((i for i, (w, t) in enumerate(zip(want, got)) if w != t), None)
+        if i is not None:
+            with torch.no_grad():
+                logits = hf(torch.tensor([prompt + want[:i]])).logits[0, -1]
+            assert got[i] in logits.topk(5).indices.tolist(), (prompt, i)
+
+
+def test_conditional_generation_checkpoint_serves_its_language_model(tmp_path, caplog):
+    """A checkpoint as Qwen3.5 is released (vision tower beside the language model, names under
+    model.language_model): the language model's prompt logprobs and greedy tokens equal HF's
+    Qwen3_5ForConditionalGeneration on text, and the log says the vision tower is left out."""
+    text = qwen3_5_config().to_dict()
+    vision = dict(
+        depth=1, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64,
+        patch_size=4, num_position_embeddings=16,
+    )  # fmt: skip
+    config = tf.Qwen3_5Config(text_config=text, vision_config=vision, tie_word_embeddings=True)
+    torch.manual_seed(1)
+    model = tf.Qwen3_5ForConditionalGeneration(config).eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() == 2:
+                p.normal_(0.0, 0.08)
+    model.generation_config.eos_token_id = None
+    model.save_pretrained(tmp_path)
+    make_tokenizer().save_pretrained(tmp_path)
+    prompt = PROMPTS[0]
+    with torch.no_grad():
+        want_lps = torch.log_softmax(model(torch.tensor([prompt])).logits[0].float(), -1)
+        want = model.generate(torch.tensor([prompt]), max_new_tokens=4, do_sample=False)
+    with caplog.at_level(logging.INFO):
+        llm = LLM(str(tmp_path), max_model_len=128)
+    assert caplog.text.count("vision tower") == 1
+    params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True, prompt_logprobs=1)
+    out = llm.generate(prompt, params, use_tqdm=False)[0]
+    assert out.outputs[0].token_ids == want[0, len(prompt) :].tolist()
+    got = torch.tensor([lp.logprob for lp in out.prompt_logprobs[1:]])
+    expected = want_lps[torch.arange(len(prompt) - 1), torch.tensor(prompt[1:])]
+    assert (got - expected).abs().max().item() <= 1e-3
+
+
+def moe_variant(config_cls, model_cls, seed: int, **fields) -> torch.nn.Module:
+    """HF's ``model_cls``: the tiny shape with 4 experts (top 2) of width 32 and a shared
+    expert of 48, larger random weights."""
+    skip = {"model_type", "architectures", "transformers_version", "dtype"}
+    shape = {
+        k: v
+        for k, v in qwen3_5_config().to_dict().items()
+        if k in config_cls.__dataclass_fields__ and k not in skip
+    }
+    config = config_cls(
+        **shape, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+        shared_expert_intermediate_size=48, **fields,
+    )  # fmt: skip
+    config.architectures = [model_cls.__name__]
+    torch.manual_seed(seed)
+    model = model_cls(config).eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() >= 2:
+                p.normal_(0.0, 0.08)
+    model.generation_config.eos_token_id = None
+    return model
+
+
+def assert_chunked_greedy_equals_hf(model: torch.nn.Module, path: Path) -> None:
+    """Saved, then run by Heron in 16-token chunks mixed with decode: HF's greedy tokens."""
+    model.save_pretrained(path)
+    make_tokenizer().save_pretrained(path)
+    prompts = [PROMPTS[0], PROMPTS[1], PROMPTS[3]]
+    llm = LLM(str(path), max_model_len=128, max_num_batched_tokens=16)
+    short = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    assert greedy_tokens(llm, prompts, short) == hf_greedy(model, prompts, 8)
+
+
+def test_qwen3_5_moe_equals_hf(tmp_path):
+    """Qwen3.5-MoE: every MLP a sparse block (softmax top-2 of 4 experts, renormalised, and a
+    sigmoid-gated shared expert)."""
+    model = moe_variant(tf.Qwen3_5MoeTextConfig, tf.Qwen3_5MoeForCausalLM, seed=2)
+    assert_chunked_greedy_equals_hf(model, tmp_path)
+
+
+def test_qwen3_next_equals_hf(tmp_path):
+    """Qwen3-Next: fused per-key-head interleaved in_proj_qkvz / in_proj_ba (two value heads
+    per key head), sparse and dense MLPs alternating (decoder_sparse_step 2), unnormalised
+    top-k weights."""
+    model = moe_variant(
+        tf.Qwen3NextConfig,
+        tf.Qwen3NextForCausalLM,
+        seed=3,
+        decoder_sparse_step=2,
+        norm_topk_prob=False,
+    )
+    mlps = {type(layer.mlp).__name__ for layer in model.model.layers}
+    assert mlps == {"Qwen3NextMLP", "Qwen3NextSparseMoeBlock"}
+    assert_chunked_greedy_equals_hf(model, tmp_path)

@@ -1,0 +1,49 @@
+"""The gated-delta-rule builder: each row's slot and saved-state flag, eager and in graph buffers."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from heron.metadata import SequenceMetadata, StepBatch, StepMetadataError
+from heron.ops.linear_attention.builder import GatedDeltaNetBuilder
+
+
+def step(contexts, query_lens, slots) -> SequenceMetadata:
+    """A step over a paged group 0 and the recurrent group 1 (each row's table: its slot)."""
+    n, tokens = len(contexts), sum(query_lens)
+    batch = StepBatch(n, tokens, n, 3, 4, num_groups=2)
+    batch.query_lens[:] = query_lens
+    batch.kv_lens[:] = [c + q for c, q in zip(contexts, query_lens)]
+    batch.group_block_tables[1][:, 0] = slots
+    batch.group_block_tables[0][:, :] = 7  # another group's tables, never read
+    batch.finish()
+    return SequenceMetadata.from_step_batch(batch, torch.device("cpu"))
+
+
+def builder() -> GatedDeltaNetBuilder:
+    b = GatedDeltaNetBuilder("reference")
+    b.cache_group = 1
+    return b
+
+
+def test_rows_carry_their_slot_and_whether_they_continue():
+    view = builder().build(step([0, 5, 9], [4, 1, 2], [3, 1, 2]))
+    assert view.state_slots.tolist() == [3, 1, 2]
+    assert view.has_initial_state.tolist() == [False, True, True]  # per row, not per batch
+    assert view.query_start_loc.tolist() == [0, 4, 5, 7] and not view.is_decode
+
+
+def test_graph_rows_past_the_batch_take_the_null_slot_without_state():
+    b = builder()
+    buffers = b.make_graph_buffers(8, torch.device("cpu"))
+    buffers.state_slots.fill_(5)
+    buffers.has_initial_state.fill_(True)
+    seq = step([3, 0, 6], [1, 1, 1], [4, 2, 6])
+    b.fill(seq, buffers, 4)
+    view = b.graph_view(seq, buffers, 4)
+    assert view.state_slots.tolist() == [4, 2, 6, 0]
+    assert view.has_initial_state.tolist() == [True, False, True, False]
+    assert view.is_decode and view.num_reqs == 4
+    with pytest.raises(StepMetadataError, match="decode steps"):
+        b.fill(step([0], [3], [1]), buffers, 4)

@@ -1,0 +1,127 @@
+"""Tool-call and reasoning parsers: whole texts, and the same texts streamed in pieces."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from heron.server.chat_output import ChatOutputConfig, ChatOutputParser
+from heron.server.structured_protocol import ChatTool, NamedToolChoice
+from heron.server.tool_parsers import forced_tool_schema
+
+HERMES = (
+    'Let me check. <tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n'
+    '</tool_call>\n<tool_call>{"name": "get_time", "arguments": {}}</tool_call>'
+)
+LLAMA3 = '{"name": "get_weather", "parameters": {"city": "Paris"}}; {"name": "get_time", "parameters": {}}'
+TOOLS = [
+    ChatTool.model_validate(
+        {
+            "type": "function",
+            "function": {
+                "name": "get_weather",
+                "parameters": {"type": "object", "properties": {"city": {"type": "string"}}},
+            },
+        }
+    ),
+    ChatTool.model_validate({"type": "function", "function": {"name": "get_time"}}),
+]
+
+
+def _parse(config, text, chunk, choice="auto"):
+    """(reasoning, content, [(name, arguments)]) with the text fed ``chunk`` characters at a
+    time (0: whole)."""
+    parser = ChatOutputParser(config, True, choice)
+    pieces = [text[i : i + chunk] for i in range(0, len(text), chunk)] if chunk else [text]
+    reasoning, content, calls = "", "", []
+    for piece in [*map(parser.feed, pieces), parser.finish()]:
+        reasoning += piece.reasoning
+        content += piece.content
+        calls += [(c.function.name, json.loads(c.function.arguments)) for c in piece.tool_calls]
+    return reasoning, content, calls
+
+
+WEATHER_AND_TIME = [("get_weather", {"city": "Paris"}), ("get_time", {})]
+
+
+@pytest.mark.parametrize("chunk", [0, 1, 3])
+def test_hermes_calls_and_content(chunk):
+    config = ChatOutputConfig(tool_call_parser="hermes", enable_auto_tool_choice=True)
+    assert _parse(config, HERMES, chunk) == ("", "Let me check. \n", WEATHER_AND_TIME)
+    # Text that only looks like a tag's start, and a call whose JSON is broken, stay content.
+    assert _parse(config, "a <tool b <tool_call>{bad</tool_call>", chunk) == (
+        "",
+        "a <tool b <tool_call>{bad</tool_call>",
+        [],
+    )
+
+
+@pytest.mark.parametrize("chunk", [0, 1, 4])
+def test_llama3_json_calls_and_plain_replies(chunk):
+    config = ChatOutputConfig(tool_call_parser="llama3_json", enable_auto_tool_choice=True)
+    assert _parse(config, LLAMA3, chunk) == ("", "", WEATHER_AND_TIME)
+    assert _parse(config, "<|python_tag|>" + LLAMA3, chunk) == ("", "", WEATHER_AND_TIME)
+    assert _parse(config, "Paris is sunny.", chunk) == ("", "Paris is sunny.", [])
+
+
+@pytest.mark.parametrize("chunk", [0, 1, 5])
+def test_reasoning_split(chunk):
+    qwen3 = ChatOutputConfig(reasoning_parser="qwen3")
+    r1 = ChatOutputConfig(reasoning_parser="deepseek_r1")
+    text = "<think>two steps</think>The answer."
+    assert _parse(qwen3, text, chunk, "none") == ("two steps", "The answer.", [])
+    assert _parse(qwen3, "No thinking.", chunk, "none") == ("", "No thinking.", [])
+    assert _parse(r1, "two steps</think>The answer.", chunk, "none") == (
+        "two steps",
+        "The answer.",
+        [],
+    )
+    assert _parse(r1, text, chunk, "none") == ("two steps", "The answer.", [])
+    assert _parse(qwen3, "<think>cut off", chunk, "none") == ("cut off", "", [])
+
+
+@pytest.mark.parametrize("chunk", [0, 2])
+def test_reasoning_then_hermes_call(chunk):
+    config = ChatOutputConfig("qwen3", "hermes", True)
+    text = '<think>need weather</think><tool_call>{"name": "get_time", "arguments": {}}</tool_call>'
+    assert _parse(config, text, chunk) == ("need weather", "", [("get_time", {})])
+
+
+def test_forced_choices():
+    config = ChatOutputConfig()
+    required = '[{"name": "get_weather", "parameters": {"city": "Rome"}}]'
+    assert _parse(config, required, 2, "required") == ("", "", [("get_weather", {"city": "Rome"})])
+    named = NamedToolChoice.model_validate({"type": "function", "function": {"name": "get_time"}})
+    assert _parse(config, "{}", 0, named) == ("", "", [("get_time", {})])
+    assert _parse(config, '{"cut', 0, named) == ("", '{"cut', [])  # cut short: kept as text
+    schema = forced_tool_schema(TOOLS, "required", parallel=False)
+    assert schema["maxItems"] == 1 and len(schema["items"]["anyOf"]) == 2
+    assert forced_tool_schema(TOOLS, named, parallel=True) == {"type": "object", "properties": {}}
+    missing = NamedToolChoice.model_validate({"function": {"name": "nope"}})
+    with pytest.raises(ValueError, match="'nope', which is not in tools"):
+        forced_tool_schema(TOOLS, missing, parallel=True)
+
+
+def test_config_refuses_unknown_parsers_and_auto_without_parser():
+    with pytest.raises(ValueError, match="unknown tool call parser 'x'; known: hermes"):
+        ChatOutputConfig(tool_call_parser="x")
+    with pytest.raises(ValueError, match="unknown reasoning parser"):
+        ChatOutputConfig(reasoning_parser="x")
+    with pytest.raises(ValueError, match="needs --tool-call-parser"):
+        ChatOutputConfig(enable_auto_tool_choice=True)
+    with pytest.raises(ValueError, match="--enable-auto-tool-choice"):
+        ChatOutputConfig(tool_call_parser="hermes").check_tool_choice(True, "auto")
+    with pytest.raises(ValueError, match="tool_choice needs tools"):
+        ChatOutputConfig().check_tool_choice(False, "required")
+    ChatOutputConfig().check_tool_choice(True, "required")
+    hermes = ChatOutputConfig(tool_call_parser="hermes", enable_auto_tool_choice=True)
+    assert hermes.keeps_special_tokens(True, "auto")
+    assert not hermes.keeps_special_tokens(True, "none")
+
+
+def test_serve_refuses_an_unknown_parser_before_loading_the_model(capsys):
+    from heron.cli import main
+
+    assert main(["serve", "--model", "/no/such/model", "--tool-call-parser", "bad"]) == 2
+    assert "unknown tool call parser 'bad'" in capsys.readouterr().err
