@@ -77,28 +77,48 @@ def percentiles(values: list[float]) -> tuple[float, float, float]:
     return q[49], q[89], q[98]
 
 
-async def run(args: argparse.Namespace) -> None:
-    url = f"{args.base_url}/v1/completions"
-    headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
-    limit = asyncio.Semaphore(args.concurrency or args.num_requests)
+async def measure(
+    base_url: str,
+    api_key: str | None,
+    model: str | None,
+    num_requests: int,
+    concurrency: int | None,
+    max_tokens: int,
+    request_rate: float | None = None,
+) -> tuple[list[Result], float]:
+    """Run the requests; return their results and the wall time they took."""
+    url = f"{base_url}/v1/completions"
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    limit = asyncio.Semaphore(concurrency or num_requests)
     rng = random.Random(0)
 
     async def limited(client: httpx.AsyncClient, i: int) -> Result:
         async with limit:
-            return await one_request(
-                client, url, args.model, PROMPTS[i % len(PROMPTS)], args.max_tokens
-            )
+            return await one_request(client, url, model, PROMPTS[i % len(PROMPTS)], max_tokens)
 
-    async with httpx.AsyncClient(timeout=600, headers=headers) as client:
+    # httpx pools 100 connections by default: more streams would queue in the client.
+    limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
+    async with httpx.AsyncClient(timeout=600, headers=headers, limits=limits) as client:
         start = time.perf_counter()
         tasks = []
-        for i in range(args.num_requests):
+        for i in range(num_requests):
             tasks.append(asyncio.create_task(limited(client, i)))
-            if args.request_rate:  # Poisson arrivals
-                await asyncio.sleep(rng.expovariate(args.request_rate))
+            if request_rate:  # Poisson arrivals
+                await asyncio.sleep(rng.expovariate(request_rate))
         results = await asyncio.gather(*tasks)
-        elapsed = time.perf_counter() - start
+        return results, time.perf_counter() - start
 
+
+async def run(args: argparse.Namespace) -> None:
+    results, elapsed = await measure(
+        args.base_url,
+        args.api_key,
+        args.model,
+        args.num_requests,
+        args.concurrency,
+        args.max_tokens,
+        args.request_rate,
+    )
     ok = [r for r in results if r.ok]
     for r in results:
         if not r.ok:

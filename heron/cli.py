@@ -194,6 +194,7 @@ def _json_fields(spec: object) -> dict[str, object]:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
+    from heron.engine.core_client import EngineStartupError
     from heron.server.chat_output import ChatOutputConfig
     from heron.server.serve import serve
 
@@ -206,17 +207,21 @@ def cmd_serve(args: argparse.Namespace) -> int:
     chat_output = ChatOutputConfig(
         args.reasoning_parser, args.tool_call_parser, args.enable_auto_tool_choice
     )
-    return serve(
-        engine_config(args),
-        host=args.host,
-        port=args.port,
-        api_key=args.api_key,
-        served_model_name=args.served_model_name,
-        log_level=args.log_level,
-        max_request_body_bytes=args.max_request_body_bytes,
-        trust_request_chat_template=args.trust_request_chat_template,
-        chat_output=chat_output,
-    )
+    try:
+        return serve(
+            engine_config(args),
+            host=args.host,
+            port=args.port,
+            api_key=args.api_key,
+            served_model_name=args.served_model_name,
+            log_level=args.log_level,
+            max_request_body_bytes=args.max_request_body_bytes,
+            trust_request_chat_template=args.trust_request_chat_template,
+            chat_output=chat_output,
+        )
+    except EngineStartupError as e:
+        print(f"heron: error: the engine could not start: {e}", file=sys.stderr)
+        return 2
 
 
 def build_parser() -> argparse.ArgumentParser:

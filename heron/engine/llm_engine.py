@@ -50,8 +50,9 @@ class _Launched:
 
 
 @dataclass(eq=False)
-class _Parent:
-    """A user request and its ``n`` samples."""
+class ParentRequest:
+    """A user request and its ``n`` samples (with a detokenizer each, or none: an engine core
+    whose front detokenizes)."""
 
     request_id: str
     prompt: str | None
@@ -64,14 +65,15 @@ class _Parent:
     def output(self) -> RequestOutput:
         outputs = []
         all_finished = True
-        for child, detok in zip(self.children, self.detokenizers):
+        for child in self.children:
             finished = child.status is RequestStatus.FINISHED
             all_finished &= finished
             snapshot = list if finished else PrefixView
+            detok = self.detokenizers[child.sample_index] if self.detokenizers else None
             outputs.append(
                 CompletionOutput(
                     child.sample_index,
-                    detok.text if finished else detok.text_safe_to_stream,
+                    "" if detok is None else detok.text if finished else detok.text_safe_to_stream,
                     snapshot(child.output_token_ids),
                     child.finish_reason.value if child.finish_reason else None,
                     child.stop_reason,
@@ -95,8 +97,11 @@ class _Parent:
 class LLMEngine:
     """Continuous-batching engine over a paged KV cache (synchronous; one ``step`` at a time)."""
 
-    def __init__(self, config: EngineConfig) -> None:
+    def __init__(self, config: EngineConfig, detokenize: bool = True) -> None:
+        """Without ``detokenize`` outputs have no text and stop strings are not looked for:
+        the caller (the server's front process) does both."""
         self.config = config
+        self.detokenize = detokenize
         device = resolve_device(config.device)
         self.platform = platform_for(device)
         path = resolve_model_path(config.model, config.revision)
@@ -146,10 +151,10 @@ class LLMEngine:
             ),
             self.kv_cache,
         )
-        self._parents: dict[str, _Parent] = {}
+        self._parents: dict[str, ParentRequest] = {}
         self._in_flight: _Launched | None = None  # launched, its tokens not read yet
         self._grammars: GrammarCompiler | None = None  # made for the first structured request
-        self._eos_token_ids = self.model_config.eos_token_ids | (
+        self.eos_token_ids = self.model_config.eos_token_ids | (
             {self.tokenizer.eos_token_id} if self.tokenizer.eos_token_id is not None else set()
         )
         scheme = self.model_config.quantization
@@ -222,7 +227,7 @@ class LLMEngine:
         if request_id in self._parents:
             raise ValueError(f"request id {request_id!r} is already in use")
         params = (params or SamplingParams()).clone()
-        params.eos_token_ids = frozenset(self._eos_token_ids)
+        params.eos_token_ids = frozenset(self.eos_token_ids)
         text, token_ids = self.tokenize_prompt(prompt)
         self._validate_prompt(token_ids)
         vocab = self.model_config.vocab_size
@@ -247,8 +252,12 @@ class LLMEngine:
             )
             for child, grammar in zip(children, grammars):
                 child.grammar = grammar
-        detokenizers = [IncrementalDetokenizer(self.tokenizer, token_ids, params) for _ in children]
-        self._parents[request_id] = _Parent(
+        detokenizers = [
+            IncrementalDetokenizer(self.tokenizer, token_ids, params)
+            for _ in children
+            if self.detokenize
+        ]
+        self._parents[request_id] = ParentRequest(
             request_id, text, token_ids, children, detokenizers, stream
         )
         for child in children:
@@ -260,7 +269,7 @@ class LLMEngine:
             from heron.structured.grammar import GrammarCompiler
 
             self._grammars = GrammarCompiler(
-                self.tokenizer, self.model_config.vocab_size, self._eos_token_ids
+                self.tokenizer, self.model_config.vocab_size, self.eos_token_ids
             )
         return self._grammars
 
@@ -278,15 +287,20 @@ class LLMEngine:
         if bad is not None:
             raise ValueError(f"prompt token id {bad!r} is outside the vocabulary [0, {vocab})")
 
-    def abort_request(self, request_id: str) -> RequestOutput | None:
-        """Stop a request now; its blocks return to the pool. Unknown ids are ignored."""
-        parent = self._parents.pop(request_id, None)
+    def abort_request(
+        self, request_id: str, sample_index: int | None = None
+    ) -> RequestOutput | None:
+        """Stop a request, or only its sample ``sample_index``, now; the blocks return to the
+        pool. Unknown ids are ignored."""
+        parent = self._parents.get(request_id)
         if parent is None:
             return None
         for child in parent.children:
-            if not child.is_finished:
+            if not child.is_finished and sample_index in (None, child.sample_index):
                 child.finish(FinishReason.ABORT)
                 self.scheduler.remove(child)
+        if all(c.is_finished for c in parent.children):
+            del self._parents[request_id]
         return parent.output()
 
     def samples(self, request_id: str) -> list[Request]:
@@ -312,7 +326,7 @@ class LLMEngine:
         scheduling overlaps), since each grammar must see its last token before the next mask.
         """
         previous, self._in_flight = self._in_flight, None
-        touched: dict[str, _Parent] = {}
+        touched: dict[str, ParentRequest] = {}
         schedule = self.scheduler.schedule()
         plan = schedule.plan
         launched = None
@@ -361,7 +375,7 @@ class LLMEngine:
         grammars = [None if r.is_finished else r.grammar for r in sample_requests]
         return self._grammars.token_bitmask(grammars)
 
-    def _read(self, launched: _Launched, touched: dict[str, _Parent]) -> None:
+    def _read(self, launched: _Launched, touched: dict[str, ParentRequest]) -> None:
         """Apply a step's sampled tokens (and prompt logprobs) to its requests."""
         result = launched.launched.result()
         now = time.monotonic()
@@ -388,13 +402,15 @@ class LLMEngine:
                 request.logprobs.append(logprob)
             if request.first_token_time is None:
                 request.first_token_time = now
-            detokenizer = parent.detokenizers[request.sample_index]
-            stop = check_stop(request, token_id, detokenizer.append(token_id), max_model_len)
+            detokenizer = parent.detokenizers[request.sample_index] if self.detokenize else None
+            stop_string = detokenizer.append(token_id) if detokenizer else None
+            stop = check_stop(request, token_id, stop_string, max_model_len)
             if request.grammar is not None and not request.grammar.accept(token_id):
                 # a grammar that failed to compile, or a token it refuses (logged by accept)
                 stop = (FinishReason.ABORT, None)
             if stop is not None:
                 request.finish(*stop)
-                detokenizer.finish()
+                if detokenizer:
+                    detokenizer.finish()
                 self.scheduler.remove(request)
             touched[parent.request_id] = parent

@@ -1,4 +1,4 @@
-"""The OpenAI-compatible HTTP API over an :class:`AsyncLLMEngine`."""
+"""The OpenAI-compatible HTTP API over an :class:`EngineCoreClient`."""
 
 from __future__ import annotations
 
@@ -22,7 +22,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from heron import __version__
-from heron.engine.async_engine import AsyncLLMEngine, EngineDeadError, StepError
+from heron.engine.core_client import EngineCoreClient, EngineDeadError, StepError
 from heron.engine.request import Logprob
 from heron.llm import LLM
 from heron.outputs import CompletionOutput, RequestOutput
@@ -156,7 +156,7 @@ class OpenAIServing:
 
     def __init__(
         self,
-        engine: AsyncLLMEngine,
+        engine: EngineCoreClient,
         served_model_name: str,
         max_request_body_bytes: int,
         trust_request_chat_template: bool,
@@ -164,10 +164,10 @@ class OpenAIServing:
     ) -> None:
         self.engine = engine
         self.chat_output = chat_output or ChatOutputConfig()
-        self.tokenizer = engine.engine.tokenizer
+        self.tokenizer = engine.tokenizer
         self.model_name = served_model_name
-        self.max_model_len = engine.engine.model_config.max_model_len
-        self.metrics = ServerMetrics(engine.engine)
+        self.max_model_len = engine.max_model_len
+        self.metrics = ServerMetrics(lambda: engine.stats)
         self.max_request_body_bytes = max_request_body_bytes
         self.trust_request_chat_template = trust_request_chat_template
         # No token covers more characters than its vocabulary string has (byte-level and
@@ -176,7 +176,7 @@ class OpenAIServing:
         longest_token = max(map(len, self.tokenizer.get_vocab()))
         self.max_prompt_chars = self.max_model_len * longest_token
         # One thread: a fast tokenizer must not be entered by two threads that could change
-        # its settings; the engine thread only decodes.
+        # its settings; the event loop only decodes.
         self.tokenizer_thread = ThreadPoolExecutor(1, thread_name_prefix="heron-tokenize")
 
     def output_parser(self, body: ChatCompletionRequest) -> ChatOutputParser:
@@ -293,7 +293,7 @@ class OpenAIServing:
     # ---------------------------------------------------------------- generation
 
     async def start(
-        self, request_id: str, prompts: list[str | list[int]], params: SamplingParams
+        self, request_id: str, prompts: list[list[int]], params: SamplingParams
     ) -> list[tuple[RequestOutput, AsyncIterator[RequestOutput]]]:
         """Add every prompt and wait for its first output, so invalid prompts fail before any
         response is sent. Returns each prompt's first output and the rest of its stream."""
@@ -455,7 +455,7 @@ def _api_key_checker(api_key: str | None):
 
 
 def build_app(
-    engine: AsyncLLMEngine,
+    engine: EngineCoreClient,
     served_model_name: str,
     api_key: str | None = None,
     max_request_body_bytes: int = DEFAULT_MAX_REQUEST_BODY_BYTES,
@@ -475,7 +475,7 @@ def build_app(
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         yield
-        # Joining the engine thread blocks; keep the loop free to deliver the final outputs.
+        # Joining the engine core blocks; keep the loop free to deliver the final outputs.
         await asyncio.to_thread(engine.shutdown)
         serving.tokenizer_thread.shutdown(wait=False, cancel_futures=True)
 
@@ -502,7 +502,7 @@ def build_app(
     async def models() -> ModelList:
         card = ModelCard(
             id=served_model_name,
-            root=str(engine.engine.model_config.path),
+            root=engine.model_path,
             max_model_len=serving.max_model_len,
         )
         return ModelList(data=[card])

@@ -3,14 +3,14 @@
 from __future__ import annotations
 
 import time
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from contextlib import aclosing
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from heron.engine.llm_engine import LLMEngine
+from heron.engine.messages import EngineStats
 from heron.outputs import RequestOutput
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0, 10.0, 20.0, 60.0)
@@ -18,38 +18,37 @@ _TOKEN_LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.08, 0.15, 0.
 
 
 class _EngineCollector(Collector):
-    """Engine state read at scrape time, so the engine needs no metrics hooks of its own.
+    """Engine state at scrape time: the newest snapshot the engine core sent."""
 
-    The reads are of plain ints and list lengths, consistent enough under the GIL while the
-    engine thread steps.
-    """
-
-    def __init__(self, engine: LLMEngine) -> None:
-        self.engine = engine
+    def __init__(self, stats: Callable[[], EngineStats]) -> None:
+        self.stats = stats
 
     def collect(self) -> Iterator[Metric]:
-        scheduler, kv = self.engine.scheduler, self.engine.kv_cache
+        stats = self.stats()
         gauges = {
-            "num_requests_running": ("requests being generated", len(scheduler.running)),
-            "num_requests_waiting": ("requests waiting to be scheduled", len(scheduler.waiting)),
+            "num_requests_running": ("requests being generated", stats.num_requests_running),
+            "num_requests_waiting": (
+                "requests waiting to be scheduled",
+                stats.num_requests_waiting,
+            ),
             "kv_cache_usage_perc": (
                 "fraction of KV cache blocks in use (0-1), in the fullest cache group",
-                kv.usage,
+                stats.kv_cache_usage,
             ),
             "kv_cache_free_blocks": (
                 "KV cache blocks allocatable now, in the cache group with the fewest",
-                kv.num_free_blocks,
+                stats.kv_cache_free_blocks,
             ),
             "kv_cache_total_blocks": (
                 "usable KV cache blocks, in the smallest cache group",
-                kv.num_blocks - 1,
+                stats.kv_cache_total_blocks,
             ),
         }
         for name, (doc, value) in gauges.items():
             yield GaugeMetricFamily(f"heron:{name}", doc, value=value)
         # Per cache group under names of their own, so that summing a family never mixes the
         # groups with the aggregates above.
-        groups = kv.group_usage()
+        groups = stats.groups
         per_group = {
             "kv_cache_group_usage_perc": (
                 "fraction of the cache group's blocks in use (0-1)",
@@ -61,10 +60,10 @@ class _EngineCollector(Collector):
             ),
             "kv_cache_group_total_blocks": (
                 "the cache group's usable blocks",
-                [g.num_blocks - 1 for g in groups],
+                [g.num_blocks for g in groups],
             ),
         }
-        labels = [[str(g.group), g.spec.describe()] for g in groups]
+        labels = [[str(g.group), g.spec] for g in groups]
         for name, (doc, values) in per_group.items():
             family = GaugeMetricFamily(f"heron:{name}", doc, labels=["group", "spec"])
             for label, value in zip(labels, values):
@@ -73,12 +72,15 @@ class _EngineCollector(Collector):
         counters = {
             "prefix_cache_queries": (
                 "prompt tokens looked up in the prefix cache",
-                kv.prefix_cache_queries,
+                stats.prefix_cache_queries,
             ),
-            "prefix_cache_hits": ("prompt tokens found in the prefix cache", kv.prefix_cache_hits),
+            "prefix_cache_hits": (
+                "prompt tokens found in the prefix cache",
+                stats.prefix_cache_hits,
+            ),
             "num_preemptions": (
                 "requests preempted for lack of KV blocks",
-                scheduler.num_preemptions,
+                stats.num_preemptions,
             ),
         }
         for name, (doc, value) in counters.items():
@@ -88,9 +90,9 @@ class _EngineCollector(Collector):
 class ServerMetrics:
     """Request-level metrics, observed as outputs stream out, plus the engine's state."""
 
-    def __init__(self, engine: LLMEngine) -> None:
+    def __init__(self, engine_stats: Callable[[], EngineStats]) -> None:
         self.registry = CollectorRegistry()
-        self.registry.register(_EngineCollector(engine))
+        self.registry.register(_EngineCollector(engine_stats))
         reg = self.registry
         self.prompt_tokens = Counter("heron:prompt_tokens", "prompt tokens", registry=reg)
         self.generation_tokens = Counter(

@@ -5,14 +5,14 @@ from __future__ import annotations
 import gc
 import logging
 import signal
+from pathlib import Path
 from types import FrameType
 
 import uvicorn
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from heron.config import EngineConfig
-from heron.engine.async_engine import AsyncLLMEngine
-from heron.engine.llm_engine import LLMEngine
+from heron.engine.core_client import EngineCoreClient
 from heron.server.app import build_app, error_response
 from heron.server.chat_output import ChatOutputConfig
 
@@ -43,7 +43,7 @@ class _Server(uvicorn.Server):
     """
 
     def __init__(
-        self, config: uvicorn.Config, engine: AsyncLLMEngine, gate: _RefuseWhileStopping
+        self, config: uvicorn.Config, engine: EngineCoreClient, gate: _RefuseWhileStopping
     ) -> None:
         super().__init__(config)
         self.engine, self.gate = engine, gate
@@ -51,13 +51,8 @@ class _Server(uvicorn.Server):
     def handle_exit(self, sig: int, frame: FrameType | None) -> None:
         self.gate.stopping = True
         super().handle_exit(sig, frame)
-        # A signal handler must not block: the lifespan's exit joins the engine thread.
+        # A signal handler must not block: the lifespan's exit joins the engine core.
         self.engine.shutdown(timeout=0)
-
-
-def _graph_mode(engine: LLMEngine) -> str:
-    graphs = engine.runner.graphs
-    return "eager" if graphs is None else f"CUDA graphs for decode batches up to {graphs.max_batch}"
 
 
 def freeze_start_up_heap() -> None:
@@ -81,19 +76,16 @@ def serve(
 ) -> int:
     """Serve until a shutdown signal; returns the exit code."""
     logging.getLogger("heron").setLevel(min(logging.INFO, logging.getLogger().level))
-    llm_engine = LLMEngine(config)
-    mc = llm_engine.model_config
-    name = served_model_name or config.model or mc.path.stem
-    engine = AsyncLLMEngine(llm_engine)
+    engine = EngineCoreClient(config, logging.getLevelName(logging.getLogger().level))
+    name = served_model_name or config.model or Path(engine.model_path).stem
     logger.info(
-        "serving %s as %r: dtype %s, device %s, max_model_len %d, graph mode %s (cache groups "
-        "as logged above)",
-        mc.path,
+        "serving %s as %r: %s, max_model_len %d (cache groups as logged above); engine core "
+        "process %d",
+        engine.model_path,
         name,
-        str(mc.dtype).removeprefix("torch."),
-        llm_engine.platform.device,
-        mc.max_model_len,
-        _graph_mode(llm_engine),
+        engine.description,
+        engine.max_model_len,
+        engine.core_pid,
     )
     logger.info("listening on http://%s:%d (OpenAI API under /v1)", host, port)
     app = build_app(

@@ -178,3 +178,25 @@ def test_a_deleted_engine_frees_its_model_and_cache(tiny_model_dir):
     del llm
     gc.collect()
     assert model() is None and cache() is None
+
+
+def test_abort_one_sample_and_no_detokenizer(tiny_model_dir):
+    """An engine core's engine: no text, and a stop string the front matched stops one sample."""
+    from heron.config import EngineConfig
+    from heron.engine.llm_engine import LLMEngine
+
+    config = EngineConfig(str(tiny_model_dir("qwen2")), max_model_len=128, num_kv_blocks=40)
+    engine = LLMEngine(config, detokenize=False)
+    params = SamplingParams(n=2, temperature=0, max_tokens=6, ignore_eos=True, stop=["a"])
+    engine.add_request("r", [5, 6, 7], params)
+    engine.step()
+    output = engine.abort_request("r", sample_index=0)
+    assert [c.finish_reason for c in output.outputs] == ["abort", None]
+    while engine.has_unfinished_requests():
+        (output,) = engine.step() or [output]
+    first, second = output.outputs
+    assert (first.finish_reason, second.finish_reason) == ("abort", "length")
+    assert len(second.token_ids) == 6 and len(first.token_ids) < 6
+    assert first.text == second.text == ""  # the caller detokenizes (and matches "a")
+    assert engine.kv_cache.num_free_blocks == engine.kv_cache.num_blocks - 1
+    assert engine.abort_request("r") is None

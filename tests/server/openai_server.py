@@ -20,8 +20,6 @@ MODEL_NAME = "tiny"
 # Long enough that an unbounded stream outlives the disconnect and shutdown tests' checks.
 MAX_MODEL_LEN = 512
 NUM_KV_BLOCKS = 400
-
-
 SUCCESS = 'heron:request_success_total{finished_reason="%s"}'
 
 
@@ -70,6 +68,29 @@ class ServerHandle:
 def openai_client(handle: ServerHandle) -> openai.OpenAI:
     """The official openai client of a test server, with the tests' API key."""
     return openai.OpenAI(base_url=f"{handle.base_url}/v1", api_key=API_KEY, max_retries=0)
+
+
+def child_pids(pid: int) -> list[int]:
+    """The processes whose parent is ``pid`` (a server's engine core), from /proc."""
+    children = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            # "pid (comm) state ppid ...": comm may hold spaces, so split after its ")".
+            fields = stat.read_text().rpartition(")")[2].split()
+        except OSError:
+            continue  # exited meanwhile
+        if int(fields[1]) == pid:
+            children.append(int(stat.parent.name))
+    return children
+
+
+def pid_exists(pid: int) -> bool:
+    """Whether ``pid`` runs (a zombie counts as gone: it has exited)."""
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()[0]
+    except OSError:
+        return False
+    return state != "Z"
 
 
 def free_port() -> int:

@@ -1,13 +1,16 @@
-"""The engine collector: the aggregate KV cache gauges and one labelled sample per cache group."""
+"""The engine collector: the aggregate KV cache gauges and one labelled sample per cache group,
+from the stats snapshot the engine core sends."""
 
 from __future__ import annotations
 
 from types import SimpleNamespace
 
+import msgspec
 import torch
 from prometheus_client.parser import text_string_to_metric_families
 
 from heron.cache import FullAttentionSpec, KVCacheCoordinator, SlidingWindowSpec
+from heron.engine.messages import EngineStats
 from heron.engine.request import Request
 from heron.sampling_params import SamplingParams
 from heron.server.metrics import ServerMetrics
@@ -20,7 +23,12 @@ def test_every_cache_group_is_reported():
     request = Request("a", list(range(20)), SamplingParams(max_tokens=None))
     assert kv.allocate_slots(request, 20)
     scheduler = SimpleNamespace(running=[request], waiting=[], num_preemptions=0)
-    text = ServerMetrics(SimpleNamespace(scheduler=scheduler, kv_cache=kv)).render().decode()
+    # As the core sends it.
+    snapshot = msgspec.msgpack.encode(
+        EngineStats.of(SimpleNamespace(scheduler=scheduler, kv_cache=kv))
+    )
+    stats = msgspec.msgpack.decode(snapshot, type=EngineStats)
+    text = ServerMetrics(lambda: stats).render().decode()
     samples = {
         (s.name, s.labels.get("group")): (s.value, s.labels.get("spec"))
         for family in text_string_to_metric_families(text)

@@ -1,5 +1,5 @@
 """SIGTERM during a stream: the stream ends with finish_reason "abort", a request arriving
-then gets 503, and the process exits 0."""
+then gets 503, and the server exits 0 and its engine core process with it."""
 
 from __future__ import annotations
 
@@ -8,13 +8,14 @@ import socket
 
 import httpx
 
-from openai_server import MODEL_NAME, start_server, stop_server
+from openai_server import MODEL_NAME, child_pids, pid_exists, start_server, stop_server
 
 
 def test_sigterm_during_stream(tiny_model_dir):
     """Also: a request whose body is still on its way when SIGTERM arrives (so uvicorn keeps its
     connection open) is answered 503 as soon as it is complete."""
     server = start_server(tiny_model_dir("qwen2"))
+    (core,) = child_pids(server.proc.pid)
     body = {"model": MODEL_NAME, "prompt": "Paris", "max_tokens": 450, "stream": True}
     body["ignore_eos"] = True
     late = json.dumps({"model": MODEL_NAME, "prompt": "Paris", "max_tokens": 5}).encode()
@@ -44,6 +45,7 @@ def test_sigterm_during_stream(tiny_model_dir):
     finishes = [json.loads(e)["choices"][0]["finish_reason"] for e in events[:-1]]
     assert finishes[-1] == "abort"
     assert code == 0
+    assert not pid_exists(core)
     with socket.socket() as s:  # the port was released: nothing listens on it any more
         # SO_REUSEADDR lets the bind ignore connections closed a moment ago and still in
         # TIME_WAIT on the port (which fail it now and then); a listening socket still fails it.

@@ -1,0 +1,356 @@
+"""EngineCoreClient: the HTTP front's handle on the engine core process.
+
+It starts the core (:mod:`heron.engine.core_process`), sends it token ids and sampling
+parameters, and turns the token deltas the core streams back into :class:`RequestOutput`s:
+detokenisation and stop strings happen here, in the front, so the core's step loop never shares
+a GIL with them. A stop string the front matches aborts that sample in the core.
+
+One thread reads the core's messages (it waits in ZMQ, without the GIL) and hands each batch
+to the event loop; it also watches the core process, so a core that dies fails every request
+at once with :class:`EngineDeadError`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
+
+import msgspec
+import zmq
+from transformers import AutoTokenizer
+
+from heron.config import EngineConfig
+from heron.engine.detokenizer import IncrementalDetokenizer
+from heron.engine.llm_engine import ParentRequest
+from heron.engine.messages import (
+    AbortRequest,
+    AddRequest,
+    CoreArgs,
+    CoreMessage,
+    EngineStats,
+    FrontMessage,
+    Ready,
+    Rejected,
+    RequestDelta,
+    Shutdown,
+    StartupFailed,
+    StepFailed,
+    StepOutputs,
+)
+from heron.engine.request import FinishReason, Request
+from heron.outputs import RequestOutput
+from heron.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+
+class EngineDeadError(RuntimeError):
+    """The engine has shut down (or its process died) and accepts no more requests."""
+
+
+class StepError(RuntimeError):
+    """A model step failed; the requests in flight were aborted."""
+
+
+class EngineStartupError(RuntimeError):
+    """The engine core could not start (a bad model path, too little memory, ...)."""
+
+
+@dataclass(eq=False)
+class _Stream:
+    """One request as the front tracks it: its samples' tokens and text, and its consumer."""
+
+    parent: ParentRequest
+    queue: asyncio.Queue[RequestOutput | BaseException]
+    first_scheduled_time: float | None = None
+
+
+class EngineCoreClient:
+    """The engine core in its own process, served to asyncio callers: ``generate``, ``abort``,
+    ``shutdown``, ``is_running``, plus what the front needs of the engine (``tokenizer``,
+    ``max_model_len``, ``model_path``, ``stats``)."""
+
+    def __init__(self, config: EngineConfig, log_level: str = "INFO") -> None:
+        """Start the core and wait until its engine is built; raise
+        :class:`EngineStartupError` with the core's reason if it cannot be."""
+        self._dir = tempfile.mkdtemp(prefix="heron-core-")
+        self._context = zmq.Context()
+        self._to_core = self._context.socket(zmq.PUSH)
+        self._from_core = self._context.socket(zmq.PULL)
+        for socket in (self._to_core, self._from_core):
+            socket.setsockopt(zmq.SNDHWM, 0)  # never drop nor block: the queues are bounded
+            socket.setsockopt(zmq.RCVHWM, 0)  # by the requests in flight
+        args = CoreArgs(config, f"ipc://{self._dir}/input", f"ipc://{self._dir}/output", log_level)
+        self._to_core.bind(args.input_address)
+        self._from_core.bind(args.output_address)
+        self._send_lock = threading.RLock()  # a signal handler may send inside a send
+        self._encoder = msgspec.msgpack.Encoder()
+        self._decoder = msgspec.msgpack.Decoder(CoreMessage)
+        self._streams: dict[str, _Stream] = {}  # touched on the event loop only
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._stopping = False
+        self._closed = False
+        # The core's standard input is this pipe: it sees end of file when the front dies.
+        self._proc = subprocess.Popen(
+            [sys.executable, "-m", "heron.engine.core_process", msgspec.json.encode(args).decode()],
+            stdin=subprocess.PIPE,
+        )
+        self._exit_fd = os.pidfd_open(self._proc.pid)  # readable once the core has exited
+        self._poller = zmq.Poller()  # the start-up's, then the reader thread's
+        self._poller.register(self._from_core, zmq.POLLIN)
+        self._poller.register(self._exit_fd, zmq.POLLIN)
+        try:
+            ready = self._wait_ready()
+            self.tokenizer = AutoTokenizer.from_pretrained(ready.tokenizer)
+        except BaseException:
+            self._proc.kill()
+            self._close()
+            raise
+        self.max_model_len = ready.max_model_len
+        self.model_path = ready.model_path
+        self.description = ready.description
+        self.stats: EngineStats = ready.stats  # the newest snapshot the core sent
+        self._eos_token_ids = frozenset(ready.eos_token_ids)
+        self._reader = threading.Thread(target=self._read, name="heron-core-reader", daemon=True)
+        self._reader.start()
+
+    @property
+    def core_pid(self) -> int:
+        return self._proc.pid
+
+    @property
+    def is_running(self) -> bool:
+        return self._proc.poll() is None
+
+    # ------------------------------------------------------------ event loop side
+
+    async def generate(
+        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams
+    ) -> AsyncIterator[RequestOutput]:
+        """Yield the request's outputs until it finishes.
+
+        An invalid request raises ``ValueError`` on the first iteration, before any output. If
+        the caller stops iterating early (closes or cancels the generator), the request is
+        aborted so its KV blocks return to the pool.
+        """
+        if self._stopping or not self.is_running:
+            raise self._dead_error()
+        if request_id in self._streams:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        self._loop = asyncio.get_running_loop()
+        params = params.clone()
+        params.eos_token_ids = self._eos_token_ids
+        token_ids = list(prompt_token_ids)
+        children = [Request(request_id, token_ids, params, sample_index=i) for i in range(params.n)]
+        detokenizers = [IncrementalDetokenizer(self.tokenizer, token_ids, params) for _ in children]
+        parent = ParentRequest(request_id, None, token_ids, children, detokenizers, stream=True)
+        stream = _Stream(parent, asyncio.Queue())
+        self._streams[request_id] = stream
+        self._send(AddRequest(request_id, token_ids, params))
+        finished = False
+        try:
+            while True:
+                item = await stream.queue.get()
+                if isinstance(item, BaseException):
+                    finished = True  # the core already dropped the request
+                    raise item
+                finished = item.finished
+                yield item
+                if finished:
+                    return
+        finally:
+            if not finished:
+                self._streams.pop(request_id, None)
+                self.abort(request_id)
+
+    def abort(self, request_id: str) -> None:
+        """Stop a request; unknown or finished ids are ignored, and so is a core not running
+        (nothing runs there to stop)."""
+        if self.is_running:
+            self._send(AbortRequest(request_id))
+
+    def _send(self, message: FrontMessage) -> None:
+        with self._send_lock:
+            self._to_core.send(self._encoder.encode(message), copy=False)
+
+    def _apply(self, messages: list[CoreMessage]) -> None:
+        """Deliver a batch of the core's messages: one output per request however many steps
+        the batch holds, so a front that falls behind catches up with fewer, larger chunks."""
+        touched: dict[str, _Stream] = {}
+        for message in messages:
+            if isinstance(message, StepOutputs):
+                for delta in message.deltas:
+                    stream = self._streams.get(delta.request_id)
+                    if stream is not None:  # else aborted or stopped by the front since
+                        self._apply_delta(stream, delta)
+                        touched[delta.request_id] = stream
+            elif isinstance(message, Rejected):
+                self._fail(message.request_id, ValueError(message.message))
+            elif isinstance(message, StepFailed):
+                for request_id in message.request_ids:
+                    self._fail(request_id, StepError(message.message))
+        for request_id, stream in touched.items():
+            if self._streams.get(request_id) is stream:
+                output = stream.parent.output()
+                if output.finished:
+                    del self._streams[request_id]
+                    output.metrics = _timings(stream)
+                stream.queue.put_nowait(output)
+
+    def _apply_delta(self, stream: _Stream, delta: RequestDelta) -> None:
+        parent, now = stream.parent, time.monotonic()
+        first = parent.children[0]
+        first.num_cached_tokens = delta.num_cached_tokens
+        if delta.prompt_logprobs is not None:
+            first.prompt_logprobs = delta.prompt_logprobs
+        if delta.first_scheduled_time is not None:
+            stream.first_scheduled_time = delta.first_scheduled_time
+        stopped = []  # samples a stop string ended here that still run in the core
+        for sample in delta.samples:
+            child = parent.children[sample.index]
+            if child.is_finished:
+                continue
+            detokenizer = parent.detokenizers[sample.index]
+            if child.first_token_time is None and sample.token_ids:
+                child.first_token_time = now
+            for i, token_id in enumerate(sample.token_ids):
+                child.append_output_token(token_id)
+                if sample.logprobs is not None:
+                    child.logprobs.append(sample.logprobs[i])
+                stop_string = detokenizer.append(token_id)
+                if stop_string is not None:
+                    child.finish(FinishReason.STOP, stop_string)
+                    if sample.finish_reason is None:
+                        stopped.append(sample.index)
+                    break
+            if not child.is_finished and sample.finish_reason is not None:
+                child.finish(FinishReason(sample.finish_reason), sample.stop_reason)
+            if child.is_finished:
+                detokenizer.finish()
+        if stopped and all(c.is_finished for c in parent.children):
+            stopped = [None]  # the whole request
+        for index in stopped:
+            self._send(AbortRequest(delta.request_id, index))
+
+    def _fail(self, request_id: str, error: BaseException) -> None:
+        stream = self._streams.pop(request_id, None)
+        if stream is not None:
+            stream.queue.put_nowait(error)
+
+    def _fail_all(self, error: BaseException) -> None:
+        streams, self._streams = self._streams, {}
+        for stream in streams.values():
+            stream.queue.put_nowait(error)
+
+    # ------------------------------------------------------------ reader thread
+
+    def _wait_ready(self) -> Ready:
+        while True:
+            messages, exited = self._receive()
+            for message in messages:
+                if isinstance(message, Ready):
+                    return message
+                if isinstance(message, StartupFailed):
+                    self._proc.wait(timeout=30)
+                    raise EngineStartupError(message.message)
+            if exited:
+                code = self._proc.wait()
+                raise EngineStartupError(
+                    f"the engine core exited with code {code} during start-up (its log is above)"
+                )
+
+    def _receive(self) -> tuple[list[CoreMessage], bool]:
+        """Wait for messages or the core's exit; return every message waiting, and whether the
+        core has exited (its last messages are read before its exit is reported)."""
+        events = dict(self._poller.poll())
+        messages = []
+        while True:
+            try:
+                frame = self._from_core.recv(zmq.NOBLOCK, copy=False)
+            except zmq.Again:
+                return messages, self._exit_fd in events
+            messages.append(self._decoder.decode(frame.buffer))
+
+    def _read(self) -> None:
+        """Hand the core's messages to the event loop, in batches, until the core exits."""
+        while True:
+            messages, exited = self._receive()
+            stats = [m.stats for m in messages if isinstance(m, StepOutputs) and m.stats]
+            if stats:
+                self.stats = stats[-1]
+            if messages:
+                self._call_on_loop(self._apply, messages)
+            if exited:
+                self._proc.wait()
+                error = self._dead_error()
+                if not self._stopping:
+                    logger.error("%s", error)
+                self._call_on_loop(self._fail_all, error)
+                return
+
+    def _dead_error(self) -> EngineDeadError:
+        if self._stopping:
+            return EngineDeadError("the engine is shutting down")
+        return EngineDeadError(f"the engine core process died (exit code {self._proc.returncode})")
+
+    def _call_on_loop(self, function: Callable[[object], None], argument: object) -> None:
+        if self._loop is None:
+            return  # no request was ever made: nobody to tell
+        try:
+            self._loop.call_soon_threadsafe(function, argument)
+        except RuntimeError:
+            pass  # the loop is closed: nobody is listening any more
+
+    # ------------------------------------------------------------ shutdown
+
+    def shutdown(self, timeout: float | None = 30.0) -> None:
+        """Finish in-flight requests with ``finish_reason="abort"`` and stop the core: wait up
+        to ``timeout`` seconds (None: as long as it takes) for it to exit, then kill it.
+        ``timeout=0`` only asks (a signal handler must not block)."""
+        if not self._stopping:
+            self._stopping = True
+            if self.is_running:
+                self._send(Shutdown())
+        if timeout == 0 or self._closed:
+            return
+        try:
+            self._proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            logger.warning("the engine core did not stop within %.0f s; killing it", timeout)
+            self._proc.kill()
+            self._proc.wait()
+        self._reader.join()
+        self._close()
+
+    def _close(self) -> None:
+        self._closed = True
+        self._proc.stdin.close()
+        os.close(self._exit_fd)
+        self._to_core.close(linger=0)
+        self._from_core.close(linger=0)
+        self._context.term()
+        shutil.rmtree(self._dir, ignore_errors=True)
+
+
+def _timings(stream: _Stream) -> dict[str, float]:
+    """Monotonic timestamps of a finished request, over all its samples."""
+    children = stream.parent.children
+    timings = {
+        "arrival_time": min(c.arrival_time for c in children),
+        "finished_time": time.monotonic(),
+    }
+    first_tokens = [c.first_token_time for c in children if c.first_token_time is not None]
+    if stream.first_scheduled_time is not None:
+        timings["first_scheduled_time"] = stream.first_scheduled_time
+    if first_tokens:
+        timings["first_token_time"] = min(first_tokens)
+    return timings

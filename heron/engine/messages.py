@@ -1,0 +1,152 @@
+"""What the HTTP front and the engine core process send each other (msgpack, via msgspec).
+
+The front sends token ids and :class:`SamplingParams` (a dataclass msgspec encodes as is); the
+core answers with the new tokens of each step, batched, and never with text: detokenisation and
+stop strings are the front's.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import msgspec
+
+from heron.config import EngineConfig
+from heron.outputs import Logprob
+from heron.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from heron.engine.llm_engine import LLMEngine
+
+# ----------------------------------------------------------------- front -> core
+
+
+class AddRequest(msgspec.Struct, tag=True, array_like=True):
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+
+
+class AbortRequest(msgspec.Struct, tag=True, array_like=True):
+    """Stop a request, or only one of its samples (a stop string the front matched)."""
+
+    request_id: str
+    sample_index: int | None = None
+
+
+class Shutdown(msgspec.Struct, tag=True, array_like=True):
+    """Abort every request, send their final outputs, and exit."""
+
+
+FrontMessage = AddRequest | AbortRequest | Shutdown
+
+# ----------------------------------------------------------------- core -> front
+
+
+class CacheGroupStats(msgspec.Struct, array_like=True):
+    group: int
+    spec: str  # the spec's description, a metrics label
+    num_blocks: int  # usable ones (the null block left out)
+    num_free_blocks: int
+    usage: float
+
+
+class EngineStats(msgspec.Struct, array_like=True):
+    """The engine state /metrics reports, as a snapshot the core sends when it changes."""
+
+    num_requests_running: int
+    num_requests_waiting: int
+    kv_cache_usage: float
+    kv_cache_free_blocks: int
+    kv_cache_total_blocks: int
+    groups: list[CacheGroupStats]
+    prefix_cache_queries: int
+    prefix_cache_hits: int
+    num_preemptions: int
+
+    @classmethod
+    def of(cls, engine: LLMEngine) -> EngineStats:
+        scheduler, kv = engine.scheduler, engine.kv_cache
+        groups = [
+            CacheGroupStats(
+                g.group, g.spec.describe(), g.num_blocks - 1, g.num_free_blocks, g.usage
+            )
+            for g in kv.group_usage()
+        ]
+        return cls(
+            len(scheduler.running),
+            len(scheduler.waiting),
+            kv.usage,
+            kv.num_free_blocks,
+            kv.num_blocks - 1,
+            groups,
+            kv.prefix_cache_queries,
+            kv.prefix_cache_hits,
+            scheduler.num_preemptions,
+        )
+
+
+class Ready(msgspec.Struct, tag=True, array_like=True):
+    """The engine is built; what the front needs of it."""
+
+    model_path: str  # resolved (a GGUF file's converted directory)
+    tokenizer: str  # what AutoTokenizer loads
+    max_model_len: int
+    eos_token_ids: list[int]
+    description: str  # model, dtype, device and graph mode, for the start-up log
+    stats: EngineStats
+
+
+class StartupFailed(msgspec.Struct, tag=True, array_like=True):
+    message: str
+
+
+class SampleDelta(msgspec.Struct, array_like=True):
+    """One sample's tokens since the last delta, and its finish once finished."""
+
+    index: int
+    token_ids: list[int]
+    logprobs: list[Logprob] | None
+    finish_reason: str | None
+    stop_reason: int | None  # a stop token (stop strings are the front's)
+
+
+class RequestDelta(msgspec.Struct, array_like=True):
+    request_id: str
+    samples: list[SampleDelta]
+    finished: bool
+    num_cached_tokens: int
+    # With the request's first delta:
+    prompt_logprobs: list[Logprob | None] | None = None
+    first_scheduled_time: float | None = None  # monotonic (one clock for every process)
+
+
+class StepOutputs(msgspec.Struct, tag=True, array_like=True):
+    deltas: list[RequestDelta]
+    stats: EngineStats | None  # None: unchanged, or not due yet
+
+
+class Rejected(msgspec.Struct, tag=True, array_like=True):
+    """The request was invalid (``ValueError``); nothing was queued."""
+
+    request_id: str
+    message: str
+
+
+class StepFailed(msgspec.Struct, tag=True, array_like=True):
+    """A step raised; these requests were aborted and the engine goes on."""
+
+    request_ids: list[str]
+    message: str
+
+
+CoreMessage = Ready | StartupFailed | StepOutputs | Rejected | StepFailed
+
+
+class CoreArgs(msgspec.Struct):
+    """The core process's start-up arguments."""
+
+    config: EngineConfig
+    input_address: str  # the core pulls FrontMessages here
+    output_address: str  # and pushes CoreMessages here
+    log_level: str
