@@ -154,14 +154,9 @@ class ModelRunner:
         prompt's block table points every block at that (null) block.
         """
         self.cache.allocate([1] * self.num_cache_groups, self.device)
-        step = StepBatch(
-            1,
-            num_tokens,
-            1,
-            -(-num_tokens // self.block_size),
-            self.block_size,
-            num_groups=self.num_cache_groups,
-        )
+        width = -(-num_tokens // self.block_size)
+        layouts = [parts.layout_of(1, num_tokens, width) for parts in self.inputs.parts]
+        step = StepBatch(1, num_tokens, 1, self.block_size, layouts)
         step.query_lens[0] = step.kv_lens[0] = num_tokens
         step.positions[:] = range(num_tokens)
         step.logits_indices[0] = num_tokens - 1
@@ -189,7 +184,7 @@ class ModelRunner:
             )
             return
         self.graphs = CudaGraphRunner(self.model, self.plan, self.device, max_batch)
-        self.graphs.capture(self.block_size, self.num_cache_groups)
+        self.graphs.capture(self.block_size, self.inputs.parts)
 
     def _apply(self, plan: StepPlan) -> None:
         """Bring the per-request state and block tables up to the plan."""
