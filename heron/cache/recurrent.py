@@ -19,6 +19,7 @@ import torch
 
 from heron.cache.block_pool import BlockPool
 from heron.cache.manager import NO_HEADROOM, AllocationHeadroom, CacheManager
+from heron.cache.recurrent_parts import RecurrentStepParts
 from heron.cache.spec import CacheSpec
 
 if TYPE_CHECKING:
@@ -70,8 +71,8 @@ class RecurrentStateSpec(CacheSpec):
     def table_width(self, max_model_len: int) -> int:
         return 1
 
-    def first_table_block(self, context: int | np.ndarray) -> int | np.ndarray:
-        return 0
+    def step_parts(self) -> RecurrentStepParts:
+        return RecurrentStepParts()
 
     def allocate(self, num_blocks: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
         """``(conv_state [slots, *conv_shape], recurrent_state [slots, *state_shape])``."""

@@ -12,8 +12,11 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
+from heron.cache.paged_parts import PagedStepParts
+
 if TYPE_CHECKING:
     from heron.cache.manager import CacheManager
+    from heron.metadata.parts import StepParts
 
 
 def paged_table_width(max_model_len: int, block_size: int, sliding_window: int | None) -> int:
@@ -59,8 +62,8 @@ class CacheSpec:
         """One operator's zeroed cache over a pool of ``num_blocks``."""
         return torch.zeros(self.tensor_shape(num_blocks), dtype=self.dtype, device=device)
 
-    def first_table_block(self, context: int | np.ndarray) -> int | np.ndarray:
-        """Index, in a request's table, of the first block a step at ``context`` reads."""
+    def step_parts(self) -> StepParts:
+        """What the kind contributes to each step's packed batch."""
         raise NotImplementedError
 
     def describe(self) -> str:
@@ -89,7 +92,11 @@ class PagedSpec(CacheSpec):
         return paged_table_width(max_model_len, self.block_size, None)
 
     def first_table_block(self, context: int | np.ndarray) -> int | np.ndarray:
+        """Index, in a request's table, of the first block a step at ``context`` reads."""
         return 0
+
+    def step_parts(self) -> StepParts:
+        return PagedStepParts(self)
 
     def make_manager(
         self, num_blocks: int, enable_prefix_caching: bool, chain_block_size: int

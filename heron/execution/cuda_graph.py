@@ -17,12 +17,14 @@ from __future__ import annotations
 
 import bisect
 import logging
+from collections.abc import Sequence
 from typing import Any
 
 import torch
 from torch import nn
 
 from heron.metadata import GraphSupport, MetadataGroup, SequenceMetadata, StepBatch, StepMetaPlan
+from heron.metadata.parts import StepParts
 
 logger = logging.getLogger(__name__)
 
@@ -60,13 +62,13 @@ class CudaGraphRunner:
             group.builder.fill(seq, self.buffers[id(group)], batch)
 
     @torch.inference_mode()
-    def capture(self, block_size: int, num_cache_groups: int = 1) -> None:
+    def capture(self, block_size: int, group_parts: Sequence[StepParts]) -> None:
         """Capture every bucket, largest first, all in one memory pool."""
         from heron.kernels.argmax import greedy_argmax  # Triton only on GPU paths
 
         pool = torch.cuda.graph_pool_handle()
         for batch in reversed(self.buckets):
-            dummy = _dummy_decode(batch, block_size, self.device, num_cache_groups)
+            dummy = _dummy_decode(batch, block_size, self.device, group_parts)
             self._fill(dummy, batch)
             group: MetadataGroup
             for group in self.plan.groups:
@@ -100,10 +102,11 @@ class CudaGraphRunner:
 
 
 def _dummy_decode(
-    batch: int, block_size: int, device: torch.device, num_cache_groups: int = 1
+    batch: int, block_size: int, device: torch.device, group_parts: Sequence[StepParts]
 ) -> SequenceMetadata:
-    """A decode step of ``batch`` one-token requests on every group's null block, for capture."""
-    step = StepBatch(batch, batch, batch, 1, block_size, num_groups=num_cache_groups)
+    """A decode step of ``batch`` one-token requests on every group's null entry, for capture."""
+    layouts = [parts.layout_of(batch, batch, 1) for parts in group_parts]
+    step = StepBatch(batch, batch, batch, block_size, layouts)
     step.query_lens[:] = 1
     step.kv_lens[:] = 1
     step.logits_indices[:] = range(batch)

@@ -154,14 +154,9 @@ class ModelRunner:
         prompt's block table points every block at that (null) block.
         """
         self.cache.allocate([1] * self.num_cache_groups, self.device)
-        step = StepBatch(
-            1,
-            num_tokens,
-            1,
-            -(-num_tokens // self.block_size),
-            self.block_size,
-            num_groups=self.num_cache_groups,
-        )
+        width = -(-num_tokens // self.block_size)
+        layouts = [parts.layout_of(1, num_tokens, width) for parts in self.inputs.parts]
+        step = StepBatch(1, num_tokens, 1, self.block_size, layouts)
         step.query_lens[0] = step.kv_lens[0] = num_tokens
         step.positions[:] = range(num_tokens)
         step.logits_indices[0] = num_tokens - 1
@@ -189,7 +184,7 @@ class ModelRunner:
             )
             return
         self.graphs = CudaGraphRunner(self.model, self.plan, self.device, max_batch)
-        self.graphs.capture(self.block_size, self.num_cache_groups)
+        self.graphs.capture(self.block_size, self.inputs.parts)
 
     def _apply(self, plan: StepPlan) -> None:
         """Bring the per-request state and block tables up to the plan."""
@@ -201,8 +196,13 @@ class ModelRunner:
             tables.drop(request_id)
         for new in plan.new_requests:
             self.requests[new.request_id] = RequestState(new, self.device)
-        for update in plan.table_updates:
-            tables.apply(update)
+        given_rows = [u.request_id for u in plan.table_updates if tables.apply(u)]
+        if given_rows:
+            # A request given a row (new, or back from preemption) holds its computed prefix:
+            # cached blocks, and the states that the plan's copies_before restore.
+            computed = dict(zip(plan.request_ids, plan.num_computed))
+            for request_id in given_rows:
+                tables.holds(request_id, computed.get(request_id, 0))
 
     @torch.inference_mode()
     def launch(self, plan: StepPlan, previous: LaunchedStep | None = None) -> LaunchedStep:

@@ -12,6 +12,7 @@ from heron.cache.spec import CacheSpec
 from heron.execution.request_state import RequestState
 from heron.execution.step_plan import StepPlan, TableUpdate
 from heron.metadata import SequenceMetadata, StepBatch
+from heron.metadata.parts import GroupTables, StepRows
 
 
 @dataclass(frozen=True)
@@ -30,8 +31,8 @@ class StepInputBuilder:
     """Turns a step plan into the step's shared metadata (one packed copy).
 
     It keeps every request's block tables (:class:`BlockTableRows`, updated by the plans'
-    table updates); one pass over the plan's rows collects their tokens, then block tables,
-    positions and slot mappings are filled for all rows at once.
+    table updates); one pass over the plan's rows collects their tokens, then positions and
+    every cache group's parts (by its kind) are filled for all rows at once.
 
     The groups' views are built afterwards by the runner: eagerly through the plan, or by the
     builders' ``fill`` into graph buffers when the step is replayed.
@@ -45,9 +46,8 @@ class StepInputBuilder:
     ) -> None:
         self.block_size = block_size
         self.device = device
-        self.specs = list(specs)  # each cache group's spec
-        self.num_groups = len(self.specs)
-        self.tables = BlockTableRows(self.num_groups)
+        self.parts = [spec.step_parts() for spec in specs]  # each cache group's kind's parts
+        self.tables = BlockTableRows(len(self.parts))
         # On a GPU the packed batch is staged in one pinned buffer reused every step; an event
         # recorded after each copy guards the buffer until that copy has completed.
         self._staging = torch.empty(0, dtype=torch.int32)
@@ -71,7 +71,7 @@ class StepInputBuilder:
     ) -> PreparedStep:
         """Host work of a step: the packed StepBatch and its one copy to the device.
 
-        A sliding-window group's row starts at the window (``CacheSpec.first_table_block``).
+        Each cache group's kind lays out and fills its own parts (``CacheSpec.step_parts``).
         A decode token that is still pending (sampled by the previous step, not yet read) is
         left as 0 and listed in ``pending_sources`` with its row in ``pending_rows``, for the
         runner to fill on the device.
@@ -106,53 +106,50 @@ class StepInputBuilder:
                 sample_states.append(state)
                 sample_rows.append(num_tokens + n - 1)
             num_tokens += n
-        query_lens = plan.num_new
-        contexts = plan.num_computed
-        table_rows = self.tables.rows(request_ids)
-        num_prompt_rows = sum(span[3] for span in prompt_spans)
         num_reqs = len(request_ids)
-        lengths = self.tables.lengths(table_rows)
-        width = int(lengths.max()) if num_reqs else 0
+        num_prompt_rows = sum(span[3] for span in prompt_spans)
         num_logits = num_prompt_rows + len(sample_states)
-        size = StepBatch.packed_size(num_reqs, num_tokens, num_logits, width, self.num_groups)
+        contexts = np.array(plan.num_computed, dtype=np.int32)
+        table_rows = self.tables.rows(request_ids)
+        groups = self.tables.groups(table_rows)
+        planned = [
+            parts.layout(contexts, num_tokens, tables) for parts, tables in zip(self.parts, groups)
+        ]
+        layouts = [layout for layout, _ in planned]
+        size = StepBatch.packed_size(num_reqs, num_tokens, num_logits, layouts)
         batch = StepBatch(
-            num_reqs,
-            num_tokens,
-            num_logits,
-            width,
-            bs,
-            staging=self._staging_buffer(size),
-            num_groups=self.num_groups,
+            num_reqs, num_tokens, num_logits, bs, layouts, staging=self._staging_buffer(size)
         )
         batch.token_ids[:] = token_ids
-        batch.query_lens[:] = query_lens
-        contexts_array = np.array(contexts, dtype=np.int32)
-        np.add(contexts_array, batch.query_lens, out=batch.kv_lens)
+        batch.query_lens[:] = plan.num_new
+        np.add(contexts, batch.query_lens, out=batch.kv_lens)
         batch.finish()
-        query_starts = batch.start_locs[0]
         positions = batch.positions
         if num_tokens == num_reqs:  # decode only: a token per request, at its context
-            positions[:] = contexts_array
+            positions[:] = contexts
             token_table_rows = table_rows
         else:  # each token at its request's context plus its offset in the request
             token_rows = np.repeat(np.arange(num_reqs), batch.query_lens)
-            np.subtract(np.arange(num_tokens), query_starts[token_rows], out=positions)
-            positions += contexts_array[token_rows]
+            np.subtract(np.arange(num_tokens), batch.start_locs[0][token_rows], out=positions)
+            positions += contexts[token_rows]
             token_table_rows = table_rows[token_rows]
         if num_reqs:
-            for g, spec in enumerate(self.specs):
-                firsts = spec.first_table_block(contexts_array)
-                self.tables.gather(g, table_rows, lengths[g], firsts, batch.group_block_tables[g])
-                batch.group_table_starts[g] = firsts
-            # Every group's slot of each token: its block's id * block_size + its offset in it.
             block_indices, block_offsets = np.divmod(positions, bs)
-            slot_mappings = batch.group_slot_mappings
-            np.multiply(
-                self.tables.array[:, token_table_rows, block_indices], bs, out=slot_mappings
+            step = StepRows(
+                request_ids,
+                table_rows,
+                contexts,
+                token_table_rows,
+                block_indices,
+                block_offsets,
+                bs,
             )
-            slot_mappings += block_offsets
-        rows = num_prompt_rows + len(sample_states)
-        batch.logits_indices[num_prompt_rows:rows] = sample_rows
+            for parts, tables, out, (_, kind_plan) in zip(
+                self.parts, groups, batch.group_parts, planned
+            ):
+                parts.fill(out, step, tables, kind_plan)
+            self.tables.wrote(table_rows, batch.kv_lens)
+        batch.logits_indices[num_prompt_rows:num_logits] = sample_rows
         row = 0
         prompt_rows = []
         for state, token_offset, position, count in prompt_spans:
@@ -166,7 +163,7 @@ class StepInputBuilder:
         if self._copied is not None:
             self._copied.record()
         return PreparedStep(
-            seq, sample_states, slice(num_prompt_rows, rows), prompt_rows, pending_sources
+            seq, sample_states, slice(num_prompt_rows, num_logits), prompt_rows, pending_sources
         )
 
 
@@ -175,9 +172,13 @@ class BlockTableRows:
 
     ``array[g, r]`` holds group ``g``'s table of the request given row ``r``, from index 0;
     entries past the table's end are 0 (the null block), and the array is wider than every
-    table, so a read past a table's end gives the padding that a step's table needs.
-    :meth:`gather` copies the rows of a step's requests into the step's tables at once (one
-    numpy indexing per group instead of a copy per request).
+    table, so a read past a table's end gives the padding that a step's table needs. Each
+    group's kind reads its rows of a step's requests at once (:meth:`groups`), by numpy
+    indexing instead of a copy per request.
+
+    Beside the tables it keeps how many of the request's tokens this runner's steps have put in
+    its caches since it got its row (:meth:`wrote`): what a kind whose cache is the result of
+    those steps alone (a recurrent state) holds.
 
     Plans send each table's new entries once (:class:`TableUpdate`); a request keeps its row
     until it is finished or preempted. Entries of a sliding window set to the null block once
@@ -189,16 +190,19 @@ class BlockTableRows:
         self.num_groups = num_groups
         self.array = np.zeros((num_groups, 0, 1), dtype=np.int32)
         self._lengths = np.zeros((num_groups, 0), dtype=np.int64)  # [group, row]
+        self._written = np.zeros(0, dtype=np.int32)  # [row]: every group holds the same tokens
         self._row_of: dict[str, int] = {}
         self._free: list[int] = []
         # The last step's requests and their rows: decode steps mostly repeat them.
         self._last_ids: list[str] = []
         self._last_rows = np.zeros(0, dtype=np.int64)
 
-    def apply(self, update: TableUpdate) -> None:
-        """Entries ``update.start:`` of the request's table in ``update.group`` are replaced."""
+    def apply(self, update: TableUpdate) -> bool:
+        """Entries ``update.start:`` of the request's table in ``update.group`` are replaced;
+        True if that gave the request its row."""
         row = self._row_of.get(update.request_id)
-        if row is None:
+        given = row is None
+        if given:
             row = self._row_of[update.request_id] = (
                 self._free.pop() if self._free else self._add_row()
             )
@@ -210,6 +214,7 @@ class BlockTableRows:
         self.array[g, row, start:end] = update.block_ids
         self.array[g, row, end : self._lengths[g, row]] = 0
         self._lengths[g, row] = end
+        return given
 
     def drop(self, request_id: str) -> None:
         """Forget the request's tables (finished or preempted); its row is reused."""
@@ -217,6 +222,7 @@ class BlockTableRows:
         if row is not None:
             self.array[:, row] = 0
             self._lengths[:, row] = 0
+            self._written[row] = 0
             self._free.append(row)
             self._last_ids = []
 
@@ -228,28 +234,20 @@ class BlockTableRows:
             self._last_ids = list(request_ids)
         return self._last_rows
 
-    def lengths(self, rows: np.ndarray) -> np.ndarray:
-        """``[group, i]``: the length of ``rows[i]``'s table in each group."""
-        return self._lengths[:, rows]
+    def groups(self, rows: np.ndarray) -> list[GroupTables]:
+        """Each group's tables, with the lengths and written tokens of ``rows``."""
+        lengths, written = self._lengths[:, rows], self._written[rows]
+        return [GroupTables(self.array[g], lengths[g], written) for g in range(self.num_groups)]
 
-    def gather(
-        self,
-        group: int,
-        rows: np.ndarray,
-        lengths: np.ndarray,
-        firsts: np.ndarray | int,
-        out: np.ndarray,
-    ) -> None:
-        """``out[i, :lengths[i] - firsts[i]] = table_i[firsts[i]:]`` for ``rows[i]``'s table
-        in ``group`` (``out`` is zero-filled and at least as wide as the longest table)."""
-        tables = self.array[group]
-        if isinstance(firsts, int):
-            out[:, :] = tables[rows, : out.shape[1]]
-            return
-        live = max(int((lengths - firsts).max()), 0)
-        columns = firsts[:, None] + np.arange(live)
-        np.minimum(columns, tables.shape[1] - 1, out=columns)  # past every end: a 0 entry
-        out[:, :live] = tables[rows[:, None], columns]
+    def wrote(self, rows: np.ndarray, kv_lens: np.ndarray) -> None:
+        """A step was packed: request ``rows[i]``'s caches now hold its first ``kv_lens[i]``
+        tokens."""
+        self._written[rows] = kv_lens
+
+    def holds(self, request_id: str, num_tokens: int) -> None:
+        """Request ``request_id``'s caches hold its first ``num_tokens`` tokens already (a
+        prefix hit, restored before its first step)."""
+        self._written[self._row_of[request_id]] = num_tokens
 
     def _add_row(self) -> int:
         """A new row at the end, with room for as many again after it."""
@@ -260,5 +258,8 @@ class BlockTableRows:
         lengths = np.zeros((self.num_groups, 2 * row + 1), dtype=np.int64)
         lengths[:, :row] = self._lengths
         self._lengths = lengths
+        written = np.zeros(2 * row + 1, dtype=np.int32)
+        written[:row] = self._written
+        self._written = written
         self._free += range(2 * row, row, -1)
         return row

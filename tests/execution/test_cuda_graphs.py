@@ -157,9 +157,9 @@ def test_before_capture_makes_replay_recompute_lazy_metadata(reset):
         model = _TinyModel(reset).cuda()
     plan = StepMetaPlan.from_operators(scope.operators)
     runner = CudaGraphRunner(model, plan, torch.device("cuda"), max_batch=2)
-    runner.capture(block_size=16)  # warm-up with kv_lens 1 caches 2 unless reset
+    runner.capture(16, [])  # warm-up with kv_lens 1 caches 2 unless reset
 
-    step = StepBatch(2, 2, 2, 1, 16)
+    step = StepBatch(2, 2, 2, 16, [])  # the model reads no cache group
     step.query_lens[:] = 1
     step.kv_lens[:] = [5, 9]
     step.finish()

@@ -9,6 +9,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from heron.cache.paged_parts import paged_layout
 from heron.metadata import (
     GraphSupport,
     MetadataBuilder,
@@ -310,19 +311,21 @@ def test_each_operator_reads_its_own_groups_view():
     tables = {"a": [free.pop() for _ in range(4)], "b": [free.pop() for _ in range(4)]}
 
     def make_seq(work):  # (request, cached tokens, new tokens)
-        batch = StepBatch(len(work), sum(n for _, _, n in work), len(work), 4, bs, num_groups=2)
+        num_reqs, num_tokens = len(work), sum(n for _, _, n in work)
+        layout = paged_layout(num_reqs, num_tokens, 4)
+        batch = StepBatch(num_reqs, num_tokens, num_reqs, bs, [layout, layout])
         offset = 0
         for i, (rid, c, n) in enumerate(work):
             batch.query_lens[i], batch.kv_lens[i] = n, c + n
-            for g, window in enumerate(windows):
-                first = 0 if window is None else max(c - window + 1, 0) // bs
-                batch.group_block_tables[g, i, : len(tables[rid]) - first] = tables[rid][first:]
-                batch.group_table_starts[g, i] = first
             pos = list(range(c, c + n))
             batch.positions[offset : offset + n] = pos
-            batch.group_slot_mappings[:, offset : offset + n] = [
-                tables[rid][p // bs] * bs + p % bs for p in pos
-            ]
+            for parts, window in zip(batch.group_parts, windows):
+                first = 0 if window is None else max(c - window + 1, 0) // bs
+                parts["block_tables"][i, : len(tables[rid]) - first] = tables[rid][first:]
+                parts["table_starts"][i] = first
+                parts["slot_mapping"][offset : offset + n] = [
+                    tables[rid][p // bs] * bs + p % bs for p in pos
+                ]
             offset += n
             batch.logits_indices[i] = offset - 1
         batch.finish()

@@ -5,18 +5,23 @@ from __future__ import annotations
 import pytest
 import torch
 
+from heron.cache.paged_parts import paged_layout
+from heron.cache.recurrent_parts import RecurrentStepParts
 from heron.metadata import SequenceMetadata, StepBatch, StepMetadataError
 from heron.ops.linear_attention.builder import GatedDeltaNetBuilder
 
 
 def step(contexts, query_lens, slots) -> SequenceMetadata:
-    """A step over a paged group 0 and the recurrent group 1 (each row's table: its slot)."""
+    """A step over a paged group 0 and the recurrent group 1, whose kind says a row has a saved
+    state when the runner has put its first ``context`` tokens in the slot."""
     n, tokens = len(contexts), sum(query_lens)
-    batch = StepBatch(n, tokens, n, 3, 4, num_groups=2)
+    groups = [paged_layout(n, tokens, 3), RecurrentStepParts().layout_of(n, tokens, 1)]
+    batch = StepBatch(n, tokens, n, 4, groups)
     batch.query_lens[:] = query_lens
     batch.kv_lens[:] = [c + q for c, q in zip(contexts, query_lens)]
-    batch.group_block_tables[1][:, 0] = slots
-    batch.group_block_tables[0][:, :] = 7  # another group's tables, never read
+    batch.group_parts[1]["state_slots"][:] = slots
+    batch.group_parts[1]["has_saved_state"][:] = [c > 0 for c in contexts]
+    batch.group_parts[0]["block_tables"][:] = 7  # another group's tables, never read
     batch.finish()
     return SequenceMetadata.from_step_batch(batch, torch.device("cpu"))
 

@@ -12,6 +12,7 @@ import torch.nn.functional as F
 from triton_lowering import check_lowering
 
 import heron.kernels.mla_decode as mla
+from heron.cache.paged_parts import paged_layout
 from heron.kernels.mla_decode import MLADecodePlan, mla_decode_attention, plan_mla_decode
 from heron.kernels.mla_rope import mla_rope_latent_write
 from heron.metadata import ModelBuildContext, SequenceMetadata, StepBatch
@@ -152,10 +153,11 @@ def test_decode_bf16_deepseek_shape(kv_lens):
 
 
 def decode_step(kv_lens, block_size, tables):
-    step = StepBatch(len(kv_lens), len(kv_lens), len(kv_lens), tables.shape[1], block_size)
+    n = len(kv_lens)
+    step = StepBatch(n, n, n, block_size, [paged_layout(n, n, tables.shape[1])])
     step.query_lens[:] = 1
     step.kv_lens[:] = kv_lens
-    step.block_tables[:] = tables.cpu().numpy()
+    step.group_parts[0]["block_tables"][:] = tables.cpu().numpy()
     step.finish()
     return SequenceMetadata.from_step_batch(step, DEVICE)
 

@@ -8,6 +8,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from heron.cache.paged_parts import PagedParts, paged_layout
 from heron.metadata import ModelBuildContext, SequenceMetadata, StepBatch, StepMetaPlan
 from heron.ops.attention.base import AttentionSpec
 from heron.ops.attention.paged import PagedAttentionBuilder, PagedGraphBuffers
@@ -109,7 +110,10 @@ class PagedHarness:
                 table.append(self.free.pop())
         num_tokens = sum(n for _, n in work)
         width = max(len(self.tables[rid]) for rid, _ in work)
-        batch = StepBatch(len(work), num_tokens, len(work), width, bs)
+        batch = StepBatch(
+            len(work), num_tokens, len(work), bs, [paged_layout(len(work), num_tokens, width)]
+        )
+        parts = batch.group_parts[0]
         offset = 0
         for i, (rid, n) in enumerate(work):
             c = len(self.k_hist.get(rid, ()))
@@ -118,13 +122,13 @@ class PagedHarness:
             batch.kv_lens[i] = c + n
             # A windowed row starts at the window (the runner's layout; see PagedAttentionBuilder)
             first = first_table_block(c, self.spec.sliding_window, bs)
-            batch.block_tables[i, : len(table) - first] = table[first:]
-            batch.group_table_starts[0, i] = first
+            parts["block_tables"][i, : len(table) - first] = table[first:]
+            parts["table_starts"][i] = first
             positions = torch.arange(c, c + n)
             batch.positions[offset : offset + n] = positions.numpy()
             batch.token_ids[offset : offset + n] = 7  # unused by attention
             slots = [table[p // bs] * bs + p % bs for p in positions.tolist()]
-            batch.slot_mapping[offset : offset + n] = slots
+            parts["slot_mapping"][offset : offset + n] = slots
             offset += n
             batch.logits_indices[i] = offset - 1
         batch.finish()
@@ -285,11 +289,12 @@ def test_graph_fill_pads_rows_and_matches_eager(window):
     assert view.block_tables.data_ptr() == buffers.block_tables.data_ptr()
     assert view.kv_lens.data_ptr() == buffers.kv_lens.data_ptr()
     assert view.kv_lens[:3].tolist() == seq.kv_lens.tolist()
-    assert view.slot_mapping[:3].tolist() == seq.slot_mapping.tolist()
-    width = min(seq.block_tables.shape[1], view.block_tables.shape[1])
-    assert torch.equal(view.block_tables[:3, :width], seq.block_tables[:, :width])
+    parts = seq.parts(0, PagedParts)
+    assert view.slot_mapping[:3].tolist() == parts.slot_mapping.tolist()
+    width = min(parts.block_tables.shape[1], view.block_tables.shape[1])
+    assert torch.equal(view.block_tables[:3, :width], parts.block_tables[:, :width])
     assert not view.block_tables[:3, width:].any()
-    assert not seq.block_tables[:, width:].any(), "a windowed row fits the window's width"
+    assert not parts.block_tables[:, width:].any(), "a windowed row fits the window's width"
     # Padded rows: length 0, null block, slot 0.
     assert not view.kv_lens[3:].any()
     assert not view.block_tables[3:].any()
@@ -316,7 +321,8 @@ def test_graph_fill_pads_rows_and_matches_eager(window):
     table_c = h.tables["c"][first:]
     assert view2.kv_lens.tolist() == [len(h.k_hist["c"]) + 1] + [0] * (batch - 1)
     assert view2.table_starts.tolist() == [first] + [0] * (batch - 1)
-    assert view2.slot_mapping.tolist() == seq2.slot_mapping.tolist() + [0] * (batch - 1)
+    slots2 = seq2.parts(0, PagedParts).slot_mapping.tolist()
+    assert view2.slot_mapping.tolist() == slots2 + [0] * (batch - 1)
     assert view2.block_tables[0, : len(table_c)].tolist() == table_c
     assert not view2.block_tables[0, len(table_c) :].any()
     assert not view2.block_tables[1:].any(), "stale block-table rows survived"
@@ -324,7 +330,7 @@ def test_graph_fill_pads_rows_and_matches_eager(window):
     # last shape's destination views).
     builder.fill(seq, buffers, batch)
     assert view.kv_lens[:3].tolist() == seq.kv_lens.tolist()
-    assert torch.equal(view.block_tables[:3, :width], seq.block_tables[:, :width])
+    assert torch.equal(view.block_tables[:3, :width], parts.block_tables[:, :width])
 
 
 @pytest.mark.parametrize("window", [None, 5])

@@ -19,6 +19,7 @@ import torch
 import torch.nn.functional as F
 from triton_lowering import check_lowering
 
+from heron.cache.paged_parts import paged_layout
 from heron.kernels.attention_decode import (
     choose_num_splits,
     paged_decode_attention,
@@ -405,12 +406,12 @@ def decode_step(
     laid out for ``window``."""
     n = len(kv_lens)
     tables, starts = window_rows(tables, kv_lens, [1] * n, window, block_size)
-    step = StepBatch(n, n, n, tables.shape[1], block_size)
+    step = StepBatch(n, n, n, block_size, [paged_layout(n, n, tables.shape[1])])
     step.query_lens[:] = 1
     step.kv_lens[:] = kv_lens
     step.positions[:] = [length - 1 for length in kv_lens]
-    step.block_tables[:] = tables.cpu().numpy()
-    step.group_table_starts[0] = starts.cpu().numpy()
+    step.group_parts[0]["block_tables"][:] = tables.cpu().numpy()
+    step.group_parts[0]["table_starts"][:] = starts.cpu().numpy()
     step.logits_indices[:] = range(n)
     step.finish()
     return SequenceMetadata.from_step_batch(step, DEVICE)

@@ -9,6 +9,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from heron.cache.paged_parts import PagedParts
 from heron.cache.spec import paged_table_width
 from heron.metadata import GraphSupport, MetadataBuilder, SequenceMetadata, StepMetadataError
 
@@ -187,14 +188,8 @@ class PagedAttentionBuilder(MetadataBuilder):
         self, seq: SequenceMetadata
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """This builder's cache group's slots, block tables and table starts."""
-        g = self.cache_group
-        if g == 0 and seq.num_groups <= 1:
-            return seq.slot_mapping, seq.block_tables, seq.group_table_starts[0]
-        if g >= seq.num_groups:
-            raise StepMetadataError(
-                f"{self.describe()} reads KV cache group {g}, the step has {seq.num_groups}"
-            )
-        return seq.group_slot_mappings[g], seq.group_block_tables[g], seq.group_table_starts[g]
+        parts = seq.parts(self.cache_group, PagedParts)
+        return parts.slot_mapping, parts.block_tables, parts.table_starts
 
     def _check_layout(self, seq: SequenceMetadata) -> None:
         # Block tables and slots in SequenceMetadata are laid out for one block size.

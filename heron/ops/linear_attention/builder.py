@@ -1,9 +1,7 @@
 """The gated-delta-rule view and its builder: each row's state slot and whether it has a state.
 
-The recurrent-state cache group gives every request a one-entry table, its slot; a row starts
-from the slot's saved state exactly when it has computed tokens before this step (its context
-is not 0). Both are read per row, never as one flag for the batch: a step mixes new prompts,
-continued chunks and decodes.
+Both come per row from the recurrent-state group's step parts (``RecurrentParts``), never as
+one flag for the batch: a step mixes new prompts, continued chunks and decodes.
 
 A builder given a ``chunk_size`` (the GPU operator's) also hands extend steps the chunked
 kernels' tiling: ``cu_seqlens`` and ``chunk_indices``, made once per step for every layer.
@@ -17,6 +15,7 @@ from dataclasses import dataclass, replace
 import numpy as np
 import torch
 
+from heron.cache.recurrent_parts import RecurrentParts
 from heron.metadata import GraphSupport, MetadataBuilder, SequenceMetadata, StepMetadataError
 
 
@@ -53,7 +52,7 @@ class GatedDeltaNetGraphBuffers:
 
 
 class GatedDeltaNetBuilder(MetadataBuilder):
-    """Builds :class:`GatedDeltaNetView` from the step's tables of ``cache_group`` (set by the
+    """Builds :class:`GatedDeltaNetView` from the step parts of ``cache_group`` (set by the
     runner after planning: the recurrent-state group its operators' specs form)."""
 
     cache_group: int = 0
@@ -117,15 +116,9 @@ class GatedDeltaNetBuilder(MetadataBuilder):
         )
 
     def _rows(self, seq: SequenceMetadata) -> tuple[torch.Tensor, torch.Tensor]:
-        """Each row's slot (its table's one entry) and whether it has computed tokens."""
-        g = self.cache_group
-        if g >= seq.num_groups:
-            raise StepMetadataError(
-                f"{self.describe()} reads cache group {g}, the step has {seq.num_groups}"
-            )
-        starts = seq.query_start_loc
-        query_lens = starts[1:] - starts[:-1]
-        return seq.group_block_tables[g][:, 0], seq.kv_lens > query_lens
+        """Each row's slot and whether it starts from the state saved there."""
+        parts = seq.parts(self.cache_group, RecurrentParts)
+        return parts.state_slots, parts.has_saved_state.bool()
 
     def _view(
         self,
