@@ -56,10 +56,12 @@ def parse_grammar(params: StructuredOutputsParams) -> xgr.Grammar:
 
 
 def _without_raw_control_characters(schema: Any) -> Any:
-    """The schema with each length-bounded string given a pattern of printable characters.
+    """The schema with each length-bounded string's bounds moved into a pattern of printable
+    characters.
 
     xgrammar lets a string with ``minLength`` / ``maxLength`` hold raw control characters,
-    which JSON forbids; the pattern keeps such strings valid (escapes are left out of them).
+    which JSON forbids; the pattern keeps such strings valid (escapes are left out of them) and
+    carries the bounds, which xgrammar would ignore beside a pattern.
     """
     if isinstance(schema, list):
         return [_without_raw_control_characters(item) for item in schema]
@@ -69,7 +71,7 @@ def _without_raw_control_characters(schema: Any) -> Any:
     bounded = "minLength" in schema or "maxLength" in schema
     free = not any(key in schema for key in ("pattern", "format", "enum", "const"))
     if schema.get("type") == "string" and bounded and free:
-        low, high = schema.get("minLength", 0), schema.get("maxLength", "")
+        low, high = schema.pop("minLength", 0), schema.pop("maxLength", "")
         schema["pattern"] = rf'^[^"\\\x00-\x1f]{{{low},{high}}}$'
     return schema
 
