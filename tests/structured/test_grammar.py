@@ -136,6 +136,19 @@ def test_json_object_grammar_takes_objects_only():
     assert not RequestGrammar(compiled, [0]).matcher.accept_string("[1]")
 
 
+def test_string_length_bounds_hold_in_the_grammar():
+    schema = {
+        "type": "object",
+        "properties": {"name": {"type": "string", "minLength": 2, "maxLength": 4}},
+        "required": ["name"],
+    }
+    compiler = GrammarCompiler(make_tokenizer(), vocab_size=320, stop_token_ids=[0])
+    compiled = compiler.compile(StructuredOutputsParams(json=schema))
+    for name, ok in [("a", False), ("ab", True), ("abcd", True), ("abcde", False)]:
+        accepted = RequestGrammar(compiled, [0]).matcher.accept_string(f'{{"name": "{name}"}}')
+        assert accepted == ok, name
+
+
 def test_regex_and_choice_mixed_with_free_rows(llm):
     """Constrained and free requests share steps (with asynchronous scheduling on)."""
     regex = StructuredOutputsParams(regex=r"[a-c]{2}-\d{3}")
