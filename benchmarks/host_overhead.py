@@ -19,6 +19,7 @@ import torch
 from heron.cache import FullAttentionSpec, KVCacheCoordinator, SlidingWindowSpec
 from heron.engine.request import Request
 from heron.engine.scheduler import Scheduler, SchedulerConfig
+from heron.execution.model_runner import apply_plan
 from heron.execution.step_inputs import StepInputBuilder
 from heron.metadata import ModelBuildContext, StepMetaPlan
 from heron.ops.attention.base import AttentionSpec
@@ -69,18 +70,21 @@ def measure(
         scheduler.add(Request(str(i), prompt, params))
 
     timings: dict[str, list[float]] = {"schedule": [], "inputs": [], "update": []}
+    states = {}
     for step in range(steps + 1):
         t0 = time.perf_counter()
         out = scheduler.schedule()
         t1 = time.perf_counter()
-        prepared = inputs.prepare(out, kv.block_tables)
+        apply_plan(out.plan, states, inputs.tables, device)
+        prepared = inputs.prepare(out.plan, states)
         plan.build_views(prepared.seq)
         if device.type == "cuda":
             torch.cuda.synchronize()
         t2 = time.perf_counter()
         scheduler.finish_step(out)
-        for r in prepared.sample_requests:
-            r.append_output_token(1)  # the no-op model "samples" token 1
+        for item in out.scheduled:  # the no-op model "samples" token 1
+            item.request.append_output_token(1)
+            states[item.request.request_id].all_token_ids.append(1)
         t3 = time.perf_counter()
         if step:  # step 0 is the prefill
             timings["schedule"].append(t1 - t0)

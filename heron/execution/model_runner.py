@@ -12,7 +12,7 @@ from heron.config import ModelConfig
 from heron.execution.cuda_graph import CudaGraphRunner
 from heron.execution.request_state import RequestState
 from heron.execution.sampler import Sampler, on_device, prompt_logprobs
-from heron.execution.step_inputs import StepInputBuilder
+from heron.execution.step_inputs import BlockTableRows, StepInputBuilder
 from heron.execution.step_plan import StepOutput, StepPlan
 from heron.metadata import (
     GraphSupport,
@@ -187,22 +187,7 @@ class ModelRunner:
         self.graphs.capture(self.block_size, self.inputs.parts)
 
     def _apply(self, plan: StepPlan) -> None:
-        """Bring the per-request state and block tables up to the plan."""
-        tables = self.inputs.tables
-        for request_id in plan.finished_ids:
-            self.requests.pop(request_id, None)
-            tables.drop(request_id)
-        for request_id in plan.preempted_ids:
-            tables.drop(request_id)
-        for new in plan.new_requests:
-            self.requests[new.request_id] = RequestState(new, self.device)
-        given_rows = [u.request_id for u in plan.table_updates if tables.apply(u)]
-        if given_rows:
-            # A request given a row (new, or back from preemption) holds its computed prefix:
-            # cached blocks, and the states that the plan's copies_before restore.
-            computed = dict(zip(plan.request_ids, plan.num_computed))
-            for request_id in given_rows:
-                tables.holds(request_id, computed.get(request_id, 0))
+        apply_plan(plan, self.requests, self.inputs.tables, self.device)
 
     @torch.inference_mode()
     def launch(self, plan: StepPlan, previous: LaunchedStep | None = None) -> LaunchedStep:
@@ -270,3 +255,26 @@ class ModelRunner:
             index = index.pin_memory()
         index = index.to(self.device, non_blocking=True)
         token_ids[index[:, 0]] = sampled[index[:, 1]].to(token_ids.dtype)
+
+
+def apply_plan(
+    plan: StepPlan,
+    requests: dict[str, RequestState],
+    tables: BlockTableRows,
+    device: torch.device,
+) -> None:
+    """Bring the per-request state and block tables up to the plan."""
+    for request_id in plan.finished_ids:
+        requests.pop(request_id, None)
+        tables.drop(request_id)
+    for request_id in plan.preempted_ids:
+        tables.drop(request_id)
+    for new in plan.new_requests:
+        requests[new.request_id] = RequestState(new, device)
+    given_rows = [u.request_id for u in plan.table_updates if tables.apply(u)]
+    if given_rows:
+        # A request given a row (new, or back from preemption) holds its computed prefix:
+        # cached blocks, and the states that the plan's copies_before restore.
+        computed = dict(zip(plan.request_ids, plan.num_computed))
+        for request_id in given_rows:
+            tables.holds(request_id, computed.get(request_id, 0))
