@@ -67,8 +67,8 @@ def build_engine(
     runner.model.forward = lambda token_ids: torch.zeros(token_ids.shape[0], 8)
     runner.model.compute_logits = lambda hidden: torch.zeros(hidden.shape[0], 8)
     runner.plan.build_views = lambda seq: None
-    runner.sampler.sample_on_device = lambda logits, requests, generator: torch.randint(
-        vocab, (logits.shape[0],), generator=draws
+    runner.sampler.sample_on_device = lambda logits, requests, generator, bitmask=None: (
+        torch.randint(vocab, (logits.shape[0],), generator=draws)
     )
     return llm
 
