@@ -109,10 +109,14 @@ class BlockPool:
             del self.cached[h]
             self.block_hash[block_id] = None
 
-    def reset_hashes(self) -> None:
-        """Forget every hash entry (blocks stay where they are)."""
+    def reset_hashes(self) -> bool:
+        """Forget every hash entry (blocks stay where they are), only while no block is held:
+        False, changing nothing, while one is."""
+        if self.num_free != self.num_blocks - 1:
+            return False
         self.cached.clear()
         self.block_hash = [None] * self.num_blocks
+        return True
 
     def check_invariants(self, tables: Iterable[Sequence[int]]) -> None:
         """Raise ``RuntimeError`` unless refs, free queue and hash map agree with ``tables``."""

@@ -233,10 +233,7 @@ class PagedCacheManager(CacheManager):
         pool.release(reversed(state.block_ids[state.num_released :]))
 
     def reset_prefix_cache(self) -> bool:
-        if self._pool.num_free != self.num_blocks - 1:
-            return False
-        self._pool.reset_hashes()
-        return True
+        return self._pool.reset_hashes()
 
     def check_invariants(self) -> None:
         self._pool.check_invariants(s.block_ids[s.num_released :] for s in self._requests.values())

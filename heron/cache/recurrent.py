@@ -277,10 +277,7 @@ class RecurrentStateManager(CacheManager):
         self._pool.release_to_head([state.slot, *dropped])  # no checkpoint among them
 
     def reset_prefix_cache(self) -> bool:
-        if self._pool.num_free != self.num_blocks - 1:
-            return False
-        self._pool.reset_hashes()
-        return True
+        return self._pool.reset_hashes()
 
     def check_invariants(self) -> None:
         if any(
