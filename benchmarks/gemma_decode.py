@@ -36,6 +36,7 @@ from gpu_decode import (
     heron_host_idle,
     hf_decode_ms,
     hf_model,
+    print_case_table,
     save_config_only,
     save_random_checkpoint,
 )
@@ -144,14 +145,7 @@ def main() -> None:
         f"Heron weights {args.quantization or 'bf16'}, KV cache {args.kv_cache_dtype}; "
         f"copy bandwidth {bandwidth / 1e12:.2f} TB/s"
     )
-    header = " | ".join(
-        f"ctx {c}, batch {b}: ms/step (× floor {f:.2f} ms)" for (c, b), f in zip(cases, floors)
-    )
-    print(f"| engine | {header} |")
-    print("| --- |" + " --- |" * len(cases))
-    for name, times in results.items():
-        cells = " | ".join(f"{t:.3f} ({t / f:.2f}×)" for t, f in zip(times, floors))
-        print(f"| {name} | {cells} |")
+    print_case_table(cases, floors, results)
     if idle is not None:
         print(f"\nHeron, 4k context, batch 64: the GPU waits for the host {idle:.1%} of a step")
 

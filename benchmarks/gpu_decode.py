@@ -142,6 +142,20 @@ def element_bytes(args: argparse.Namespace) -> tuple[int, int]:
     return (1 if args.quantization else 2), (1 if args.kv_cache_dtype == "fp8" else 2)
 
 
+def print_case_table(
+    cases: list[tuple[int, int]], floors: list[float], results: dict[str, list[float]]
+) -> None:
+    """One Markdown row per engine: ms/step and its multiple of the floor per (context, batch)."""
+    header = " | ".join(
+        f"ctx {c}, batch {b}: ms/step (× floor {f:.2f} ms)" for (c, b), f in zip(cases, floors)
+    )
+    print(f"| engine | {header} |")
+    print("| --- |" + " --- |" * len(cases))
+    for name, times in results.items():
+        cells = " | ".join(f"{t:.3f} ({t / f:.2f}×)" for t, f in zip(times, floors))
+        print(f"| {name} | {cells} |")
+
+
 def steady_decode_ms(token_times: list[list[float]]) -> float:
     """Mean decode time per step while every request decodes, from each request's token times
     (seconds): the window starts when the last request got its first token (before that,

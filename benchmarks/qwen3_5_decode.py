@@ -31,6 +31,7 @@ from gpu_decode import (
     heron_decode_ms,
     hf_decode_ms,
     hf_model,
+    print_case_table,
     save_config_only,
     save_random_checkpoint,
     throughput_workload,
@@ -147,14 +148,7 @@ def main() -> None:
                 print(f"HF transformers CB failed on this model: {type(e).__name__}: {e}")
     floors = [floor_ms(b, c + new // 2, bandwidth) for c, b in cases]
     print(f"copy bandwidth {bandwidth / 1e12:.2f} TB/s")
-    header = " | ".join(
-        f"ctx {c}, batch {b}: ms/step (× floor {f:.2f} ms)" for (c, b), f in zip(cases, floors)
-    )
-    print(f"| engine | {header} |")
-    print("| --- |" + " --- |" * len(cases))
-    for name, times in results.items():
-        cells = " | ".join(f"{t:.3f} ({t / f:.2f}×)" for t, f in zip(times, floors))
-        print(f"| {name} | {cells} |")
+    print_case_table(cases, floors, results)
     for name, tps in throughput.items():
         print(
             f"\n{name}, workload A (256 requests, in/out uniform in [100, 1024]): {tps:,.0f} tok/s"
