@@ -70,6 +70,83 @@ def plan_mla_decode(kv_lens: torch.Tensor, max_splits: int, plan: MLADecodePlan)
 
 
 @triton.jit
+def load_absorbed_query(
+    rows,
+    row_mask,
+    LORA: tl.constexpr,
+    ROPE: tl.constexpr,
+    BLOCK_L: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+):
+    """The latent ``[M, BLOCK_L]`` and rotary ``[M, BLOCK_R]`` parts of the absorbed query rows
+    that start at ``rows`` ``[M]`` (zeros where ``row_mask`` is off and past the widths)."""
+    offs_l = tl.arange(0, BLOCK_L)
+    offs_r = tl.arange(0, BLOCK_R)
+    lat = tl.load(
+        rows[:, None] + offs_l[None, :],
+        mask=row_mask[:, None] & (offs_l < LORA)[None, :],
+        other=0.0,
+    )
+    rope = tl.load(
+        rows[:, None] + LORA + offs_r[None, :],
+        mask=row_mask[:, None] & (offs_r < ROPE)[None, :],
+        other=0.0,
+    )
+    return lat, rope
+
+
+@triton.jit
+def attend_latent_tile(
+    q_lat,
+    q_rope,
+    m_i,
+    l_i,
+    acc,
+    cache_ptr,
+    table_row,
+    pos,
+    valid,
+    visible,
+    qk_scale,
+    stride_blk,
+    stride_slot,
+    LORA: tl.constexpr,
+    ROPE: tl.constexpr,
+    BLOCK_L: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    """One key tile of the online softmax over latent entries, shared by decode and extend.
+
+    ``q_lat`` ``[M, BLOCK_L]`` / ``q_rope`` ``[M, BLOCK_R]`` are the absorbed query rows; keys
+    at positions ``pos`` ``[N]`` are read through ``table_row`` (the request's block table)
+    where ``valid`` (others are never loaded: a cache may hold anything there), and a score
+    counts where ``visible`` (``[M, N]`` or ``[1, N]``). Returns the updated running maximum,
+    normaliser and fp32 accumulator ``[M, BLOCK_L]``.
+    """
+    offs_l = tl.arange(0, BLOCK_L)
+    offs_r = tl.arange(0, BLOCK_R)
+    lat_mask = valid[:, None] & (offs_l < LORA)[None, :]
+    rope_mask = valid[:, None] & (offs_r < ROPE)[None, :]
+    block = tl.load(table_row + pos // BLOCK_SIZE, mask=valid, other=0)
+    rows = cache_ptr + block.to(tl.int64) * stride_blk + (pos % BLOCK_SIZE) * stride_slot
+    k_lat = tl.load(rows[:, None] + offs_l[None, :], mask=lat_mask)
+    k_rope = tl.load(rows[:, None] + LORA + offs_r[None, :], mask=rope_mask)
+    k_lat = tl.where(lat_mask, k_lat, 0.0).to(q_lat.dtype)
+    k_rope = tl.where(rope_mask, k_rope, 0.0).to(q_rope.dtype)
+    s = tl.dot(q_lat, tl.trans(k_lat), input_precision=DOT_PRECISION)
+    s += tl.dot(q_rope, tl.trans(k_rope), input_precision=DOT_PRECISION)
+    s = tl.where(visible, s * qk_scale, _NEG_BIG)
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    p = tl.where(visible, tl.exp2(s - m_new[:, None]), 0.0)
+    alpha = tl.exp2(m_i - m_new)
+    l_i = l_i * alpha + tl.sum(p, 1)
+    acc = acc * alpha[:, None] + tl.dot(p.to(k_lat.dtype), k_lat, input_precision=DOT_PRECISION)
+    return m_new, l_i, acc
+
+
+@triton.jit
 def _mla_split_kernel(
     q_ptr,
     cache_ptr,
@@ -115,39 +192,23 @@ def _mla_split_kernel(
     end = tl.minimum(start + split_len, kv_len)
     head_mask = heads < num_heads
     offs_l = tl.arange(0, BLOCK_L)
-    offs_r = tl.arange(0, BLOCK_R)
     l_mask = offs_l < LORA
-    r_mask = offs_r < ROPE
-    q_rows = q_ptr + b * stride_qb + heads[:, None] * stride_qh
-    q_lat = tl.load(q_rows + offs_l[None, :], mask=head_mask[:, None] & l_mask[None, :], other=0.0)
-    q_rope = tl.load(
-        q_rows + LORA + offs_r[None, :], mask=head_mask[:, None] & r_mask[None, :], other=0.0
+    q_lat, q_rope = load_absorbed_query(
+        q_ptr + b * stride_qb + heads * stride_qh, head_mask, LORA, ROPE, BLOCK_L, BLOCK_R
     )
     m_i = tl.full([BLOCK_H], _NEG_BIG, tl.float32)
     l_i = tl.zeros([BLOCK_H], tl.float32)
     acc = tl.zeros([BLOCK_H, BLOCK_L], tl.float32)
     offs_n = tl.arange(0, BLOCK_N)
+    table_row = block_tables_ptr + b * stride_bt
     for n0 in range(start, end, BLOCK_N):
         pos = n0 + offs_n
         valid = pos < end
-        block = tl.load(block_tables_ptr + b * stride_bt + pos // BLOCK_SIZE, mask=valid, other=0)
-        rows = cache_ptr + block.to(tl.int64) * stride_blk + (pos % BLOCK_SIZE) * stride_slot
-        k_lat = tl.load(rows[:, None] + offs_l[None, :], mask=valid[:, None] & l_mask[None, :])
-        k_rope = tl.load(
-            rows[:, None] + LORA + offs_r[None, :], mask=valid[:, None] & r_mask[None, :]
-        )
-        k_lat = tl.where(valid[:, None] & l_mask[None, :], k_lat, 0.0).to(q_lat.dtype)
-        k_rope = tl.where(valid[:, None] & r_mask[None, :], k_rope, 0.0).to(q_rope.dtype)
-        s = tl.dot(q_lat, tl.trans(k_lat), input_precision=DOT_PRECISION)
-        s += tl.dot(q_rope, tl.trans(k_rope), input_precision=DOT_PRECISION)
-        s = tl.where(valid[None, :], s * qk_scale, _NEG_BIG)
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        p = tl.exp2(s - m_new[:, None])
-        p = tl.where(valid[None, :], p, 0.0)
-        alpha = tl.exp2(m_i - m_new)
-        l_i = l_i * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(k_lat.dtype), k_lat, input_precision=DOT_PRECISION)
-        m_i = m_new
+        m_i, l_i, acc = attend_latent_tile(
+            q_lat, q_rope, m_i, l_i, acc, cache_ptr, table_row, pos, valid, valid[None, :],
+            qk_scale, stride_blk, stride_slot, LORA, ROPE, BLOCK_L, BLOCK_R, BLOCK_SIZE,
+            DOT_PRECISION,
+        )  # fmt: skip
     safe_l = tl.where(l_i > 0, l_i, 1.0)
     result = acc / safe_l[:, None]
     out_mask = head_mask[:, None] & l_mask[None, :]
@@ -208,6 +269,25 @@ def _mla_merge_kernel(
     tl.store(dst, merged.to(out_ptr.dtype.element_ty), mask=l_mask)
 
 
+def latent_layout(q: torch.Tensor, cache: torch.Tensor, out: torch.Tensor) -> dict:
+    """The constexprs of a latent kernel's launch for query rows ``q [..., H, L + R]``, the
+    cache ``[blocks, block_size, L + R]`` and outputs ``out [..., H, L]`` (checked to match)."""
+    entry, kv_lora_rank = q.shape[-1], out.shape[-1]
+    rope = entry - kv_lora_rank
+    assert cache.shape[-1] == entry and out.shape == (*q.shape[:-1], kv_lora_rank)
+    assert q.stride(-1) == 1 and out.stride(-1) == 1 and cache.stride(-1) == 1
+    block_size = cache.shape[1]
+    assert block_size & (block_size - 1) == 0, "block_size must be a power of two"
+    return dict(
+        LORA=kv_lora_rank,
+        ROPE=rope,
+        BLOCK_L=triton.next_power_of_2(kv_lora_rank),
+        BLOCK_R=max(16, triton.next_power_of_2(rope)),
+        BLOCK_SIZE=block_size,
+        DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+    )
+
+
 def mla_decode_attention(
     q: torch.Tensor,
     cache: torch.Tensor,
@@ -228,12 +308,8 @@ def mla_decode_attention(
     ``[B, H, max_splits]`` and a second launch merges them. The plan must have been written
     (:func:`plan_mla_decode`) for these ``kv_lens`` and ``max_splits``.
     """
-    batch, num_heads, entry = q.shape
-    rope = entry - kv_lora_rank
-    assert cache.shape[-1] == entry and out.shape == (batch, num_heads, kv_lora_rank)
-    assert q.stride(-1) == 1 and out.stride(-1) == 1 and cache.stride(-1) == 1
-    block_size = cache.shape[1]
-    assert block_size & (block_size - 1) == 0, "block_size must be a power of two"
+    batch, num_heads, _ = q.shape
+    layout = latent_layout(q, cache, out)
     if batch == 0:
         return out
     if max_splits > 1:
@@ -243,7 +319,6 @@ def mla_decode_attention(
         part_out, part_lse = partial_out, partial_lse
     else:
         part_out, part_lse = out, out  # unused: any tensor fills the pointer arguments
-    block_l = triton.next_power_of_2(kv_lora_rank)
     _mla_split_kernel[(batch, triton.cdiv(num_heads, _BLOCK_H), max_splits)](
         q,
         cache,
@@ -268,16 +343,11 @@ def mla_decode_attention(
         part_out.stride(2) if max_splits > 1 else 0,
         part_lse.stride(0),
         part_lse.stride(1),
-        LORA=kv_lora_rank,
-        ROPE=rope,
-        BLOCK_L=block_l,
-        BLOCK_R=max(16, triton.next_power_of_2(rope)),
         BLOCK_H=_BLOCK_H,
         BLOCK_N=_BLOCK_N,
-        BLOCK_SIZE=block_size,
         MAX_SPLITS=max_splits,
-        DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
-        num_warps=8 if block_l >= 256 else 4,
+        num_warps=8 if layout["BLOCK_L"] >= 256 else 4,
+        **layout,
     )
     if max_splits > 1:
         _mla_merge_kernel[(batch, num_heads)](
@@ -293,7 +363,7 @@ def mla_decode_attention(
             partial_lse.stride(0),
             partial_lse.stride(1),
             LORA=kv_lora_rank,
-            BLOCK_L=block_l,
+            BLOCK_L=layout["BLOCK_L"],
             BLOCK_S=min(_MERGE_CHUNK, triton.next_power_of_2(max_splits)),
         )
     return out

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-import torch.nn.functional as F
+from ops.mla_cases import DEVICE, dense_reference, latent_cache
 from triton_lowering import check_lowering
 
 import heron.kernels.mla_decode as mla
@@ -21,47 +21,6 @@ from heron.ops.mla.triton import TritonMLA, TritonMLABuilder
 
 pytestmark = pytest.mark.filterwarnings("ignore:Conversion of an array with ndim > 0")
 
-DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-
-
-def latent_cache(kv_lens, block_size, entry, dtype, seed=0):
-    """A NaN-filled ``[blocks, block_size, entry]`` cache holding random entries for each
-    request in shuffled blocks (0 reserved); the block tables and each request's fp32 entries."""
-    gen = torch.Generator().manual_seed(seed)
-    per_req = [-(-n // block_size) for n in kv_lens]
-    num_blocks = 1 + sum(per_req) + 2
-    cache = torch.full((num_blocks, block_size, entry), float("nan"))
-    tables = torch.zeros(len(kv_lens), max(per_req + [1]) + 1, dtype=torch.int32)
-    free = (torch.randperm(num_blocks - 1, generator=gen) + 1).tolist()
-    dense = []
-    for r, n in enumerate(kv_lens):
-        values = torch.randn(n, entry, generator=gen).to(dtype)
-        for i in range(per_req[r]):
-            block = free.pop()
-            tables[r, i] = block
-            rows = values[i * block_size : (i + 1) * block_size]
-            cache[block, : rows.shape[0]] = rows.float()
-        dense.append(values.float())
-    return cache.to(dtype).to(DEVICE), tables.to(DEVICE), dense
-
-
-def dense_reference(q_nope, q_rope, dense, w_uk, w_uv, scale):
-    """Per request: keys ``[W_UK latent, rope]`` and values ``W_UV latent`` for every head, SDPA
-    in fp32 -> ``[reqs, heads, v]``."""
-    lora = w_uk.shape[-1]
-    out = []
-    for r, entries in enumerate(dense):
-        heads = q_nope.shape[1]
-        if entries.shape[0] == 0:
-            out.append(torch.zeros(heads, w_uv.shape[1]))
-            continue
-        latent, rope = entries[:, :lora], entries[:, lora:]
-        k = torch.cat([torch.einsum("kl,hnl->hkn", latent, w_uk), rope.expand(heads, -1, -1)], -1)
-        v = torch.einsum("kl,hvl->hkv", latent, w_uv)
-        q = torch.cat([q_nope[r], q_rope[r]], -1)[:, None]  # [heads, 1, nope + rope]
-        out.append(F.scaled_dot_product_attention(q, k, v, scale=scale)[:, 0])
-    return torch.stack(out)
-
 
 def run_case(kv_lens, heads, lora, rope, nope, v_dim, max_splits, dtype, block_size=16):
     gen = torch.Generator().manual_seed(1)
@@ -72,7 +31,7 @@ def run_case(kv_lens, heads, lora, rope, nope, v_dim, max_splits, dtype, block_s
     q_nope = torch.randn(batch, heads, nope, generator=gen)
     q_rope = torch.randn(batch, heads, rope, generator=gen)
     scale = (nope + rope) ** -0.5
-    want = dense_reference(q_nope, q_rope, dense, w_uk, w_uv, scale)
+    want = dense_reference(q_nope, q_rope, dense, [1] * batch, w_uk, w_uv, scale)
     # Absorbed: the query in latent space, the kernel over the cache, W_UV after.
     q = torch.cat([torch.einsum("rhn,hnl->rhl", q_nope, w_uk), q_rope], -1)
     lens = torch.tensor(kv_lens, dtype=torch.int32, device=DEVICE)

@@ -3,6 +3,7 @@ paged cache of compressed latents."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -47,8 +48,9 @@ class MLAOperator(MetadataOperator):
     (before RoPE). It applies RoPE at the view's positions, stores ``[latent, roped key]`` at
     the view's slots, then:
 
-    - extend (prefill, chunks, prefix hits): decompresses every cached latent of the request
-      through ``kv_b_proj`` into per-head keys and values and attends causally;
+    - extend (prefill, chunks, prefix hits): here, decompresses every cached latent of the
+      request through ``kv_b_proj`` into per-head keys and values and attends causally, one
+      request at a time (the reference; a backend may attend absorbed, as in decode);
     - decode: absorbs ``kv_b_proj``'s key part into the query (``q_nope @ W_UK`` is a query in
       latent space), attends over the cached entries directly (:meth:`attend_latent`: one
       latent "KV head" shared by every query head), and applies the value part ``W_UV`` after.
@@ -98,8 +100,7 @@ class MLAOperator(MetadataOperator):
         s, view, tokens = self.spec, self.view, q.shape[0]
         q = self.rope_and_store(q.view(tokens, s.num_heads, s.qk_head_dim), kv_latent, k_rope, view)
         if view.is_decode:
-            q_nope, q_rope = q.split([s.nope_dim, s.rope_dim], dim=-1)
-            out = self.expand_values(self.attend_latent(self.absorb_query(q_nope, q_rope), view))
+            out = self.attend_absorbed(q, view, self.attend_latent)
         else:
             out = self.forward_extend(q, view)
         return out.reshape(tokens, -1)
@@ -127,6 +128,18 @@ class MLAOperator(MetadataOperator):
         s = self.spec
         w = self.kv_b_proj.weight.view(s.num_heads, s.nope_dim + s.v_head_dim, s.kv_lora_rank)
         return w[:, : s.nope_dim], w[:, s.nope_dim :]
+
+    def attend_absorbed(
+        self,
+        q: torch.Tensor,
+        view: PagedAttentionView,
+        attend: Callable[[torch.Tensor, PagedAttentionView], torch.Tensor],
+    ) -> torch.Tensor:
+        """``q [tokens, heads, nope + rope]`` (roped) -> ``[tokens, heads, v_head_dim]``:
+        ``attend`` (absorbed query, view) over the cache as stored, between the absorption of
+        ``W_UK`` into the query and ``W_UV`` on its latent output."""
+        q_nope, q_rope = q.split([self.spec.nope_dim, self.spec.rope_dim], dim=-1)
+        return self.expand_values(attend(self.absorb_query(q_nope, q_rope), view))
 
     def absorb_query(self, q_nope: torch.Tensor, q_rope: torch.Tensor) -> torch.Tensor:
         """``[tokens, heads, lora + rope]``: the query against a cache entry as it is stored."""

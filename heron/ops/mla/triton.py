@@ -14,6 +14,7 @@ from heron.kernels.mla_decode import (
     mla_decode_attention,
     plan_mla_decode,
 )
+from heron.kernels.mla_extend import mla_extend_attention
 from heron.kernels.mla_rope import mla_rope_latent_write
 from heron.kernels.pdl import multiprocessor_count
 from heron.layers.rotary import MLARotary
@@ -130,9 +131,10 @@ class TritonMLABuilder(LatentAttentionBuilder):
 class TritonMLA(MLAOperator):
     """Latent attention with Triton kernels: RoPE and the latent write fused in one launch
     (for an ``MLARotary``; any other rotary runs the base class's torch path), and the MLA
-    decode kernel over the latent cache (the extend path decompresses through ``kv_b_proj`` as
-    the base class does). No launch uses programmatic dependent launch: the decode is preceded
-    by the query absorption, not by the kernel that writes what it reads."""
+    decode and extend kernels over the latent cache, both with the weights absorbed (see
+    ``heron.kernels.mla_extend`` for why extend is too). No launch uses programmatic
+    dependent launch: the attention is preceded by the query absorption, not by the kernel
+    that writes what it reads."""
 
     def make_builder(self, block_size: int, max_model_len: int) -> TritonMLABuilder:
         return TritonMLABuilder(self.spec, block_size, max_model_len)
@@ -183,4 +185,21 @@ class TritonMLA(MLAOperator):
             out,
             ws.partial_out,
             ws.partial_lse,
+        )
+
+    def forward_extend(self, q: torch.Tensor, view: PagedAttentionView) -> torch.Tensor:
+        return self.attend_absorbed(q, view, self.extend_latent)
+
+    def extend_latent(self, q: torch.Tensor, view: PagedAttentionView) -> torch.Tensor:
+        """Extend: ``q [tokens, heads, lora + rope]`` causal over each request's cached
+        entries -> the attention-weighted latents ``[tokens, heads, lora]``."""
+        out = q.new_empty(q.shape[0], self.spec.num_heads, self.spec.kv_lora_rank)
+        return mla_extend_attention(
+            q,
+            self.kv_cache,
+            view.block_tables,
+            view.query_start_loc,
+            view.kv_lens,
+            self.spec.scale,
+            out,
         )
