@@ -13,10 +13,12 @@ Shapes (``--shape``):
 For each (context x batch) case: decode ms per step, measured as in ``gpu_decode.py``, and its
 multiple of the bandwidth floor: (weight bytes the step reads + latent cache bytes) / measured
 copy bandwidth, where the experts read per MoE layer are those the step's routing touches
-(counted as in ``moe_decode.py``). HF runs the batch-1 cases.
+(counted as in ``moe_decode.py``). HF runs the batch-1 cases. Then Heron's throughput on
+workload A of ``gpu_decode.py`` (256 requests, in/out uniform in [100, 1024]) unless
+``--skip-throughput``.
 
-    python benchmarks/deepseek_decode.py [--shape v2-lite] [--skip-hf] [--new-tokens 64]
-        [--cases 4096x1 4096x64]
+    python benchmarks/deepseek_decode.py [--shape v2-lite] [--skip-hf] [--skip-throughput]
+        [--new-tokens 64] [--cases 4096x1 4096x64]
 """
 
 from __future__ import annotations
@@ -30,7 +32,14 @@ import torch
 
 from heron import LLM
 
-from gpu_decode import copy_bandwidth, heron_decode_ms, hf_decode_ms, hf_model, save_config_only
+from gpu_decode import (
+    copy_bandwidth,
+    heron_decode_ms,
+    hf_decode_ms,
+    hf_model,
+    save_config_only,
+    workload_a,
+)
 from moe_decode import touched_experts
 
 COMMON = dict(
@@ -85,6 +94,7 @@ SHAPES = {
     ),
 }
 CASES = [(4096, 1), (4096, 64)]  # (context, batch)
+WORKLOAD_A_BATCH, WORKLOAD_A_LEN = 256, 2048  # its requests (all may decode at once), longest
 
 
 def floor_ms(c: dict, batch: int, context: int, experts_read: float, bandwidth: float) -> float:
@@ -110,6 +120,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--shape", choices=sorted(SHAPES), default="v2-lite")
     parser.add_argument("--skip-hf", action="store_true")
+    parser.add_argument("--skip-throughput", action="store_true")
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--cases", nargs="+", help="CONTEXTxBATCH, e.g. 4096x64")
     args = parser.parse_args()
@@ -117,9 +128,11 @@ def main() -> None:
     family, shape = SHAPES[args.shape]
     bandwidth = copy_bandwidth()
     print(f"copy bandwidth {bandwidth / 1e12:.2f} TB/s; shape {args.shape}")
-    print("| engine | context | batch | ms/step | experts touched | floor ms | x floor |")
-    print("| --- | --- | --- | --- | --- | --- | --- |")
     touched: dict[int, float] = {}
+
+    def header() -> None:
+        print("| engine | context | batch | ms/step | experts touched | floor ms | x floor |")
+        print("| --- | --- | --- | --- | --- | --- | --- |")
 
     def row(name: str, context: int, batch: int, ms: float) -> None:
         # Rows as they come: Heron's stand even if the HF baseline fails.
@@ -135,20 +148,31 @@ def main() -> None:
         save_config_only(config, f"{family}ForCausalLM", path)
         longest = max(context for context, _ in cases) + args.new_tokens
         batches = sorted({b for _, b in cases})
+        graph_batch = max(batches)
+        if not args.skip_throughput:
+            longest, graph_batch = max(longest, WORKLOAD_A_LEN), max(graph_batch, WORKLOAD_A_BATCH)
         llm = LLM(
-            str(path), load_format="dummy", max_model_len=longest, cuda_graph_max_bs=max(batches)
+            str(path), load_format="dummy", max_model_len=longest, cuda_graph_max_bs=graph_batch
         )
         for b in batches:  # compiles the kernel variants each batch's steps need
             heron_decode_ms(llm, [[3 + i] * 256 for i in range(b)], 8)
             touched[b] = statistics.mean(touched_experts(llm, b))
+        header()
         for context, batch in cases:
             prompts = [[(7 + i + j) % 100000 + 2 for j in range(context)] for i in range(batch)]
             row("Heron", context, batch, heron_decode_ms(llm, prompts, args.new_tokens)[0])
+        if not args.skip_throughput:
+            tps = workload_a(llm, shape["vocab_size"])
+            print(
+                f"\nHeron, workload A (256 requests, in/out uniform in [100, 1024]): {tps:,.0f} tok/s"
+            )
         del llm
         torch.cuda.empty_cache()
         if args.skip_hf or args.shape != "v2-lite":
             return
         model = hf_model(path, "dummy")
+        print()
+        header()
         for context, batch in cases:
             if batch == 1:
                 prompt = [[(7 + j) % 100000 + 2 for j in range(context)]]

@@ -241,11 +241,32 @@ def hf_decode_ms(model, prompts: list[list[int]], out_len: int) -> tuple[float, 
     return steady_decode_ms([o.timestamps for o in outs.values()]), tokens / wall
 
 
-def throughput_workload(n: int, seed: int = 0) -> tuple[list[list[int]], list[int]]:
+def throughput_workload(
+    n: int, seed: int = 0, vocab_size: int = 150000
+) -> tuple[list[list[int]], list[int]]:
+    """Workload A's prompts (token ids below ``vocab_size``) and output lengths."""
     rng = random.Random(seed)
     lens = [(rng.randint(100, 1024), rng.randint(100, 1024)) for _ in range(n)]
-    prompts = [[rng.randrange(2, 150000) for _ in range(i)] for i, _ in lens]
+    prompts = [[rng.randrange(2, vocab_size) for _ in range(i)] for i, _ in lens]
     return prompts, [o for _, o in lens]
+
+
+def workload_a(llm: LLM, vocab_size: int = 150000) -> float:
+    """Output tokens/s of workload A (256 requests, in/out uniform in [100, 1024]), after a
+    warm-up of the same kind (other prompts, so no prefix-cache hits, and short outputs), so
+    that Triton compiles the kernel variants its step shapes need before A is timed (on a
+    fresh machine that compilation otherwise falls inside A)."""
+    warm_prompts, warm_outs = throughput_workload(256, 1, vocab_size)
+    warm = [
+        SamplingParams(temperature=0, max_tokens=min(o, 32), ignore_eos=True) for o in warm_outs
+    ]
+    llm.generate(warm_prompts, warm, use_tqdm=False)
+    prompts, out_lens = throughput_workload(256, 0, vocab_size)
+    params = [SamplingParams(temperature=0, max_tokens=o, ignore_eos=True) for o in out_lens]
+    start = time.perf_counter()
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    wall = time.perf_counter() - start
+    return sum(len(o.outputs[0].token_ids) for o in outs) / wall
 
 
 def main() -> None:
@@ -270,31 +291,19 @@ def main() -> None:
             quantization=args.quantization,
             kv_cache_dtype=args.kv_cache_dtype,
         )
-        prompts, out_lens = throughput_workload(256)
-        params = [SamplingParams(temperature=0, max_tokens=o, ignore_eos=True) for o in out_lens]
-        # Warm-up: the same kind of workload (other prompts, so no prefix-cache hits, and short
-        # outputs), so that Triton compiles the kernel variants its step shapes need before A
-        # is timed (on a fresh machine that compilation otherwise falls inside A).
-        warm_prompts, warm_outs = throughput_workload(256, seed=1)
-        warm = [
-            SamplingParams(temperature=0, max_tokens=min(o, 32), ignore_eos=True) for o in warm_outs
-        ]
-        llm.generate(warm_prompts, warm, use_tqdm=False)
-        start = time.perf_counter()
-        outs = llm.generate(prompts, params, use_tqdm=False)
-        wall = time.perf_counter() - start
-        a = sum(len(o.outputs[0].token_ids) for o in outs) / wall
+        a = workload_a(llm)
         b_ms, _ = heron_decode_ms(llm, [[7] * 128], 256)
         c_ms, c_tps = heron_decode_ms(llm, [[7 + i] * 128 for i in range(64)], 256)
         graphs = llm.engine.runner.graphs
         idle = heron_host_idle(llm, [[5] * 128], 256)[1] if graphs else float("nan")
         rows.append(("Heron", a, b_ms, c_ms, c_tps, idle))
-        del llm, outs
+        del llm
         torch.cuda.empty_cache()
 
         if not args.skip_hf:
             model = hf_model(path, args.load_format)
             n = args.hf_requests
+            prompts, out_lens = throughput_workload(256)  # A's first n requests
             from transformers import GenerationConfig
 
             cfg = GenerationConfig(
