@@ -32,12 +32,31 @@ import triton.language as tl
 
 _LOG2E = tl.constexpr(1.4426950408889634)
 _NEG_BIG = tl.constexpr(-1.0e30)  # finite "minus infinity": no NaN from (-inf) - (-inf)
-# Keys a split takes at least: fewer would make splits whose merge costs more than they save.
-MIN_KEYS_PER_SPLIT = 64
 _MAX_SPLITS = 128
 _MERGE_CHUNK = 16  # partials the merge loads at once (a [16, kv_lora_rank] fp32 tile)
-_BLOCK_N = 32  # keys per tile (gathered token by token, so independent of the block size)
-_BLOCK_H = 16  # query heads per program (tl.dot's smallest M; fewer heads are masked)
+
+
+@dataclass(frozen=True)
+class MLADecodeLaunch:
+    """The decode's launch shape: the split rule's keys per split, the split kernel's tile
+    (keys gathered token by token, so independent of the block size; heads, at least
+    ``tl.dot``'s smallest M, fewer are masked) and its warps and pipeline stages.
+    ``benchmarks/tune_mla_decode.py`` times the alternatives; :data:`LAUNCH` is what runs."""
+
+    min_keys_per_split: int = 64  # fewer would make splits whose merge costs more than they save
+    block_n: int = 32
+    block_h: int = 16
+    num_warps: int | None = None  # None: 8 for a latent of 256 or more, else 4
+    num_stages: int = 3  # Triton's default
+
+    def __post_init__(self) -> None:
+        for name in ("block_n", "block_h"):
+            value = getattr(self, name)
+            if value < 16 or value & (value - 1):
+                raise ValueError(f"{name} must be a power of two of at least 16, got {value}")
+
+
+LAUNCH = MLADecodeLaunch()
 
 
 @dataclass
@@ -52,20 +71,21 @@ class MLADecodePlan:
 
 def choose_max_splits(batch: int, num_heads: int, max_kv_len: int, num_sms: int) -> int:
     """The launch's split count: enough (request, head block, split) programs to fill
-    ``num_sms``, no more than a ``max_kv_len`` context can give ``MIN_KEYS_PER_SPLIT`` each."""
-    programs = batch * triton.cdiv(num_heads, _BLOCK_H)
-    wanted = min(triton.cdiv(num_sms, programs), triton.cdiv(max_kv_len, MIN_KEYS_PER_SPLIT))
+    ``num_sms``, no more than a ``max_kv_len`` context can give ``min_keys_per_split`` each."""
+    programs = batch * triton.cdiv(num_heads, LAUNCH.block_h)
+    wanted = min(triton.cdiv(num_sms, programs), triton.cdiv(max_kv_len, LAUNCH.min_keys_per_split))
     return max(1, min(wanted, _MAX_SPLITS))
 
 
 def plan_mla_decode(kv_lens: torch.Tensor, max_splits: int, plan: MLADecodePlan) -> None:
     """Write each request's split count and keys per split into ``plan`` (on the device, no
-    synchronisation): a request gets one split per ``MIN_KEYS_PER_SPLIT`` keys, at most
+    synchronisation): a request gets one split per ``min_keys_per_split`` keys, at most
     ``max_splits``, each a whole number of tiles."""
     lens, n = kv_lens.to(torch.int32), kv_lens.numel()
-    splits = ((lens + MIN_KEYS_PER_SPLIT - 1) // MIN_KEYS_PER_SPLIT).clamp_(1, max_splits)
+    min_keys, block_n = LAUNCH.min_keys_per_split, LAUNCH.block_n
+    splits = ((lens + min_keys - 1) // min_keys).clamp_(1, max_splits)
     per_split = (lens + splits - 1) // splits
-    torch.mul((per_split + _BLOCK_N - 1) // _BLOCK_N, _BLOCK_N, out=plan.split_len[:n])
+    torch.mul((per_split + block_n - 1) // block_n, block_n, out=plan.split_len[:n])
     plan.num_splits[:n].copy_(splits)
 
 
@@ -319,7 +339,7 @@ def mla_decode_attention(
         part_out, part_lse = partial_out, partial_lse
     else:
         part_out, part_lse = out, out  # unused: any tensor fills the pointer arguments
-    _mla_split_kernel[(batch, triton.cdiv(num_heads, _BLOCK_H), max_splits)](
+    _mla_split_kernel[(batch, triton.cdiv(num_heads, LAUNCH.block_h), max_splits)](
         q,
         cache,
         block_tables,
@@ -343,10 +363,11 @@ def mla_decode_attention(
         part_out.stride(2) if max_splits > 1 else 0,
         part_lse.stride(0),
         part_lse.stride(1),
-        BLOCK_H=_BLOCK_H,
-        BLOCK_N=_BLOCK_N,
+        BLOCK_H=LAUNCH.block_h,
+        BLOCK_N=LAUNCH.block_n,
         MAX_SPLITS=max_splits,
-        num_warps=8 if layout["BLOCK_L"] >= 256 else 4,
+        num_warps=LAUNCH.num_warps or (8 if layout["BLOCK_L"] >= 256 else 4),
+        num_stages=LAUNCH.num_stages,
         **layout,
     )
     if max_splits > 1:

@@ -6,6 +6,8 @@ the builder's pre-capture hook is shown to be what keeps a replayed graph's plan
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 from ops.mla_cases import DEVICE, dense_reference, latent_cache
@@ -52,7 +54,7 @@ def run_case(kv_lens, heads, lora, rope, nope, v_dim, max_splits, dtype, block_s
 def test_decode_equals_dense_attention(monkeypatch, max_splits, min_keys):
     # The 70-key request plans 1, 3 or 18 splits (the merge then takes two chunks), the others
     # fewer; the last row is padded.
-    monkeypatch.setattr(mla, "MIN_KEYS_PER_SPLIT", min_keys)
+    monkeypatch.setattr(mla, "LAUNCH", replace(mla.LAUNCH, min_keys_per_split=min_keys))
     kv_lens = [70, 1, 33, 0]
     got, want, plan = run_case(kv_lens, heads=5, lora=32, rope=8, nope=16, v_dim=12,
                                max_splits=max_splits, dtype=torch.float32)  # fmt: skip
@@ -125,7 +127,7 @@ def test_graph_buffers_plan_once_until_before_capture(monkeypatch):
     """On graph buffers the first call plans and later calls reuse the plan, even after new
     lengths are filled in (what a replay of a graph captured without the hook would do);
     ``before_capture`` makes the next call plan again, from the lengths now in the buffers."""
-    monkeypatch.setattr(mla, "MIN_KEYS_PER_SPLIT", 16)
+    monkeypatch.setattr(mla, "LAUNCH", replace(mla.LAUNCH, min_keys_per_split=16))
     block_size, kv_lens = 16, [40, 70, 3, 50]
     op = TritonMLA("l0", MLASpec(4, 32, 16, 16, 16, 0.1), block_size, 256, None, None,
                    ModelBuildContext())  # fmt: skip
@@ -152,7 +154,7 @@ def test_replayed_graph_plans_only_with_the_pre_capture_hook(monkeypatch, hook):
     """The operator's decode captured on a dummy step (every length 1) and replayed on long
     contexts: with ``before_capture`` the replay recomputes the plan and equals eager; without
     it the warm-up's plan (one 32-key split) is replayed and the output is wrong."""
-    monkeypatch.setattr(mla, "MIN_KEYS_PER_SPLIT", 64)
+    monkeypatch.setattr(mla, "LAUNCH", replace(mla.LAUNCH, min_keys_per_split=64))
     if not hook:
         monkeypatch.setattr(TritonMLABuilder, "before_capture", lambda self, buffers: None)
     spec = MLASpec(16, 512, 128, 64, 128, 0.1)
