@@ -52,7 +52,8 @@ def curve_point(
 
 def start_server(source: Path, port: int, extra: list[str]) -> subprocess.Popen:
     # The source tree is the working directory: `python -m` puts it first on sys.path.
-    env = {**os.environ, "PYTHONPATH": str(source)}
+    path = os.pathsep.join(filter(None, [str(source), os.environ.get("PYTHONPATH")]))
+    env = {**os.environ, "PYTHONPATH": path}
     cmd = [sys.executable, "-m", "heron.cli", "serve", "--port", str(port), *extra]
     proc = subprocess.Popen(cmd, cwd=source, env=env)
     deadline = time.monotonic() + 900
