@@ -68,9 +68,6 @@ class RecurrentStateSpec(CacheSpec):
     def blocks_per_seq(self, max_model_len: int, max_num_batched_tokens: int) -> int:
         return 1
 
-    def table_width(self, max_model_len: int) -> int:
-        return 1
-
     def step_parts(self) -> RecurrentStepParts:
         return RecurrentStepParts()
 

@@ -54,10 +54,6 @@ class CacheSpec:
         """Shape of one operator's cache tensor over a pool of ``num_blocks`` blocks."""
         raise NotImplementedError
 
-    def table_width(self, max_model_len: int) -> int:
-        """Widest table row a decode step needs."""
-        raise NotImplementedError
-
     def allocate(self, num_blocks: int, device: torch.device) -> torch.Tensor | tuple:
         """One operator's zeroed cache over a pool of ``num_blocks``."""
         return torch.zeros(self.tensor_shape(num_blocks), dtype=self.dtype, device=device)
@@ -87,9 +83,6 @@ class PagedSpec(CacheSpec):
 
     def blocks_per_seq(self, max_model_len: int, max_num_batched_tokens: int) -> int:
         return -(-max_model_len // self.block_size)
-
-    def table_width(self, max_model_len: int) -> int:
-        return paged_table_width(max_model_len, self.block_size, None)
 
     def first_table_block(self, context: int | np.ndarray) -> int | np.ndarray:
         """Index, in a request's table, of the first block a step at ``context`` reads."""
@@ -144,9 +137,6 @@ class SlidingWindowSpec(FullAttentionSpec):
         # A step of n tokens keeps keys from W before its first one (one more than it reads).
         live = -(-(self.sliding_window + max_num_batched_tokens) // self.block_size) + 1
         return min(super().blocks_per_seq(max_model_len, max_num_batched_tokens), live)
-
-    def table_width(self, max_model_len: int) -> int:
-        return paged_table_width(max_model_len, self.block_size, self.sliding_window)
 
     def first_table_block(self, context: int | np.ndarray) -> int | np.ndarray:
         """The block of the first key that a token at position ``context`` sees: the one rule

@@ -32,7 +32,6 @@ def test_entry_is_latent_plus_rope_at_its_real_size():
     assert DEEPSEEK.bytes_per_block == 16 * 576 * 2
     assert DEEPSEEK.tensor_shape(7) == (7, 16, 576)
     assert DEEPSEEK.blocks_per_seq(100, 32) == 7
-    assert DEEPSEEK.table_width(100) == 7
     assert DEEPSEEK.first_table_block(40) == 0
     assert "latent 512 + rope 64" in DEEPSEEK.describe()
 

@@ -30,7 +30,7 @@ def make_request(request_id: str, tokens) -> Request:
 def test_spec_sizes_and_tensors():
     conv_bytes, state_bytes = 12 * 3 * 2, 2 * 4 * 3 * 4  # fp16 conv, fp32 state
     assert SPEC.bytes_per_block == conv_bytes + state_bytes
-    assert SPEC.blocks_per_seq(4096, 512) == 1 and SPEC.table_width(4096) == 1
+    assert SPEC.blocks_per_seq(4096, 512) == 1
     conv, state = SPEC.allocate(5, torch.device("cpu"))
     assert conv.shape == (5, 12, 3) and conv.dtype == torch.float16
     assert state.shape == (5, 2, 4, 3) and state.dtype == torch.float32

@@ -77,7 +77,7 @@ class PagedAttentionBuilder(MetadataBuilder):
     A sliding-window configuration's block tables hold only the blocks its queries can still
     read: row ``r`` starts at the block of the first key that the request's first new token sees
     (``SlidingWindowSpec.first_table_block``; the step metadata carries each row's start), so a
-    decode row is at most :meth:`table_width` entries wide whatever the context length.
+    decode row is at most ``table_width`` entries wide whatever the context length.
 
     Decode steps are graph-capturable: ``fill`` copies the step into persistent buffers whose
     block-table width is bounded by ``max_model_len / block_size`` (by the window, with one);
