@@ -9,7 +9,9 @@ from typing import NamedTuple
 
 from heron.cache.coordinator import KVCacheCoordinator
 from heron.engine.request import Request, RequestStatus
+from heron.execution.sampler import on_device
 from heron.execution.step_plan import EntryCopies, NewRequest, SentTables, StepPlan
+from heron.speculative import NgramProposer, SpeculativeConfig
 
 
 @dataclass(frozen=True)
@@ -17,6 +19,7 @@ class SchedulerConfig:
     max_num_seqs: int
     max_num_batched_tokens: int
     max_model_len: int
+    speculative: SpeculativeConfig | None = None
 
 
 class ScheduledRequest(NamedTuple):
@@ -24,8 +27,9 @@ class ScheduledRequest(NamedTuple):
     a named tuple is cheaper to build than a frozen dataclass)."""
 
     request: Request
-    num_new_tokens: int
+    num_new_tokens: int  # proposed tokens included
     samples: bool  # the step reaches the request's last token, so it samples the next one
+    num_proposed: int = 0  # tokens after the last one, verified by the step
 
 
 @dataclass
@@ -48,6 +52,9 @@ class Scheduler:
     request: its blocks are freed and it goes back to the front of the queue, to be recomputed
     (its generated tokens are kept, so nothing is lost). A prefill chunk may be cut short where
     a cache group keeps a prefix checkpoint (``KVCacheCoordinator.chunk_end``).
+
+    With speculative decoding a decode step also computes the tokens proposed after the last
+    one (the plan's ``draft_token_ids``); :meth:`reject` takes back those the step refused.
     """
 
     def __init__(self, config: SchedulerConfig, kv_cache: KVCacheCoordinator) -> None:
@@ -61,6 +68,15 @@ class Scheduler:
         self._finished_ids: list[str] = []
         self._preempted_ids: list[str] = []
         self._sent = SentTables()
+        spec = config.speculative
+        self._proposer = (
+            None
+            if spec is None
+            else NgramProposer(
+                spec.num_speculative_tokens, spec.prompt_lookup_min, spec.prompt_lookup_max
+            )
+        )
+        self._propose_up_to = (spec.disable_by_batch_size if spec else None) or config.max_num_seqs
 
     def add(self, request: Request) -> None:
         self.waiting.append(request)
@@ -71,6 +87,8 @@ class Scheduler:
 
         running, allocate_slots = self.running, self.kv_cache.allocate_slots
         max_model_len = self.config.max_model_len
+        propose = self._proposer is not None and len(running) <= self._propose_up_to
+        drafts = out.plan.draft_token_ids
         i = 0
         while i < len(running) and budget > 0:
             request = running[i]
@@ -81,15 +99,22 @@ class Scheduler:
             num_new = min(remaining, budget)
             if num_new > 1:
                 num_new = self.kv_cache.chunk_end(request, request.num_computed_tokens, num_new)
-            while not allocate_slots(request, num_new):
+            proposed = self._propose(request, budget - 1) if propose and remaining == 1 else []
+            while not allocate_slots(request, num_new + len(proposed)):
                 victim = running.pop()
                 self._preempt(victim)
                 out.preempted.append(victim)
                 if victim is request:
                     break
             else:
-                out.scheduled.append(ScheduledRequest(request, num_new, num_new == remaining))
-                budget -= num_new
+                if proposed:
+                    drafts[request.request_id] = proposed
+                out.scheduled.append(
+                    ScheduledRequest(
+                        request, num_new + len(proposed), num_new == remaining, len(proposed)
+                    )
+                )
+                budget -= num_new + len(proposed)
                 i += 1
 
         # Admitting new work right after a preemption would only thrash the pool.
@@ -124,6 +149,28 @@ class Scheduler:
         self.waiting.extendleft(reversed(compiling))
         self._fill_plan(out)
         return out
+
+    def _propose(self, request: Request, budget: int) -> list[int]:
+        """Proposals for a request whose next step is its decode step: none for a row the
+        verifier cannot sample (logprobs, penalties, an unmet ``min_tokens``, a grammar) or
+        whose last token is still being sampled; never past ``max_tokens``, the context or the
+        step's token budget."""
+        if request.num_pending_tokens or request.grammar is not None or not on_device(request):
+            return []
+        limit = min(budget, self.config.max_model_len - request.num_tokens - 1)
+        max_tokens = request.sampling_params.max_tokens
+        if max_tokens is not None:
+            limit = min(limit, max_tokens - request.num_output_tokens - 1)
+        return self._proposer.propose(request.all_token_ids, limit)
+
+    def reject(self, request: Request, num_rejected: int) -> None:
+        """The step computed ``num_rejected`` proposed tokens that were refused: the request's
+        computed tokens and its blocks go back to end before them."""
+        if not num_rejected:
+            return
+        request.num_computed_tokens -= num_rejected
+        self.kv_cache.truncate(request, request.num_computed_tokens)
+        self._sent.shrink(request.request_id, self.kv_cache.block_tables(request.request_id))
 
     def _fill_plan(self, out: SchedulerOutput) -> None:
         """The step's rows, and what changed for the runner since the last plan."""
