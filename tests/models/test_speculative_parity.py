@@ -15,6 +15,7 @@ from test_deepseek import v3_config
 from test_gemma import save_gemma
 from test_gpt_oss import randomize as randomize_gpt_oss
 from test_gpt_oss import tiny_config as gpt_oss_config
+from test_qwen3_5 import save_qwen3_5
 from test_qwen_moe import tiny_config as qwen_moe_config
 
 from heron import LLM, SamplingParams
@@ -159,3 +160,9 @@ def test_greedy_with_speculation_equals_greedy_without(family, tmp_path, monkeyp
     assert engine.scheduler.num_preemptions > 0
     # proposals were made, some accepted and some refused (rolled back)
     assert 0 < stats.num_accepted_tokens < stats.num_draft_tokens
+
+
+def test_recurrent_state_models_refuse_speculation(tmp_path):
+    path = str(save_qwen3_5(tmp_path))
+    with pytest.raises(ValueError, match="speculative_config: the cache kind .* cannot roll back"):
+        LLM(path, max_model_len=64, speculative_config=SPECULATION)
