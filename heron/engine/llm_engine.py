@@ -154,7 +154,10 @@ class LLMEngine:
         num_blocks = self._num_kv_blocks()
         self.runner.allocate_kv_cache(num_blocks)
         if device.type == "cuda" and not config.enforce_eager:
-            self.runner.capture_graphs(min(config.cuda_graph_max_bs, config.max_num_seqs))
+            self.runner.capture_graphs(
+                min(config.cuda_graph_max_bs, config.max_num_seqs),
+                1 + speculative.num_speculative_tokens if speculative else 1,
+            )
         self.kv_cache = KVCacheCoordinator(
             self.runner.cache_specs, num_blocks, config.enable_prefix_caching
         )
@@ -165,6 +168,7 @@ class LLMEngine:
                 max_num_batched_tokens=self.max_num_batched_tokens,
                 max_model_len=max_len,
                 speculative=speculative,
+                uniform_proposals=self.runner.verify_graphs,
             ),
             self.kv_cache,
         )

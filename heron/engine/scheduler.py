@@ -20,6 +20,9 @@ class SchedulerConfig:
     max_num_batched_tokens: int
     max_model_len: int
     speculative: SpeculativeConfig | None = None
+    # Pad every decode row's proposals to num_speculative_tokens once any row has some, so
+    # verification steps are uniform (what verification graphs replay).
+    uniform_proposals: bool = False
 
 
 class ScheduledRequest(NamedTuple):
@@ -87,7 +90,7 @@ class Scheduler:
 
         running, allocate_slots = self.running, self.kv_cache.allocate_slots
         max_model_len = self.config.max_model_len
-        propose = self._proposer is not None and len(running) <= self._propose_up_to
+        proposals = self._proposals(budget) if self._proposer is not None else {}
         drafts = out.plan.draft_token_ids
         i = 0
         while i < len(running) and budget > 0:
@@ -99,7 +102,7 @@ class Scheduler:
             num_new = min(remaining, budget)
             if num_new > 1:
                 num_new = self.kv_cache.chunk_end(request, request.num_computed_tokens, num_new)
-            proposed = self._propose(request, budget - 1) if propose and remaining == 1 else []
+            proposed = proposals.get(request.request_id, ())[: budget - 1] if proposals else ()
             while not allocate_slots(request, num_new + len(proposed)):
                 victim = running.pop()
                 self._preempt(victim)
@@ -150,18 +153,39 @@ class Scheduler:
         self._fill_plan(out)
         return out
 
-    def _propose(self, request: Request, budget: int) -> list[int]:
-        """Proposals for a request whose next step is its decode step: none for a row the
+    def _proposals(self, budget: int) -> dict[str, list[int]]:
+        """Each running request's proposals (none while more requests run than
+        ``disable_by_batch_size``), padded to ``num_speculative_tokens`` with uniform steps."""
+        if len(self.running) > self._propose_up_to:
+            return {}
+        rows = []  # (request, its limit, its proposals)
+        for request in self.running:
+            if request.num_tokens - request.num_computed_tokens == 1:
+                limit = self._proposal_limit(request, budget - 1)
+                if limit > 0:
+                    rows.append(
+                        (request, limit, self._proposer.propose(request.all_token_ids, limit))
+                    )
+        if self.config.uniform_proposals and any(proposed for _, _, proposed in rows):
+            k = self._proposer.num_tokens
+            for request, limit, proposed in rows:
+                # any token does, as each is verified: the last one (text often repeats)
+                pad = (proposed or request.all_token_ids)[-1]
+                proposed += [pad] * (min(k, limit) - len(proposed))
+        return {request.request_id: proposed for request, _, proposed in rows}
+
+    def _proposal_limit(self, request: Request, budget: int) -> int:
+        """How many tokens a decode step may propose for the request: none for a row the
         verifier cannot sample (logprobs, penalties, an unmet ``min_tokens``, a grammar) or
         whose last token is still being sampled; never past ``max_tokens``, the context or the
         step's token budget."""
         if request.num_pending_tokens or request.grammar is not None or not on_device(request):
-            return []
+            return 0
         limit = min(budget, self.config.max_model_len - request.num_tokens - 1)
         max_tokens = request.sampling_params.max_tokens
         if max_tokens is not None:
             limit = min(limit, max_tokens - request.num_output_tokens - 1)
-        return self._proposer.propose(request.all_token_ids, limit)
+        return limit
 
     def reject(self, request: Request, num_rejected: int) -> None:
         """The step computed ``num_rejected`` proposed tokens that were refused: the request's

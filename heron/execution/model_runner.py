@@ -178,11 +178,12 @@ class ModelRunner:
         torch.cuda.empty_cache()
         return peak
 
-    def capture_graphs(self, max_batch: int) -> None:
-        """Capture decode graphs, or explain (once) why steps stay eager."""
+    def capture_graphs(self, max_batch: int, verify_query_len: int = 1) -> None:
+        """Capture decode graphs, and verification graphs of ``verify_query_len`` tokens per
+        row where every group supports uniform steps; or explain (once) why steps stay eager."""
         support = self.plan.graph_support
+        weakest = min(self.plan.groups, key=lambda g: g.builder.graph_support)
         if support < GraphSupport.DECODE_ONLY:
-            weakest = min(self.plan.groups, key=lambda g: g.builder.graph_support)
             logger.warning(
                 "CUDA graphs off: metadata group %d (%s) declares graph support %s",
                 weakest.group_id,
@@ -190,8 +191,23 @@ class ModelRunner:
                 weakest.builder.graph_support.name,
             )
             return
-        self.graphs = CudaGraphRunner(self.model, self.plan, self.device, max_batch)
+        query_lens = [1]
+        if verify_query_len > 1 and support >= GraphSupport.UNIFORM:
+            query_lens.append(verify_query_len)
+        elif verify_query_len > 1:
+            logger.warning(
+                "verification steps run eagerly: metadata group %d (%s) declares graph support %s",
+                weakest.group_id,
+                weakest.builder.describe(),
+                weakest.builder.graph_support.name,
+            )
+        self.graphs = CudaGraphRunner(self.model, self.plan, self.device, max_batch, query_lens)
         self.graphs.capture(self.block_size, self.inputs.parts)
+
+    @property
+    def verify_graphs(self) -> bool:
+        """Whether verification steps of a captured query length replay graphs."""
+        return self.graphs is not None and self.graphs.query_lens[-1] > 1
 
     def _apply(self, plan: StepPlan) -> None:
         apply_plan(plan, self.requests, self.inputs.tables, self.device)
@@ -215,7 +231,10 @@ class ModelRunner:
         for copies in plan.copies_before:
             self.cache.copy_entries(copies.group, copies.sources, copies.destinations)
         greedy_ids = None  # each row's greedy token, where the step drew them already
-        if self.graphs is not None and self.graphs.can_run(seq):
+        # A graph computes every token's logits: it serves steps that sample every token
+        # (not a prefill chunk that samples nothing, nor prompt logprobs' rows first).
+        every_token_sampled = step.sample_rows == slice(0, seq.num_tokens)
+        if self.graphs is not None and every_token_sampled and self.graphs.can_run(seq):
             logits, greedy_ids = self.graphs.run(seq)
         else:
             if self.graphs is not None:

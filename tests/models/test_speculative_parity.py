@@ -7,6 +7,8 @@ run hits the prefix cache); the rollback invariants are checked after every step
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 import transformers as tf
@@ -166,3 +168,49 @@ def test_recurrent_state_models_refuse_speculation(tmp_path):
     path = str(save_qwen3_5(tmp_path))
     with pytest.raises(ValueError, match="speculative_config: the cache kind .* cannot roll back"):
         LLM(path, max_model_len=64, speculative_config=SPECULATION)
+
+
+def test_uniform_proposals_keep_parity(tmp_path, monkeypatch):
+    """As with verification graphs: once any row has proposals every decode row verifies
+    ``k`` (padded), so verification steps without prefill rows have one query length."""
+    path = str(save_family("gpt_oss", tmp_path))
+    options = dict(OPTIONS, num_kv_blocks=FAMILIES["gpt_oss"])
+    plain = LLM(path, **options)
+    want = [o.outputs[0].token_ids for o in plain.generate(PROMPTS, GREEDY, use_tqdm=False)]
+    llm = LLM(path, **options, speculative_config=SPECULATION)
+    scheduler = llm.engine.scheduler
+    monkeypatch.setattr(scheduler, "config", replace(scheduler.config, uniform_proposals=True))
+    runner, uniform = llm.engine.runner, []
+    launch = runner.launch
+
+    def counted(plan, previous=None):
+        if plan.draft_token_ids:
+            uniform.append(len(set(plan.num_new)) == 1 and len(plan.num_new) > 1)
+        return launch(plan, previous)
+
+    monkeypatch.setattr(runner, "launch", counted)
+    assert_equal_up_to_exact_ties(path, generate_checked(llm, PROMPTS, GREEDY), want)
+    assert sum(uniform) >= 10
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("family", ["qwen3", "gemma3", "gpt_oss"])
+def test_verification_graphs_on_cuda(family, tmp_path):
+    """fp32 on the GPU: verification steps replay their graphs (1 + k tokens per row) and give
+    what eager verification gives, and greedy speculation stays plain greedy up to exact ties."""
+    path = str(save_family(family, tmp_path))
+    options = dict(device="cuda", dtype="float32", max_model_len=128, num_kv_blocks=64)
+    plain = LLM(path, enforce_eager=True, **options)
+    want = [o.outputs[0].token_ids for o in plain.generate(PROMPTS, GREEDY, use_tqdm=False)]
+    eager = LLM(path, enforce_eager=True, speculative_config=SPECULATION, **options)
+    eager_tokens = [o.outputs[0].token_ids for o in eager.generate(PROMPTS, GREEDY, use_tqdm=False)]
+    llm = LLM(path, cuda_graph_max_bs=8, speculative_config=SPECULATION, **options)
+    graphs = llm.engine.runner.graphs
+    assert graphs.query_lens == [1, 1 + SPECULATION["num_speculative_tokens"]]
+    replayed = []
+    run = graphs.run
+    graphs.run = lambda seq: replayed.append(seq.max_query_len) or run(seq)
+    got = generate_checked(llm, PROMPTS, GREEDY)
+    assert max(replayed) == 1 + SPECULATION["num_speculative_tokens"]
+    assert_equal_up_to_exact_ties(path, got, want)
+    assert_equal_up_to_exact_ties(path, eager_tokens, want)
