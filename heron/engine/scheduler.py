@@ -163,9 +163,10 @@ class Scheduler:
             if request.num_tokens - request.num_computed_tokens == 1:
                 limit = self._proposal_limit(request, budget - 1)
                 if limit > 0:
-                    rows.append(
-                        (request, limit, self._proposer.propose(request.all_token_ids, limit))
+                    proposed = self._proposer.propose(
+                        request.request_id, request.all_token_ids, limit
                     )
+                    rows.append((request, limit, proposed))
         if self.config.uniform_proposals and any(proposed for _, _, proposed in rows):
             k = self._proposer.num_tokens
             for request, limit, proposed in rows:
@@ -245,6 +246,8 @@ class Scheduler:
         self.kv_cache.free(request)
         self._sent.forget(request.request_id)
         self._finished_ids.append(request.request_id)
+        if self._proposer is not None:
+            self._proposer.forget(request.request_id)
 
 
 def _new_request(request: Request) -> NewRequest:

@@ -24,16 +24,22 @@ def reference(tokens: list[int], k: int, min_n: int, max_n: int) -> list[int]:
 def test_equals_the_plain_search(min_n, max_n):
     rng = random.Random(0)
     proposer = NgramProposer(4, min_n, max_n)
-    for _ in range(400):
+    for i in range(200):
         vocab = rng.choice([3, 6, 20])
         tokens = [rng.randrange(vocab) for _ in range(rng.randrange(1, 60))]
-        assert proposer.propose(tokens, 4) == reference(tokens, 4, min_n, max_n), tokens
+        assert proposer.propose(str(i), tokens, 4) == reference(tokens, 4, min_n, max_n), tokens
+        # the same request grown by some tokens: its kept array follows
+        for _ in range(3):
+            tokens += [rng.randrange(vocab) for _ in range(rng.randrange(1, 40))]
+            assert proposer.propose(str(i), tokens, 4) == reference(tokens, 4, min_n, max_n)
 
 
 def test_limit_and_repeats():
     proposer = NgramProposer(5, 2, 3)
     text = [1, 2, 3, 4, 5, 6, 7, 1, 2, 3]
-    assert proposer.propose(text, 10) == [4, 5, 6, 7, 1]
-    assert proposer.propose(text, 2) == [4, 5]
-    assert proposer.propose(text, 0) == []
-    assert proposer.propose([1, 2, 3, 9], 5) == []  # no earlier occurrence of a 2-gram suffix
+    assert proposer.propose("a", text, 10) == [4, 5, 6, 7, 1]
+    assert proposer.propose("a", text, 2) == [4, 5]
+    assert proposer.propose("a", text, 0) == []
+    assert proposer.propose("b", [1, 2, 3, 9], 5) == []  # no earlier 2-gram suffix
+    proposer.forget("a")
+    assert proposer.propose("a", [7, 8, 7], 5) == []  # a new sequence under a reused id
