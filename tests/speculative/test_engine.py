@@ -37,18 +37,17 @@ def tokens(llm: LLM, params: SamplingParams, prompts=PROMPTS) -> list[list[int]]
 
 def test_sampling_with_speculation_is_reproducible_by_seed(llama):
     params = SamplingParams(temperature=0.5, top_k=3, max_tokens=24, seed=3, n=2)
-    runs = [tokens(LLM(llama, speculative_config=SPECULATION), params) for _ in range(2)]
+    llms = [LLM(llama, speculative_config=SPECULATION) for _ in range(2)]
+    runs = [tokens(llm, params) for llm in llms]
     assert runs[0] == runs[1]
     assert any(a != b for a, b in runs[0])  # the two samples of a prompt draw differently
-    llm = LLM(llama, speculative_config=SPECULATION)
-    tokens(llm, params)
-    assert llm.spec_decode_stats.num_accepted_tokens > 0  # sampled rows verified proposals
+    assert llms[0].spec_decode_stats.num_accepted_tokens > 0  # sampled rows verified some
 
 
 def test_sampled_sequences_follow_the_target_distribution(llama):
     """Three tokens sampled at temperature 0.5 among the top 3, with proposals verified at the
     second and third: a chi-square of the 27 sequences' counts against HF's probabilities."""
-    temperature, top_k, n = 0.5, 3, 3000
+    temperature, top_k, n = 0.5, 3, 2000
     hf = tf.AutoModelForCausalLM.from_pretrained(llama, dtype=torch.float32).eval()
 
     def top(prefix: list[int]) -> dict[int, float]:
