@@ -40,6 +40,9 @@ logger = logging.getLogger(__name__)
 # With chunked prefill a step never exceeds this many tokens unless the user says otherwise.
 DEFAULT_MAX_NUM_BATCHED_TOKENS = {"cuda": 8192}
 FALLBACK_MAX_NUM_BATCHED_TOKENS = 2048
+# Verification graphs keep 1 + k logits rows per request each: captured up to this batch
+# (or disable_by_batch_size), larger verification steps run eagerly.
+VERIFY_GRAPH_MAX_BS = 64
 # How long an idle step waits for a grammar being compiled before it looks at its commands.
 _GRAMMAR_WAIT_S = 0.02
 
@@ -154,9 +157,13 @@ class LLMEngine:
         num_blocks = self._num_kv_blocks()
         self.runner.allocate_kv_cache(num_blocks)
         if device.type == "cuda" and not config.enforce_eager:
+            max_batch = min(config.cuda_graph_max_bs, config.max_num_seqs)
             self.runner.capture_graphs(
-                min(config.cuda_graph_max_bs, config.max_num_seqs),
+                max_batch,
                 1 + speculative.num_speculative_tokens if speculative else 1,
+                min(max_batch, speculative.disable_by_batch_size or VERIFY_GRAPH_MAX_BS)
+                if speculative
+                else 0,
             )
         self.kv_cache = KVCacheCoordinator(
             self.runner.cache_specs, num_blocks, config.enable_prefix_caching
@@ -168,7 +175,7 @@ class LLMEngine:
                 max_num_batched_tokens=self.max_num_batched_tokens,
                 max_model_len=max_len,
                 speculative=speculative,
-                uniform_proposals=self.runner.verify_graphs,
+                uniform_proposals_up_to=self.runner.verify_graph_max_batch,
             ),
             self.kv_cache,
         )

@@ -20,9 +20,10 @@ class SchedulerConfig:
     max_num_batched_tokens: int
     max_model_len: int
     speculative: SpeculativeConfig | None = None
-    # Pad every decode row's proposals to num_speculative_tokens once any row has some, so
-    # verification steps are uniform (what verification graphs replay).
-    uniform_proposals: bool = False
+    # While at most this many requests run, pad every decode row's proposals to
+    # num_speculative_tokens once any row has some, so verification steps are uniform (what
+    # verification graphs replay); 0: never.
+    uniform_proposals_up_to: int = 0
 
 
 class ScheduledRequest(NamedTuple):
@@ -167,7 +168,8 @@ class Scheduler:
                         request.request_id, request.all_token_ids, limit
                     )
                     rows.append((request, limit, proposed))
-        if self.config.uniform_proposals and any(proposed for _, _, proposed in rows):
+        uniform = len(self.running) <= self.config.uniform_proposals_up_to
+        if uniform and any(proposed for _, _, proposed in rows):
             k = self._proposer.num_tokens
             for request, limit, proposed in rows:
                 # any token does, as each is verified: the last one (text often repeats)

@@ -39,9 +39,11 @@ def graph_buckets(max_batch: int) -> list[int]:
 
 
 class CudaGraphRunner:
-    """Captures and replays uniform steps of ``model``: batch buckets up to ``max_batch`` for
-    each query length of ``query_lens`` (1: decode; ``1 + k``: verification of ``k``
-    proposals per row, for plans whose every group supports ``UNIFORM``)."""
+    """Captures and replays uniform steps of ``model``: decode steps in batch buckets up to
+    ``max_batch``, and, for each query length ``q`` of ``verify_batches`` (``1 + k``: the
+    verification of ``k`` proposals per row, for plans whose every group supports
+    ``UNIFORM``), buckets up to ``verify_batches[q]`` (each graph keeps its logits, ``q`` rows
+    per request: large verification batches would hold much memory)."""
 
     def __init__(
         self,
@@ -49,17 +51,21 @@ class CudaGraphRunner:
         plan: StepMetaPlan,
         device: torch.device,
         max_batch: int,
-        query_lens: Sequence[int] = (1,),
+        verify_batches: dict[int, int] | None = None,
     ) -> None:
         if plan.graph_support < GraphSupport.DECODE_ONLY:
             raise ValueError("the metadata plan does not support graphs")
-        self.query_lens = sorted(set(query_lens))
-        if self.query_lens[-1] > 1 and plan.graph_support < GraphSupport.UNIFORM:
+        if verify_batches and plan.graph_support < GraphSupport.UNIFORM:
             raise ValueError("the metadata plan does not support graphs of uniform steps")
         self.model = model
         self.plan = plan
         self.device = device
-        self.buckets = graph_buckets(max_batch)
+        # query length -> its batch buckets
+        self.buckets_of = {1: graph_buckets(max_batch)} | {
+            q: graph_buckets(min(b, max_batch)) for q, b in (verify_batches or {}).items()
+        }
+        self.query_lens = sorted(self.buckets_of)
+        self.buckets = self.buckets_of[1]
         self.max_batch = self.buckets[-1]
         max_q = self.query_lens[-1]
         self.token_ids = torch.zeros(self.max_batch * max_q, dtype=torch.int32, device=device)
@@ -83,7 +89,7 @@ class CudaGraphRunner:
 
         pool = torch.cuda.graph_pool_handle()
         for q in reversed(self.query_lens):
-            for batch in reversed(self.buckets):
+            for batch in reversed(self.buckets_of[q]):
                 dummy = _dummy_step(batch, q, block_size, self.device, group_parts)
                 self._fill(dummy, batch)
                 group: MetadataGroup
@@ -99,17 +105,17 @@ class CudaGraphRunner:
                     greedy = greedy_argmax(logits)
                 self.graphs[batch, q] = (graph, logits, greedy)
         torch.cuda.synchronize(self.device)
-        logger.info(
-            "captured CUDA graphs for batches %s, %s tokens per row", self.buckets, self.query_lens
-        )
+        for q, buckets in self.buckets_of.items():
+            logger.info("captured CUDA graphs of %d tokens per row for batches %s", q, buckets)
 
     def can_run(self, seq: SequenceMetadata) -> bool:
         """Every row has the same captured query length, and the batch fits."""
         q = seq.max_query_len
+        buckets = self.buckets_of.get(q)
         return (
-            seq.num_reqs <= self.max_batch
+            buckets is not None
+            and seq.num_reqs <= buckets[-1]
             and seq.num_tokens == seq.num_reqs * q
-            and (q == 1 or q in self.query_lens)
         )
 
     def run(self, seq: SequenceMetadata) -> tuple[torch.Tensor, torch.Tensor]:
@@ -117,7 +123,8 @@ class CudaGraphRunner:
         rows (every token's) and each row's greedy token. Both are views of the graph's
         buffers, which the next replay overwrites: read them (on the stream) before it."""
         n, q = seq.num_reqs, seq.max_query_len
-        batch = self.buckets[bisect.bisect_left(self.buckets, n)]
+        buckets = self.buckets_of[q]
+        batch = buckets[bisect.bisect_left(buckets, n)]
         self.token_ids[: n * q].copy_(seq.token_ids)
         self._fill(seq, batch)
         graph, logits, greedy = self.graphs[batch, q]

@@ -178,9 +178,12 @@ class ModelRunner:
         torch.cuda.empty_cache()
         return peak
 
-    def capture_graphs(self, max_batch: int, verify_query_len: int = 1) -> None:
+    def capture_graphs(
+        self, max_batch: int, verify_query_len: int = 1, verify_max_batch: int = 0
+    ) -> None:
         """Capture decode graphs, and verification graphs of ``verify_query_len`` tokens per
-        row where every group supports uniform steps; or explain (once) why steps stay eager."""
+        row up to ``verify_max_batch`` rows where every group supports uniform steps; or
+        explain (once) why steps stay eager."""
         support = self.plan.graph_support
         weakest = min(self.plan.groups, key=lambda g: g.builder.graph_support)
         if support < GraphSupport.DECODE_ONLY:
@@ -191,9 +194,9 @@ class ModelRunner:
                 weakest.builder.graph_support.name,
             )
             return
-        query_lens = [1]
+        verify_batches = {}
         if verify_query_len > 1 and support >= GraphSupport.UNIFORM:
-            query_lens.append(verify_query_len)
+            verify_batches[verify_query_len] = verify_max_batch
         elif verify_query_len > 1:
             logger.warning(
                 "verification steps run eagerly: metadata group %d (%s) declares graph support %s",
@@ -201,13 +204,16 @@ class ModelRunner:
                 weakest.builder.describe(),
                 weakest.builder.graph_support.name,
             )
-        self.graphs = CudaGraphRunner(self.model, self.plan, self.device, max_batch, query_lens)
+        self.graphs = CudaGraphRunner(self.model, self.plan, self.device, max_batch, verify_batches)
         self.graphs.capture(self.block_size, self.inputs.parts)
 
     @property
-    def verify_graphs(self) -> bool:
-        """Whether verification steps of a captured query length replay graphs."""
-        return self.graphs is not None and self.graphs.query_lens[-1] > 1
+    def verify_graph_max_batch(self) -> int:
+        """The largest verification step (in rows) that replays a graph; 0 without such
+        graphs."""
+        if self.graphs is None or self.graphs.query_lens[-1] == 1:
+            return 0
+        return self.graphs.buckets_of[self.graphs.query_lens[-1]][-1]
 
     def _apply(self, plan: StepPlan) -> None:
         apply_plan(plan, self.requests, self.inputs.tables, self.device)

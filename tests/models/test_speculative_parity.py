@@ -179,7 +179,7 @@ def test_uniform_proposals_keep_parity(tmp_path, monkeypatch):
     want = [o.outputs[0].token_ids for o in plain.generate(PROMPTS, GREEDY, use_tqdm=False)]
     llm = LLM(path, **options, speculative_config=SPECULATION)
     scheduler = llm.engine.scheduler
-    monkeypatch.setattr(scheduler, "config", replace(scheduler.config, uniform_proposals=True))
+    monkeypatch.setattr(scheduler, "config", replace(scheduler.config, uniform_proposals_up_to=8))
     runner, uniform = llm.engine.runner, []
     launch = runner.launch
 
@@ -207,6 +207,7 @@ def test_verification_graphs_on_cuda(family, tmp_path):
     llm = LLM(path, cuda_graph_max_bs=8, speculative_config=SPECULATION, **options)
     graphs = llm.engine.runner.graphs
     assert graphs.query_lens == [1, 1 + SPECULATION["num_speculative_tokens"]]
+    assert llm.engine.runner.verify_graph_max_batch == 8
     replayed = []
     run = graphs.run
     graphs.run = lambda seq: replayed.append(seq.max_query_len) or run(seq)
