@@ -11,8 +11,9 @@ import torch
 import transformers as tf
 from prometheus_client.parser import text_string_to_metric_families
 
-from heron import LLM, SamplingParams
-from heron.engine.messages import EngineStats
+from heron import LLM, SamplingParams, StructuredOutputsParams
+from heron.config import EngineConfig
+from heron.engine.messages import CoreArgs, EngineStats
 from heron.server.metrics import ServerMetrics
 
 SPECULATION = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3}
@@ -117,3 +118,33 @@ def test_metrics_report_proposed_and_accepted_tokens(llama):
     assert samples["heron:spec_decode_num_draft_tokens_total"] == spec.num_draft_tokens
     assert samples["heron:spec_decode_num_accepted_tokens_total"] == spec.num_accepted_tokens
     assert samples["heron:spec_decode_num_drafts_total"] == spec.num_drafts
+
+
+def test_rows_without_proposals_share_the_step(llama):
+    """Rows with logprobs or a grammar are sampled as usual beside verified rows, and keep what
+    they get without speculation."""
+    greedy = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
+    others = [
+        SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=2),
+        SamplingParams(
+            temperature=0, max_tokens=12, structured_outputs=StructuredOutputsParams(regex="[ab]+")
+        ),
+    ]
+    params = [greedy, *others, greedy]
+    plain = LLM(llama).generate(PROMPTS, params, use_tqdm=False)
+    llm = LLM(llama, speculative_config=SPECULATION)
+    got = llm.generate(PROMPTS, params, use_tqdm=False)
+    for a, b in zip(got, plain):
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids
+    for a, b in zip(got[1].outputs[0].logprobs, plain[1].outputs[0].logprobs):
+        assert a.top.keys() == b.top.keys() and a.rank == b.rank
+        assert a.logprob == pytest.approx(b.logprob, abs=1e-5)
+    assert llm.spec_decode_stats.num_accepted_tokens > 0
+
+
+def test_the_config_reaches_the_engine_core():
+    """The server's core process gets the engine config as JSON."""
+    config = EngineConfig(speculative_config=SPECULATION)
+    args = CoreArgs(config, "ipc://a", "ipc://b", "INFO")
+    decoded = msgspec.json.decode(msgspec.json.encode(args), type=CoreArgs)
+    assert decoded.config.speculative == config.speculative
