@@ -151,9 +151,6 @@ class LLMEngine:
                         "refused proposals (only paged attention caches can)"
                     )
         self.spec_decode_stats = SpecDecodeStats()
-        # Proposals are made from the tokens read so far: with speculation every step is read
-        # before the next one is scheduled.
-        self._async_scheduling = config.async_scheduling and speculative is None
         num_blocks = self._num_kv_blocks()
         self.runner.allocate_kv_cache(num_blocks)
         if device.type == "cuda" and not config.enforce_eager:
@@ -352,9 +349,16 @@ class LLMEngine:
         work (scheduling, inputs, detokenisation, stop checks) overlaps the device's. A step
         that samples grammar rows reads the previous step before it is launched (only its
         scheduling overlaps), since each grammar must see its last token before the next mask.
+        With speculative decoding a verification step is read at once, and a step in flight is
+        read before scheduling whenever this pass would make proposals (they start from the
+        last token): scheduling stays asynchronous where speculation is off by batch size.
         """
         previous, self._in_flight = self._in_flight, None
         touched: dict[str, ParentRequest] = {}
+        if previous is not None and self.scheduler.proposes:
+            # Proposals start from the last token: read it before scheduling.
+            self._read(previous, touched)
+            previous = None
         schedule = self.scheduler.schedule()
         plan = schedule.plan
         launched = None
@@ -381,7 +385,7 @@ class LLMEngine:
         if previous is not None:
             self._read(previous, touched)
         if launched is not None:
-            if self._async_scheduling and not launched.launched.is_ready:
+            if self.config.async_scheduling and not launched.launched.is_ready:
                 self._in_flight = launched
             else:
                 self._read(launched, touched)

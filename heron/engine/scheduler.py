@@ -154,10 +154,15 @@ class Scheduler:
         self._fill_plan(out)
         return out
 
+    @property
+    def proposes(self) -> bool:
+        """Whether this pass would make proposals (speculation on, the batch small enough)."""
+        return self._proposer is not None and len(self.running) <= self._propose_up_to
+
     def _proposals(self, budget: int) -> dict[str, list[int]]:
         """Each running request's proposals (none while more requests run than
         ``disable_by_batch_size``), padded to ``num_speculative_tokens`` with uniform steps."""
-        if len(self.running) > self._propose_up_to:
+        if not self.proposes:
             return {}
         rows = []  # (request, its limit, its proposals)
         for request in self.running:

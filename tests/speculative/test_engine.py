@@ -94,14 +94,25 @@ def test_a_stop_inside_an_accepted_run_ends_there(llama):
     assert llm.engine.kv_cache.num_free_blocks == llm.engine.kv_cache.num_blocks - 1
 
 
-def test_no_proposals_above_the_batch_size_limit(llama):
-    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
-    limited = LLM(llama, speculative_config=SPECULATION | {"disable_by_batch_size": 1})
-    tokens(limited, params)
-    alone = LLM(llama, speculative_config=SPECULATION | {"disable_by_batch_size": 1})
-    tokens(alone, params, PROMPTS[:1])
-    assert limited.spec_decode_stats.num_drafts == 0  # three requests ran side by side
-    assert alone.spec_decode_stats.num_drafts > 0
+def test_above_the_batch_size_limit_steps_are_plain_and_asynchronous(llama, monkeypatch):
+    """While more requests run than ``disable_by_batch_size``, nothing is proposed and steps
+    stay in flight; once fewer run, proposals resume: the tokens are plain greedy's."""
+    params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in (8, 8, 8, 30)]
+    plain = LLM(llama).generate(PROMPTS, params, use_tqdm=False)
+    llm = LLM(llama, speculative_config=SPECULATION | {"disable_by_batch_size": 1})
+    engine, in_flight = llm.engine, []
+    step = engine.step
+
+    def recorded():
+        outputs = step()
+        in_flight.append(engine._in_flight)
+        return outputs
+
+    monkeypatch.setattr(engine, "step", recorded)
+    got = llm.generate(PROMPTS, params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in plain]
+    assert any(f is not None for f in in_flight)  # asynchronous while four ran
+    assert llm.spec_decode_stats.num_accepted_tokens > 0  # speculation once one was left
 
 
 def test_metrics_report_proposed_and_accepted_tokens(llama):
