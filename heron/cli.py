@@ -38,6 +38,8 @@ _ENGINE_FLAG_HELP = {
     "quantization": "fp8: FP8 E4M3 linear weights quantised at load (FP8 checkpoints are read "
     "as FP8 without it)",
     "kv_cache_dtype": "auto (the model's dtype) or fp8 (E4M3: half of bf16's bytes per block)",
+    "speculative_config": 'speculative decoding as JSON, e.g. \'{"method": "ngram", '
+    '"num_speculative_tokens": 4, "prompt_lookup_max": 4}\'',
 }
 
 
@@ -50,10 +52,25 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                 flag, action=argparse.BooleanOptionalAction, default=f.default, help=help_text
             )
         else:
-            kind = {"int": int, "float": float, "int | None": int, "float | None": float}.get(
-                str(f.type), str
-            )
+            kind = {
+                "int": int,
+                "float": float,
+                "int | None": int,
+                "float | None": float,
+                "dict[str, Any] | None": _json_object,
+            }.get(str(f.type), str)
             parser.add_argument(flag, type=kind, default=f.default, help=help_text)
+
+
+def _json_object(text: str) -> dict:
+    """A flag's JSON object (argparse reports the ValueError as a usage error)."""
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise argparse.ArgumentTypeError(f"not valid JSON: {e}") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"expected a JSON object, got {text}")
+    return value
 
 
 def engine_config(args: argparse.Namespace) -> EngineConfig:

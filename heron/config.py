@@ -4,11 +4,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import torch
 from transformers import AutoConfig, GenerationConfig, PretrainedConfig
 
 from heron.layers.fp8 import FP8, QUANTIZATIONS, Fp8Scheme, fp8_scheme
+from heron.speculative.config import SpeculativeConfig
 
 _DTYPES = {
     "float32": torch.float32,
@@ -58,8 +60,12 @@ class EngineConfig:
     load_format: str = "auto"
     quantization: str | None = None  # QUANTIZATIONS; an FP8 checkpoint is read as FP8 anyway
     kv_cache_dtype: str = "auto"  # KV_CACHE_DTYPES
+    # {"method": "ngram", "num_speculative_tokens": k, ...}: see SpeculativeConfig
+    speculative_config: dict[str, Any] | None = None
 
     def __post_init__(self) -> None:
+        if self.speculative_config is not None:
+            SpeculativeConfig.from_dict(self.speculative_config)
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ValueError(
                 f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, "
@@ -96,6 +102,13 @@ class EngineConfig:
             raise ValueError(
                 f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}"
             )
+
+    @property
+    def speculative(self) -> SpeculativeConfig | None:
+        """The checked ``speculative_config``, or None without one."""
+        if self.speculative_config is None:
+            return None
+        return SpeculativeConfig.from_dict(self.speculative_config)
 
 
 @dataclass(frozen=True)

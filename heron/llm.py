@@ -15,6 +15,7 @@ from heron.config import EngineConfig
 from heron.engine.llm_engine import LLMEngine
 from heron.outputs import RequestOutput
 from heron.sampling_params import SamplingParams
+from heron.speculative import SpecDecodeStats
 
 logger = logging.getLogger(__name__)
 
@@ -33,6 +34,12 @@ class LLM:
         self.engine = LLMEngine(EngineConfig(model=model, **engine_options))
         self.tokenizer = self.engine.tokenizer
         self._ids = itertools.count()
+
+    @property
+    def spec_decode_stats(self) -> SpecDecodeStats:
+        """Proposed and accepted tokens so far, and the mean acceptance length (with a
+        ``speculative_config``)."""
+        return self.engine.spec_decode_stats
 
     def generate(
         self,

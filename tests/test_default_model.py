@@ -76,3 +76,32 @@ def test_greedy_chat_equals_hf_on_the_same_weights(checkpoint):
             prefix = prompt + want[:step]
             assert heron_ids[step] in hf_top5(hf, prefix), (prompt, step)
             assert want[step] in heron_top5(llm, prefix), (prompt, step)
+
+
+EDITED_TEXT = (
+    "The heron stood still in the shallow water of the river. It waited for a fish to swim "
+    "past its long legs, and when one came close, it struck with its sharp beak."
+)
+EDIT_PROMPTS = [
+    f"Repeat the following text exactly, word for word:\n\n{EDITED_TEXT}",
+    f"Rewrite the following text, replacing 'heron' with 'crane':\n\n{EDITED_TEXT}",
+    f"Copy this text and put it in capital letters at the end:\n\n{EDITED_TEXT}",
+]
+
+
+@pytest.mark.slow
+def test_ngram_acceptance_on_repeat_and_edit_prompts(checkpoint):
+    """Prompt lookup pays off where the answer repeats the prompt: a measured property of the
+    model, not a timing."""
+    speculation = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4}
+    llm = LLM(str(checkpoint), max_model_len=512, speculative_config=speculation)
+    prompts = [llm.apply_chat_template([{"role": "user", "content": p}]) for p in EDIT_PROMPTS]
+    params = SamplingParams(temperature=0, max_tokens=64)
+    outputs = llm.generate(prompts, params, use_tqdm=False)
+    stats = llm.spec_decode_stats
+    print(
+        f"mean acceptance length {stats.mean_acceptance_length:.2f} "
+        f"({stats.num_accepted_tokens} of {stats.num_draft_tokens} proposed tokens accepted)"
+    )
+    assert all(o.outputs[0].token_ids for o in outputs)
+    assert stats.mean_acceptance_length > 1.5

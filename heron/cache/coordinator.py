@@ -210,6 +210,18 @@ class KVCacheCoordinator:
         for group in self.groups:
             group.free(request)
 
+    def truncate(self, request: Request, num_tokens: int) -> None:
+        """Every group gives back what the request holds past its first ``num_tokens`` tokens
+        (refused proposals); its headroom shrinks with its tables and the tables count as
+        changed for the next plan."""
+        request_id = request.request_id
+        if request_id not in self._headroom:
+            return
+        for group in self.groups:
+            group.truncate(request, num_tokens)
+        self._headroom[request_id] = self._group_headroom(request_id)
+        self.changed_tables.append(request_id)
+
     def block_table(self, request_id: str, group: int = 0) -> list[int]:
         """The request's block table in cache group ``group`` (the live list: don't mutate)."""
         return self.groups[group].block_table(request_id)

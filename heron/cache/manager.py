@@ -111,7 +111,7 @@ class CacheManager(ABC):
     @abstractmethod
     def headroom(self, request_id: str) -> AllocationHeadroom:
         """The request's headroom after its last commit (:data:`NO_HEADROOM` if it holds
-        nothing); only rises until :meth:`free`."""
+        nothing); only rises until :meth:`free` or :meth:`truncate`."""
 
     @abstractmethod
     def block_table(self, request_id: str) -> list[int]:
@@ -128,6 +128,12 @@ class CacheManager(ABC):
     @abstractmethod
     def free(self, request: Request) -> None:
         """Drop everything the request holds; unknown requests are a no-op."""
+
+    def truncate(self, request: Request, num_tokens: int) -> None:
+        """Give back what the request holds past its first ``num_tokens`` tokens (tokens a
+        verification step computed and refused). A kind whose entries cannot be cut back says
+        so here; the engine refuses speculative decoding for it up front."""
+        raise NotImplementedError(f"{self.spec.describe()}: entries cannot be cut back")
 
     @abstractmethod
     def reset_prefix_cache(self) -> bool:

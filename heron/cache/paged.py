@@ -232,6 +232,23 @@ class PagedCacheManager(CacheManager):
                 pool.uncache(state.block_ids[i])
         pool.release(reversed(state.block_ids[state.num_released :]))
 
+    def truncate(self, request: Request, num_tokens: int) -> None:
+        """Blocks past the one holding token ``num_tokens - 1`` go to the free queue's head:
+        they were taken for refused proposals, so they hold nothing anyone looks up (a block
+        is registered only once its tokens are known, which refused ones never were)."""
+        state = self._requests.get(request.request_id)
+        if state is None:
+            return
+        keep = max(-(-num_tokens // self.block_size), state.num_released, state.num_hit_blocks)
+        if len(state.block_hashes) > keep:
+            raise RuntimeError(
+                f"request {request.request_id}: truncating to {num_tokens} tokens would drop "
+                "registered blocks"
+            )
+        dropped = state.block_ids[keep:]
+        del state.block_ids[keep:]
+        self._pool.release_to_head(reversed(dropped))
+
     def reset_prefix_cache(self) -> bool:
         return self._pool.reset_hashes()
 

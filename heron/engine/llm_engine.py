@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING
 from transformers import AutoTokenizer
 
 from heron.cache.coordinator import KVCacheCoordinator
+from heron.cache.spec import PagedSpec
 from heron.config import (
     DEFAULT_HOST_KV_CACHE_BYTES,
     TOKENIZER_FILES,
@@ -22,10 +23,12 @@ from heron.engine.request import FinishReason, Request, RequestStatus
 from heron.engine.scheduler import Scheduler, SchedulerConfig
 from heron.engine.stopping import check_stop
 from heron.execution.model_runner import LaunchedStep, ModelRunner
+from heron.execution.step_plan import StepOutput
 from heron.loader.resolve import resolve_model_path
-from heron.outputs import CompletionOutput, PrefixView, RequestOutput
+from heron.outputs import CompletionOutput, Logprob, PrefixView, RequestOutput
 from heron.platforms import platform_for, resolve_device
 from heron.sampling_params import SamplingParams
+from heron.speculative import SpecDecodeStats
 
 if TYPE_CHECKING:
     import torch
@@ -37,6 +40,9 @@ logger = logging.getLogger(__name__)
 # With chunked prefill a step never exceeds this many tokens unless the user says otherwise.
 DEFAULT_MAX_NUM_BATCHED_TOKENS = {"cuda": 8192}
 FALLBACK_MAX_NUM_BATCHED_TOKENS = 2048
+# Verification graphs keep 1 + k logits rows per request each: captured up to this batch
+# (or disable_by_batch_size), larger verification steps run eagerly.
+VERIFY_GRAPH_MAX_BS = 64
 # How long an idle step waits for a grammar being compiled before it looks at its commands.
 _GRAMMAR_WAIT_S = 0.02
 
@@ -47,6 +53,7 @@ class _Launched:
 
     launched: LaunchedStep
     sample_requests: list[Request]
+    num_proposed: list[int] | None = None  # per sampled row, in a verification step
 
 
 @dataclass(eq=False)
@@ -135,10 +142,26 @@ class LLMEngine:
         self.max_num_batched_tokens = config.max_num_batched_tokens or (
             DEFAULT_MAX_NUM_BATCHED_TOKENS.get(device.type, FALLBACK_MAX_NUM_BATCHED_TOKENS)
         )
+        speculative = config.speculative
+        if speculative is not None:
+            for spec in self.runner.cache_specs:
+                if not isinstance(spec, PagedSpec):
+                    raise ValueError(
+                        f"speculative_config: the cache kind {spec.describe()} cannot roll back "
+                        "refused proposals (only paged attention caches can)"
+                    )
+        self.spec_decode_stats = SpecDecodeStats()
         num_blocks = self._num_kv_blocks()
         self.runner.allocate_kv_cache(num_blocks)
         if device.type == "cuda" and not config.enforce_eager:
-            self.runner.capture_graphs(min(config.cuda_graph_max_bs, config.max_num_seqs))
+            max_batch = min(config.cuda_graph_max_bs, config.max_num_seqs)
+            self.runner.capture_graphs(
+                max_batch,
+                1 + speculative.num_speculative_tokens if speculative else 1,
+                min(max_batch, speculative.disable_by_batch_size or VERIFY_GRAPH_MAX_BS)
+                if speculative
+                else 0,
+            )
         self.kv_cache = KVCacheCoordinator(
             self.runner.cache_specs, num_blocks, config.enable_prefix_caching
         )
@@ -148,6 +171,8 @@ class LLMEngine:
                 max_num_seqs=config.max_num_seqs,
                 max_num_batched_tokens=self.max_num_batched_tokens,
                 max_model_len=max_len,
+                speculative=speculative,
+                uniform_proposals_up_to=self.runner.verify_graph_max_batch,
             ),
             self.kv_cache,
         )
@@ -324,9 +349,16 @@ class LLMEngine:
         work (scheduling, inputs, detokenisation, stop checks) overlaps the device's. A step
         that samples grammar rows reads the previous step before it is launched (only its
         scheduling overlaps), since each grammar must see its last token before the next mask.
+        With speculative decoding a verification step is read at once, and a step in flight is
+        read before scheduling whenever this pass would make proposals (they start from the
+        last token): scheduling stays asynchronous where speculation is off by batch size.
         """
         previous, self._in_flight = self._in_flight, None
         touched: dict[str, ParentRequest] = {}
+        if previous is not None and self.scheduler.proposes:
+            # Proposals start from the last token: read it before scheduling.
+            self._read(previous, touched)
+            previous = None
         schedule = self.scheduler.schedule()
         plan = schedule.plan
         launched = None
@@ -341,7 +373,12 @@ class LLMEngine:
                     previous = None
                 plan = replace(plan, token_bitmask=self._token_bitmask(sample_requests))
             step = self.runner.launch(plan, previous.launched if previous else None)
-            launched = _Launched(step, sample_requests)
+            drafts = plan.draft_token_ids
+            launched = _Launched(
+                step,
+                sample_requests,
+                [len(drafts.get(r.request_id, ())) for r in sample_requests] if drafts else None,
+            )
             self.scheduler.finish_step(schedule)
             for request in launched.sample_requests:
                 request.num_pending_tokens += 1
@@ -391,26 +428,60 @@ class LLMEngine:
                 if not request.prompt_logprobs:
                     request.prompt_logprobs.append(None)  # the first token has no context
                 request.prompt_logprobs.extend(lps)
-        max_model_len = self.model_config.max_model_len
-        parents = self._parents
+        if launched.num_proposed is not None:
+            self._read_verified(launched, result, touched, now)
+            return
         for request, token_id, logprob in zip(requests, result.token_ids, result.logprobs):
             if request.status is RequestStatus.FINISHED:
                 continue  # stopped or aborted while this step ran: the token is dropped
-            parent = parents[request.parent_id]
-            request.append_output_token(token_id)
-            if logprob is not None:
-                request.logprobs.append(logprob)
-            if request.first_token_time is None:
-                request.first_token_time = now
-            detokenizer = parent.detokenizers[request.sample_index] if self.detokenize else None
-            stop_string = detokenizer.append(token_id) if detokenizer else None
-            stop = check_stop(request, token_id, stop_string, max_model_len)
-            if request.grammar is not None and not request.grammar.accept(token_id):
-                # a grammar that failed to compile, or a token it refuses (logged by accept)
-                stop = (FinishReason.ABORT, None)
-            if stop is not None:
-                request.finish(*stop)
-                if detokenizer:
-                    detokenizer.finish()
-                self.scheduler.remove(request)
-            touched[parent.request_id] = parent
+            self._append(request, token_id, logprob, now, touched)
+
+    def _read_verified(
+        self,
+        launched: _Launched,
+        result: StepOutput,
+        touched: dict[str, ParentRequest],
+        now: float,
+    ) -> None:
+        """A verification step's tokens: refused proposals are rolled back first (so a request
+        that finishes on one of its tokens frees only what it holds), then each row's tokens
+        are appended until one ends the request."""
+        rows = zip(
+            launched.sample_requests, result.row_token_ids(), result.logprobs, launched.num_proposed
+        )
+        for request, tokens, logprob, num_proposed in rows:
+            if num_proposed:
+                self.spec_decode_stats.record(num_proposed, len(tokens) - 1)
+                self.scheduler.reject(request, num_proposed - (len(tokens) - 1))
+            for token_id in tokens:
+                if request.status is RequestStatus.FINISHED:
+                    break  # the tokens after the one that ended it are dropped
+                self._append(request, token_id, logprob, now, touched)
+
+    def _append(
+        self,
+        request: Request,
+        token_id: int,
+        logprob: Logprob | None,
+        now: float,
+        touched: dict[str, ParentRequest],
+    ) -> None:
+        """One new token of a running request: output, detokenizer, stop checks, grammar."""
+        parent = self._parents[request.parent_id]
+        request.append_output_token(token_id)
+        if logprob is not None:
+            request.logprobs.append(logprob)
+        if request.first_token_time is None:
+            request.first_token_time = now
+        detokenizer = parent.detokenizers[request.sample_index] if self.detokenize else None
+        stop_string = detokenizer.append(token_id) if detokenizer else None
+        stop = check_stop(request, token_id, stop_string, self.model_config.max_model_len)
+        if request.grammar is not None and not request.grammar.accept(token_id):
+            # a grammar that failed to compile, or a token it refuses (logged by accept)
+            stop = (FinishReason.ABORT, None)
+        if stop is not None:
+            request.finish(*stop)
+            if detokenizer:
+                detokenizer.finish()
+            self.scheduler.remove(request)
+        touched[parent.request_id] = parent

@@ -63,10 +63,14 @@ class EngineStats(msgspec.Struct, array_like=True):
     prefix_cache_queries: int
     prefix_cache_hits: int
     num_preemptions: int
+    # speculative decoding (SpecDecodeStats): rows that verified proposals, proposed, accepted
+    spec_decode_num_drafts: int
+    spec_decode_num_draft_tokens: int
+    spec_decode_num_accepted_tokens: int
 
     @classmethod
     def of(cls, engine: LLMEngine) -> EngineStats:
-        scheduler, kv = engine.scheduler, engine.kv_cache
+        scheduler, kv, spec = engine.scheduler, engine.kv_cache, engine.spec_decode_stats
         groups = [
             CacheGroupStats(
                 g.group, g.spec.describe(), g.num_blocks - 1, g.num_free_blocks, g.usage
@@ -83,6 +87,9 @@ class EngineStats(msgspec.Struct, array_like=True):
             kv.prefix_cache_queries,
             kv.prefix_cache_hits,
             scheduler.num_preemptions,
+            spec.num_drafts,
+            spec.num_draft_tokens,
+            spec.num_accepted_tokens,
         )
 
 

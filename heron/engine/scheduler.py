@@ -9,7 +9,9 @@ from typing import NamedTuple
 
 from heron.cache.coordinator import KVCacheCoordinator
 from heron.engine.request import Request, RequestStatus
+from heron.execution.sampler import on_device
 from heron.execution.step_plan import EntryCopies, NewRequest, SentTables, StepPlan
+from heron.speculative import NgramProposer, SpeculativeConfig
 
 
 @dataclass(frozen=True)
@@ -17,6 +19,11 @@ class SchedulerConfig:
     max_num_seqs: int
     max_num_batched_tokens: int
     max_model_len: int
+    speculative: SpeculativeConfig | None = None
+    # While at most this many requests run, pad every decode row's proposals to
+    # num_speculative_tokens once any row has some, so verification steps are uniform (what
+    # verification graphs replay); 0: never.
+    uniform_proposals_up_to: int = 0
 
 
 class ScheduledRequest(NamedTuple):
@@ -24,8 +31,9 @@ class ScheduledRequest(NamedTuple):
     a named tuple is cheaper to build than a frozen dataclass)."""
 
     request: Request
-    num_new_tokens: int
+    num_new_tokens: int  # proposed tokens included
     samples: bool  # the step reaches the request's last token, so it samples the next one
+    num_proposed: int = 0  # tokens after the last one, verified by the step
 
 
 @dataclass
@@ -48,6 +56,9 @@ class Scheduler:
     request: its blocks are freed and it goes back to the front of the queue, to be recomputed
     (its generated tokens are kept, so nothing is lost). A prefill chunk may be cut short where
     a cache group keeps a prefix checkpoint (``KVCacheCoordinator.chunk_end``).
+
+    With speculative decoding a decode step also computes the tokens proposed after the last
+    one (the plan's ``draft_token_ids``); :meth:`reject` takes back those the step refused.
     """
 
     def __init__(self, config: SchedulerConfig, kv_cache: KVCacheCoordinator) -> None:
@@ -61,6 +72,15 @@ class Scheduler:
         self._finished_ids: list[str] = []
         self._preempted_ids: list[str] = []
         self._sent = SentTables()
+        spec = config.speculative
+        self._proposer = (
+            None
+            if spec is None
+            else NgramProposer(
+                spec.num_speculative_tokens, spec.prompt_lookup_min, spec.prompt_lookup_max
+            )
+        )
+        self._propose_up_to = (spec.disable_by_batch_size if spec else None) or config.max_num_seqs
 
     def add(self, request: Request) -> None:
         self.waiting.append(request)
@@ -71,6 +91,8 @@ class Scheduler:
 
         running, allocate_slots = self.running, self.kv_cache.allocate_slots
         max_model_len = self.config.max_model_len
+        proposals = self._proposals(budget) if self._proposer is not None else {}
+        drafts = out.plan.draft_token_ids
         i = 0
         while i < len(running) and budget > 0:
             request = running[i]
@@ -81,15 +103,22 @@ class Scheduler:
             num_new = min(remaining, budget)
             if num_new > 1:
                 num_new = self.kv_cache.chunk_end(request, request.num_computed_tokens, num_new)
-            while not allocate_slots(request, num_new):
+            proposed = proposals.get(request.request_id, ())[: budget - 1] if proposals else ()
+            while not allocate_slots(request, num_new + len(proposed)):
                 victim = running.pop()
                 self._preempt(victim)
                 out.preempted.append(victim)
                 if victim is request:
                     break
             else:
-                out.scheduled.append(ScheduledRequest(request, num_new, num_new == remaining))
-                budget -= num_new
+                if proposed:
+                    drafts[request.request_id] = proposed
+                out.scheduled.append(
+                    ScheduledRequest(
+                        request, num_new + len(proposed), num_new == remaining, len(proposed)
+                    )
+                )
+                budget -= num_new + len(proposed)
                 i += 1
 
         # Admitting new work right after a preemption would only thrash the pool.
@@ -124,6 +153,56 @@ class Scheduler:
         self.waiting.extendleft(reversed(compiling))
         self._fill_plan(out)
         return out
+
+    @property
+    def proposes(self) -> bool:
+        """Whether this pass would make proposals (speculation on, the batch small enough)."""
+        return self._proposer is not None and len(self.running) <= self._propose_up_to
+
+    def _proposals(self, budget: int) -> dict[str, list[int]]:
+        """Each running request's proposals (none while more requests run than
+        ``disable_by_batch_size``), padded to ``num_speculative_tokens`` with uniform steps."""
+        if not self.proposes:
+            return {}
+        rows = []  # (request, its limit, its proposals)
+        for request in self.running:
+            if request.num_tokens - request.num_computed_tokens == 1:
+                limit = self._proposal_limit(request, budget - 1)
+                if limit > 0:
+                    proposed = self._proposer.propose(
+                        request.request_id, request.all_token_ids, limit
+                    )
+                    rows.append((request, limit, proposed))
+        uniform = len(self.running) <= self.config.uniform_proposals_up_to
+        if uniform and any(proposed for _, _, proposed in rows):
+            k = self._proposer.num_tokens
+            for request, limit, proposed in rows:
+                # any token does, as each is verified: the last one (text often repeats)
+                pad = (proposed or request.all_token_ids)[-1]
+                proposed += [pad] * (min(k, limit) - len(proposed))
+        return {request.request_id: proposed for request, _, proposed in rows}
+
+    def _proposal_limit(self, request: Request, budget: int) -> int:
+        """How many tokens a decode step may propose for the request: none for a row the
+        verifier cannot sample (logprobs, penalties, an unmet ``min_tokens``, a grammar) or
+        whose last token is still being sampled; never past ``max_tokens``, the context or the
+        step's token budget."""
+        if request.num_pending_tokens or request.grammar is not None or not on_device(request):
+            return 0
+        limit = min(budget, self.config.max_model_len - request.num_tokens - 1)
+        max_tokens = request.sampling_params.max_tokens
+        if max_tokens is not None:
+            limit = min(limit, max_tokens - request.num_output_tokens - 1)
+        return limit
+
+    def reject(self, request: Request, num_rejected: int) -> None:
+        """The step computed ``num_rejected`` proposed tokens that were refused: the request's
+        computed tokens and its blocks go back to end before them."""
+        if not num_rejected:
+            return
+        request.num_computed_tokens -= num_rejected
+        self.kv_cache.truncate(request, request.num_computed_tokens)
+        self._sent.shrink(request.request_id, self.kv_cache.block_tables(request.request_id))
 
     def _fill_plan(self, out: SchedulerOutput) -> None:
         """The step's rows, and what changed for the runner since the last plan."""
@@ -174,6 +253,8 @@ class Scheduler:
         self.kv_cache.free(request)
         self._sent.forget(request.request_id)
         self._finished_ids.append(request.request_id)
+        if self._proposer is not None:
+            self._proposer.forget(request.request_id)
 
 
 def _new_request(request: Request) -> NewRequest:

@@ -1,5 +1,6 @@
 """CUDA graphs of the whole decode step (embedding to logits and greedy tokens), one per batch
-bucket.
+bucket, and of verification steps (the same with ``1 + k`` tokens per row) where speculative
+decoding is on and every metadata group supports uniform steps.
 
 The metadata plan owns the graph buffers: each group's builder makes persistent buffers once
 for the largest bucket, and fills them in place before every replay through the same ``fill``
@@ -38,24 +39,44 @@ def graph_buckets(max_batch: int) -> list[int]:
 
 
 class CudaGraphRunner:
-    """Captures and replays the decode step of ``model`` for batch buckets up to ``max_batch``."""
+    """Captures and replays uniform steps of ``model``: decode steps in batch buckets up to
+    ``max_batch``, and, for each query length ``q`` of ``verify_batches`` (``1 + k``: the
+    verification of ``k`` proposals per row, for plans whose every group supports
+    ``UNIFORM``), buckets up to ``verify_batches[q]`` (each graph keeps its logits, ``q`` rows
+    per request: large verification batches would hold much memory)."""
 
     def __init__(
-        self, model: nn.Module, plan: StepMetaPlan, device: torch.device, max_batch: int
+        self,
+        model: nn.Module,
+        plan: StepMetaPlan,
+        device: torch.device,
+        max_batch: int,
+        verify_batches: dict[int, int] | None = None,
     ) -> None:
         if plan.graph_support < GraphSupport.DECODE_ONLY:
             raise ValueError("the metadata plan does not support graphs")
+        if verify_batches and plan.graph_support < GraphSupport.UNIFORM:
+            raise ValueError("the metadata plan does not support graphs of uniform steps")
         self.model = model
         self.plan = plan
         self.device = device
-        self.buckets = graph_buckets(max_batch)
-        self.max_batch = self.buckets[-1]
-        self.token_ids = torch.zeros(self.max_batch, dtype=torch.int32, device=device)
-        self.buffers: dict[int, Any] = {
-            id(g): g.builder.make_graph_buffers(self.max_batch, device) for g in plan.groups
+        # query length -> its batch buckets
+        self.buckets_of = {1: graph_buckets(max_batch)} | {
+            q: graph_buckets(min(b, max_batch)) for q, b in (verify_batches or {}).items()
         }
-        # batch -> (graph, its logits, its greedy tokens): the graph's output buffers.
-        self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor, torch.Tensor]] = {}
+        self.query_lens = sorted(self.buckets_of)
+        self.buckets = self.buckets_of[1]
+        self.max_batch = self.buckets[-1]
+        max_q = self.query_lens[-1]
+        self.token_ids = torch.zeros(self.max_batch * max_q, dtype=torch.int32, device=device)
+        extra = (max_q,) if max_q > 1 else ()  # only UNIFORM builders take a query length
+        self.buffers: dict[int, Any] = {
+            id(g): g.builder.make_graph_buffers(self.max_batch, device, *extra) for g in plan.groups
+        }
+        # (batch, query length) -> (graph, its logits, its greedy tokens): its output buffers.
+        self.graphs: dict[
+            tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor, torch.Tensor]
+        ] = {}
 
     def _fill(self, seq: SequenceMetadata, batch: int) -> None:
         for group in self.plan.groups:
@@ -63,52 +84,66 @@ class CudaGraphRunner:
 
     @torch.inference_mode()
     def capture(self, block_size: int, group_parts: Sequence[StepParts]) -> None:
-        """Capture every bucket, largest first, all in one memory pool."""
+        """Capture every bucket, longest steps and largest batches first, in one memory pool."""
         from heron.kernels.argmax import greedy_argmax  # Triton only on GPU paths
 
         pool = torch.cuda.graph_pool_handle()
-        for batch in reversed(self.buckets):
-            dummy = _dummy_decode(batch, block_size, self.device, group_parts)
-            self._fill(dummy, batch)
-            group: MetadataGroup
-            for group in self.plan.groups:
-                group.view = group.builder.graph_view(dummy, self.buffers[id(group)], batch)
-            tokens = self.token_ids[:batch]
-            greedy_argmax(self.model.compute_logits(self.model(tokens)))  # warm-up: compile, tune
-            for group in self.plan.groups:
-                group.builder.before_capture(self.buffers[id(group)])
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=pool):
-                logits = self.model.compute_logits(self.model(tokens))
-                greedy = greedy_argmax(logits)
-            self.graphs[batch] = (graph, logits, greedy)
+        for q in reversed(self.query_lens):
+            for batch in reversed(self.buckets_of[q]):
+                dummy = _dummy_step(batch, q, block_size, self.device, group_parts)
+                self._fill(dummy, batch)
+                group: MetadataGroup
+                for group in self.plan.groups:
+                    group.view = group.builder.graph_view(dummy, self.buffers[id(group)], batch)
+                tokens = self.token_ids[: batch * q]
+                greedy_argmax(self.model.compute_logits(self.model(tokens)))  # warm-up
+                for group in self.plan.groups:
+                    group.builder.before_capture(self.buffers[id(group)])
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, pool=pool):
+                    logits = self.model.compute_logits(self.model(tokens))
+                    greedy = greedy_argmax(logits)
+                self.graphs[batch, q] = (graph, logits, greedy)
         torch.cuda.synchronize(self.device)
-        logger.info("captured CUDA graphs for decode batches %s", self.buckets)
+        for q, buckets in self.buckets_of.items():
+            logger.info("captured CUDA graphs of %d tokens per row for batches %s", q, buckets)
 
     def can_run(self, seq: SequenceMetadata) -> bool:
-        return seq.is_decode and seq.num_reqs <= self.max_batch
+        """Every row has the same captured query length, and the batch fits."""
+        q = seq.max_query_len
+        buckets = self.buckets_of.get(q)
+        return (
+            buckets is not None
+            and seq.num_reqs <= buckets[-1]
+            and seq.num_tokens == seq.num_reqs * q
+        )
 
     def run(self, seq: SequenceMetadata) -> tuple[torch.Tensor, torch.Tensor]:
-        """Replay the step of ``seq`` (every request decoding one token); its logits rows and
-        each row's greedy token. Both are views of the graph's buffers, which the next replay
-        overwrites: read them (on the stream) before it."""
-        n = seq.num_reqs
-        batch = self.buckets[bisect.bisect_left(self.buckets, n)]
-        self.token_ids[:n].copy_(seq.token_ids)
+        """Replay the step of ``seq`` (every request with the same query length); its logits
+        rows (every token's) and each row's greedy token. Both are views of the graph's
+        buffers, which the next replay overwrites: read them (on the stream) before it."""
+        n, q = seq.num_reqs, seq.max_query_len
+        buckets = self.buckets_of[q]
+        batch = buckets[bisect.bisect_left(buckets, n)]
+        self.token_ids[: n * q].copy_(seq.token_ids)
         self._fill(seq, batch)
-        graph, logits, greedy = self.graphs[batch]
+        graph, logits, greedy = self.graphs[batch, q]
         graph.replay()
-        return logits[:n], greedy[:n]
+        return logits[: n * q], greedy[: n * q]
 
 
-def _dummy_decode(
-    batch: int, block_size: int, device: torch.device, group_parts: Sequence[StepParts]
+def _dummy_step(
+    batch: int, q: int, block_size: int, device: torch.device, group_parts: Sequence[StepParts]
 ) -> SequenceMetadata:
-    """A decode step of ``batch`` one-token requests on every group's null entry, for capture."""
-    layouts = [parts.layout_of(batch, batch, 1) for parts in group_parts]
-    step = StepBatch(batch, batch, batch, block_size, layouts)
-    step.query_lens[:] = 1
-    step.kv_lens[:] = 1
-    step.logits_indices[:] = range(batch)
+    """A step of ``batch`` requests of ``q`` new tokens each, all on every group's null entry,
+    for capture."""
+    num_tokens = batch * q
+    width = -(-q // block_size)
+    layouts = [parts.layout_of(batch, num_tokens, width) for parts in group_parts]
+    step = StepBatch(batch, num_tokens, num_tokens, block_size, layouts)
+    step.query_lens[:] = q
+    step.kv_lens[:] = q
+    step.positions[:] = list(range(q)) * batch
+    step.logits_indices[:] = range(num_tokens)
     step.finish()
     return SequenceMetadata.from_step_batch(step, device)

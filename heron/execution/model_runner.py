@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+from itertools import accumulate
 
 import torch
 
@@ -12,7 +13,7 @@ from heron.config import ModelConfig
 from heron.execution.cuda_graph import CudaGraphRunner
 from heron.execution.request_state import RequestState
 from heron.execution.sampler import Sampler, on_device, prompt_logprobs
-from heron.execution.step_inputs import BlockTableRows, StepInputBuilder
+from heron.execution.step_inputs import BlockTableRows, PreparedStep, StepInputBuilder
 from heron.execution.step_plan import StepOutput, StepPlan
 from heron.metadata import (
     GraphSupport,
@@ -23,7 +24,9 @@ from heron.metadata import (
     StepMetaPlan,
 )
 from heron.models.build import build_model
+from heron.outputs import Logprob
 from heron.platforms import Platform
+from heron.speculative.verification import verify
 
 logger = logging.getLogger(__name__)
 
@@ -80,8 +83,12 @@ class LaunchedStep:
             self._result = StepOutput(request_ids, ids, [None] * len(ids))
         if not self._read:
             self._read = True
-            for state, token_id in zip(self.sample_states, self._result.token_ids):
-                state.all_token_ids.append(token_id)
+            if self._result.num_accepted:
+                for state, tokens in zip(self.sample_states, self._result.row_token_ids()):
+                    state.all_token_ids += tokens
+            else:
+                for state, token_id in zip(self.sample_states, self._result.token_ids):
+                    state.all_token_ids.append(token_id)
         return self._result
 
 
@@ -171,11 +178,15 @@ class ModelRunner:
         torch.cuda.empty_cache()
         return peak
 
-    def capture_graphs(self, max_batch: int) -> None:
-        """Capture decode graphs, or explain (once) why steps stay eager."""
+    def capture_graphs(
+        self, max_batch: int, verify_query_len: int = 1, verify_max_batch: int = 0
+    ) -> None:
+        """Capture decode graphs, and verification graphs of ``verify_query_len`` tokens per
+        row up to ``verify_max_batch`` rows where every group supports uniform steps; or
+        explain (once) why steps stay eager."""
         support = self.plan.graph_support
+        weakest = min(self.plan.groups, key=lambda g: g.builder.graph_support)
         if support < GraphSupport.DECODE_ONLY:
-            weakest = min(self.plan.groups, key=lambda g: g.builder.graph_support)
             logger.warning(
                 "CUDA graphs off: metadata group %d (%s) declares graph support %s",
                 weakest.group_id,
@@ -183,8 +194,26 @@ class ModelRunner:
                 weakest.builder.graph_support.name,
             )
             return
-        self.graphs = CudaGraphRunner(self.model, self.plan, self.device, max_batch)
+        verify_batches = {}
+        if verify_query_len > 1 and support >= GraphSupport.UNIFORM:
+            verify_batches[verify_query_len] = verify_max_batch
+        elif verify_query_len > 1:
+            logger.warning(
+                "verification steps run eagerly: metadata group %d (%s) declares graph support %s",
+                weakest.group_id,
+                weakest.builder.describe(),
+                weakest.builder.graph_support.name,
+            )
+        self.graphs = CudaGraphRunner(self.model, self.plan, self.device, max_batch, verify_batches)
         self.graphs.capture(self.block_size, self.inputs.parts)
+
+    @property
+    def verify_graph_max_batch(self) -> int:
+        """The largest verification step (in rows) that replays a graph; 0 without such
+        graphs."""
+        if self.graphs is None or self.graphs.query_lens[-1] == 1:
+            return 0
+        return self.graphs.buckets_of[self.graphs.query_lens[-1]][-1]
 
     def _apply(self, plan: StepPlan) -> None:
         apply_plan(plan, self.requests, self.inputs.tables, self.device)
@@ -208,7 +237,10 @@ class ModelRunner:
         for copies in plan.copies_before:
             self.cache.copy_entries(copies.group, copies.sources, copies.destinations)
         greedy_ids = None  # each row's greedy token, where the step drew them already
-        if self.graphs is not None and self.graphs.can_run(seq):
+        # A graph computes every token's logits: it serves steps that sample every token
+        # (not a prefill chunk that samples nothing, nor prompt logprobs' rows first).
+        every_token_sampled = step.sample_rows == slice(0, seq.num_tokens)
+        if self.graphs is not None and every_token_sampled and self.graphs.can_run(seq):
             logits, greedy_ids = self.graphs.run(seq)
         else:
             if self.graphs is not None:
@@ -218,6 +250,8 @@ class ModelRunner:
             logits = self.model.compute_logits(hidden[seq.logits_indices.long()])
         for copies in plan.copies_after:
             self.cache.copy_entries(copies.group, copies.sources, copies.destinations)
+        if plan.draft_token_ids:
+            return LaunchedStep(step.sample_states, result=self._verified(plan, step, logits))
         states, bitmask = step.sample_states, plan.token_bitmask
         if states and not step.prompt_rows and all(map(on_device, states)):
             if greedy_ids is not None and all(s.sampling_params.plain_argmax for s in states):
@@ -231,15 +265,47 @@ class ModelRunner:
         if states:
             sampled = self.sampler(logits[step.sample_rows], states, self.generator, bitmask)
             token_ids, logprobs = sampled.token_ids, sampled.logprobs
-        prompt_lps = {}
-        for state, row, position, count in step.prompt_rows:
-            next_ids = state.all_token_ids[position + 1 : position + 1 + count]
-            top = state.sampling_params.prompt_logprobs
-            lps = prompt_logprobs(logits[row : row + count], next_ids, top)
-            prompt_lps.setdefault(state.request_id, []).extend(lps)
         request_ids = [s.request_id for s in states]
-        output = StepOutput(request_ids, token_ids, logprobs, prompt_lps)
+        output = StepOutput(request_ids, token_ids, logprobs, _prompt_logprobs(step, logits))
         return LaunchedStep(states, result=output)
+
+    def _verified(self, plan: StepPlan, step: PreparedStep, logits: torch.Tensor) -> StepOutput:
+        """A verification step's tokens, read at once: rows with proposals are verified, the
+        others sampled as in any step (their one logits row)."""
+        states = step.sample_states
+        proposals = [plan.draft_token_ids.get(s.request_id, []) for s in states]
+        starts = [0, *accumulate(1 + len(p) for p in proposals)]
+        rows = logits[step.sample_rows]
+        tokens: list[list[int]] = [[] for _ in states]
+        logprobs: list[Logprob | None] = [None] * len(states)
+        verified = [i for i, p in enumerate(proposals) if p]
+        index = [r for i in verified for r in range(starts[i], starts[i + 1])]
+        emitted = verify(
+            rows[index],
+            [states[i] for i in verified],
+            [proposals[i] for i in verified],
+            self.generator,
+        )
+        for i, row_tokens in zip(verified, emitted):
+            tokens[i] = row_tokens
+        plain = [i for i, p in enumerate(proposals) if not p]
+        if plain:
+            bitmask = plan.token_bitmask
+            sampled = self.sampler(
+                rows[[starts[i] for i in plain]],
+                [states[i] for i in plain],
+                self.generator,
+                None if bitmask is None else bitmask[plain],
+            )
+            for i, token_id, logprob in zip(plain, sampled.token_ids, sampled.logprobs):
+                tokens[i], logprobs[i] = [token_id], logprob
+        return StepOutput(
+            [s.request_id for s in states],
+            [t for row_tokens in tokens for t in row_tokens],
+            logprobs,
+            _prompt_logprobs(step, logits),
+            [len(row_tokens) - 1 for row_tokens in tokens],
+        )
 
     def _fill_pending_tokens(
         self, token_ids: torch.Tensor, sources: list[tuple[int, int]], sampled: torch.Tensor
@@ -255,6 +321,17 @@ class ModelRunner:
             index = index.pin_memory()
         index = index.to(self.device, non_blocking=True)
         token_ids[index[:, 0]] = sampled[index[:, 1]].to(token_ids.dtype)
+
+
+def _prompt_logprobs(step: PreparedStep, logits: torch.Tensor) -> dict[str, list[Logprob]]:
+    """The logprobs of the prompt positions the step computed, per request."""
+    prompt_lps: dict[str, list[Logprob]] = {}
+    for state, row, position, count in step.prompt_rows:
+        next_ids = state.all_token_ids[position + 1 : position + 1 + count]
+        top = state.sampling_params.prompt_logprobs
+        lps = prompt_logprobs(logits[row : row + count], next_ids, top)
+        prompt_lps.setdefault(state.request_id, []).extend(lps)
+    return prompt_lps
 
 
 def apply_plan(

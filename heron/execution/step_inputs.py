@@ -21,7 +21,7 @@ class PreparedStep:
 
     seq: SequenceMetadata
     sample_states: list[RequestState]
-    sample_rows: slice  # rows of the step's logits that are sampled
+    sample_rows: slice  # rows of the step's logits that are sampled (a verified row's all)
     prompt_rows: list[tuple[RequestState, int, int, int]]  # state, first row, position, count
     # Tokens still being sampled by the previous step: (token offset, that step's sample row).
     pending_sources: list[tuple[int, int]]
@@ -83,12 +83,21 @@ class StepInputBuilder:
         sample_rows: list[int] = []  # their last tokens' offsets
         prompt_spans: list[tuple[RequestState, int, int, int]] = []  # state, offset, pos, count
         pending_sources: list[tuple[int, int]] = []
+        drafts = plan.draft_token_ids
         num_tokens = 0
         for request_id, c, n, samples in zip(
             request_ids, plan.num_computed, plan.num_new, plan.samples
         ):
             state = states[request_id]
             tokens = state.all_token_ids
+            proposed = drafts.get(request_id) if drafts else None
+            if proposed:  # the last token, then the proposals: every position is sampled
+                token_ids += tokens[c:]
+                token_ids += proposed
+                sample_states.append(state)
+                sample_rows += range(num_tokens, num_tokens + n)
+                num_tokens += n
+                continue
             if n == 1 and c >= len(tokens):  # decode of a token not read yet
                 pending_sources.append((num_tokens, pending_rows[request_id]))
                 token_ids.append(0)
@@ -108,7 +117,7 @@ class StepInputBuilder:
             num_tokens += n
         num_reqs = len(request_ids)
         num_prompt_rows = sum(span[3] for span in prompt_spans)
-        num_logits = num_prompt_rows + len(sample_states)
+        num_logits = num_prompt_rows + len(sample_rows)
         contexts = np.array(plan.num_computed, dtype=np.int32)
         table_rows = self.tables.rows(request_ids)
         groups = self.tables.groups(table_rows)

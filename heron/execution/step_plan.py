@@ -47,22 +47,37 @@ class EntryCopies:
 
 class SentTables:
     """How much of each request's tables the runner has been sent: a plan carries only the
-    entries since (tables grow append-only; a request sent again after a drop starts at 0)."""
+    entries since (tables grow append-only, except where rejected proposals shrink them; a
+    request sent again after a drop starts at 0)."""
 
     def __init__(self) -> None:
         self._sent: dict[str, list[int]] = {}
+        self._shrunk: set[str] = set()  # requests whose runner tables are too long
 
     def updates(self, request_id: str, tables: list[list[int]]) -> list[TableUpdate]:
         sent = self._sent.setdefault(request_id, [0] * len(tables))
+        shrunk = request_id in self._shrunk
+        self._shrunk.discard(request_id)
         out = []
         for g, table in enumerate(tables):
-            if len(table) != sent[g]:
+            if len(table) != sent[g] or shrunk:
                 out.append(TableUpdate(request_id, g, sent[g], table[sent[g] :]))
                 sent[g] = len(table)
         return out
 
+    def shrink(self, request_id: str, tables: list[list[int]]) -> None:
+        """The request's tables were cut back: what follows their new ends is sent again (an
+        update that ends a table clears the runner's entries past it)."""
+        sent = self._sent.get(request_id)
+        if sent is None:
+            return
+        for g, table in enumerate(tables):
+            sent[g] = min(sent[g], len(table))
+        self._shrunk.add(request_id)
+
     def forget(self, request_id: str) -> None:
         self._sent.pop(request_id, None)
+        self._shrunk.discard(request_id)
 
 
 @dataclass(frozen=True)
@@ -74,7 +89,9 @@ class StepPlan:
     tables dropped; they come back with whole tables), ``new_requests``, ``table_updates``,
     ``copies_before`` (a prefix hit's state from its checkpoint into its slot); after the
     forward pass, ``copies_after`` (states saved into checkpoints).
-    A running request's input tokens are the runner's own: its prompt and the tokens it sampled.
+    A running request's input tokens are the runner's own: its prompt and the tokens it sampled,
+    then, in a verification step, its ``draft_token_ids`` (a decode row of ``1 + len(drafts)``
+    tokens whose every position is sampled).
     """
 
     request_ids: list[str] = field(default_factory=list)
@@ -87,6 +104,7 @@ class StepPlan:
     finished_ids: list[str] = field(default_factory=list)
     copies_before: list[EntryCopies] = field(default_factory=list)
     copies_after: list[EntryCopies] = field(default_factory=list)
+    draft_token_ids: dict[str, list[int]] = field(default_factory=dict)  # proposals to verify
     # Rows with a grammar: each sampled row's allowed tokens (xgrammar's packed int32 mask, in
     # host memory, one row per sampled row in order; other rows allow everything).
     token_bitmask: torch.Tensor | None = None
@@ -94,9 +112,21 @@ class StepPlan:
 
 @dataclass(frozen=True)
 class StepOutput:
-    """What a step sampled, in the plan's order of sampled rows."""
+    """What a step sampled, in the plan's order of sampled rows: a token per row, or, after a
+    verification step, ``1 + num_accepted[i]`` tokens of row ``i`` one after the other."""
 
     request_ids: list[str]
     token_ids: list[int]
     logprobs: list[Logprob | None]
     prompt_logprobs: dict[str, list[Logprob]] = field(default_factory=dict)
+    num_accepted: list[int] = field(default_factory=list)  # empty: no row verified proposals
+
+    def row_token_ids(self) -> list[list[int]]:
+        """Each row's tokens."""
+        if not self.num_accepted:
+            return [[t] for t in self.token_ids]
+        rows, start = [], 0
+        for n in self.num_accepted:
+            rows.append(self.token_ids[start : start + 1 + n])
+            start += 1 + n
+        return rows

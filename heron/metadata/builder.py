@@ -50,7 +50,8 @@ class MetadataBuilder(ABC):
         """The group's view for an eagerly executed step."""
 
     def make_graph_buffers(self, max_batch: int, device: torch.device) -> Any:
-        """Persistent buffers for graph steps of up to ``max_batch`` requests."""
+        """Persistent buffers for graph steps of up to ``max_batch`` requests. A builder that
+        declares ``UNIFORM`` also takes ``max_query_len``: the most tokens per row."""
         raise NotImplementedError(f"{type(self).__name__} does not support CUDA graphs")
 
     def fill(self, seq: SequenceMetadata, buffers: Any, batch: int) -> None:

@@ -82,6 +82,18 @@ class _EngineCollector(Collector):
                 "requests preempted for lack of KV blocks",
                 stats.num_preemptions,
             ),
+            "spec_decode_num_drafts": (
+                "rows of steps that verified proposed tokens",
+                stats.spec_decode_num_drafts,
+            ),
+            "spec_decode_num_draft_tokens": (
+                "proposed tokens verified",
+                stats.spec_decode_num_draft_tokens,
+            ),
+            "spec_decode_num_accepted_tokens": (
+                "proposed tokens accepted",
+                stats.spec_decode_num_accepted_tokens,
+            ),
         }
         for name, (doc, value) in counters.items():
             yield CounterMetricFamily(f"heron:{name}", doc, value=value)

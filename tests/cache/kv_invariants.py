@@ -37,6 +37,10 @@ class InvariantChecked:
         super().free(request)
         self.check_invariants()
 
+    def truncate(self, request, num_tokens):
+        super().truncate(request, num_tokens)
+        self.check_invariants()
+
     def reset_prefix_cache(self):
         result = super().reset_prefix_cache()
         self.check_invariants()

@@ -14,6 +14,7 @@ from heron.engine.messages import EngineStats
 from heron.engine.request import Request
 from heron.sampling_params import SamplingParams
 from heron.server.metrics import ServerMetrics
+from heron.speculative import SpecDecodeStats
 
 
 def test_every_cache_group_is_reported():
@@ -25,7 +26,9 @@ def test_every_cache_group_is_reported():
     scheduler = SimpleNamespace(running=[request], waiting=[], num_preemptions=0)
     # As the core sends it.
     snapshot = msgspec.msgpack.encode(
-        EngineStats.of(SimpleNamespace(scheduler=scheduler, kv_cache=kv))
+        EngineStats.of(
+            SimpleNamespace(scheduler=scheduler, kv_cache=kv, spec_decode_stats=SpecDecodeStats())
+        )
     )
     stats = msgspec.msgpack.decode(snapshot, type=EngineStats)
     text = ServerMetrics(lambda: stats).render().decode()

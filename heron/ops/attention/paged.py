@@ -41,29 +41,37 @@ class PagedAttentionView:
 
 @dataclass(frozen=True)
 class PagedGraphBuffers:
-    """Persistent decode buffers, sized once for the largest graph batch."""
+    """Persistent buffers of uniform steps (``q`` tokens per row, ``q = 1`` decode), sized once
+    for the largest graph batch and query length."""
 
-    positions: torch.Tensor
-    slot_mapping: torch.Tensor
+    positions: torch.Tensor  # [max_batch * max_q]
+    slot_mapping: torch.Tensor  # [max_batch * max_q]
     block_tables: torch.Tensor
     kv_lens: torch.Tensor
     table_starts: torch.Tensor
-    query_start_loc: torch.Tensor
-    # The destination views of the last step's shape, by (requests, table width).
-    _rows: dict[tuple[int, int], list[torch.Tensor]] = field(
+    query_start_loc: torch.Tensor  # [max_batch + 1]: 0, 1, 2, ... (decode)
+    # [max_q, max_batch + 1]: row q - 1 is 0, q, 2q, ... (constants, so never filled)
+    uniform_query_starts: torch.Tensor
+    # The destination views of the last step's shape, by (requests, tokens, table width).
+    _rows: dict[tuple[int, int, int], list[torch.Tensor]] = field(
         default_factory=dict, repr=False, compare=False
     )
 
-    def rows(self, num_reqs: int, width: int) -> list[torch.Tensor]:
-        """Positions, slots, block tables (``width`` columns), KV lengths and table starts of
-        the first ``num_reqs`` rows. Views are made again only when the shape changes: consecutive
-        decode steps mostly share it, and each view costs the host a dispatch."""
-        views = self._rows.get((num_reqs, width))
+    @property
+    def max_query_len(self) -> int:
+        return self.uniform_query_starts.shape[0]
+
+    def rows(self, num_reqs: int, num_tokens: int, width: int) -> list[torch.Tensor]:
+        """Positions and slots of the first ``num_tokens`` tokens; block tables (``width``
+        columns), KV lengths and table starts of the first ``num_reqs`` rows. Views are made
+        again only when the shape changes: consecutive steps mostly share it, and each view
+        costs the host a dispatch."""
+        views = self._rows.get((num_reqs, num_tokens, width))
         if views is None:
             self._rows.clear()  # only the last shape is kept
-            views = self._rows[num_reqs, width] = [
-                self.positions[:num_reqs],
-                self.slot_mapping[:num_reqs],
+            views = self._rows[num_reqs, num_tokens, width] = [
+                self.positions[:num_tokens],
+                self.slot_mapping[:num_tokens],
                 self.block_tables[:num_reqs, :width],
                 self.kv_lens[:num_reqs],
                 self.table_starts[:num_reqs],
@@ -81,8 +89,9 @@ class PagedAttentionBuilder(MetadataBuilder):
 
     Decode steps are graph-capturable: ``fill`` copies the step into persistent buffers whose
     block-table width is bounded by ``max_model_len / block_size`` (by the window, with one);
-    padded rows get length 0 and the null block. Eager steps use ``build``; it and
-    ``graph_view`` end in :meth:`_view`.
+    padded rows get length 0 and the null block. ``fill`` takes uniform steps too (``q``
+    tokens per row, for a backend whose extend path reads only device metadata: it declares
+    ``UNIFORM``). Eager steps use ``build``; it and ``graph_view`` end in :meth:`_view`.
 
     ``cache_group`` is the KV cache group whose block tables and slots this builder reads (set by
     the runner after planning: every builder with the same sliding window shares one group).
@@ -129,26 +138,34 @@ class PagedAttentionBuilder(MetadataBuilder):
             seq.num_reqs,
         )
 
-    def make_graph_buffers(self, max_batch: int, device: torch.device) -> PagedGraphBuffers:
+    def make_graph_buffers(
+        self, max_batch: int, device: torch.device, max_query_len: int = 1
+    ) -> PagedGraphBuffers:
         zeros = lambda *shape: torch.zeros(*shape, dtype=torch.int32, device=device)
+        rows = torch.arange(max_batch + 1, dtype=torch.int32, device=device)
+        starts = (
+            rows * torch.arange(1, max_query_len + 1, dtype=torch.int32, device=device)[:, None]
+        )
         return PagedGraphBuffers(
-            positions=zeros(max_batch),
-            slot_mapping=zeros(max_batch),
+            positions=zeros(max_batch * max_query_len),
+            slot_mapping=zeros(max_batch * max_query_len),
             block_tables=zeros(max_batch, self.table_width),
             kv_lens=zeros(max_batch),
             table_starts=zeros(max_batch),
-            query_start_loc=torch.arange(max_batch + 1, dtype=torch.int32, device=device),
+            query_start_loc=starts[0],
+            uniform_query_starts=starts,
         )
 
     def fill(self, seq: SequenceMetadata, buffers: PagedGraphBuffers, batch: int) -> None:
         self._check_layout(seq)
-        if not seq.is_decode or batch < seq.num_reqs:
+        n, q = seq.num_reqs, seq.max_query_len
+        if seq.num_tokens != n * q or q > buffers.max_query_len or batch < n:
             raise StepMetadataError(
-                f"graph buffers take decode steps of at most {batch} requests, got "
-                f"{seq.num_reqs} requests with {seq.num_tokens} tokens"
+                f"graph buffers take steps of at most {batch} requests of the same query length "
+                f"(at most {buffers.max_query_len}), got {n} requests with {seq.num_tokens} tokens"
             )
         slot_mapping, block_tables, table_starts = self._group_tables(seq)
-        n, width = seq.num_reqs, block_tables.shape[1]
+        width = block_tables.shape[1]
         if width > self.table_width:
             width = self.table_width
             block_tables = block_tables[:, :width]
@@ -157,13 +174,13 @@ class PagedAttentionBuilder(MetadataBuilder):
         # null block, slot 0 (their garbage K/V goes to the null block) and table start 0.
         # One foreach call: a launch per dtype on the GPU instead of one per copy.
         torch._foreach_copy_(
-            buffers.rows(n, width),
+            buffers.rows(n, n * q, width),
             [seq.positions, slot_mapping, block_tables, seq.kv_lens, table_starts],
         )
         if n < batch:
             torch._foreach_zero_(
                 [
-                    buffers.slot_mapping[n:batch],
+                    buffers.slot_mapping[n * q : batch * q],
                     buffers.block_tables[n:batch],
                     buffers.kv_lens[n:batch],
                     buffers.table_starts[n:batch],
@@ -173,14 +190,15 @@ class PagedAttentionBuilder(MetadataBuilder):
     def graph_view(
         self, seq: SequenceMetadata, buffers: PagedGraphBuffers, batch: int
     ) -> PagedAttentionView:
+        q = seq.max_query_len
         return self._view(
             seq,
-            buffers.positions[:batch],
-            buffers.slot_mapping[:batch],
+            buffers.positions[: batch * q],
+            buffers.slot_mapping[: batch * q],
             buffers.block_tables[:batch],
             buffers.table_starts[:batch],
             buffers.kv_lens[:batch],
-            buffers.query_start_loc[: batch + 1],
+            buffers.uniform_query_starts[q - 1, : batch + 1],
             batch,
         )
 

@@ -19,7 +19,7 @@ from heron.kernels.attention_extend import paged_extend_attention
 from heron.kernels.kv_write import kv_write, qk_norm_rope_kv_write
 from heron.kernels.pdl import multiprocessor_count
 from heron.layers.rotary import QKTransform
-from heron.metadata import SequenceMetadata
+from heron.metadata import GraphSupport, SequenceMetadata
 from heron.ops.attention.base import AttentionOperator, AttentionSpec
 from heron.ops.attention.paged import PagedAttentionBuilder, PagedAttentionView, PagedGraphBuffers
 
@@ -61,6 +61,10 @@ class TritonAttentionBuilder(PagedAttentionBuilder):
     a step needs more. All layers of a group share them, which is safe because they run one
     after another on one stream: a launch finishes before the next starts.
     """
+
+    # Uniform steps of several tokens per row (verification) replay too: the extend kernel
+    # reads only device metadata, and its grid (rows, query length) is the graph's.
+    graph_support = GraphSupport.UNIFORM
 
     def __init__(self, spec: AttentionSpec, block_size: int, max_model_len: int) -> None:
         super().__init__("triton", block_size, spec.sliding_window, max_model_len)
@@ -127,7 +131,9 @@ class TritonAttentionBuilder(PagedAttentionBuilder):
         workspace = self._workspace(seq.num_reqs, splits, out, lse, tickets)
         return dataclasses.replace(view, workspace=workspace)
 
-    def make_graph_buffers(self, max_batch: int, device: torch.device) -> TritonGraphBuffers:
+    def make_graph_buffers(
+        self, max_batch: int, device: torch.device, max_query_len: int = 1
+    ) -> TritonGraphBuffers:
         # Fewer requests leave more of the GPU to each one, so small batches split the most;
         # the workspace holds the largest requests * splits of any batch up to max_batch.
         splits = [self._splits(b, self.max_model_len, device) for b in range(1, max_batch + 1)]
@@ -136,7 +142,7 @@ class TritonAttentionBuilder(PagedAttentionBuilder):
         kv_heads = self.spec.num_kv_heads
         tickets = max(tickets_needed(b, kv_heads, s) for b, s in enumerate(splits, 1))
         return TritonGraphBuffers(
-            paged=super().make_graph_buffers(max_batch, device),
+            paged=super().make_graph_buffers(max_batch, device, max_query_len),
             partial_out=torch.empty(rows * self.spec.head_dim, dtype=torch.float32, device=device),
             partial_lse=torch.empty(rows, dtype=torch.float32, device=device),
             tickets=torch.zeros(tickets, dtype=torch.int32, device=device),

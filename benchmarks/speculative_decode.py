@@ -1,0 +1,233 @@
+"""Speculative decoding on the GPU: n-gram proposals against plain decoding.
+
+  P  proposer cost: microseconds per n-gram lookup over sequences of 256 to 4096 tokens (host)
+  A  batch 1, the default model (SmolLM2-135M-Instruct), greedy, prompts asking to repeat or
+     edit a given text: ms per output token without and with n-gram speculation, mean
+     acceptance length, speed-up, and how many outputs are identical (bf16: a verification
+     step and a decode step sum in different orders, so outputs may part at near-ties)
+  B  batch 1, a random-weight Qwen3-0.6B shape, forced acceptance (every proposal accepted,
+     whatever it is): ms per output token and per step for k = 1..7 against plain decoding,
+     i.e. what verifying k tokens costs
+  C  the default model at batches 1 to 64 over the edit prompts: output tokens/s without and
+     with speculation, to see where speculation stops paying (``disable_by_batch_size``)
+
+ms per output token is wall time of the requests' decoding (first token to last) over their
+output tokens. Prints markdown tables.
+
+    python benchmarks/speculative_decode.py [--k 4] [--max-tokens 256] [--enforce-eager]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import tempfile
+import time
+from itertools import accumulate
+from pathlib import Path
+
+import numpy as np
+import torch
+import transformers as tf
+
+import heron.execution.model_runner as model_runner
+from heron import LLM, SamplingParams
+from heron.speculative import NgramProposer, SpecDecodeStats
+
+from gpu_decode import QWEN3_0_6B, save_config_only
+
+TEXTS = [
+    "The heron stood still in the shallow water of the river. It waited for a fish to swim "
+    "past its long legs, and when one came close, it struck with its sharp beak. Then it "
+    "flew to a tall tree on the bank and rested there until the evening.",
+    "def mean(values):\n    total = 0\n    for value in values:\n        total += value\n"
+    "    return total / len(values)\n\n\ndef variance(values):\n    m = mean(values)\n"
+    "    total = 0\n    for value in values:\n        total += (value - m) ** 2\n"
+    "    return total / len(values)\n",
+    "Monday: buy bread, milk and eggs. Tuesday: call the plumber about the kitchen sink. "
+    "Wednesday: return the library books. Thursday: pay the electricity bill. Friday: "
+    "water the plants and clean the windows.",
+]
+INSTRUCTIONS = [
+    "Repeat the following text exactly, word for word:",
+    "Rewrite the following text, changing nothing but replacing every full stop with an "
+    "exclamation mark:",
+]
+
+
+def edit_prompts(llm: LLM) -> list[list[int]]:
+    return [
+        llm.apply_chat_template([{"role": "user", "content": f"{i}\n\n{t}"}])
+        for t in TEXTS
+        for i in INSTRUCTIONS
+    ]
+
+
+def proposer_cost() -> None:
+    rng = np.random.default_rng(0)
+    proposer = NgramProposer(4, 1, 4)
+    print("| tokens | µs per lookup |")
+    print("| --- | --- |")
+    for n in (256, 1024, 4096):
+        # text-like: a few hundred distinct tokens, with repeats
+        # each of 50 requests' lookups as it grows by one token, after its first
+        seqs = [rng.integers(0, 300, n + 1).tolist() for _ in range(50)]
+        for i, seq in enumerate(seqs):
+            proposer.propose(str(i), seq[:n], 4)
+        start = time.perf_counter()
+        for i, seq in enumerate(seqs):
+            proposer.propose(str(i), seq, 4)
+        print(f"| {n} | {(time.perf_counter() - start) / len(seqs) * 1e6:.1f} |")
+
+
+def decode(llm: LLM, prompts: list[list[int]], params: SamplingParams, batch: int):
+    """(ms per output token, tokens/s, outputs): ``batch`` requests at a time, each timed from
+    its first token to its last."""
+    engine, per_token, outputs, tokens = llm.engine, [], [], 0
+    start_all = time.perf_counter()
+    for first in range(0, len(prompts), batch):
+        group = prompts[first : first + batch]
+        times: dict[str, list[float]] = {}
+        for i, prompt in enumerate(group):
+            engine.add_request(str(first + i), prompt, params)
+        done = {}
+        while engine.has_unfinished_requests():
+            for out in engine.step():
+                times.setdefault(out.request_id, []).append(time.perf_counter())
+                if out.finished:
+                    done[out.request_id] = list(out.outputs[0].token_ids)
+        for request_id, ids in done.items():
+            stamps = times[request_id]
+            if len(ids) > 1:
+                per_token.append((stamps[-1] - stamps[0]) / (len(ids) - 1))
+            tokens += len(ids)
+        outputs += [done[str(first + i)] for i in range(len(group))]
+    wall = time.perf_counter() - start_all
+    return statistics.mean(per_token) * 1e3, tokens / wall, outputs
+
+
+def default_model_llm(args, speculative: dict | None, max_seqs: int) -> LLM:
+    """The default model (two of them fit the GPU at once, for C)."""
+    return LLM(
+        gpu_memory_utilization=0.4,
+        max_model_len=2048,
+        max_num_seqs=max_seqs,
+        cuda_graph_max_bs=max_seqs,
+        enforce_eager=args.enforce_eager,
+        speculative_config=speculative,
+    )
+
+
+def case_a(args) -> None:
+    ngram = {"method": "ngram", "num_speculative_tokens": args.k, "prompt_lookup_max": 4}
+    params = SamplingParams(temperature=0, max_tokens=args.max_tokens)
+    rows = {}
+    for name, spec in (("plain", None), (f"ngram k={args.k}", ngram)):
+        llm = default_model_llm(args, spec, 1)
+        prompts = edit_prompts(llm)
+        decode(llm, prompts[:1], params, 1)  # warm-up
+        llm.engine.spec_decode_stats = SpecDecodeStats()
+        rows[name] = (*decode(llm, prompts, params, 1), llm.spec_decode_stats)
+        del llm
+        torch.cuda.empty_cache()
+    base_ms, _, base_out, _ = rows["plain"]
+    print("| decoding | ms / output token | speed-up | mean acceptance length | identical |")
+    print("| --- | --- | --- | --- | --- |")
+    for name, (ms, _, outs, stats) in rows.items():
+        same = sum(a == b for a, b in zip(outs, base_out))
+        acceptance = f"{stats.mean_acceptance_length:.2f}" if stats.num_drafts else "-"
+        print(f"| {name} | {ms:.3f} | {base_ms / ms:.2f}× | {acceptance} | {same}/{len(outs)} |")
+
+
+class RepeatProposer:
+    """Proposes the last token ``num_tokens`` times (forced acceptance makes content moot)."""
+
+    def __init__(self, num_tokens: int) -> None:
+        self.num_tokens = num_tokens
+
+    def propose(self, request_id: str, token_ids, limit: int) -> list[int]:
+        return [token_ids[-1]] * min(limit, self.num_tokens)
+
+    def forget(self, request_id: str) -> None:
+        pass
+
+
+def accept_all(logits, states, proposals, generator) -> list[list[int]]:
+    """Every proposal accepted, then the target's greedy token after the last."""
+    ends = list(accumulate(1 + len(p) for p in proposals))
+    last = logits[[e - 1 for e in ends]].argmax(dim=-1).tolist()
+    return [[*p, t] for p, t in zip(proposals, last)]
+
+
+def case_b(args) -> None:
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp)
+        save_config_only(tf.Qwen3Config(**QWEN3_0_6B), "Qwen3ForCausalLM", path)
+        prompt = [np.random.default_rng(0).integers(2, 150000, 128).tolist()]
+        params = SamplingParams(temperature=0, max_tokens=args.max_tokens, ignore_eos=True)
+        options = dict(
+            load_format="dummy",
+            max_model_len=1024,
+            max_num_seqs=1,
+            enforce_eager=args.enforce_eager,
+        )
+        llm = LLM(str(path), **options)
+        decode(llm, prompt, params, 1)
+        plain_ms = decode(llm, prompt, params, 1)[0]
+        del llm
+        print("| k | ms / output token | ms / step | × plain decode step |")
+        print("| --- | --- | --- | --- |")
+        print(f"| 0 (plain) | {plain_ms:.3f} | {plain_ms:.3f} | 1.00× |")
+        real_verify = model_runner.verify
+        model_runner.verify = accept_all
+        try:
+            for k in range(1, 8):
+                spec = {"method": "ngram", "num_speculative_tokens": k}
+                llm = LLM(str(path), **options, speculative_config=spec)
+                llm.engine.scheduler._proposer = RepeatProposer(k)
+                decode(llm, prompt, params, 1)
+                ms = decode(llm, prompt, params, 1)[0]
+                step_ms = ms * (k + 1)
+                print(f"| {k} | {ms:.3f} | {step_ms:.3f} | {step_ms / plain_ms:.2f}× |")
+                del llm
+                torch.cuda.empty_cache()
+        finally:
+            model_runner.verify = real_verify
+
+
+def case_c(args) -> None:
+    ngram = {"method": "ngram", "num_speculative_tokens": args.k, "prompt_lookup_max": 4}
+    params = SamplingParams(temperature=0, max_tokens=args.max_tokens)
+    print("| batch | plain tokens/s | ngram tokens/s | ratio | mean acceptance length |")
+    print("| --- | --- | --- | --- | --- |")
+    llms = {name: default_model_llm(args, spec, 64) for name, spec in (("p", None), ("s", ngram))}
+    prompts = edit_prompts(llms["p"])
+    for batch in (1, 4, 16, 64):
+        work = (prompts * (-(-batch // len(prompts))))[:batch]
+        result = {}
+        for name, llm in llms.items():
+            decode(llm, work[:1], params, 1)  # warm-up
+            llm.engine.spec_decode_stats = SpecDecodeStats()
+            result[name] = (decode(llm, work, params, batch)[1], llm.spec_decode_stats)
+        (plain, _), (spec, stats) = result["p"], result["s"]
+        print(
+            f"| {batch} | {plain:.0f} | {spec:.0f} | {spec / plain:.2f}× | "
+            f"{stats.mean_acceptance_length:.2f} |"
+        )
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--k", type=int, default=4, help="num_speculative_tokens of A and C")
+    parser.add_argument("--max-tokens", type=int, default=256)
+    parser.add_argument("--enforce-eager", action="store_true")
+    parser.add_argument("--cases", default="PABC")
+    args = parser.parse_args()
+    for case, run in (("P", proposer_cost), ("A", case_a), ("B", case_b), ("C", case_c)):
+        if case in args.cases:
+            print(f"\n### {case}\n")
+            run() if case == "P" else run(args)
+
+
+if __name__ == "__main__":
+    main()

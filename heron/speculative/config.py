@@ -1,0 +1,71 @@
+"""``speculative_config``: the user's dictionary, checked field by field."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, fields
+from typing import Any
+
+METHODS = ("ngram",)
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    """How proposals are made, named as vLLM names them.
+
+    ``ngram``: prompt lookup. The longest suffix of the sequence (``prompt_lookup_max`` tokens
+    down to ``prompt_lookup_min``) that occurred before proposes the ``num_speculative_tokens``
+    tokens that followed its latest earlier occurrence.
+    """
+
+    method: str
+    num_speculative_tokens: int
+    prompt_lookup_min: int = 1
+    prompt_lookup_max: int = 3
+    # No proposals while more requests than this run (verification costs compute that large
+    # batches do not have to spare); None: always propose.
+    disable_by_batch_size: int | None = None
+
+    @classmethod
+    def from_dict(cls, options: Mapping[str, Any]) -> SpeculativeConfig:
+        """Raises ``ValueError`` naming the first bad or unknown field."""
+        if not isinstance(options, Mapping):
+            raise ValueError(
+                f"speculative_config must be a dictionary, got {type(options).__name__}"
+            )
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(options) - known)
+        if unknown:
+            raise ValueError(
+                f"speculative_config: unknown field(s) {', '.join(map(repr, unknown))} "
+                f"(known: {', '.join(sorted(known))})"
+            )
+        for name in ("method", "num_speculative_tokens"):
+            if name not in options:
+                raise ValueError(f"speculative_config: {name!r} is required")
+        method = options["method"]
+        if method not in METHODS:
+            raise ValueError(
+                f"speculative_config: method must be one of {', '.join(METHODS)}, got {method!r}"
+            )
+        values = dict(options)
+        for name in (
+            "num_speculative_tokens",
+            "prompt_lookup_min",
+            "prompt_lookup_max",
+            "disable_by_batch_size",
+        ):
+            value = values.get(name)
+            if name not in values or (value is None and name == "disable_by_batch_size"):
+                continue
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(
+                    f"speculative_config: {name} must be an integer >= 1, got {value!r}"
+                )
+        config = cls(**values)
+        if config.prompt_lookup_min > config.prompt_lookup_max:
+            raise ValueError(
+                f"speculative_config: prompt_lookup_min ({config.prompt_lookup_min}) must not "
+                f"exceed prompt_lookup_max ({config.prompt_lookup_max})"
+            )
+        return config

@@ -1,0 +1,91 @@
+"""Verification of proposals against the target model's own next-token distributions.
+
+Greedy rows accept a proposal while it is the target's argmax. Sampled rows use rejection
+sampling for a proposer that names one token (a point mass ``q``): proposal ``x`` at a position
+whose target distribution is ``p`` is accepted with probability ``min(1, p(x) / q(x)) = p(x)``;
+on refusal the token is drawn from ``max(0, p - q)`` renormalised, which is ``p`` without
+``x``; after every proposal was accepted the next token is drawn from the last position's
+``p``. Each emitted token is then distributed as ``p`` (Leviathan et al., 2023), whatever the
+proposals were.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from itertools import accumulate
+
+import torch
+
+from heron.execution.request_state import RequestState
+from heron.execution.sampler import apply_logit_bias, sampling_probs
+
+
+def verify(
+    logits: torch.Tensor,
+    states: Sequence[RequestState],
+    proposals: Sequence[Sequence[int]],
+    generator: torch.Generator | None,
+) -> list[list[int]]:
+    """Each request's emitted tokens: its accepted proposals and one token after them.
+
+    ``logits`` holds ``1 + len(proposals[i])`` consecutive rows for ``states[i]``: the
+    distributions after its last token and after each proposal. A seeded request draws its
+    uniforms and noise from its own generator, a fixed amount per position, so its tokens
+    depend on nothing else in the batch.
+    """
+    counts = [1 + len(p) for p in proposals]
+    starts = [0, *accumulate(counts)]
+    rows = [s for s, n in zip(states, counts) for _ in range(n)]
+    logits = logits.to(torch.float32, copy=True)
+    apply_logit_bias(logits, rows)
+    device = logits.device
+    # The token each row verifies (the proposal after it); -1 on each request's last row.
+    proposed = torch.tensor(
+        [t for p in proposals for t in (*p, -1)], dtype=torch.int64, device=device
+    )
+    has_proposal = proposed >= 0
+    safe = proposed.clamp(min=0).unsqueeze(1)
+    targets = logits.argmax(dim=-1)
+    greedy = [r.sampling_params.greedy for r in rows]
+    if all(greedy):
+        accepted, chosen = (targets == proposed) & has_proposal, targets
+    else:
+        probs = sampling_probs(logits, [r.sampling_params for r in rows])
+        uniform = torch.empty(len(rows), device=device)
+        noise = torch.empty_like(probs)
+        _draw_noise(uniform, noise, states, starts, generator)
+        accepted = (uniform < probs.gather(1, safe).squeeze(1)) & has_proposal
+        # p without the proposal (the bonus rows, which have none, keep all of p)
+        kept = probs.gather(1, safe) * ~has_proposal.unsqueeze(1)
+        residual = probs.scatter(1, safe, kept)
+        drawn = residual.div_(noise).argmax(dim=-1)
+        is_greedy = torch.tensor(greedy, device=device)
+        accepted = torch.where(is_greedy, (targets == proposed) & has_proposal, accepted)
+        chosen = torch.where(is_greedy, targets, drawn)
+    accepted, chosen = torch.stack([accepted.long(), chosen]).tolist()
+    out = []
+    for p, start in zip(proposals, starts):
+        n = 0
+        while n < len(p) and accepted[start + n]:
+            n += 1
+        out.append([*p[:n], chosen[start + n]])
+    return out
+
+
+def _draw_noise(
+    uniform: torch.Tensor,
+    noise: torch.Tensor,
+    states: Sequence[RequestState],
+    starts: Sequence[int],
+    generator: torch.Generator | None,
+) -> None:
+    """Uniforms (acceptance) and exponential noise (the draws, by the race of ``_draw``) for
+    every row; a seeded request's rows from its own generator."""
+    seeded = [(i, s.generator) for i, s in enumerate(states) if s.generator is not None]
+    if len(seeded) < len(states):
+        uniform.uniform_(generator=generator)
+        noise.exponential_(generator=generator)
+    for i, row_generator in seeded:
+        rows = slice(starts[i], starts[i + 1])
+        uniform[rows].uniform_(generator=row_generator)
+        noise[rows].exponential_(generator=row_generator)

@@ -1,0 +1,90 @@
+"""Verification steps through graph buffers: ``q`` new tokens per row (the last token and the
+proposals after it) filled into the Triton builder's buffers, padded to a larger batch, then the
+extend kernel over the buffers' view (what a replayed verification graph runs) against dense
+fp32 attention; padded rows attend to nothing. Tiny shapes under the Triton interpreter."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from test_triton_attention_kernels import (
+    DEVICE,
+    HEAD_DIM,
+    assert_close,
+    dense_attention,
+    make_paged_cache,
+    make_sinks,
+    strided_q,
+    window_rows,
+)
+
+from heron.cache.paged_parts import paged_layout
+from heron.kernels.attention_extend import paged_extend_attention
+from heron.metadata import GraphSupport, SequenceMetadata, StepBatch, StepMetadataError
+from heron.ops.attention.base import AttentionSpec
+from heron.ops.attention.triton.operator import TritonAttentionBuilder
+
+pytestmark = pytest.mark.filterwarnings("ignore:Conversion of an array with ndim > 0")
+
+
+def uniform_step(
+    kv_lens: list[int], q: int, tables: torch.Tensor, block_size: int, window: int | None
+) -> SequenceMetadata:
+    """``q`` new tokens per request, at the end of each one's (already written) keys."""
+    n = len(kv_lens)
+    tables, starts = window_rows(tables, kv_lens, [q] * n, window, block_size)
+    step = StepBatch(n, n * q, n * q, block_size, [paged_layout(n, n * q, tables.shape[1])])
+    step.query_lens[:] = q
+    step.kv_lens[:] = kv_lens
+    step.positions[:] = [p for length in kv_lens for p in range(length - q, length)]
+    step.group_parts[0]["block_tables"][:] = tables.cpu().numpy()
+    step.group_parts[0]["table_starts"][:] = starts.cpu().numpy()
+    step.logits_indices[:] = range(n * q)
+    step.finish()
+    return SequenceMetadata.from_step_batch(step, DEVICE)
+
+
+@pytest.mark.parametrize("window, sinks", [(None, False), (6, True)])
+def test_verification_step_through_graph_buffers_matches_dense(window, sinks):
+    heads, kv_heads, block_size, q_len, batch = 4, 2, 4, 3, 4
+    spec = AttentionSpec(heads, kv_heads, HEAD_DIM, HEAD_DIM**-0.5, window, has_sinks=sinks)
+    builder = TritonAttentionBuilder(spec, block_size, max_model_len=64)
+    assert builder.graph_support is GraphSupport.UNIFORM
+    buffers = builder.make_graph_buffers(batch, DEVICE, max_query_len=q_len)
+    kv_lens = [13, 5]
+    cache, tables, ks, vs = make_paged_cache(
+        kv_lens, block_size, kv_heads, HEAD_DIM, torch.float32, DEVICE
+    )
+    seq = uniform_step(kv_lens, q_len, tables, block_size, window)
+    builder.fill(seq, buffers, batch)
+    view = builder.graph_view(seq, buffers, batch)
+    assert not view.is_decode and view.max_query_len == q_len and view.num_reqs == batch
+    assert view.query_start_loc.tolist() == [0, 3, 6, 9, 12]
+    assert view.positions.shape == (batch * q_len,) and not view.slot_mapping[6:].any()
+    q = strided_q(batch * q_len, heads, HEAD_DIM, torch.float32, DEVICE, seed=3)
+    sink_logits = make_sinks(heads, torch.float32, DEVICE) if sinks else None
+    out = torch.full_like(q, float("nan"))
+    paged_extend_attention(
+        q, cache, view.block_tables, view.table_starts, view.query_start_loc, view.kv_lens,
+        view.max_query_len, spec.scale, window, out, sinks=sink_logits,
+    )  # fmt: skip
+    for r, (k, v) in enumerate(zip(ks, vs)):
+        rows = slice(r * q_len, (r + 1) * q_len)
+        ref = dense_attention(q[rows], k, v, window, spec.scale, sinks=sink_logits)
+        assert_close(out[rows], ref, 1e-4)
+    assert not out[len(kv_lens) * q_len :].any(), "padded rows attend to nothing"
+
+
+def test_graph_buffers_refuse_steps_that_are_not_uniform():
+    spec = AttentionSpec(2, 1, HEAD_DIM, HEAD_DIM**-0.5, None)
+    builder = TritonAttentionBuilder(spec, 4, max_model_len=64)
+    buffers = builder.make_graph_buffers(4, DEVICE, max_query_len=2)
+    cache, tables, _, _ = make_paged_cache([9], 4, 1, HEAD_DIM, torch.float32, DEVICE)
+    with pytest.raises(StepMetadataError, match="same query length"):
+        builder.fill(uniform_step([9], 3, tables, 4, None), buffers, 4)  # longer than captured
+    mixed = StepBatch(2, 3, 3, 4, [paged_layout(2, 3, tables.shape[1])])
+    mixed.query_lens[:] = [2, 1]
+    mixed.kv_lens[:] = [9, 9]
+    mixed.finish()
+    with pytest.raises(StepMetadataError, match="same query length"):
+        builder.fill(SequenceMetadata.from_step_batch(mixed, DEVICE), buffers, 4)
