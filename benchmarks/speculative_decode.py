@@ -200,16 +200,20 @@ def case_c(args) -> None:
     params = SamplingParams(temperature=0, max_tokens=args.max_tokens)
     print("| batch | plain tokens/s | ngram tokens/s | ratio | mean acceptance length |")
     print("| --- | --- | --- | --- | --- |")
-    llms = {name: default_model_llm(args, spec, 64) for name, spec in (("p", None), ("s", ngram))}
-    prompts = edit_prompts(llms["p"])
-    for batch in (1, 4, 16, 64):
-        work = (prompts * (-(-batch // len(prompts))))[:batch]
-        result = {}
-        for name, llm in llms.items():
-            decode(llm, work[:1], params, 1)  # warm-up
+    batches = (1, 4, 16, 64)
+    results = {}
+    for name, spec in (("p", None), ("s", ngram)):  # one engine at a time: each takes its share
+        llm = default_model_llm(args, spec, 64)
+        prompts = edit_prompts(llm)
+        decode(llm, prompts[:1], params, 1)  # warm-up
+        for batch in batches:
+            work = (prompts * (-(-batch // len(prompts))))[:batch]
             llm.engine.spec_decode_stats = SpecDecodeStats()
-            result[name] = (decode(llm, work, params, batch)[1], llm.spec_decode_stats)
-        (plain, _), (spec, stats) = result["p"], result["s"]
+            results[name, batch] = (decode(llm, work, params, batch)[1], llm.spec_decode_stats)
+        del llm
+        torch.cuda.empty_cache()
+    for batch in batches:
+        (plain, _), (spec, stats) = results["p", batch], results["s", batch]
         print(
             f"| {batch} | {plain:.0f} | {spec:.0f} | {spec / plain:.2f}× | "
             f"{stats.mean_acceptance_length:.2f} |"

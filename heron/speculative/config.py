@@ -22,9 +22,10 @@ class SpeculativeConfig:
     num_speculative_tokens: int
     prompt_lookup_min: int = 1
     prompt_lookup_max: int = 3
-    # No proposals while more requests than this run (verification costs compute that large
-    # batches do not have to spare); None: always propose.
-    disable_by_batch_size: int | None = None
+    # No proposals while more requests than this run: verification costs compute that large
+    # batches do not have to spare (on the H200 it lost from batch 16 up: BENCHMARKS.md);
+    # None: always propose.
+    disable_by_batch_size: int | None = 8
 
     @classmethod
     def from_dict(cls, options: Mapping[str, Any]) -> SpeculativeConfig:
