@@ -38,7 +38,11 @@ _ENGINE_FLAG_HELP = {
     "quantization": "fp8: FP8 E4M3 linear weights quantised at load (FP8 checkpoints are read "
     "as FP8 without it)",
     "kv_cache_dtype": "auto (the model's dtype) or fp8 (E4M3: half of bf16's bytes per block)",
+    "tensor_parallel_size": "split the model over this many GPUs (processes) of the host; "
+    "under torchrun, over its ranks (python -m heron.distributed.launch)",
 }
+# Short spellings vLLM users type.
+_SHORT_FLAGS = {"tensor_parallel_size": "-tp"}
 
 
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
@@ -53,7 +57,8 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
             kind = {"int": int, "float": float, "int | None": int, "float | None": float}.get(
                 str(f.type), str
             )
-            parser.add_argument(flag, type=kind, default=f.default, help=help_text)
+            flags = (flag, _SHORT_FLAGS[f.name]) if f.name in _SHORT_FLAGS else (flag,)
+            parser.add_argument(*flags, type=kind, default=f.default, help=help_text)
 
 
 def engine_config(args: argparse.Namespace) -> EngineConfig:

@@ -58,8 +58,11 @@ class EngineConfig:
     load_format: str = "auto"
     quantization: str | None = None  # QUANTIZATIONS; an FP8 checkpoint is read as FP8 anyway
     kv_cache_dtype: str = "auto"  # KV_CACHE_DTYPES
+    tensor_parallel_size: int = 1  # ranks one model is split over (one process each)
 
     def __post_init__(self) -> None:
+        if self.tensor_parallel_size < 1:
+            raise ValueError(f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ValueError(
                 f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, "
