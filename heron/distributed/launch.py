@@ -11,7 +11,8 @@ from __future__ import annotations
 
 import sys
 
-from heron.cli import build_parser, engine_config, main as cli_main
+from heron.cli import build_parser, engine_config
+from heron.cli import main as cli_main
 from heron.distributed.rendezvous import Rendezvous
 from heron.distributed.worker import run_worker
 from heron.platforms import resolve_device
