@@ -82,15 +82,19 @@ FAMILIES = ["llama", "qwen2", "qwen3", "mistral"]
 
 
 def save_tiny_model(family: str, path: Path, seed: int = 0) -> Path:
+    return save_random_model(tiny_config(family), path, seed)
+
+
+def save_random_model(config, path: Path, seed: int = 0) -> Path:
+    """An HF model of ``config`` with random weights, and the test tokenizer, saved to ``path``."""
     import transformers as tf
 
     torch.manual_seed(seed)
-    config = tiny_config(family)
     model = tf.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     # Random init is small; scale weights up so logits are not near-uniform (no near-ties).
     with torch.no_grad():
         for name, p in model.named_parameters():
-            if p.dim() == 2:
+            if p.dim() >= 2:  # matrices, and stacked experts
                 p.normal_(0.0, 0.08)
             elif "norm" in name:
                 p.uniform_(0.8, 1.2)
