@@ -166,9 +166,9 @@ def prompt_logprob_error(llm, hf, prompt: list[int]) -> float:
     return (got - hf_prompt_logprobs(hf, prompt)).abs().max().item()
 
 
-def cuda_graph_llm(path: Path):
+def cuda_graph_llm(path: Path, **options):
     """An fp32 engine on CUDA with decode graphs up to batch 4 and 32-token prefill chunks, for
-    exact greedy parity with HF on the GPU."""
+    exact greedy parity with HF on the GPU; ``options`` are more engine options."""
     from heron import LLM
 
     llm = LLM(
@@ -179,6 +179,7 @@ def cuda_graph_llm(path: Path):
         num_kv_blocks=64,
         cuda_graph_max_bs=4,
         max_num_batched_tokens=32,
+        **options,
     )
     assert llm.engine.runner.graphs is not None
     return llm

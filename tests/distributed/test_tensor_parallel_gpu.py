@@ -8,9 +8,15 @@ import torch
 import transformers as tf
 from tp_models import tiny_config
 
-from heron import LLM, SamplingParams
+from heron import SamplingParams
 
-from tiny_models import SHARED_PREFIX_PROMPTS, greedy_tokens, hf_greedy, save_random_model
+from tiny_models import (
+    SHARED_PREFIX_PROMPTS,
+    cuda_graph_llm,
+    greedy_tokens,
+    hf_greedy,
+    save_random_model,
+)
 
 MAX_NEW = 12
 GREEDY = SamplingParams(temperature=0.0, max_tokens=MAX_NEW, ignore_eos=True)
@@ -34,17 +40,8 @@ def test_two_gpus_with_graphs_equal_hf(family, tmp_path):
         .eval()
     )
     refs = hf_greedy(hf, SHARED_PREFIX_PROMPTS, MAX_NEW)
-    llm = LLM(
-        str(path),
-        device="cuda",
-        dtype="float32",
-        tensor_parallel_size=2,
-        max_model_len=128,
-        cuda_graph_max_bs=4,
-        max_num_batched_tokens=32,
-    )
+    llm = cuda_graph_llm(path, tensor_parallel_size=2)
     try:
-        assert llm.engine.runner.graphs is not None
         assert greedy_tokens(llm, SHARED_PREFIX_PROMPTS, GREEDY) == refs
     finally:
         llm.engine.shutdown()
