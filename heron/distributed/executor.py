@@ -21,6 +21,7 @@ import time
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass
 
+import torch
 import torch.distributed as dist
 
 from heron.cache.layout import CacheLayout
@@ -79,6 +80,7 @@ class TensorParallelRunner:
     def __init__(self, size: int, args: RunnerArgs, platform: Platform) -> None:
         check_tensor_parallel(args.model_config, size)
         rv = Rendezvous.from_env()
+        _check_devices(platform, size, rv)
         self._workers: dict[int, subprocess.Popen] = {}
         self._dead: WorkerDiedError | None = None
         self._closed = False
@@ -211,3 +213,22 @@ def _start_worker(rv: Rendezvous, device_type: str) -> subprocess.Popen:
     return subprocess.Popen(
         [sys.executable, "-m", "heron.distributed.worker", payload], stdin=subprocess.PIPE
     )
+
+
+def _check_devices(platform: Platform, size: int, rv: Rendezvous | None) -> None:
+    """Rank ``r`` of a host drives its GPU ``r`` (torchrun's ``LOCAL_RANK``): rank 0 must be
+    on GPU 0, and a host starting its own workers needs a GPU for each."""
+    device = platform.device
+    if device.type != "cuda":
+        return
+    local_rank = 0 if rv is None else rv.local_rank
+    if device.index != local_rank:
+        raise ValueError(
+            f"with tensor parallelism rank 0 runs on cuda:{local_rank}, not {device}; "
+            "choose the GPUs with CUDA_VISIBLE_DEVICES"
+        )
+    if rv is None and torch.cuda.device_count() < size:
+        raise ValueError(
+            f"tensor_parallel_size={size} needs {size} GPUs; this host has "
+            f"{torch.cuda.device_count()}"
+        )

@@ -1,8 +1,8 @@
 """Linear layers whose checkpoint shards are packed into one matrix at load time, and their
 tensor-parallel forms.
 
-``parallel="column"`` gives each rank a slice of the output features (a packed layer's
-shards, each by its own heads); ``parallel="row"`` a slice of the input features, and the
+``PackedLinear(parallel="column")`` gives each rank a slice of the output features (each
+shard by its own heads); ``Linear(parallel="row")`` a slice of the input features, and the
 output is the all-reduced sum of the ranks' partial products (the bias is added once, by rank
 0's copy). Both only take effect inside a tensor-parallel build scope of more than one rank.
 """
@@ -16,8 +16,6 @@ from torch import nn
 from heron.distributed.parallel import current_tensor_parallel
 from heron.kernels import TORCH_KERNELS, LayerKernels
 from heron.layers.fp8 import FP8, dequantize, quantize
-
-PARALLEL_KINDS = (None, "column", "row")
 
 
 class Linear(nn.Module):
@@ -37,16 +35,13 @@ class Linear(nn.Module):
         parallel: str | None = None,
     ) -> None:
         super().__init__()
-        if parallel not in PARALLEL_KINDS:
-            raise ValueError(f"parallel must be one of {PARALLEL_KINDS}, got {parallel!r}")
+        if parallel not in (None, "row"):
+            raise ValueError(f"a linear layer is row-parallel or not, got parallel={parallel!r}")
         tp = current_tensor_parallel()
         self.tp = tp
         self.parallel = parallel if tp.size > 1 else None
-        # Where this rank's slice starts in the checkpoint's matrix (rows, columns).
-        self.row_start = self.col_start = 0
-        if self.parallel == "column":
-            self.row_start, out_features = tp.part(out_features, "the output features")
-        elif self.parallel == "row":
+        self.col_start = 0  # this rank's first input feature (column of the checkpoint's matrix)
+        if self.parallel == "row":
             self.col_start, in_features = tp.part(in_features, "the input features")
         self.in_features, self.out_features = in_features, out_features
         self.weight = nn.Parameter(torch.empty(out_features, in_features), requires_grad=False)
@@ -62,7 +57,7 @@ class Linear(nn.Module):
             )
         else:
             y = linear(x, self.weight, self.bias, self.kernels)
-        return self._reduced(y)
+        return self.tp.all_reduce(y) if self.parallel == "row" else y
 
     def _reduced(self, y: torch.Tensor) -> torch.Tensor:
         """The layer's output from this rank's product: summed over the ranks when row-parallel."""
@@ -114,8 +109,6 @@ class Linear(nn.Module):
     def checkpoint_part(self, name: str, loaded: torch.Tensor, shard: str | None) -> torch.Tensor:
         """The part of checkpoint tensor ``loaded`` (for parameter ``name``) this rank holds;
         only narrowed, so a lazily read checkpoint tensor reads just that part."""
-        if self.parallel == "column":
-            return loaded.narrow(0, self.row_start, self.out_features)
         if self.parallel == "row" and name == "weight":
             return loaded.narrow(1, self.col_start, self.in_features)
         return loaded
@@ -160,8 +153,10 @@ class PackedLinear(Linear):
         parallel: str | None = None,
         unit_rows: dict[str, int] | None = None,
     ) -> None:
-        if parallel == "row":
-            raise ValueError("a packed linear layer can only be column-parallel")
+        if parallel not in (None, "column"):
+            raise ValueError(
+                f"a packed linear layer is column-parallel or not, got parallel={parallel!r}"
+            )
         tp = current_tensor_parallel()
         sharded = parallel == "column" and tp.size > 1
         self.shard_starts: dict[str, int] = {}  # each shard's first row in its checkpoint tensor

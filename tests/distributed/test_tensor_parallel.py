@@ -20,7 +20,7 @@ from heron.config import ModelConfig
 from heron.distributed.executor import WorkerDiedError
 from heron.distributed.parallel import TensorParallel
 from heron.distributed.rendezvous import Rendezvous
-from heron.models.build import build_model
+from heron.models.build import build_model, check_tensor_parallel
 from heron.platforms import CpuPlatform
 
 from tiny_models import SHARED_PREFIX_PROMPTS, hf_greedy, save_random_model
@@ -185,3 +185,14 @@ def test_ranks_rendezvous_through_torchrun_environment(saved):
     )
     assert outputs[0][0] == one_rank[0].outputs[0].text + "\n"
     assert outputs[1][0] == ""  # a worker prints nothing
+
+
+@pytest.mark.parametrize(
+    "architecture, layers",
+    [("DeepseekV3ForCausalLM", "MLA"), ("Qwen3_5MoeForCausalLM", "GDN")],
+)
+def test_families_with_unsharded_layers_are_refused_by_name(architecture, layers):
+    config = types.SimpleNamespace(architecture=architecture)
+    check_tensor_parallel(config, 1)
+    with pytest.raises(ValueError, match=f"{architecture} does not support .*{layers}"):
+        check_tensor_parallel(config, 2)
