@@ -79,6 +79,11 @@ class TensorParallelRunner:
 
     def __init__(self, size: int, args: RunnerArgs, platform: Platform) -> None:
         check_tensor_parallel(args.model_config, size)
+        if dist.is_initialized():
+            raise ValueError(
+                "this process already belongs to a torch.distributed group (another "
+                "tensor-parallel engine?); shut that engine down first (LLMEngine.shutdown)"
+            )
         rv = Rendezvous.from_env()
         _check_devices(platform, size, rv)
         self._workers: dict[int, subprocess.Popen] = {}

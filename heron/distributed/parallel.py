@@ -25,17 +25,17 @@ class TensorParallel:
     size: int = 1
     group: dist.ProcessGroup | None = None
 
-    def part(self, units: int, what: str) -> tuple[int, int]:
-        """This rank's ``(first unit, count)`` of ``units`` split evenly over the ranks, or the
-        one unit it shares with others when there are fewer units than ranks (KV heads)."""
+    def part(self, units: int, what: str, shared: bool = False) -> tuple[int, int]:
+        """This rank's ``(first unit, count)`` of ``units`` split evenly over the ranks; with
+        ``shared``, fewer units than ranks give each rank one unit it shares (KV heads)."""
         if units % self.size == 0:
             count = units // self.size
             return self.rank * count, count
-        if self.size % units == 0:
+        if shared and self.size % units == 0:
             return self.rank * units // self.size, 1
         raise ValueError(
-            f"tensor_parallel_size={self.size} does not divide {what} ({units}), nor does "
-            f"{what} divide it"
+            f"tensor_parallel_size={self.size} does not divide {what} ({units})"
+            + (f", nor does {what} divide it" if shared else "")
         )
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:

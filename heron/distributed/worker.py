@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import signal
 import sys
 import threading
 
@@ -97,6 +98,8 @@ def main() -> int:
         level="WARNING", format=f"%(levelname)s rank {rv.rank} %(name)s: %(message)s"
     )
     threading.Thread(target=_exit_with_parent, daemon=True).start()
+    # Ctrl-C reaches the whole process group; rank 0 decides how the workers stop.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     try:
         run_worker(rv, spec["device_type"])
     except Exception:

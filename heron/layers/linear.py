@@ -140,8 +140,8 @@ class PackedLinear(Linear):
 
     ``shards`` maps each checkpoint shard name to its number of output rows, in order. Column-
     parallel, each shard is split over the ranks in units of ``unit_rows[name]`` rows (a head;
-    one row by default); a shard of fewer units than ranks (KV heads) gives each rank one whole
-    unit, shared with its neighbours.
+    one row by default); a ``shared`` shard of fewer units than ranks (KV heads) gives each
+    rank one whole unit, shared with its neighbours.
     """
 
     def __init__(
@@ -152,6 +152,7 @@ class PackedLinear(Linear):
         kernels: LayerKernels = TORCH_KERNELS,
         parallel: str | None = None,
         unit_rows: dict[str, int] | None = None,
+        shared: tuple[str, ...] = (),
     ) -> None:
         if parallel not in (None, "column"):
             raise ValueError(
@@ -164,7 +165,8 @@ class PackedLinear(Linear):
         for name, rows in shards.items():
             if sharded:
                 unit = (unit_rows or {}).get(name, 1)
-                first, count = tp.part(rows // unit, f"the {name} shard's {unit}-row units")
+                what = f"the {name} shard's {unit}-row units"
+                first, count = tp.part(rows // unit, what, shared=name in shared)
                 self.shard_starts[name], local[name] = first * unit, count * unit
             else:
                 self.shard_starts[name], local[name] = 0, rows

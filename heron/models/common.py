@@ -108,6 +108,7 @@ class PackedAttention(nn.Module):
             runtime.kernels,
             parallel="column",
             unit_rows=dict.fromkeys("qkv", d),
+            shared=("k", "v"),
         )
         self.o_proj = Linear(q_size, hidden_size, o_bias, runtime.kernels, parallel="row")
         # This rank's heads (all of them on one rank): the operator sees only those.

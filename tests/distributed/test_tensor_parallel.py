@@ -196,3 +196,19 @@ def test_families_with_unsharded_layers_are_refused_by_name(architecture, layers
     check_tensor_parallel(config, 1)
     with pytest.raises(ValueError, match=f"{architecture} does not support .*{layers}"):
         check_tensor_parallel(config, 2)
+
+
+def test_heads_split_evenly_and_kv_heads_are_shared_below_one_per_rank():
+    assert [TensorParallel(r, 4).part(8, "heads") for r in range(4)] == [
+        (0, 2),
+        (2, 2),
+        (4, 2),
+        (6, 2),
+    ]
+    assert [TensorParallel(r, 4).part(2, "KV heads", shared=True) for r in range(4)] == [
+        (0, 1), (0, 1), (1, 1), (1, 1)
+    ]  # fmt: skip
+    with pytest.raises(ValueError, match="does not divide heads"):
+        TensorParallel(0, 4).part(2, "heads")
+    with pytest.raises(ValueError, match="nor does KV heads divide it"):
+        TensorParallel(0, 4).part(3, "KV heads", shared=True)
