@@ -3,12 +3,14 @@ all-reduces and the logits' all-gather, and greedy tokens equal HF's (fp32)."""
 
 from __future__ import annotations
 
+import gc
+
 import pytest
 import torch
 import transformers as tf
 from tp_models import tiny_config
 
-from heron import SamplingParams
+from heron import LLM, SamplingParams
 
 from tiny_models import (
     SHARED_PREFIX_PROMPTS,
@@ -45,3 +47,28 @@ def test_two_gpus_with_graphs_equal_hf(family, tmp_path):
         assert greedy_tokens(llm, SHARED_PREFIX_PROMPTS, GREEDY) == refs
     finally:
         llm.engine.shutdown()
+
+
+def test_both_gpus_profile_and_share_the_smaller_kv_budget(tmp_path):
+    """Without a fixed pool every rank profiles its forward (collectives included) and the
+    pool is sized from the smaller budget: here rank 0's, whose GPU holds 8 GiB more."""
+    path = save_random_model(tiny_config("qwen3"), tmp_path)  # 2 KV heads: 1 per GPU
+    options = dict(device="cuda", dtype="float32", max_model_len=128, gpu_memory_utilization=0.3)
+    hog = torch.empty(8 << 30, dtype=torch.uint8, device="cuda:0")
+    one = LLM(str(path), **options)
+    blocks_one = one.engine.kv_cache.group_usage()[0].num_blocks
+    del one
+    gc.collect()
+    torch.cuda.empty_cache()
+    llm = LLM(str(path), tensor_parallel_size=2, **options)
+    try:
+        # Half the KV bytes per block on each GPU, the same budget as one GPU with the hog
+        # (rank 1's larger one would give about 2.5 times the blocks).
+        blocks_two = llm.engine.kv_cache.group_usage()[0].num_blocks
+        assert 1.8 * blocks_one < blocks_two < 2.2 * blocks_one
+        hf = tf.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).to("cuda").eval()
+        refs = hf_greedy(hf, SHARED_PREFIX_PROMPTS, MAX_NEW)
+        assert greedy_tokens(llm, SHARED_PREFIX_PROMPTS, GREEDY) == refs
+    finally:
+        llm.engine.shutdown()
+        del hog
