@@ -14,7 +14,7 @@ from __future__ import annotations
 import atexit
 import contextlib
 import json
-import logging
+import os
 import subprocess
 import sys
 import time
@@ -35,8 +35,6 @@ from heron.execution.step_plan import StepPlan
 from heron.metadata import StepMetaPlan
 from heron.models.build import check_tensor_parallel
 from heron.platforms import Platform
-
-logger = logging.getLogger(__name__)
 
 # How long rank 0 waits for a worker whose collective failed to exit (to name its exit code),
 # and for the workers to exit after a shutdown.
@@ -215,8 +213,11 @@ def _start_worker(rv: Rendezvous, device_type: str) -> subprocess.Popen:
     """A worker process for rank ``rv.rank``; its standard input is a pipe from this process,
     so it exits when this process does, however that happens."""
     payload = json.dumps({"rendezvous": asdict(rv), "device_type": device_type})
+    # This process's import path, as multiprocessing's spawn passes it: the worker imports
+    # the same heron (the environment is inherited otherwise, NCCL's settings included).
+    env = os.environ | {"PYTHONPATH": os.pathsep.join(sys.path)}
     return subprocess.Popen(
-        [sys.executable, "-m", "heron.distributed.worker", payload], stdin=subprocess.PIPE
+        [sys.executable, "-m", "heron.distributed.worker", payload], stdin=subprocess.PIPE, env=env
     )
 
 
