@@ -13,12 +13,14 @@ B and C are measured as the caller sees them: per request (time of last token - 
 token) / (tokens - 1), averaged over requests. Prints a markdown table.
 
     python benchmarks/gpu_decode.py [--skip-hf] [--hf-requests 32] [--load-format dummy]
-        [--quantization fp8] [--kv-cache-dtype fp8]
+        [--quantization fp8] [--kv-cache-dtype fp8] [--tensor-parallel-size 2]
 
 ``--load-format dummy`` writes only config.json and the tokenizer: Heron makes random weights
 on the GPU, and HF its own random init. ``--quantization fp8`` (FP8 linear weights) and
 ``--kv-cache-dtype fp8`` apply to Heron only; the floors count their bytes (one per FP8
-element; the tied embedding / LM head stays bf16).
+element; the tied embedding / LM head stays bf16). ``--tensor-parallel-size N`` splits Heron's
+model over N GPUs; the floors are then one GPU's share (the bytes over N, collectives not
+counted).
 """
 
 from __future__ import annotations
@@ -275,6 +277,7 @@ def main() -> None:
     parser.add_argument("--hf-requests", type=int, default=32, help="requests of A run by HF")
     parser.add_argument("--enforce-eager", action="store_true")
     parser.add_argument("--load-format", choices=["auto", "dummy"], default="auto")
+    parser.add_argument("--tensor-parallel-size", "-tp", type=int, default=1)
     add_fp8_args(parser)
     args = parser.parse_args()
 
@@ -290,6 +293,7 @@ def main() -> None:
             load_format=args.load_format,
             quantization=args.quantization,
             kv_cache_dtype=args.kv_cache_dtype,
+            tensor_parallel_size=args.tensor_parallel_size,
         )
         a = workload_a(llm)
         b_ms, _ = heron_decode_ms(llm, [[7] * 128], 256)
@@ -297,6 +301,7 @@ def main() -> None:
         graphs = llm.engine.runner.graphs
         idle = heron_host_idle(llm, [[5] * 128], 256)[1] if graphs else float("nan")
         rows.append(("Heron", a, b_ms, c_ms, c_tps, idle))
+        llm.engine.shutdown()
         del llm
         torch.cuda.empty_cache()
 
@@ -328,9 +333,11 @@ def main() -> None:
             )
 
     sizes = element_bytes(args)
-    fb, fc = floor_ms(1, 128 + 128, bandwidth, *sizes), floor_ms(64, 128 + 128, bandwidth, *sizes)
+    tp = args.tensor_parallel_size
+    fb, fc = (floor_ms(n, 128 + 128, bandwidth, *sizes) / tp for n in (1, 64))
     print(
-        f"Heron weights {args.quantization or 'bf16'}, KV cache {args.kv_cache_dtype}; copy "
+        f"Heron weights {args.quantization or 'bf16'}, KV cache {args.kv_cache_dtype}, "
+        f"tensor parallel {tp}; copy "
         f"bandwidth {bandwidth / 1e12:.2f} TB/s; floor B {fb:.3f} ms, C {fc:.3f} ms"
     )
     print(

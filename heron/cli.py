@@ -40,7 +40,11 @@ _ENGINE_FLAG_HELP = {
     "kv_cache_dtype": "auto (the model's dtype) or fp8 (E4M3: half of bf16's bytes per block)",
     "speculative_config": 'speculative decoding as JSON, e.g. \'{"method": "ngram", '
     '"num_speculative_tokens": 4, "prompt_lookup_max": 4}\'',
+    "tensor_parallel_size": "split the model over this many GPUs (processes) of the host; "
+    "under torchrun, over its ranks (python -m heron.distributed.launch)",
 }
+# Short spellings vLLM users type.
+_SHORT_FLAGS = {"tensor_parallel_size": "-tp"}
 
 
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
@@ -59,7 +63,8 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                 "float | None": float,
                 "dict[str, Any] | None": _json_object,
             }.get(str(f.type), str)
-            parser.add_argument(flag, type=kind, default=f.default, help=help_text)
+            flags = (flag, _SHORT_FLAGS[f.name]) if f.name in _SHORT_FLAGS else (flag,)
+            parser.add_argument(*flags, type=kind, default=f.default, help=help_text)
 
 
 def _json_object(text: str) -> dict:

@@ -62,10 +62,13 @@ class EngineConfig:
     kv_cache_dtype: str = "auto"  # KV_CACHE_DTYPES
     # {"method": "ngram", "num_speculative_tokens": k, ...}: see SpeculativeConfig
     speculative_config: dict[str, Any] | None = None
+    tensor_parallel_size: int = 1  # ranks one model is split over (one process each)
 
     def __post_init__(self) -> None:
         if self.speculative_config is not None:
             SpeculativeConfig.from_dict(self.speculative_config)
+        if self.tensor_parallel_size < 1:
+            raise ValueError(f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ValueError(
                 f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, "

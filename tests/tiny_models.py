@@ -82,15 +82,19 @@ FAMILIES = ["llama", "qwen2", "qwen3", "mistral"]
 
 
 def save_tiny_model(family: str, path: Path, seed: int = 0) -> Path:
+    return save_random_model(tiny_config(family), path, seed)
+
+
+def save_random_model(config, path: Path, seed: int = 0) -> Path:
+    """An HF model of ``config`` with random weights, and the test tokenizer, saved to ``path``."""
     import transformers as tf
 
     torch.manual_seed(seed)
-    config = tiny_config(family)
     model = tf.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     # Random init is small; scale weights up so logits are not near-uniform (no near-ties).
     with torch.no_grad():
         for name, p in model.named_parameters():
-            if p.dim() == 2:
+            if p.dim() >= 2:  # matrices, and stacked experts
                 p.normal_(0.0, 0.08)
             elif "norm" in name:
                 p.uniform_(0.8, 1.2)
@@ -162,9 +166,9 @@ def prompt_logprob_error(llm, hf, prompt: list[int]) -> float:
     return (got - hf_prompt_logprobs(hf, prompt)).abs().max().item()
 
 
-def cuda_graph_llm(path: Path):
+def cuda_graph_llm(path: Path, **options):
     """An fp32 engine on CUDA with decode graphs up to batch 4 and 32-token prefill chunks, for
-    exact greedy parity with HF on the GPU."""
+    exact greedy parity with HF on the GPU; ``options`` are more engine options."""
     from heron import LLM
 
     llm = LLM(
@@ -175,6 +179,7 @@ def cuda_graph_llm(path: Path):
         num_kv_blocks=64,
         cuda_graph_max_bs=4,
         max_num_batched_tokens=32,
+        **options,
     )
     assert llm.engine.runner.graphs is not None
     return llm

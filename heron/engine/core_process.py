@@ -20,6 +20,7 @@ from pathlib import Path
 import msgspec
 import zmq
 
+from heron.distributed.executor import WorkerDiedError
 from heron.engine.llm_engine import LLMEngine
 from heron.engine.messages import (
     AbortRequest,
@@ -143,6 +144,8 @@ class EngineCore:
                 self.engine.abort_request(request_id)
             self._live.clear()
             self.send(StepFailed(request_ids, f"the model step failed: {e!r}"))
+            if isinstance(e, WorkerDiedError):
+                raise  # no later step can run: the core exits, the front reports it dead
             return
         for request_id in list(self._live):
             self._collect(request_id, request_id in finished)
@@ -211,7 +214,10 @@ def run_engine_core(args: CoreArgs) -> int:
     try:
         core = _start(args, inbox, outbox)
         if core is not None:
-            core.run()
+            try:
+                core.run()
+            finally:
+                core.engine.shutdown()
     finally:
         # Linger, so the last outputs reach the front before the process ends.
         outbox.close(linger=5000)

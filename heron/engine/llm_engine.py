@@ -18,11 +18,12 @@ from heron.config import (
     ModelConfig,
     lacks_tokenizer,
 )
+from heron.distributed.executor import RunnerArgs, make_model_runner
 from heron.engine.detokenizer import IncrementalDetokenizer
 from heron.engine.request import FinishReason, Request, RequestStatus
 from heron.engine.scheduler import Scheduler, SchedulerConfig
 from heron.engine.stopping import check_stop
-from heron.execution.model_runner import LaunchedStep, ModelRunner
+from heron.execution.model_runner import LaunchedStep
 from heron.execution.step_plan import StepOutput
 from heron.loader.resolve import resolve_model_path
 from heron.outputs import CompletionOutput, Logprob, PrefixView, RequestOutput
@@ -133,8 +134,10 @@ class LLMEngine:
         self.block_size = config.block_size or self.platform.default_block_size
         backend = config.attention_backend or self.platform.default_attention_backend()
         try:
-            self.runner = ModelRunner(
-                self.model_config, self.platform, self.block_size, backend, config.seed
+            self.runner = make_model_runner(
+                config.tensor_parallel_size,
+                RunnerArgs(self.model_config, self.block_size, backend, config.seed),
+                self.platform,
             )
         except ValueError as e:
             # Name what the user gave: a GGUF file's weights are read from its converted copy.
@@ -209,8 +212,9 @@ class LLMEngine:
         if self.config.num_kv_blocks is not None:
             num_blocks = [self.config.num_kv_blocks] * layout.num_groups
         elif self.platform.device.type == "cuda":
-            peak = self.runner.profile_peak_memory(min(max_tokens, max_len))
-            budget = self.platform.kv_cache_budget(self.config.gpu_memory_utilization, peak)
+            budget = self.runner.kv_cache_budget(
+                self.config.gpu_memory_utilization, min(max_tokens, max_len)
+            )
             num_blocks = layout.split_budget(
                 budget,
                 max_len,
@@ -229,6 +233,10 @@ class LLMEngine:
             )
         layout.check_fits(num_blocks, max_len, max_tokens)
         return num_blocks
+
+    def shutdown(self) -> None:
+        """Stop what runs beside this process: the tensor-parallel workers, if any."""
+        self.runner.shutdown()
 
     # ----------------------------------------------------------------- requests
 

@@ -10,6 +10,7 @@ import torch
 from heron.cache.layout import CacheLayout
 from heron.cache.spec import CacheSpec
 from heron.config import ModelConfig
+from heron.distributed.parallel import SINGLE, TensorParallel
 from heron.execution.cuda_graph import CudaGraphRunner
 from heron.execution.request_state import RequestState
 from heron.execution.sampler import Sampler, on_device, prompt_logprobs
@@ -102,13 +103,15 @@ class ModelRunner:
         block_size: int,
         attention_backend: str,
         seed: int,
+        tp: TensorParallel = SINGLE,
     ) -> None:
+        """Under ``tp`` the runner holds this rank's shard of the model and of the caches."""
         self.model_config = model_config
         self.platform = platform
         self.device = platform.device
         self.block_size = block_size
         self.plan: StepMetaPlan | None = None
-        self.model = build_model(model_config, platform, self, attention_backend, block_size)
+        self.model = build_model(model_config, platform, self, attention_backend, block_size, tp)
         self.cache = CacheLayout(
             [
                 m
@@ -152,6 +155,15 @@ class ModelRunner:
         """Every cache owner's tensor, sized to its cache group's pool."""
         self.num_blocks = list(num_blocks)
         self.cache.allocate(num_blocks, self.device)
+
+    def kv_cache_budget(self, utilization: float, num_tokens: int) -> int:
+        """Bytes this device's KV cache may take (``Platform.kv_cache_budget``), after a
+        profiled forward over ``num_tokens`` prompt tokens."""
+        return self.platform.kv_cache_budget(utilization, self.profile_peak_memory(num_tokens))
+
+    def shutdown(self) -> None:
+        """Nothing runs beside this process's own runner (a tensor-parallel one stops its
+        workers here)."""
 
     @torch.inference_mode()
     def profile_peak_memory(self, num_tokens: int) -> int:

@@ -1,4 +1,11 @@
-"""Linear layers whose checkpoint shards are packed into one matrix at load time."""
+"""Linear layers whose checkpoint shards are packed into one matrix at load time, and their
+tensor-parallel forms.
+
+``PackedLinear(parallel="column")`` gives each rank a slice of the output features (each
+shard by its own heads); ``Linear(parallel="row")`` a slice of the input features, and the
+output is the all-reduced sum of the ranks' partial products (the bias is added once, by rank
+0's copy). Both only take effect inside a tensor-parallel build scope of more than one rank.
+"""
 
 from __future__ import annotations
 
@@ -6,6 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from heron.distributed.parallel import current_tensor_parallel
 from heron.kernels import TORCH_KERNELS, LayerKernels
 from heron.layers.fp8 import FP8, dequantize, quantize
 
@@ -24,8 +32,17 @@ class Linear(nn.Module):
         out_features: int,
         bias: bool = False,
         kernels: LayerKernels = TORCH_KERNELS,
+        parallel: str | None = None,
     ) -> None:
         super().__init__()
+        if parallel not in (None, "row"):
+            raise ValueError(f"a linear layer is row-parallel or not, got parallel={parallel!r}")
+        tp = current_tensor_parallel()
+        self.tp = tp
+        self.parallel = parallel if tp.size > 1 else None
+        self.col_start = 0  # this rank's first input feature (column of the checkpoint's matrix)
+        if self.parallel == "row":
+            self.col_start, in_features = tp.part(in_features, "the input features")
         self.in_features, self.out_features = in_features, out_features
         self.weight = nn.Parameter(torch.empty(out_features, in_features), requires_grad=False)
         self.bias = nn.Parameter(torch.empty(out_features), requires_grad=False) if bias else None
@@ -35,10 +52,16 @@ class Linear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.weight_scale is not None:
-            return fp8_linear(
+            y = fp8_linear(
                 x, self.weight, self.weight_scale, self.weight_block, self.bias, self.kernels
             )
-        return linear(x, self.weight, self.bias, self.kernels)
+        else:
+            y = linear(x, self.weight, self.bias, self.kernels)
+        return self.tp.all_reduce(y) if self.parallel == "row" else y
+
+    def _reduced(self, y: torch.Tensor) -> torch.Tensor:
+        """The layer's output from this rank's product: summed over the ranks when row-parallel."""
+        return self.tp.all_reduce(y) if self.parallel == "row" else y
 
     def hold_fp8(self, block: tuple[int, int] | None) -> None:
         """Empty FP8 weight and scales for a checkpoint to fill: per channel (``block`` None;
@@ -71,7 +94,7 @@ class Linear(nn.Module):
         intermediate)."""
         fused = getattr(act, "fused_name", None)
         if fused is not None and self.takes_gemv(gate_up):
-            return self._gemv(gate_up, act=fused)
+            return self._reduced(self._gemv(gate_up, act=fused))
         return self(act(gate_up))
 
     def forward_activated(self, x: torch.Tensor, act: nn.Module) -> torch.Tensor:
@@ -80,10 +103,19 @@ class Linear(nn.Module):
         intermediate)."""
         fused = getattr(act, "fused_name", None)
         if fused is not None and self.takes_gemv(x):
-            return self._gemv(x, gated_out=fused)
+            return self._reduced(self._gemv(x, gated_out=fused))
         return act(self(x))
 
+    def checkpoint_part(self, name: str, loaded: torch.Tensor, shard: str | None) -> torch.Tensor:
+        """The part of checkpoint tensor ``loaded`` (for parameter ``name``) this rank holds;
+        only narrowed, so a lazily read checkpoint tensor reads just that part."""
+        if self.parallel == "row" and name == "weight":
+            return loaded.narrow(1, self.col_start, self.in_features)
+        return loaded
+
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard: str | None) -> None:
+        if self.parallel == "row" and param is self.bias and self.tp.rank:
+            loaded = torch.zeros_like(loaded)  # the all-reduce adds rank 0's bias once
         self._load_rows(param, loaded, 0, self.out_features)
 
     def _load_rows(self, param: nn.Parameter, loaded: torch.Tensor, start: int, size: int) -> None:
@@ -106,7 +138,10 @@ class Linear(nn.Module):
 class PackedLinear(Linear):
     """Several checkpoint matrices stacked along the output dimension (fused qkv, gate_up).
 
-    ``shards`` maps each checkpoint shard name to its number of output rows, in order.
+    ``shards`` maps each checkpoint shard name to its number of output rows, in order. Column-
+    parallel, each shard is split over the ranks in units of ``unit_rows[name]`` rows (a head;
+    one row by default); a ``shared`` shard of fewer units than ranks (KV heads) gives each
+    rank one whole unit, shared with its neighbours.
     """
 
     def __init__(
@@ -115,13 +150,38 @@ class PackedLinear(Linear):
         shards: dict[str, int],
         bias: bool = False,
         kernels: LayerKernels = TORCH_KERNELS,
+        parallel: str | None = None,
+        unit_rows: dict[str, int] | None = None,
+        shared: tuple[str, ...] = (),
     ) -> None:
-        super().__init__(in_features, sum(shards.values()), bias, kernels)
+        if parallel not in (None, "column"):
+            raise ValueError(
+                f"a packed linear layer is column-parallel or not, got parallel={parallel!r}"
+            )
+        tp = current_tensor_parallel()
+        sharded = parallel == "column" and tp.size > 1
+        self.shard_starts: dict[str, int] = {}  # each shard's first row in its checkpoint tensor
+        local = {}
+        for name, rows in shards.items():
+            if sharded:
+                unit = (unit_rows or {}).get(name, 1)
+                what = f"the {name} shard's {unit}-row units"
+                first, count = tp.part(rows // unit, what, shared=name in shared)
+                self.shard_starts[name], local[name] = first * unit, count * unit
+            else:
+                self.shard_starts[name], local[name] = 0, rows
+        super().__init__(in_features, sum(local.values()), bias, kernels)
+        self.parallel = parallel if tp.size > 1 else None
         self.shard_offsets: dict[str, tuple[int, int]] = {}
         start = 0
-        for name, size in shards.items():
+        for name, size in local.items():
             self.shard_offsets[name] = (start, size)
             start += size
+
+    def checkpoint_part(self, name: str, loaded: torch.Tensor, shard: str | None) -> torch.Tensor:
+        if self.parallel is None or shard not in self.shard_offsets:
+            return loaded
+        return loaded.narrow(0, self.shard_starts[shard], self.shard_offsets[shard][1])
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard: str | None) -> None:
         if shard not in self.shard_offsets:

@@ -12,7 +12,9 @@ from heron.layers.linear import Linear, PackedLinear
 
 class GatedMLP(nn.Module):
     """Gate and up packed into one projection, then the gated activation and the down
-    projection; the activation is fused into whichever projection runs as the GEMV."""
+    projection; the activation is fused into whichever projection runs as the GEMV.
+    Tensor-parallel, each rank holds a slice of the intermediate features (gate_up column-,
+    down row-parallel: one all-reduce)."""
 
     def __init__(
         self,
@@ -24,9 +26,13 @@ class GatedMLP(nn.Module):
     ) -> None:
         super().__init__()
         self.gate_up_proj = PackedLinear(
-            hidden_size, {"gate": intermediate_size, "up": intermediate_size}, bias, kernels
+            hidden_size,
+            {"gate": intermediate_size, "up": intermediate_size},
+            bias,
+            kernels,
+            parallel="column",
         )
-        self.down_proj = Linear(intermediate_size, hidden_size, bias, kernels)
+        self.down_proj = Linear(intermediate_size, hidden_size, bias, kernels, parallel="row")
         self.act = act(kernels)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

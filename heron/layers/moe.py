@@ -27,6 +27,7 @@ import torch.nn.functional as F
 from torch import nn
 from transformers import PretrainedConfig
 
+from heron.distributed.parallel import current_tensor_parallel
 from heron.kernels import TORCH_KERNELS, LayerKernels
 from heron.layers.activation import SiluAndMul
 from heron.layers.linear import Linear
@@ -66,10 +67,19 @@ class ExpertBank(nn.Module):
     interleaved: bool
     per_expert_names: dict[str, tuple[str, str]] = {}
 
-    def __init__(self, num_experts: int, kernels: LayerKernels) -> None:
+    def __init__(self, num_experts: int, intermediate_size: int, kernels: LayerKernels) -> None:
         super().__init__()
         self.num_experts = num_experts
         self.fused = kernels.fused_experts
+        tp = current_tensor_parallel()
+        # Tensor-parallel inside the experts: each rank holds every expert's intermediate
+        # features [inter_start, inter_start + intermediate_size); the block sums the ranks.
+        self.tp = tp if tp.size > 1 else None
+        self.inter_start, self.intermediate_size = (
+            tp.part(intermediate_size, "the experts' intermediate size")
+            if self.tp
+            else (0, intermediate_size)
+        )
 
     def expert(self, e: int, x: torch.Tensor) -> torch.Tensor:
         """Expert ``e`` applied to the rows of ``x`` [n, hidden]."""
@@ -117,6 +127,28 @@ class ExpertBank(nn.Module):
             start += n
         return out
 
+    def checkpoint_part(
+        self, name: str, loaded: torch.Tensor, shard: tuple[int, str] | None
+    ) -> torch.Tensor:
+        """This rank's intermediate features of a checkpoint tensor, only narrowed (a stacked
+        tensor that interleaves the rank's rows with others' is cut in :meth:`weight_loader`)."""
+        if self.tp is None:
+            return loaded
+        dim = self._intermediate_dim(name, shard)
+        if dim is None:
+            return loaded
+        width = self._intermediate_width(name)
+        return loaded.narrow(dim, width * self.inter_start, width * self.intermediate_size)
+
+    def _intermediate_dim(self, name: str, shard: tuple[int, str] | None) -> int | None:
+        """The dimension of checkpoint tensor ``name`` (or its per-expert ``shard``) that runs
+        over intermediate features; None if none does or it cannot be narrowed at once."""
+        raise NotImplementedError
+
+    def _intermediate_width(self, name: str) -> int:
+        """How many entries of that dimension one intermediate feature takes."""
+        return 1
+
     def checkpoint_shards(self, param_name: str) -> set[tuple[int, str]]:
         """The per-expert pieces that together fill ``param_name``."""
         parts = {part for target, part in self.per_expert_names.values() if target == param_name}
@@ -157,14 +189,29 @@ class SwiGLUExperts(ExpertBank):
         intermediate_size: int,
         kernels: LayerKernels = TORCH_KERNELS,
     ) -> None:
-        super().__init__(num_experts, kernels)
-        self.intermediate_size = intermediate_size
-        self.gate_up_proj = _stacked(num_experts, 2 * intermediate_size, hidden_size)
-        self.down_proj = _stacked(num_experts, hidden_size, intermediate_size)
+        super().__init__(num_experts, intermediate_size, kernels)
+        inter = self.intermediate_size
+        self.gate_up_proj = _stacked(num_experts, 2 * inter, hidden_size)
+        self.down_proj = _stacked(num_experts, hidden_size, inter)
 
     def expert(self, e: int, x: torch.Tensor) -> torch.Tensor:
         gate, up = F.linear(x, self.gate_up_proj[e]).chunk(2, dim=-1)
         return F.linear(F.silu(gate) * up, self.down_proj[e])
+
+    def _intermediate_dim(self, name: str, shard: tuple[int, str] | None) -> int | None:
+        if shard is not None:  # gate_proj, up_proj [I, hidden]; down_proj [hidden, I]
+            return 1 if shard[1] == "down" else 0
+        return 2 if name == "down_proj" else None  # a stacked [gate | up] is cut on load
+
+    def weight_loader(
+        self, param: nn.Parameter, loaded: torch.Tensor, shard: tuple[int, str] | None
+    ) -> None:
+        if self.tp is not None and shard is None and param is self.gate_up_proj:
+            whole = loaded.shape[1] // 2
+            start, size = self.inter_start, self.intermediate_size
+            gate, up = loaded.narrow(1, start, size), loaded.narrow(1, whole + start, size)
+            loaded = torch.cat([gate, up], dim=1)
+        super().weight_loader(param, loaded, shard)
 
     def _piece(self, stacked: torch.Tensor, expert: int, part: str) -> torch.Tensor:
         inter = self.intermediate_size
@@ -195,12 +242,25 @@ class ClampedSwiGLUExperts(ExpertBank):
         alpha: float = 1.702,
         kernels: LayerKernels = TORCH_KERNELS,
     ) -> None:
-        super().__init__(num_experts, kernels)
+        super().__init__(num_experts, intermediate_size, kernels)
+        inter = self.intermediate_size
         self.alpha, self.limit = alpha, swiglu_limit
-        self.gate_up_proj = _stacked(num_experts, hidden_size, 2 * intermediate_size)
-        self.gate_up_proj_bias = _stacked(num_experts, 2 * intermediate_size)
-        self.down_proj = _stacked(num_experts, intermediate_size, hidden_size)
+        self.gate_up_proj = _stacked(num_experts, hidden_size, 2 * inter)
+        self.gate_up_proj_bias = _stacked(num_experts, 2 * inter)
+        self.down_proj = _stacked(num_experts, inter, hidden_size)
         self.down_proj_bias = _stacked(num_experts, hidden_size)
+
+    def _intermediate_dim(self, name: str, shard: None) -> int | None:
+        # Gate and up columns alternate, so a run of features is a run of column pairs.
+        return {"gate_up_proj": 2, "gate_up_proj_bias": 1, "down_proj": 1}.get(name)
+
+    def _intermediate_width(self, name: str) -> int:
+        return 2 if name.startswith("gate_up") else 1
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard: None) -> None:
+        if self.tp is not None and param is self.down_proj_bias and self.tp.rank:
+            loaded = torch.zeros_like(loaded)  # the block's all-reduce adds rank 0's once
+        super().weight_loader(param, loaded, shard)
 
     def expert(self, e: int, x: torch.Tensor) -> torch.Tensor:
         gate_up = x @ self.gate_up_proj[e] + self.gate_up_proj_bias[e]
@@ -295,6 +355,8 @@ class SparseMoE(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x: [tokens, hidden] -> [tokens, hidden]."""
         out = self.experts(x, *self.gate(x))
+        if self.experts.tp is not None:
+            out = self.experts.tp.all_reduce(out)
         if self.shared_expert is None:
             return out
         shared = self.shared_expert(x)

@@ -9,8 +9,9 @@ import torch
 from torch import nn
 
 from heron.layers.fp8 import FP8
-from heron.layers.linear import Linear, PackedLinear
+from heron.layers.linear import PackedLinear
 from heron.layers.moe import ExpertBank
+from heron.loader.safetensors import LazyTensor, materialize
 from heron.ops.attention.base import AttentionOperator
 
 logger = logging.getLogger(__name__)
@@ -26,7 +27,9 @@ _INPUT_SCALE = ".input_scale"
 _KV_SCALES = (".k_scale", ".v_scale")
 
 
-def load_weights(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+def load_weights(
+    model: nn.Module, weights: Iterable[tuple[str, torch.Tensor | LazyTensor]]
+) -> None:
     """Copy ``weights`` into ``model``; raise naming any unknown tensor or unloaded parameter.
 
     ``model.checkpoint_prefixes`` maps a checkpoint name prefix to the model's (``None``: tensors
@@ -35,6 +38,9 @@ def load_weights(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]]) 
     ``gate``); ``model.packed_modules`` maps a checkpoint module name (``q_proj``) to the packed
     module that holds it and its shard (``("qkv_proj", "q")``). One tensor per expert
     (``experts.3.gate_proj.weight``) goes into its ``ExpertBank``'s stacked parameter.
+    A parameter's module may narrow each tensor to the part it holds (``checkpoint_part``:
+    tensor-parallel shards; ``weights`` may be lazy, read only there) and copy it itself
+    (``weight_loader``).
     """
     renames: dict[str, str] = getattr(model, "checkpoint_renames", {})
     packed: dict[str, tuple[str, str]] = getattr(model, "packed_modules", {})
@@ -59,7 +65,7 @@ def load_weights(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]]) 
         if name.endswith(_IGNORED_SUFFIXES) or (tied_head and name == "lm_head.weight"):
             continue
         if name.endswith(_KV_SCALES):
-            unused_kv_scales += not _set_kv_scale(modules, name, tensor)
+            unused_kv_scales += not _set_kv_scale(modules, name, materialize(tensor))
             continue
         if name.endswith(_SCALE_INV):
             name = name.removesuffix(_SCALE_INV) + ".weight_scale"
@@ -73,7 +79,11 @@ def load_weights(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]]) 
                 f"checkpoint tensor {name!r} has no parameter in {type(model).__name__}"
             )
         owner = owners[target]
-        loader = owner.weight_loader if isinstance(owner, (Linear, ExpertBank)) else None
+        part = getattr(owner, "checkpoint_part", None)
+        if part is not None:  # a tensor-parallel rank's part of the tensor
+            tensor = part(target.rsplit(".", 1)[-1], tensor, shard)
+        tensor = materialize(tensor)
+        loader = getattr(owner, "weight_loader", None)
         with torch.no_grad():
             if loader is not None:
                 loader(param, tensor.to(param.dtype), shard)

@@ -10,6 +10,7 @@ import torch
 from torch import nn
 
 from heron.config import ModelConfig
+from heron.distributed.parallel import SINGLE, TensorParallel, tensor_parallel_scope
 from heron.loader import load_model
 from heron.metadata import MetadataBuilder, MetadataOperator, StepMetadataError, StepMetaPlan
 from heron.models.registry import model_class
@@ -50,20 +51,37 @@ def compatibility_builder(
     return PagedAttentionBuilder("fallback", block_size, window, model_config.max_model_len)
 
 
+def check_tensor_parallel(model_config: ModelConfig, size: int) -> None:
+    """Refuse ``size`` ranks for a family whose layers are not all sharded, naming it."""
+    unsharded = getattr(model_class(model_config.architecture), "tensor_parallel_unsupported", None)
+    if size > 1 and unsharded:
+        raise ValueError(
+            f"{model_config.architecture} does not support tensor_parallel_size > 1 yet: "
+            f"{unsharded}"
+        )
+
+
 def build_model(
     model_config: ModelConfig,
     platform: Platform,
     target: ModelRunner,
     attention_backend: str,
     block_size: int,
+    tp: TensorParallel = SINGLE,
 ) -> nn.Module:
-    """Build, load and plan the model; attach the plan to ``target`` only if all succeeded."""
+    """Build, load and plan the model (this rank's shard of it, under ``tp``); attach the plan
+    to ``target`` only if all succeeded."""
     target.plan = None
+    check_tensor_parallel(model_config, tp.size)
     cls = model_class(model_config.architecture)
     previous_dtype = torch.get_default_dtype()
     torch.set_default_dtype(model_config.dtype)
     try:
-        with platform.model_build_context() as scope, torch.device(platform.device):
+        with (
+            tensor_parallel_scope(tp),
+            platform.model_build_context() as scope,
+            torch.device(platform.device),
+        ):
             runtime = OperatorRuntime(
                 attention_backend,
                 block_size,
@@ -76,7 +94,7 @@ def build_model(
     finally:
         torch.set_default_dtype(previous_dtype)
     model.to(platform.device)
-    load_model(model, model_config)
+    load_model(model, model_config, sharded=tp.size > 1)
     model.eval()
 
     if scope.collecting:

@@ -7,6 +7,7 @@ embed-layers-norm stack with its fused residual, and the LM-head shell.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 
 import torch
@@ -98,11 +99,25 @@ class PackedAttention(nn.Module):
         qk_norm: Callable[[int], nn.Module] | None = None,
     ) -> None:
         super().__init__()
-        q_size, kv_size = spec.num_heads * spec.head_dim, spec.num_kv_heads * spec.head_dim
+        d = spec.head_dim
+        q_size, kv_size = spec.num_heads * d, spec.num_kv_heads * d
         self.qkv_proj = PackedLinear(
-            hidden_size, {"q": q_size, "k": kv_size, "v": kv_size}, qkv_bias, runtime.kernels
+            hidden_size,
+            {"q": q_size, "k": kv_size, "v": kv_size},
+            qkv_bias,
+            runtime.kernels,
+            parallel="column",
+            unit_rows=dict.fromkeys("qkv", d),
+            shared=("k", "v"),
         )
-        self.o_proj = Linear(q_size, hidden_size, o_bias, runtime.kernels)
+        self.o_proj = Linear(q_size, hidden_size, o_bias, runtime.kernels, parallel="row")
+        # This rank's heads (all of them on one rank): the operator sees only those.
+        self.first_head = self.qkv_proj.shard_starts["q"] // d
+        spec = dataclasses.replace(
+            spec,
+            num_heads=self.qkv_proj.shard_offsets["q"][1] // d,
+            num_kv_heads=self.qkv_proj.shard_offsets["k"][1] // d,
+        )
         # Registered here, before the operator (which also holds them), so their checkpoint
         # names are self_attn.{q,k}_norm and self_attn.sinks, not names inside the operator.
         self.q_norm = qk_norm(spec.head_dim) if qk_norm is not None else None
@@ -114,6 +129,10 @@ class PackedAttention(nn.Module):
         )
         transform = QKTransform(rotary, self.q_norm, self.k_norm)
         self.attn = make_attention(f"{prefix}.attn", spec, runtime, transform, self.sinks)
+
+    def checkpoint_part(self, name: str, loaded: torch.Tensor, shard: None) -> torch.Tensor:
+        """This rank's heads of the sinks."""
+        return loaded.narrow(0, self.first_head, self.attn.spec.num_heads)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.o_proj(self.attn(self.qkv_proj(x)))

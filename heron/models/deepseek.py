@@ -141,6 +141,7 @@ class DeepseekForCausalLM(DecoderForCausalLM):
     # Only the MLPs' gate and up are packed; the attention projections load as they are named.
     packed_modules = {k: v for k, v in PACKED_MODULES.items() if v[0] == "gate_up_proj"}
     checkpoint_renames = {"shared_experts": "shared_expert"}  # SparseMoE's name for it
+    tensor_parallel_unsupported = "its latent attention (MLA) layers are not sharded"
 
     def __init__(self, config: PretrainedConfig, runtime: OperatorRuntime) -> None:
         super().__init__(config, DeepseekModel(config, runtime), runtime)

@@ -245,6 +245,7 @@ class Qwen3_5Model(DecoderModel):
 
 
 class Qwen3_5ForCausalLM(DecoderForCausalLM):
+    tensor_parallel_unsupported = "its gated delta rule (GDN) layers are not sharded"
     packed_modules = PACKED_MODULES | {
         "in_proj_qkv": ("in_proj", "qkv"),
         "in_proj_z": ("in_proj", "z"),
