@@ -212,3 +212,17 @@ def test_heads_split_evenly_and_kv_heads_are_shared_below_one_per_rank():
         TensorParallel(0, 4).part(2, "heads")
     with pytest.raises(ValueError, match="nor does KV heads divide it"):
         TensorParallel(0, 4).part(3, "KV heads", shared=True)
+
+
+def test_two_ranks_with_speculation_equal_hf(saved):
+    """Verification steps and their rollback run the same on both ranks."""
+    path = saved("llama")
+    hf = tf.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    ngram = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 2}
+    llm = LLM(str(path), tensor_parallel_size=2, speculative_config=ngram, **ENGINE)
+    try:
+        assert tokens(llm) == hf_greedy(hf, PROMPTS, MAX_NEW)
+        stats = llm.spec_decode_stats
+        assert 0 < stats.num_accepted_tokens < stats.num_draft_tokens  # accepted and refused
+    finally:
+        llm.engine.shutdown()
