@@ -81,11 +81,18 @@ def tiny_config(family: str):
 FAMILIES = ["llama", "qwen2", "qwen3", "mistral"]
 
 
-def save_tiny_model(family: str, path: Path, seed: int = 0) -> Path:
+def save_tiny_model(
+    family: str, path: Path, seed: int = 0, added_tokens: tuple[str, ...] = ()
+) -> Path:
+    """``added_tokens``: tokens the tokenizer gets beyond its trained vocabulary (as a reasoning
+    model's ``<think>``), each one id, which the model's vocabulary grows to hold."""
     import transformers as tf
 
     torch.manual_seed(seed)
+    tokenizer = make_tokenizer()
+    tokenizer.add_tokens(list(added_tokens))
     config = tiny_config(family)
+    config.vocab_size = len(tokenizer)
     model = tf.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     # Random init is small; scale weights up so logits are not near-uniform (no near-ties).
     with torch.no_grad():
@@ -98,7 +105,7 @@ def save_tiny_model(family: str, path: Path, seed: int = 0) -> Path:
                 p.normal_(0.0, 0.02)
     model.generation_config.eos_token_id = None
     model.save_pretrained(path)
-    make_tokenizer().save_pretrained(path)
+    tokenizer.save_pretrained(path)
     return path
 
 

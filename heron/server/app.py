@@ -11,7 +11,7 @@ import uuid
 from collections.abc import AsyncIterator, Awaitable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
-from dataclasses import fields
+from dataclasses import fields, replace
 from itertools import islice
 from typing import Any, TypeVar
 
@@ -57,6 +57,7 @@ from heron.server.protocol import (
     UnsupportedFieldError,
     Usage,
 )
+from heron.server.reasoning import reasoning_tokens
 from heron.server.request_body import (
     DEFAULT_MAX_REQUEST_BODY_BYTES,
     BodyTooLargeError,
@@ -165,6 +166,8 @@ class OpenAIServing:
         self.engine = engine
         self.chat_output = chat_output or ChatOutputConfig()
         self.tokenizer = engine.tokenizer
+        parser = self.chat_output.reasoning_parser
+        self.reasoning_tokens = reasoning_tokens(parser, self.tokenizer) if parser else None
         self.model_name = served_model_name
         self.max_model_len = engine.max_model_len
         self.metrics = ServerMetrics(lambda: engine.stats)
@@ -206,8 +209,13 @@ class OpenAIServing:
             raise _bad_value(e) from e
 
     def chat_sampling_params(self, body: ChatCompletionRequest) -> SamplingParams:
-        """:meth:`sampling_params` under the server's tool-call settings."""
+        """:meth:`sampling_params` under the server's tool-call and reasoning settings: a
+        grammar (of the request or of a forced tool call) starts after the reasoning."""
         params = self.sampling_params(body)
+        if params.structured_outputs is not None and self.reasoning_tokens is not None:
+            params.structured_outputs = replace(
+                params.structured_outputs, reasoning=self.reasoning_tokens
+            )
         has_tools, choice = bool(body.tools), body.effective_tool_choice
         try:
             self.chat_output.check_tool_choice(has_tools, choice)

@@ -88,9 +88,13 @@ def serve(
         engine.core_pid,
     )
     logger.info("listening on http://%s:%d (OpenAI API under /v1)", host, port)
-    app = build_app(
-        engine, name, api_key, max_request_body_bytes, trust_request_chat_template, chat_output
-    )
+    try:
+        app = build_app(
+            engine, name, api_key, max_request_body_bytes, trust_request_chat_template, chat_output
+        )
+    except BaseException:
+        engine.shutdown()
+        raise
     gate = _RefuseWhileStopping(app)
     uv_config = uvicorn.Config(
         gate, host=host, port=port, log_level=log_level.lower(), timeout_graceful_shutdown=30

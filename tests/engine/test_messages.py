@@ -17,7 +17,7 @@ from heron.engine.messages import (
 )
 from heron.outputs import Logprob
 from heron.sampling_params import SamplingParams
-from heron.structured import StructuredOutputsParams
+from heron.structured import ReasoningTokens, StructuredOutputsParams
 
 # A value other than the default for every field.
 NON_DEFAULT = {
@@ -50,6 +50,7 @@ STRUCTURED_OUTPUTS = [
     StructuredOutputsParams(regex=r"[0-9]+"),
     StructuredOutputsParams(choice=["yes", "no"]),
     StructuredOutputsParams(grammar='root ::= "a" | "b"'),
+    StructuredOutputsParams(regex="a+", reasoning=ReasoningTokens(end=7, start=6)),
 ]
 
 

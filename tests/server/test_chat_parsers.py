@@ -7,8 +7,12 @@ import json
 import pytest
 
 from heron.server.chat_output import ChatOutputConfig, ChatOutputParser
+from heron.server.reasoning import reasoning_tokens
 from heron.server.structured_protocol import ChatTool, NamedToolChoice
 from heron.server.tool_parsers import forced_tool_schema
+from heron.structured import ReasoningTokens
+
+from tiny_models import make_tokenizer
 
 HERMES = (
     'Let me check. <tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n'
@@ -125,3 +129,12 @@ def test_serve_refuses_an_unknown_parser_before_loading_the_model(capsys):
 
     assert main(["serve", "--model", "/no/such/model", "--tool-call-parser", "bad"]) == 2
     assert "unknown tool call parser 'bad'" in capsys.readouterr().err
+
+
+def test_reasoning_tokens_must_be_single_tokens():
+    with pytest.raises(ValueError, match="needs <think> and </think> as one token"):
+        reasoning_tokens("qwen3", make_tokenizer())
+    tokenizer = make_tokenizer()
+    tokenizer.add_tokens(["<think>", "</think>"])
+    assert reasoning_tokens("qwen3", tokenizer) == ReasoningTokens(end=321, start=320)
+    assert reasoning_tokens("deepseek_r1", tokenizer) == ReasoningTokens(end=321)

@@ -1,6 +1,6 @@
-"""Structured outputs, tool calls and reasoning through the official client: grammars against
-the session's server, tools and reasoning against a server of the tiny random model with a
-template that shows the tools, the hermes tool parser and the qwen3 reasoning parser."""
+"""Structured outputs and tool calls through the official client: grammars against the
+session's server, tools against a server of the tiny random model with a template that shows
+the tools and the hermes tool parser (reasoning: test_reasoning_outputs.py)."""
 
 from __future__ import annotations
 
@@ -58,7 +58,7 @@ def tools_server(tiny_model_dir, tmp_path_factory):
     tokenizer.chat_template = TOOLS_TEMPLATE
     tokenizer.save_pretrained(model_dir)
     flags = ["--enable-auto-tool-choice", "--tool-call-parser", "hermes"]
-    handle = start_server(model_dir, "--api-key", API_KEY, *flags, "--reasoning-parser", "qwen3")
+    handle = start_server(model_dir, "--api-key", API_KEY, *flags)
     yield handle
     stop_server(handle)
 
@@ -216,25 +216,3 @@ def test_tools_reach_the_template_and_bad_choices_are_400(tools_client):
         _chat(
             tools_client, tools=TOOLS, tool_choice={"type": "function", "function": {"name": "x"}}
         )
-
-
-THINKING = r"<think>[a-z]{1,8}( [a-z]{1,8}){0,2}</think>[A-Z][a-z]{1,8}\."
-
-
-def test_reasoning_is_split_streamed_and_not(tools_client):
-    kwargs = dict(
-        temperature=1.0,
-        max_tokens=64,
-        seed=7,
-        extra_body={"structured_outputs": {"regex": THINKING}},
-    )
-    (choice,) = _chat(tools_client, **kwargs).choices
-    message = choice.message
-    assert re.fullmatch(r"[a-z]{1,8}( [a-z]{1,8}){0,2}", message.reasoning_content)
-    assert re.fullmatch(r"[A-Z][a-z]{1,8}\.", message.content)
-    reasoning, content = "", ""
-    for chunk in _chat(tools_client, stream=True, **kwargs):
-        for c in chunk.choices:
-            reasoning += getattr(c.delta, "reasoning_content", None) or ""
-            content += c.delta.content or ""
-    assert (reasoning, content) == (message.reasoning_content, message.content)
