@@ -6,8 +6,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from heron.server.reasoning import REASONING_STARTS_OPEN, reasoning_parser
-from heron.server.structured_protocol import NamedToolChoice, ToolCall, ToolChoice
-from heron.server.tool_parsers import TOOL_PARSERS, ForcedToolParser
+from heron.server.structured_protocol import NamedToolChoice, ToolChoice
+from heron.server.tool_parsers import TOOL_PARSERS, ForcedToolParser, ToolCallDelta
 
 
 @dataclass
@@ -16,7 +16,7 @@ class MessagePiece:
 
     reasoning: str = ""
     content: str = ""
-    tool_calls: list[ToolCall] = field(default_factory=list)
+    tool_calls: list[ToolCallDelta] = field(default_factory=list)
 
 
 @dataclass(frozen=True)

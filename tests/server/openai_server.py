@@ -148,3 +148,23 @@ def stop_server(handle: ServerHandle) -> int:
     finally:
         if handle.proc.poll() is None:
             handle.proc.kill()
+
+
+def accumulated_tool_calls(stream) -> tuple[object, dict[int, list]]:
+    """A streamed chat reply's first choice as the openai client accumulates it
+    (``ChatCompletionStreamState``), and each tool call's pieces as sent, checked against
+    OpenAI's delta schema: the first piece has the id, type and name, the next ones only
+    arguments."""
+    from openai.lib.streaming.chat import ChatCompletionStreamState
+
+    state, pieces = ChatCompletionStreamState(), {}
+    for chunk in stream:
+        state.handle_chunk(chunk)
+        for choice in chunk.choices:
+            for call in choice.delta.tool_calls or []:
+                pieces.setdefault(call.index, []).append(call)
+    for first, *rest in pieces.values():
+        assert first.id.startswith("call_") and first.type == "function" and first.function.name
+        assert all(p.id is None and p.type is None and p.function.name is None for p in rest)
+        assert all(p.function.arguments for p in rest)
+    return state.get_final_completion().choices[0], pieces
