@@ -51,6 +51,10 @@ from heron.sampling_params import SamplingParams
 logger = logging.getLogger(__name__)
 
 
+# How long one send waits for the core's connection before checking the core still runs.
+SEND_WAIT_MS = 100
+
+
 class EngineDeadError(RuntimeError):
     """The engine has shut down (or its process died) and accepts no more requests."""
 
@@ -94,8 +98,8 @@ class EngineCoreClient:
     def _connect(
         self, endpoints: FrontEndpoints, core: Callable[[], CoreProcess | WatchedCore]
     ) -> None:
-        """Bind this front's sockets, then start or watch the core (``core``) and wait for
-        its engine."""
+        """Start or watch the core (``core``), bind this front's sockets (the core connects
+        to them) and wait for its engine."""
         try:
             self._core = core()
         except ProcessLookupError:
@@ -107,6 +111,7 @@ class EngineCoreClient:
         for socket in (self._to_core, self._from_core):
             socket.setsockopt(zmq.SNDHWM, 0)  # never drop nor block: the queues are bounded
             socket.setsockopt(zmq.RCVHWM, 0)  # by the requests in flight
+        self._to_core.setsockopt(zmq.SNDTIMEO, SEND_WAIT_MS)
         self._to_core.bind(endpoints.input_address)
         self._from_core.bind(endpoints.output_address)
         self._send_lock = threading.RLock()  # a signal handler may send inside a send
@@ -193,8 +198,21 @@ class EngineCoreClient:
             self._send(AbortRequest(request_id))
 
     def _send(self, message: FrontMessage) -> None:
+        """Send, or drop the message once the core is gone. A PUSH socket waits for a peer
+        (its queue is unbounded, so that is all it waits for): briefly, while the core's
+        connection is being made, and for ever once the core has exited, so the wait is
+        bounded (``SEND_WAIT_MS``) and the core's exit checked between tries; the reader thread
+        reports that exit to every request."""
+        frame = self._encoder.encode(message)
         with self._send_lock:
-            self._to_core.send(self._encoder.encode(message), copy=False)
+            while True:
+                try:
+                    self._to_core.send(frame, copy=False)
+                    return
+                except zmq.Again:
+                    if not self._core.running:
+                        logger.debug("the engine core is gone; %s dropped", type(message).__name__)
+                        return
 
     def _apply(self, messages: list[CoreMessage]) -> None:
         """Deliver a batch of the core's messages: one output per request however many steps

@@ -32,7 +32,9 @@ def front_endpoints(count: int) -> list[FrontEndpoints]:
 
 
 def remove_sockets(endpoints: FrontEndpoints) -> None:
-    shutil.rmtree(os.path.dirname(endpoints.input_address.removeprefix("ipc://")), True)
+    """Remove the directory of the sockets (of every front)."""
+    directory = os.path.dirname(endpoints.input_address.removeprefix("ipc://"))
+    shutil.rmtree(directory, ignore_errors=True)
 
 
 class CoreProcess:

@@ -46,7 +46,10 @@ STARTUP_FAILED = 2
 
 def serve_with_api_servers(config: EngineConfig, options: ServeOptions, count: int) -> int:
     """Run ``count`` fronts and the core until a signal; returns the exit code."""
-    listener = socket.create_server((options.host, options.port), backlog=4096)
+    try:
+        listener = socket.create_server((options.host, options.port), backlog=4096)
+    except OSError as e:
+        raise ValueError(f"cannot listen on {options.host}:{options.port}: {e.strerror}") from e
     listener.set_inheritable(True)
     metrics_dir = tempfile.mkdtemp(prefix="heron-metrics-")
     endpoints = front_endpoints(count)
@@ -114,6 +117,8 @@ def _supervise(core: CoreProcess, fronts: list[subprocess.Popen]) -> int:
                 )
                 return 1
     finally:
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(sig, signal.SIG_IGN)  # stopping already: a second signal changes nothing
         for fd in (wake_read, wake_write, *front_fds):
             os.close(fd)
 

@@ -127,17 +127,16 @@ class _CallObject:
                     self.end = i + 1
                     return
 
-    def whole(self, text: str) -> ToolCallDelta | None:
-        """The call parsed from ``text`` (the object's), in one piece; None if it is not one."""
+    def whole(self) -> ToolCallDelta | None:
+        """The call parsed from the whole text, in one piece; None if it is not one."""
         try:
-            data = json.loads(text)
+            data = json.loads(self.text)
         except ValueError:
             return None
         if not isinstance(data, dict):
             return None
-        return _whole_call(
-            self.index, data.get("name"), data.get("arguments", data.get("parameters"))
-        )
+        arguments = data.get("arguments", data.get("parameters", {}))
+        return _whole_call(self.index, data.get("name"), arguments)
 
 
 class HermesToolParser:
@@ -198,7 +197,7 @@ class HermesToolParser:
         if call.streaming:
             self._num_calls += 1
             return "", []
-        whole = call.whole(call.text)
+        whole = call.whole()
         if whole is None:
             return self.OPEN + call.text + (self.CLOSE if closed else ""), []
         self._num_calls += 1
@@ -242,7 +241,7 @@ class Llama3JsonToolParser:
                 if not self._buffer:
                     break
                 if not self._buffer.startswith("{"):
-                    return self._give_up([])
+                    return self._give_up(deltas)
                 call = _CallObject(len(self._calls))
                 self._calls.append(call)
             deltas += call.feed(self._buffer)
@@ -252,7 +251,7 @@ class Llama3JsonToolParser:
             self._buffer = call.text[call.end :]
             call.text = call.text[: call.end]
             if not call.streaming:
-                whole = call.whole(call.text)
+                whole = call.whole()
                 if whole is None:
                     self._buffer = call.text + self._buffer
                     self._calls.pop()

@@ -1,11 +1,14 @@
 """``--api-server-count 2``: two front processes on one port and one engine core, through the
 official client. Requests from both fronts run at once and each gets its own answer, /metrics
 counts every front's requests whichever front is scraped, a tool call streams through a front
-(llama3_json), a killed core is seen by both fronts, and shutdown leaves no process behind."""
+(llama3_json), a killed core is seen by both fronts, a dead front stops the server, and SIGTERM
+ends the streams and leaves no process behind."""
 
 from __future__ import annotations
 
 import json
+import os
+import signal
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -75,13 +78,13 @@ def _complete(base_url: str, prompt: str) -> tuple[str, str, str]:
     raw = client.completions.with_raw_response.create(
         model=MODEL_NAME,
         prompt=prompt,
-        max_tokens=24,
+        max_tokens=12,
         temperature=0,
         extra_body={"ignore_eos": True},
     )
     completion = raw.parse()
     assert completion.choices[0].finish_reason == "length"
-    assert completion.usage.completion_tokens == 24
+    assert completion.usage.completion_tokens == 12
     return raw.headers[HEADER], prompt, completion.choices[0].text
 
 
@@ -100,7 +103,7 @@ def test_concurrent_requests_on_both_fronts_each_get_their_answer(fronts_server)
         after = _metrics_of(url, index)
         assert after[key] - before[key] == 16
         generated = after["heron:generation_tokens_total"] - before["heron:generation_tokens_total"]
-        assert generated == 16 * 24
+        assert generated == 16 * 12
 
 
 def test_a_tool_call_streams_through_a_front(fronts_server):
@@ -120,18 +123,54 @@ def test_a_tool_call_streams_through_a_front(fronts_server):
     assert len(pieces[0]) > 1
 
 
-def test_killed_core_is_seen_by_both_fronts_and_nothing_outlives_the_server(fronts_server):
-    """Last in this module: the core stays dead."""
-    processes = child_pids(fronts_server.proc.pid)
-    cmdlines = {pid: Path(f"/proc/{pid}/cmdline").read_bytes() for pid in processes}
+def _processes(server) -> tuple[int, list[int], Path]:
+    """The server's core and fronts, and the directory of their sockets."""
+    cmdlines = {
+        pid: Path(f"/proc/{pid}/cmdline").read_bytes() for pid in child_pids(server.proc.pid)
+    }
     (core,) = [pid for pid, cmd in cmdlines.items() if b"heron.engine.core_process" in cmd]
     fronts = [pid for pid, cmd in cmdlines.items() if b"heron.server.api_server" in cmd]
     assert len(fronts) == 2
     front = json.loads(cmdlines[core].split(b"\0")[-2])["fronts"][0]
     sockets = Path(front["input_address"].removeprefix("ipc://")).parent
     assert sockets.is_dir()
-    kill_core_during_a_stream(openai_client(fronts_server), core)
-    assert _both_fronts(fronts_server.base_url) == {"0": 503, "1": 503}
-    assert stop_server(fronts_server) == 0
-    assert not any(pid_exists(pid) for pid in [core, *fronts])
+    return core, fronts, sockets
+
+
+def _all_gone(pids: list[int], sockets: Path) -> None:
+    assert not [pid for pid in pids if pid_exists(pid)]
     assert not sockets.exists()
+
+
+def test_killed_core_is_seen_by_both_fronts_and_a_dead_front_stops_all(tiny_model_dir):
+    server = start_server(tiny_model_dir("qwen2"), "--api-key", API_KEY, "--api-server-count", "2")
+    try:
+        _both_fronts(server.base_url)
+        core, fronts, sockets = _processes(server)
+        kill_core_during_a_stream(openai_client(server), core)
+        assert _both_fronts(server.base_url) == {"0": 503, "1": 503}
+        os.kill(fronts[1], signal.SIGKILL)
+        assert server.proc.wait(timeout=60) == 1
+    finally:
+        stop_server(server)
+    _all_gone([core, *fronts], sockets)
+
+
+def test_sigterm_ends_the_streams_and_leaves_nothing(fronts_server):
+    """Last in this module: it stops the module's server, whose core runs."""
+    core, fronts, sockets = _processes(fronts_server)
+    stream = openai_client(fronts_server).completions.create(
+        model=MODEL_NAME,
+        prompt="Paris",
+        max_tokens=450,
+        stream=True,
+        extra_body={"ignore_eos": True},
+    )
+    chunks = iter(stream)
+    next(chunks)
+    fronts_server.proc.terminate()
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "abort"
+    assert fronts_server.proc.wait(timeout=60) == 0
+    _all_gone([core, *fronts], sockets)
+    log = fronts_server.log()
+    assert "Traceback" not in log and "Fatal Python error" not in log

@@ -173,3 +173,10 @@ def test_reasoning_tokens_must_be_single_tokens():
     tokenizer.add_tokens(["<think>", "</think>"])
     assert reasoning_tokens("qwen3", tokenizer) == ReasoningTokens(end=321, start=320)
     assert reasoning_tokens("deepseek_r1", tokenizer) == ReasoningTokens(end=321)
+
+
+@pytest.mark.parametrize("chunk", [0, 1])
+def test_llama3_text_after_the_calls_is_content(chunk):
+    config = ChatOutputConfig(tool_call_parser="llama3_json", enable_auto_tool_choice=True)
+    text = '{"name": "get_time", "parameters": {}}; and that is all'
+    assert _parse(config, text, chunk) == ("", "and that is all", [("get_time", {})])

@@ -87,7 +87,8 @@ def test_start_up_error_reaches_the_command_line(tmp_path, fronts):
 
 def test_requests_after_shutdown_get_engine_dead_error(tiny_model_dir):
     """Also the race a signal handler makes: shutdown begun between ``generate``'s check and its
-    send, so the core gets the request after ``Shutdown`` and never answers it."""
+    send, so the request reaches the core after ``Shutdown`` or (here) not at all, the core
+    having exited: the send must not wait for it."""
     config = EngineConfig(model=str(tiny_model_dir("qwen2")), device="cpu", num_kv_blocks=64)
     engine = EngineCoreClient(config)
     send = engine._send
@@ -95,6 +96,7 @@ def test_requests_after_shutdown_get_engine_dead_error(tiny_model_dir):
     def shutdown_first(message):
         if isinstance(message, AddRequest):
             engine.shutdown(timeout=0)  # as the signal handler does
+            _wait_gone(engine.core_pid, timeout=30)
         send(message)
 
     async def main() -> None:
