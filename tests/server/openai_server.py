@@ -176,9 +176,8 @@ def accumulated_tool_calls(stream) -> tuple[object, dict[int, list]]:
     return state.get_final_completion().choices[0], pieces
 
 
-def kill_core_during_a_stream(client: openai.OpenAI, core_pid: int) -> None:
-    """Kill the engine core while a stream runs: the stream fails at once, naming the core's
-    death, and so does a new request, with 503."""
+def running_stream(client: openai.OpenAI):
+    """The chunks of a long completion stream whose first chunk has arrived."""
     stream = client.completions.create(
         model=MODEL_NAME,
         prompt="Paris",
@@ -188,6 +187,13 @@ def kill_core_during_a_stream(client: openai.OpenAI, core_pid: int) -> None:
     )
     chunks = iter(stream)
     next(chunks)
+    return chunks
+
+
+def kill_core_during_a_stream(client: openai.OpenAI, core_pid: int) -> None:
+    """Kill the engine core while a stream runs: the stream fails at once, naming the core's
+    death, and so does a new request, with 503."""
+    chunks = running_stream(client)
     os.kill(core_pid, signal.SIGKILL)
     killed = time.monotonic()
     with pytest.raises(openai.APIError, match="engine core process died"):

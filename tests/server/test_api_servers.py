@@ -27,6 +27,7 @@ from openai_server import (
     openai_client,
     parse_metrics,
     pid_exists,
+    running_stream,
     start_server,
     stop_server,
 )
@@ -159,15 +160,7 @@ def test_killed_core_is_seen_by_both_fronts_and_a_dead_front_stops_all(tiny_mode
 def test_sigterm_ends_the_streams_and_leaves_nothing(fronts_server):
     """Last in this module: it stops the module's server, whose core runs."""
     core, fronts, sockets = _processes(fronts_server)
-    stream = openai_client(fronts_server).completions.create(
-        model=MODEL_NAME,
-        prompt="Paris",
-        max_tokens=450,
-        stream=True,
-        extra_body={"ignore_eos": True},
-    )
-    chunks = iter(stream)
-    next(chunks)
+    chunks = running_stream(openai_client(fronts_server))
     fronts_server.proc.terminate()
     assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "abort"
     assert fronts_server.proc.wait(timeout=60) == 0
