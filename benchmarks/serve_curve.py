@@ -1,9 +1,11 @@
 """Start ``heron serve`` from one or more source trees and record a concurrency curve of each.
 
     python benchmarks/serve_curve.py --source main=/path/to/main --source new=.
+    python benchmarks/serve_curve.py --source new=. --api-server-counts 1,2
 
-For every source (``NAME=DIR``: the tree whose ``heron`` package runs the server) and every
-concurrency it runs ``2 x concurrency`` streaming completions (``benchmarks/serve.py``'s
+For every source (``NAME=DIR``: the tree whose ``heron`` package runs the server), every number
+of HTTP front processes (``--api-server-count`` of ``heron serve``; 1 passes no flag, so older
+trees run too) and every concurrency it runs ``2 x concurrency`` streaming completions (``benchmarks/serve.py``'s
 client, temperature 0, ``ignore_eos``) and prints one markdown table: output tok/s and TTFT
 p50 per concurrency. The client is spread over several processes so that its own parsing does
 not cap what a fast server can show.
@@ -50,11 +52,13 @@ def curve_point(
     return tokens / elapsed, percentiles([r.ttft for r in ok])[0], len(results) - len(ok)
 
 
-def start_server(source: Path, port: int, extra: list[str]) -> subprocess.Popen:
+def start_server(source: Path, port: int, fronts: int, extra: list[str]) -> subprocess.Popen:
     # The source tree is the working directory: `python -m` puts it first on sys.path.
     path = os.pathsep.join(filter(None, [str(source), os.environ.get("PYTHONPATH")]))
     env = {**os.environ, "PYTHONPATH": path}
     cmd = [sys.executable, "-m", "heron.cli", "serve", "--port", str(port), *extra]
+    if fronts > 1:
+        cmd += ["--api-server-count", str(fronts)]
     proc = subprocess.Popen(cmd, cwd=source, env=env)
     deadline = time.monotonic() + 900
     while time.monotonic() < deadline:
@@ -78,30 +82,36 @@ def main() -> None:
     parser.add_argument("--client-processes", type=int, default=8)
     parser.add_argument("--port", type=int, default=8321)
     parser.add_argument("--server-arg", action="append", default=[], help="passed to serve")
+    parser.add_argument("--api-server-counts", default="1", help="front processes, e.g. 1,2")
     args = parser.parse_args()
     levels = [int(c) for c in args.concurrency.split(",")]
+    counts = [int(c) for c in args.api_server_counts.split(",")]
     base_url = f"http://127.0.0.1:{args.port}"
     rows = []
     with ProcessPoolExecutor(args.client_processes) as pool:
         for source in args.source:
             name, _, folder = source.partition("=")
-            proc = start_server(Path(folder).resolve(), args.port, args.server_arg)
-            try:
-                curve_point(pool, base_url, 16, 16, args.client_processes)  # warm-up
-                for level in levels:
-                    tok_s, ttft, failed = curve_point(
-                        pool, base_url, level, args.max_tokens, args.client_processes
-                    )
-                    rows.append((name, level, tok_s, ttft, failed))
-                    print(f"{name} {level}: {tok_s:.0f} tok/s, TTFT p50 {ttft:.3f} s", flush=True)
-            finally:
-                proc.terminate()
-                proc.wait(60)
+            for fronts in counts:
+                proc = start_server(Path(folder).resolve(), args.port, fronts, args.server_arg)
+                try:
+                    curve_point(pool, base_url, 16, 16, args.client_processes)  # warm-up
+                    for level in levels:
+                        tok_s, ttft, failed = curve_point(
+                            pool, base_url, level, args.max_tokens, args.client_processes
+                        )
+                        rows.append((name, fronts, level, tok_s, ttft, failed))
+                        print(
+                            f"{name} x{fronts} {level}: {tok_s:.0f} tok/s, TTFT p50 {ttft:.3f} s",
+                            flush=True,
+                        )
+                finally:
+                    proc.terminate()
+                    proc.wait(60)
     print(f"\nmax_tokens {args.max_tokens}, {ROUNDS} x concurrency requests per point\n")
-    print("| server | streams | output tok/s | TTFT p50 (s) | failed |")
-    print("|---|---|---|---|---|")
-    for name, level, tok_s, ttft, failed in rows:
-        print(f"| {name} | {level} | {tok_s:.0f} | {ttft:.3f} | {failed} |")
+    print("| server | fronts | streams | output tok/s | TTFT p50 (s) | failed |")
+    print("|---|---|---|---|---|---|")
+    for name, fronts, level, tok_s, ttft, failed in rows:
+        print(f"| {name} | {fronts} | {level} | {tok_s:.0f} | {ttft:.3f} | {failed} |")
 
 
 if __name__ == "__main__":

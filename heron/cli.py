@@ -240,10 +240,18 @@ def cmd_serve(args: argparse.Namespace) -> int:
             max_request_body_bytes=args.max_request_body_bytes,
             trust_request_chat_template=args.trust_request_chat_template,
             chat_output=chat_output,
+            api_server_count=args.api_server_count,
         )
     except EngineStartupError as e:
         print(f"heron: error: the engine could not start: {e}", file=sys.stderr)
         return 2
+
+
+def _positive(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, not {value}")
+    return value
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -290,6 +298,13 @@ def build_parser() -> argparse.ArgumentParser:
         type=int,
         default=DEFAULT_MAX_REQUEST_BODY_BYTES,
         help="larger request bodies are refused with 413",
+    )
+    serve.add_argument(
+        "--api-server-count",
+        type=_positive,
+        default=1,
+        help="HTTP front processes sharing the port and the engine core (tokenisation, "
+        "templates, detokenisation, parsers in each)",
     )
     serve.add_argument(
         "--trust-request-chat-template",

@@ -81,15 +81,26 @@ def tiny_config(family: str):
 FAMILIES = ["llama", "qwen2", "qwen3", "mistral"]
 
 
-def save_tiny_model(family: str, path: Path, seed: int = 0) -> Path:
-    return save_random_model(tiny_config(family), path, seed)
+def save_tiny_model(
+    family: str, path: Path, seed: int = 0, added_tokens: tuple[str, ...] = ()
+) -> Path:
+    return save_random_model(tiny_config(family), path, seed, added_tokens)
 
 
-def save_random_model(config, path: Path, seed: int = 0) -> Path:
-    """An HF model of ``config`` with random weights, and the test tokenizer, saved to ``path``."""
+def save_random_model(
+    config, path: Path, seed: int = 0, added_tokens: tuple[str, ...] = ()
+) -> Path:
+    """An HF model of ``config`` with random weights, and the test tokenizer, saved to ``path``.
+
+    ``added_tokens``: tokens the tokenizer gets beyond its trained vocabulary (as a reasoning
+    model's ``<think>``), each one id, which the model's vocabulary grows to hold."""
     import transformers as tf
 
     torch.manual_seed(seed)
+    tokenizer = make_tokenizer()
+    if added_tokens:
+        tokenizer.add_tokens(list(added_tokens))
+        config.vocab_size = len(tokenizer)
     model = tf.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     # Random init is small; scale weights up so logits are not near-uniform (no near-ties).
     with torch.no_grad():
@@ -102,7 +113,7 @@ def save_random_model(config, path: Path, seed: int = 0) -> Path:
                 p.normal_(0.0, 0.02)
     model.generation_config.eos_token_id = None
     model.save_pretrained(path)
-    make_tokenizer().save_pretrained(path)
+    tokenizer.save_pretrained(path)
     return path
 
 

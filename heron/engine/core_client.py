@@ -7,7 +7,8 @@ a GIL with them. A stop string the front matches aborts that sample in the core.
 
 One thread reads the core's messages (it waits in ZMQ, without the GIL) and hands each batch
 to the event loop; it also watches the core process, so a core that dies fails every request
-at once with :class:`EngineDeadError`.
+at once with :class:`EngineDeadError`. With several fronts (``--api-server-count``) each is
+one client, attached to the core a launcher started (:meth:`EngineCoreClient.attach`).
 """
 
 from __future__ import annotations
@@ -15,10 +16,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
-import shutil
-import subprocess
-import sys
-import tempfile
 import threading
 import time
 from collections.abc import AsyncIterator, Callable
@@ -29,14 +26,15 @@ import zmq
 from transformers import AutoTokenizer
 
 from heron.config import EngineConfig
+from heron.engine.core_launch import CoreProcess, WatchedCore, front_endpoints, remove_sockets
 from heron.engine.detokenizer import IncrementalDetokenizer
 from heron.engine.llm_engine import ParentRequest
 from heron.engine.messages import (
     AbortRequest,
     AddRequest,
-    CoreArgs,
     CoreMessage,
     EngineStats,
+    FrontEndpoints,
     FrontMessage,
     Ready,
     Rejected,
@@ -51,6 +49,10 @@ from heron.outputs import RequestOutput
 from heron.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
+
+
+# How long one send waits for the core's connection before checking the core still runs.
+SEND_WAIT_MS = 100
 
 
 class EngineDeadError(RuntimeError):
@@ -80,18 +82,38 @@ class EngineCoreClient:
     ``max_model_len``, ``model_path``, ``stats``)."""
 
     def __init__(self, config: EngineConfig, log_level: str = "INFO") -> None:
-        """Start the core and wait until its engine is built; raise
+        """Start the core, the only front's, and wait until its engine is built; raise
         :class:`EngineStartupError` with the core's reason if it cannot be."""
-        self._dir = tempfile.mkdtemp(prefix="heron-core-")
+        (endpoints,) = front_endpoints(1)
+        self._connect(endpoints, lambda: CoreProcess(config, log_level, [endpoints]))
+
+    @classmethod
+    def attach(cls, endpoints: FrontEndpoints, core_pid: int) -> EngineCoreClient:
+        """The client of one of several fronts, on the core a launcher started (which also
+        stops it: :meth:`shutdown` only ends this front's requests)."""
+        client = cls.__new__(cls)
+        client._connect(endpoints, lambda: WatchedCore(core_pid))
+        return client
+
+    def _connect(
+        self, endpoints: FrontEndpoints, core: Callable[[], CoreProcess | WatchedCore]
+    ) -> None:
+        """Start or watch the core (``core``), bind this front's sockets (the core connects
+        to them) and wait for its engine."""
+        try:
+            self._core = core()
+        except ProcessLookupError:
+            raise EngineStartupError("the engine core process is gone") from None
+        self._endpoints = endpoints
         self._context = zmq.Context()
         self._to_core = self._context.socket(zmq.PUSH)
         self._from_core = self._context.socket(zmq.PULL)
         for socket in (self._to_core, self._from_core):
             socket.setsockopt(zmq.SNDHWM, 0)  # never drop nor block: the queues are bounded
             socket.setsockopt(zmq.RCVHWM, 0)  # by the requests in flight
-        args = CoreArgs(config, f"ipc://{self._dir}/input", f"ipc://{self._dir}/output", log_level)
-        self._to_core.bind(args.input_address)
-        self._from_core.bind(args.output_address)
+        self._to_core.setsockopt(zmq.SNDTIMEO, SEND_WAIT_MS)
+        self._to_core.bind(endpoints.input_address)
+        self._from_core.bind(endpoints.output_address)
         self._send_lock = threading.RLock()  # a signal handler may send inside a send
         self._encoder = msgspec.msgpack.Encoder()
         self._decoder = msgspec.msgpack.Decoder(CoreMessage)
@@ -99,20 +121,17 @@ class EngineCoreClient:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._stopping = False
         self._closed = False
-        # The core's standard input is this pipe: it sees end of file when the front dies.
-        self._proc = subprocess.Popen(
-            [sys.executable, "-m", "heron.engine.core_process", msgspec.json.encode(args).decode()],
-            stdin=subprocess.PIPE,
-        )
-        self._exit_fd = os.pidfd_open(self._proc.pid)  # readable once the core has exited
+        self._wake_read, self._wake_write = os.pipe()  # tells the reader thread to stop
         self._poller = zmq.Poller()  # the start-up's, then the reader thread's
         self._poller.register(self._from_core, zmq.POLLIN)
-        self._poller.register(self._exit_fd, zmq.POLLIN)
+        self._poller.register(self._core.exit_fd, zmq.POLLIN)
+        self._poller.register(self._wake_read, zmq.POLLIN)
         try:
             ready = self._wait_ready()
             self.tokenizer = AutoTokenizer.from_pretrained(ready.tokenizer)
         except BaseException:
-            self._proc.kill()
+            if self._core_owned():
+                self._core.kill()
             self._close()
             raise
         self.max_model_len = ready.max_model_len
@@ -125,11 +144,11 @@ class EngineCoreClient:
 
     @property
     def core_pid(self) -> int:
-        return self._proc.pid
+        return self._core.pid
 
     @property
     def is_running(self) -> bool:
-        return self._proc.poll() is None
+        return not self._closed and self._core.running
 
     # ------------------------------------------------------------ event loop side
 
@@ -155,7 +174,7 @@ class EngineCoreClient:
         parent = ParentRequest(request_id, None, token_ids, children, detokenizers, stream=True)
         stream = _Stream(parent, asyncio.Queue())
         self._streams[request_id] = stream
-        self._send(AddRequest(request_id, token_ids, params))
+        self._send(AddRequest(request_id, token_ids, params, self._endpoints.index))
         finished = False
         try:
             while True:
@@ -179,8 +198,21 @@ class EngineCoreClient:
             self._send(AbortRequest(request_id))
 
     def _send(self, message: FrontMessage) -> None:
+        """Send, or drop the message once the core is gone. A PUSH socket waits for a peer
+        (its queue is unbounded, so that is all it waits for): briefly, while the core's
+        connection is being made, and for ever once the core has exited, so the wait is
+        bounded (``SEND_WAIT_MS``) and the core's exit checked between tries; the reader thread
+        reports that exit to every request."""
+        frame = self._encoder.encode(message)
         with self._send_lock:
-            self._to_core.send(self._encoder.encode(message), copy=False)
+            while True:
+                try:
+                    self._to_core.send(frame, copy=False)
+                    return
+                except zmq.Again:
+                    if not self._core.running:
+                        logger.debug("the engine core is gone; %s dropped", type(message).__name__)
+                        return
 
     def _apply(self, messages: list[CoreMessage]) -> None:
         """Deliver a batch of the core's messages: one output per request however many steps
@@ -255,52 +287,66 @@ class EngineCoreClient:
 
     def _wait_ready(self) -> Ready:
         while True:
-            messages, exited = self._receive()
+            messages, exited, _ = self._receive()
             for message in messages:
                 if isinstance(message, Ready):
                     return message
                 if isinstance(message, StartupFailed):
-                    self._proc.wait(timeout=30)
+                    if self._core_owned():
+                        self._core.stop(timeout=30)
                     raise EngineStartupError(message.message)
             if exited:
-                code = self._proc.wait()
+                if self._core_owned():
+                    self._core.stop(timeout=None)
                 raise EngineStartupError(
-                    f"the engine core exited with code {code} during start-up (its log is above)"
+                    f"the engine core exited{self._exit_code()} during start-up (its log is above)"
                 )
 
-    def _receive(self) -> tuple[list[CoreMessage], bool]:
-        """Wait for messages or the core's exit; return every message waiting, and whether the
-        core has exited (its last messages are read before its exit is reported)."""
+    def _receive(self) -> tuple[list[CoreMessage], bool, bool]:
+        """Wait for messages, the core's exit or the wake-up; return every message waiting,
+        whether the core has exited (its last messages are read before its exit is reported)
+        and whether the reader was woken to stop."""
         events = dict(self._poller.poll())
         messages = []
         while True:
             try:
                 frame = self._from_core.recv(zmq.NOBLOCK, copy=False)
             except zmq.Again:
-                return messages, self._exit_fd in events
+                return messages, self._core.exit_fd in events, self._wake_read in events
             messages.append(self._decoder.decode(frame.buffer))
 
     def _read(self) -> None:
-        """Hand the core's messages to the event loop, in batches, until the core exits."""
+        """Hand the core's messages to the event loop, in batches, until the core exits (or
+        :meth:`shutdown` wakes this thread to stop)."""
         while True:
-            messages, exited = self._receive()
+            messages, exited, woken = self._receive()
             stats = [m.stats for m in messages if isinstance(m, StepOutputs) and m.stats]
             if stats:
                 self.stats = stats[-1]
             if messages:
                 self._call_on_loop(self._apply, messages)
             if exited:
-                self._proc.wait()
+                if self._core_owned():
+                    self._core.stop(timeout=None)  # reaps it: its exit code
                 error = self._dead_error()
                 if not self._stopping:
                     logger.error("%s", error)
                 self._call_on_loop(self._fail_all, error)
                 return
+            if woken:
+                return
+
+    def _core_owned(self) -> bool:
+        return isinstance(self._core, CoreProcess)
+
+    def _exit_code(self) -> str:
+        code = self._core.exit_code
+        return "" if code is None else f" with code {code}"
 
     def _dead_error(self) -> EngineDeadError:
         if self._stopping:
             return EngineDeadError("the engine is shutting down")
-        return EngineDeadError(f"the engine core process died (exit code {self._proc.returncode})")
+        return EngineDeadError(f"the engine core process died{self._exit_code()}")
 
     def _call_on_loop(self, function: Callable[[object], None], argument: object) -> None:
         if self._loop is None:
@@ -315,30 +361,34 @@ class EngineCoreClient:
     def shutdown(self, timeout: float | None = 30.0) -> None:
         """Finish in-flight requests with ``finish_reason="abort"`` and stop the core: wait up
         to ``timeout`` seconds (None: as long as it takes) for it to exit, then kill it.
-        ``timeout=0`` only asks (a signal handler must not block)."""
+        ``timeout=0`` only asks (a signal handler must not block). An attached front ends only
+        its own requests and leaves the core to its launcher."""
         if not self._stopping:
             self._stopping = True
-            if self.is_running:
+            if self.is_running and self._core_owned():
                 self._send(Shutdown())
+            elif self.is_running:
+                for request_id in list(self._streams):
+                    self._send(AbortRequest(request_id))
         if timeout == 0 or self._closed:
             return
-        try:
-            self._proc.wait(timeout)
-        except subprocess.TimeoutExpired:
-            logger.warning("the engine core did not stop within %.0f s; killing it", timeout)
-            self._proc.kill()
-            self._proc.wait()
+        if not self._core_owned():
+            os.write(self._wake_write, b"\0")
+        elif not self._core.stop(timeout):
+            logger.warning("the engine core did not stop within %.0f s; killed it", timeout)
         self._reader.join()
         self._close()
 
     def _close(self) -> None:
         self._closed = True
-        self._proc.stdin.close()
-        os.close(self._exit_fd)
+        self._core.close()
+        os.close(self._wake_read)
+        os.close(self._wake_write)
         self._to_core.close(linger=0)
         self._from_core.close(linger=0)
         self._context.term()
-        shutil.rmtree(self._dir, ignore_errors=True)
+        if self._core_owned():
+            remove_sockets(self._endpoints)  # a launcher removes those of its fronts
 
 
 def _timings(stream: _Stream) -> dict[str, float]:

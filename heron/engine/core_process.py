@@ -1,26 +1,26 @@
 """The engine core process: an :class:`LLMEngine` stepped in a process of its own.
 
 ``heron serve`` starts it (``python -m heron.engine.core_process ARGS``, ARGS the
-:class:`CoreArgs` as JSON) so that the model step never waits on the HTTP front's GIL. It pulls
-:data:`FrontMessage`s from one ZMQ socket and pushes one :class:`StepOutputs` per step to
-another. It exits on :class:`Shutdown`, and on its own when the front dies (its standard input,
-the front's pipe, reaches end of file), so it is never left orphaned.
+:class:`CoreArgs` as JSON) so that the model step never waits on an HTTP front's GIL. It pulls
+:data:`FrontMessage`s from every front's input socket and pushes one :class:`StepOutputs` per
+step to each front that has new tokens (or stats to take), each request's outputs to the front
+that sent it. It exits on :class:`Shutdown`, and on its own when the process that started it is
+gone (its standard input, that process's pipe, reaches end of file), so it is never orphaned.
 """
 
 from __future__ import annotations
 
 import logging
-import shutil
 import signal
 import sys
 import time
 from dataclasses import dataclass
-from pathlib import Path
 
 import msgspec
 import zmq
 
 from heron.distributed.executor import WorkerDiedError
+from heron.engine.core_launch import remove_sockets
 from heron.engine.llm_engine import LLMEngine
 from heron.engine.messages import (
     AbortRequest,
@@ -53,8 +53,9 @@ _USER_ERRORS = (ValueError, OSError)
 
 @dataclass(eq=False)
 class _Sent:
-    """How much of one request's output the front has been sent."""
+    """How much of one request's output its front has been sent."""
 
+    front: int
     children: list[Request]
     tokens: list[int]  # per sample
     finished: list[bool]  # per sample
@@ -65,24 +66,27 @@ class EngineCore:
     """The core's loop: apply the front's messages, step, send each step's new tokens."""
 
     def __init__(
-        self, engine: LLMEngine, inbox: zmq.Socket, outbox: zmq.Socket, front_fd: int
+        self, engine: LLMEngine, inbox: zmq.Socket, outboxes: list[zmq.Socket], front_fd: int
     ) -> None:
-        """``front_fd``: the read end of a pipe the front holds open; readable (end of file)
-        once the front is gone."""
+        """``outboxes``: one per front, by index; ``front_fd``: the read end of a pipe the
+        starting process holds open, readable (end of file) once it is gone."""
         self.engine = engine
-        self.inbox, self.outbox, self.front_fd = inbox, outbox, front_fd
+        self.inbox, self.outboxes, self.front_fd = inbox, outboxes, front_fd
         self._encoder = msgspec.msgpack.Encoder()
         self._decoder = msgspec.msgpack.Decoder(FrontMessage)
         self._poller = zmq.Poller()
         self._poller.register(inbox, zmq.POLLIN)
         self._poller.register(front_fd, zmq.POLLIN)
         self._live: dict[str, _Sent] = {}
-        self._deltas: list[RequestDelta] = []
+        self._deltas: list[list[RequestDelta]] = [[] for _ in outboxes]  # per front
         self._stats: EngineStats | None = None
         self._stats_time = 0.0
 
-    def send(self, message: CoreMessage) -> None:
-        self.outbox.send(self._encoder.encode(message), copy=False)
+    def send(self, message: CoreMessage, front: int | None = None) -> None:
+        """To one front, or (None) to every front."""
+        frame = self._encoder.encode(message)
+        for outbox in self.outboxes if front is None else [self.outboxes[front]]:
+            outbox.send(frame, copy=False)
 
     def run(self) -> None:
         while self._receive(0 if self.engine.has_unfinished_requests() else IDLE_POLL_MS):
@@ -94,7 +98,8 @@ class EngineCore:
         """Apply every waiting message; False once the core should exit."""
         events = dict(self._poller.poll(timeout_ms))
         if self.front_fd in events:
-            logger.error("the front process is gone; the engine core exits")
+            log = logger.error if self._live else logger.info
+            log("the process that started the engine core is gone; the core exits")
             return False
         while events:
             try:
@@ -127,10 +132,12 @@ class EngineCore:
                 request_id, message.prompt_token_ids, message.params, stream=False
             )
         except ValueError as e:
-            self.send(Rejected(request_id, str(e)))
+            self.send(Rejected(request_id, str(e)), message.front)
             return
         children = self.engine.samples(request_id)
-        self._live[request_id] = _Sent(children, [0] * len(children), [False] * len(children))
+        self._live[request_id] = _Sent(
+            message.front, children, [0] * len(children), [False] * len(children)
+        )
 
     def _step(self) -> None:
         try:
@@ -139,13 +146,15 @@ class EngineCore:
             # The step may have left these requests half-updated; aborting them frees their
             # blocks and keeps the engine usable for the next requests.
             logger.exception("engine step failed; aborting %d requests", len(self._live))
-            request_ids = list(self._live)
-            for request_id in request_ids:
+            by_front: dict[int, list[str]] = {}
+            for request_id, sent in self._live.items():
                 self.engine.abort_request(request_id)
+                by_front.setdefault(sent.front, []).append(request_id)
             self._live.clear()
-            self.send(StepFailed(request_ids, f"the model step failed: {e!r}"))
+            for front, request_ids in by_front.items():
+                self.send(StepFailed(request_ids, f"the model step failed: {e!r}"), front)
             if isinstance(e, WorkerDiedError):
-                raise  # no later step can run: the core exits, the front reports it dead
+                raise  # no later step can run: the core exits, the fronts report it dead
             return
         for request_id in list(self._live):
             self._collect(request_id, request_id in finished)
@@ -184,10 +193,11 @@ class EngineCore:
             delta.first_scheduled_time = min((t for t in scheduled if t is not None), default=None)
         if finished:
             del self._live[request_id]
-        self._deltas.append(delta)
+        self._deltas[sent.front].append(delta)
 
     def _publish(self) -> None:
-        """Send the queued deltas, with the engine's stats when they changed and are due."""
+        """Send each front its queued deltas, with the engine's stats (to every front) when
+        they changed and are due."""
         now = time.monotonic()
         stats = None
         idle = not self.engine.has_unfinished_requests()
@@ -197,9 +207,10 @@ class EngineCore:
                 stats = None
             else:
                 self._stats, self._stats_time = stats, now
-        if self._deltas or stats is not None:
-            self.send(StepOutputs(self._deltas, stats))
-            self._deltas = []
+        for front, deltas in enumerate(self._deltas):
+            if deltas or stats is not None:
+                self.send(StepOutputs(deltas, stats), front)
+                self._deltas[front] = []
 
 
 def run_engine_core(args: CoreArgs) -> int:
@@ -207,37 +218,46 @@ def run_engine_core(args: CoreArgs) -> int:
     # Ctrl-C reaches the whole process group; the front decides how the core stops.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     context = zmq.Context()
-    outbox = context.socket(zmq.PUSH)
-    outbox.connect(args.output_address)
+    outboxes = []
+    for front in args.fronts:
+        outbox = context.socket(zmq.PUSH)
+        outbox.setsockopt(zmq.SNDHWM, 0)  # as the fronts' sockets: never drop nor block
+        outbox.connect(front.output_address)
+        outboxes.append(outbox)
     inbox = context.socket(zmq.PULL)
-    inbox.connect(args.input_address)
+    inbox.setsockopt(zmq.RCVHWM, 0)
+    for front in args.fronts:
+        inbox.connect(front.input_address)  # one queue, fair among the fronts
     try:
-        core = _start(args, inbox, outbox)
+        core = _start(args, inbox, outboxes)
         if core is not None:
             try:
                 core.run()
             finally:
                 core.engine.shutdown()
     finally:
-        # Linger, so the last outputs reach the front before the process ends.
-        outbox.close(linger=5000)
+        # Linger, so the last outputs reach the fronts before the process ends.
+        for outbox in outboxes:
+            outbox.close(linger=5000)
         inbox.close(linger=0)
         context.term()
-        # The sockets' directory: the front removes it too, unless it was killed.
-        shutil.rmtree(Path(args.input_address.removeprefix("ipc://")).parent, ignore_errors=True)
+        # The sockets' directory: its maker removes it too, unless it was killed.
+        remove_sockets(args.fronts[0])
     return 0 if core is not None else 1
 
 
-def _start(args: CoreArgs, inbox: zmq.Socket, outbox: zmq.Socket) -> EngineCore | None:
+def _start(args: CoreArgs, inbox: zmq.Socket, outboxes: list[zmq.Socket]) -> EngineCore | None:
     encoder = msgspec.msgpack.Encoder()
     try:
         engine = LLMEngine(args.config, detokenize=False)
     except Exception as e:
         if not isinstance(e, _USER_ERRORS):
             logger.exception("the engine core failed to start")
-        outbox.send(encoder.encode(StartupFailed(str(e) or type(e).__name__)))
+        failed = encoder.encode(StartupFailed(str(e) or type(e).__name__))
+        for outbox in outboxes:
+            outbox.send(failed)
         return None
-    core = EngineCore(engine, inbox, outbox, sys.stdin.fileno())
+    core = EngineCore(engine, inbox, outboxes, sys.stdin.fileno())
     mc = engine.model_config
     freeze_start_up_heap()
     core.send(

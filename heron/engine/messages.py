@@ -25,6 +25,7 @@ class AddRequest(msgspec.Struct, tag=True, array_like=True):
     request_id: str
     prompt_token_ids: list[int]
     params: SamplingParams
+    front: int = 0  # the sender's index: its outputs go back to it
 
 
 class AbortRequest(msgspec.Struct, tag=True, array_like=True):
@@ -150,10 +151,17 @@ class StepFailed(msgspec.Struct, tag=True, array_like=True):
 CoreMessage = Ready | StartupFailed | StepOutputs | Rejected | StepFailed
 
 
+class FrontEndpoints(msgspec.Struct, frozen=True):
+    """One front's sockets, which it binds and the core connects to."""
+
+    index: int
+    input_address: str  # the core pulls this front's FrontMessages here
+    output_address: str  # and pushes its CoreMessages here
+
+
 class CoreArgs(msgspec.Struct):
     """The core process's start-up arguments."""
 
     config: EngineConfig
-    input_address: str  # the core pulls FrontMessages here
-    output_address: str  # and pushes CoreMessages here
+    fronts: list[FrontEndpoints]
     log_level: str

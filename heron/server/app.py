@@ -11,7 +11,7 @@ import uuid
 from collections.abc import AsyncIterator, Awaitable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
-from dataclasses import fields
+from dataclasses import fields, replace
 from itertools import islice
 from typing import Any, TypeVar
 
@@ -57,13 +57,15 @@ from heron.server.protocol import (
     UnsupportedFieldError,
     Usage,
 )
+from heron.server.reasoning import reasoning_tokens
 from heron.server.request_body import (
     DEFAULT_MAX_REQUEST_BODY_BYTES,
     BodyTooLargeError,
     off_loop_if_large,
     parse_body,
 )
-from heron.server.structured_protocol import DeltaToolCall
+from heron.server.structured_protocol import DeltaFunctionCall, DeltaToolCall
+from heron.server.tool_parsers import ToolCallDelta, join_tool_calls
 
 logger = logging.getLogger(__name__)
 
@@ -165,6 +167,8 @@ class OpenAIServing:
         self.engine = engine
         self.chat_output = chat_output or ChatOutputConfig()
         self.tokenizer = engine.tokenizer
+        parser = self.chat_output.reasoning_parser
+        self.reasoning_tokens = reasoning_tokens(parser, self.tokenizer) if parser else None
         self.model_name = served_model_name
         self.max_model_len = engine.max_model_len
         self.metrics = ServerMetrics(lambda: engine.stats)
@@ -206,8 +210,13 @@ class OpenAIServing:
             raise _bad_value(e) from e
 
     def chat_sampling_params(self, body: ChatCompletionRequest) -> SamplingParams:
-        """:meth:`sampling_params` under the server's tool-call settings."""
+        """:meth:`sampling_params` under the server's tool-call and reasoning settings: a
+        grammar (of the request or of a forced tool call) starts after the reasoning."""
         params = self.sampling_params(body)
+        if params.structured_outputs is not None and self.reasoning_tokens is not None:
+            params.structured_outputs = replace(
+                params.structured_outputs, reasoning=self.reasoning_tokens
+            )
         has_tools, choice = bool(body.tools), body.effective_tool_choice
         try:
             self.chat_output.check_tool_choice(has_tools, choice)
@@ -618,7 +627,7 @@ def build_app(
                     message=AssistantMessage(
                         content=piece.content or (None if piece.tool_calls else ""),
                         reasoning_content=piece.reasoning or None,
-                        tool_calls=piece.tool_calls,
+                        tool_calls=join_tool_calls(piece.tool_calls),
                     ),
                     logprobs=serving.chat_logprobs(sample.logprobs)
                     if sample.logprobs is not None
@@ -646,6 +655,16 @@ def _joined(first: MessagePiece, second: MessagePiece) -> MessagePiece:
         first.reasoning + second.reasoning,
         first.content + second.content,
         first.tool_calls + second.tool_calls,
+    )
+
+
+def _delta_tool_call(delta: ToolCallDelta) -> DeltaToolCall:
+    first = delta.id is not None
+    return DeltaToolCall(
+        index=delta.index,
+        id=delta.id,
+        type="function" if first else None,
+        function=DeltaFunctionCall(name=delta.name, arguments=delta.arguments),
     )
 
 
@@ -790,7 +809,7 @@ async def _chat_stream(
         yield _sse(chunk([opening]).model_dump_json())
     deltas = _Deltas()
     parsers = [serving.output_parser(body) for _ in range(n)]
-    num_calls = [0] * n  # tool calls sent per choice, for their indices
+    called = [False] * n  # whether the choice has sent a tool call
     events = _sse_events(serving, request, started, body.include_usage, lambda u: chunk([], u))
     async for event in events:
         if isinstance(event, str):
@@ -812,20 +831,13 @@ async def _chat_stream(
                 if not (piece.reasoning or piece.content or piece.tool_calls):
                     if not (finished or logprobs):
                         continue  # held back: it may be part of a tag
-                first = num_calls[sample.index]
-                num_calls[sample.index] += len(piece.tool_calls)
+                called[sample.index] |= bool(piece.tool_calls)
                 delta = DeltaMessage(
                     content=piece.content or None,
                     reasoning_content=piece.reasoning or None,
-                    tool_calls=[
-                        DeltaToolCall(index=first + i, **call.model_dump())
-                        for i, call in enumerate(piece.tool_calls)
-                    ]
-                    or None,
+                    tool_calls=[_delta_tool_call(d) for d in piece.tool_calls] or None,
                 )
-                finish_reason = _chat_finish_reason(
-                    sample.finish_reason, num_calls[sample.index] > 0
-                )
+                finish_reason = _chat_finish_reason(sample.finish_reason, called[sample.index])
             choice = ChatChunkChoice(
                 index=sample.index,
                 delta=delta,

@@ -5,9 +5,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from heron.server.reasoning import REASONING_PARSERS
-from heron.server.structured_protocol import NamedToolChoice, ToolCall, ToolChoice
-from heron.server.tool_parsers import TOOL_PARSERS, ForcedToolParser
+from heron.server.reasoning import REASONING_STARTS_OPEN, reasoning_parser
+from heron.server.structured_protocol import NamedToolChoice, ToolChoice
+from heron.server.tool_parsers import TOOL_PARSERS, ForcedToolParser, ToolCallDelta
 
 
 @dataclass
@@ -16,7 +16,7 @@ class MessagePiece:
 
     reasoning: str = ""
     content: str = ""
-    tool_calls: list[ToolCall] = field(default_factory=list)
+    tool_calls: list[ToolCallDelta] = field(default_factory=list)
 
 
 @dataclass(frozen=True)
@@ -29,10 +29,10 @@ class ChatOutputConfig:
     enable_auto_tool_choice: bool = False
 
     def __post_init__(self) -> None:
-        if self.reasoning_parser is not None and self.reasoning_parser not in REASONING_PARSERS:
+        if self.reasoning_parser is not None and self.reasoning_parser not in REASONING_STARTS_OPEN:
             raise ValueError(
                 f"unknown reasoning parser {self.reasoning_parser!r}; "
-                f"known: {', '.join(REASONING_PARSERS)}"
+                f"known: {', '.join(REASONING_STARTS_OPEN)}"
             )
         if self.tool_call_parser is not None and self.tool_call_parser not in TOOL_PARSERS:
             raise ValueError(
@@ -63,8 +63,8 @@ class ChatOutputParser:
     """Splits a choice's text (``feed`` per delta, then ``finish``) into message pieces."""
 
     def __init__(self, config: ChatOutputConfig, has_tools: bool, choice: ToolChoice) -> None:
-        make_reasoning = REASONING_PARSERS.get(config.reasoning_parser)
-        self._reasoning = make_reasoning() if make_reasoning else None
+        name = config.reasoning_parser
+        self._reasoning = reasoning_parser(name) if name is not None else None
         self._tools = None
         if has_tools and isinstance(choice, NamedToolChoice):
             self._tools = ForcedToolParser(choice.function.name)

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import AsyncIterator, Callable, Iterator
 from contextlib import aclosing
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.multiprocess import MultiProcessCollector
 from prometheus_client.registry import Collector
 
 from heron.engine.messages import EngineStats
@@ -100,11 +102,21 @@ class _EngineCollector(Collector):
 
 
 class ServerMetrics:
-    """Request-level metrics, observed as outputs stream out, plus the engine's state."""
+    """Request-level metrics, observed as outputs stream out, plus the engine's state.
+
+    With ``PROMETHEUS_MULTIPROC_DIR`` set (several front processes, see
+    :mod:`heron.server.api_servers`) the request metrics live in files there and a scrape
+    sums those of every front; the engine gauges are the core's snapshot either way.
+    """
 
     def __init__(self, engine_stats: Callable[[], EngineStats]) -> None:
         self.registry = CollectorRegistry()
         self.registry.register(_EngineCollector(engine_stats))
+        self._scraped = self.registry
+        if "PROMETHEUS_MULTIPROC_DIR" in os.environ:
+            self._scraped = CollectorRegistry()
+            MultiProcessCollector(self._scraped)
+            self._scraped.register(_EngineCollector(engine_stats))
         reg = self.registry
         self.prompt_tokens = Counter("heron:prompt_tokens", "prompt tokens", registry=reg)
         self.generation_tokens = Counter(
@@ -142,7 +154,7 @@ class ServerMetrics:
         )
 
     def render(self) -> bytes:
-        return generate_latest(self.registry)
+        return generate_latest(self._scraped)
 
     async def track(self, outputs: AsyncIterator[RequestOutput]) -> AsyncIterator[RequestOutput]:
         """Pass ``outputs`` through, observing token latencies and the finished request."""

@@ -8,6 +8,7 @@ what could still be the start of a tag; a response that is not streamed is one `
 from __future__ import annotations
 
 from heron.server.partial_tags import partial_tag_length
+from heron.structured import ReasoningTokens
 
 OPEN, CLOSE = "<think>", "</think>"
 
@@ -57,7 +58,22 @@ class ThinkReasoningParser:
         return "", rest
 
 
-REASONING_PARSERS = {
-    "qwen3": lambda: ThinkReasoningParser(reasoning_starts_open=False),
-    "deepseek_r1": lambda: ThinkReasoningParser(reasoning_starts_open=True),
-}
+# Parser name -> whether the reply reasons from its first token (the template opened <think>).
+REASONING_STARTS_OPEN = {"qwen3": False, "deepseek_r1": True}
+
+
+def reasoning_parser(name: str) -> ThinkReasoningParser:
+    return ThinkReasoningParser(REASONING_STARTS_OPEN[name])
+
+
+def reasoning_tokens(name: str, tokenizer) -> ReasoningTokens:
+    """The think block's tokens, for grammars that start after it; ``ValueError`` if the
+    tokenizer does not have each tag as one token (as Qwen3's and DeepSeek-R1's do)."""
+    vocab = tokenizer.get_vocab()
+    missing = [tag for tag in (OPEN, CLOSE) if tag not in vocab]
+    if missing:
+        raise ValueError(
+            f"--reasoning-parser {name} needs {' and '.join(missing)} as one token of the "
+            "tokenizer, so that structured outputs can start after the reasoning"
+        )
+    return ReasoningTokens(vocab[CLOSE], None if REASONING_STARTS_OPEN[name] else vocab[OPEN])

@@ -5,11 +5,13 @@ from __future__ import annotations
 import gc
 import logging
 import signal
+import socket
+from dataclasses import dataclass
 from pathlib import Path
 from types import FrameType
 
 import uvicorn
-from starlette.types import ASGIApp, Receive, Scope, Send
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from heron.config import EngineConfig
 from heron.engine.core_client import EngineCoreClient
@@ -33,6 +35,22 @@ class _RefuseWhileStopping:
             await response(scope, receive, send)
             return
         await self.app(scope, receive, send)
+
+
+class _NameTheFront:
+    """ASGI middleware naming the front process that answered (``x-heron-api-server``), for
+    telling several fronts on one port apart."""
+
+    def __init__(self, app: ASGIApp, index: int) -> None:
+        self.app, self.header = app, (b"x-heron-api-server", str(index).encode())
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        async def send_named(message: Message) -> None:
+            if message["type"] == "http.response.start":
+                message["headers"] = [*message.get("headers", []), self.header]
+            await send(message)
+
+        await self.app(scope, receive, send_named)
 
 
 class _Server(uvicorn.Server):
@@ -63,6 +81,21 @@ def freeze_start_up_heap() -> None:
     gc.freeze()
 
 
+@dataclass(frozen=True)
+class ServeOptions:
+    """How a front serves its engine: the ``heron serve`` flags other than the engine's."""
+
+    host: str
+    port: int
+    api_key: str | None
+    served_model_name: str | None
+    model: str | None  # as given (the default name)
+    log_level: str
+    max_request_body_bytes: int
+    trust_request_chat_template: bool
+    chat_output: ChatOutputConfig = ChatOutputConfig()
+
+
 def serve(
     config: EngineConfig,
     host: str,
@@ -73,32 +106,75 @@ def serve(
     max_request_body_bytes: int,
     trust_request_chat_template: bool,
     chat_output: ChatOutputConfig | None = None,
+    api_server_count: int = 1,
 ) -> int:
-    """Serve until a shutdown signal; returns the exit code."""
+    """Serve until a shutdown signal; returns the exit code. ``api_server_count`` > 1: that many
+    front processes and a launcher (:mod:`heron.server.api_servers`)."""
     logging.getLogger("heron").setLevel(min(logging.INFO, logging.getLogger().level))
+    options = ServeOptions(
+        host,
+        port,
+        api_key,
+        served_model_name,
+        config.model,
+        log_level,
+        max_request_body_bytes,
+        trust_request_chat_template,
+        chat_output or ChatOutputConfig(),
+    )
+    if api_server_count > 1:
+        from heron.server.api_servers import serve_with_api_servers
+
+        return serve_with_api_servers(config, options, api_server_count)
     engine = EngineCoreClient(config, logging.getLevelName(logging.getLogger().level))
-    name = served_model_name or config.model or Path(engine.model_path).stem
-    logger.info(
-        "serving %s as %r: %s, max_model_len %d (cache groups as logged above); engine core "
-        "process %d",
-        engine.model_path,
-        name,
-        engine.description,
-        engine.max_model_len,
-        engine.core_pid,
-    )
     logger.info("listening on http://%s:%d (OpenAI API under /v1)", host, port)
-    app = build_app(
-        engine, name, api_key, max_request_body_bytes, trust_request_chat_template, chat_output
-    )
-    gate = _RefuseWhileStopping(app)
+    return run_front(engine, options)
+
+
+def run_front(
+    engine: EngineCoreClient,
+    options: ServeOptions,
+    sockets: list[socket.socket] | None = None,
+    index: int | None = None,
+) -> int:
+    """Run the API over ``engine`` under uvicorn until a shutdown signal, on ``sockets`` (one
+    listening socket that several fronts share) or on the options' host and port; ``index``:
+    this front's, sent in every response's ``x-heron-api-server`` header."""
+    name = options.served_model_name or options.model or Path(engine.model_path).stem
+    if not index:  # one line for the server, not one per front
+        logger.info(
+            "serving %s as %r: %s, max_model_len %d (cache groups as logged above); engine "
+            "core process %d",
+            engine.model_path,
+            name,
+            engine.description,
+            engine.max_model_len,
+            engine.core_pid,
+        )
+    try:
+        app = build_app(
+            engine,
+            name,
+            options.api_key,
+            options.max_request_body_bytes,
+            options.trust_request_chat_template,
+            options.chat_output,
+        )
+    except BaseException:
+        engine.shutdown()
+        raise
+    gate = _RefuseWhileStopping(app if index is None else _NameTheFront(app, index))
     uv_config = uvicorn.Config(
-        gate, host=host, port=port, log_level=log_level.lower(), timeout_graceful_shutdown=30
+        gate,
+        host=options.host,
+        port=options.port,
+        log_level=options.log_level.lower(),
+        timeout_graceful_shutdown=30,
     )
     # uvicorn re-raises the shutdown signal once it has shut down gracefully; the default
     # handlers would then turn a clean shutdown into a nonzero exit status.
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: None)
     freeze_start_up_heap()
-    _Server(uv_config, engine, gate).run()
+    _Server(uv_config, engine, gate).run(sockets=sockets)
     return 0

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_serializer
 
 from heron.structured import StructuredOutputsParams
 
@@ -120,7 +120,22 @@ class ToolCall(BaseModel):
     function: FunctionCall
 
 
-class DeltaToolCall(ToolCall):
-    """A tool call in a stream: each call is sent whole, in one chunk."""
+class DeltaFunctionCall(BaseModel):
+    name: str | None = None
+    arguments: str | None = None
+
+
+class DeltaToolCall(BaseModel):
+    """A piece of a tool call in a stream, as OpenAI sends it: the first has the id, type and
+    name, the next ones fragments of the arguments; what is not sent is left out."""
 
     index: int
+    id: str | None = None
+    type: Literal["function"] | None = None
+    function: DeltaFunctionCall
+
+    @model_serializer(mode="wrap")
+    def _omit_unset(self, handler: Any) -> dict[str, Any]:
+        data = handler(self)
+        data["function"] = {k: v for k, v in data["function"].items() if v is not None}
+        return {k: v for k, v in data.items() if v is not None}

@@ -2,141 +2,287 @@
 
 Every parser reads the text as it streams (``feed``) and at the end (``finish``); a response
 that is not streamed is one ``feed`` of the whole text. Text that is not a call passes through
-as content as soon as it cannot start one; a call goes out whole once its text is complete.
+as content as soon as it cannot start one. A call comes out as :class:`ToolCallDelta`s, as
+OpenAI streams it: the first names the function as soon as its name is complete, the next ones
+carry the arguments' JSON text as it arrives (:func:`join_tool_calls` makes whole calls).
 """
 
 from __future__ import annotations
 
 import json
+import re
 import uuid
+from dataclasses import dataclass
 from typing import Any
 
 from heron.server.partial_tags import partial_tag_length
 from heron.server.structured_protocol import ChatTool, FunctionCall, NamedToolChoice, ToolCall
 
-ParsedText = tuple[str, list[ToolCall]]  # content, and the tool calls completed with it
+
+@dataclass
+class ToolCallDelta:
+    """A piece of the reply's call number ``index``: its first piece has ``id`` and ``name``;
+    the ``arguments`` of all its pieces, concatenated, are the call's JSON arguments."""
+
+    index: int
+    arguments: str = ""
+    id: str | None = None
+    name: str | None = None
 
 
-def _call(name: Any, arguments: Any) -> ToolCall | None:
-    """A tool call from parsed JSON, or None if it does not have a call's shape."""
+ParsedText = tuple[str, list[ToolCallDelta]]  # content, and the tool-call pieces with it
+
+
+def join_tool_calls(deltas: list[ToolCallDelta]) -> list[ToolCall]:
+    """Whole calls from their pieces, in call order."""
+    calls: dict[int, ToolCall] = {}
+    for delta in deltas:
+        call = calls.get(delta.index)
+        if call is None:
+            function = FunctionCall(name=delta.name or "", arguments="")
+            call = calls[delta.index] = ToolCall(id=delta.id or "", function=function)
+        call.function.arguments += delta.arguments
+    return [calls[i] for i in sorted(calls)]
+
+
+def _whole_call(index: int, name: Any, arguments: Any) -> ToolCallDelta | None:
+    """A call in one piece from parsed JSON, or None if it does not have a call's shape."""
     if not isinstance(name, str) or not isinstance(arguments, dict | str):
         return None
     text = arguments if isinstance(arguments, str) else json.dumps(arguments, ensure_ascii=False)
-    return ToolCall(
-        id=f"call_{uuid.uuid4().hex[:24]}", function=FunctionCall(name=name, arguments=text)
-    )
+    return ToolCallDelta(index, text, _call_id(), name)
+
+
+def _call_id() -> str:
+    return f"call_{uuid.uuid4().hex[:24]}"
+
+
+# A call object's text up to the opening brace of its arguments (an object).
+_CALL_HEAD = re.compile(
+    r'\s*\{\s*"name"\s*:\s*("(?:[^"\\]|\\.)*")\s*,\s*"(?:arguments|parameters)"\s*:\s*(?=\{)'
+)
+
+
+class _CallObject:
+    """One ``{"name": ..., "arguments": {...}}`` object as its text streams in.
+
+    Brackets are counted outside strings, so the end of the arguments and of the object are
+    known as they arrive. Once the text up to the arguments' opening brace is in, the name goes
+    out, and then the arguments' text as it comes (``streaming``); an object whose keys come in
+    another order is only parsed whole at its end.
+    """
+
+    def __init__(self, index: int) -> None:
+        self.index = index
+        self.text = ""
+        self.end: int | None = None  # just past the object's closing brace, once seen
+        self._arguments_end: int | None = None
+        self._sent: int | None = None  # arguments sent up to here; None: the name not yet
+        self._depth, self._in_string, self._escaped = 0, False, False
+
+    @property
+    def streaming(self) -> bool:
+        return self._sent is not None
+
+    def feed(self, text: str) -> list[ToolCallDelta]:
+        scanned = len(self.text)
+        self.text += text
+        if self.end is None:
+            self._scan(scanned)
+        deltas = []
+        if self._sent is None:
+            head = _CALL_HEAD.match(self.text)
+            if head is None:
+                return []
+            self._sent = head.end()
+            deltas.append(ToolCallDelta(self.index, "", _call_id(), json.loads(head[1])))
+        stop = len(self.text) if self._arguments_end is None else self._arguments_end
+        if stop > self._sent:
+            fragment, self._sent = self.text[self._sent : stop], stop
+            if deltas:
+                deltas[0].arguments = fragment
+            else:
+                deltas.append(ToolCallDelta(self.index, fragment))
+        return deltas
+
+    def _scan(self, position: int) -> None:
+        for i in range(position, len(self.text)):
+            char = self.text[i]
+            if self._in_string:
+                if self._escaped:
+                    self._escaped = False
+                elif char == "\\":
+                    self._escaped = True
+                elif char == '"':
+                    self._in_string = False
+            elif char == '"':
+                self._in_string = True
+            elif char in "{[":
+                self._depth += 1
+            elif char in "}]":
+                self._depth -= 1
+                if self._depth == 1 and self._arguments_end is None:
+                    self._arguments_end = i + 1
+                if self._depth <= 0:
+                    self.end = i + 1
+                    return
+
+    def whole(self) -> ToolCallDelta | None:
+        """The call parsed from the whole text, in one piece; None if it is not one."""
+        try:
+            data = json.loads(self.text)
+        except ValueError:
+            return None
+        if not isinstance(data, dict):
+            return None
+        arguments = data.get("arguments", data.get("parameters", {}))
+        return _whole_call(self.index, data.get("name"), arguments)
 
 
 class HermesToolParser:
-    """Hermes / Qwen: ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>``, repeated."""
+    """Hermes / Qwen: ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>``, repeated.
+
+    A call whose name and arguments stream is the model's call whatever follows; one that is
+    not recognised so (other keys, broken JSON) is parsed at its closing tag, and stays
+    content when it is not a call.
+    """
 
     OPEN, CLOSE = "<tool_call>", "</tool_call>"
 
     def __init__(self) -> None:
         self._buffer = ""
-        self._in_call = False
+        self._call: _CallObject | None = None
+        self._num_calls = 0
 
     def feed(self, text: str) -> ParsedText:
         self._buffer += text
-        content, calls = [], []
+        content, deltas = [], []
         while True:
-            if self._in_call:
+            if self._call is not None:
                 end = self._buffer.find(self.CLOSE)
+                body_end = len(self._buffer) - partial_tag_length(self._buffer, self.CLOSE)
+                body = self._buffer[: end if end >= 0 else body_end]
+                self._buffer = self._buffer[len(body) :]
+                deltas += self._call.feed(body)
                 if end < 0:
-                    return "".join(content), calls
-                body = self._buffer[:end]
-                self._buffer = self._buffer[end + len(self.CLOSE) :]
-                self._in_call = False
-                call = self._parse(body)
-                if call is None:
-                    content.append(self.OPEN + body + self.CLOSE)
-                else:
-                    calls.append(call)
+                    return "".join(content), deltas
+                self._buffer = self._buffer[len(self.CLOSE) :]
+                text, more = self._close(closed=True)
+                content.append(text)
+                deltas += more
                 continue
             start = self._buffer.find(self.OPEN)
             if start < 0:
                 keep = partial_tag_length(self._buffer, self.OPEN)
                 content.append(self._buffer[: len(self._buffer) - keep])
                 self._buffer = self._buffer[len(self._buffer) - keep :]
-                return "".join(content), calls
+                return "".join(content), deltas
             content.append(self._buffer[:start])
             self._buffer = self._buffer[start + len(self.OPEN) :]
-            self._in_call = True
+            self._call = _CallObject(self._num_calls)
 
     def finish(self) -> ParsedText:
-        """What is left: an unclosed call still counts if its JSON is complete."""
+        """What is left: an unclosed call still counts if it streamed or its JSON is whole."""
         rest, self._buffer = self._buffer, ""
-        if self._in_call:
-            self._in_call = False
-            call = self._parse(rest)
-            return ("", [call]) if call is not None else (self.OPEN + rest, [])
-        return rest, []
+        if self._call is None:
+            return rest, []
+        deltas = self._call.feed(rest)
+        text, more = self._close(closed=False)
+        return text, deltas + more
 
-    @staticmethod
-    def _parse(body: str) -> ToolCall | None:
-        try:
-            data = json.loads(body)
-        except ValueError:
-            return None
-        if not isinstance(data, dict):
-            return None
-        return _call(data.get("name"), data.get("arguments", {}))
+    def _close(self, closed: bool) -> ParsedText:
+        """The end of the call's text: its last piece, or the text as content if it is no call
+        (``closed``: by its tag)."""
+        call, self._call = self._call, None
+        if call.streaming:
+            self._num_calls += 1
+            return "", []
+        whole = call.whole()
+        if whole is None:
+            return self.OPEN + call.text + (self.CLOSE if closed else ""), []
+        self._num_calls += 1
+        return "", [whole]
 
 
 class Llama3JsonToolParser:
     """Llama 3: the whole reply is ``{"name": ..., "parameters": {...}}`` (``;``-separated for
-    several calls, optionally after ``<|python_tag|>``); any other reply is content."""
+    several calls, optionally after ``<|python_tag|>``); any other reply is content, and so is
+    what follows the calls once it is not one."""
 
     TAG = "<|python_tag|>"
 
     def __init__(self) -> None:
         self._buffer = ""
         self._is_call: bool | None = None  # undecided until the first visible character
+        self._calls: list[_CallObject] = []  # the last one may still be streaming
+        self._content = False  # past the calls: the rest is content
 
     def feed(self, text: str) -> ParsedText:
-        if self._is_call is False:
+        if self._is_call is False or self._content:
             return text, []
         self._buffer += text
-        start = self._buffer.lstrip()
-        if not start or (len(start) < len(self.TAG) and self.TAG.startswith(start)):
-            return "", []
-        self._is_call = start.startswith(("{", self.TAG))
-        if self._is_call:
-            return "", []
+        if self._is_call is None:
+            start = self._buffer.lstrip()
+            if not start or (len(start) < len(self.TAG) and self.TAG.startswith(start)):
+                return "", []
+            self._is_call = start.startswith(("{", self.TAG))
+            if not self._is_call:
+                rest, self._buffer = self._buffer, ""
+                return rest, []
+            self._buffer = start.removeprefix(self.TAG)
+        return self._calls_in_buffer()
+
+    def _calls_in_buffer(self) -> ParsedText:
+        deltas = []
+        while self._buffer:
+            call = self._calls[-1] if self._calls and self._calls[-1].end is None else None
+            if call is None:
+                self._buffer = self._buffer.lstrip(" \n;")
+                if not self._buffer:
+                    break
+                if not self._buffer.startswith("{"):
+                    return self._give_up(deltas)
+                call = _CallObject(len(self._calls))
+                self._calls.append(call)
+            deltas += call.feed(self._buffer)
+            if call.end is None:
+                self._buffer = ""
+                break
+            self._buffer = call.text[call.end :]
+            call.text = call.text[: call.end]
+            if not call.streaming:
+                whole = call.whole()
+                if whole is None:
+                    self._buffer = call.text + self._buffer
+                    self._calls.pop()
+                    return self._give_up(deltas)
+                deltas.append(whole)
+        return "", deltas
+
+    def _give_up(self, deltas: list[ToolCallDelta]) -> ParsedText:
+        """The rest is not a call: content from here on."""
+        self._content = True
         rest, self._buffer = self._buffer, ""
-        return rest, []
+        return rest, deltas
 
     def finish(self) -> ParsedText:
-        rest, self._buffer = self._buffer, ""
-        if not self._is_call:
+        if self._is_call is None:
+            rest, self._buffer = self._buffer, ""
             return rest, []
-        calls = []
-        decoder = json.JSONDecoder()
-        body, position = rest.strip().removeprefix(self.TAG).strip(), 0
-        while position < len(body):
-            try:
-                data, position = decoder.raw_decode(body, position)
-            except ValueError:
-                return rest, []
-            if not isinstance(data, dict):
-                return rest, []
-            call = _call(data.get("name"), data.get("parameters", data.get("arguments")))
-            if call is None:
-                return rest, []
-            calls.append(call)
-            position = _skip(body, position, " \n;")
-        return "", calls
-
-
-def _skip(text: str, position: int, characters: str) -> int:
-    while position < len(text) and text[position] in characters:
-        position += 1
-    return position
+        if self._is_call is False or self._content:
+            return "", []
+        open_call = self._calls[-1] if self._calls and self._calls[-1].end is None else None
+        if open_call is None or open_call.streaming:
+            return "", []  # a streamed call cut short ends with the arguments sent
+        self._calls.pop()
+        self._buffer = open_call.text
+        return self._give_up([])
 
 
 class ForcedToolParser:
     """``tool_choice="required"`` (a JSON array of ``{"name", "parameters"}``) or a named
-    function (a JSON object, its arguments): the grammar made the text, so it is all calls."""
+    function (a JSON object, its arguments): the grammar made the text, so it is all calls,
+    each sent whole at the end."""
 
     def __init__(self, function_name: str | None) -> None:
         self._function_name = function_name
@@ -153,10 +299,14 @@ class ForcedToolParser:
         except ValueError:
             return rest, []  # cut short (max_tokens): the text as it is
         if self._function_name is not None:
-            call = _call(self._function_name, data)
+            call = _whole_call(0, self._function_name, data)
             return ("", [call]) if call is not None else (rest, [])
         items = data if isinstance(data, list) else []
-        calls = [_call(i.get("name"), i.get("parameters")) for i in items if isinstance(i, dict)]
+        calls = [
+            _whole_call(index, item.get("name"), item.get("parameters"))
+            for index, item in enumerate(items)
+            if isinstance(item, dict)
+        ]
         return ("", calls) if calls and len(calls) == len(items) and all(calls) else (rest, [])
 
 

@@ -1,5 +1,5 @@
 """Structured outputs: grammar specs (plain data), their compilation and per-request matchers."""
 
-from heron.structured.params import StructuredOutputsParams
+from heron.structured.params import ReasoningTokens, StructuredOutputsParams
 
-__all__ = ["StructuredOutputsParams"]
+__all__ = ["ReasoningTokens", "StructuredOutputsParams"]

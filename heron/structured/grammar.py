@@ -15,10 +15,11 @@ from collections.abc import Iterable, Sequence
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from typing import Any
 
+import numpy as np
 import torch
 import xgrammar as xgr
 
-from heron.structured.params import StructuredOutputsParams
+from heron.structured.params import ReasoningTokens, StructuredOutputsParams
 
 logger = logging.getLogger(__name__)
 
@@ -120,7 +121,7 @@ class GrammarCompiler:
     def request_grammars(self, params: StructuredOutputsParams, n: int) -> list[RequestGrammar]:
         """One grammar position per sample of a request (``ValueError`` for a bad spec)."""
         compiled = self.compile(params)
-        return [RequestGrammar(compiled, self.stop_token_ids) for _ in range(n)]
+        return [RequestGrammar(compiled, self.stop_token_ids, params.reasoning) for _ in range(n)]
 
     @staticmethod
     def wait_for_any(grammars: Iterable[RequestGrammar], timeout: float) -> None:
@@ -130,22 +131,39 @@ class GrammarCompiler:
     def token_bitmask(self, grammars: Sequence[RequestGrammar | None]) -> torch.Tensor:
         """Each row's allowed next tokens as xgrammar's bit-packed int32 mask (host memory),
         filled by several threads; rows without a grammar (or whose grammar failed, which ends
-        them) allow everything."""
+        them, or that are reasoning) allow everything."""
         bitmask = xgr.allocate_token_bitmask(len(grammars), self.vocab_size)
-        rows = [i for i, g in enumerate(grammars) if g is not None and not g.failed]
+        rows = [i for i, g in enumerate(grammars) if g is not None and g.constrains]
         if rows:
             matchers = [grammars[i].matcher for i in rows]
             self._batch.batch_fill_next_token_bitmask(matchers, bitmask, rows)
+        words = bitmask.numpy().view(np.uint32)
+        for i in rows:
+            token = grammars[i].also_allowed
+            if token is not None:
+                words[i, token // 32] |= np.uint32(1 << (token % 32))
         return bitmask
 
 
 class RequestGrammar:
-    """One sample's position in its grammar: a matcher, made once the grammar is compiled."""
+    """One sample's position in its grammar: a matcher, made once the grammar is compiled, and
+    with ``reasoning`` the think block before it (a phase: "opening", the first token, which
+    may open the block; "reasoning", until its end token; then "grammar")."""
 
-    def __init__(self, compiled: Future[xgr.CompiledGrammar], stop_token_ids: list[int]) -> None:
+    def __init__(
+        self,
+        compiled: Future[xgr.CompiledGrammar],
+        stop_token_ids: list[int],
+        reasoning: ReasoningTokens | None = None,
+    ) -> None:
         self.compiled = compiled
         self._stop_token_ids = stop_token_ids
         self._matcher: xgr.GrammarMatcher | None = None
+        self._reasoning = reasoning
+        if reasoning is None:
+            self._phase = "grammar"
+        else:
+            self._phase = "reasoning" if reasoning.start is None else "opening"
 
     @property
     def is_ready(self) -> bool:
@@ -163,12 +181,32 @@ class RequestGrammar:
     def failed(self) -> bool:
         return self.compiled.done() and self.compiled.exception() is not None
 
+    @property
+    def constrains(self) -> bool:
+        """Whether the grammar masks the next token (not while reasoning, nor once failed)."""
+        return self._phase != "reasoning" and not self.failed
+
+    @property
+    def also_allowed(self) -> int | None:
+        """A token the mask allows beside the grammar's: the one that opens the think block,
+        for the first token."""
+        return self._reasoning.start if self._phase == "opening" else None
+
     def accept(self, token_id: int) -> bool:
         """Advance past a sampled token; False (logged) if the grammar does not allow it or
         failed to compile."""
         if self.failed:
             logger.error("a grammar failed to compile: %r", self.compiled.exception())
             return False
+        if self._phase == "reasoning":
+            if token_id == self._reasoning.end:
+                self._phase = "grammar"
+            return True
+        if self._phase == "opening":
+            opened = token_id == self._reasoning.start
+            self._phase = "reasoning" if opened else "grammar"
+            if opened:
+                return True
         if not self.matcher.accept_token(token_id):
             logger.error("token %d breaks its grammar", token_id)
             return False

@@ -3,26 +3,39 @@
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 from typing import Any
 
 _KINDS = ("json", "json_object", "regex", "choice", "grammar")
 
 
 @dataclass(frozen=True)
+class ReasoningTokens:
+    """A reasoning model's think block, which the grammar leaves free (as vLLM does): the
+    grammar applies from the token after ``end`` (``</think>``). With ``start`` (Qwen3) a sample
+    reasons only if its first token is ``start``, which the grammar then allows beside its own;
+    without it (DeepSeek-R1, whose template opens the block) every sample reasons first."""
+
+    end: int
+    start: int | None = None
+
+
+@dataclass(frozen=True)
 class StructuredOutputsParams:
     """Exactly one constraint, named as in vLLM: ``json`` (a JSON schema, as a dict or its
     text), ``json_object`` (any JSON object), ``regex``, ``choice`` (one of these strings) or
-    ``grammar`` (EBNF, as xgrammar reads it)."""
+    ``grammar`` (EBNF, as xgrammar reads it); ``reasoning``: where it starts (None: at the
+    first token)."""
 
     json: dict[str, Any] | str | None = None
     json_object: bool = False
     regex: str | None = None
     choice: list[str] | None = None
     grammar: str | None = None
+    reasoning: ReasoningTokens | None = None
 
     def __post_init__(self) -> None:
-        given = [f.name for f in fields(self) if getattr(self, f.name) not in (None, False)]
+        given = [k for k in _KINDS if getattr(self, k) not in (None, False)]
         if len(given) != 1:
             raise ValueError(
                 "structured_outputs must set exactly one of "

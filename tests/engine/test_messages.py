@@ -17,7 +17,7 @@ from heron.engine.messages import (
 )
 from heron.outputs import Logprob
 from heron.sampling_params import SamplingParams
-from heron.structured import StructuredOutputsParams
+from heron.structured import ReasoningTokens, StructuredOutputsParams
 
 # A value other than the default for every field.
 NON_DEFAULT = {
@@ -50,7 +50,11 @@ STRUCTURED_OUTPUTS = [
     StructuredOutputsParams(regex=r"[0-9]+"),
     StructuredOutputsParams(choice=["yes", "no"]),
     StructuredOutputsParams(grammar='root ::= "a" | "b"'),
+    StructuredOutputsParams(regex="a+", reasoning=ReasoningTokens(end=7, start=6)),
 ]
+
+
+PARAMS = 3  # AddRequest on the wire: [tag, request_id, prompt_token_ids, params, front]
 
 
 def _round_trip(params: SamplingParams) -> SamplingParams:
@@ -81,7 +85,7 @@ def test_structured_outputs_round_trip(spec):
 def test_decoding_validates_structured_outputs():
     encoded = msgspec.msgpack.encode(AddRequest("r", [1], SamplingParams()))
     wire = msgspec.msgpack.decode(encoded)
-    wire[-1]["structured_outputs"] = {"regex": "a", "choice": ["b"]}
+    wire[PARAMS]["structured_outputs"] = {"regex": "a", "choice": ["b"]}
     with pytest.raises(msgspec.ValidationError, match="exactly one of"):
         msgspec.msgpack.decode(msgspec.msgpack.encode(wire), type=FrontMessage)
 
@@ -89,7 +93,7 @@ def test_decoding_validates_structured_outputs():
 def test_decoding_validates_sampling_params():
     encoded = msgspec.msgpack.encode(AddRequest("r", [1], SamplingParams()))
     wire = msgspec.msgpack.decode(encoded)  # as plain data: [tag, id, ids, params]
-    wire[-1]["n"] = 0
+    wire[PARAMS]["n"] = 0
     with pytest.raises(msgspec.ValidationError, match=r"n must be an integer in \[1, 128\]"):
         msgspec.msgpack.decode(msgspec.msgpack.encode(wire), type=FrontMessage)
 

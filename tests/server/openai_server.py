@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import re
+import signal
 import socket
 import subprocess
 import sys
@@ -14,6 +15,7 @@ from pathlib import Path
 
 import httpx
 import openai
+import pytest
 
 API_KEY = "test-key"
 MODEL_NAME = "tiny"
@@ -39,13 +41,7 @@ class ServerHandle:
 
     def metrics(self) -> dict[str, float]:
         """The /metrics samples, keyed by name plus labels as exported."""
-        text = httpx.get(f"{self.base_url}/metrics").text
-        samples = {}
-        for line in text.splitlines():
-            match = re.match(r"^(heron:\S+?)\s+(\S+)$", line)
-            if match:
-                samples[match[1]] = float(match[2])
-        return samples
+        return parse_metrics(httpx.get(f"{self.base_url}/metrics").text)
 
     def wait_idle(self, timeout: float) -> dict[str, float]:
         """Metrics once no request runs and every KV block is free again (or fail after
@@ -63,6 +59,16 @@ class ServerHandle:
                 return m
             assert time.monotonic() < deadline, f"engine not idle: {m}"
             time.sleep(0.05)
+
+
+def parse_metrics(text: str) -> dict[str, float]:
+    """Prometheus text's heron samples, keyed by name plus labels as exported."""
+    samples = {}
+    for line in text.splitlines():
+        match = re.match(r"^(heron:\S+?)\s+(\S+)$", line)
+        if match:
+            samples[match[1]] = float(match[2])
+    return samples
 
 
 def openai_client(handle: ServerHandle) -> openai.OpenAI:
@@ -148,3 +154,52 @@ def stop_server(handle: ServerHandle) -> int:
     finally:
         if handle.proc.poll() is None:
             handle.proc.kill()
+
+
+def accumulated_tool_calls(stream) -> tuple[object, dict[int, list]]:
+    """A streamed chat reply's first choice as the openai client accumulates it
+    (``ChatCompletionStreamState``), and each tool call's pieces as sent, checked against
+    OpenAI's delta schema: the first piece has the id, type and name, the next ones only
+    arguments."""
+    from openai.lib.streaming.chat import ChatCompletionStreamState
+
+    state, pieces = ChatCompletionStreamState(), {}
+    for chunk in stream:
+        state.handle_chunk(chunk)
+        for choice in chunk.choices:
+            for call in choice.delta.tool_calls or []:
+                pieces.setdefault(call.index, []).append(call)
+    for first, *rest in pieces.values():
+        assert first.id.startswith("call_") and first.type == "function" and first.function.name
+        assert all(p.id is None and p.type is None and p.function.name is None for p in rest)
+        assert all(p.function.arguments for p in rest)
+    return state.get_final_completion().choices[0], pieces
+
+
+def running_stream(client: openai.OpenAI):
+    """The chunks of a long completion stream whose first chunk has arrived."""
+    stream = client.completions.create(
+        model=MODEL_NAME,
+        prompt="Paris",
+        max_tokens=450,
+        stream=True,
+        extra_body={"ignore_eos": True},
+    )
+    chunks = iter(stream)
+    next(chunks)
+    return chunks
+
+
+def kill_core_during_a_stream(client: openai.OpenAI, core_pid: int) -> None:
+    """Kill the engine core while a stream runs: the stream fails at once, naming the core's
+    death, and so does a new request, with 503."""
+    chunks = running_stream(client)
+    os.kill(core_pid, signal.SIGKILL)
+    killed = time.monotonic()
+    with pytest.raises(openai.APIError, match="engine core process died"):
+        for _ in chunks:
+            pass
+    assert time.monotonic() - killed < 5  # at once, not when some timeout runs out
+    with pytest.raises(openai.InternalServerError, match="engine core process died") as e:
+        client.completions.create(model=MODEL_NAME, prompt="Paris", max_tokens=2)
+    assert e.value.status_code == 503

@@ -7,8 +7,12 @@ import json
 import pytest
 
 from heron.server.chat_output import ChatOutputConfig, ChatOutputParser
+from heron.server.reasoning import reasoning_tokens
 from heron.server.structured_protocol import ChatTool, NamedToolChoice
-from heron.server.tool_parsers import forced_tool_schema
+from heron.server.tool_parsers import forced_tool_schema, join_tool_calls
+from heron.structured import ReasoningTokens
+
+from tiny_models import make_tokenizer
 
 HERMES = (
     'Let me check. <tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n'
@@ -29,16 +33,28 @@ TOOLS = [
 ]
 
 
-def _parse(config, text, chunk, choice="auto"):
-    """(reasoning, content, [(name, arguments)]) with the text fed ``chunk`` characters at a
-    time (0: whole)."""
+def _feed(config, text, chunk, choice="auto"):
+    """(reasoning, content, tool-call pieces) with the text fed ``chunk`` characters at a time
+    (0: whole)."""
     parser = ChatOutputParser(config, True, choice)
     pieces = [text[i : i + chunk] for i in range(0, len(text), chunk)] if chunk else [text]
-    reasoning, content, calls = "", "", []
+    reasoning, content, deltas = "", "", []
     for piece in [*map(parser.feed, pieces), parser.finish()]:
         reasoning += piece.reasoning
         content += piece.content
-        calls += [(c.function.name, json.loads(c.function.arguments)) for c in piece.tool_calls]
+        deltas += piece.tool_calls
+    return reasoning, content, deltas
+
+
+def _parse(config, text, chunk, choice="auto"):
+    """(reasoning, content, [(name, arguments)]), the calls' pieces in OpenAI's order: the
+    first of each call (and only it) has the id and name, the calls follow each other."""
+    reasoning, content, deltas = _feed(config, text, chunk, choice)
+    firsts = [d.index for d in deltas if d.id is not None]
+    assert firsts == sorted(set(firsts)) == list(range(len(firsts)))
+    assert all((d.id is None) == (d.name is None) for d in deltas)
+    assert [d.index for d in deltas] == sorted(d.index for d in deltas)
+    calls = [(c.function.name, json.loads(c.function.arguments)) for c in join_tool_calls(deltas)]
     return reasoning, content, calls
 
 
@@ -63,6 +79,29 @@ def test_llama3_json_calls_and_plain_replies(chunk):
     assert _parse(config, LLAMA3, chunk) == ("", "", WEATHER_AND_TIME)
     assert _parse(config, "<|python_tag|>" + LLAMA3, chunk) == ("", "", WEATHER_AND_TIME)
     assert _parse(config, "Paris is sunny.", chunk) == ("", "Paris is sunny.", [])
+
+
+@pytest.mark.parametrize("name,text", [("hermes", HERMES), ("llama3_json", LLAMA3)])
+def test_arguments_stream_as_they_arrive(name, text):
+    """Fed a character at a time: the call is named once its arguments open, each argument
+    character goes out when it arrives, and the call's last piece with its closing brace."""
+    config = ChatOutputConfig(tool_call_parser=name, enable_auto_tool_choice=True)
+    parser = ChatOutputParser(config, True, "auto")
+    sent = [(i + 1, d) for i in range(len(text)) for d in parser.feed(text[i]).tool_calls]
+    first_call = [(fed, d) for fed, d in sent if d.index == 0]
+    arguments = '{"city": "Paris"}'
+    opened = text.index(arguments) + 1
+    assert first_call[0][0] == opened and first_call[0][1].name == "get_weather"
+    assert [fed for fed, _ in first_call] == list(range(opened, opened + len(arguments)))
+    assert "".join(d.arguments for _, d in first_call) == arguments
+
+
+def test_calls_in_another_key_order_go_out_whole():
+    config = ChatOutputConfig(tool_call_parser="hermes", enable_auto_tool_choice=True)
+    text = '<tool_call>{"arguments": {"zone": "utc"}, "name": "get_time"}</tool_call>'
+    reasoning, content, deltas = _feed(config, text, 1)
+    (call,) = deltas
+    assert (call.name, json.loads(call.arguments)) == ("get_time", {"zone": "utc"})
 
 
 @pytest.mark.parametrize("chunk", [0, 1, 5])
@@ -125,3 +164,19 @@ def test_serve_refuses_an_unknown_parser_before_loading_the_model(capsys):
 
     assert main(["serve", "--model", "/no/such/model", "--tool-call-parser", "bad"]) == 2
     assert "unknown tool call parser 'bad'" in capsys.readouterr().err
+
+
+def test_reasoning_tokens_must_be_single_tokens():
+    with pytest.raises(ValueError, match="needs <think> and </think> as one token"):
+        reasoning_tokens("qwen3", make_tokenizer())
+    tokenizer = make_tokenizer()
+    tokenizer.add_tokens(["<think>", "</think>"])
+    assert reasoning_tokens("qwen3", tokenizer) == ReasoningTokens(end=321, start=320)
+    assert reasoning_tokens("deepseek_r1", tokenizer) == ReasoningTokens(end=321)
+
+
+@pytest.mark.parametrize("chunk", [0, 1])
+def test_llama3_text_after_the_calls_is_content(chunk):
+    config = ChatOutputConfig(tool_call_parser="llama3_json", enable_auto_tool_choice=True)
+    text = '{"name": "get_time", "parameters": {}}; and that is all'
+    assert _parse(config, text, chunk) == ("", "and that is all", [("get_time", {})])

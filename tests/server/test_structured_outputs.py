@@ -1,6 +1,6 @@
-"""Structured outputs, tool calls and reasoning through the official client: grammars against
-the session's server, tools and reasoning against a server of the tiny random model with a
-template that shows the tools, the hermes tool parser and the qwen3 reasoning parser."""
+"""Structured outputs and tool calls through the official client: grammars against the
+session's server, tools against a server of the tiny random model with a template that shows
+the tools and the hermes tool parser (reasoning: test_reasoning_outputs.py)."""
 
 from __future__ import annotations
 
@@ -14,7 +14,14 @@ import pytest
 from transformers import AutoTokenizer
 
 from json_schemas import SCHEMAS
-from openai_server import API_KEY, MODEL_NAME, openai_client, start_server, stop_server
+from openai_server import (
+    API_KEY,
+    MODEL_NAME,
+    accumulated_tool_calls,
+    openai_client,
+    start_server,
+    stop_server,
+)
 from tiny_models import CHAT_TEMPLATE
 
 # The tiny template, showing the model its tools as chat templates of tool models do (names
@@ -58,7 +65,7 @@ def tools_server(tiny_model_dir, tmp_path_factory):
     tokenizer.chat_template = TOOLS_TEMPLATE
     tokenizer.save_pretrained(model_dir)
     flags = ["--enable-auto-tool-choice", "--tool-call-parser", "hermes"]
-    handle = start_server(model_dir, "--api-key", API_KEY, *flags, "--reasoning-parser", "qwen3")
+    handle = start_server(model_dir, "--api-key", API_KEY, *flags)
     yield handle
     stop_server(handle)
 
@@ -132,17 +139,14 @@ def test_bad_constraints_are_400_naming_the_field(http, body, message):
 
 
 def _streamed_calls(stream):
-    """(content, calls as {index: (name, arguments)}, finish reason) of a streamed choice 0."""
-    content, calls, finish = "", {}, None
-    for chunk in stream:
-        for choice in chunk.choices:
-            delta = choice.delta
-            content += delta.content or ""
-            for call in delta.tool_calls or []:
-                assert call.id.startswith("call_") and call.type == "function"
-                calls[call.index] = (call.function.name, json.loads(call.function.arguments))
-            finish = choice.finish_reason or finish
-    return content, calls, finish
+    """(content, calls as {index: (name, arguments)}, finish reason, pieces per call) of a
+    streamed choice 0, accumulated by the openai client."""
+    choice, pieces = accumulated_tool_calls(stream)
+    calls = {
+        i: (c.function.name, json.loads(c.function.arguments))
+        for i, c in enumerate(choice.message.tool_calls or [])
+    }
+    return choice.message.content or "", calls, choice.finish_reason, pieces
 
 
 @pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
@@ -164,7 +168,7 @@ def test_required_tool_choice(tools_client, stream):
             assert call.type == "function" and call.id.startswith("call_")
             jsonschema.validate(json.loads(call.function.arguments), PARAMETERS[call.function.name])
         return
-    content, calls, finish = _streamed_calls(_chat(tools_client, stream=True, **kwargs))
+    content, calls, finish, _ = _streamed_calls(_chat(tools_client, stream=True, **kwargs))
     assert content == "" and finish == "tool_calls" and list(calls) == [0]
     for name, arguments in calls.values():
         jsonschema.validate(arguments, PARAMETERS[name])
@@ -181,7 +185,7 @@ def test_named_tool_choice(tools_client, stream):
         assert call.function.name == "get_weather"
         jsonschema.validate(json.loads(call.function.arguments), WEATHER)
         return
-    content, calls, finish = _streamed_calls(_chat(tools_client, stream=True, **kwargs))
+    content, calls, finish, _ = _streamed_calls(_chat(tools_client, stream=True, **kwargs))
     assert finish == "tool_calls" and list(calls) == [0] and calls[0][0] == "get_weather"
     jsonschema.validate(calls[0][1], WEATHER)
 
@@ -204,8 +208,10 @@ def test_auto_tool_choice_parses_hermes_calls(tools_client, stream):
         assert call.function.name == "get_time"
         assert json.loads(call.function.arguments)["zone"] in ("utc", "cet")
         return
-    content, calls, finish = _streamed_calls(_chat(tools_client, stream=True, **kwargs))
+    content, calls, finish, pieces = _streamed_calls(_chat(tools_client, stream=True, **kwargs))
     assert content == "ok " and finish == "tool_calls" and calls[0][0] == "get_time"
+    assert calls[0][1]["zone"] in ("utc", "cet")
+    assert len(pieces[0]) > 1  # the arguments in fragments, as they were generated
 
 
 def test_tools_reach_the_template_and_bad_choices_are_400(tools_client):
@@ -216,25 +222,3 @@ def test_tools_reach_the_template_and_bad_choices_are_400(tools_client):
         _chat(
             tools_client, tools=TOOLS, tool_choice={"type": "function", "function": {"name": "x"}}
         )
-
-
-THINKING = r"<think>[a-z]{1,8}( [a-z]{1,8}){0,2}</think>[A-Z][a-z]{1,8}\."
-
-
-def test_reasoning_is_split_streamed_and_not(tools_client):
-    kwargs = dict(
-        temperature=1.0,
-        max_tokens=64,
-        seed=7,
-        extra_body={"structured_outputs": {"regex": THINKING}},
-    )
-    (choice,) = _chat(tools_client, **kwargs).choices
-    message = choice.message
-    assert re.fullmatch(r"[a-z]{1,8}( [a-z]{1,8}){0,2}", message.reasoning_content)
-    assert re.fullmatch(r"[A-Z][a-z]{1,8}\.", message.content)
-    reasoning, content = "", ""
-    for chunk in _chat(tools_client, stream=True, **kwargs):
-        for c in chunk.choices:
-            reasoning += getattr(c.delta, "reasoning_content", None) or ""
-            content += c.delta.content or ""
-    assert (reasoning, content) == (message.reasoning_content, message.content)

@@ -13,7 +13,7 @@ import torch
 
 from heron import LLM, SamplingParams
 from heron.engine.request import Request
-from heron.structured import StructuredOutputsParams
+from heron.structured import ReasoningTokens, StructuredOutputsParams
 from heron.structured.bitmask import apply_token_bitmask
 from heron.structured.grammar import GrammarCompiler, RequestGrammar, parse_grammar
 
@@ -92,6 +92,39 @@ def test_compiled_grammars_are_cached_and_padded_ids_masked():
     allowed = _dense_reference(torch.zeros(2, 352), mask).isfinite()
     assert allowed[1].all()  # no grammar: every id
     assert allowed[0].any() and not allowed[0, 320:].any()  # ids past the tokenizer: never
+
+
+@pytest.mark.parametrize("opens", [True, False], ids=["opened", "not-opened"])
+def test_grammar_starts_after_the_reasoning(opens):
+    """Qwen3's phases (ids past the tokenizer stand for <think>, </think>): the first token may
+    open the block beside the grammar's own, the block is free, the grammar follows its end."""
+    start, end = 330, 331
+    compiler = GrammarCompiler(make_tokenizer(), vocab_size=352, stop_token_ids=[0])
+    params = StructuredOutputsParams(
+        choice=["red", "green"], reasoning=ReasoningTokens(end=end, start=start)
+    )
+    grammar = compiler.request_grammars(params, 1)[0]
+    plain = RequestGrammar(compiler.compile(StructuredOutputsParams(choice=["red", "green"])), [0])
+    plain.compiled.result(timeout=30)
+
+    def allowed(g: RequestGrammar) -> torch.Tensor:
+        return _dense_reference(torch.zeros(1, 352), compiler.token_bitmask([g])).isfinite()[0]
+
+    first = allowed(grammar)
+    expected = allowed(plain)
+    expected[start] = True
+    assert torch.equal(first, expected)
+    if not opens:
+        token = int(allowed(plain).nonzero()[0])
+        assert grammar.accept(token) and plain.accept(token)
+        assert torch.equal(allowed(grammar), allowed(plain))
+        return
+    assert grammar.accept(start)
+    for token in (5, 300, start):  # anything goes while reasoning
+        assert allowed(grammar).all() and grammar.accept(token)
+    assert grammar.accept(end)
+    assert torch.equal(allowed(grammar), allowed(plain))  # the grammar from its start
+    assert not grammar.accept(end)
 
 
 def test_requests_wait_for_their_grammar_without_blocking_others(tiny_model_dir):
