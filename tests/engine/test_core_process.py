@@ -45,7 +45,7 @@ class Front:
         inbox.connect("inproc://in")
         outbox.connect("inproc://out")
         self.pipe_read, self.pipe_write = os.pipe()
-        self.core = EngineCore(engine, inbox, outbox, self.pipe_read)
+        self.core = EngineCore(engine, inbox, [outbox], self.pipe_read)
         self.thread = threading.Thread(target=self.core.run)
         self.thread.start()
         self.decoder = msgspec.msgpack.Decoder(CoreMessage)
@@ -72,7 +72,7 @@ class Front:
             self.send(Shutdown())
         self.thread.join(30)
         assert not self.thread.is_alive()
-        for socket in (self.to_core, self.from_core, self.core.inbox, self.core.outbox):
+        for socket in (self.to_core, self.from_core, self.core.inbox, *self.core.outboxes):
             socket.close(linger=0)
         self.context.term()
         os.close(self.pipe_read)
