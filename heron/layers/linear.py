@@ -7,7 +7,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from heron.kernels import TORCH_KERNELS, LayerKernels
-from heron.layers.fp8 import FP8, dequantize, quantize
+from heron.layers.fp8 import FP8, dequantize, quantize, scaled_mm_reference
 
 
 class Linear(nn.Module):
@@ -153,13 +153,13 @@ def fp8_linear(
 ) -> torch.Tensor:
     """``x (q * scale)^T (+ b)`` for an FP8 weight: the GEMV (scales in its epilogue, or per
     tile for blocks) for few rows; FP8 tensor cores (``kernels.fp8_mm``) for more rows of a
-    per-channel weight; else the dequantised weight (the CPU's reference path, and block-wise
-    weights for many rows on a GPU)."""
+    per-channel weight, which the torch set emulates (``scaled_mm_reference``: the CPU rounds
+    as the tensor cores do); else the dequantised weight (block-wise weights past the GEMV)."""
     if takes_gemv(kernels, x, q):
         return kernels.gemv(x, q, bias, w_scale=scale, w_block=block)
     n, k = q.shape
-    if kernels.fp8_mm is not None and block is None and x.dim() == 2 and n % 16 == k % 16 == 0:
-        return kernels.fp8_mm(x, q, scale, bias)
+    if block is None and x.dim() == 2 and n % 16 == k % 16 == 0:
+        return (kernels.fp8_mm or scaled_mm_reference)(x, q, scale, bias)
     return F.linear(x, dequantize(q, scale, block).to(x.dtype), bias)
 
 
