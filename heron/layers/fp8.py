@@ -9,6 +9,7 @@ rows, which is exact) or block-wise (``scale`` is ``[ceil(N / bn), ceil(K / bk)]
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -129,12 +130,17 @@ def _tiles(w: torch.Tensor, block: tuple[int, int]) -> torch.Tensor:
 
 
 def scaled_mm(
-    x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None = None
+    x: torch.Tensor,
+    q: torch.Tensor,
+    scale: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    quantize_rows: Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]] = quantize,
 ) -> torch.Tensor:
     """``x (q * scale)^T (+ bias)`` on FP8 tensor cores (cuBLASLt through ``torch._scaled_mm``):
-    ``x`` [M, K] is quantised per row as weights are (dynamic per-token scales), ``scale`` is
-    the weight's per-channel ``[N]``. Needs K and N multiples of 16."""
-    xq, x_scale = quantize(x)
+    ``x`` [M, K] is quantised per row as weights are (dynamic per-token scales; the Triton set
+    passes its one-launch ``quantize_rows``), ``scale`` is the weight's per-channel ``[N]``.
+    Needs K and N multiples of 16."""
+    xq, x_scale = quantize_rows(x)
     y = torch._scaled_mm(
         xq, q.t(), scale_a=x_scale[:, None], scale_b=scale[None], out_dtype=x.dtype
     )

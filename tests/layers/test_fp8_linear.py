@@ -9,6 +9,7 @@ import torch
 import torch.nn.functional as F
 from triton_lowering import check_lowering
 
+from heron.kernels.fp8_quant import quantize_rows
 from heron.kernels.gemv import GemvConfig, _launch, linear_small_m
 from heron.layers.fp8 import (
     FP8,
@@ -17,6 +18,7 @@ from heron.layers.fp8 import (
     quantize,
     scaled_mm,
     scaled_mm_reference,
+    to_fp8,
 )
 from heron.layers.linear import Linear, PackedLinear
 from heron.ops.selector import layer_kernels
@@ -223,3 +225,49 @@ def test_scaled_mm_rounds_as_its_cpu_reference():
     x = torch.randn(100, 256, device="cuda", dtype=torch.bfloat16)
     ref = scaled_mm_reference(x, q, s).float()
     assert _rel_err(scaled_mm(x, q, s), ref) < 0.01
+
+
+def _exact_rows(k: int, dtype: torch.dtype) -> torch.Tensor:
+    """Rows whose scaled values are E4M3 values (Triton's interpreter rounds fp32 to FP8
+    without carrying a rounded-up mantissa into the exponent): each row ``2**e`` times E4M3
+    values reaching 448, so its scale is ``2**e``; one row is zeros."""
+    x = to_fp8(torch.randn(4, k) * 64).float()
+    x[:, k // 3] = FP8_MAX
+    x *= torch.tensor([2.0**-10, 0.0, 1.0, 2.0**-3])[:, None]
+    return x.to(dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_triton_activation_quantisation_equals_quantize(dtype):
+    """Bit for bit, with a zero row, a tail past the last whole tile, strided rows and, at
+    K = 4200, rows longer than one tile."""
+    for k in (200, 4200):
+        x = _exact_rows(k + 8, dtype).to(DEVICE)[:, :k]
+        q, scale = quantize_rows(x)
+        want_q, want_scale = quantize(x)
+        assert torch.equal(q.view(torch.uint8), want_q.view(torch.uint8)), k
+        assert torch.equal(scale, want_scale), k
+    with pytest.raises(ValueError, match=r"\[M, K\]"):
+        quantize_rows(x[0])
+
+
+def activation_quantisation_launches() -> None:
+    """Per-token quantisation of prefill- and decode-sized bf16 rows (one tile, and longer)."""
+    for m, k in ((1, 1024), (256, 3072), (64, 8192)):
+        quantize_rows(torch.zeros(m, k, dtype=torch.bfloat16))
+
+
+def test_activation_quantisation_lowers_for_sm90():
+    kernel = "heron.kernels.fp8_quant:_quantize_rows_kernel"
+    # Two specialisations: one 1024-wide tile, and 4096-wide tiles (K = 3072, and K = 8192 in two).
+    assert check_lowering("layers.test_fp8_linear:activation_quantisation_launches", kernel) == 2
+
+
+@pytest.mark.gpu
+def test_triton_activation_quantisation_rounds_like_torch():
+    """On the GPU's FP8 conversion, any values: round-to-nearest-even, as ``quantize``."""
+    x = torch.randn(64, 3000, device="cuda", dtype=torch.bfloat16) * 3
+    q, scale = quantize_rows(x)
+    want_q, want_scale = quantize(x)
+    assert torch.equal(q.view(torch.uint8), want_q.view(torch.uint8))
+    assert torch.equal(scale, want_scale)
