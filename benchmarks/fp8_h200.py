@@ -1,7 +1,8 @@
 """The FP8 checks for an H200, in one run: the FP8 tests on the GPU (the FP8 GEMV and FP8
 tensor-core products, the KV-write, decode and extend kernels over an FP8 cache, the accuracy
-gates on the default model against HF fp32), then ``gpu_decode.py`` (Heron only, dummy weights)
-with the FP8 KV cache (its workload A) and with FP8 weights (its batch 1).
+gates on the default model against HF fp32), ``fp8_linear.py`` (FP8 products against bf16 per
+projection and row count), then ``gpu_decode.py`` (Heron only, dummy weights) with the FP8 KV
+cache (its workload A) and with FP8 weights (its batch 1).
 
     PYTHONPATH=$PWD python3 benchmarks/fp8_h200.py
 """
@@ -21,6 +22,7 @@ PYTEST = [sys.executable, "-m", "pytest", "-q", "-s", "-rxs", "-k", "not on_the_
 DECODE = [sys.executable, "benchmarks/gpu_decode.py", "--skip-hf", "--load-format", "dummy"]
 STEPS = [
     [*PYTEST, *TESTS],
+    [sys.executable, "benchmarks/fp8_linear.py"],
     [*DECODE, "--kv-cache-dtype", "fp8"],
     [*DECODE, "--quantization", "fp8"],
 ]

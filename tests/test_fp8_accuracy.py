@@ -4,8 +4,9 @@
 HF generates greedy continuations of real chat prompts (1,024 tokens in all); Heron then scores
 each whole sequence teacher-forced (prompt logprobs) in bf16, with FP8 weights, with the FP8
 KV cache and with both, and the mean |delta logprob| of the generated tokens against HF's is
-compared with bf16's own. On the CPU the FP8 paths are the dequantising references; the
-``gpu`` variant runs the Triton kernels and FP8 tensor cores.
+compared with bf16's own. On the CPU the FP8 paths are the references, rounded as the GPU
+rounds (the prompts' products take the tensor cores' per-token FP8 activations); the ``gpu``
+variant runs the Triton kernels and FP8 tensor cores.
 """
 
 from __future__ import annotations
@@ -26,9 +27,12 @@ RUNS = {
     "fp8 kv": (None, "fp8"),
     "both": ("fp8", "fp8"),
 }
-# The issue's gates, as multiples of bf16's figure. On the CPU E4M3 measured above them
-# (weights 4.1x, KV 2.6x: its 3 mantissa bits, not saturation or underflow; SmolLM2's largest
-# key is 19), so they are expected failures; BOUNDS hold and catch a broken format.
+# The issue's gates, as multiples of bf16's figure. E4M3's 3 mantissa bits put the CPU figures
+# above them: weights 5.4x (4.1x of it the weights, spread over every projection and layer; the
+# rest the per-token activations), KV 2.6x (mostly K). Per-channel weight scales, lm_head and
+# embeddings in bf16 are already the scheme; finer scales do not help a float format, and
+# smoothing K by its mean barely does. So the gates are expected failures; BOUNDS hold and catch
+# a broken format.
 GATES = {"fp8 weights": 3.0, "fp8 kv": 2.0}
 BOUNDS = {"fp8 weights": 6.0, "fp8 kv": 4.0, "both": 8.0}
 
@@ -119,7 +123,7 @@ def test_fp8_stays_within_bounds_on_the_cpu(cpu_figures):
 
 
 @pytest.mark.slow
-@pytest.mark.xfail(reason="E4M3 measured 4.1x (weights) and 2.6x (KV) bf16's figure on the CPU")
+@pytest.mark.xfail(reason="E4M3 measured 5.4x (weights) and 2.6x (KV) bf16's figure on the CPU")
 def test_fp8_meets_the_issue_gates_on_the_cpu(cpu_figures):
     assert within(cpu_figures, GATES), cpu_figures
 

@@ -9,6 +9,7 @@ rows, which is exact) or block-wise (``scale`` is ``[ceil(N / bn), ceil(K / bk)]
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -129,18 +130,29 @@ def _tiles(w: torch.Tensor, block: tuple[int, int]) -> torch.Tensor:
 
 
 def scaled_mm(
-    x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None = None
+    x: torch.Tensor,
+    q: torch.Tensor,
+    scale: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    quantize_rows: Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]] = quantize,
 ) -> torch.Tensor:
     """``x (q * scale)^T (+ bias)`` on FP8 tensor cores (cuBLASLt through ``torch._scaled_mm``):
-    ``x`` [M, K] is quantised per row with its own absolute maximum (dynamic per-token
-    scales), ``scale`` is the weight's per-channel ``[N]``. Needs K and N multiples of 16."""
-    amax = x.abs().amax(dim=1, keepdim=True).float()
-    x_scale = torch.where(amax > 0, amax / FP8_MAX, torch.ones_like(amax))
+    ``x`` [M, K] is quantised per row as weights are (dynamic per-token scales; the Triton set
+    passes its one-launch ``quantize_rows``), ``scale`` is the weight's per-channel ``[N]``.
+    Needs K and N multiples of 16."""
+    xq, x_scale = quantize_rows(x)
     y = torch._scaled_mm(
-        to_fp8(x / x_scale),
-        q.t(),
-        scale_a=x_scale,
-        scale_b=scale.view(1, -1),
-        out_dtype=x.dtype,
+        xq, q.t(), scale_a=x_scale[:, None], scale_b=scale[None], out_dtype=x.dtype
     )
+    return y if bias is None else y + bias
+
+
+def scaled_mm_reference(
+    x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None = None
+) -> torch.Tensor:
+    """:func:`scaled_mm` in fp32 PyTorch, rounded where it rounds (the per-token FP8
+    activations, the fp32 product scaled per row and channel, one rounding to ``x``'s dtype),
+    so that the CPU's figures are the tensor cores'."""
+    xq, x_scale = quantize(x)
+    y = ((xq.float() @ q.float().t()) * x_scale[:, None] * scale).to(x.dtype)
     return y if bias is None else y + bias

@@ -15,7 +15,7 @@ from torch import nn
 
 from heron.distributed.parallel import current_tensor_parallel
 from heron.kernels import TORCH_KERNELS, LayerKernels
-from heron.layers.fp8 import FP8, dequantize, quantize
+from heron.layers.fp8 import FP8, dequantize, quantize, scaled_mm_reference
 
 
 class Linear(nn.Module):
@@ -213,13 +213,17 @@ def fp8_linear(
 ) -> torch.Tensor:
     """``x (q * scale)^T (+ b)`` for an FP8 weight: the GEMV (scales in its epilogue, or per
     tile for blocks) for few rows; FP8 tensor cores (``kernels.fp8_mm``) for more rows of a
-    per-channel weight; else the dequantised weight (the CPU's reference path, and block-wise
-    weights for many rows on a GPU)."""
+    per-channel weight, which the torch set emulates in half precision (the CPU's bf16 figures
+    are the GPU's); else the dequantised weight (block-wise weights past the GEMV, and fp32 on
+    the torch set: the format's exact reference)."""
     if takes_gemv(kernels, x, q):
         return kernels.gemv(x, q, bias, w_scale=scale, w_block=block)
     n, k = q.shape
-    if kernels.fp8_mm is not None and block is None and x.dim() == 2 and n % 16 == k % 16 == 0:
-        return kernels.fp8_mm(x, q, scale, bias)
+    if block is None and x.dim() == 2 and n % 16 == k % 16 == 0:
+        if kernels.fp8_mm is not None:
+            return kernels.fp8_mm(x, q, scale, bias)
+        if x.dtype in _GEMV_DTYPES:
+            return scaled_mm_reference(x, q, scale, bias)
     return F.linear(x, dequantize(q, scale, block).to(x.dtype), bias)
 
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 
 import torch
 from torch import nn
@@ -63,7 +64,7 @@ MLA_BACKENDS: dict[str, Callable[[], type[MLAOperator]]] = {
 
 def _triton_layer_kernels() -> LayerKernels:
     # Imported on demand, as the Triton attention operator is.
-    from heron.kernels import activation, gemv, moe, rmsnorm
+    from heron.kernels import activation, fp8_quant, gemv, moe, rmsnorm
     from heron.layers import fp8
 
     return LayerKernels(
@@ -73,7 +74,7 @@ def _triton_layer_kernels() -> LayerKernels:
         gemv=gemv.linear_small_m,
         gemv_serves=gemv.serves,
         fused_experts=moe.fused_experts,
-        fp8_mm=fp8.scaled_mm,
+        fp8_mm=partial(fp8.scaled_mm, quantize_rows=fp8_quant.quantize_rows),
     )
 
 

@@ -9,8 +9,17 @@ import torch
 import torch.nn.functional as F
 from triton_lowering import check_lowering
 
+from heron.kernels.fp8_quant import quantize_rows
 from heron.kernels.gemv import GemvConfig, _launch, linear_small_m
-from heron.layers.fp8 import FP8, FP8_MAX, dequantize, quantize, scaled_mm
+from heron.layers.fp8 import (
+    FP8,
+    FP8_MAX,
+    dequantize,
+    quantize,
+    scaled_mm,
+    scaled_mm_reference,
+    to_fp8,
+)
 from heron.layers.linear import Linear, PackedLinear
 from heron.ops.selector import layer_kernels
 
@@ -146,8 +155,14 @@ def test_linear_layers_quantise_and_load_fp8_per_shard():
     for shard, q, scale in (("a", qa, 0.01), ("b", qb, 0.02)):
         packed.weight_loader(packed.weight, q, shard)
         packed.weight_loader(packed.weight_scale, torch.tensor(scale), shard)
+    assert torch.equal(packed.weight.view(torch.uint8), torch.cat([qa, qb]).view(torch.uint8))
+    assert torch.equal(packed.weight_scale, torch.tensor([0.01] * 16 + [0.02] * 32))
     want = torch.cat([qa.float() * 0.01, qb.float() * 0.02])
     assert torch.allclose(packed(x), F.linear(x, want), rtol=1e-5, atol=1e-5)
+    # In half precision the torch set rounds as the tensor cores do: FP8 activations too.
+    assert torch.equal(
+        packed(x.half()), scaled_mm_reference(x.half(), packed.weight, packed.weight_scale)
+    )
 
     blocked = PackedLinear(32, {"a": 16, "b": 32})
     blocked.hold_fp8((16, 16))
@@ -190,3 +205,72 @@ def test_scaled_mm_against_fp32():
     b = torch.randn(512, device="cuda", dtype=torch.bfloat16)
     ref = F.linear(x.float(), dequantize(q, s), b.float())
     assert _rel_err(scaled_mm(x, q, s, b), ref) < 0.06
+
+
+def test_scaled_mm_reference_against_fp32():
+    """The CPU's emulation of the tensor cores' product is dense fp32 over both operands
+    quantised per row (the activations' scales per token), rounded once to bf16."""
+    q, s = _weight(96, 64, device="cpu")
+    x = (torch.randn(20, 64) * torch.logspace(-3, 2, 20)[:, None]).to(torch.bfloat16)
+    y = scaled_mm_reference(x, q, s)
+    assert y.dtype == torch.bfloat16
+    assert _rel_err(y, F.linear(dequantize(*quantize(x)), dequantize(q, s))) < 0.01
+    b = torch.randn(96, dtype=torch.bfloat16)
+    ref = F.linear(x.float(), dequantize(q, s), b.float())
+    assert _rel_err(scaled_mm_reference(x, q, s, b), ref) < 0.06
+
+
+@pytest.mark.gpu
+def test_scaled_mm_rounds_as_its_cpu_reference():
+    """The CPU figures stand for the GPU's: the tensor cores' product and its emulation share
+    every rounding but the order of the fp32 sums and the bf16 output."""
+    q, s = _weight(512, 256, device="cuda")
+    x = torch.randn(100, 256, device="cuda", dtype=torch.bfloat16)
+    ref = scaled_mm_reference(x, q, s).float()
+    assert _rel_err(scaled_mm(x, q, s), ref) < 0.01
+
+
+def _exact_rows(k: int, dtype: torch.dtype) -> torch.Tensor:
+    """Rows whose scaled values are E4M3 values (Triton's interpreter rounds fp32 to FP8
+    without carrying a rounded-up mantissa into the exponent): each row ``2**e`` times E4M3
+    values reaching 448, so its scale is ``2**e``; one row is zeros."""
+    x = to_fp8(torch.randn(4, k) * 64).float()
+    x[:, k // 3] = FP8_MAX
+    x *= torch.tensor([2.0**-10, 0.0, 1.0, 2.0**-3])[:, None]
+    return x.to(dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_triton_activation_quantisation_equals_quantize(dtype):
+    """Bit for bit, with a zero row, a tail past the last whole tile, strided rows and, at
+    K = 4200, rows longer than one tile."""
+    for k in (200, 4200):
+        x = _exact_rows(k + 8, dtype).to(DEVICE)[:, :k]
+        q, scale = quantize_rows(x)
+        want_q, want_scale = quantize(x)
+        assert torch.equal(q.view(torch.uint8), want_q.view(torch.uint8)), k
+        assert torch.equal(scale, want_scale), k
+    with pytest.raises(ValueError, match=r"\[M, K\]"):
+        quantize_rows(x[0])
+
+
+def activation_quantisation_launches() -> None:
+    """Per-token quantisation of prefill- and decode-sized bf16 rows (one tile, and longer)."""
+    for m, k in ((1, 1024), (256, 3072), (64, 8192)):
+        quantize_rows(torch.zeros(m, k, dtype=torch.bfloat16))
+
+
+def test_activation_quantisation_lowers_for_sm90():
+    kernel = "heron.kernels.fp8_quant:_quantize_rows_kernel"
+    # Two specialisations: one 1024-wide tile, and 4096-wide tiles (K = 3072, and K = 8192 in two).
+    assert check_lowering("layers.test_fp8_linear:activation_quantisation_launches", kernel) == 2
+
+
+@pytest.mark.gpu
+def test_triton_activation_quantisation_rounds_like_torch():
+    """On the GPU's FP8 conversion, any values: round-to-nearest-even, as ``quantize``."""
+    x = torch.randn(64, 3000, device="cuda", dtype=torch.bfloat16) * 3
+    q, scale = quantize_rows(x)
+    want_q, want_scale = quantize(x)
+    assert torch.equal(q.view(torch.uint8), want_q.view(torch.uint8))
+    assert torch.equal(scale, want_scale)
