@@ -27,7 +27,7 @@ from heron.metadata import (
 from heron.models.build import build_model
 from heron.outputs import Logprob
 from heron.platforms import Platform
-from heron.speculative.verification import verify
+from heron.speculative.verification import accept_greedy, verify
 
 logger = logging.getLogger(__name__)
 
@@ -263,7 +263,8 @@ class ModelRunner:
         for copies in plan.copies_after:
             self.cache.copy_entries(copies.group, copies.sources, copies.destinations)
         if plan.draft_token_ids:
-            return LaunchedStep(step.sample_states, result=self._verified(plan, step, logits))
+            output = self._verified(plan, step, logits, greedy_ids)
+            return LaunchedStep(step.sample_states, result=output)
         states, bitmask = step.sample_states, plan.token_bitmask
         if states and not step.prompt_rows and all(map(on_device, states)):
             if greedy_ids is not None and all(s.sampling_params.plain_argmax for s in states):
@@ -281,9 +282,17 @@ class ModelRunner:
         output = StepOutput(request_ids, token_ids, logprobs, _prompt_logprobs(step, logits))
         return LaunchedStep(states, result=output)
 
-    def _verified(self, plan: StepPlan, step: PreparedStep, logits: torch.Tensor) -> StepOutput:
+    def _verified(
+        self,
+        plan: StepPlan,
+        step: PreparedStep,
+        logits: torch.Tensor,
+        greedy_ids: torch.Tensor | None,
+    ) -> StepOutput:
         """A verification step's tokens, read at once: rows with proposals are verified, the
-        others sampled as in any step (their one logits row)."""
+        others sampled as in any step (their one logits row). Plain greedy rows are accepted
+        on the host from the step's argmax (the graph's own where it replayed one): one
+        download, nothing uploaded."""
         states = step.sample_states
         proposals = [plan.draft_token_ids.get(s.request_id, []) for s in states]
         starts = [0, *accumulate(1 + len(p) for p in proposals)]
@@ -292,12 +301,14 @@ class ModelRunner:
         logprobs: list[Logprob | None] = [None] * len(states)
         verified = [i for i, p in enumerate(proposals) if p]
         index = [r for i in verified for r in range(starts[i], starts[i + 1])]
-        emitted = verify(
-            rows[index],
-            [states[i] for i in verified],
-            [proposals[i] for i in verified],
-            self.generator,
-        )
+        verified_states = [states[i] for i in verified]
+        verified_proposals = [proposals[i] for i in verified]
+        if all(s.sampling_params.plain_argmax for s in verified_states):
+            argmax = rows.argmax(dim=-1) if greedy_ids is None else greedy_ids[step.sample_rows]
+            targets = argmax.tolist()
+            emitted = accept_greedy(verified_proposals, [targets[r] for r in index])
+        else:
+            emitted = verify(rows[index], verified_states, verified_proposals, self.generator)
         for i, row_tokens in zip(verified, emitted):
             tokens[i] = row_tokens
         plain = [i for i, p in enumerate(proposals) if not p]
