@@ -7,7 +7,8 @@
      step and a decode step sum in different orders, so outputs may part at near-ties)
   B  batch 1, a random-weight Qwen3-0.6B shape, forced acceptance (every proposal accepted,
      whatever it is): ms per output token and per step for k = 1..7 against plain decoding,
-     i.e. what verifying k tokens costs
+     i.e. what verifying k tokens costs, and the host's ms per verification step by phase
+     (a verification step is read at once, so its host work does not overlap the device's)
   C  the default model at batches 1 to 64 over the edit prompts: output tokens/s without and
      with speculation, to see where speculation stops paying (``disable_by_batch_size``)
 
@@ -195,6 +196,56 @@ def count_steps(llm: LLM) -> Counter:
     return counts
 
 
+class HostPhases:
+    """From now on, the host's time in each phase of the engine's steps (wall time between
+    wrappers of its calls), for a mean per verification step: where a synchronous
+    verification step's time goes. "wait" runs from the replay's launch (an eager step's
+    start) to the acceptance, which follows the download of the step's argmax."""
+
+    NAMES = ("schedule", "prepare + replay", "wait for the device", "read + detokenize")
+
+    def __init__(self, llm: LLM) -> None:
+        self.seconds, self.steps, self._mark = Counter(), 0, 0.0
+        engine, runner = llm.engine, llm.engine.runner
+        self._time(engine.scheduler, "schedule", "schedule")
+        self._time(engine, "_read", "read + detokenize")
+        launch, accept = runner.launch, model_runner.accept_greedy
+
+        def marked_launch(plan, previous=None):
+            self.steps += bool(plan.draft_token_ids)
+            self._mark = time.perf_counter()
+            return launch(plan, previous)
+
+        def marked_accept(proposals, targets):
+            self._lap("wait for the device")
+            return accept(proposals, targets)
+
+        runner.launch, model_runner.accept_greedy = marked_launch, marked_accept
+        if runner.graphs is not None:
+            run = runner.graphs.run
+            runner.graphs.run = lambda seq: (run(seq), self._lap("prepare + replay"))[0]
+
+    def _lap(self, name: str) -> None:
+        now = time.perf_counter()
+        self.seconds[name] += now - self._mark
+        self._mark = now
+
+    def _time(self, owner, attribute: str, name: str) -> None:
+        call = getattr(owner, attribute)
+
+        def timed(*args, **kwargs):
+            start = time.perf_counter()
+            try:
+                return call(*args, **kwargs)
+            finally:
+                self.seconds[name] += time.perf_counter() - start
+
+        setattr(owner, attribute, timed)
+
+    def row(self) -> str:
+        return " | ".join(f"{self.seconds[n] / max(1, self.steps) * 1e3:.3f}" for n in self.NAMES)
+
+
 def case_b(args) -> None:
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp)
@@ -218,14 +269,15 @@ def case_b(args) -> None:
         print("| --- | --- | --- | --- | --- |")
         print(f"| 0 (plain) | {plain_ms:.3f} | {plain_ms:.3f} | 1.00× | - |")
         real_accept = model_runner.accept_greedy
-        model_runner.accept_greedy = accept_all
+        phases = {}
         try:
             for k in range(1, 8):
+                model_runner.accept_greedy = accept_all
                 spec = {"method": "ngram", "num_speculative_tokens": k}
                 llm = LLM(str(path), **options, speculative_config=spec)
                 llm.engine.scheduler._proposer = RepeatProposer(k)
                 decode(llm, prompt, params, 1)
-                steps = count_steps(llm)
+                steps, phases[k] = count_steps(llm), HostPhases(llm)
                 ms = decode(llm, prompt, params, 1)[0]
                 step_ms = ms * (k + 1)
                 replayed = f"{steps[k + 1]}/{steps['verified']}"
@@ -236,6 +288,12 @@ def case_b(args) -> None:
                 torch.cuda.empty_cache()
         finally:
             model_runner.accept_greedy = real_accept
+        print(
+            f"\nHost ms per verification step, by phase\n\n| k | {' | '.join(HostPhases.NAMES)} |"
+        )
+        print("| --- | --- | --- | --- | --- |")
+        for k, times in phases.items():
+            print(f"| {k} | {times.row()} |")
 
 
 def case_c(args) -> None:
