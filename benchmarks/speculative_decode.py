@@ -29,6 +29,7 @@ import statistics
 import tempfile
 import time
 from collections import Counter
+from dataclasses import replace
 from itertools import accumulate
 from pathlib import Path
 
@@ -306,9 +307,11 @@ def case_c(args) -> None:
     for name, spec in (("p", None), ("s", ngram)):  # one engine at a time: each takes its share
         llm = default_model_llm(args, spec, 64)
         prompts = edit_prompts(llm)
-        decode(llm, prompts[:1], params, 1)  # warm-up
         for batch in batches:
             work = (prompts * (-(-batch // len(prompts))))[:batch]
+            # warm-up at this batch: Triton specialises kernels on integer arguments (1, and
+            # multiples of 16), so a new batch's prefill may compile kernels; not while timed
+            decode(llm, work, replace(params, max_tokens=8), batch)
             llm.engine.spec_decode_stats = SpecDecodeStats()
             results[name, batch] = (decode(llm, work, params, batch)[1], llm.spec_decode_stats)
         del llm
