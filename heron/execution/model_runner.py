@@ -8,6 +8,7 @@ from itertools import accumulate
 import torch
 
 from heron.cache.layout import CacheLayout
+from heron.cache.recurrent import RecurrentStateSpec
 from heron.cache.spec import CacheSpec
 from heron.config import ModelConfig
 from heron.distributed.parallel import SINGLE, TensorParallel
@@ -120,6 +121,11 @@ class ModelRunner:
             ]
         )
         self._bind_cache_groups()
+        # Operators whose state a refused proposal cannot be cut out of: they keep each
+        # verified token's state (``keep_verified_states``).
+        self._recurrent_owners = [
+            o for o in self.cache.owners if isinstance(o.cache_spec, RecurrentStateSpec)
+        ]
         self.sampler = Sampler()
         self.generator = torch.Generator(self.device).manual_seed(seed)
         self.num_blocks: list[int] = []
@@ -264,6 +270,7 @@ class ModelRunner:
             self.cache.copy_entries(copies.group, copies.sources, copies.destinations)
         if plan.draft_token_ids:
             output = self._verified(plan, step, logits, greedy_ids)
+            self._keep_accepted_states(plan, step.sample_states, output)
             return LaunchedStep(step.sample_states, result=output)
         states, bitmask = step.sample_states, plan.token_bitmask
         if states and not step.prompt_rows and all(map(on_device, states)):
@@ -329,6 +336,26 @@ class ModelRunner:
             _prompt_logprobs(step, logits),
             [len(row_tokens) - 1 for row_tokens in tokens],
         )
+
+    def _keep_accepted_states(
+        self, plan: StepPlan, states: list[RequestState], output: StepOutput
+    ) -> None:
+        """Recurrent states go back to what the accepted tokens left (paged caches need
+        nothing: refused positions are overwritten), and the runner's count of the tokens in
+        each refusing row's caches to its accepted ones."""
+        rows = {request_id: i for i, request_id in enumerate(plan.request_ids)}
+        refused, positions = [], []
+        for state, accepted in zip(states, output.num_accepted):
+            request_id = state.request_id
+            num_proposed = len(plan.draft_token_ids.get(request_id, ()))
+            if accepted < num_proposed:
+                row = rows[request_id]
+                refused.append(row)
+                positions.append(accepted)
+                self.inputs.tables.holds(request_id, plan.num_computed[row] + 1 + accepted)
+        if refused:
+            for owner in self._recurrent_owners:
+                owner.keep_verified_states(refused, positions)
 
     def _fill_pending_tokens(
         self, token_ids: torch.Tensor, sources: list[tuple[int, int]], sampled: torch.Tensor
