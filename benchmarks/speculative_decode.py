@@ -7,7 +7,8 @@
      step and a decode step sum in different orders, so outputs may part at near-ties)
   B  batch 1, a random-weight Qwen3-0.6B shape, forced acceptance (every proposal accepted,
      whatever it is): ms per output token and per step for k = 1..7 against plain decoding,
-     i.e. what verifying k tokens costs
+     i.e. what verifying k tokens costs, and the host's ms per verification step by phase
+     (a verification step is read at once, so its host work does not overlap the device's)
   C  the default model at batches 1 to 64 over the edit prompts: output tokens/s without and
      with speculation, to see where speculation stops paying (``disable_by_batch_size``)
 
@@ -15,6 +16,10 @@ ms per output token is wall time of the requests' decoding (first token to last)
 output tokens. Prints markdown tables.
 
     python benchmarks/speculative_decode.py [--k 4] [--max-tokens 256] [--enforce-eager]
+        [--disable-by-batch-size N] [--cases PABC]
+
+"verification steps replayed" counts the verification steps that replayed a graph of ``1 + k``
+tokens per row (the others ran eagerly).
 """
 
 from __future__ import annotations
@@ -23,6 +28,8 @@ import argparse
 import statistics
 import tempfile
 import time
+from collections import Counter
+from dataclasses import replace
 from itertools import accumulate
 from pathlib import Path
 
@@ -118,25 +125,39 @@ def default_model_llm(args, speculative: dict | None, max_seqs: int) -> LLM:
     )
 
 
+def ngram_config(args) -> dict:
+    config = {"method": "ngram", "num_speculative_tokens": args.k, "prompt_lookup_max": 4}
+    if args.disable_by_batch_size is not None:
+        config["disable_by_batch_size"] = args.disable_by_batch_size or None
+    return config
+
+
 def case_a(args) -> None:
-    ngram = {"method": "ngram", "num_speculative_tokens": args.k, "prompt_lookup_max": 4}
     params = SamplingParams(temperature=0, max_tokens=args.max_tokens)
     rows = {}
-    for name, spec in (("plain", None), (f"ngram k={args.k}", ngram)):
+    for name, spec in (("plain", None), (f"ngram k={args.k}", ngram_config(args))):
         llm = default_model_llm(args, spec, 1)
         prompts = edit_prompts(llm)
         decode(llm, prompts[:1], params, 1)  # warm-up
         llm.engine.spec_decode_stats = SpecDecodeStats()
-        rows[name] = (*decode(llm, prompts, params, 1), llm.spec_decode_stats)
+        steps = count_steps(llm)
+        rows[name] = (*decode(llm, prompts, params, 1), llm.spec_decode_stats, steps)
         del llm
         torch.cuda.empty_cache()
-    base_ms, _, base_out, _ = rows["plain"]
-    print("| decoding | ms / output token | speed-up | mean acceptance length | identical |")
-    print("| --- | --- | --- | --- | --- |")
-    for name, (ms, _, outs, stats) in rows.items():
+    base_ms, _, base_out, _, _ = rows["plain"]
+    print(
+        "| decoding | ms / output token | speed-up | mean acceptance length | identical "
+        "| verification steps replayed |"
+    )
+    print("| --- | --- | --- | --- | --- | --- |")
+    for name, (ms, _, outs, stats, steps) in rows.items():
         same = sum(a == b for a, b in zip(outs, base_out))
         acceptance = f"{stats.mean_acceptance_length:.2f}" if stats.num_drafts else "-"
-        print(f"| {name} | {ms:.3f} | {base_ms / ms:.2f}× | {acceptance} | {same}/{len(outs)} |")
+        replayed = f"{steps[args.k + 1]}/{steps['verified']}" if stats.num_drafts else "-"
+        print(
+            f"| {name} | {ms:.3f} | {base_ms / ms:.2f}× | {acceptance} | {same}/{len(outs)} "
+            f"| {replayed} |"
+        )
 
 
 class RepeatProposer:
@@ -152,11 +173,78 @@ class RepeatProposer:
         pass
 
 
-def accept_all(logits, states, proposals, generator) -> list[list[int]]:
-    """Every proposal accepted, then the target's greedy token after the last."""
+def accept_all(proposals, targets) -> list[list[int]]:
+    """Every proposal accepted, then the target's greedy token after the last (in place of the
+    runner's host-side greedy acceptance, so forcing adds no device work and no sync)."""
     ends = list(accumulate(1 + len(p) for p in proposals))
-    last = logits[[e - 1 for e in ends]].argmax(dim=-1).tolist()
-    return [[*p, t] for p, t in zip(proposals, last)]
+    return [[*p, targets[e - 1]] for p, e in zip(proposals, ends)]
+
+
+def count_steps(llm: LLM) -> Counter:
+    """From now on, counts the verification steps ("verified") and the graph replays by query
+    length (the steps that replay none run eagerly)."""
+    counts, runner = Counter(), llm.engine.runner
+    launch = runner.launch
+
+    def counted_launch(plan, previous=None):
+        counts.update(["verified"] if plan.draft_token_ids else [])
+        return launch(plan, previous)
+
+    runner.launch = counted_launch
+    if runner.graphs is not None:
+        run = runner.graphs.run
+        runner.graphs.run = lambda seq: counts.update([seq.max_query_len]) or run(seq)
+    return counts
+
+
+class HostPhases:
+    """From now on, the host's time in each phase of the engine's steps (wall time between
+    wrappers of its calls), for a mean per verification step: where a synchronous
+    verification step's time goes. "wait" runs from the replay's launch (an eager step's
+    start) to the acceptance, which follows the download of the step's argmax."""
+
+    NAMES = ("schedule", "prepare + replay", "wait for the device", "read + detokenize")
+
+    def __init__(self, llm: LLM) -> None:
+        self.seconds, self.steps, self._mark = Counter(), 0, 0.0
+        engine, runner = llm.engine, llm.engine.runner
+        self._time(engine.scheduler, "schedule", "schedule")
+        self._time(engine, "_read", "read + detokenize")
+        launch, accept = runner.launch, model_runner.accept_greedy
+
+        def marked_launch(plan, previous=None):
+            self.steps += bool(plan.draft_token_ids)
+            self._mark = time.perf_counter()
+            return launch(plan, previous)
+
+        def marked_accept(proposals, targets):
+            self._lap("wait for the device")
+            return accept(proposals, targets)
+
+        runner.launch, model_runner.accept_greedy = marked_launch, marked_accept
+        if runner.graphs is not None:
+            run = runner.graphs.run
+            runner.graphs.run = lambda seq: (run(seq), self._lap("prepare + replay"))[0]
+
+    def _lap(self, name: str) -> None:
+        now = time.perf_counter()
+        self.seconds[name] += now - self._mark
+        self._mark = now
+
+    def _time(self, owner, attribute: str, name: str) -> None:
+        call = getattr(owner, attribute)
+
+        def timed(*args, **kwargs):
+            start = time.perf_counter()
+            try:
+                return call(*args, **kwargs)
+            finally:
+                self.seconds[name] += time.perf_counter() - start
+
+        setattr(owner, attribute, timed)
+
+    def row(self) -> str:
+        return " | ".join(f"{self.seconds[n] / max(1, self.steps) * 1e3:.3f}" for n in self.NAMES)
 
 
 def case_b(args) -> None:
@@ -175,28 +263,42 @@ def case_b(args) -> None:
         decode(llm, prompt, params, 1)
         plain_ms = decode(llm, prompt, params, 1)[0]
         del llm
-        print("| k | ms / output token | ms / step | × plain decode step |")
-        print("| --- | --- | --- | --- |")
-        print(f"| 0 (plain) | {plain_ms:.3f} | {plain_ms:.3f} | 1.00× |")
-        real_verify = model_runner.verify
-        model_runner.verify = accept_all
+        print(
+            "| k | ms / output token | ms / step | × plain decode step "
+            "| verification steps replayed |"
+        )
+        print("| --- | --- | --- | --- | --- |")
+        print(f"| 0 (plain) | {plain_ms:.3f} | {plain_ms:.3f} | 1.00× | - |")
+        real_accept = model_runner.accept_greedy
+        phases = {}
         try:
             for k in range(1, 8):
+                model_runner.accept_greedy = accept_all
                 spec = {"method": "ngram", "num_speculative_tokens": k}
                 llm = LLM(str(path), **options, speculative_config=spec)
                 llm.engine.scheduler._proposer = RepeatProposer(k)
                 decode(llm, prompt, params, 1)
+                steps, phases[k] = count_steps(llm), HostPhases(llm)
                 ms = decode(llm, prompt, params, 1)[0]
                 step_ms = ms * (k + 1)
-                print(f"| {k} | {ms:.3f} | {step_ms:.3f} | {step_ms / plain_ms:.2f}× |")
+                replayed = f"{steps[k + 1]}/{steps['verified']}"
+                print(
+                    f"| {k} | {ms:.3f} | {step_ms:.3f} | {step_ms / plain_ms:.2f}× | {replayed} |"
+                )
                 del llm
                 torch.cuda.empty_cache()
         finally:
-            model_runner.verify = real_verify
+            model_runner.accept_greedy = real_accept
+        print(
+            f"\nHost ms per verification step, by phase\n\n| k | {' | '.join(HostPhases.NAMES)} |"
+        )
+        print("| --- | --- | --- | --- | --- |")
+        for k, times in phases.items():
+            print(f"| {k} | {times.row()} |")
 
 
 def case_c(args) -> None:
-    ngram = {"method": "ngram", "num_speculative_tokens": args.k, "prompt_lookup_max": 4}
+    ngram = ngram_config(args)
     params = SamplingParams(temperature=0, max_tokens=args.max_tokens)
     print("| batch | plain tokens/s | ngram tokens/s | ratio | mean acceptance length |")
     print("| --- | --- | --- | --- | --- |")
@@ -205,9 +307,11 @@ def case_c(args) -> None:
     for name, spec in (("p", None), ("s", ngram)):  # one engine at a time: each takes its share
         llm = default_model_llm(args, spec, 64)
         prompts = edit_prompts(llm)
-        decode(llm, prompts[:1], params, 1)  # warm-up
         for batch in batches:
             work = (prompts * (-(-batch // len(prompts))))[:batch]
+            # warm-up at this batch: Triton specialises kernels on integer arguments (1, and
+            # multiples of 16), so a new batch's prefill may compile kernels; not while timed
+            decode(llm, work, replace(params, max_tokens=8), batch)
             llm.engine.spec_decode_stats = SpecDecodeStats()
             results[name, batch] = (decode(llm, work, params, batch)[1], llm.spec_decode_stats)
         del llm
@@ -225,6 +329,11 @@ def main() -> None:
     parser.add_argument("--k", type=int, default=4, help="num_speculative_tokens of A and C")
     parser.add_argument("--max-tokens", type=int, default=256)
     parser.add_argument("--enforce-eager", action="store_true")
+    parser.add_argument(
+        "--disable-by-batch-size",
+        type=int,
+        help="speculation's disable_by_batch_size in A and C (default: the config's; 0: never)",
+    )
     parser.add_argument("--cases", default="PABC")
     args = parser.parse_args()
     for case, run in (("P", proposer_cost), ("A", case_a), ("B", case_b), ("C", case_c)):

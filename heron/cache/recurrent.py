@@ -250,6 +250,10 @@ class RecurrentStateManager(CacheManager):
             return NO_HEADROOM
         return AllocationHeadroom(state.next_checkpoint - 1, sys.maxsize)
 
+    def truncate(self, request: Request, num_tokens: int) -> None:
+        """Nothing to give back: the slot stays, and the runner puts back the state the
+        accepted tokens left (proposals come after the prompt, where no checkpoint is saved)."""
+
     def block_table(self, request_id: str) -> list[int]:
         return self._tables.get(request_id, [])
 

@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING
 from transformers import AutoTokenizer
 
 from heron.cache.coordinator import KVCacheCoordinator
+from heron.cache.recurrent import RecurrentStateSpec
 from heron.cache.spec import PagedSpec
 from heron.config import (
     DEFAULT_HOST_KV_CACHE_BYTES,
@@ -148,10 +149,10 @@ class LLMEngine:
         speculative = config.speculative
         if speculative is not None:
             for spec in self.runner.cache_specs:
-                if not isinstance(spec, PagedSpec):
+                if not isinstance(spec, (PagedSpec, RecurrentStateSpec)):
                     raise ValueError(
                         f"speculative_config: the cache kind {spec.describe()} cannot roll back "
-                        "refused proposals (only paged attention caches can)"
+                        "refused proposals (paged attention caches and recurrent states can)"
                     )
         self.spec_decode_stats = SpecDecodeStats()
         num_blocks = self._num_kv_blocks()

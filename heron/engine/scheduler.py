@@ -164,36 +164,42 @@ class Scheduler:
         ``disable_by_batch_size``), padded to ``num_speculative_tokens`` with uniform steps."""
         if not self.proposes:
             return {}
-        rows = []  # (request, its limit, its proposals)
+        rows = []  # (request, the tokens its step may verify, its proposals)
         for request in self.running:
             if request.num_tokens - request.num_computed_tokens == 1:
-                limit = self._proposal_limit(request, budget - 1)
-                if limit > 0:
+                room = self._verification_room(request, budget - 1)
+                if room > 0:
+                    limit = self._proposal_limit(request, room)
                     proposed = self._proposer.propose(
                         request.request_id, request.all_token_ids, limit
                     )
-                    rows.append((request, limit, proposed))
+                    rows.append((request, room, proposed))
         uniform = len(self.running) <= self.config.uniform_proposals_up_to
         if uniform and any(proposed for _, _, proposed in rows):
             k = self._proposer.num_tokens
-            for request, limit, proposed in rows:
-                # any token does, as each is verified: the last one (text often repeats)
+            for request, room, proposed in rows:
+                # any token does, as each is verified: the last one (text often repeats); past
+                # max_tokens too (the tokens after the one that ends the request are dropped),
+                # so that a request's last steps keep the query length of the graphs
                 pad = (proposed or request.all_token_ids)[-1]
-                proposed += [pad] * (min(k, limit) - len(proposed))
+                proposed += [pad] * (min(k, room) - len(proposed))
         return {request.request_id: proposed for request, _, proposed in rows}
 
-    def _proposal_limit(self, request: Request, budget: int) -> int:
-        """How many tokens a decode step may propose for the request: none for a row the
-        verifier cannot sample (logprobs, penalties, an unmet ``min_tokens``, a grammar) or
-        whose last token is still being sampled; never past ``max_tokens``, the context or the
+    def _verification_room(self, request: Request, budget: int) -> int:
+        """How many tokens after its last one a decode step may compute for the request: none
+        for a row the verifier cannot sample (logprobs, penalties, an unmet ``min_tokens``, a
+        grammar) or whose last token is still being sampled; never past the context or the
         step's token budget."""
         if request.num_pending_tokens or request.grammar is not None or not on_device(request):
             return 0
-        limit = min(budget, self.config.max_model_len - request.num_tokens - 1)
+        return min(budget, self.config.max_model_len - request.num_tokens - 1)
+
+    def _proposal_limit(self, request: Request, room: int) -> int:
+        """How many of those tokens may be proposals: none past ``max_tokens``."""
         max_tokens = request.sampling_params.max_tokens
-        if max_tokens is not None:
-            limit = min(limit, max_tokens - request.num_output_tokens - 1)
-        return limit
+        if max_tokens is None:
+            return room
+        return min(room, max_tokens - request.num_output_tokens - 1)
 
     def reject(self, request: Request, num_rejected: int) -> None:
         """The step computed ``num_rejected`` proposed tokens that were refused: the request's

@@ -8,6 +8,7 @@ from itertools import accumulate
 import torch
 
 from heron.cache.layout import CacheLayout
+from heron.cache.recurrent import RecurrentStateSpec
 from heron.cache.spec import CacheSpec
 from heron.config import ModelConfig
 from heron.distributed.parallel import SINGLE, TensorParallel
@@ -27,7 +28,7 @@ from heron.metadata import (
 from heron.models.build import build_model
 from heron.outputs import Logprob
 from heron.platforms import Platform
-from heron.speculative.verification import verify
+from heron.speculative.verification import accept_greedy, verify
 
 logger = logging.getLogger(__name__)
 
@@ -120,6 +121,11 @@ class ModelRunner:
             ]
         )
         self._bind_cache_groups()
+        # Operators whose state a refused proposal cannot be cut out of: they keep each
+        # verified token's state (``keep_verified_states``).
+        self._recurrent_owners = [
+            o for o in self.cache.owners if isinstance(o.cache_spec, RecurrentStateSpec)
+        ]
         self.sampler = Sampler()
         self.generator = torch.Generator(self.device).manual_seed(seed)
         self.num_blocks: list[int] = []
@@ -263,7 +269,9 @@ class ModelRunner:
         for copies in plan.copies_after:
             self.cache.copy_entries(copies.group, copies.sources, copies.destinations)
         if plan.draft_token_ids:
-            return LaunchedStep(step.sample_states, result=self._verified(plan, step, logits))
+            output = self._verified(plan, step, logits, greedy_ids)
+            self._keep_accepted_states(plan, step.sample_states, output)
+            return LaunchedStep(step.sample_states, result=output)
         states, bitmask = step.sample_states, plan.token_bitmask
         if states and not step.prompt_rows and all(map(on_device, states)):
             if greedy_ids is not None and all(s.sampling_params.plain_argmax for s in states):
@@ -281,9 +289,17 @@ class ModelRunner:
         output = StepOutput(request_ids, token_ids, logprobs, _prompt_logprobs(step, logits))
         return LaunchedStep(states, result=output)
 
-    def _verified(self, plan: StepPlan, step: PreparedStep, logits: torch.Tensor) -> StepOutput:
+    def _verified(
+        self,
+        plan: StepPlan,
+        step: PreparedStep,
+        logits: torch.Tensor,
+        greedy_ids: torch.Tensor | None,
+    ) -> StepOutput:
         """A verification step's tokens, read at once: rows with proposals are verified, the
-        others sampled as in any step (their one logits row)."""
+        others sampled as in any step (their one logits row). Plain greedy rows are accepted
+        on the host from the step's argmax (the graph's own where it replayed one): one
+        download, nothing uploaded."""
         states = step.sample_states
         proposals = [plan.draft_token_ids.get(s.request_id, []) for s in states]
         starts = [0, *accumulate(1 + len(p) for p in proposals)]
@@ -292,12 +308,14 @@ class ModelRunner:
         logprobs: list[Logprob | None] = [None] * len(states)
         verified = [i for i, p in enumerate(proposals) if p]
         index = [r for i in verified for r in range(starts[i], starts[i + 1])]
-        emitted = verify(
-            rows[index],
-            [states[i] for i in verified],
-            [proposals[i] for i in verified],
-            self.generator,
-        )
+        verified_states = [states[i] for i in verified]
+        verified_proposals = [proposals[i] for i in verified]
+        if all(s.sampling_params.plain_argmax for s in verified_states):
+            argmax = rows.argmax(dim=-1) if greedy_ids is None else greedy_ids[step.sample_rows]
+            targets = argmax.tolist()
+            emitted = accept_greedy(verified_proposals, [targets[r] for r in index])
+        else:
+            emitted = verify(rows[index], verified_states, verified_proposals, self.generator)
         for i, row_tokens in zip(verified, emitted):
             tokens[i] = row_tokens
         plain = [i for i, p in enumerate(proposals) if not p]
@@ -318,6 +336,26 @@ class ModelRunner:
             _prompt_logprobs(step, logits),
             [len(row_tokens) - 1 for row_tokens in tokens],
         )
+
+    def _keep_accepted_states(
+        self, plan: StepPlan, states: list[RequestState], output: StepOutput
+    ) -> None:
+        """Recurrent states go back to what the accepted tokens left (paged caches need
+        nothing: refused positions are overwritten), and the runner's count of the tokens in
+        each refusing row's caches to its accepted ones."""
+        rows = {request_id: i for i, request_id in enumerate(plan.request_ids)}
+        refused, positions = [], []
+        for state, accepted in zip(states, output.num_accepted):
+            request_id = state.request_id
+            num_proposed = len(plan.draft_token_ids.get(request_id, ()))
+            if accepted < num_proposed:
+                row = rows[request_id]
+                refused.append(row)
+                positions.append(accepted)
+                self.inputs.tables.holds(request_id, plan.num_computed[row] + 1 + accepted)
+        if refused:
+            for owner in self._recurrent_owners:
+                owner.keep_verified_states(refused, positions)
 
     def _fill_pending_tokens(
         self, token_ids: torch.Tensor, sources: list[tuple[int, int]], sampled: torch.Tensor

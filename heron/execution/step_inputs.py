@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 import torch
@@ -169,6 +169,9 @@ class StepInputBuilder:
             row += count
 
         seq = SequenceMetadata.from_step_batch(batch, self.device)
+        if drafts:
+            proposed = [len(drafts.get(request_id, ())) for request_id in request_ids]
+            seq = replace(seq, num_proposed_host=np.array(proposed, dtype=np.int32))
         if self._copied is not None:
             self._copied.record()
         return PreparedStep(

@@ -150,6 +150,9 @@ class SequenceMetadata:
     query_start_loc: torch.Tensor
     logits_indices: torch.Tensor
     group_parts: tuple[object, ...] = ()  # per cache group: its kind's record of device views
+    # per request, the proposals after its last token that the step verifies (None: no row
+    # verifies any); a kind whose state cannot be cut back keeps what each of them left
+    num_proposed_host: np.ndarray | None = None
 
     @property
     def num_groups(self) -> int:

@@ -38,6 +38,9 @@ def verify(
     rows = [s for s, n in zip(states, counts) for _ in range(n)]
     logits = logits.to(torch.float32, copy=True)
     apply_logit_bias(logits, rows)
+    greedy = [r.sampling_params.greedy for r in rows]
+    if all(greedy):  # the host compares: no upload of the proposals
+        return accept_greedy(proposals, logits.argmax(dim=-1).tolist())
     device = logits.device
     # The token each row verifies (the proposal after it); -1 on each request's last row.
     proposed = torch.tensor(
@@ -46,22 +49,18 @@ def verify(
     has_proposal = proposed >= 0
     safe = proposed.clamp(min=0).unsqueeze(1)
     targets = logits.argmax(dim=-1)
-    greedy = [r.sampling_params.greedy for r in rows]
-    if all(greedy):
-        accepted, chosen = (targets == proposed) & has_proposal, targets
-    else:
-        probs = sampling_probs(logits, [r.sampling_params for r in rows])
-        uniform = torch.empty(len(rows), device=device)
-        noise = torch.empty_like(probs)
-        _draw_noise(uniform, noise, states, starts, generator)
-        accepted = (uniform < probs.gather(1, safe).squeeze(1)) & has_proposal
-        # p without the proposal (the bonus rows, which have none, keep all of p)
-        kept = probs.gather(1, safe) * ~has_proposal.unsqueeze(1)
-        residual = probs.scatter(1, safe, kept)
-        drawn = residual.div_(noise).argmax(dim=-1)
-        is_greedy = torch.tensor(greedy, device=device)
-        accepted = torch.where(is_greedy, (targets == proposed) & has_proposal, accepted)
-        chosen = torch.where(is_greedy, targets, drawn)
+    probs = sampling_probs(logits, [r.sampling_params for r in rows])
+    uniform = torch.empty(len(rows), device=device)
+    noise = torch.empty_like(probs)
+    _draw_noise(uniform, noise, states, starts, generator)
+    accepted = (uniform < probs.gather(1, safe).squeeze(1)) & has_proposal
+    # p without the proposal (the bonus rows, which have none, keep all of p)
+    kept = probs.gather(1, safe) * ~has_proposal.unsqueeze(1)
+    residual = probs.scatter(1, safe, kept)
+    drawn = residual.div_(noise).argmax(dim=-1)
+    is_greedy = torch.tensor(greedy, device=device)
+    accepted = torch.where(is_greedy, (targets == proposed) & has_proposal, accepted)
+    chosen = torch.where(is_greedy, targets, drawn)
     accepted, chosen = torch.stack([accepted.long(), chosen]).tolist()
     out = []
     for p, start in zip(proposals, starts):
@@ -69,6 +68,20 @@ def verify(
         while n < len(p) and accepted[start + n]:
             n += 1
         out.append([*p[:n], chosen[start + n]])
+    return out
+
+
+def accept_greedy(proposals: Sequence[Sequence[int]], targets: Sequence[int]) -> list[list[int]]:
+    """Greedy acceptance on the host: ``targets`` holds the target's argmax at each row (``1 +
+    len(p)`` consecutive rows per request); proposals are accepted while they equal it, then
+    the argmax after the last accepted one follows."""
+    out, start = [], 0
+    for p in proposals:
+        n = 0
+        while n < len(p) and p[n] == targets[start + n]:
+            n += 1
+        out.append([*p[:n], targets[start + n]])
+        start += 1 + len(p)
     return out
 
 

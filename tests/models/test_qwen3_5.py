@@ -198,6 +198,37 @@ def test_triton_operators_equal_hf(qwen3_5_case):
     assert greedy_tokens(llm, prompts, short) == [refs[i][:5] for i in (1, 3)]
 
 
+def test_triton_operators_with_speculation_equal_hf(qwen3_5_case):
+    """Verification steps between the (interpreted) Triton GDN decode steps: each verified
+    token's state is kept, the accepted one put back in the slot, and the kernels' decode steps
+    continue from it with HF's tokens."""
+    path, hf, refs = qwen3_5_case
+    spec = {"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_max": 2}
+    llm = LLM(path, attention_backend="triton", max_model_len=128, speculative_config=spec)
+    short = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    # the model's own continuation of [5], twice: some proposals are accepted, some refused
+    repeated = (PROMPTS[3] + refs[3][:8]) * 2
+    prompts = [PROMPTS[1], repeated]
+    assert greedy_tokens(llm, prompts, short) == [refs[1][:8], *hf_greedy(hf, [repeated], 8)]
+    stats = llm.spec_decode_stats
+    assert 0 < stats.num_accepted_tokens < stats.num_draft_tokens, stats
+
+
+@pytest.mark.gpu
+def test_speculation_on_the_gpu_equals_hf(qwen3_5_case):
+    """On the GPU (fp32): n-gram speculation beside graph-replayed decode steps (verification
+    steps run eagerly: the GDN group's graphs take decode steps only) gives HF's tokens."""
+    path, hf, refs = qwen3_5_case
+    spec = {"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_max": 2}
+    options = dict(device="cuda", dtype="float32", max_model_len=128, num_kv_blocks=64)
+    llm = LLM(path, cuda_graph_max_bs=8, speculative_config=spec, **options)
+    repeated = (PROMPTS[3] + refs[3][:8]) * 2
+    got = greedy_tokens(llm, [*PROMPTS, repeated], GREEDY)
+    assert got == [*refs, *hf_greedy(hf, [repeated], MAX_NEW)]
+    stats = llm.spec_decode_stats
+    assert 0 < stats.num_accepted_tokens < stats.num_draft_tokens, stats
+
+
 @pytest.mark.gpu
 def test_graph_replay_equals_eager_and_capture_leaves_real_slots_alone(qwen3_5_case):
     """On the GPU (fp32): decode steps replayed from CUDA graphs give HF's tokens, as eager

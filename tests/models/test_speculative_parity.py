@@ -49,6 +49,8 @@ def save_family(family: str, path):
         model = tf.GptOssForCausalLM(gpt_oss_config())
         randomize_gpt_oss(model)
         return save_hf(model, path)
+    if family == "qwen3_5":
+        return save_qwen3_5(path)
     if family == "deepseek_v3":
         model = tf.DeepseekV3ForCausalLM(v3_config())
         randomize_deepseek(model)
@@ -143,6 +145,7 @@ FAMILIES = {
     "gpt_oss": 40,
     "qwen3_moe": 40,
     "deepseek_v3": 40,
+    "qwen3_5": 40,
 }
 
 
@@ -162,12 +165,6 @@ def test_greedy_with_speculation_equals_greedy_without(family, tmp_path, monkeyp
     assert engine.scheduler.num_preemptions > 0
     # proposals were made, some accepted and some refused (rolled back)
     assert 0 < stats.num_accepted_tokens < stats.num_draft_tokens
-
-
-def test_recurrent_state_models_refuse_speculation(tmp_path):
-    path = str(save_qwen3_5(tmp_path))
-    with pytest.raises(ValueError, match="speculative_config: the cache kind .* cannot roll back"):
-        LLM(path, max_model_len=64, speculative_config=SPECULATION)
 
 
 def test_uniform_proposals_keep_parity(tmp_path, monkeypatch):

@@ -4,6 +4,7 @@ run, limits, the batch-size switch, and the counters /metrics reports."""
 from __future__ import annotations
 
 from collections import Counter
+from dataclasses import replace
 
 import msgspec
 import pytest
@@ -92,6 +93,33 @@ def test_a_stop_inside_an_accepted_run_ends_there(llama):
     for max_tokens in (1, 5, 7):
         params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
         assert tokens(llm, params) == [[w[:max_tokens]] for (w,) in plain]
+    assert llm.engine.kv_cache.num_free_blocks == llm.engine.kv_cache.num_blocks - 1
+
+
+def test_uniform_steps_keep_their_query_length_to_max_tokens(llama, monkeypatch):
+    """With uniform proposals (verification graphs) a request's last steps are padded to ``k``
+    past ``max_tokens`` too, so they keep the graphs' query length; the tokens past it are
+    dropped and every block comes back."""
+    k = SPECULATION["num_speculative_tokens"]
+    greedy = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
+    plain = tokens(LLM(llama), greedy)
+    llm = LLM(llama, speculative_config=SPECULATION)
+    scheduler, runner = llm.engine.scheduler, llm.engine.runner
+    monkeypatch.setattr(scheduler, "config", replace(scheduler.config, uniform_proposals_up_to=8))
+    query_lens = set()
+    launch = runner.launch
+
+    def recorded(plan, previous=None):
+        if plan.draft_token_ids:
+            query_lens.update(plan.num_new)
+        return launch(plan, previous)
+
+    monkeypatch.setattr(runner, "launch", recorded)
+    for max_tokens in (2, 5, 7, 11):
+        params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+        for prompt, (want,) in zip(PROMPTS, plain):
+            assert tokens(llm, params, [prompt]) == [[want[:max_tokens]]]
+    assert query_lens == {1 + k}
     assert llm.engine.kv_cache.num_free_blocks == llm.engine.kv_cache.num_blocks - 1
 
 

@@ -7,7 +7,7 @@ import torch
 from heron.execution.request_state import RequestState
 from heron.execution.step_plan import NewRequest
 from heron.sampling_params import SamplingParams
-from heron.speculative.verification import verify
+from heron.speculative.verification import accept_greedy, verify
 
 VOCAB = 6
 
@@ -28,6 +28,19 @@ def test_greedy_accepts_while_proposals_are_the_argmax():
     assert out == [[2, 3, 1], [4, 4]]  # a mismatch emits the target's token and stops
     out = verify(logits, states(2, SamplingParams(temperature=0)), [[2, 3, 1], [0, 1]], None)
     assert out == [[2, 3, 1, 5], [4]]  # all accepted: the last row's token follows
+
+
+def test_host_greedy_acceptance_matches_verify():
+    """The runner's host path (the step's argmax downloaded once) accepts what ``verify``
+    accepts on the logits."""
+    torch.manual_seed(0)
+    logits = torch.randn(4 + 3 + 1, VOCAB)
+    targets = logits.argmax(-1).tolist()
+    proposals = [[targets[0], targets[1], (targets[2] + 1) % VOCAB], [targets[4], targets[5]], []]
+    params = SamplingParams(temperature=0)
+    want = verify(logits, states(3, params), proposals, None)
+    assert accept_greedy(proposals, targets) == want
+    assert want == [[targets[0], targets[1], targets[2]], [*targets[4:7]], [targets[7]]]
 
 
 def chi_square_p_value(counts: torch.Tensor, probs: torch.Tensor) -> float:

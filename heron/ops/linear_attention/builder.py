@@ -33,6 +33,8 @@ class GatedDeltaNetView:
     max_query_len: int
     cu_seqlens: torch.Tensor | None = None  # [reqs + 1] int64, extend steps with a chunk size
     chunk_indices: torch.Tensor | None = None  # [tiles, 2] int64: request, tile within it
+    # per request, the proposals it verifies (see SequenceMetadata), or None
+    num_proposed_host: np.ndarray | None = None
 
 
 def chunk_indices(query_start: np.ndarray, chunk_size: int) -> np.ndarray:
@@ -136,4 +138,5 @@ class GatedDeltaNetBuilder(MetadataBuilder):
             query_start_loc=query_start_loc,
             query_start_host=seq.query_start_host,
             max_query_len=seq.max_query_len,
+            num_proposed_host=seq.num_proposed_host,
         )

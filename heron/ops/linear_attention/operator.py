@@ -85,6 +85,10 @@ class GatedDeltaNet(MetadataOperator):
         self._builder = GatedDeltaNetBuilder(self.backend)
         self.conv_state: torch.Tensor | None = None  # [slots, conv_dim, kernel - 1]
         self.recurrent_state: torch.Tensor | None = None  # [slots, heads, key_dim, value_dim]
+        # A verification step's states after each token of a row but its last, by step row:
+        # [rows, proposals, *state shape], kept until the step's tokens are accepted.
+        self._verified_conv: torch.Tensor | None = None
+        self._verified_states: torch.Tensor | None = None
 
     @property
     def cache_spec(self) -> RecurrentStateSpec:
@@ -143,12 +147,19 @@ class GatedDeltaNet(MetadataOperator):
     def _extend(
         self, x: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, view: GatedDeltaNetView
     ) -> torch.Tensor:
-        """Request by request: the conv and the chunked rule, each from the row's saved state."""
+        """Request by request: the conv and the chunked rule, each from the row's saved state;
+        a row that verifies proposals token by token (:meth:`_verify_row`)."""
         out = x.new_empty(x.shape[0], self.spec.num_value_heads, self.spec.value_dim)
         starts, weight = view.query_start_host, self.conv_weight[:, 0]
+        proposed = view.num_proposed_host
+        if proposed is not None:
+            self._reserve_verified(view.num_reqs, int(proposed.max()))
         for i in range(view.num_reqs):
             rows = slice(int(starts[i]), int(starts[i + 1]))
             slot, keep = view.state_slots[i].long(), view.has_initial_state[i]
+            if proposed is not None and proposed[i]:
+                out[rows] = self._verify_row(x[rows], g[rows], beta[rows], slot, keep, i)
+                continue
             conv_out, conv_state = causal_conv1d(
                 x[rows], weight, torch.where(keep, self.conv_state[slot], 0)
             )
@@ -158,3 +169,57 @@ class GatedDeltaNet(MetadataOperator):
             out[rows], state = chunked_gated_delta_rule(q, k, v, g[rows], beta[rows], state)
             self.recurrent_state[slot] = state.to(self.recurrent_state.dtype)
         return out
+
+    def _reserve_verified(self, num_rows: int, num_proposed: int) -> None:
+        """Room for the intermediate states of ``num_rows`` rows of ``num_proposed`` proposals."""
+        held = self._verified_states
+        if held is not None and held.shape[0] >= num_rows and held.shape[1] >= num_proposed:
+            return
+        rows = max(num_rows, held.shape[0] if held is not None else 0)
+        k = max(num_proposed, held.shape[1] if held is not None else 0)
+        conv, state = self.conv_state, self.recurrent_state
+        self._verified_conv = conv.new_empty(rows, k, *conv.shape[1:])
+        self._verified_states = state.new_empty(rows, k, *state.shape[1:])
+
+    def _verify_row(
+        self,
+        x: torch.Tensor,
+        g: torch.Tensor,
+        beta: torch.Tensor,
+        slot: torch.Tensor,
+        keep: torch.Tensor,
+        row: int,
+    ) -> torch.Tensor:
+        """A verifying row's tokens as consecutive decode steps (the same arithmetic and
+        rounding of the states as :meth:`_decode`, so an accepted token's state is the one plain
+        decoding reaches); the states after each token but the last go to its ``row`` of the
+        verification states, for :meth:`keep_verified_states`, the last to its slot."""
+        weight = self.conv_weight[:, 0]
+        conv_state = torch.where(keep, self.conv_state[slot], 0)[None]
+        state = torch.where(keep, self.recurrent_state[slot], 0)[None]
+        outs = []
+        for t in range(x.shape[0]):
+            conv_out, conv_state = causal_conv1d_step(x[t : t + 1], weight, conv_state)
+            conv_state = conv_state.to(self.conv_state.dtype)
+            q, k, v = self._split(conv_out)
+            q, k = prepare_qk(q, k)
+            out, state = gated_delta_step(
+                q, k, v.float(), g[t : t + 1], beta[t : t + 1], state.float()
+            )
+            state = state.to(self.recurrent_state.dtype)
+            outs.append(out)
+            if t < x.shape[0] - 1:
+                self._verified_conv[row, t] = conv_state[0]
+                self._verified_states[row, t] = state[0]
+        self.conv_state[slot] = conv_state[0]
+        self.recurrent_state[slot] = state[0]
+        return torch.cat(outs)
+
+    def keep_verified_states(self, rows: list[int], positions: list[int]) -> None:
+        """After a verification step: row ``rows[i]``'s slot goes back to the state its token
+        ``positions[i]`` left (its last token and the proposals accepted after it)."""
+        index = torch.tensor(rows, dtype=torch.int64, device=self.conv_state.device)
+        at = torch.tensor(positions, dtype=torch.int64, device=self.conv_state.device)
+        slots = self.view.state_slots.long()[index]
+        self.conv_state.index_copy_(0, slots, self._verified_conv[index, at])
+        self.recurrent_state.index_copy_(0, slots, self._verified_states[index, at])

@@ -37,7 +37,8 @@ class TritonGatedDeltaNet(GatedDeltaNet):
     def _extend(
         self, x: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, view: GatedDeltaNetView
     ) -> torch.Tensor:
-        if self._chunk_rule is None:
+        if self._chunk_rule is None or view.num_proposed_host is not None:
+            # (a verification step keeps each token's state: the PyTorch path does)
             return super()._extend(x, g, beta, view)
         return chunked_prefill(
             self._chunk_rule,
