@@ -14,7 +14,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from heron import LLM, SamplingParams, StructuredOutputsParams
 from heron.config import EngineConfig
-from heron.engine.messages import CoreArgs, EngineStats
+from heron.engine.messages import CoreArgs, EngineStats, FrontEndpoints
 from heron.server.metrics import ServerMetrics
 
 SPECULATION = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3}
@@ -185,6 +185,6 @@ def test_rows_without_proposals_share_the_step(llama):
 def test_the_config_reaches_the_engine_core():
     """The server's core process gets the engine config as JSON."""
     config = EngineConfig(speculative_config=SPECULATION)
-    args = CoreArgs(config, "ipc://a", "ipc://b", "INFO")
+    args = CoreArgs(config, [FrontEndpoints(0, "ipc://a", "ipc://b")], "INFO")
     decoded = msgspec.json.decode(msgspec.json.encode(args), type=CoreArgs)
     assert decoded.config.speculative == config.speculative
