@@ -12,6 +12,7 @@ from collections.abc import Collection, Sequence
 from typing import TYPE_CHECKING, NamedTuple, Protocol
 
 if TYPE_CHECKING:
+    from heron.cache.block_pool import BlockPool
     from heron.cache.spec import CacheSpec
     from heron.engine.request import Request
 
@@ -142,3 +143,21 @@ class CacheManager(ABC):
     @abstractmethod
     def check_invariants(self) -> None:
         """Raise ``RuntimeError`` if the pool and per-request state disagree."""
+
+
+def refuse_late_hits(
+    request: Request, held: Collection[str], pool: BlockPool, needed: Sequence[int], entry: str
+) -> None:
+    """A manager's :meth:`CacheManager.check_hits`: hits are refused past the request's first
+    allocation (``held``: the requests holding entries), or once an entry of ``needed`` (the
+    hits that must still be cached) was evicted since the lookup."""
+    if request.request_id in held:
+        raise ValueError(
+            f"request {request.request_id}: new_computed_blocks is only accepted on the "
+            "first allocation"
+        )
+    if any(pool.block_hash[b] is None for b in needed):
+        raise ValueError(
+            f"request {request.request_id}: {entry} was evicted since get_computed_blocks; "
+            "allocate in the same scheduling pass as the lookup"
+        )

@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, NamedTuple
 
 from heron.cache.block_pool import NULL_BLOCK_ID, ROOT_HASH, BlockPool, hash_block_tokens
-from heron.cache.manager import NO_HEADROOM, AllocationHeadroom, CacheManager
+from heron.cache.manager import NO_HEADROOM, AllocationHeadroom, CacheManager, refuse_late_hits
 from heron.cache.spec import CacheSpec, SlidingWindowSpec
 
 if TYPE_CHECKING:
@@ -110,20 +110,8 @@ class PagedCacheManager(CacheManager):
         return block_ids
 
     def check_hits(self, request: Request, hits: Sequence[int]) -> None:
-        """Hits are refused past the request's first allocation, or once a hit block was
-        evicted since the lookup."""
-        if not hits:
-            return
-        if request.request_id in self._requests:
-            raise ValueError(
-                f"request {request.request_id}: new_computed_blocks is only accepted on the "
-                "first allocation"
-            )
-        if any(self._pool.block_hash[b] is None for b in hits):
-            raise ValueError(
-                f"request {request.request_id}: a computed block was evicted since "
-                "get_computed_blocks; allocate in the same scheduling pass as the lookup"
-            )
+        if hits:
+            refuse_late_hits(request, self._requests, self._pool, hits, "a computed block")
 
     def plan(self, request: Request, num_new_tokens: int, hits: Sequence[int]) -> PagedPlan:
         """Hits on blocks in the free queue count as needed (taking them makes them

@@ -18,7 +18,7 @@ import numpy as np
 import torch
 
 from heron.cache.block_pool import BlockPool
-from heron.cache.manager import NO_HEADROOM, AllocationHeadroom, CacheManager
+from heron.cache.manager import NO_HEADROOM, AllocationHeadroom, CacheManager, refuse_late_hits
 from heron.cache.recurrent_parts import RecurrentStepParts
 from heron.cache.spec import CacheSpec
 
@@ -159,18 +159,9 @@ class RecurrentStateManager(CacheManager):
         return []
 
     def check_hits(self, request: Request, hits: Sequence[int]) -> None:
-        if not hits:
-            return
-        if request.request_id in self._requests:
-            raise ValueError(
-                f"request {request.request_id}: new_computed_blocks is only accepted on the "
-                "first allocation"
-            )
-        if self._pool.block_hash[hits[-1]] is None:
-            raise ValueError(
-                f"request {request.request_id}: a state checkpoint was evicted since "
-                "get_computed_blocks; allocate in the same scheduling pass as the lookup"
-            )
+        # Only the last hit is a slot (a checkpoint); the null slots before it hold nothing.
+        if hits:
+            refuse_late_hits(request, self._requests, self._pool, hits[-1:], "a state checkpoint")
 
     def chunk_end(self, request: Request, start: int, end: int) -> int:
         """The last checkpoint boundary inside the prompt in ``(start, end)``, else ``end``:
