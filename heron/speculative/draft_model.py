@@ -248,7 +248,8 @@ class DraftModelProposer(ModelProposer):
         drafted = self.runner.requests[seq.request_id].all_token_ids
         tokens = seq.all_token_ids
         # (the last token is always computed again: its logits give the first proposal)
-        valid, end = seq.num_synced, min(seq.num_computed_tokens, len(tokens) - 1)
+        end = min(seq.num_computed_tokens, len(tokens) - 1)
+        valid = min(seq.num_synced, end)
         while valid < end and drafted[valid] == tokens[valid]:
             valid += 1
         if valid < seq.num_computed_tokens:
