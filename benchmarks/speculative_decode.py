@@ -252,18 +252,22 @@ class HostPhases:
         return " | ".join(f"{self.seconds[n] / max(1, self.steps) * 1e3:.3f}" for n in self.NAMES)
 
 
+def random_weight_batch_1(args) -> tuple[list[list[int]], SamplingParams, dict]:
+    """Cases B and D: one random prompt, greedy to ``--max-tokens``, and the engine options of
+    a dummy-weight model at batch 1."""
+    prompt = [np.random.default_rng(0).integers(2, 150000, 128).tolist()]
+    params = SamplingParams(temperature=0, max_tokens=args.max_tokens, ignore_eos=True)
+    options = dict(
+        load_format="dummy", max_model_len=1024, max_num_seqs=1, enforce_eager=args.enforce_eager
+    )
+    return prompt, params, options
+
+
 def case_b(args) -> None:
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp)
         save_config_only(tf.Qwen3Config(**QWEN3_0_6B), "Qwen3ForCausalLM", path)
-        prompt = [np.random.default_rng(0).integers(2, 150000, 128).tolist()]
-        params = SamplingParams(temperature=0, max_tokens=args.max_tokens, ignore_eos=True)
-        options = dict(
-            load_format="dummy",
-            max_model_len=1024,
-            max_num_seqs=1,
-            enforce_eager=args.enforce_eager,
-        )
+        prompt, params, options = random_weight_batch_1(args)
         llm = LLM(str(path), **options)
         decode(llm, prompt, params, 1)
         plain_ms = decode(llm, prompt, params, 1)[0]
@@ -335,14 +339,7 @@ def case_d(args) -> None:
         save_config_only(tf.Qwen3Config(**QWEN3_0_6B), "Qwen3ForCausalLM", target)
         draft_shape = QWEN3_0_6B | {"num_hidden_layers": 2}
         save_config_only(tf.Qwen3Config(**draft_shape), "Qwen3ForCausalLM", small)
-        prompt = [np.random.default_rng(0).integers(2, 150000, 128).tolist()]
-        params = SamplingParams(temperature=0, max_tokens=args.max_tokens, ignore_eos=True)
-        options = dict(
-            load_format="dummy",
-            max_model_len=1024,
-            max_num_seqs=1,
-            enforce_eager=args.enforce_eager,
-        )
+        prompt, params, options = random_weight_batch_1(args)
         runs = (
             ("plain", None, False),
             ("2-layer draft, forced acceptance", small, True),
