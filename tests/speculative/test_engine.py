@@ -135,12 +135,15 @@ def test_uniform_steps_keep_their_query_length_to_max_tokens(llama, monkeypatch)
     assert llm.engine.kv_cache.num_free_blocks == llm.engine.kv_cache.num_blocks - 1
 
 
-def test_above_the_batch_size_limit_steps_are_plain_and_asynchronous(llama, monkeypatch):
+@pytest.mark.parametrize("method", ["ngram", "draft_model"])
+def test_above_the_batch_size_limit_steps_are_plain_and_asynchronous(method, llama, monkeypatch):
     """While more requests run than ``disable_by_batch_size``, nothing is proposed and steps
-    stay in flight; once fewer run, proposals resume: the tokens are plain greedy's."""
+    stay in flight; once fewer run, proposals resume (a draft model first catches up on the
+    tokens decoded meanwhile): the tokens are plain greedy's."""
     params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in (8, 8, 8, 30)]
     plain = LLM(llama).generate(PROMPTS, params, use_tqdm=False)
-    llm = LLM(llama, speculative_config=SPECULATION | {"disable_by_batch_size": 1})
+    spec = speculation(method, llama) | {"disable_by_batch_size": 1}
+    llm = LLM(llama, speculative_config=spec)
     engine, in_flight = llm.engine, []
     step = engine.step
 
