@@ -64,7 +64,7 @@ MLA_BACKENDS: dict[str, Callable[[], type[MLAOperator]]] = {
 
 def _triton_layer_kernels() -> LayerKernels:
     # Imported on demand, as the Triton attention operator is.
-    from heron.kernels import activation, fp8_quant, gemv, moe, rmsnorm
+    from heron.kernels import activation, fp8_quant, gemv, moe, moe_route, rmsnorm
     from heron.layers import fp8
 
     return LayerKernels(
@@ -74,6 +74,7 @@ def _triton_layer_kernels() -> LayerKernels:
         gemv=gemv.linear_small_m,
         gemv_serves=gemv.serves,
         fused_experts=moe.fused_experts,
+        route_topk=moe_route.route_topk,
         fp8_mm=partial(fp8.scaled_mm, quantize_rows=fp8_quant.quantize_rows),
     )
 
