@@ -1,10 +1,11 @@
 """Linear layers whose checkpoint shards are packed into one matrix at load time, and their
 tensor-parallel forms.
 
-``PackedLinear(parallel="column")`` gives each rank a slice of the output features (each
-shard by its own heads); ``Linear(parallel="row")`` a slice of the input features, and the
-output is the all-reduced sum of the ranks' partial products (the bias is added once, by rank
-0's copy). Both only take effect inside a tensor-parallel build scope of more than one rank.
+``Linear(parallel="column")`` gives each rank a run of the output features (in units of
+``unit_rows``: a head), ``PackedLinear(parallel="column")`` a run of each shard's (each by its
+own heads); ``Linear(parallel="row")`` a slice of the input features, and the output is the
+all-reduced sum of the ranks' partial products (the bias is added once, by rank 0's copy).
+They only take effect inside a tensor-parallel build scope of more than one rank.
 """
 
 from __future__ import annotations
@@ -33,16 +34,24 @@ class Linear(nn.Module):
         bias: bool = False,
         kernels: LayerKernels = TORCH_KERNELS,
         parallel: str | None = None,
+        unit_rows: int = 1,
     ) -> None:
         super().__init__()
-        if parallel not in (None, "row"):
-            raise ValueError(f"a linear layer is row-parallel or not, got parallel={parallel!r}")
+        if parallel not in (None, "row", "column"):
+            raise ValueError(
+                f"a linear layer is row-, column-parallel or not, got parallel={parallel!r}"
+            )
         tp = current_tensor_parallel()
         self.tp = tp
         self.parallel = parallel if tp.size > 1 else None
         self.col_start = 0  # this rank's first input feature (column of the checkpoint's matrix)
+        self.row_start = 0  # and output feature (row)
         if self.parallel == "row":
             self.col_start, in_features = tp.part(in_features, "the input features")
+        elif self.parallel == "column":
+            what = f"the output features' {unit_rows}-row units"
+            first, count = tp.part(out_features // unit_rows, what)
+            self.row_start, out_features = first * unit_rows, count * unit_rows
         self.in_features, self.out_features = in_features, out_features
         self.weight = nn.Parameter(torch.empty(out_features, in_features), requires_grad=False)
         self.bias = nn.Parameter(torch.empty(out_features), requires_grad=False) if bias else None
@@ -111,6 +120,8 @@ class Linear(nn.Module):
         only narrowed, so a lazily read checkpoint tensor reads just that part."""
         if self.parallel == "row" and name == "weight":
             return loaded.narrow(1, self.col_start, self.in_features)
+        if self.parallel == "column" and name in ("weight", "bias"):
+            return loaded.narrow(0, self.row_start, self.out_features)
         return loaded
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard: str | None) -> None:

@@ -39,8 +39,8 @@ def load_weights(
     module that holds it and its shard (``("qkv_proj", "q")``). One tensor per expert
     (``experts.3.gate_proj.weight``) goes into its ``ExpertBank``'s stacked parameter.
     A parameter's module may narrow each tensor to the part it holds (``checkpoint_part``:
-    tensor-parallel shards; ``weights`` may be lazy, read only there) and copy it itself
-    (``weight_loader``).
+    tensor-parallel shards; ``weights`` may be lazy, read only there; a tuple of row runs is
+    read and joined) and copy it itself (``weight_loader``).
     """
     renames: dict[str, str] = getattr(model, "checkpoint_renames", {})
     packed: dict[str, tuple[str, str]] = getattr(model, "packed_modules", {})

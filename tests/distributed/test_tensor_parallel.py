@@ -20,7 +20,7 @@ from heron.config import ModelConfig
 from heron.distributed.executor import WorkerDiedError
 from heron.distributed.parallel import TensorParallel
 from heron.distributed.rendezvous import Rendezvous
-from heron.models.build import build_model, check_tensor_parallel
+from heron.models.build import build_model
 from heron.platforms import CpuPlatform
 
 from tiny_models import SHARED_PREFIX_PROMPTS, hf_greedy, save_random_model
@@ -31,8 +31,10 @@ GREEDY = SamplingParams(temperature=0.0, max_tokens=MAX_NEW, ignore_eos=True)
 # 16-token prefill chunks, prefix caching, and 7 usable blocks of 16 tokens for a batch that
 # needs about 11 at once: chunked prefill, prefix hits and preemption in every run.
 ENGINE = dict(max_model_len=96, max_num_batched_tokens=16, num_kv_blocks=8)
-# Generation runs the families the issue names; the weights test adds Qwen3-MoE's layout.
-FAMILIES = ["llama", "qwen3", "gemma3", "gpt_oss"]
+# The families the issue names, latent attention (DeepSeek), the gated delta rule (Qwen3.5,
+# Qwen3-Next) and the MoE layouts.
+FAMILIES = ["llama", "qwen3", "gemma3", "gpt_oss", "qwen3_moe"]
+FAMILIES += ["deepseek_v2", "deepseek_v3", "qwen3_5", "qwen3_5_moe", "qwen3_next"]
 
 
 @pytest.fixture(scope="module")
@@ -104,8 +106,17 @@ def gather(name: str, a: torch.Tensor, b: torch.Tensor, config) -> torch.Tensor:
         return torch.cat([a, b])[: config.vocab_size]
     if name.endswith("sinks"):
         return torch.cat([a, b])
+    if name.endswith(("q_proj.weight", "q_b_proj.weight", "kv_b_proj.weight", "A_log", "dt_bias")):
+        return torch.cat([a, b])  # by heads
+    if name.endswith(("in_proj.weight", "conv1d.weight")):  # [q | k | v (| z | b | a)]
+        keys = config.linear_num_key_heads * config.linear_key_head_dim // 2
+        values = config.linear_num_value_heads * config.linear_value_head_dim // 2
+        heads = config.linear_num_value_heads // 2
+        sizes = [keys, keys, values, values, heads, heads][: 3 if "conv1d" in name else 6]
+        return torch.cat([torch.cat(p) for p in zip(a.split(sizes), b.split(sizes))])
     if "qkv_proj" in name:
-        q = config.num_attention_heads * config.head_dim // 2
+        gated = 2 if hasattr(config, "linear_num_key_heads") else 1  # query and gate per head
+        q = gated * config.num_attention_heads * config.head_dim // 2
         kv = (a.shape[0] - q) // 2
         (qa, ka, va), (qb, kb, vb) = a.split([q, kv, kv]), b.split([q, kv, kv])
         if config.num_key_value_heads == 1:  # one head, held by both ranks
@@ -122,13 +133,25 @@ def gather(name: str, a: torch.Tensor, b: torch.Tensor, config) -> torch.Tensor:
         return torch.cat([ga, gb, ua, ub], dim)
     if name.endswith("experts.down_proj"):
         return torch.cat([a, b], dim=1 if config.model_type == "gpt_oss" else 2)
-    if name.endswith(("o_proj.weight", "down_proj.weight")):
+    if name.endswith(("o_proj.weight", "down_proj.weight", "out_proj.weight")):
         return torch.cat([a, b], dim=1)
     assert torch.equal(a, b), f"{name} should be the same on every rank"
     return a
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen3", "gpt_oss", "qwen3_moe"])
+@pytest.mark.parametrize(
+    "family",
+    [
+        "llama",
+        "qwen3",
+        "gpt_oss",
+        "qwen3_moe",
+        "deepseek_v2",
+        "deepseek_v3",
+        "qwen3_5",
+        "qwen3_next",
+    ],
+)
 def test_shards_gather_to_the_whole_weights(saved, family):
     path = saved(family)
     whole = dict(build(path).named_parameters())
@@ -185,17 +208,6 @@ def test_ranks_rendezvous_through_torchrun_environment(saved):
     )
     assert outputs[0][0] == one_rank[0].outputs[0].text + "\n"
     assert outputs[1][0] == ""  # a worker prints nothing
-
-
-@pytest.mark.parametrize(
-    "architecture, layers",
-    [("DeepseekV3ForCausalLM", "MLA"), ("Qwen3_5MoeForCausalLM", "GDN")],
-)
-def test_families_with_unsharded_layers_are_refused_by_name(architecture, layers):
-    config = types.SimpleNamespace(architecture=architecture)
-    check_tensor_parallel(config, 1)
-    with pytest.raises(ValueError, match=f"{architecture} does not support .*{layers}"):
-        check_tensor_parallel(config, 2)
 
 
 def test_heads_split_evenly_and_kv_heads_are_shared_below_one_per_rank():
