@@ -10,6 +10,8 @@ They only take effect inside a tensor-parallel build scope of more than one rank
 
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -118,10 +120,37 @@ class Linear(nn.Module):
     def checkpoint_part(self, name: str, loaded: torch.Tensor, shard: str | None) -> torch.Tensor:
         """The part of checkpoint tensor ``loaded`` (for parameter ``name``) this rank holds;
         only narrowed, so a lazily read checkpoint tensor reads just that part."""
-        if self.parallel == "row" and name == "weight":
-            return loaded.narrow(1, self.col_start, self.in_features)
-        if self.parallel == "column" and name in ("weight", "bias"):
-            return loaded.narrow(0, self.row_start, self.out_features)
+        if self.parallel == "row":
+            return self._part(name, loaded, None, (self.col_start, self.in_features))
+        if self.parallel == "column":
+            return self._part(name, loaded, ((self.row_start, self.out_features),), None)
+        return loaded
+
+    def _part(
+        self,
+        name: str,
+        loaded: torch.Tensor,
+        rows: Runs | None,
+        cols: tuple[int, int] | None,
+    ) -> torch.Tensor | tuple[torch.Tensor, ...]:
+        """The output ``rows`` (runs) and input ``cols`` of the weight that this rank holds, of
+        ``loaded`` (the weight, bias or FP8 scales: a per-tensor scale whole, per-channel
+        scales by rows, block scales by the blocks of those rows and columns, each whole)."""
+        if name == "weight_scale":
+            if math.prod(loaded.shape) == 1 or (rows is None and self.weight_block is None):
+                return loaded
+            bn, bk = self.weight_block or (1, 1)
+            if cols is not None:
+                start, size = _whole_blocks(cols, bk, "input columns")
+                loaded = loaded.narrow(1, start, size)
+            if rows is not None:
+                blocks = tuple(_whole_blocks(run, bn, "output rows") for run in rows)
+                return rows_of(loaded, blocks)
+            return loaded
+        if cols is not None and name == "weight":
+            loaded = loaded.narrow(1, *cols)
+        if rows is not None and name in ("weight", "bias"):
+            return rows_of(loaded, rows)
         return loaded
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard: str | None) -> None:
@@ -192,12 +221,45 @@ class PackedLinear(Linear):
     def checkpoint_part(self, name: str, loaded: torch.Tensor, shard: str | None) -> torch.Tensor:
         if self.parallel is None or shard not in self.shard_offsets:
             return loaded
-        return loaded.narrow(0, self.shard_starts[shard], self.shard_offsets[shard][1])
+        return self._part(name, loaded, self.shard_rows(shard), None)
+
+    def shard_rows(self, shard: str) -> Runs:
+        """The runs of checkpoint shard ``shard``'s rows that this rank holds."""
+        return ((self.shard_starts[shard], self.shard_offsets[shard][1]),)
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard: str | None) -> None:
         if shard not in self.shard_offsets:
             raise ValueError(f"unknown shard {shard!r}; expected one of {list(self.shard_offsets)}")
         self._load_rows(param, loaded, *self.shard_offsets[shard])
+
+
+#: ``(start, length)`` runs of a tensor's rows.
+Runs = tuple[tuple[int, int], ...]
+
+
+def rows_of(loaded: torch.Tensor, runs: Runs) -> torch.Tensor | tuple[torch.Tensor, ...]:
+    """``loaded``'s rows in ``runs``, only narrowed: one tensor where the runs join up, else a
+    tuple of runs, which the loader reads and joins."""
+    merged: list[tuple[int, int]] = []
+    for start, length in runs:
+        if merged and sum(merged[-1]) == start:
+            merged[-1] = (merged[-1][0], merged[-1][1] + length)
+        else:
+            merged.append((start, length))
+    parts = tuple(loaded.narrow(0, start, length) for start, length in merged)
+    return parts[0] if len(parts) == 1 else parts
+
+
+def _whole_blocks(run: tuple[int, int], block: int, what: str) -> tuple[int, int]:
+    """The run of FP8 scale blocks covering a rank's ``run`` of rows or columns, which must
+    be whole blocks (every rank's run is as long, so all ranks refuse alike)."""
+    start, length = run
+    if start % block or length % block:
+        raise ValueError(
+            f"tensor parallelism gives each rank {length} {what}, which splits the "
+            f"{block}-wide blocks of its FP8 scales"
+        )
+    return start // block, length // block
 
 
 def linear(

@@ -21,7 +21,7 @@ from transformers import PretrainedConfig
 from heron.kernels import LayerKernels
 from heron.layers.activation import SiluAndMul
 from heron.layers.embedding import VocabEmbedding
-from heron.layers.linear import Linear, PackedLinear
+from heron.layers.linear import Linear, PackedLinear, Runs, rows_of
 from heron.layers.mlp import GatedMLP
 from heron.layers.moe import SparseMoE
 from heron.layers.norm import GatedRMSNorm, GemmaRMSNorm
@@ -98,7 +98,7 @@ class GatedAttention(nn.Module):
         return self.o_proj(out * torch.sigmoid(gate.reshape(tokens, q_size)))
 
 
-def qkv_rows(spec: GatedDeltaNetSpec, first: int, count: int) -> tuple[tuple[int, int], ...]:
+def qkv_rows(spec: GatedDeltaNetSpec, first: int, count: int) -> Runs:
     """``(start, length)`` of the rows of ``[q | k | v]`` (a checkpoint's ``in_proj_qkv``, or
     the conv channels) that key heads ``[first, first + count)`` and their value heads use."""
     dk, dv = spec.key_dim, spec.num_value_heads // spec.num_key_heads * spec.value_dim
@@ -108,21 +108,6 @@ def qkv_rows(spec: GatedDeltaNetSpec, first: int, count: int) -> tuple[tuple[int
         (keys + first * dk, count * dk),
         (2 * keys + first * dv, count * dv),
     )
-
-
-def rows_of(
-    loaded: torch.Tensor, runs: tuple[tuple[int, int], ...]
-) -> torch.Tensor | tuple[torch.Tensor, ...]:
-    """``loaded``'s rows in ``runs``, only narrowed: one tensor where the runs are one (all
-    heads), else a tuple of runs, which the loader reads and joins."""
-    merged: list[tuple[int, int]] = []
-    for start, length in runs:
-        if merged and sum(merged[-1]) == start:
-            merged[-1] = (merged[-1][0], merged[-1][1] + length)
-        else:
-            merged.append((start, length))
-    parts = tuple(loaded.narrow(0, start, length) for start, length in merged)
-    return parts[0] if len(parts) == 1 else parts
 
 
 class KeyHeadParallel(PackedLinear):
@@ -156,11 +141,11 @@ class SplitInProj(KeyHeadParallel):
         per_key_head = {"qkv": 2 * spec.key_dim + v_rows, "z": v_rows, "b": per_key, "a": per_key}
         super().__init__(hidden_size, spec, per_key_head, kernels)
 
-    def checkpoint_part(self, name: str, loaded: torch.Tensor, shard: str | None) -> torch.Tensor:
+    def shard_rows(self, shard: str) -> Runs:
         """A rank's q, k and v rows are three runs of ``in_proj_qkv``."""
-        if self.parallel is None or shard != "qkv":
-            return super().checkpoint_part(name, loaded, shard)
-        return rows_of(loaded, qkv_rows(self.spec, self.first_key_head, self.key_heads))
+        if shard != "qkv":
+            return super().shard_rows(shard)
+        return qkv_rows(self.spec, self.first_key_head, self.key_heads)
 
 
 class InterleavedInProj(KeyHeadParallel):
@@ -189,7 +174,7 @@ class ConvWeights(nn.Module):
     """The depthwise conv1d's weight ``[channels, 1, kernel]`` (the operator convolves with it)
     for the channels ``runs`` of the checkpoint's ``[q | k | v]`` (this rank's heads)."""
 
-    def __init__(self, spec: GatedDeltaNetSpec, runs: tuple[tuple[int, int], ...]) -> None:
+    def __init__(self, spec: GatedDeltaNetSpec, runs: Runs) -> None:
         super().__init__()
         self.runs = runs
         channels = sum(length for _, length in runs)

@@ -23,7 +23,13 @@ from heron.distributed.rendezvous import Rendezvous
 from heron.models.build import build_model
 from heron.platforms import CpuPlatform
 
-from tiny_models import SHARED_PREFIX_PROMPTS, hf_greedy, save_random_model
+from tiny_models import (
+    SHARED_PREFIX_PROMPTS,
+    hf_greedy,
+    hf_on_weights,
+    save_random_model,
+    write_fp8_checkpoint,
+)
 
 PROMPTS = SHARED_PREFIX_PROMPTS
 MAX_NEW = 12
@@ -160,6 +166,30 @@ def test_shards_gather_to_the_whole_weights(saved, family):
     assert whole.keys() == ranks[0].keys() == ranks[1].keys()
     for name, param in whole.items():
         assert torch.equal(gather(name, ranks[0][name], ranks[1][name], config), param), name
+
+
+@pytest.mark.parametrize("layout", ["per-tensor", "per-channel", "block-wise"])
+def test_two_ranks_load_fp8_checkpoints_equal_hf(saved, layout, tmp_path):
+    """Per-tensor scales replicated, per-channel scales cut by rows, 16 x 16 block scales by
+    whole blocks (each rank's 32 query rows, the KV head both hold, half of o's and down's
+    input columns)."""
+    src = saved("llama")
+    weights = write_fp8_checkpoint(src, tmp_path / "fp8", layout, block=(16, 16))
+    llm = LLM(str(tmp_path / "fp8"), tensor_parallel_size=2, **ENGINE)
+    try:
+        assert tokens(llm) == hf_greedy(hf_on_weights(src, weights), PROMPTS, MAX_NEW)
+    finally:
+        llm.engine.shutdown()
+
+
+def test_a_rank_boundary_inside_an_fp8_block_is_refused_naming_the_layer(saved, tmp_path):
+    """32-row blocks over the one 16-row KV head each rank holds."""
+    write_fp8_checkpoint(saved("llama"), tmp_path / "fp8", "block-wise", block=(32, 32))
+    message = (
+        r"'model\.layers\.0\.self_attn\.k_proj\.weight_scale_inv': .* 16 output rows, which split"
+    )
+    with pytest.raises(ValueError, match=message):
+        build(tmp_path / "fp8", TensorParallel(0, 2))
 
 
 def test_a_dead_worker_stops_the_engine_naming_its_rank(saved):
