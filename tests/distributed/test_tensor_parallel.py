@@ -145,19 +145,7 @@ def gather(name: str, a: torch.Tensor, b: torch.Tensor, config) -> torch.Tensor:
     return a
 
 
-@pytest.mark.parametrize(
-    "family",
-    [
-        "llama",
-        "qwen3",
-        "gpt_oss",
-        "qwen3_moe",
-        "deepseek_v2",
-        "deepseek_v3",
-        "qwen3_5",
-        "qwen3_next",
-    ],
-)
+@pytest.mark.parametrize("family", FAMILIES)
 def test_shards_gather_to_the_whole_weights(saved, family):
     path = saved(family)
     whole = dict(build(path).named_parameters())
