@@ -37,6 +37,7 @@ class Linear(nn.Module):
         kernels: LayerKernels = TORCH_KERNELS,
         parallel: str | None = None,
         unit_rows: int = 1,
+        reduce_output: bool = True,
     ) -> None:
         super().__init__()
         if parallel not in (None, "row", "column"):
@@ -46,6 +47,7 @@ class Linear(nn.Module):
         tp = current_tensor_parallel()
         self.tp = tp
         self.parallel = parallel if tp.size > 1 else None
+        self.reduce_output = reduce_output  # row-parallel: False leaves the sum to the caller
         self.col_start = 0  # this rank's first input feature (column of the checkpoint's matrix)
         self.row_start = 0  # and output feature (row)
         if self.parallel == "row":
@@ -68,11 +70,12 @@ class Linear(nn.Module):
             )
         else:
             y = linear(x, self.weight, self.bias, self.kernels)
-        return self.tp.all_reduce(y) if self.parallel == "row" else y
+        return self._reduced(y)
 
     def _reduced(self, y: torch.Tensor) -> torch.Tensor:
-        """The layer's output from this rank's product: summed over the ranks when row-parallel."""
-        return self.tp.all_reduce(y) if self.parallel == "row" else y
+        """The layer's output from this rank's product: summed over the ranks when row-parallel
+        (unless its caller sums it, with more)."""
+        return self.tp.all_reduce(y) if self.parallel == "row" and self.reduce_output else y
 
     def hold_fp8(self, block: tuple[int, int] | None) -> None:
         """Empty FP8 weight and scales for a checkpoint to fill: per channel (``block`` None;

@@ -18,8 +18,12 @@ from tp_models import tiny_config
 from heron import LLM, SamplingParams
 from heron.config import ModelConfig
 from heron.distributed.executor import WorkerDiedError
-from heron.distributed.parallel import TensorParallel
+from heron.distributed.parallel import TensorParallel, tensor_parallel_scope
 from heron.distributed.rendezvous import Rendezvous
+from heron.layers.activation import SiluAndMul
+from heron.layers.mlp import GatedMLP
+from heron.layers.moe import SparseMoE, SwiGLUExperts
+from heron.layers.routing import Routing, TopKRouter
 from heron.models.build import build_model
 from heron.platforms import CpuPlatform
 
@@ -226,6 +230,15 @@ def test_ranks_rendezvous_through_torchrun_environment(saved):
     )
     assert outputs[0][0] == one_rank[0].outputs[0].text + "\n"
     assert outputs[1][0] == ""  # a worker prints nothing
+
+
+def test_a_shared_expert_summed_apart_from_the_experts_is_refused():
+    """Its all-reduce and the block's would add it twice."""
+    with tensor_parallel_scope(TensorParallel(0, 2)):
+        router, experts = TopKRouter(16, 4, Routing(top_k=2)), SwiGLUExperts(4, 16, 8)
+        with pytest.raises(ValueError, match="build the shared expert with reduce_output=False"):
+            SparseMoE(router, experts, GatedMLP(16, 8, SiluAndMul))
+        SparseMoE(router, experts, GatedMLP(16, 8, SiluAndMul, reduce_output=False))
 
 
 def test_heads_split_evenly_and_kv_heads_are_shared_below_one_per_rank():
