@@ -120,9 +120,12 @@ class Linear(nn.Module):
             return self._reduced(self._gemv(x, gated_out=fused))
         return act(self(x))
 
-    def checkpoint_part(self, name: str, loaded: torch.Tensor, shard: str | None) -> torch.Tensor:
+    def checkpoint_part(
+        self, name: str, loaded: torch.Tensor, shard: str | None
+    ) -> torch.Tensor | tuple[torch.Tensor, ...]:
         """The part of checkpoint tensor ``loaded`` (for parameter ``name``) this rank holds;
-        only narrowed, so a lazily read checkpoint tensor reads just that part."""
+        only narrowed, so a lazily read checkpoint tensor reads just that part (runs of rows
+        that do not join up come as a tuple)."""
         if self.parallel == "row":
             return self._part(name, loaded, None, (self.col_start, self.in_features))
         if self.parallel == "column":
@@ -221,7 +224,9 @@ class PackedLinear(Linear):
             self.shard_offsets[name] = (start, size)
             start += size
 
-    def checkpoint_part(self, name: str, loaded: torch.Tensor, shard: str | None) -> torch.Tensor:
+    def checkpoint_part(
+        self, name: str, loaded: torch.Tensor, shard: str | None
+    ) -> torch.Tensor | tuple[torch.Tensor, ...]:
         if self.parallel is None or shard not in self.shard_offsets:
             return loaded
         return self._part(name, loaded, self.shard_rows(shard), None)

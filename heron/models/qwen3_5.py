@@ -180,7 +180,9 @@ class ConvWeights(nn.Module):
         channels = sum(length for _, length in runs)
         self.weight = nn.Parameter(torch.empty(channels, 1, spec.conv_kernel), requires_grad=False)
 
-    def checkpoint_part(self, name: str, loaded: torch.Tensor, shard: None) -> torch.Tensor:
+    def checkpoint_part(
+        self, name: str, loaded: torch.Tensor, shard: None
+    ) -> torch.Tensor | tuple[torch.Tensor, ...]:
         return rows_of(loaded, self.runs)
 
 
