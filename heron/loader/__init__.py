@@ -20,11 +20,6 @@ def load_model(model: nn.Module, model_config: ModelConfig, sharded: bool = Fals
     as_stored = (
         scheme is not None and scheme.from_checkpoint and model_config.load_format != "dummy"
     )
-    if as_stored and sharded:
-        raise ValueError(
-            "FP8 checkpoints cannot be loaded with tensor parallelism yet (their weight scales "
-            "are not sharded); quantization='fp8' over a full-precision checkpoint can"
-        )
     if as_stored:
         for layer in linears:
             layer.hold_fp8(scheme.block)
