@@ -62,6 +62,9 @@ class Linear(nn.Module):
         self.kernels = kernels
         self.register_parameter("weight_scale", None)
         self.weight_block: tuple[int, int] | None = None
+        # An operator reads the weight as a matrix (MLA's kv_b_proj): under an FP8 scheme it
+        # stays in full precision, dequantised after loading from an FP8 checkpoint.
+        self.keep_dense = False
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.weight_scale is not None:
@@ -85,6 +88,12 @@ class Linear(nn.Module):
         self.weight = _frozen(torch.empty(n, k, dtype=FP8, device=self.weight.device))
         self.weight_scale = _frozen(torch.empty(rows, device=self.weight.device))
         self.weight_block = block
+
+    def dequantize_fp8(self, dtype: torch.dtype) -> None:
+        """Replace the loaded FP8 weight and scales by the full-precision weight they stand for."""
+        w = dequantize(self.weight.data, self.weight_scale.data, self.weight_block)
+        self.weight, self.weight_block = _frozen(w.to(dtype)), None
+        self.register_parameter("weight_scale", None)
 
     def quantize_fp8(self, block: tuple[int, int] | None = None) -> None:
         """Replace the loaded full-precision weight by its FP8 quantisation."""

@@ -13,7 +13,8 @@ from heron.loader.weights import load_weights
 
 def load_model(model: nn.Module, model_config: ModelConfig, sharded: bool = False) -> None:
     """Fill ``model``; under an FP8 scheme its linear layers end up holding FP8 weights: read
-    as stored from an FP8 checkpoint, else quantised from the loaded (or dummy) weights.
+    as stored from an FP8 checkpoint, else quantised from the loaded (or dummy) weights (but
+    those an operator reads as matrices, ``Linear.keep_dense``).
     A ``sharded`` (tensor-parallel) model reads only its own parts of the checkpoint."""
     scheme = model_config.quantization
     linears = fp8_linears(model, scheme) if scheme is not None else []
@@ -28,6 +29,8 @@ def load_model(model: nn.Module, model_config: ModelConfig, sharded: bool = Fals
         initialize_dummy_weights(model, std, model_config.seed)
     else:
         load_weights(model, iterate_weights(model_config.path, lazy=sharded))
-    if not as_stored:
-        for layer in linears:
+    for layer in linears:
+        if layer.keep_dense and as_stored:
+            layer.dequantize_fp8(model_config.dtype)
+        elif not layer.keep_dense and not as_stored:
             layer.quantize_fp8(scheme.block)

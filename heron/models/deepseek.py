@@ -88,6 +88,7 @@ class DeepseekAttention(nn.Module):
         self.kv_b_proj = Linear(
             lora, heads * (nope + v_dim), False, kernels, "column", unit_rows=nope + v_dim
         )
+        self.kv_b_proj.keep_dense = True  # the operator absorbs it into the query
         self.o_proj = Linear(heads * v_dim, hidden, bias, kernels, parallel="row")
         spec = MLASpec(
             num_heads=q_out.out_features // qk_dim,  # this rank's heads
