@@ -211,6 +211,7 @@ def main() -> None:
             quantization=args.quantization,
             kv_cache_dtype=args.kv_cache_dtype,
             enforce_eager=args.enforce_eager,
+            cuda_graph_max_bs=max(args.batches),
             # Room for the measured steps after the longest chunked-prefill stagger.
             max_model_len=max(4096, args.context + 4 * args.steps + 256),
         )
