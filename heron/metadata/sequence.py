@@ -158,6 +158,15 @@ class SequenceMetadata:
     def num_groups(self) -> int:
         return len(self.group_parts)
 
+    @property
+    def is_uniform_verification(self) -> bool:
+        """Some row verifies proposals and every row has the same query length: the steps that
+        verification graphs replay, which a builder of ``UNIFORM`` support runs eagerly alike."""
+        return (
+            self.num_proposed_host is not None
+            and self.num_tokens == self.num_reqs * self.max_query_len
+        )
+
     def parts(self, group: int, record: type[_Record]) -> _Record:
         """Cache group ``group``'s parts, which must be of the kind whose record is ``record``."""
         if group >= self.num_groups:
