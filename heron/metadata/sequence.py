@@ -160,11 +160,14 @@ class SequenceMetadata:
 
     @property
     def is_uniform_verification(self) -> bool:
-        """Some row verifies proposals and every row has the same query length: the steps that
-        verification graphs replay, which a builder of ``UNIFORM`` support runs eagerly alike."""
+        """Every row verifies the same number of proposals after its last token: the steps
+        that verification graphs replay, which a builder of ``UNIFORM`` support runs eagerly
+        alike."""
+        proposed = self.num_proposed_host
         return (
-            self.num_proposed_host is not None
+            proposed is not None
             and self.num_tokens == self.num_reqs * self.max_query_len
+            and bool((proposed == self.max_query_len - 1).all())
         )
 
     def parts(self, group: int, record: type[_Record]) -> _Record:

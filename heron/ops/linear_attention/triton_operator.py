@@ -1,24 +1,29 @@
-"""The gated-delta-rule operator with Heron's Triton decode kernels (state updated in place) and,
-on CUDA with fla-core installed, the batched chunked prefill of ``fla_prefill``."""
+"""The gated-delta-rule operator with Heron's Triton decode kernels (state updated in place, for
+decode and uniform verification steps) and, on CUDA with fla-core installed, the batched chunked
+prefill of ``fla_prefill``."""
 
 from __future__ import annotations
 
 import torch
 
 from heron.kernels.gated_delta import causal_conv1d_update, gated_delta_decode
-from heron.ops.linear_attention.builder import GatedDeltaNetBuilder, GatedDeltaNetView
+from heron.ops.linear_attention.builder import GatedDeltaNetView, UniformGatedDeltaNetBuilder
 from heron.ops.linear_attention.fla_prefill import FLA_CHUNK_SIZE, chunked_prefill, load_chunk_rule
 from heron.ops.linear_attention.operator import GatedDeltaNet
 
 
 class TritonGatedDeltaNet(GatedDeltaNet):
     """Decode steps in two launches that read and write each row's slot in place (no gather or
-    scatter of states). Prefill and extend steps run the whole packed batch through
+    scatter of states). A uniform verification step runs its ``q`` tokens per row as ``q``
+    such decode steps, gathering the states after each token but the last into the reserved
+    verification buffers: device metadata only, so its graphs are captured. Prefill and extend
+    steps run the whole packed batch through
     :func:`~heron.ops.linear_attention.fla_prefill.chunked_prefill` when the operator is built
     on a CUDA device and fla-core imports; otherwise (the CPU, Triton's interpreter) they take
-    the PyTorch chunked path."""
+    the PyTorch chunked path, as verification steps of several query lengths do."""
 
     backend = "triton"
+    builder_class = UniformGatedDeltaNetBuilder
 
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
@@ -26,13 +31,42 @@ class TritonGatedDeltaNet(GatedDeltaNet):
         if self.conv_weight.is_cuda:  # built under the platform's device
             self._chunk_rule = load_chunk_rule()
             if self._chunk_rule is not None:
-                self._builder = GatedDeltaNetBuilder(self.backend, FLA_CHUNK_SIZE)
+                self._builder = self.builder_class(self.backend, FLA_CHUNK_SIZE)
 
     def forward(self, mixed_qkv: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
         view = self.view
-        if not view.is_decode:
+        if view.verifies_uniformly:
+            out = self._verify_in_place(mixed_qkv, a, b, view)
+        elif view.is_decode:
+            n = mixed_qkv.shape[0]
+            out = self._decode_in_place(
+                mixed_qkv, a, b, view.state_slots[:n], view.has_initial_state[:n]
+            )
+        else:
             return super().forward(mixed_qkv, a, b)
-        return self._decode_in_place(mixed_qkv, a, b, view).to(mixed_qkv.dtype)
+        return out.to(mixed_qkv.dtype)
+
+    def _verify_in_place(
+        self, x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, view: GatedDeltaNetView
+    ) -> torch.Tensor:
+        """Every row's tokens as consecutive decode steps in its slot (row ``i`` of the step is
+        verifying row ``i``); padded graph rows run on the null slot."""
+        n = view.num_reqs
+        q = x.shape[0] // n
+        self._check_verified(n, q - 1)
+        slots, has_state = view.state_slots[:n], view.has_initial_state[:n]
+        index = self._verified_slots[:n]
+        index.copy_(slots)
+        continues = torch.ones_like(has_state)  # every token after a row's first
+        x, a, b = (t.unflatten(0, (n, q)) for t in (x, a, b))
+        outs = []
+        for t in range(q):
+            outs.append(self._decode_in_place(x[:, t], a[:, t], b[:, t], slots, has_state))
+            if t < q - 1:
+                self._verified_conv[:n, t] = self.conv_state[index]
+                self._verified_states[:n, t] = self.recurrent_state[index]
+            has_state = continues
+        return torch.stack(outs, 1).flatten(0, 1)
 
     def _extend(
         self, x: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, view: GatedDeltaNetView
@@ -53,10 +87,13 @@ class TritonGatedDeltaNet(GatedDeltaNet):
         )
 
     def _decode_in_place(
-        self, x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, view: GatedDeltaNetView
+        self,
+        x: torch.Tensor,
+        a: torch.Tensor,
+        b: torch.Tensor,
+        slots: torch.Tensor,
+        has_state: torch.Tensor,
     ) -> torch.Tensor:
-        n = x.shape[0]
-        slots, has_state = view.state_slots[:n], view.has_initial_state[:n]
         conv_out = causal_conv1d_update(
             x, self.conv_state, self.conv_weight[:, 0], slots, has_state
         )
