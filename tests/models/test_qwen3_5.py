@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 import transformers as tf
+from execution.view_replay import replay_views
 
 from heron import LLM, SamplingParams
 from heron.cache.recurrent import RecurrentStateSpec
@@ -210,6 +211,25 @@ def test_triton_operators_with_speculation_equal_hf(qwen3_5_case):
     repeated = (PROMPTS[3] + refs[3][:8]) * 2
     prompts = [PROMPTS[1], repeated]
     assert greedy_tokens(llm, prompts, short) == [refs[1][:8], *hf_greedy(hf, [repeated], 8)]
+    stats = llm.spec_decode_stats
+    assert 0 < stats.num_accepted_tokens < stats.num_draft_tokens, stats
+
+
+def test_verification_through_graph_buffers_equals_hf(qwen3_5_case):
+    """Decode and verification steps as their graphs replay them (the buffers filled, the
+    buckets' views; emulated on the CPU, see ``execution.view_replay``) on the interpreted
+    Triton operators: HF's tokens, and capture's warm-up left every real slot alone."""
+    path, hf, refs = qwen3_5_case
+    spec = {"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_max": 2}
+    llm = LLM(path, attention_backend="triton", max_model_len=128, speculative_config=spec)
+    graphs = replay_views(llm)
+    gdn = [m for m in llm.engine.runner.model.modules() if isinstance(m, GatedDeltaNet)]
+    assert all(not m.conv_state[1:].any() and not m.recurrent_state[1:].any() for m in gdn)
+    short = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    repeated = (PROMPTS[3] + refs[3][:8]) * 2
+    got = greedy_tokens(llm, [PROMPTS[1], repeated], short)
+    assert got == [refs[1][:8], *hf_greedy(hf, [repeated], 8)]
+    assert (2, 3) in graphs.replayed and (2, 1) in graphs.replayed  # both kinds, batch 2
     stats = llm.spec_decode_stats
     assert 0 < stats.num_accepted_tokens < stats.num_draft_tokens, stats
 

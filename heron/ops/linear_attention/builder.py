@@ -85,10 +85,9 @@ class GatedDeltaNetBuilder(MetadataBuilder):
 
     def build(self, seq: SequenceMetadata) -> GatedDeltaNetView:
         slots, has_state = self._rows(seq)
-        view = self._view(
-            seq, slots, has_state, seq.query_start_loc, seq.num_reqs, seq.is_uniform_verification
-        )
-        if self.chunk_size is None or seq.is_decode:
+        uniform = seq.is_uniform_verification  # decode steps of the operator's own kernels
+        view = self._view(seq, slots, has_state, seq.query_start_loc, seq.num_reqs, uniform)
+        if self.chunk_size is None or seq.is_decode or uniform:
             return view
         tiles = chunk_indices(seq.query_start_host, self.chunk_size)
         device = seq.query_start_loc.device
