@@ -6,6 +6,12 @@ gating ``g``/``beta`` from ``a``/``b``, q/k L2 norms, one step of the delta rule
 recurrent state, the output). A row without a saved state starts from zeros whatever its slot
 holds; padded graph rows point at the null slot 0. Numerics follow
 ``heron.ops.linear_attention.reference`` (fp32 state, fp32 maths).
+
+Both read each row's states at ``slots[n]`` and write them back there, or, given ``into``
+(``(states, rows)``: another tensor of the same per-row layout and each row's place in it), write
+them there instead: a verification step chains its tokens' states through its own buffers
+(read from the slot, written to the buffer, ..., read from the buffer, written to the slot), so
+each token moves a state once in and once out, as a decode step does.
 """
 
 from __future__ import annotations
@@ -18,16 +24,20 @@ import triton.language as tl
 @triton.jit
 def _conv_update_kernel(
     x_ptr,  # [N, C]
-    state_ptr,  # [slots, C, W - 1]
+    state_ptr,  # [slots, C, W - 1]: read
     weight_ptr,  # [C, W] (any strides)
     out_ptr,  # [N, C]
     slots_ptr,
     has_state_ptr,
+    dst_ptr,  # [rows, C, W - 1]: written (may be state_ptr)
+    dst_rows_ptr,
     channels,
     stride_slots,
     stride_x,
     stride_state_slot,
     stride_state_c,
+    stride_dst_rows,
+    stride_dst_row,
     stride_weight_c,
     stride_weight_w,
     stride_out,
@@ -40,6 +50,8 @@ def _conv_update_kernel(
     slot = tl.load(slots_ptr + row * stride_slots).to(tl.int64)
     keep = tl.load(has_state_ptr + row) != 0
     state = state_ptr + slot * stride_state_slot + cols * stride_state_c
+    dst_row = tl.load(dst_rows_ptr + row * stride_dst_rows).to(tl.int64)
+    dst = dst_ptr + dst_row * stride_dst_row + cols * stride_state_c
     x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
     w_last = tl.load(weight_ptr + cols * stride_weight_c + (WIDTH - 1) * stride_weight_w, mask=mask)
     acc = x * w_last.to(tl.float32)
@@ -50,8 +62,8 @@ def _conv_update_kernel(
         w = tl.load(weight_ptr + cols * stride_weight_c + i * stride_weight_w, mask=mask)
         acc += s.to(tl.float32) * w.to(tl.float32)
         if i > 0:
-            tl.store(state + i - 1, s, mask=mask)
-    tl.store(state + WIDTH - 2, x.to(state_ptr.dtype.element_ty), mask=mask)
+            tl.store(dst + i - 1, s, mask=mask)
+    tl.store(dst + WIDTH - 2, x.to(dst_ptr.dtype.element_ty), mask=mask)
     out = acc / (1.0 + tl.exp(-acc))
     tl.store(out_ptr + row * stride_out + cols, out.to(out_ptr.dtype.element_ty), mask=mask)
 
@@ -62,14 +74,18 @@ def causal_conv1d_update(
     weight: torch.Tensor,
     slots: torch.Tensor,
     has_state: torch.Tensor,
+    into: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """One token per row: x [N, C] -> SiLU(conv) [N, C]; ``conv_state[slots[n]]`` [C, W - 1]
-    is read (zeros where not ``has_state[n]``) and shifted in place. ``weight``: [C, W];
-    ``slots`` may be strided (a column of the step's tables), ``has_state`` is contiguous."""
+    is read (zeros where not ``has_state[n]``) and shifted in place, or into
+    ``states[rows[n]]`` for ``into = (states, rows)``. ``weight``: [C, W]; ``slots`` may be
+    strided (a column of the step's tables), ``has_state`` is contiguous."""
     n, channels = x.shape
     width = weight.shape[1]
-    if conv_state.shape[1:] != (channels, width - 1) or conv_state.stride(2) != 1:
-        raise ValueError(f"conv_state {tuple(conv_state.shape)} does not fit x and weight")
+    dst, dst_rows = into if into is not None else (conv_state, slots)
+    for states in (conv_state, dst):
+        if states.shape[1:] != (channels, width - 1) or states.stride()[1:] != (width - 1, 1):
+            raise ValueError(f"conv state {tuple(states.shape)} does not fit x and weight")
     if x.stride(1) != 1:
         raise ValueError("x's rows must be contiguous")
     out = torch.empty_like(x)
@@ -82,11 +98,15 @@ def causal_conv1d_update(
             out,
             slots,
             has_state,
+            dst,
+            dst_rows,
             channels,
             slots.stride(0),
             x.stride(0),
             conv_state.stride(0),
             conv_state.stride(1),
+            dst_rows.stride(0),
+            dst.stride(0),
             weight.stride(0),
             weight.stride(1),
             out.stride(0),
@@ -103,14 +123,18 @@ def _gated_delta_decode_kernel(
     b_ptr,  # [N, Hv]
     a_log_ptr,  # [Hv]
     dt_bias_ptr,  # [Hv]
-    state_ptr,  # [slots, Hv, K, V]
+    state_ptr,  # [slots, Hv, K, V]: read
     out_ptr,  # [N, Hv, V]
     slots_ptr,
     has_state_ptr,
+    dst_ptr,  # [rows, Hv, K, V]: written (may be state_ptr)
+    dst_rows_ptr,
     stride_slots,
     stride_qkv,
     stride_ab,
     stride_state_slot,
+    stride_dst_rows,
+    stride_dst_row,
     stride_out,
     NUM_KEY_HEADS: tl.constexpr,
     NUM_VALUE_HEADS: tl.constexpr,
@@ -143,19 +167,16 @@ def _gated_delta_decode_kernel(
 
     slot = tl.load(slots_ptr + row * stride_slots).to(tl.int64)
     keep = tl.load(has_state_ptr + row) != 0
-    tile = (
-        state_ptr
-        + slot * stride_state_slot
-        + head * KEY_DIM * VALUE_DIM
-        + ks[:, None] * VALUE_DIM
-        + vs[None, :]
-    )
+    within = head * KEY_DIM * VALUE_DIM + ks[:, None] * VALUE_DIM + vs[None, :]
     mask = k_mask[:, None] & v_mask[None, :]
-    s = tl.load(tile, mask=mask & keep, other=0.0).to(tl.float32) * decay
+    s = tl.load(state_ptr + slot * stride_state_slot + within, mask=mask & keep, other=0.0)
+    s = s.to(tl.float32) * decay
     delta = (v - tl.sum(s * k[:, None], axis=0)) * beta
     s += k[:, None] * delta[None, :]
     out = tl.sum(s * q[:, None], axis=0)
-    tl.store(tile, s.to(state_ptr.dtype.element_ty), mask=mask)
+    dst_row = tl.load(dst_rows_ptr + row * stride_dst_rows).to(tl.int64)
+    dst = dst_ptr + dst_row * stride_dst_row + within
+    tl.store(dst, s.to(dst_ptr.dtype.element_ty), mask=mask)
     tl.store(out_ptr + row * stride_out + head * VALUE_DIM + vs, out, mask=v_mask)
 
 
@@ -169,18 +190,22 @@ def gated_delta_decode(
     slots: torch.Tensor,
     has_state: torch.Tensor,
     num_key_heads: int,
+    into: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
-    """One delta-rule step per row on ``state[slots[n]]`` [Hv, K, V] in place (zeros where
-    not ``has_state[n]``); qkv: the convolved ``[q|k|v]`` [N, conv_dim]; a, b: [N, Hv].
-    Returns [N, Hv, V] in fp32."""
+    """One delta-rule step per row on ``state[slots[n]]`` [Hv, K, V] (zeros where not
+    ``has_state[n]``), written back in place, or into ``states[rows[n]]`` for ``into = (states,
+    rows)``; qkv: the convolved ``[q|k|v]`` [N, conv_dim]; a, b: [N, Hv]. Returns [N, Hv, V] in
+    fp32."""
     n = qkv.shape[0]
     _, num_value_heads, key_dim, value_dim = state.shape
-    if (
-        state.stride(3) != 1
-        or state.stride(2) != value_dim
-        or state.stride(1) != key_dim * value_dim
-    ):
-        raise ValueError("each slot's state must be contiguous")
+    dst, dst_rows = into if into is not None else (state, slots)
+    for states in (state, dst):
+        if states.shape[1:] != state.shape[1:] or states.stride()[1:] != (
+            key_dim * value_dim,
+            value_dim,
+            1,
+        ):
+            raise ValueError("each slot's state must be contiguous")
     if qkv.stride(1) != 1 or a.stride(1) != 1 or b.stride(1) != 1 or a.stride(0) != b.stride(0):
         raise ValueError("qkv, a and b need contiguous rows, a and b of one stride")
     out = torch.empty(n, num_value_heads, value_dim, dtype=torch.float32, device=qkv.device)
@@ -196,10 +221,14 @@ def gated_delta_decode(
             out,
             slots,
             has_state,
+            dst,
+            dst_rows,
             slots.stride(0),
             qkv.stride(0),
             a.stride(0),
             state.stride(0),
+            dst_rows.stride(0),
+            dst.stride(0),
             out.stride(0),
             NUM_KEY_HEADS=num_key_heads,
             NUM_VALUE_HEADS=num_value_heads,
