@@ -122,6 +122,10 @@ class TensorParallelRunner:
     def graphs(self) -> CudaGraphRunner | None:
         return self.local.graphs
 
+    def reserve_verification(self, max_rows: int, num_proposals: int) -> int:
+        with self._call("reserve_verification", max_rows, num_proposals):
+            return self.local.reserve_verification(max_rows, num_proposals)
+
     def kv_cache_budget(self, utilization: float, num_tokens: int) -> int:
         """The smallest rank's budget: the pool (the same on every rank) must fit them all."""
         with self._call("kv_cache_budget", utilization, num_tokens):

@@ -155,6 +155,8 @@ class LLMEngine:
                         "refused proposals (paged attention caches and recurrent states can)"
                     )
         self.spec_decode_stats = SpecDecodeStats()
+        # before the KV cache is sized, which leaves this out of its budget
+        self.verification_bytes = self._reserve_verification()
         num_blocks = self._num_kv_blocks()
         self.runner.allocate_kv_cache(num_blocks)
         if device.type == "cuda" and not config.enforce_eager:
@@ -204,6 +206,26 @@ class LLMEngine:
                 (group.num_blocks - 1) * group.spec.block_size,
             )
 
+    def _reserve_verification(self) -> int:
+        """Reserve what verification steps keep beside the caches, for as many verifying rows
+        as may run (proposals stop past ``disable_by_batch_size`` running requests); its bytes."""
+        speculative, max_seqs = self.config.speculative, self.config.max_num_seqs
+        if speculative is None:
+            return 0
+        rows = min(max_seqs, speculative.disable_by_batch_size or max_seqs)
+        return self.runner.reserve_verification(rows, speculative.num_speculative_tokens)
+
+    def _kv_cache_budget(self) -> int:
+        """Bytes for the KV cache: measured on CUDA after a profiled forward (whose peak holds
+        the weights and every reserved buffer), a fixed host budget less the reserved buffers
+        elsewhere."""
+        if self.platform.device.type == "cuda":
+            max_len, max_tokens = self.model_config.max_model_len, self.max_num_batched_tokens
+            return self.runner.kv_cache_budget(
+                self.config.gpu_memory_utilization, min(max_tokens, max_len)
+            )
+        return DEFAULT_HOST_KV_CACHE_BYTES - self.verification_bytes
+
     def _num_kv_blocks(self) -> list[int]:
         """Pool size (null block included) of each cache group: the measured budget split by
         the cache layout (every group fits the same number of max-length sequences), or an
@@ -212,23 +234,13 @@ class LLMEngine:
         max_len, max_tokens = self.model_config.max_model_len, self.max_num_batched_tokens
         if self.config.num_kv_blocks is not None:
             num_blocks = [self.config.num_kv_blocks] * layout.num_groups
-        elif self.platform.device.type == "cuda":
-            budget = self.runner.kv_cache_budget(
-                self.config.gpu_memory_utilization, min(max_tokens, max_len)
-            )
-            num_blocks = layout.split_budget(
-                budget,
-                max_len,
-                max_tokens,
-                max_running=self.config.max_num_seqs,
-                state_checkpoints=self.config.enable_prefix_caching,
-            )
         else:
             num_blocks = layout.split_budget(
-                DEFAULT_HOST_KV_CACHE_BYTES,
+                self._kv_cache_budget(),
                 max_len,
                 max_tokens,
-                self.config.max_num_seqs,
+                # the host budget is a default, not what is free: no more than the sequences use
+                None if self.platform.device.type == "cuda" else self.config.max_num_seqs,
                 max_running=self.config.max_num_seqs,
                 state_checkpoints=self.config.enable_prefix_caching,
             )

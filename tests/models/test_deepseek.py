@@ -11,6 +11,7 @@ import json
 import pytest
 import torch
 import transformers as tf
+from execution.view_replay import replay_views
 
 from heron import LLM, SamplingParams
 from heron.cli import main
@@ -221,6 +222,24 @@ def test_triton_operator_equals_hf(deepseek_v3):
     ]
     params = SamplingParams(temperature=0.0, max_tokens=new, ignore_eos=True)
     assert greedy_tokens(llm, prompts, params) == hf_greedy(hf, prompts, new)
+
+
+def test_verification_through_graph_buffers_equals_hf(deepseek_v3):
+    """Decode and verification steps as their graphs replay them (emulated on the CPU, see
+    ``execution.view_replay``) on the interpreted latent operator, whose decode kernel runs the
+    verification rows (1 + k queries each, padded rows on the null block): HF's tokens."""
+    path, hf, refs = deepseek_v3
+    spec = {"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_max": 2}
+    llm = LLM(str(path), attention_backend="triton", max_model_len=128, speculative_config=spec)
+    graphs = replay_views(llm)
+    new = 6
+    # the prompt ends in the model's own continuation, whose repeats the proposals find
+    continued = PROMPTS[1] + refs[1][:12]
+    params = SamplingParams(temperature=0.0, max_tokens=new, ignore_eos=True)
+    got = greedy_tokens(llm, [PROMPTS[2], continued], params)
+    assert got == [refs[2][:new], *hf_greedy(hf, [continued], new)]
+    assert (2, 3) in graphs.replayed
+    assert llm.spec_decode_stats.num_accepted_tokens > 0
 
 
 @pytest.mark.gpu
