@@ -19,6 +19,7 @@ class LayerKernels:
 
     name: str
     rms_norm: Callable[..., Any] | None = None  # heron.kernels.rmsnorm.rms_norm
+    gated_rms_norm: Callable[..., Any] | None = None  # rmsnorm.gated_rms_norm
     gated_activation: Callable[..., Any] | None = None  # activation.gated_activation
     gemv: Callable[..., Any] | None = None  # gemv.linear_small_m
     gemv_serves: Callable[..., bool] | None = None  # gemv.serves

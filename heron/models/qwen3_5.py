@@ -218,7 +218,7 @@ class GatedDeltaNetMixer(nn.Module):
         self.conv1d = ConvWeights(spec, qkv_rows(whole, first, count))
         self.dt_bias = nn.Parameter(torch.ones(heads), requires_grad=False)
         self.A_log = nn.Parameter(torch.zeros(heads), requires_grad=False)
-        self.norm = GatedRMSNorm(spec.value_dim, config.rms_norm_eps)
+        self.norm = GatedRMSNorm(spec.value_dim, config.rms_norm_eps, runtime.kernels)
         self.out_proj = Linear(
             whole.num_value_heads * whole.value_dim, config.hidden_size, False, runtime.kernels,
             parallel="row",

@@ -70,6 +70,7 @@ def _triton_layer_kernels() -> LayerKernels:
     return LayerKernels(
         "triton",
         rms_norm=rmsnorm.rms_norm,
+        gated_rms_norm=rmsnorm.gated_rms_norm,
         gated_activation=activation.gated_activation,
         gemv=gemv.linear_small_m,
         gemv_serves=gemv.serves,
