@@ -165,6 +165,10 @@ class TopKRouter(Linear):
                 f"{num_experts} experts do not split into {routing.num_groups} equal groups"
             )
         self.routing = routing
+        if routing.fp32_logits:  # kept in fp32 (exact for a 16-bit checkpoint): no cast a step
+            self.weight = nn.Parameter(self.weight.data.float(), requires_grad=False)
+            if self.bias is not None:
+                self.bias = nn.Parameter(self.bias.data.float(), requires_grad=False)
         self.e_score_correction_bias = (
             nn.Parameter(torch.empty(num_experts), requires_grad=False)
             if routing.scoring == "sigmoid"
@@ -173,8 +177,7 @@ class TopKRouter(Linear):
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         if self.routing.fp32_logits:
-            bias = None if self.bias is None else self.bias.float()
-            logits = F.linear(x.float(), self.weight.float(), bias)
+            logits = F.linear(x.float(), self.weight, self.bias)
         else:
             logits = super().forward(x)
         if self.kernels.route_topk is None:
