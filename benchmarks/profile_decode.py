@@ -1,9 +1,11 @@
 """Where a decode step's GPU time goes: torch.profiler over decode steps of the
-Qwen3-0.6B-shaped model of ``gpu_decode.py`` (or the Gemma-3-1B shape of ``gemma_decode.py``),
-per kernel and as a timeline (busy and idle), at batch 1 and 64.
+Qwen3-0.6B-shaped model of ``gpu_decode.py`` (or the Gemma-3-1B, Qwen3.5-0.8B or
+DeepSeek-V2-Lite shape of ``gemma_decode.py``, ``qwen3_5_decode.py``, ``deepseek_decode.py``;
+dummy weights), per kernel and as a timeline (busy and idle), at batch 1 and 64.
 
-    python benchmarks/profile_decode.py [--model gemma3] [--context 4096] [--enforce-eager]
-        [--steps 20] [--phases | --host]
+    python benchmarks/profile_decode.py [--model gemma3|qwen3_5|deepseek] [--context 4096]
+        [--enforce-eager] [--steps 20] [--phases | --host] [--quantization fp8]
+        [--kv-cache-dtype fp8]
 """
 
 from __future__ import annotations
@@ -17,11 +19,29 @@ from torch.profiler import ProfilerActivity, profile
 
 from heron import LLM, SamplingParams
 
+import deepseek_decode
 import gemma_decode
 import gpu_decode
+import qwen3_5_decode
 
 DEVICE_CATEGORIES = ("kernel", "gpu_memcpy", "gpu_memset")
-MODELS = {"qwen3": gpu_decode.build_model, "gemma3": gemma_decode.build_model}
+
+
+def build_deepseek(path: Path, load_format: str) -> None:
+    """The DeepSeek-V2-Lite shape of ``deepseek_decode.py``, as a config only."""
+    import transformers as tf
+
+    family, shape = deepseek_decode.SHAPES["v2-lite"]
+    config = getattr(tf, f"{family}Config")(**shape)
+    gpu_decode.save_config_only(config, f"{family}ForCausalLM", path)
+
+
+MODELS = {
+    "qwen3": gpu_decode.build_model,
+    "gemma3": gemma_decode.build_model,
+    "qwen3_5": qwen3_5_decode.build_model,
+    "deepseek": build_deepseek,
+}
 
 
 def prefill(llm: LLM, name: str, batch: int, context: int) -> list[str]:
@@ -181,12 +201,17 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--phases", action="store_true", help="host phase timings instead")
     parser.add_argument("--host", action="store_true", help="cProfile of the host instead")
+    gpu_decode.add_fp8_args(parser)
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
-        MODELS[args.model](Path(tmp))
+        MODELS[args.model](Path(tmp), "dummy")
         llm = LLM(
             tmp,
+            load_format="dummy",
+            quantization=args.quantization,
+            kv_cache_dtype=args.kv_cache_dtype,
             enforce_eager=args.enforce_eager,
+            cuda_graph_max_bs=max(args.batches),
             # Room for the measured steps after the longest chunked-prefill stagger.
             max_model_len=max(4096, args.context + 4 * args.steps + 256),
         )

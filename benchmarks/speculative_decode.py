@@ -5,7 +5,8 @@
      edit a given text: ms per output token without and with n-gram speculation, mean
      acceptance length, speed-up, and how many outputs are identical (bf16: a verification
      step and a decode step sum in different orders, so outputs may part at near-ties)
-  B  batch 1, a random-weight Qwen3-0.6B shape, forced acceptance (every proposal accepted,
+  B  batch 1, a random-weight model shape (``--shape``: Qwen3-0.6B, Qwen3.5-0.8B's GDN
+     hybrid, DeepSeek-V2-Lite's latent attention), forced acceptance (every proposal accepted,
      whatever it is): ms per output token and per step for k = 1..7 against plain decoding,
      i.e. what verifying k tokens costs, and the host's ms per verification step by phase
      (a verification step is read at once, so its host work does not overlap the device's)
@@ -21,7 +22,7 @@ ms per output token is wall time of the requests' decoding (first token to last)
 output tokens. Prints markdown tables.
 
     python benchmarks/speculative_decode.py [--k 4] [--max-tokens 256] [--enforce-eager]
-        [--disable-by-batch-size N] [--cases PABCD]
+        [--disable-by-batch-size N] [--cases PABCD] [--shape qwen3-0.6b]
 
 "verification steps replayed" counts the verification steps that replayed a graph of ``1 + k``
 tokens per row (the others ran eagerly).
@@ -46,7 +47,20 @@ import heron.execution.model_runner as model_runner
 from heron import LLM, SamplingParams
 from heron.speculative import NgramProposer, SpecDecodeStats
 
+from deepseek_decode import SHAPES as DEEPSEEK_SHAPES
 from gpu_decode import QWEN3_0_6B, save_config_only
+from qwen3_5_decode import QWEN3_5_0_8B
+
+# case B's shapes: (config class, its fields, architecture)
+SHAPES = {
+    "qwen3-0.6b": ("Qwen3Config", QWEN3_0_6B, "Qwen3ForCausalLM"),
+    "qwen3.5-0.8b": ("Qwen3_5TextConfig", QWEN3_5_0_8B, "Qwen3_5ForCausalLM"),
+    "deepseek-v2-lite": (
+        "DeepseekV2Config",
+        DEEPSEEK_SHAPES["v2-lite"][1],
+        "DeepseekV2ForCausalLM",
+    ),
+}
 
 TEXTS = [
     "The heron stood still in the shallow water of the river. It waited for a fish to swim "
@@ -252,10 +266,10 @@ class HostPhases:
         return " | ".join(f"{self.seconds[n] / max(1, self.steps) * 1e3:.3f}" for n in self.NAMES)
 
 
-def random_weight_batch_1(args) -> tuple[list[list[int]], SamplingParams, dict]:
+def random_weight_batch_1(args, vocab_size: int) -> tuple[list[list[int]], SamplingParams, dict]:
     """Cases B and D: one random prompt, greedy to ``--max-tokens``, and the engine options of
     a dummy-weight model at batch 1."""
-    prompt = [np.random.default_rng(0).integers(2, 150000, 128).tolist()]
+    prompt = [np.random.default_rng(0).integers(2, vocab_size, 128).tolist()]
     params = SamplingParams(temperature=0, max_tokens=args.max_tokens, ignore_eos=True)
     options = dict(
         load_format="dummy", max_model_len=1024, max_num_seqs=1, enforce_eager=args.enforce_eager
@@ -266,8 +280,9 @@ def random_weight_batch_1(args) -> tuple[list[list[int]], SamplingParams, dict]:
 def case_b(args) -> None:
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp)
-        save_config_only(tf.Qwen3Config(**QWEN3_0_6B), "Qwen3ForCausalLM", path)
-        prompt, params, options = random_weight_batch_1(args)
+        config_class, fields, architecture = SHAPES[args.shape]
+        save_config_only(getattr(tf, config_class)(**fields), architecture, path)
+        prompt, params, options = random_weight_batch_1(args, fields["vocab_size"])
         llm = LLM(str(path), **options)
         decode(llm, prompt, params, 1)
         plain_ms = decode(llm, prompt, params, 1)[0]
@@ -339,7 +354,7 @@ def case_d(args) -> None:
         save_config_only(tf.Qwen3Config(**QWEN3_0_6B), "Qwen3ForCausalLM", target)
         draft_shape = QWEN3_0_6B | {"num_hidden_layers": 2}
         save_config_only(tf.Qwen3Config(**draft_shape), "Qwen3ForCausalLM", small)
-        prompt, params, options = random_weight_batch_1(args)
+        prompt, params, options = random_weight_batch_1(args, QWEN3_0_6B["vocab_size"])
         runs = (
             ("plain", None, False),
             ("2-layer draft, forced acceptance", small, True),
@@ -384,6 +399,7 @@ def main() -> None:
         help="speculation's disable_by_batch_size in A and C (default: the config's; 0: never)",
     )
     parser.add_argument("--cases", default="PABCD")
+    parser.add_argument("--shape", choices=sorted(SHAPES), default="qwen3-0.6b", help="of B")
     args = parser.parse_args()
     cases = (("P", proposer_cost), ("A", case_a), ("B", case_b), ("C", case_c), ("D", case_d))
     for case, run in cases:

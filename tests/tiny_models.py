@@ -233,3 +233,71 @@ def first_divergence_is_a_near_tie(hf, prompt: list[int], got: list[int], want: 
                 logits = hf(torch.tensor([prompt + want[:i]], device=hf.device)).logits[0, -1]
             return a in logits.topk(5).indices.tolist()
     return True
+
+
+FP8_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+def _per_tensor_fp8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """One scale for the whole matrix, as per-tensor FP8 checkpoints store it."""
+    from heron.layers.fp8 import FP8, FP8_MAX
+
+    scale = w.abs().max().float() / FP8_MAX
+    return (w / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8), scale
+
+
+def write_fp8_checkpoint(
+    src: Path, dst: Path, layout: str, skip: tuple[str, ...] = (), block: tuple[int, int] = (32, 32)
+) -> dict[str, torch.Tensor]:
+    """``src`` re-saved with FP8 projections (but those in ``skip``, which the config lists as
+    ``modules_to_not_convert``), ``layout`` per tensor, per channel or in ``block`` tiles;
+    returns the dequantised weights HF should run."""
+    import json
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    from heron.layers.fp8 import dequantize, quantize
+
+    shutil.copytree(src, dst)
+    tensors = load_file(dst / "model.safetensors")
+    dequantised = {}
+    projections = [p for p in FP8_PROJECTIONS if p not in skip]
+    for name in [n for n in tensors if n.endswith("weight") and n.split(".")[-2] in projections]:
+        w = tensors.pop(name)
+        if layout == "per-tensor":
+            q, scale = _per_tensor_fp8(w)
+            tensors[name + "_scale"] = scale
+            tensors[name.removesuffix("weight") + "input_scale"] = torch.tensor(0.05)
+            dequantised[name] = q.float() * scale
+        elif layout == "per-channel":  # [N, 1], as compressed-tensors stores them
+            q, scale = quantize(w)
+            tensors[name + "_scale"] = scale[:, None]
+            dequantised[name] = dequantize(q, scale)
+        else:
+            q, scale = quantize(w, block)
+            tensors[name + "_scale_inv"] = scale
+            dequantised[name] = dequantize(q, scale, block)
+        tensors[name] = q
+    save_file(tensors, dst / "model.safetensors")
+    config = json.loads((dst / "config.json").read_text())
+    config["quantization_config"] = {
+        "per-tensor": {"quant_method": "fp8", "activation_scheme": "static"},
+        "per-channel": {"quant_method": "fp8", "activation_scheme": "dynamic"},
+        "block-wise": {"quant_method": "fp8", "fmt": "e4m3", "weight_block_size": list(block)},
+    }[layout]
+    if skip:
+        config["quantization_config"]["modules_to_not_convert"] = list(skip)
+    (dst / "config.json").write_text(json.dumps(config))
+    return dequantised
+
+
+def hf_on_weights(src: Path, weights: dict[str, torch.Tensor]):
+    """HF's model of ``src`` with ``weights`` in place of its own."""
+    import transformers as tf
+
+    hf = tf.AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32).eval()
+    state = hf.state_dict()
+    state.update(weights)
+    hf.load_state_dict(state)
+    return hf

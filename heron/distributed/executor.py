@@ -33,7 +33,6 @@ from heron.execution.cuda_graph import CudaGraphRunner
 from heron.execution.model_runner import LaunchedStep, ModelRunner
 from heron.execution.step_plan import StepPlan
 from heron.metadata import StepMetaPlan
-from heron.models.build import check_tensor_parallel
 from heron.platforms import Platform
 
 # How long rank 0 waits for a worker whose collective failed to exit (to name its exit code),
@@ -76,7 +75,6 @@ class TensorParallelRunner:
     after that every call raises the same error."""
 
     def __init__(self, size: int, args: RunnerArgs, platform: Platform) -> None:
-        check_tensor_parallel(args.model_config, size)
         if dist.is_initialized():
             raise ValueError(
                 "this process already belongs to a torch.distributed group (another "
@@ -123,6 +121,10 @@ class TensorParallelRunner:
     @property
     def graphs(self) -> CudaGraphRunner | None:
         return self.local.graphs
+
+    def reserve_verification(self, max_rows: int, num_proposals: int) -> int:
+        with self._call("reserve_verification", max_rows, num_proposals):
+            return self.local.reserve_verification(max_rows, num_proposals)
 
     def kv_cache_budget(self, utilization: float, num_tokens: int) -> int:
         """The smallest rank's budget: the pool (the same on every rank) must fit them all."""

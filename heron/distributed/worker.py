@@ -40,6 +40,9 @@ class Worker:
         self.control = control
         self._unread: LaunchedStep | None = None
 
+    def reserve_verification(self, max_rows: int, num_proposals: int) -> None:
+        self.runner.reserve_verification(max_rows, num_proposals)
+
     def kv_cache_budget(self, utilization: float, num_tokens: int) -> None:
         min_over_ranks(self.runner.kv_cache_budget(utilization, num_tokens), self.control)
 
@@ -63,7 +66,13 @@ class Worker:
             self._unread = step
 
 
-CALLS = ("kv_cache_budget", "allocate_kv_cache", "capture_graphs", "launch")
+CALLS = (
+    "reserve_verification",
+    "kv_cache_budget",
+    "allocate_kv_cache",
+    "capture_graphs",
+    "launch",
+)
 
 
 def run_worker(rv: Rendezvous, device_type: str) -> None:

@@ -170,6 +170,8 @@ class LLMEngine:
             else None
         )
         self.spec_decode_stats = SpecDecodeStats()
+        # before the KV cache is sized, which leaves this out of its budget
+        self.verification_bytes = self._reserve_verification()
         num_blocks, draft_blocks = self._num_kv_blocks()
         self.runner.allocate_kv_cache(num_blocks)
         if self.draft_runner is not None:
@@ -243,11 +245,33 @@ class LLMEngine:
                     (group.num_blocks - 1) * group.spec.block_size,
                 )
 
+    def _reserve_verification(self) -> int:
+        """Reserve what verification steps keep beside the caches, for as many verifying rows
+        as may run (proposals stop past ``disable_by_batch_size`` running requests); its bytes."""
+        speculative, max_seqs = self.config.speculative, self.config.max_num_seqs
+        if speculative is None:
+            return 0
+        rows = min(max_seqs, speculative.disable_by_batch_size or max_seqs)
+        return self.runner.reserve_verification(rows, speculative.num_speculative_tokens)
+
+    def _kv_cache_budget(self) -> int:
+        """Bytes for the KV caches (the target's and a draft model's): measured on CUDA after a
+        profiled forward of each runner (whose peak holds the weights and every reserved
+        buffer; the smaller budget counts), a fixed host budget less the reserved buffers
+        elsewhere."""
+        if self.platform.device.type == "cuda":
+            max_len, max_tokens = self.model_config.max_model_len, self.max_num_batched_tokens
+            return min(
+                runner.kv_cache_budget(self.config.gpu_memory_utilization, min(max_tokens, max_len))
+                for runner in filter(None, (self.runner, self.draft_runner))
+            )
+        return DEFAULT_HOST_KV_CACHE_BYTES - self.verification_bytes
+
     def _num_kv_blocks(self) -> tuple[list[int], list[int] | None]:
         """Pool size (null block included) of each cache group of the target and of the draft
-        model (None without one): the measured budget, split between the two so both hold the
-        same number of max-length sequences, then by each cache layout (every group fits the
-        same number of them); or an explicit ``num_kv_blocks`` for every group."""
+        model (None without one): the budget, split between the two so both hold the same
+        number of max-length sequences, then by each cache layout (every group fits the same
+        number of them); or an explicit ``num_kv_blocks`` for every group."""
         layouts = [self.runner.cache]
         if self.draft_runner is not None:
             layouts.append(self.draft_runner.cache)
@@ -256,14 +280,7 @@ class LLMEngine:
         if self.config.num_kv_blocks is not None:
             sizes = [[self.config.num_kv_blocks] * layout.num_groups for layout in layouts]
         else:
-            budget = DEFAULT_HOST_KV_CACHE_BYTES
-            if on_cuda:
-                budget = min(
-                    runner.kv_cache_budget(
-                        self.config.gpu_memory_utilization, min(max_tokens, max_len)
-                    )
-                    for runner in filter(None, (self.runner, self.draft_runner))
-                )
+            budget = self._kv_cache_budget()
             budgets = [budget]
             if self.draft_runner is not None:
                 budgets = split_kv_budget(budget, *layouts, max_len, max_tokens)
@@ -276,6 +293,7 @@ class LLMEngine:
                     b,
                     max_len,
                     max_tokens,
+                    # the host budget is a default, not what is free: no more than the sequences use
                     None if on_cuda else self.config.max_num_seqs,
                     max_running=self.config.max_num_seqs,
                     state_checkpoints=self.config.enable_prefix_caching,

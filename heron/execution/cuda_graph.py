@@ -19,8 +19,10 @@ from __future__ import annotations
 import bisect
 import logging
 from collections.abc import Sequence
+from dataclasses import replace
 from typing import Any
 
+import numpy as np
 import torch
 from torch import nn
 
@@ -136,7 +138,8 @@ def _dummy_step(
     batch: int, q: int, block_size: int, device: torch.device, group_parts: Sequence[StepParts]
 ) -> SequenceMetadata:
     """A step of ``batch`` requests of ``q`` new tokens each, all on every group's null entry,
-    for capture."""
+    for capture; with ``q > 1`` every row verifies ``q - 1`` proposals, as the steps the graph
+    will replay."""
     num_tokens = batch * q
     width = -(-q // block_size)
     layouts = [parts.layout_of(batch, num_tokens, width) for parts in group_parts]
@@ -146,4 +149,5 @@ def _dummy_step(
     step.positions[:] = list(range(q)) * batch
     step.logits_indices[:] = range(num_tokens)
     step.finish()
-    return SequenceMetadata.from_step_batch(step, device)
+    seq = SequenceMetadata.from_step_batch(step, device)
+    return replace(seq, num_proposed_host=np.full(batch, q - 1)) if q > 1 else seq

@@ -162,6 +162,16 @@ class ModelRunner:
         self.num_blocks = list(num_blocks)
         self.cache.allocate(num_blocks, self.device)
 
+    def reserve_verification(self, max_rows: int, num_proposals: int) -> int:
+        """Reserve what verification steps of up to ``max_rows`` verifying rows of
+        ``num_proposals`` proposals keep beside the caches (each recurrent layer's states after
+        every verified token); returns the bytes, which the KV budget must leave out. Call it
+        before sizing the KV cache: on CUDA the profiled peak then includes them."""
+        return sum(
+            owner.reserve_verification(max_rows, num_proposals, self.device)
+            for owner in self._recurrent_owners
+        )
+
     def kv_cache_budget(self, utilization: float, num_tokens: int) -> int:
         """Bytes this device's KV cache may take (``Platform.kv_cache_budget``), after a
         profiled forward over ``num_tokens`` prompt tokens."""
@@ -344,14 +354,16 @@ class ModelRunner:
         nothing: refused positions are overwritten), and the runner's count of the tokens in
         each refusing row's caches to its accepted ones."""
         rows = {request_id: i for i, request_id in enumerate(plan.request_ids)}
+        # each verifying row's place among the step's verifying rows (in row order)
+        verifying = {r: j for j, r in enumerate(filter(plan.draft_token_ids.get, plan.request_ids))}
         refused, positions = [], []
         for state, accepted in zip(states, output.num_accepted):
             request_id = state.request_id
             num_proposed = len(plan.draft_token_ids.get(request_id, ()))
             if accepted < num_proposed:
-                row = rows[request_id]
-                refused.append(row)
+                refused.append(verifying[request_id])
                 positions.append(accepted)
+                row = rows[request_id]
                 self.inputs.tables.holds(request_id, plan.num_computed[row] + 1 + accepted)
         if refused:
             for owner in self._recurrent_owners:

@@ -19,10 +19,12 @@ class LayerKernels:
 
     name: str
     rms_norm: Callable[..., Any] | None = None  # heron.kernels.rmsnorm.rms_norm
+    gated_rms_norm: Callable[..., Any] | None = None  # rmsnorm.gated_rms_norm
     gated_activation: Callable[..., Any] | None = None  # activation.gated_activation
     gemv: Callable[..., Any] | None = None  # gemv.linear_small_m
     gemv_serves: Callable[..., bool] | None = None  # gemv.serves
     fused_experts: Callable[..., Any] | None = None  # moe.fused_experts
+    route_topk: Callable[..., Any] | None = None  # moe_route.route_topk (a Routing's rule)
     fp8_mm: Callable[..., Any] | None = None  # heron.layers.fp8.scaled_mm (FP8 weights, many rows)
 
 

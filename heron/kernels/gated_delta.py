@@ -6,6 +6,12 @@ gating ``g``/``beta`` from ``a``/``b``, q/k L2 norms, one step of the delta rule
 recurrent state, the output). A row without a saved state starts from zeros whatever its slot
 holds; padded graph rows point at the null slot 0. Numerics follow
 ``heron.ops.linear_attention.reference`` (fp32 state, fp32 maths).
+
+Given ``kept`` (``[rows, q - 1, *state]``), a row has ``q`` tokens (rows ``n * q ...`` of the
+inputs: a verification step's last token and its proposals) run as ``q`` decode steps in one
+program, in the same two launches: the state after each token but the last goes to ``kept[n]``,
+rounded to the state's dtype as a decode step stores it, and the last one to the slot. The
+recurrent state stays in registers between tokens; the conv state is re-read from ``kept``.
 """
 
 from __future__ import annotations
@@ -17,20 +23,24 @@ import triton.language as tl
 
 @triton.jit
 def _conv_update_kernel(
-    x_ptr,  # [N, C]
+    x_ptr,  # [N * Q, C]
     state_ptr,  # [slots, C, W - 1]
     weight_ptr,  # [C, W] (any strides)
-    out_ptr,  # [N, C]
+    out_ptr,  # [N * Q, C]
     slots_ptr,
     has_state_ptr,
+    kept_ptr,  # [rows, Q - 1, C, W - 1] (unused with Q = 1)
     channels,
     stride_slots,
     stride_x,
     stride_state_slot,
     stride_state_c,
+    stride_kept_row,
+    stride_kept_token,
     stride_weight_c,
     stride_weight_w,
     stride_out,
+    QUERY_LEN: tl.constexpr,
     WIDTH: tl.constexpr,
     BLOCK: tl.constexpr,
 ):
@@ -40,20 +50,33 @@ def _conv_update_kernel(
     slot = tl.load(slots_ptr + row * stride_slots).to(tl.int64)
     keep = tl.load(has_state_ptr + row) != 0
     state = state_ptr + slot * stride_state_slot + cols * stride_state_c
-    x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
-    w_last = tl.load(weight_ptr + cols * stride_weight_c + (WIDTH - 1) * stride_weight_w, mask=mask)
-    acc = x * w_last.to(tl.float32)
-    # The state's entries, oldest first; after the step each moves one place towards the
-    # front and x becomes the newest.
-    for i in tl.static_range(WIDTH - 1):
-        s = tl.load(state + i, mask=mask & keep, other=0.0)
-        w = tl.load(weight_ptr + cols * stride_weight_c + i * stride_weight_w, mask=mask)
-        acc += s.to(tl.float32) * w.to(tl.float32)
-        if i > 0:
-            tl.store(state + i - 1, s, mask=mask)
-    tl.store(state + WIDTH - 2, x.to(state_ptr.dtype.element_ty), mask=mask)
-    out = acc / (1.0 + tl.exp(-acc))
-    tl.store(out_ptr + row * stride_out + cols, out.to(out_ptr.dtype.element_ty), mask=mask)
+    kept = kept_ptr + row.to(tl.int64) * stride_kept_row + cols * stride_state_c
+    for t in tl.static_range(QUERY_LEN):
+        # Token t reads what token t - 1 wrote (each lane its own channels, a barrier between).
+        src = state if t == 0 else kept + (t - 1) * stride_kept_token
+        dst = state if t == QUERY_LEN - 1 else kept + t * stride_kept_token
+        if t == 0:
+            load_mask = mask & keep
+        else:
+            load_mask = mask
+            tl.debug_barrier()
+        token = row * QUERY_LEN + t
+        x = tl.load(x_ptr + token * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
+        w_last = tl.load(
+            weight_ptr + cols * stride_weight_c + (WIDTH - 1) * stride_weight_w, mask=mask
+        )
+        acc = x * w_last.to(tl.float32)
+        # The state's entries, oldest first; after the step each moves one place towards the
+        # front and x becomes the newest.
+        for i in tl.static_range(WIDTH - 1):
+            s = tl.load(src + i, mask=load_mask, other=0.0)
+            w = tl.load(weight_ptr + cols * stride_weight_c + i * stride_weight_w, mask=mask)
+            acc += s.to(tl.float32) * w.to(tl.float32)
+            if i > 0:
+                tl.store(dst + i - 1, s, mask=mask)
+        tl.store(dst + WIDTH - 2, x.to(state_ptr.dtype.element_ty), mask=mask)
+        out = acc / (1.0 + tl.exp(-acc))
+        tl.store(out_ptr + token * stride_out + cols, out.to(out_ptr.dtype.element_ty), mask=mask)
 
 
 def causal_conv1d_update(
@@ -62,16 +85,27 @@ def causal_conv1d_update(
     weight: torch.Tensor,
     slots: torch.Tensor,
     has_state: torch.Tensor,
+    kept: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """One token per row: x [N, C] -> SiLU(conv) [N, C]; ``conv_state[slots[n]]`` [C, W - 1]
-    is read (zeros where not ``has_state[n]``) and shifted in place. ``weight``: [C, W];
-    ``slots`` may be strided (a column of the step's tables), ``has_state`` is contiguous."""
-    n, channels = x.shape
+    is read (zeros where not ``has_state[n]``) and shifted in place. With ``kept`` [>= N,
+    q - 1, C, W - 1], ``q`` tokens per row (x [N * q, C]); the states after each but the last
+    go to ``kept``. ``weight``: [C, W]; ``slots`` may be strided (a column of the step's
+    tables), ``has_state`` is contiguous."""
+    channels = x.shape[1]
     width = weight.shape[1]
+    q = 1 if kept is None else 1 + kept.shape[1]
+    n = x.shape[0] // q
     if conv_state.shape[1:] != (channels, width - 1) or conv_state.stride(2) != 1:
         raise ValueError(f"conv_state {tuple(conv_state.shape)} does not fit x and weight")
-    if x.stride(1) != 1:
-        raise ValueError("x's rows must be contiguous")
+    if kept is not None and (
+        kept.shape[0] < n
+        or kept.shape[2:] != conv_state.shape[1:]
+        or kept.stride()[2:] != conv_state.stride()[1:]
+    ):
+        raise ValueError(f"kept {tuple(kept.shape)} does not fit {n} rows of conv_state's")
+    if x.stride(1) != 1 or n * q != x.shape[0]:
+        raise ValueError(f"x's rows must be contiguous, {q} per row")
     out = torch.empty_like(x)
     if n:
         block = min(256, triton.next_power_of_2(channels))
@@ -82,14 +116,18 @@ def causal_conv1d_update(
             out,
             slots,
             has_state,
+            conv_state if kept is None else kept,
             channels,
             slots.stride(0),
             x.stride(0),
             conv_state.stride(0),
             conv_state.stride(1),
+            0 if kept is None else kept.stride(0),
+            0 if kept is None else kept.stride(1),
             weight.stride(0),
             weight.stride(1),
             out.stride(0),
+            QUERY_LEN=q,
             WIDTH=width,
             BLOCK=block,
         )
@@ -98,20 +136,24 @@ def causal_conv1d_update(
 
 @triton.jit
 def _gated_delta_decode_kernel(
-    qkv_ptr,  # [N, conv_dim]: q (Hk * K) | k (Hk * K) | v (Hv * V)
-    a_ptr,  # [N, Hv]
-    b_ptr,  # [N, Hv]
+    qkv_ptr,  # [N * Q, conv_dim]: q (Hk * K) | k (Hk * K) | v (Hv * V)
+    a_ptr,  # [N * Q, Hv]
+    b_ptr,  # [N * Q, Hv]
     a_log_ptr,  # [Hv]
     dt_bias_ptr,  # [Hv]
     state_ptr,  # [slots, Hv, K, V]
-    out_ptr,  # [N, Hv, V]
+    out_ptr,  # [N * Q, Hv, V]
     slots_ptr,
     has_state_ptr,
+    kept_ptr,  # [rows, Q - 1, Hv, K, V] (unused with Q = 1)
     stride_slots,
     stride_qkv,
     stride_ab,
     stride_state_slot,
+    stride_kept_row,
+    stride_kept_token,
     stride_out,
+    QUERY_LEN: tl.constexpr,
     NUM_KEY_HEADS: tl.constexpr,
     NUM_VALUE_HEADS: tl.constexpr,
     KEY_DIM: tl.constexpr,
@@ -125,38 +167,45 @@ def _gated_delta_decode_kernel(
     ks = tl.arange(0, BLOCK_K)
     vs = tl.program_id(2) * BLOCK_V + tl.arange(0, BLOCK_V)
     k_mask, v_mask = ks < KEY_DIM, vs < VALUE_DIM
-    qkv = qkv_ptr + row * stride_qkv
-    q = tl.load(qkv + key_head * KEY_DIM + ks, mask=k_mask, other=0.0).to(tl.float32)
-    k = tl.load(qkv + (NUM_KEY_HEADS + key_head) * KEY_DIM + ks, mask=k_mask, other=0.0)
-    k = k.to(tl.float32)
-    v_offset = 2 * NUM_KEY_HEADS * KEY_DIM + head * VALUE_DIM
-    v = tl.load(qkv + v_offset + vs, mask=v_mask, other=0.0).to(tl.float32)
-    # L2 norms (fla's form), q scaled by key_dim ** -0.5.
-    q = q * tl.rsqrt(tl.sum(q * q) + 1e-6) * (KEY_DIM**-0.5)
-    k = k * tl.rsqrt(tl.sum(k * k) + 1e-6)
-    a = tl.load(a_ptr + row * stride_ab + head).to(tl.float32)
-    b = tl.load(b_ptr + row * stride_ab + head).to(tl.float32)
-    dt = a + tl.load(dt_bias_ptr + head).to(tl.float32)
-    softplus = tl.where(dt > 20.0, dt, tl.log(1.0 + tl.exp(tl.minimum(dt, 20.0))))
-    decay = tl.exp(-tl.exp(tl.load(a_log_ptr + head).to(tl.float32)) * softplus)
-    beta = tl.sigmoid(b)
+    a_log = tl.load(a_log_ptr + head).to(tl.float32)
+    dt_bias = tl.load(dt_bias_ptr + head).to(tl.float32)
 
     slot = tl.load(slots_ptr + row * stride_slots).to(tl.int64)
     keep = tl.load(has_state_ptr + row) != 0
-    tile = (
-        state_ptr
-        + slot * stride_state_slot
-        + head * KEY_DIM * VALUE_DIM
-        + ks[:, None] * VALUE_DIM
-        + vs[None, :]
-    )
+    within = head * KEY_DIM * VALUE_DIM + ks[:, None] * VALUE_DIM + vs[None, :]
     mask = k_mask[:, None] & v_mask[None, :]
-    s = tl.load(tile, mask=mask & keep, other=0.0).to(tl.float32) * decay
-    delta = (v - tl.sum(s * k[:, None], axis=0)) * beta
-    s += k[:, None] * delta[None, :]
-    out = tl.sum(s * q[:, None], axis=0)
-    tl.store(tile, s.to(state_ptr.dtype.element_ty), mask=mask)
-    tl.store(out_ptr + row * stride_out + head * VALUE_DIM + vs, out, mask=v_mask)
+    tile = state_ptr + slot * stride_state_slot + within
+    s = tl.load(tile, mask=mask & keep, other=0.0).to(tl.float32)
+    for t in tl.static_range(QUERY_LEN):
+        token = row * QUERY_LEN + t
+        qkv = qkv_ptr + token * stride_qkv
+        q = tl.load(qkv + key_head * KEY_DIM + ks, mask=k_mask, other=0.0).to(tl.float32)
+        k = tl.load(qkv + (NUM_KEY_HEADS + key_head) * KEY_DIM + ks, mask=k_mask, other=0.0)
+        k = k.to(tl.float32)
+        v_offset = 2 * NUM_KEY_HEADS * KEY_DIM + head * VALUE_DIM
+        v = tl.load(qkv + v_offset + vs, mask=v_mask, other=0.0).to(tl.float32)
+        # L2 norms (fla's form), q scaled by key_dim ** -0.5.
+        q = q * tl.rsqrt(tl.sum(q * q) + 1e-6) * (KEY_DIM**-0.5)
+        k = k * tl.rsqrt(tl.sum(k * k) + 1e-6)
+        a = tl.load(a_ptr + token * stride_ab + head).to(tl.float32)
+        b = tl.load(b_ptr + token * stride_ab + head).to(tl.float32)
+        dt = a + dt_bias
+        softplus = tl.where(dt > 20.0, dt, tl.log(1.0 + tl.exp(tl.minimum(dt, 20.0))))
+        decay = tl.exp(-tl.exp(a_log) * softplus)
+        beta = tl.sigmoid(b)
+        s = s * decay
+        delta = (v - tl.sum(s * k[:, None], axis=0)) * beta
+        s += k[:, None] * delta[None, :]
+        out = tl.sum(s * q[:, None], axis=0)
+        # stored (and carried on) at the state's precision, as decode steps one by one would
+        s = s.to(state_ptr.dtype.element_ty)
+        if t == QUERY_LEN - 1:
+            tl.store(tile, s, mask=mask)
+        else:
+            kept = kept_ptr + row.to(tl.int64) * stride_kept_row + t * stride_kept_token
+            tl.store(kept + within, s, mask=mask)
+        s = s.to(tl.float32)
+        tl.store(out_ptr + token * stride_out + head * VALUE_DIM + vs, out, mask=v_mask)
 
 
 def gated_delta_decode(
@@ -169,21 +218,25 @@ def gated_delta_decode(
     slots: torch.Tensor,
     has_state: torch.Tensor,
     num_key_heads: int,
+    kept: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """One delta-rule step per row on ``state[slots[n]]`` [Hv, K, V] in place (zeros where
     not ``has_state[n]``); qkv: the convolved ``[q|k|v]`` [N, conv_dim]; a, b: [N, Hv].
-    Returns [N, Hv, V] in fp32."""
-    n = qkv.shape[0]
+    With ``kept`` [>= N, q - 1, Hv, K, V], ``q`` tokens per row (qkv, a, b of N * q rows); the
+    states after each but the last go to ``kept``. Returns [N * q, Hv, V] in fp32."""
     _, num_value_heads, key_dim, value_dim = state.shape
-    if (
-        state.stride(3) != 1
-        or state.stride(2) != value_dim
-        or state.stride(1) != key_dim * value_dim
-    ):
+    q = 1 if kept is None else 1 + kept.shape[1]
+    n = qkv.shape[0] // q
+    contiguous = (key_dim * value_dim, value_dim, 1)
+    if state.stride()[1:] != contiguous or (kept is not None and kept.stride()[2:] != contiguous):
         raise ValueError("each slot's state must be contiguous")
+    if kept is not None and (kept.shape[0] < n or kept.shape[2:] != state.shape[1:]):
+        raise ValueError(f"kept {tuple(kept.shape)} does not fit {n} rows of state's")
+    if n * q != qkv.shape[0]:
+        raise ValueError(f"qkv must have {q} rows per row of slots")
     if qkv.stride(1) != 1 or a.stride(1) != 1 or b.stride(1) != 1 or a.stride(0) != b.stride(0):
         raise ValueError("qkv, a and b need contiguous rows, a and b of one stride")
-    out = torch.empty(n, num_value_heads, value_dim, dtype=torch.float32, device=qkv.device)
+    out = torch.empty(n * q, num_value_heads, value_dim, dtype=torch.float32, device=qkv.device)
     if n:
         block_v = min(32, triton.next_power_of_2(value_dim))
         _gated_delta_decode_kernel[(n, num_value_heads, triton.cdiv(value_dim, block_v))](
@@ -196,11 +249,15 @@ def gated_delta_decode(
             out,
             slots,
             has_state,
+            state if kept is None else kept,
             slots.stride(0),
             qkv.stride(0),
             a.stride(0),
             state.stride(0),
+            0 if kept is None else kept.stride(0),
+            0 if kept is None else kept.stride(1),
             out.stride(0),
+            QUERY_LEN=q,
             NUM_KEY_HEADS=num_key_heads,
             NUM_VALUE_HEADS=num_value_heads,
             KEY_DIM=key_dim,

@@ -20,6 +20,7 @@ import torch
 import triton
 import triton.language as tl
 
+from heron.kernels.fp8_quant import to_e4m3
 from heron.kernels.pdl import pdl_launch, start_next_kernel, wait_for_previous_kernel
 from heron.kernels.rmsnorm import rms_inv, rms_scale
 
@@ -63,8 +64,8 @@ def _store_kv(
     mask = mask & (slot >= 0)
     dtype = cache_ptr.dtype.element_ty
     if dtype == tl.float8e4nv:
-        k = tl.clamp(k.to(tl.float32) / k_scale, -_FP8_MAX, _FP8_MAX)
-        v = tl.clamp(v.to(tl.float32) / v_scale, -_FP8_MAX, _FP8_MAX)
+        k = to_e4m3(tl.clamp(k.to(tl.float32) / k_scale, -_FP8_MAX, _FP8_MAX), dtype)
+        v = to_e4m3(tl.clamp(v.to(tl.float32) / v_scale, -_FP8_MAX, _FP8_MAX), dtype)
     tl.store(cache_ptr + base, k.to(dtype), mask=mask)
     tl.store(cache_ptr + stride_c_kv + base, v.to(dtype), mask=mask)
 

@@ -1,16 +1,23 @@
-"""Latent attention (MLA) decode over a paged latent cache: one query token per request,
-every query head against one shared latent "KV head", split-KV with a second-pass merge.
+"""Latent attention (MLA) decode over a paged latent cache: ``query_len`` query tokens per
+request (1 in plain decode, ``1 + k`` when ``k`` proposals are verified), every query head
+against one shared latent "KV head", split-KV with a second-pass merge.
+
+A request's ``query_len`` tokens are its last ones; each runs as a decode query that sees one
+key more than the token before it (causal within the block), through the request's block table
+and split plan. Verification thus keeps decode's split-KV parallelism at small batches,
+and a graph of ``(rows, query_len)`` needs nothing from the host.
 
 Layout contract (all tensors on one device):
 
-* ``q``: ``[B, H, L + R]``, the absorbed query (latent part ``L = kv_lora_rank``, rotary part
-  ``R``), last dim contiguous; ``out``: ``[B, H, L]``.
+* ``q``: ``[B * query_len, H, L + R]``, the absorbed query (latent part ``L = kv_lora_rank``,
+  rotary part ``R``), request ``r``'s tokens in rows ``r * query_len ...``, last dim contiguous;
+  ``out``: ``[B * query_len, H, L]``.
 * ``cache``: ``[num_blocks, block_size, L + R]``: per token the latent (also the value) and the
   roped shared key; block 0 is the null block that padded rows point at.
 * ``block_tables``: int32 ``[B, width]``; position ``p`` of request ``r`` lives in block
   ``block_tables[r, p // block_size]`` at offset ``p % block_size``.
-* ``kv_lens``: int32 ``[B]``, tokens in the cache including this step's; 0 marks a padded row
-  (zeros out).
+* ``kv_lens``: int32 ``[B]``, tokens in the cache including this step's (token ``i`` of a
+  request sees ``kv_len - query_len + 1 + i`` keys); 0 marks a padded row (zeros out).
 * The split plan (:class:`MLADecodePlan`): per request its number of splits (at most the
   launch's ``max_splits``) and the keys per split, computed on the device from ``kv_lens`` by
   :func:`plan_mla_decode`. Split programs beyond a request's count return at once; a split's
@@ -191,6 +198,7 @@ def _mla_split_kernel(
     stride_ps,
     stride_lb,
     stride_lh,
+    query_len,
     LORA: tl.constexpr,
     ROPE: tl.constexpr,
     BLOCK_L: tl.constexpr,
@@ -201,13 +209,15 @@ def _mla_split_kernel(
     MAX_SPLITS: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
-    b = tl.program_id(0)
+    b = tl.program_id(0)  # the query token's row
+    r = b // query_len  # its request
     heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     split = tl.program_id(2)
-    if split >= tl.load(num_splits_ptr + b):
+    if split >= tl.load(num_splits_ptr + r):
         return
-    kv_len = tl.load(kv_lens_ptr + b)
-    split_len = tl.load(split_len_ptr + b)
+    # Causal within the request's block: earlier tokens see fewer keys (a padded row none).
+    kv_len = tl.load(kv_lens_ptr + r) - (query_len - 1 - b % query_len)
+    split_len = tl.load(split_len_ptr + r)
     start = split * split_len
     end = tl.minimum(start + split_len, kv_len)
     head_mask = heads < num_heads
@@ -220,7 +230,7 @@ def _mla_split_kernel(
     l_i = tl.zeros([BLOCK_H], tl.float32)
     acc = tl.zeros([BLOCK_H, BLOCK_L], tl.float32)
     offs_n = tl.arange(0, BLOCK_N)
-    table_row = block_tables_ptr + b * stride_bt
+    table_row = block_tables_ptr + r * stride_bt
     for n0 in range(start, end, BLOCK_N):
         pos = n0 + offs_n
         valid = pos < end
@@ -256,13 +266,14 @@ def _mla_merge_kernel(
     stride_ps,
     stride_lb,
     stride_lh,
+    query_len,
     LORA: tl.constexpr,
     BLOCK_L: tl.constexpr,
     BLOCK_S: tl.constexpr,
 ):
     b = tl.program_id(0)
     h = tl.program_id(1)
-    num_splits = tl.load(num_splits_ptr + b)
+    num_splits = tl.load(num_splits_ptr + b // query_len)
     offs_l = tl.arange(0, BLOCK_L)
     l_mask = offs_l < LORA
     # Splits in chunks of BLOCK_S, with a running maximum (the partials' online softmax).
@@ -320,16 +331,20 @@ def mla_decode_attention(
     out: torch.Tensor,
     partial_out: torch.Tensor | None = None,
     partial_lse: torch.Tensor | None = None,
+    query_len: int = 1,
 ) -> torch.Tensor:
-    """Decode attention of ``q`` over the latent cache; writes and returns ``out``.
+    """Decode attention of ``q`` (``query_len`` tokens per request) over the latent cache;
+    writes and returns ``out``.
 
     ``max_splits`` is the launch's grid depth (fixed per graph batch); with more than one the
-    splits go to ``partial_out`` fp32 ``[B, H, max_splits, L]`` and ``partial_lse`` fp32
-    ``[B, H, max_splits]`` and a second launch merges them. The plan must have been written
-    (:func:`plan_mla_decode`) for these ``kv_lens`` and ``max_splits``.
+    splits go to ``partial_out`` fp32 ``[B * query_len, H, max_splits, L]`` and
+    ``partial_lse`` fp32 ``[B * query_len, H, max_splits]`` and a second launch merges them.
+    The plan must have been written (:func:`plan_mla_decode`) for these ``kv_lens`` (one per
+    request) and ``max_splits``.
     """
-    batch, num_heads, _ = q.shape
+    batch, num_heads, _ = q.shape  # query tokens
     layout = latent_layout(q, cache, out)
+    assert batch == kv_lens.shape[0] * query_len, "query_len tokens per request"
     if batch == 0:
         return out
     if max_splits > 1:
@@ -363,6 +378,7 @@ def mla_decode_attention(
         part_out.stride(2) if max_splits > 1 else 0,
         part_lse.stride(0),
         part_lse.stride(1),
+        query_len,
         BLOCK_H=LAUNCH.block_h,
         BLOCK_N=LAUNCH.block_n,
         MAX_SPLITS=max_splits,
@@ -383,6 +399,7 @@ def mla_decode_attention(
             partial_out.stride(2),
             partial_lse.stride(0),
             partial_lse.stride(1),
+            query_len,
             LORA=kv_lora_rank,
             BLOCK_L=layout["BLOCK_L"],
             BLOCK_S=min(_MERGE_CHUNK, triton.next_power_of_2(max_splits)),

@@ -13,11 +13,11 @@ choose what differs between them:
 Every step runs on the GPU with shapes that depend only on the token count, never on the
 routing, so there is no host sync and the whole call can be captured in a CUDA graph.
 
-1. ``align_by_expert`` (plain torch ops) sorts the ``T * k`` (token, slot) pairs by expert and
-   lays them out in row blocks of ``BLOCK_M``, each expert's rows padded to a whole number of
-   blocks, so that every block belongs to one expert. Padding rows hold the sentinel ``T * k``.
-   The buffers are sized for the worst case, ``T * k + min(E, T * k) * (BLOCK_M - 1)`` rows; the
-   number of blocks actually used stays on the device.
+1. ``align_by_expert`` (``heron.kernels.moe_align``) sorts the ``T * k`` (token, slot) pairs
+   by expert and lays them out in row blocks of ``BLOCK_M``, each expert's rows padded to a
+   whole number of blocks, so that every block belongs to one expert. Padding rows hold the
+   sentinel ``T * k``. The buffers are sized for the worst case, ``T * k + min(E, T * k) *
+   (BLOCK_M - 1)`` rows; the number of blocks actually used stays on the device.
 2. ``_gate_up_kernel``: one program per (row block, column tile). It gathers the block's token
    rows of ``x``, multiplies them by its expert's gate/up weights and applies the activation in
    the epilogue: a tile of ``BLOCK_N`` accumulator columns holds ``BLOCK_N / 2`` (gate, up)
@@ -37,6 +37,7 @@ import torch
 import triton
 import triton.language as tl
 
+from heron.kernels.moe_align import align_by_expert
 from heron.kernels.pdl import pdl_launch, wait_for_previous_kernel
 
 ACTIVATIONS = ("swiglu", "clamped_swiglu")
@@ -232,45 +233,6 @@ def _down_kernel(
 
     out_ptrs = out_ptr + tl.cast(pairs, tl.int64)[:, None] * hidden + offs_n[None, :]
     tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=valid[:, None] & n_mask[None, :])
-
-
-def align_by_expert(
-    indices: torch.Tensor, num_experts: int, block_m: int
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The (token, slot) pairs of ``indices`` [T, k] sorted by expert into row blocks.
-
-    Returns ``sorted_ids`` [max_rows] (int32: the flat pair index ``token * k + slot``, or the
-    sentinel ``T * k`` on padding rows), ``block_expert`` [max_rows / block_m] (int32: each
-    block's expert) and ``num_blocks`` [1] (int32: how many blocks are used; the later ones are
-    garbage). Only torch ops without a host sync, with shapes fixed by ``T``, ``k`` and ``E``.
-    """
-    flat = indices.flatten().to(torch.int64)
-    num_pairs = flat.numel()
-    device = flat.device
-    max_rows = num_pairs + min(num_experts, num_pairs) * (block_m - 1)
-    max_rows = triton.cdiv(max_rows, block_m) * block_m
-
-    # Pairs per expert (scatter_add, not bincount: bincount reads the maximum on the host).
-    counts = torch.zeros(num_experts, dtype=torch.int64, device=device)
-    counts.scatter_add_(0, flat, torch.ones_like(flat))
-    padded = (counts + block_m - 1) // block_m * block_m
-    padded_end = torch.cumsum(padded, 0)
-
-    # A stable sort keeps each expert's pairs in token order; a pair's rank among its expert's
-    # pairs is its sorted position less the number of pairs of the experts before.
-    order = torch.argsort(flat, stable=True)
-    experts = flat[order]
-    rank = torch.arange(num_pairs, device=device) - (torch.cumsum(counts, 0) - counts)[experts]
-    dest = (padded_end - padded)[experts] + rank
-    sorted_ids = torch.full((max_rows,), num_pairs, dtype=torch.int32, device=device)
-    sorted_ids.scatter_(0, dest, order.to(torch.int32))
-
-    # Block b starts at row b * block_m; its expert is the number of experts that end by then.
-    starts = torch.arange(0, max_rows, block_m, device=device)
-    block_expert = torch.searchsorted(padded_end, starts, right=True, out_int32=True)
-    block_expert.clamp_(max=num_experts - 1)  # blocks past the used ones: any valid expert
-    num_blocks = (padded_end[-1:] // block_m).to(torch.int32)
-    return sorted_ids, block_expert, num_blocks
 
 
 def default_blocks(num_pairs: int, num_experts: int) -> tuple[int, int, int]:

@@ -1,4 +1,5 @@
-"""RMSNorm in Triton, optionally fused with the residual add and a post-norm before it.
+"""RMSNorm in Triton, optionally fused with the residual add and a post-norm before it; and
+the gated RMSNorm of linear attention (a norm per head times ``silu(gate)``).
 
 Numerics follow ``heron.layers.norm`` step by step (statistics in fp32, the same intermediate
 roundings to the activation dtype), so on the GPU the kernel agrees with it up to the order of
@@ -167,3 +168,85 @@ def rms_norm(
             **pdl_launch(x.device),
         )
     return out if residual is None else (out, residual)
+
+
+@triton.jit
+def _gated_rms_norm_kernel(
+    x_ptr,
+    gate_ptr,
+    w_ptr,
+    out_ptr,
+    n_rows,
+    heads,
+    n_cols,
+    stride_x_t,
+    stride_x_h,
+    stride_g_t,
+    stride_g_h,
+    eps,
+    ROWS: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    USE_PDL: tl.constexpr,
+):
+    wait_for_previous_kernel(USE_PDL)
+    rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
+    cols = tl.arange(0, BLOCK_N)
+    token, head = tl.cast(rows // heads, tl.int64), rows % heads
+    mask = (rows[:, None] < n_rows) & (cols[None, :] < n_cols)
+    x = tl.load(
+        x_ptr + (token * stride_x_t + head * stride_x_h)[:, None] + cols[None, :],
+        mask=mask,
+        other=0.0,
+    )
+    g = tl.load(
+        gate_ptr + (token * stride_g_t + head * stride_g_h)[:, None] + cols[None, :],
+        mask=mask,
+        other=0.0,
+    ).to(tl.float32)
+    dtype = x_ptr.dtype.element_ty
+    xf = x.to(tl.float32)
+    w = tl.load(w_ptr + cols, mask=cols < n_cols, other=0.0).to(tl.float32)
+    # The weighted norm is rounded to x's dtype (PyTorch multiplies two such tensors), then
+    # scaled by silu(gate) in fp32.
+    normed = rms_scale(xf, rms_inv(xf, n_cols, eps), w, dtype, False).to(dtype).to(tl.float32)
+    out = normed * (g * tl.sigmoid(g))
+    rows64 = tl.cast(rows, tl.int64)[:, None]
+    tl.store(out_ptr + rows64 * n_cols + cols[None, :], out.to(dtype), mask=mask)
+
+
+def gated_rms_norm(
+    x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float
+) -> torch.Tensor:
+    """HF's ``RMSNormGated`` (``heron.layers.norm.GatedRMSNorm``) of ``x`` [T, H, D] per head,
+    times ``silu(gate)`` [T, H, D]; both may be strided over tokens and heads (unit last
+    stride). Returns a contiguous [T, H, D] in ``x``'s dtype."""
+    if x.dim() != 3 or gate.shape != x.shape or x.stride(2) != 1 or gate.stride(2) != 1:
+        raise ValueError(
+            f"gated_rms_norm: x {tuple(x.shape)} and gate {tuple(gate.shape)} must be [T, H, D] "
+            "with a unit last stride"
+        )
+    tokens, heads, n_cols = x.shape
+    out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    n_rows = tokens * heads
+    if n_rows > 0:
+        block_n = triton.next_power_of_2(n_cols)
+        rows = min(triton.next_power_of_2(n_rows), max(1, 2048 // block_n))
+        _gated_rms_norm_kernel[(triton.cdiv(n_rows, rows),)](
+            x,
+            gate,
+            weight,
+            out,
+            n_rows,
+            heads,
+            n_cols,
+            x.stride(0),
+            x.stride(1),
+            gate.stride(0),
+            gate.stride(1),
+            eps,
+            ROWS=rows,
+            BLOCK_N=block_n,
+            num_warps=min(16, max(1, rows * block_n // 512)),
+            **pdl_launch(x.device),
+        )
+    return out

@@ -98,7 +98,8 @@ def quantize(
         amax = w.abs().amax(dim=1)
     else:
         amax = _tiles(w, block).abs().amax(dim=(1, 3))
-    scale = torch.where(amax > 0, amax / FP8_MAX, torch.ones_like(amax))
+    # Times the fp32 reciprocal: CUDA divides by a scalar so, the CPU would not.
+    scale = torch.where(amax > 0, amax * (1 / FP8_MAX), torch.ones_like(amax))
     return to_fp8(w / _expand(scale, block, w.shape)), scale
 
 

@@ -1,13 +1,16 @@
 """Linear layers whose checkpoint shards are packed into one matrix at load time, and their
 tensor-parallel forms.
 
-``PackedLinear(parallel="column")`` gives each rank a slice of the output features (each
-shard by its own heads); ``Linear(parallel="row")`` a slice of the input features, and the
-output is the all-reduced sum of the ranks' partial products (the bias is added once, by rank
-0's copy). Both only take effect inside a tensor-parallel build scope of more than one rank.
+``Linear(parallel="column")`` gives each rank a run of the output features (in units of
+``unit_rows``: a head), ``PackedLinear(parallel="column")`` a run of each shard's (each by its
+own heads); ``Linear(parallel="row")`` a slice of the input features, and the output is the
+all-reduced sum of the ranks' partial products (the bias is added once, by rank 0's copy).
+They only take effect inside a tensor-parallel build scope of more than one rank.
 """
 
 from __future__ import annotations
+
+import math
 
 import torch
 import torch.nn.functional as F
@@ -33,22 +36,35 @@ class Linear(nn.Module):
         bias: bool = False,
         kernels: LayerKernels = TORCH_KERNELS,
         parallel: str | None = None,
+        unit_rows: int = 1,
+        reduce_output: bool = True,
     ) -> None:
         super().__init__()
-        if parallel not in (None, "row"):
-            raise ValueError(f"a linear layer is row-parallel or not, got parallel={parallel!r}")
+        if parallel not in (None, "row", "column"):
+            raise ValueError(
+                f"a linear layer is row-, column-parallel or not, got parallel={parallel!r}"
+            )
         tp = current_tensor_parallel()
         self.tp = tp
         self.parallel = parallel if tp.size > 1 else None
+        self.reduce_output = reduce_output  # row-parallel: False leaves the sum to the caller
         self.col_start = 0  # this rank's first input feature (column of the checkpoint's matrix)
+        self.row_start = 0  # and output feature (row)
         if self.parallel == "row":
             self.col_start, in_features = tp.part(in_features, "the input features")
+        elif self.parallel == "column":
+            what = f"the output features' {unit_rows}-row units"
+            first, count = tp.part(out_features // unit_rows, what)
+            self.row_start, out_features = first * unit_rows, count * unit_rows
         self.in_features, self.out_features = in_features, out_features
         self.weight = nn.Parameter(torch.empty(out_features, in_features), requires_grad=False)
         self.bias = nn.Parameter(torch.empty(out_features), requires_grad=False) if bias else None
         self.kernels = kernels
         self.register_parameter("weight_scale", None)
         self.weight_block: tuple[int, int] | None = None
+        # An operator reads the weight as a matrix (MLA's kv_b_proj): under an FP8 scheme it
+        # stays in full precision, dequantised after loading from an FP8 checkpoint.
+        self.keep_dense = False
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.weight_scale is not None:
@@ -57,11 +73,12 @@ class Linear(nn.Module):
             )
         else:
             y = linear(x, self.weight, self.bias, self.kernels)
-        return self.tp.all_reduce(y) if self.parallel == "row" else y
+        return self._reduced(y)
 
     def _reduced(self, y: torch.Tensor) -> torch.Tensor:
-        """The layer's output from this rank's product: summed over the ranks when row-parallel."""
-        return self.tp.all_reduce(y) if self.parallel == "row" else y
+        """The layer's output from this rank's product: summed over the ranks when row-parallel
+        (unless its caller sums it, with more)."""
+        return self.tp.all_reduce(y) if self.parallel == "row" and self.reduce_output else y
 
     def hold_fp8(self, block: tuple[int, int] | None) -> None:
         """Empty FP8 weight and scales for a checkpoint to fill: per channel (``block`` None;
@@ -71,6 +88,12 @@ class Linear(nn.Module):
         self.weight = _frozen(torch.empty(n, k, dtype=FP8, device=self.weight.device))
         self.weight_scale = _frozen(torch.empty(rows, device=self.weight.device))
         self.weight_block = block
+
+    def dequantize_fp8(self, dtype: torch.dtype) -> None:
+        """Replace the loaded FP8 weight and scales by the full-precision weight they stand for."""
+        w = dequantize(self.weight.data, self.weight_scale.data, self.weight_block)
+        self.weight, self.weight_block = _frozen(w.to(dtype)), None
+        self.register_parameter("weight_scale", None)
 
     def quantize_fp8(self, block: tuple[int, int] | None = None) -> None:
         """Replace the loaded full-precision weight by its FP8 quantisation."""
@@ -106,11 +129,43 @@ class Linear(nn.Module):
             return self._reduced(self._gemv(x, gated_out=fused))
         return act(self(x))
 
-    def checkpoint_part(self, name: str, loaded: torch.Tensor, shard: str | None) -> torch.Tensor:
+    def checkpoint_part(
+        self, name: str, loaded: torch.Tensor, shard: str | None
+    ) -> torch.Tensor | tuple[torch.Tensor, ...]:
         """The part of checkpoint tensor ``loaded`` (for parameter ``name``) this rank holds;
-        only narrowed, so a lazily read checkpoint tensor reads just that part."""
-        if self.parallel == "row" and name == "weight":
-            return loaded.narrow(1, self.col_start, self.in_features)
+        only narrowed, so a lazily read checkpoint tensor reads just that part (runs of rows
+        that do not join up come as a tuple)."""
+        if self.parallel == "row":
+            return self._part(name, loaded, None, (self.col_start, self.in_features))
+        if self.parallel == "column":
+            return self._part(name, loaded, ((self.row_start, self.out_features),), None)
+        return loaded
+
+    def _part(
+        self,
+        name: str,
+        loaded: torch.Tensor,
+        rows: Runs | None,
+        cols: tuple[int, int] | None,
+    ) -> torch.Tensor | tuple[torch.Tensor, ...]:
+        """The output ``rows`` (runs) and input ``cols`` of the weight that this rank holds, of
+        ``loaded`` (the weight, bias or FP8 scales: a per-tensor scale whole, per-channel
+        scales by rows, block scales by the blocks of those rows and columns, each whole)."""
+        if name == "weight_scale":
+            if math.prod(loaded.shape) == 1 or (rows is None and self.weight_block is None):
+                return loaded
+            bn, bk = self.weight_block or (1, 1)
+            if cols is not None:
+                start, size = _whole_blocks(cols, bk, "input columns")
+                loaded = loaded.narrow(1, start, size)
+            if rows is not None:
+                blocks = tuple(_whole_blocks(run, bn, "output rows") for run in rows)
+                return rows_of(loaded, blocks)
+            return loaded
+        if cols is not None and name == "weight":
+            loaded = loaded.narrow(1, *cols)
+        if rows is not None and name in ("weight", "bias"):
+            return rows_of(loaded, rows)
         return loaded
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard: str | None) -> None:
@@ -178,15 +233,50 @@ class PackedLinear(Linear):
             self.shard_offsets[name] = (start, size)
             start += size
 
-    def checkpoint_part(self, name: str, loaded: torch.Tensor, shard: str | None) -> torch.Tensor:
+    def checkpoint_part(
+        self, name: str, loaded: torch.Tensor, shard: str | None
+    ) -> torch.Tensor | tuple[torch.Tensor, ...]:
         if self.parallel is None or shard not in self.shard_offsets:
             return loaded
-        return loaded.narrow(0, self.shard_starts[shard], self.shard_offsets[shard][1])
+        return self._part(name, loaded, self.shard_rows(shard), None)
+
+    def shard_rows(self, shard: str) -> Runs:
+        """The runs of checkpoint shard ``shard``'s rows that this rank holds."""
+        return ((self.shard_starts[shard], self.shard_offsets[shard][1]),)
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard: str | None) -> None:
         if shard not in self.shard_offsets:
             raise ValueError(f"unknown shard {shard!r}; expected one of {list(self.shard_offsets)}")
         self._load_rows(param, loaded, *self.shard_offsets[shard])
+
+
+#: ``(start, length)`` runs of a tensor's rows.
+Runs = tuple[tuple[int, int], ...]
+
+
+def rows_of(loaded: torch.Tensor, runs: Runs) -> torch.Tensor | tuple[torch.Tensor, ...]:
+    """``loaded``'s rows in ``runs``, only narrowed: one tensor where the runs join up, else a
+    tuple of runs, which the loader reads and joins."""
+    merged: list[tuple[int, int]] = []
+    for start, length in runs:
+        if merged and sum(merged[-1]) == start:
+            merged[-1] = (merged[-1][0], merged[-1][1] + length)
+        else:
+            merged.append((start, length))
+    parts = tuple(loaded.narrow(0, start, length) for start, length in merged)
+    return parts[0] if len(parts) == 1 else parts
+
+
+def _whole_blocks(run: tuple[int, int], block: int, what: str) -> tuple[int, int]:
+    """The run of FP8 scale blocks covering a rank's ``run`` of rows or columns, which must
+    be whole blocks (every rank's run is as long, so all ranks refuse alike)."""
+    start, length = run
+    if start % block or length % block:
+        raise ValueError(
+            f"tensor parallelism gives each rank {length} {what}, which splits the "
+            f"{block}-wide blocks of its FP8 scales"
+        )
+    return start // block, length // block
 
 
 def linear(

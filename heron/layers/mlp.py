@@ -14,7 +14,8 @@ class GatedMLP(nn.Module):
     """Gate and up packed into one projection, then the gated activation and the down
     projection; the activation is fused into whichever projection runs as the GEMV.
     Tensor-parallel, each rank holds a slice of the intermediate features (gate_up column-,
-    down row-parallel: one all-reduce)."""
+    down row-parallel: one all-reduce, or none with ``reduce_output=False``, where the caller
+    sums this partial output over the ranks with its own)."""
 
     def __init__(
         self,
@@ -23,6 +24,7 @@ class GatedMLP(nn.Module):
         act: type[GatedActivation],
         bias: bool = False,
         kernels: LayerKernels = TORCH_KERNELS,
+        reduce_output: bool = True,
     ) -> None:
         super().__init__()
         self.gate_up_proj = PackedLinear(
@@ -32,7 +34,9 @@ class GatedMLP(nn.Module):
             kernels,
             parallel="column",
         )
-        self.down_proj = Linear(intermediate_size, hidden_size, bias, kernels, parallel="row")
+        self.down_proj = Linear(
+            intermediate_size, hidden_size, bias, kernels, "row", reduce_output=reduce_output
+        )
         self.act = act(kernels)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -15,7 +15,7 @@ eager steps and CUDA graphs alike. Otherwise they run the reference in plain PyT
 loops over the experts: correct and readable but not fast.
 
 ``SparseMoE`` is router -> experts, plus an optional shared expert (Qwen's is scaled by a
-sigmoid gate, DeepSeek's is not). Its submodules carry HF's Qwen-MoE names (``gate``,
+sigmoid gate, DeepSeek's is not); tensor-parallel, one all-reduce sums both. Its submodules carry HF's Qwen-MoE names (``gate``,
 ``experts``, ``shared_expert``, ``shared_expert_gate``); a family whose checkpoints name them
 otherwise maps the names with its model's ``checkpoint_renames``.
 """
@@ -291,6 +291,12 @@ class SparseMoE(nn.Module):
         super().__init__()
         if shared_expert_gate is not None and shared_expert is None:
             raise ValueError("SparseMoE: a shared_expert_gate needs a shared_expert")
+        down = shared_expert.down_proj if shared_expert is not None else None
+        if down is not None and down.parallel and down.reduce_output:
+            raise ValueError(
+                "SparseMoE: the block sums its shared expert over the ranks with the routed "
+                "experts; build the shared expert with reduce_output=False"
+            )
         self.gate = gate
         self.experts = experts
         self.shared_expert = shared_expert
@@ -312,7 +318,14 @@ class SparseMoE(nn.Module):
         ``shared_intermediate_size`` (none if 0), sigmoid-gated if ``gated_shared_expert``."""
         shared = gate = None
         if shared_intermediate_size:
-            shared = GatedMLP(hidden_size, shared_intermediate_size, SiluAndMul, False, kernels)
+            shared = GatedMLP(
+                hidden_size,
+                shared_intermediate_size,
+                SiluAndMul,
+                False,
+                kernels,
+                reduce_output=False,  # the block's one all-reduce sums it with the experts
+            )
             if gated_shared_expert:
                 gate = Linear(hidden_size, 1, False, kernels)
         return cls(
@@ -355,11 +368,11 @@ class SparseMoE(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x: [tokens, hidden] -> [tokens, hidden]."""
         out = self.experts(x, *self.gate(x))
-        if self.experts.tp is not None:
-            out = self.experts.tp.all_reduce(out)
-        if self.shared_expert is None:
-            return out
-        shared = self.shared_expert(x)
-        if self.shared_expert_gate is not None:
-            shared = torch.sigmoid(self.shared_expert_gate(x)) * shared
-        return out + shared
+        if self.shared_expert is not None:
+            shared = self.shared_expert(x)
+            if self.shared_expert_gate is not None:
+                shared = torch.sigmoid(self.shared_expert_gate(x)) * shared
+            out = out + shared
+        # Tensor-parallel, each rank's experts (and shared expert) hold part of the features:
+        # one all-reduce sums both (the replicated gate scales each rank's part alike).
+        return out if self.experts.tp is None else self.experts.tp.all_reduce(out)

@@ -97,12 +97,18 @@ class GatedRMSNorm(nn.Module):
     """HF's ``RMSNormGated`` (Qwen3.5 / Qwen3-Next linear attention): ``weight * norm(x)``
     (cast to ``x``'s dtype before scaling) times ``silu(gate)`` in fp32, cast last."""
 
-    def __init__(self, hidden_size: int, eps: float = 1e-6) -> None:
+    def __init__(
+        self, hidden_size: int, eps: float = 1e-6, kernels: LayerKernels = TORCH_KERNELS
+    ) -> None:
         super().__init__()
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(hidden_size), requires_grad=False)
+        self.kernel = kernels.gated_rms_norm
 
     def forward(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+        """``x``, ``gate``: [tokens, heads, head_dim] (the norm is over each head)."""
+        if self.kernel is not None:
+            return self.kernel(x, gate, self.weight, self.eps)
         out = self.weight * _normalize(x, self.eps).to(x.dtype)
         return (out * torch.nn.functional.silu(gate.float())).to(x.dtype)
 

@@ -13,11 +13,13 @@ hold it to) and ``TopKRouter`` is the router's linear layer that applies it:
   highest, and weighted by their unbiased scores (renormalised if ``renormalize``).
 
 Every rule then multiplies the weights by ``scaling`` (``routed_scaling_factor``). All of it is
-plain torch on the device, without a host sync, so CUDA graphs capture it.
+plain torch on the device, without a host sync, so CUDA graphs capture it; the Triton kernel set
+does it in one launch (``heron.kernels.moe_route``).
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -56,6 +58,12 @@ class Routing:
             )
         if self.scoring == "softmax_of_topk" and self.num_groups > 1:
             raise ValueError("routing scoring 'softmax_of_topk' takes no expert groups")
+
+    def rule(self) -> dict:
+        """The fields that say how experts are chosen and weighted (``route_topk``'s)."""
+        fields = dataclasses.asdict(self)
+        del fields["fp32_logits"]
+        return fields
 
     @classmethod
     def qwen(cls, config: PretrainedConfig) -> Routing:
@@ -157,6 +165,10 @@ class TopKRouter(Linear):
                 f"{num_experts} experts do not split into {routing.num_groups} equal groups"
             )
         self.routing = routing
+        if routing.fp32_logits:  # kept in fp32 (exact for a 16-bit checkpoint): no cast a step
+            self.weight = nn.Parameter(self.weight.data.float(), requires_grad=False)
+            if self.bias is not None:
+                self.bias = nn.Parameter(self.bias.data.float(), requires_grad=False)
         self.e_score_correction_bias = (
             nn.Parameter(torch.empty(num_experts), requires_grad=False)
             if routing.scoring == "sigmoid"
@@ -165,8 +177,9 @@ class TopKRouter(Linear):
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         if self.routing.fp32_logits:
-            bias = None if self.bias is None else self.bias.float()
-            logits = F.linear(x.float(), self.weight.float(), bias)
+            logits = F.linear(x.float(), self.weight, self.bias)
         else:
             logits = super().forward(x)
-        return self.routing.select(logits, self.e_score_correction_bias)
+        if self.kernels.route_topk is None:
+            return self.routing.select(logits, self.e_score_correction_bias)
+        return self.kernels.route_topk(logits, self.e_score_correction_bias, **self.routing.rule())

@@ -13,18 +13,14 @@ from heron.loader.weights import load_weights
 
 def load_model(model: nn.Module, model_config: ModelConfig, sharded: bool = False) -> None:
     """Fill ``model``; under an FP8 scheme its linear layers end up holding FP8 weights: read
-    as stored from an FP8 checkpoint, else quantised from the loaded (or dummy) weights.
+    as stored from an FP8 checkpoint, else quantised from the loaded (or dummy) weights (but
+    those an operator reads as matrices, ``Linear.keep_dense``).
     A ``sharded`` (tensor-parallel) model reads only its own parts of the checkpoint."""
     scheme = model_config.quantization
     linears = fp8_linears(model, scheme) if scheme is not None else []
     as_stored = (
         scheme is not None and scheme.from_checkpoint and model_config.load_format != "dummy"
     )
-    if as_stored and sharded:
-        raise ValueError(
-            "FP8 checkpoints cannot be loaded with tensor parallelism yet (their weight scales "
-            "are not sharded); quantization='fp8' over a full-precision checkpoint can"
-        )
     if as_stored:
         for layer in linears:
             layer.hold_fp8(scheme.block)
@@ -33,6 +29,8 @@ def load_model(model: nn.Module, model_config: ModelConfig, sharded: bool = Fals
         initialize_dummy_weights(model, std, model_config.seed)
     else:
         load_weights(model, iterate_weights(model_config.path, lazy=sharded))
-    if not as_stored:
-        for layer in linears:
+    for layer in linears:
+        if layer.keep_dense and as_stored:
+            layer.dequantize_fp8(model_config.dtype)
+        elif not layer.keep_dense and not as_stored:
             layer.quantize_fp8(scheme.block)

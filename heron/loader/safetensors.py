@@ -54,7 +54,10 @@ class LazyTensor:
         return self._source[self._index]
 
 
-def materialize(tensor: torch.Tensor | LazyTensor) -> torch.Tensor:
+def materialize(tensor: torch.Tensor | LazyTensor | tuple) -> torch.Tensor:
+    """The tensor, read if lazy; a tuple of parts (runs of one tensor's rows) read and joined."""
+    if isinstance(tensor, tuple):
+        return torch.cat([materialize(part) for part in tensor])
     return tensor.load() if isinstance(tensor, LazyTensor) else tensor
 
 

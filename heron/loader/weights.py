@@ -39,8 +39,8 @@ def load_weights(
     module that holds it and its shard (``("qkv_proj", "q")``). One tensor per expert
     (``experts.3.gate_proj.weight``) goes into its ``ExpertBank``'s stacked parameter.
     A parameter's module may narrow each tensor to the part it holds (``checkpoint_part``:
-    tensor-parallel shards; ``weights`` may be lazy, read only there) and copy it itself
-    (``weight_loader``).
+    tensor-parallel shards; ``weights`` may be lazy, read only there; a tuple of row runs is
+    read and joined) and copy it itself (``weight_loader``).
     """
     renames: dict[str, str] = getattr(model, "checkpoint_renames", {})
     packed: dict[str, tuple[str, str]] = getattr(model, "packed_modules", {})
@@ -57,6 +57,7 @@ def load_weights(
     unused_input_scales = unused_kv_scales = 0
     modules = dict(model.named_modules())
     for name, tensor in weights:
+        source = name  # as the checkpoint names it
         prefix = next((p for p in prefixes if name.startswith(p)), None)
         if prefix is not None:
             if prefixes[prefix] is None:
@@ -78,22 +79,10 @@ def load_weights(
             raise ValueError(
                 f"checkpoint tensor {name!r} has no parameter in {type(model).__name__}"
             )
-        owner = owners[target]
-        part = getattr(owner, "checkpoint_part", None)
-        if part is not None:  # a tensor-parallel rank's part of the tensor
-            tensor = part(target.rsplit(".", 1)[-1], tensor, shard)
-        tensor = materialize(tensor)
-        loader = getattr(owner, "weight_loader", None)
-        with torch.no_grad():
-            if loader is not None:
-                loader(param, tensor.to(param.dtype), shard)
-            elif param.shape != tensor.shape:
-                raise ValueError(
-                    f"checkpoint tensor {name!r} has shape {tuple(tensor.shape)}, "
-                    f"expected {tuple(param.shape)}"
-                )
-            else:
-                param.copy_(tensor)
+        try:
+            _load(owners[target], target.rsplit(".", 1)[-1], param, tensor, shard)
+        except ValueError as e:
+            raise ValueError(f"checkpoint tensor {source!r}: {e}") from e
         loaded.setdefault(target, set()).add(shard)
 
     if unused_kv_scales:
@@ -106,6 +95,28 @@ def load_weights(
     missing = [name for name in params if not _complete(owners[name], name, loaded.get(name))]
     if missing:
         raise ValueError(f"checkpoint is missing weights for: {', '.join(missing)}")
+
+
+def _load(
+    owner: nn.Module,
+    name: str,
+    param: nn.Parameter,
+    tensor: torch.Tensor | LazyTensor,
+    shard: object,
+) -> None:
+    """Copy ``tensor`` (or the part of it this rank holds) into ``owner``'s parameter ``name``."""
+    part = getattr(owner, "checkpoint_part", None)
+    if part is not None:  # a tensor-parallel rank's part of the tensor
+        tensor = part(name, tensor, shard)
+    tensor = materialize(tensor)
+    loader = getattr(owner, "weight_loader", None)
+    with torch.no_grad():
+        if loader is not None:
+            loader(param, tensor.to(param.dtype), shard)
+        elif param.shape != tensor.shape:
+            raise ValueError(f"shape {tuple(tensor.shape)}, expected {tuple(param.shape)}")
+        else:
+            param.copy_(tensor)
 
 
 def _target(

@@ -158,6 +158,18 @@ class SequenceMetadata:
     def num_groups(self) -> int:
         return len(self.group_parts)
 
+    @property
+    def is_uniform_verification(self) -> bool:
+        """Every row verifies the same number of proposals after its last token: the steps
+        that verification graphs replay, which a builder of ``UNIFORM`` support runs eagerly
+        alike."""
+        proposed = self.num_proposed_host
+        return (
+            proposed is not None
+            and self.num_tokens == self.num_reqs * self.max_query_len
+            and bool((proposed == self.max_query_len - 1).all())
+        )
+
     def parts(self, group: int, record: type[_Record]) -> _Record:
         """Cache group ``group``'s parts, which must be of the kind whose record is ``record``."""
         if group >= self.num_groups:

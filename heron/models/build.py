@@ -51,16 +51,6 @@ def compatibility_builder(
     return PagedAttentionBuilder("fallback", block_size, window, model_config.max_model_len)
 
 
-def check_tensor_parallel(model_config: ModelConfig, size: int) -> None:
-    """Refuse ``size`` ranks for a family whose layers are not all sharded, naming it."""
-    unsharded = getattr(model_class(model_config.architecture), "tensor_parallel_unsupported", None)
-    if size > 1 and unsharded:
-        raise ValueError(
-            f"{model_config.architecture} does not support tensor_parallel_size > 1 yet: "
-            f"{unsharded}"
-        )
-
-
 def build_model(
     model_config: ModelConfig,
     platform: Platform,
@@ -72,7 +62,6 @@ def build_model(
     """Build, load and plan the model (this rank's shard of it, under ``tp``); attach the plan
     to ``target`` only if all succeeded."""
     target.plan = None
-    check_tensor_parallel(model_config, tp.size)
     cls = model_class(model_config.architecture)
     previous_dtype = torch.get_default_dtype()
     torch.set_default_dtype(model_config.dtype)

@@ -14,6 +14,7 @@ import torch
 from torch import nn
 from transformers import PretrainedConfig
 
+from heron.kernels import LayerKernels
 from heron.layers.embedding import LMHead, VocabEmbedding
 from heron.layers.linear import Linear, PackedLinear
 from heron.layers.rotary import QKTransform, RotaryEmbedding
@@ -79,6 +80,35 @@ def norm_with_residual(
     return norm(x, residual, prenorm)
 
 
+def head_parallel_qkv(
+    hidden_size: int,
+    spec: AttentionSpec,
+    bias: bool,
+    kernels: LayerKernels,
+    q_head_dims: int = 1,
+) -> tuple[PackedLinear, AttentionSpec]:
+    """The packed qkv projection, column-parallel by heads (each query head ``q_head_dims``
+    head dims wide: Qwen3.5's query and its gate; KV heads shared below one per rank), and the
+    spec of this rank's heads (all of them on one rank)."""
+    d = spec.head_dim
+    q_rows, kv_size = q_head_dims * d, spec.num_kv_heads * d
+    qkv_proj = PackedLinear(
+        hidden_size,
+        {"q": spec.num_heads * q_rows, "k": kv_size, "v": kv_size},
+        bias,
+        kernels,
+        parallel="column",
+        unit_rows={"q": q_rows, "k": d, "v": d},
+        shared=("k", "v"),
+    )
+    local = dataclasses.replace(
+        spec,
+        num_heads=qkv_proj.shard_offsets["q"][1] // q_rows,
+        num_kv_heads=qkv_proj.shard_offsets["k"][1] // d,
+    )
+    return qkv_proj, local
+
+
 class PackedAttention(nn.Module):
     """Packed qkv projection -> the layer's attention operator -> output projection.
 
@@ -99,25 +129,10 @@ class PackedAttention(nn.Module):
         qk_norm: Callable[[int], nn.Module] | None = None,
     ) -> None:
         super().__init__()
-        d = spec.head_dim
-        q_size, kv_size = spec.num_heads * d, spec.num_kv_heads * d
-        self.qkv_proj = PackedLinear(
-            hidden_size,
-            {"q": q_size, "k": kv_size, "v": kv_size},
-            qkv_bias,
-            runtime.kernels,
-            parallel="column",
-            unit_rows=dict.fromkeys("qkv", d),
-            shared=("k", "v"),
-        )
-        self.o_proj = Linear(q_size, hidden_size, o_bias, runtime.kernels, parallel="row")
-        # This rank's heads (all of them on one rank): the operator sees only those.
-        self.first_head = self.qkv_proj.shard_starts["q"] // d
-        spec = dataclasses.replace(
-            spec,
-            num_heads=self.qkv_proj.shard_offsets["q"][1] // d,
-            num_kv_heads=self.qkv_proj.shard_offsets["k"][1] // d,
-        )
+        q_size, kernels = spec.num_heads * spec.head_dim, runtime.kernels
+        self.qkv_proj, spec = head_parallel_qkv(hidden_size, spec, qkv_bias, kernels)
+        self.o_proj = Linear(q_size, hidden_size, o_bias, kernels, parallel="row")
+        self.first_head = self.qkv_proj.shard_starts["q"] // spec.head_dim  # this rank's first
         # Registered here, before the operator (which also holds them), so their checkpoint
         # names are self_attn.{q,k}_norm and self_attn.sinks, not names inside the operator.
         self.q_norm = qk_norm(spec.head_dim) if qk_norm is not None else None

@@ -48,7 +48,14 @@ def mla_softmax_scale(config: PretrainedConfig) -> float:
 
 
 class DeepseekAttention(nn.Module):
-    """The query and latent projections around the latent attention operator."""
+    """The query and latent projections around the latent attention operator.
+
+    Tensor-parallel by heads: each rank projects its heads' queries (``q_proj`` / ``q_b_proj``
+    column-parallel) and decompresses their keys and values (``kv_b_proj`` column-parallel, so
+    the operator's absorbed decode weights are the rank's heads'); ``o_proj`` is row-parallel
+    (one all-reduce). ``q_a_proj``, ``kv_a_proj_with_mqa`` and their norms are replicated: the
+    latent and the rotary key serve every head, so each rank caches the whole latent.
+    """
 
     def __init__(
         self,
@@ -61,27 +68,36 @@ class DeepseekAttention(nn.Module):
         kernels, hidden = runtime.kernels, config.hidden_size
         bias = bool(getattr(config, "attention_bias", False))
         heads, lora, rope = config.num_attention_heads, config.kv_lora_rank, config.qk_rope_head_dim
-        spec = MLASpec(
-            num_heads=heads,
-            kv_lora_rank=lora,
-            nope_dim=config.qk_nope_head_dim,
-            rope_dim=rope,
-            v_head_dim=config.v_head_dim,
-            scale=mla_softmax_scale(config),
-        )
-        q_size = heads * spec.qk_head_dim
+        nope, v_dim = config.qk_nope_head_dim, config.v_head_dim
+        qk_dim = nope + rope
+        q_size = heads * qk_dim
         self.q_lora_rank = config.q_lora_rank
         if self.q_lora_rank is None:
-            self.q_proj = Linear(hidden, q_size, False, kernels)
+            self.q_proj = Linear(hidden, q_size, False, kernels, "column", unit_rows=qk_dim)
+            q_out = self.q_proj
         else:
             self.q_a_proj = Linear(hidden, self.q_lora_rank, bias, kernels)
             self.q_a_layernorm = RMSNorm(self.q_lora_rank, _LORA_NORM_EPS, kernels)
-            self.q_b_proj = Linear(self.q_lora_rank, q_size, False, kernels)
+            self.q_b_proj = Linear(
+                self.q_lora_rank, q_size, False, kernels, "column", unit_rows=qk_dim
+            )
+            q_out = self.q_b_proj
         self.kv_a_proj_with_mqa = Linear(hidden, lora + rope, bias, kernels)
         self.kv_a_layernorm = RMSNorm(lora, _LORA_NORM_EPS, kernels)
         # Registered before the operator (which reads it), so its name is self_attn.kv_b_proj.
-        self.kv_b_proj = Linear(lora, heads * (spec.nope_dim + spec.v_head_dim), False, kernels)
-        self.o_proj = Linear(heads * spec.v_head_dim, hidden, bias, kernels)
+        self.kv_b_proj = Linear(
+            lora, heads * (nope + v_dim), False, kernels, "column", unit_rows=nope + v_dim
+        )
+        self.kv_b_proj.keep_dense = True  # the operator absorbs it into the query
+        self.o_proj = Linear(heads * v_dim, hidden, bias, kernels, parallel="row")
+        spec = MLASpec(
+            num_heads=q_out.out_features // qk_dim,  # this rank's heads
+            kv_lora_rank=lora,
+            nope_dim=nope,
+            rope_dim=rope,
+            v_head_dim=v_dim,
+            scale=mla_softmax_scale(config),
+        )
         self.attn = make_mla(f"{prefix}.attn", spec, runtime, rotary, self.kv_b_proj)
         self._split = [lora, rope]
 
@@ -141,7 +157,6 @@ class DeepseekForCausalLM(DecoderForCausalLM):
     # Only the MLPs' gate and up are packed; the attention projections load as they are named.
     packed_modules = {k: v for k, v in PACKED_MODULES.items() if v[0] == "gate_up_proj"}
     checkpoint_renames = {"shared_experts": "shared_expert"}  # SparseMoE's name for it
-    tensor_parallel_unsupported = "its latent attention (MLA) layers are not sharded"
 
     def __init__(self, config: PretrainedConfig, runtime: OperatorRuntime) -> None:
         super().__init__(config, DeepseekModel(config, runtime), runtime)

@@ -10,6 +10,7 @@ The two operator kinds form two metadata groups and two cache groups.
 from __future__ import annotations
 
 import copy
+import dataclasses
 import logging
 from collections.abc import Callable
 
@@ -20,7 +21,7 @@ from transformers import PretrainedConfig
 from heron.kernels import LayerKernels
 from heron.layers.activation import SiluAndMul
 from heron.layers.embedding import VocabEmbedding
-from heron.layers.linear import Linear, PackedLinear
+from heron.layers.linear import Linear, PackedLinear, Runs, rows_of
 from heron.layers.mlp import GatedMLP
 from heron.layers.moe import SparseMoE
 from heron.layers.norm import GatedRMSNorm, GemmaRMSNorm
@@ -31,6 +32,7 @@ from heron.models.common import (
     DecoderModel,
     attention_spec,
     head_dim_of,
+    head_parallel_qkv,
     norm_with_residual,
 )
 from heron.models.qwen_moe import is_sparse_layer
@@ -64,7 +66,8 @@ def gated_delta_net_spec(config: PretrainedConfig) -> GatedDeltaNetSpec:
 
 class GatedAttention(nn.Module):
     """Paged attention whose output is multiplied by ``sigmoid(gate)``; ``q_proj`` yields, per
-    head, the query then the gate (both ``head_dim`` wide)."""
+    head, the query then the gate (both ``head_dim`` wide). Tensor-parallel by heads as the
+    dense families' attention."""
 
     def __init__(
         self,
@@ -75,13 +78,11 @@ class GatedAttention(nn.Module):
     ) -> None:
         super().__init__()
         spec = attention_spec(config)
-        self.num_heads, self.head_dim = spec.num_heads, spec.head_dim
-        q_size, kv_size = spec.num_heads * spec.head_dim, spec.num_kv_heads * spec.head_dim
+        q_size, kernels = spec.num_heads * spec.head_dim, runtime.kernels
         bias = bool(getattr(config, "attention_bias", False))
-        self.qkv_proj = PackedLinear(
-            config.hidden_size, {"q": 2 * q_size, "k": kv_size, "v": kv_size}, bias, runtime.kernels
-        )
-        self.o_proj = Linear(q_size, config.hidden_size, bias, runtime.kernels)
+        self.qkv_proj, spec = head_parallel_qkv(config.hidden_size, spec, bias, kernels, 2)
+        self.o_proj = Linear(q_size, config.hidden_size, bias, kernels, parallel="row")
+        self.num_heads, self.head_dim = spec.num_heads, spec.head_dim  # this rank's heads
         # Registered before the operator (which holds them too): checkpoint names self_attn.*.
         self.q_norm = GemmaRMSNorm(spec.head_dim, config.rms_norm_eps)
         self.k_norm = GemmaRMSNorm(spec.head_dim, config.rms_norm_eps)
@@ -97,23 +98,65 @@ class GatedAttention(nn.Module):
         return self.o_proj(out * torch.sigmoid(gate.reshape(tokens, q_size)))
 
 
-def split_in_proj(hidden_size: int, spec: GatedDeltaNetSpec, kernels: LayerKernels) -> PackedLinear:
+def qkv_rows(spec: GatedDeltaNetSpec, first: int, count: int) -> Runs:
+    """``(start, length)`` of the rows of ``[q | k | v]`` (a checkpoint's ``in_proj_qkv``, or
+    the conv channels) that key heads ``[first, first + count)`` and their value heads use."""
+    dk, dv = spec.key_dim, spec.num_value_heads // spec.num_key_heads * spec.value_dim
+    keys = spec.num_key_heads * dk
+    return (
+        (first * dk, count * dk),
+        (keys + first * dk, count * dk),
+        (2 * keys + first * dv, count * dv),
+    )
+
+
+class KeyHeadParallel(PackedLinear):
+    """A GDN input projection, column-parallel by key heads: each rank holds whole key heads'
+    q and k and their value heads' v, z, b and a. ``per_key_head`` gives each shard's rows
+    per key head."""
+
+    def __init__(
+        self,
+        hidden_size: int,
+        spec: GatedDeltaNetSpec,
+        per_key_head: dict[str, int],
+        kernels: LayerKernels,
+    ) -> None:
+        shards = {name: rows * spec.num_key_heads for name, rows in per_key_head.items()}
+        super().__init__(
+            hidden_size, shards, False, kernels, parallel="column", unit_rows=per_key_head
+        )
+        self.spec = spec
+        name, rows = next(iter(per_key_head.items()))
+        self.first_key_head = self.shard_starts[name] // rows
+        self.key_heads = self.shard_offsets[name][1] // rows
+
+
+class SplitInProj(KeyHeadParallel):
     """Qwen3.5's ``in_proj_qkv``, ``in_proj_z``, ``in_proj_b`` and ``in_proj_a``, packed."""
-    heads, value_size = spec.num_value_heads, spec.num_value_heads * spec.value_dim
-    shards = {"qkv": spec.conv_dim, "z": value_size, "b": heads, "a": heads}
-    return PackedLinear(hidden_size, shards, False, kernels)
-
-
-class InterleavedInProj(PackedLinear):
-    """Qwen3-Next's ``in_proj_qkvz`` and ``in_proj_ba``, which group rows by key head (per
-    head: q, k, its value heads' v, then z; b then a), loaded into Qwen3.5's order
-    ``[q | k | v | z | b | a]`` (each over all heads), so one split serves both."""
 
     def __init__(self, hidden_size: int, spec: GatedDeltaNetSpec, kernels: LayerKernels) -> None:
-        heads = spec.num_value_heads
-        shards = {"qkvz": spec.conv_dim + heads * spec.value_dim, "ba": 2 * heads}
-        super().__init__(hidden_size, shards, False, kernels)
-        self.spec = spec
+        per_key = spec.num_value_heads // spec.num_key_heads
+        v_rows = per_key * spec.value_dim
+        per_key_head = {"qkv": 2 * spec.key_dim + v_rows, "z": v_rows, "b": per_key, "a": per_key}
+        super().__init__(hidden_size, spec, per_key_head, kernels)
+
+    def shard_rows(self, shard: str) -> Runs:
+        """A rank's q, k and v rows are three runs of ``in_proj_qkv``."""
+        if shard != "qkv":
+            return super().shard_rows(shard)
+        return qkv_rows(self.spec, self.first_key_head, self.key_heads)
+
+
+class InterleavedInProj(KeyHeadParallel):
+    """Qwen3-Next's ``in_proj_qkvz`` and ``in_proj_ba``, which group rows by key head (per
+    head: q, k, its value heads' v, then z; b then a), loaded into Qwen3.5's order
+    ``[q | k | v | z | b | a]`` (each over the rank's heads), so one split serves both."""
+
+    def __init__(self, hidden_size: int, spec: GatedDeltaNetSpec, kernels: LayerKernels) -> None:
+        per_key = spec.num_value_heads // spec.num_key_heads
+        qkvz = 2 * spec.key_dim + 2 * per_key * spec.value_dim
+        super().__init__(hidden_size, spec, {"qkvz": qkvz, "ba": 2 * per_key}, kernels)
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard: str | None) -> None:
         s = self.spec
@@ -122,43 +165,71 @@ class InterleavedInProj(PackedLinear):
             sizes = [s.key_dim, s.key_dim, per_key * s.value_dim, per_key * s.value_dim]
         else:
             sizes = [per_key, per_key]
-        grouped = loaded.reshape(s.num_key_heads, -1, loaded.shape[-1]).split(sizes, dim=1)
+        grouped = loaded.reshape(-1, sum(sizes), loaded.shape[-1]).split(sizes, dim=1)
         regrouped = torch.cat([part.reshape(-1, loaded.shape[-1]) for part in grouped])
         super().weight_loader(param, regrouped, shard)
 
 
+class ConvWeights(nn.Module):
+    """The depthwise conv1d's weight ``[channels, 1, kernel]`` (the operator convolves with it)
+    for the channels ``runs`` of the checkpoint's ``[q | k | v]`` (this rank's heads)."""
+
+    def __init__(self, spec: GatedDeltaNetSpec, runs: Runs) -> None:
+        super().__init__()
+        self.runs = runs
+        channels = sum(length for _, length in runs)
+        self.weight = nn.Parameter(torch.empty(channels, 1, spec.conv_kernel), requires_grad=False)
+
+    def checkpoint_part(
+        self, name: str, loaded: torch.Tensor, shard: None
+    ) -> torch.Tensor | tuple[torch.Tensor, ...]:
+        return rows_of(loaded, self.runs)
+
+
 #: The packed input projection of a GDN layer from ``(hidden_size, spec, kernels)``.
-InProjFactory = Callable[[int, GatedDeltaNetSpec, LayerKernels], PackedLinear]
+InProjFactory = Callable[[int, GatedDeltaNetSpec, LayerKernels], KeyHeadParallel]
 
 
 class GatedDeltaNetMixer(nn.Module):
     """The linear-attention block: the packed input projection (``[qkv | z | b | a]`` after
-    loading), the GDN operator, the gated norm with ``z`` and ``out_proj``."""
+    loading), the GDN operator, the gated norm with ``z`` and ``out_proj``.
+
+    Tensor-parallel by key heads: each rank's operator runs its key heads and their value
+    heads (its conv channels, ``A_log`` and ``dt_bias`` entries, recurrent states); the gated
+    norm is per head, ``out_proj`` row-parallel (one all-reduce).
+    """
 
     def __init__(
         self,
         config: PretrainedConfig,
         runtime: OperatorRuntime,
         prefix: str,
-        in_proj: InProjFactory = split_in_proj,
+        in_proj: InProjFactory = SplitInProj,
     ) -> None:
         super().__init__()
-        spec = gated_delta_net_spec(config)
-        self.spec = spec
-        heads, value_size = spec.num_value_heads, spec.num_value_heads * spec.value_dim
-        self.in_proj = in_proj(config.hidden_size, spec, runtime.kernels)
+        whole = gated_delta_net_spec(config)
+        self.in_proj = in_proj(config.hidden_size, whole, runtime.kernels)
+        first, count = self.in_proj.first_key_head, self.in_proj.key_heads
+        per_key = whole.num_value_heads // whole.num_key_heads
+        spec = dataclasses.replace(whole, num_key_heads=count, num_value_heads=count * per_key)
+        self.spec, self.first_value_head = spec, first * per_key
+        heads = spec.num_value_heads
         # Registered before the operator (which holds them too): checkpoint names linear_attn.*.
-        self.conv1d = nn.Conv1d(
-            spec.conv_dim, spec.conv_dim, spec.conv_kernel, groups=spec.conv_dim, bias=False
-        )
-        self.conv1d.weight.requires_grad_(False)
+        self.conv1d = ConvWeights(spec, qkv_rows(whole, first, count))
         self.dt_bias = nn.Parameter(torch.ones(heads), requires_grad=False)
         self.A_log = nn.Parameter(torch.zeros(heads), requires_grad=False)
-        self.norm = GatedRMSNorm(spec.value_dim, config.rms_norm_eps)
-        self.out_proj = Linear(value_size, config.hidden_size, False, runtime.kernels)
+        self.norm = GatedRMSNorm(spec.value_dim, config.rms_norm_eps, runtime.kernels)
+        self.out_proj = Linear(
+            whole.num_value_heads * whole.value_dim, config.hidden_size, False, runtime.kernels,
+            parallel="row",
+        )  # fmt: skip
         self.gdn = make_gated_delta_net(
             f"{prefix}.gdn", spec, runtime, self.conv1d.weight, self.A_log, self.dt_bias
         )
+
+    def checkpoint_part(self, name: str, loaded: torch.Tensor, shard: None) -> torch.Tensor:
+        """This rank's value heads of ``A_log`` and ``dt_bias``."""
+        return loaded.narrow(0, self.first_value_head, self.spec.num_value_heads)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         spec = self.spec
@@ -231,7 +302,7 @@ class Qwen3_5Model(DecoderModel):
         config: PretrainedConfig,
         runtime: OperatorRuntime,
         mlp: MLPFactory = dense_mlp,
-        in_proj: InProjFactory = split_in_proj,
+        in_proj: InProjFactory = SplitInProj,
     ) -> None:
         super().__init__()
         rotary = RotaryEmbedding(config, head_dim_of(config), runtime.max_model_len)
@@ -245,7 +316,6 @@ class Qwen3_5Model(DecoderModel):
 
 
 class Qwen3_5ForCausalLM(DecoderForCausalLM):
-    tensor_parallel_unsupported = "its gated delta rule (GDN) layers are not sharded"
     packed_modules = PACKED_MODULES | {
         "in_proj_qkv": ("in_proj", "qkv"),
         "in_proj_z": ("in_proj", "z"),
@@ -253,7 +323,7 @@ class Qwen3_5ForCausalLM(DecoderForCausalLM):
         "in_proj_a": ("in_proj", "a"),
     }
     mlp: MLPFactory = staticmethod(dense_mlp)
-    in_proj: InProjFactory = staticmethod(split_in_proj)
+    in_proj: InProjFactory = staticmethod(SplitInProj)
 
     def __init__(self, config: PretrainedConfig, runtime: OperatorRuntime) -> None:
         super().__init__(config, Qwen3_5Model(config, runtime, self.mlp, self.in_proj), runtime)

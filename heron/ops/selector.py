@@ -64,16 +64,18 @@ MLA_BACKENDS: dict[str, Callable[[], type[MLAOperator]]] = {
 
 def _triton_layer_kernels() -> LayerKernels:
     # Imported on demand, as the Triton attention operator is.
-    from heron.kernels import activation, fp8_quant, gemv, moe, rmsnorm
+    from heron.kernels import activation, fp8_quant, gemv, moe, moe_route, rmsnorm
     from heron.layers import fp8
 
     return LayerKernels(
         "triton",
         rms_norm=rmsnorm.rms_norm,
+        gated_rms_norm=rmsnorm.gated_rms_norm,
         gated_activation=activation.gated_activation,
         gemv=gemv.linear_small_m,
         gemv_serves=gemv.serves,
         fused_experts=moe.fused_experts,
+        route_topk=moe_route.route_topk,
         fp8_mm=partial(fp8.scaled_mm, quantize_rows=fp8_quant.quantize_rows),
     )
 

@@ -18,12 +18,22 @@ from tp_models import tiny_config
 from heron import LLM, SamplingParams
 from heron.config import ModelConfig
 from heron.distributed.executor import WorkerDiedError
-from heron.distributed.parallel import TensorParallel
+from heron.distributed.parallel import TensorParallel, tensor_parallel_scope
 from heron.distributed.rendezvous import Rendezvous
-from heron.models.build import build_model, check_tensor_parallel
+from heron.layers.activation import SiluAndMul
+from heron.layers.mlp import GatedMLP
+from heron.layers.moe import SparseMoE, SwiGLUExperts
+from heron.layers.routing import Routing, TopKRouter
+from heron.models.build import build_model
 from heron.platforms import CpuPlatform
 
-from tiny_models import SHARED_PREFIX_PROMPTS, hf_greedy, save_random_model
+from tiny_models import (
+    SHARED_PREFIX_PROMPTS,
+    hf_greedy,
+    hf_on_weights,
+    save_random_model,
+    write_fp8_checkpoint,
+)
 
 PROMPTS = SHARED_PREFIX_PROMPTS
 MAX_NEW = 12
@@ -31,8 +41,10 @@ GREEDY = SamplingParams(temperature=0.0, max_tokens=MAX_NEW, ignore_eos=True)
 # 16-token prefill chunks, prefix caching, and 7 usable blocks of 16 tokens for a batch that
 # needs about 11 at once: chunked prefill, prefix hits and preemption in every run.
 ENGINE = dict(max_model_len=96, max_num_batched_tokens=16, num_kv_blocks=8)
-# Generation runs the families the issue names; the weights test adds Qwen3-MoE's layout.
-FAMILIES = ["llama", "qwen3", "gemma3", "gpt_oss"]
+# The families the issue names, latent attention (DeepSeek), the gated delta rule (Qwen3.5,
+# Qwen3-Next) and the MoE layouts.
+FAMILIES = ["llama", "qwen3", "gemma3", "gpt_oss", "qwen3_moe"]
+FAMILIES += ["deepseek_v2", "deepseek_v3", "qwen3_5", "qwen3_5_moe", "qwen3_next"]
 
 
 @pytest.fixture(scope="module")
@@ -104,8 +116,17 @@ def gather(name: str, a: torch.Tensor, b: torch.Tensor, config) -> torch.Tensor:
         return torch.cat([a, b])[: config.vocab_size]
     if name.endswith("sinks"):
         return torch.cat([a, b])
+    if name.endswith(("q_proj.weight", "q_b_proj.weight", "kv_b_proj.weight", "A_log", "dt_bias")):
+        return torch.cat([a, b])  # by heads
+    if name.endswith(("in_proj.weight", "conv1d.weight")):  # [q | k | v (| z | b | a)]
+        keys = config.linear_num_key_heads * config.linear_key_head_dim // 2
+        values = config.linear_num_value_heads * config.linear_value_head_dim // 2
+        heads = config.linear_num_value_heads // 2
+        sizes = [keys, keys, values, values, heads, heads][: 3 if "conv1d" in name else 6]
+        return torch.cat([torch.cat(p) for p in zip(a.split(sizes), b.split(sizes))])
     if "qkv_proj" in name:
-        q = config.num_attention_heads * config.head_dim // 2
+        gated = 2 if hasattr(config, "linear_num_key_heads") else 1  # query and gate per head
+        q = gated * config.num_attention_heads * config.head_dim // 2
         kv = (a.shape[0] - q) // 2
         (qa, ka, va), (qb, kb, vb) = a.split([q, kv, kv]), b.split([q, kv, kv])
         if config.num_key_value_heads == 1:  # one head, held by both ranks
@@ -122,13 +143,13 @@ def gather(name: str, a: torch.Tensor, b: torch.Tensor, config) -> torch.Tensor:
         return torch.cat([ga, gb, ua, ub], dim)
     if name.endswith("experts.down_proj"):
         return torch.cat([a, b], dim=1 if config.model_type == "gpt_oss" else 2)
-    if name.endswith(("o_proj.weight", "down_proj.weight")):
+    if name.endswith(("o_proj.weight", "down_proj.weight", "out_proj.weight")):
         return torch.cat([a, b], dim=1)
     assert torch.equal(a, b), f"{name} should be the same on every rank"
     return a
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen3", "gpt_oss", "qwen3_moe"])
+@pytest.mark.parametrize("family", FAMILIES)
 def test_shards_gather_to_the_whole_weights(saved, family):
     path = saved(family)
     whole = dict(build(path).named_parameters())
@@ -137,6 +158,30 @@ def test_shards_gather_to_the_whole_weights(saved, family):
     assert whole.keys() == ranks[0].keys() == ranks[1].keys()
     for name, param in whole.items():
         assert torch.equal(gather(name, ranks[0][name], ranks[1][name], config), param), name
+
+
+@pytest.mark.parametrize("layout", ["per-tensor", "per-channel", "block-wise"])
+def test_two_ranks_load_fp8_checkpoints_equal_hf(saved, layout, tmp_path):
+    """Per-tensor scales replicated, per-channel scales cut by rows, 16 x 16 block scales by
+    whole blocks (each rank's 32 query rows, the KV head both hold, half of o's and down's
+    input columns)."""
+    src = saved("llama")
+    weights = write_fp8_checkpoint(src, tmp_path / "fp8", layout, block=(16, 16))
+    llm = LLM(str(tmp_path / "fp8"), tensor_parallel_size=2, **ENGINE)
+    try:
+        assert tokens(llm) == hf_greedy(hf_on_weights(src, weights), PROMPTS, MAX_NEW)
+    finally:
+        llm.engine.shutdown()
+
+
+def test_a_rank_boundary_inside_an_fp8_block_is_refused_naming_the_layer(saved, tmp_path):
+    """32-row blocks over the one 16-row KV head each rank holds."""
+    write_fp8_checkpoint(saved("llama"), tmp_path / "fp8", "block-wise", block=(32, 32))
+    message = (
+        r"'model\.layers\.0\.self_attn\.k_proj\.weight_scale_inv': .* 16 output rows, which split"
+    )
+    with pytest.raises(ValueError, match=message):
+        build(tmp_path / "fp8", TensorParallel(0, 2))
 
 
 def test_a_dead_worker_stops_the_engine_naming_its_rank(saved):
@@ -187,15 +232,13 @@ def test_ranks_rendezvous_through_torchrun_environment(saved):
     assert outputs[1][0] == ""  # a worker prints nothing
 
 
-@pytest.mark.parametrize(
-    "architecture, layers",
-    [("DeepseekV3ForCausalLM", "MLA"), ("Qwen3_5MoeForCausalLM", "GDN")],
-)
-def test_families_with_unsharded_layers_are_refused_by_name(architecture, layers):
-    config = types.SimpleNamespace(architecture=architecture)
-    check_tensor_parallel(config, 1)
-    with pytest.raises(ValueError, match=f"{architecture} does not support .*{layers}"):
-        check_tensor_parallel(config, 2)
+def test_a_shared_expert_summed_apart_from_the_experts_is_refused():
+    """Its all-reduce and the block's would add it twice."""
+    with tensor_parallel_scope(TensorParallel(0, 2)):
+        router, experts = TopKRouter(16, 4, Routing(top_k=2)), SwiGLUExperts(4, 16, 8)
+        with pytest.raises(ValueError, match="build the shared expert with reduce_output=False"):
+            SparseMoE(router, experts, GatedMLP(16, 8, SiluAndMul))
+        SparseMoE(router, experts, GatedMLP(16, 8, SiluAndMul, reduce_output=False))
 
 
 def test_heads_split_evenly_and_kv_heads_are_shared_below_one_per_rank():
@@ -214,15 +257,20 @@ def test_heads_split_evenly_and_kv_heads_are_shared_below_one_per_rank():
         TensorParallel(0, 4).part(3, "KV heads", shared=True)
 
 
-def test_two_ranks_with_speculation_equal_hf(saved):
-    """Verification steps and their rollback run the same on both ranks."""
-    path = saved("llama")
+# The tiny Qwen3.5 accepts none of its proposals: each verification step rolls every rank's
+# GDN states back to the row's last token.
+@pytest.mark.parametrize("family, accepts", [("llama", True), ("qwen3_5", False)])
+def test_two_ranks_with_speculation_equal_hf(saved, family, accepts):
+    """Verification steps and their rollback (of the KV cache; of the GDN states, each rank
+    its heads') run the same on both ranks."""
+    path = saved(family)
     hf = tf.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     ngram = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 2}
     llm = LLM(str(path), tensor_parallel_size=2, speculative_config=ngram, **ENGINE)
     try:
         assert tokens(llm) == hf_greedy(hf, PROMPTS, MAX_NEW)
         stats = llm.spec_decode_stats
-        assert 0 < stats.num_accepted_tokens < stats.num_draft_tokens  # accepted and refused
+        assert (stats.num_accepted_tokens > 0) == accepts
+        assert stats.num_accepted_tokens < stats.num_draft_tokens  # refused: rolled back
     finally:
         llm.engine.shutdown()

@@ -1,5 +1,7 @@
 """Two ranks over NCCL on two GPUs: decode steps replay CUDA graphs that hold the layers'
-all-reduces and the logits' all-gather, and greedy tokens equal HF's (fp32)."""
+all-reduces and the logits' all-gather, and greedy tokens equal HF's (fp32), for the dense and
+MoE families, latent attention (DeepSeek-V3: the Triton MLA kernels over each rank's heads) and
+the gated delta rule (Qwen3.5: the Triton GDN operator over each rank's key heads)."""
 
 from __future__ import annotations
 
@@ -31,7 +33,9 @@ pytestmark = [
 ]
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen3", "gemma3", "gpt_oss", "qwen3_moe"])
+@pytest.mark.parametrize(
+    "family", ["llama", "qwen3", "gemma3", "gpt_oss", "qwen3_moe", "deepseek_v3", "qwen3_5"]
+)
 def test_two_gpus_with_graphs_equal_hf(family, tmp_path):
     path = save_random_model(tiny_config(family), tmp_path)
     hf = (

@@ -8,11 +8,43 @@ import transformers as tf
 from tiny_models import BASE
 
 SLIDING, FULL = "sliding_attention", "full_attention"
+LINEAR = "linear_attention"
+# DeepSeek: 4 heads (2 a rank), a dense first layer, then routed and shared experts.
+DEEPSEEK = BASE | dict(
+    num_hidden_layers=2,
+    num_key_value_heads=4,  # HF's MLA: one per query head
+    first_k_dense_replace=1,
+    n_routed_experts=4,
+    num_experts_per_tok=2,
+    moe_intermediate_size=32,
+    n_group=2,
+    topk_group=1,
+    kv_lora_rank=32,
+    qk_rope_head_dim=8,
+    qk_nope_head_dim=16,
+    v_head_dim=12,
+    tie_word_embeddings=False,
+)
+# GDN layers of 2 key heads (one a rank) with 2 value heads each, around gated attention.
+QWEN3_5 = BASE | dict(
+    layer_types=[LINEAR, FULL, LINEAR],
+    head_dim=16,
+    linear_num_key_heads=2,
+    linear_num_value_heads=4,
+    linear_key_head_dim=16,
+    linear_value_head_dim=8,
+)
+QWEN3_5_EXPERTS = dict(
+    num_experts=4,
+    num_experts_per_tok=2,
+    moe_intermediate_size=32,
+    shared_expert_intermediate_size=48,
+)
 
 
 def tiny_config(family: str) -> tf.PretrainedConfig:
     """Tiny models whose shapes test the sharding: split and shared KV heads, a vocabulary that
-    two ranks do not divide evenly, both expert layouts."""
+    two ranks do not divide evenly, both expert layouts, latent attention, gated delta rule."""
     if family == "llama":  # one KV head: both ranks hold it
         return tf.LlamaConfig(**(BASE | dict(num_key_value_heads=1)), tie_word_embeddings=False)
     if family == "qwen3":  # qk-norm, head_dim apart from hidden / heads, tied, 321 tokens
@@ -48,5 +80,21 @@ def tiny_config(family: str) -> tf.PretrainedConfig:
             norm_topk_prob=True,
             mlp_only_layers=[1],
             tie_word_embeddings=False,
+        )
+    if family == "deepseek_v2":  # q_proj, grouped softmax routing, two shared experts
+        return tf.DeepseekV2Config(
+            **DEEPSEEK, q_lora_rank=None, n_shared_experts=2, topk_method="group_limited_greedy"
+        )
+    if family == "deepseek_v3":  # q_lora, sigmoid routing with correction bias, one shared
+        return tf.DeepseekV3Config(
+            **DEEPSEEK, q_lora_rank=24, n_shared_experts=1, norm_topk_prob=True
+        )
+    if family == "qwen3_5":  # split GDN input projections, tied
+        return tf.Qwen3_5TextConfig(**QWEN3_5, tie_word_embeddings=True)
+    if family == "qwen3_5_moe":  # every MLP sparse, a gated shared expert
+        return tf.Qwen3_5MoeTextConfig(**QWEN3_5, **QWEN3_5_EXPERTS, tie_word_embeddings=False)
+    if family == "qwen3_next":  # interleaved GDN input projections, sparse and dense MLPs
+        return tf.Qwen3NextConfig(
+            **QWEN3_5, **QWEN3_5_EXPERTS, decoder_sparse_step=2, tie_word_embeddings=False
         )
     raise ValueError(family)

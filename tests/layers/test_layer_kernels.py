@@ -14,7 +14,8 @@ import torch.nn.functional as F
 from triton_lowering import check_lowering
 
 from heron.kernels.activation import ACTIVATIONS, gated_activation
-from heron.kernels.rmsnorm import rms_norm
+from heron.kernels.rmsnorm import gated_rms_norm, rms_norm
+from heron.layers.norm import GatedRMSNorm
 from heron.ops.selector import layer_kernels
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -199,6 +200,33 @@ def test_gemma_norm_module_prenorm_bf16(tokens: int) -> None:
     assert_close(out.cpu(), expected)
 
 
+def _gated_norm_case(tokens: int, heads: int, dim: int, dtype: torch.dtype, device: str):
+    """x and a gate strided as Qwen3.5's mixer hands them over (views into its projection),
+    and HF's RMSNormGated form in PyTorch with a random weight."""
+    g = torch.Generator(device).manual_seed(tokens)
+    x = torch.randn(tokens, heads, dim + 8, generator=g, device=device).to(dtype)[..., :dim]
+    z = torch.randn(tokens, 3 * heads * dim, generator=g, device=device).to(dtype) * 3
+    gate = z[:, heads * dim : 2 * heads * dim].reshape(tokens, heads, dim)
+    norm = GatedRMSNorm(dim, EPS).to(device)
+    norm.weight.data = (torch.rand(dim, generator=g, device=device) + 0.5).to(dtype)
+    return x, gate, norm
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_gated_rms_norm(dtype: torch.dtype) -> None:
+    x, gate, norm = _gated_norm_case(3, 4, 32, dtype, DEVICE)
+    assert_close(gated_rms_norm(x, gate, norm.weight, EPS), norm(x, gate))
+    with pytest.raises(ValueError, match="T, H, D"):
+        gated_rms_norm(x[0], gate[0], norm.weight, EPS)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("tokens", [1, 64, 2048])
+def test_gated_rms_norm_bf16(tokens: int) -> None:
+    x, gate, norm = _gated_norm_case(tokens, 16, 128, torch.bfloat16, "cuda")
+    assert_close(gated_rms_norm(x, gate, norm.weight, EPS), norm(x, gate))
+
+
 def layer_kernel_launches() -> None:
     """bf16 launches at real hidden sizes (Qwen3-0.6B, Gemma-3-1B, gpt-oss, Llama-3-8B): the
     RMSNorm plain, with a residual, in Gemma's form with a fused post-norm; every gated
@@ -214,6 +242,8 @@ def layer_kernel_launches() -> None:
         )  # fmt: skip
     for inter, act in itertools.product((3072, 6912, 14336), ACTIVATIONS):
         gated_activation(torch.empty(3, 2 * inter, dtype=bf16), act)
+    x = torch.empty(3, 16, 128, dtype=bf16)  # Qwen3.5's linear-attention heads
+    gated_rms_norm(x, x, torch.empty(128, dtype=bf16), EPS)
 
 
 def test_layer_kernel_launches_lower_for_hopper():
@@ -223,4 +253,5 @@ def test_layer_kernel_launches_lower_for_hopper():
         "layers.test_layer_kernels:layer_kernel_launches",
         "heron.kernels.rmsnorm:_rms_norm_kernel",
         "heron.kernels.activation:_gated_activation_kernel",
+        "heron.kernels.rmsnorm:_gated_rms_norm_kernel",
     )

@@ -11,7 +11,9 @@ import pytest
 import torch
 from triton_lowering import check_lowering
 
-from heron.kernels.moe import align_by_expert, fused_experts
+from heron.kernels import moe_align
+from heron.kernels.moe import fused_experts
+from heron.kernels.moe_align import align_by_expert
 from heron.layers.moe import ClampedSwiGLUExperts, SparseMoE, SwiGLUExperts
 from heron.layers.routing import Routing
 from heron.models.gpt_oss import gpt_oss_moe
@@ -82,11 +84,20 @@ def clamps_bite(experts, x) -> bool:
     return gate_up.abs().max().item() > 2 * experts.limit
 
 
-def test_align_by_expert():
+@pytest.fixture(params=["one program", "torch"])
+def align_path(request, monkeypatch):
+    """Both ways of aligning: the one-program kernel, and PyTorch ops (past its pairs)."""
+    if request.param == "torch":
+        monkeypatch.setattr(moe_align, "ONE_PROGRAM_PAIRS", 0)
+    return request.param
+
+
+def test_align_by_expert(align_path):
     """Each used block holds one expert's pairs in token order, padding rows the sentinel."""
     num_experts, block_m = 5, 16
     indices = torch.tensor([[3, 0]] * 20 + [[0, 2]] * 3 + [[2, 3]])  # expert 1 and 4 get none
-    sorted_ids, block_expert, num_blocks = align_by_expert(indices, num_experts, block_m)
+    sorted_ids, block_expert, num_blocks = align_by_expert(indices.to(DEVICE), num_experts, block_m)
+    sorted_ids, block_expert, num_blocks = sorted_ids.cpu(), block_expert.cpu(), num_blocks.cpu()
     num_pairs = indices.numel()
     assert sorted_ids.numel() == block_m * block_expert.numel()
     assert sorted_ids.numel() >= num_pairs + 3 * (block_m - 1)
@@ -104,6 +115,21 @@ def test_align_by_expert():
         assert mine.tolist() == (flat == e).nonzero().flatten().tolist()
     assert (sorted_ids[5 * block_m :] == num_pairs).all()
     assert sorted(sorted_ids[sorted_ids < num_pairs].tolist()) == list(range(num_pairs))
+
+
+@pytest.mark.parametrize(
+    "num_tokens,top_k,num_experts,block_m",
+    [(1, 6, 64, 16), (7, 2, 5, 16), (40, 6, 160, 32), (100, 2, 3, 64)],  # one tile, several
+)
+def test_one_program_alignment_equals_torch(num_tokens, top_k, num_experts, block_m):
+    """Random routings, experts not a power of two, pairs over several of the kernel's tiles."""
+    g = torch.Generator().manual_seed(num_tokens)
+    indices = torch.rand(num_tokens, num_experts, generator=g).topk(top_k, dim=-1).indices
+    indices = indices.to(DEVICE)
+    got = align_by_expert(indices, num_experts, block_m)
+    want = moe_align._align_with_torch(indices.flatten(), num_experts, block_m, got[0].numel())
+    for g_part, w_part in zip(got, want):
+        assert torch.equal(g_part, w_part)
 
 
 @pytest.mark.parametrize("num_tokens", [1, 5, 13])
@@ -290,10 +316,12 @@ def moe_launches() -> None:
 
 
 def test_moe_launches_lower_for_hopper():
-    """Triton's compiler accepts both expert kernels' launch variants at gpt-oss-20b's and
-    Qwen3-30B-A3B's sizes (which the interpreter alone would not prove)."""
+    """Triton's compiler accepts both expert kernels' launch variants and the one-program
+    alignment at gpt-oss-20b's and Qwen3-30B-A3B's sizes (which the interpreter alone would
+    not prove)."""
     assert check_lowering(
         "layers.test_triton_moe:moe_launches",
         "heron.kernels.moe:_gate_up_kernel",
         "heron.kernels.moe:_down_kernel",
+        "heron.kernels.moe_align:_align_kernel",
     )

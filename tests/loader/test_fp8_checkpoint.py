@@ -14,60 +14,20 @@ from safetensors.torch import load_file, save_file
 from test_dummy import config_for
 
 from heron import LLM, SamplingParams
-from heron.layers.fp8 import FP8, FP8_MAX, dequantize, quantize
+from heron.layers.fp8 import FP8, dequantize, quantize
 from heron.layers.linear import Linear
 
-from tiny_models import greedy_tokens, hf_greedy, hf_prompt_logprobs
+from tiny_models import (
+    FP8_PROJECTIONS,
+    greedy_tokens,
+    hf_greedy,
+    hf_on_weights,
+    hf_prompt_logprobs,
+    write_fp8_checkpoint,
+)
 
 PROMPTS = [list(range(10, 40)), [5, 6, 7, 8, 9]]
 GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
-PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
-
-
-def _per_tensor(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """One scale for the whole matrix, as per-tensor FP8 checkpoints store it."""
-    scale = w.abs().max().float() / FP8_MAX
-    return (w / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8), scale
-
-
-def _write_fp8(src, dst, layout: str, skip: tuple[str, ...] = ()) -> dict[str, torch.Tensor]:
-    """``src`` re-saved with FP8 projections (but those in ``skip``, which the config lists as
-    ``modules_to_not_convert``); returns the dequantised weights HF should run."""
-    shutil.copytree(src, dst)
-    tensors = load_file(dst / "model.safetensors")
-    dequantised = {}
-    projections = [p for p in PROJECTIONS if p not in skip]
-    for name in [n for n in tensors if n.endswith("weight") and n.split(".")[-2] in projections]:
-        w = tensors.pop(name)
-        if layout == "per-tensor":
-            q, scale = _per_tensor(w)
-            tensors[name + "_scale"] = scale
-            tensors[name.removesuffix("weight") + "input_scale"] = torch.tensor(0.05)
-            dequantised[name] = q.float() * scale
-        else:
-            q, scale = quantize(w, (32, 32))
-            tensors[name + "_scale_inv"] = scale
-            dequantised[name] = dequantize(q, scale, (32, 32))
-        tensors[name] = q
-    save_file(tensors, dst / "model.safetensors")
-    config = json.loads((dst / "config.json").read_text())
-    config["quantization_config"] = (
-        {"quant_method": "fp8", "activation_scheme": "static"}
-        if layout == "per-tensor"
-        else {"quant_method": "fp8", "fmt": "e4m3", "weight_block_size": [32, 32]}
-    )
-    if skip:
-        config["quantization_config"]["modules_to_not_convert"] = list(skip)
-    (dst / "config.json").write_text(json.dumps(config))
-    return dequantised
-
-
-def _hf_on(src, weights: dict[str, torch.Tensor]):
-    hf = tf.AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32).eval()
-    state = hf.state_dict()
-    state.update(weights)
-    hf.load_state_dict(state)
-    return hf
 
 
 def _fp8_layers(llm: LLM) -> list[Linear]:
@@ -92,9 +52,9 @@ def test_quantised_at_load_equals_hf_on_the_dequantised_weights(tiny_model_dir):
     weights = {
         name: dequantize(*quantize(w))
         for name, w in hf.state_dict().items()
-        if name.endswith("weight") and name.split(".")[-2] in PROJECTIONS
+        if name.endswith("weight") and name.split(".")[-2] in FP8_PROJECTIONS
     }
-    _check_parity(llm, _hf_on(path, weights))
+    _check_parity(llm, hf_on_weights(path, weights))
 
 
 @pytest.mark.parametrize("layout", ["per-tensor", "block-wise"])
@@ -102,7 +62,7 @@ def test_fp8_checkpoint_loads_as_stored_and_equals_hf(layout, tiny_model_dir, tm
     """Block-wise, the down projections are left in full precision (modules_to_not_convert)."""
     src = tiny_model_dir("llama")
     skip = ("down_proj",) if layout == "block-wise" else ()
-    weights = _write_fp8(src, tmp_path / "fp8", layout, skip)
+    weights = write_fp8_checkpoint(src, tmp_path / "fp8", layout, skip)
     llm = LLM(str(tmp_path / "fp8"), max_model_len=128)
     block = (32, 32) if layout == "block-wise" else None
     layers = [(n, m) for n, m in llm.engine.runner.model.named_modules() if isinstance(m, Linear)]
@@ -115,7 +75,7 @@ def test_fp8_checkpoint_loads_as_stored_and_equals_hf(layout, tiny_model_dir, tm
         assert m.weight.dtype == FP8 and m.weight_block == block
         assert m.weight_scale.shape == rows
     assert llm.engine.model_config.quantization.from_checkpoint
-    _check_parity(llm, _hf_on(src, weights))
+    _check_parity(llm, hf_on_weights(src, weights))
 
 
 def test_invalid_quantization_settings_are_named(tiny_model_dir, tmp_path):

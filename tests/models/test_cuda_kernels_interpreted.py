@@ -55,7 +55,7 @@ def launches(monkeypatch):
         return call
 
     triton = selector.layer_kernels("triton")
-    entries = ("rms_norm", "gated_activation", "gemv", "fused_experts")
+    entries = ("rms_norm", "gated_activation", "gemv", "fused_experts", "route_topk")
     kernels = dataclasses.replace(triton, **{e: counted(e, getattr(triton, e)) for e in entries})
     monkeypatch.setitem(selector.LAYER_KERNELS, "counted", lambda: kernels)
     monkeypatch.setattr(CpuPlatform, "layer_kernels", lambda self: "counted")
@@ -93,7 +93,7 @@ def test_cuda_kernel_set_equals_hf(family, tiny_model_dir, tmp_path, launches):
     got = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, params, use_tqdm=False)]
 
     expected = {"rms_norm", "gemv", "argmax", "paged_decode_attention", "paged_extend_attention"}
-    expected |= {"fused_experts"} if family == "gpt_oss" else {"gated_activation"}
+    expected |= {"fused_experts", "route_topk"} if family == "gpt_oss" else {"gated_activation"}
     assert expected <= {name for name, n in launches.items() if n}, launches
 
     # Eager attention: HF's SDPA path drops Gemma 2's attention soft-cap.

@@ -11,18 +11,22 @@ import json
 import pytest
 import torch
 import transformers as tf
+from execution.view_replay import replay_views
 
 from heron import LLM, SamplingParams
 from heron.cli import main
+from heron.layers.fp8 import dequantize, quantize
 from heron.layers.rotary import MLARotary, RotaryEmbedding
 from heron.models.deepseek import mla_softmax_scale
 
 from tiny_models import (
+    FP8_PROJECTIONS,
     SHARED_PREFIX_PROMPTS,
     cuda_graph_llm,
     first_divergence_is_a_near_tie,
     greedy_tokens,
     hf_greedy,
+    hf_on_weights,
     prompt_logprob_error,
     rerun_from_prefix_cache,
     save_with_hf_reference,
@@ -220,6 +224,24 @@ def test_triton_operator_equals_hf(deepseek_v3):
     assert greedy_tokens(llm, prompts, params) == hf_greedy(hf, prompts, new)
 
 
+def test_verification_through_graph_buffers_equals_hf(deepseek_v3):
+    """Decode and verification steps as their graphs replay them (emulated on the CPU, see
+    ``execution.view_replay``) on the interpreted latent operator, whose decode kernel runs the
+    verification rows (1 + k queries each, padded rows on the null block): HF's tokens."""
+    path, hf, refs = deepseek_v3
+    spec = {"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_max": 2}
+    llm = LLM(str(path), attention_backend="triton", max_model_len=128, speculative_config=spec)
+    graphs = replay_views(llm)
+    new = 6
+    # the prompt ends in the model's own continuation, whose repeats the proposals find
+    continued = PROMPTS[1] + refs[1][:12]
+    params = SamplingParams(temperature=0.0, max_tokens=new, ignore_eos=True)
+    got = greedy_tokens(llm, [PROMPTS[2], continued], params)
+    assert got == [refs[2][:new], *hf_greedy(hf, [continued], new)]
+    assert (2, 3) in graphs.replayed
+    assert llm.spec_decode_stats.num_accepted_tokens > 0
+
+
 @pytest.mark.gpu
 def test_greedy_on_cuda_with_graphs(deepseek):
     """The Triton latent operator inside captured decode graphs (its plan made on replay)."""
@@ -241,3 +263,25 @@ def test_bf16_greedy_on_cuda_is_hfs_up_to_near_ties(deepseek):
     for want, prompt, *got in zip(hf_greedy(hf, PROMPTS, MAX_NEW), PROMPTS, *runs):
         for tokens in got:
             assert first_divergence_is_a_near_tie(hf, prompt, tokens, want)
+
+
+def test_fp8_weights_leave_the_absorbed_kv_b_proj_dense(deepseek_v3):
+    """``quantization="fp8"``: every projection but ``kv_b_proj`` (which the operator reads
+    as a matrix) and the experts and router is FP8; greedy equals HF on those weights
+    dequantised."""
+    path, hf, _ = deepseek_v3
+    llm = LLM(str(path), max_model_len=128, quantization="fp8")
+    kinds = {
+        name: m.weight.dtype
+        for name, m in llm.engine.runner.model.named_modules()
+        if name.endswith(("kv_b_proj", "o_proj", "q_b_proj"))
+    }
+    assert kinds and all((t == torch.float32) == n.endswith("kv_b_proj") for n, t in kinds.items())
+    projections = {"q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "o_proj", *FP8_PROJECTIONS}
+    weights = {
+        name: dequantize(*quantize(w))
+        for name, w in hf.state_dict().items()
+        if w.dim() == 2 and name.split(".")[-2] in projections and ".experts." not in name
+    }
+    fp8_hf = hf_on_weights(path, weights)
+    assert greedy_tokens(llm, PROMPTS, GREEDY) == hf_greedy(fp8_hf, PROMPTS, MAX_NEW)

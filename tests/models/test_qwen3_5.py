@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 import transformers as tf
+from execution.view_replay import replay_views
 
 from heron import LLM, SamplingParams
 from heron.cache.recurrent import RecurrentStateSpec
@@ -214,31 +215,61 @@ def test_triton_operators_with_speculation_equal_hf(qwen3_5_case):
     assert 0 < stats.num_accepted_tokens < stats.num_draft_tokens, stats
 
 
-@pytest.mark.gpu
-def test_speculation_on_the_gpu_equals_hf(qwen3_5_case):
-    """On the GPU (fp32): n-gram speculation beside graph-replayed decode steps (verification
-    steps run eagerly: the GDN group's graphs take decode steps only) gives HF's tokens."""
+def test_verification_through_graph_buffers_equals_hf(qwen3_5_case):
+    """Decode and verification steps as their graphs replay them (the buffers filled, the
+    buckets' views; emulated on the CPU, see ``execution.view_replay``) on the interpreted
+    Triton operators: HF's tokens, and capture's warm-up left every real slot alone."""
     path, hf, refs = qwen3_5_case
     spec = {"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_max": 2}
-    options = dict(device="cuda", dtype="float32", max_model_len=128, num_kv_blocks=64)
-    llm = LLM(path, cuda_graph_max_bs=8, speculative_config=spec, **options)
+    llm = LLM(path, attention_backend="triton", max_model_len=128, speculative_config=spec)
+    graphs = replay_views(llm)
+    gdn = [m for m in llm.engine.runner.model.modules() if isinstance(m, GatedDeltaNet)]
+    assert all(not m.conv_state[1:].any() and not m.recurrent_state[1:].any() for m in gdn)
+    short = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
     repeated = (PROMPTS[3] + refs[3][:8]) * 2
-    got = greedy_tokens(llm, [*PROMPTS, repeated], GREEDY)
-    assert got == [*refs, *hf_greedy(hf, [repeated], MAX_NEW)]
+    got = greedy_tokens(llm, [PROMPTS[1], repeated], short)
+    assert got == [refs[1][:8], *hf_greedy(hf, [repeated], 8)]
+    assert (2, 3) in graphs.replayed and (2, 1) in graphs.replayed  # both kinds, batch 2
     stats = llm.spec_decode_stats
     assert 0 < stats.num_accepted_tokens < stats.num_draft_tokens, stats
 
 
 @pytest.mark.gpu
-def test_graph_replay_equals_eager_and_capture_leaves_real_slots_alone(qwen3_5_case):
+def test_speculation_on_the_gpu_equals_hf(qwen3_5_case):
+    """On the GPU (fp32): n-gram speculation with verification steps replayed from their graphs
+    (3 tokens per row, the GDN states kept per token in the reserved buffers) beside
+    graph-replayed decode steps gives HF's tokens."""
+    path, hf, refs = qwen3_5_case
+    spec = {"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_max": 2}
+    options = dict(device="cuda", dtype="float32", max_model_len=128, num_kv_blocks=64)
+    llm = LLM(path, cuda_graph_max_bs=8, speculative_config=spec, **options)
+    graphs = llm.engine.runner.graphs
+    assert graphs.query_lens == [1, 3]
+    replayed = []
+    run = graphs.run
+    graphs.run = lambda seq: replayed.append(seq.max_query_len) or run(seq)
+    repeated = (PROMPTS[3] + refs[3][:8]) * 2
+    got = greedy_tokens(llm, [*PROMPTS, repeated], GREEDY)
+    assert got == [*refs, *hf_greedy(hf, [repeated], MAX_NEW)]
+    assert 3 in replayed
+    stats = llm.spec_decode_stats
+    assert 0 < stats.num_accepted_tokens < stats.num_draft_tokens, stats
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("speculation", [None, 2])
+def test_graph_replay_equals_eager_and_capture_leaves_real_slots_alone(qwen3_5_case, speculation):
     """On the GPU (fp32): decode steps replayed from CUDA graphs give HF's tokens, as eager
-    steps do; capture and warm-up ran on the null slot only, so every other slot was still
-    zero when the first request arrived."""
+    steps do; capture and warm-up (of verification graphs too, with speculation) ran on the
+    null slot only, so every other slot was still zero when the first request arrived."""
     path, _, refs = qwen3_5_case
     options = dict(device="cuda", dtype="float32", max_model_len=128, num_kv_blocks=64)
+    if speculation:
+        options["speculative_config"] = {"method": "ngram", "num_speculative_tokens": speculation}
     graphs = LLM(path, cuda_graph_max_bs=8, **options)
     runner = graphs.engine.runner
     assert runner.graphs is not None
+    assert runner.graphs.query_lens == ([1, 1 + speculation] if speculation else [1])
     gdn = [m for m in runner.model.modules() if isinstance(m, GatedDeltaNet)]
     assert gdn and all(not m.conv_state[1:].any() and not m.recurrent_state[1:].any() for m in gdn)
     replayed = []

@@ -191,7 +191,7 @@ def test_uniform_proposals_keep_parity(tmp_path, monkeypatch):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("family", ["qwen3", "gemma3", "gpt_oss"])
+@pytest.mark.parametrize("family", ["qwen3", "gemma3", "gpt_oss", "deepseek_v3", "qwen3_5"])
 def test_verification_graphs_on_cuda(family, tmp_path):
     """fp32 on the GPU: verification steps replay their graphs (1 + k tokens per row) and give
     what eager verification gives, and greedy speculation stays plain greedy up to exact ties."""

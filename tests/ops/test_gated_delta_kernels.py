@@ -68,17 +68,24 @@ def test_decode_kernels_equal_the_reference():
 
 
 def decode_launches() -> None:
-    """The launches of a Qwen3.5-0.8B decode step in bf16 (for the lowering test)."""
-    x = torch.empty(4, 2 * 16 * 128 + 16 * 128, dtype=torch.bfloat16)
+    """The launches of a Qwen3.5-0.8B decode step in bf16, and of a verification step of 4
+    tokens per row (for the lowering test)."""
     slots, keep = torch.zeros(4, dtype=torch.int32), torch.zeros(4, dtype=torch.bool)
-    ab = torch.empty(4, 32, dtype=torch.bfloat16)
-    conv_state = torch.empty(5, x.shape[1], 3, dtype=torch.bfloat16)
-    causal_conv1d_update(
-        x, conv_state, torch.empty(x.shape[1], 4, dtype=torch.bfloat16), slots, keep
-    )
+    conv_state = torch.empty(5, 2 * 16 * 128 + 16 * 128, 3, dtype=torch.bfloat16)
+    weight = torch.empty(conv_state.shape[1], 4, dtype=torch.bfloat16)
     state = torch.empty(5, 16, 128, 128)
     bias = torch.empty(16)
-    gated_delta_decode(x, ab[:, :16], ab[:, 16:], bias, bias, state, slots, keep, 16)
+    for q in (1, 4):
+        x = torch.empty(4 * q, conv_state.shape[1], dtype=torch.bfloat16)
+        ab = torch.empty(4 * q, 32, dtype=torch.bfloat16)
+        conv_kept = torch.empty(4, 3, *conv_state.shape[1:], dtype=torch.bfloat16)[:, : q - 1]
+        state_kept = torch.empty(4, 3, *state.shape[1:])[:, : q - 1]
+        kept = q > 1
+        causal_conv1d_update(x, conv_state, weight, slots, keep, conv_kept if kept else None)
+        gated_delta_decode(
+            x, ab[:, :16], ab[:, 16:], bias, bias, state, slots, keep, 16,
+            state_kept if kept else None,
+        )  # fmt: skip
 
 
 def test_decode_kernels_lower_for_hopper():

@@ -74,8 +74,8 @@ def test_plan_splits_by_length_within_the_launch():
 
 def mla_launches() -> None:
     """bf16 launches at DeepSeek's latent shape: the decode (V3's 128 heads; every head count
-    compiles to the same 16-head programs) with one split and several, the fused RoPE + latent
-    write (interleaved, 128 heads)."""
+    compiles to the same 16-head programs) with one split and several, and of two query tokens
+    per request, the fused RoPE + latent write (interleaved, 128 heads)."""
     bf16 = torch.bfloat16
     cache = torch.empty(8, 64, 576, dtype=bf16)
     tables = torch.zeros(2, 4, dtype=torch.int32)
@@ -89,6 +89,10 @@ def mla_launches() -> None:
         mla_decode_attention(
             q, cache, tables, lens, 0.1, 512, plan, splits, out, partial_out, partial_lse
         )
+    # a verification step: both query rows are one request's tokens
+    mla_decode_attention(
+        q, cache, tables[:1], lens[:1], 0.1, 512, plan, 8, out, partial_out, partial_lse, 2
+    )
     table = torch.empty(64, 32)
     slots = torch.zeros(2, dtype=torch.int32)
     q_full = torch.empty(2, 128, 192, dtype=bf16)

@@ -5,6 +5,10 @@ one flag for the batch: a step mixes new prompts, continued chunks and decodes.
 
 A builder given a ``chunk_size`` (the GPU operator's) also hands extend steps the chunked
 kernels' tiling: ``cu_seqlens`` and ``chunk_indices``, made once per step for every layer.
+
+Graph buffers take decode steps and uniform verification steps (``q`` tokens per row, every row
+verifying ``q - 1`` proposals): their views say so in ``verifies_uniformly``, which an operator
+that runs such steps from device metadata alone reads (its builder declares ``UNIFORM``).
 """
 
 from __future__ import annotations
@@ -35,6 +39,8 @@ class GatedDeltaNetView:
     chunk_indices: torch.Tensor | None = None  # [tiles, 2] int64: request, tile within it
     # per request, the proposals it verifies (see SequenceMetadata), or None
     num_proposed_host: np.ndarray | None = None
+    # every row verifies max_query_len - 1 proposals (graph views of such steps too)
+    verifies_uniformly: bool = False
 
 
 def chunk_indices(query_start: np.ndarray, chunk_size: int) -> np.ndarray:
@@ -50,7 +56,12 @@ def chunk_indices(query_start: np.ndarray, chunk_size: int) -> np.ndarray:
 class GatedDeltaNetGraphBuffers:
     state_slots: torch.Tensor
     has_initial_state: torch.Tensor
-    query_start_loc: torch.Tensor
+    # [max_q, max_batch + 1]: row q - 1 is 0, q, 2q, ... (constants, so never filled)
+    query_starts: torch.Tensor
+
+    @property
+    def max_query_len(self) -> int:
+        return self.query_starts.shape[0]
 
 
 class GatedDeltaNetBuilder(MetadataBuilder):
@@ -74,8 +85,9 @@ class GatedDeltaNetBuilder(MetadataBuilder):
 
     def build(self, seq: SequenceMetadata) -> GatedDeltaNetView:
         slots, has_state = self._rows(seq)
-        view = self._view(seq, slots, has_state, seq.query_start_loc, seq.num_reqs)
-        if self.chunk_size is None or seq.is_decode:
+        uniform = seq.is_uniform_verification  # decode steps of the operator's own kernels
+        view = self._view(seq, slots, has_state, seq.query_start_loc, seq.num_reqs, uniform)
+        if self.chunk_size is None or seq.is_decode or uniform:
             return view
         tiles = chunk_indices(seq.query_start_host, self.chunk_size)
         device = seq.query_start_loc.device
@@ -85,17 +97,23 @@ class GatedDeltaNetBuilder(MetadataBuilder):
             chunk_indices=torch.from_numpy(tiles).to(device),
         )
 
-    def make_graph_buffers(self, max_batch: int, device: torch.device) -> GatedDeltaNetGraphBuffers:
+    def make_graph_buffers(
+        self, max_batch: int, device: torch.device, max_query_len: int = 1
+    ) -> GatedDeltaNetGraphBuffers:
+        rows = torch.arange(max_batch + 1, dtype=torch.int32, device=device)
+        lens = torch.arange(1, max_query_len + 1, dtype=torch.int32, device=device)
         return GatedDeltaNetGraphBuffers(
             state_slots=torch.zeros(max_batch, dtype=torch.int32, device=device),
             has_initial_state=torch.zeros(max_batch, dtype=torch.bool, device=device),
-            query_start_loc=torch.arange(max_batch + 1, dtype=torch.int32, device=device),
+            query_starts=rows * lens[:, None],
         )
 
     def fill(self, seq: SequenceMetadata, buffers: GatedDeltaNetGraphBuffers, batch: int) -> None:
-        if not seq.is_decode or batch < seq.num_reqs:
+        uniform = seq.is_decode or seq.is_uniform_verification
+        if not uniform or seq.max_query_len > buffers.max_query_len or batch < seq.num_reqs:
             raise StepMetadataError(
-                f"graph buffers take decode steps of at most {batch} requests, got "
+                f"graph buffers take decode steps or uniform verification steps (at most "
+                f"{buffers.max_query_len} tokens per row) of at most {batch} requests, got "
                 f"{seq.num_reqs} requests with {seq.num_tokens} tokens"
             )
         n = seq.num_reqs
@@ -109,12 +127,14 @@ class GatedDeltaNetBuilder(MetadataBuilder):
     def graph_view(
         self, seq: SequenceMetadata, buffers: GatedDeltaNetGraphBuffers, batch: int
     ) -> GatedDeltaNetView:
+        q = seq.max_query_len
         return self._view(
             seq,
             buffers.state_slots[:batch],
             buffers.has_initial_state[:batch],
-            buffers.query_start_loc[: batch + 1],
+            buffers.query_starts[q - 1, : batch + 1],
             batch,
+            q > 1,
         )
 
     def _rows(self, seq: SequenceMetadata) -> tuple[torch.Tensor, torch.Tensor]:
@@ -129,6 +149,7 @@ class GatedDeltaNetBuilder(MetadataBuilder):
         has_state: torch.Tensor,
         query_start_loc: torch.Tensor,
         num_reqs: int,
+        verifies_uniformly: bool,
     ) -> GatedDeltaNetView:
         return GatedDeltaNetView(
             is_decode=seq.is_decode,
@@ -139,4 +160,12 @@ class GatedDeltaNetBuilder(MetadataBuilder):
             query_start_host=seq.query_start_host,
             max_query_len=seq.max_query_len,
             num_proposed_host=seq.num_proposed_host,
+            verifies_uniformly=verifies_uniformly,
         )
+
+
+class UniformGatedDeltaNetBuilder(GatedDeltaNetBuilder):
+    """The builder of an operator that runs uniform verification steps from the view's device
+    tensors alone (``verifies_uniformly``), so their graphs can be captured."""
+
+    graph_support = GraphSupport.UNIFORM

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -59,6 +60,7 @@ class GatedDeltaNet(MetadataOperator):
     """
 
     backend = "reference"
+    builder_class: type[GatedDeltaNetBuilder] = GatedDeltaNetBuilder
 
     def __init__(
         self,
@@ -82,13 +84,16 @@ class GatedDeltaNet(MetadataOperator):
             spec.value_dim,
             spec.state_dtype,
         )
-        self._builder = GatedDeltaNetBuilder(self.backend)
+        self._builder = self.builder_class(self.backend)
         self.conv_state: torch.Tensor | None = None  # [slots, conv_dim, kernel - 1]
         self.recurrent_state: torch.Tensor | None = None  # [slots, heads, key_dim, value_dim]
-        # A verification step's states after each token of a row but its last, by step row:
-        # [rows, proposals, *state shape], kept until the step's tokens are accepted.
+        # A verification step's states after each token of a verifying row but its last, by
+        # the row's place among the step's verifying rows: [rows, proposals, *state shape], and
+        # each such row's slot, kept until the step's tokens are accepted. Reserved once
+        # (reserve_verification), so graphs capture them and the memory budget counts them.
         self._verified_conv: torch.Tensor | None = None
         self._verified_states: torch.Tensor | None = None
+        self._verified_slots: torch.Tensor | None = None
 
     @property
     def cache_spec(self) -> RecurrentStateSpec:
@@ -153,12 +158,15 @@ class GatedDeltaNet(MetadataOperator):
         starts, weight = view.query_start_host, self.conv_weight[:, 0]
         proposed = view.num_proposed_host
         if proposed is not None:
-            self._reserve_verified(view.num_reqs, int(proposed.max()))
+            self._check_verified(int(np.count_nonzero(proposed)), int(proposed.max()))
+        verifying = 0
         for i in range(view.num_reqs):
             rows = slice(int(starts[i]), int(starts[i + 1]))
             slot, keep = view.state_slots[i].long(), view.has_initial_state[i]
             if proposed is not None and proposed[i]:
-                out[rows] = self._verify_row(x[rows], g[rows], beta[rows], slot, keep, i)
+                self._verified_slots[verifying] = slot
+                out[rows] = self._verify_row(x[rows], g[rows], beta[rows], slot, keep, verifying)
+                verifying += 1
                 continue
             conv_out, conv_state = causal_conv1d(
                 x[rows], weight, torch.where(keep, self.conv_state[slot], 0)
@@ -170,16 +178,24 @@ class GatedDeltaNet(MetadataOperator):
             self.recurrent_state[slot] = state.to(self.recurrent_state.dtype)
         return out
 
-    def _reserve_verified(self, num_rows: int, num_proposed: int) -> None:
-        """Room for the intermediate states of ``num_rows`` rows of ``num_proposed`` proposals."""
+    def reserve_verification(self, max_rows: int, num_proposals: int, device: torch.device) -> int:
+        """Buffers for the intermediate states of verification steps of up to ``max_rows``
+        verifying rows of ``num_proposals`` proposals each; returns their bytes."""
+        spec = self._cache_spec
+        conv, state = spec.allocate(max_rows * num_proposals, device)
+        self._verified_conv = conv.unflatten(0, (max_rows, num_proposals))
+        self._verified_states = state.unflatten(0, (max_rows, num_proposals))
+        self._verified_slots = torch.zeros(max_rows, dtype=torch.int64, device=device)
+        return max_rows * num_proposals * spec.bytes_per_block + self._verified_slots.nbytes
+
+    def _check_verified(self, num_rows: int, num_proposed: int) -> None:
         held = self._verified_states
-        if held is not None and held.shape[0] >= num_rows and held.shape[1] >= num_proposed:
-            return
-        rows = max(num_rows, held.shape[0] if held is not None else 0)
-        k = max(num_proposed, held.shape[1] if held is not None else 0)
-        conv, state = self.conv_state, self.recurrent_state
-        self._verified_conv = conv.new_empty(rows, k, *conv.shape[1:])
-        self._verified_states = state.new_empty(rows, k, *state.shape[1:])
+        if held is None or held.shape[0] < num_rows or held.shape[1] < num_proposed:
+            room = "none" if held is None else f"{held.shape[0]} rows of {held.shape[1]}"
+            raise StepMetadataError(
+                f"layer {self.layer_name!r}: a verification step of {num_rows} rows of "
+                f"{num_proposed} proposals, reserved for {room} (reserve_verification)"
+            )
 
     def _verify_row(
         self,
@@ -192,8 +208,9 @@ class GatedDeltaNet(MetadataOperator):
     ) -> torch.Tensor:
         """A verifying row's tokens as consecutive decode steps (the same arithmetic and
         rounding of the states as :meth:`_decode`, so an accepted token's state is the one plain
-        decoding reaches); the states after each token but the last go to its ``row`` of the
-        verification states, for :meth:`keep_verified_states`, the last to its slot."""
+        decoding reaches); the states after each token but the last go to ``row`` of the
+        verification states (its place among the step's verifying rows), for
+        :meth:`keep_verified_states`, the last to its slot."""
         weight = self.conv_weight[:, 0]
         conv_state = torch.where(keep, self.conv_state[slot], 0)[None]
         state = torch.where(keep, self.recurrent_state[slot], 0)[None]
@@ -216,10 +233,11 @@ class GatedDeltaNet(MetadataOperator):
         return torch.cat(outs)
 
     def keep_verified_states(self, rows: list[int], positions: list[int]) -> None:
-        """After a verification step: row ``rows[i]``'s slot goes back to the state its token
-        ``positions[i]`` left (its last token and the proposals accepted after it)."""
+        """After a verification step: the slot of verifying row ``rows[i]`` (its place among
+        the step's verifying rows) goes back to the state its token ``positions[i]`` left (its
+        last token and the proposals accepted after it)."""
         index = torch.tensor(rows, dtype=torch.int64, device=self.conv_state.device)
         at = torch.tensor(positions, dtype=torch.int64, device=self.conv_state.device)
-        slots = self.view.state_slots.long()[index]
+        slots = self._verified_slots[index]
         self.conv_state.index_copy_(0, slots, self._verified_conv[index, at])
         self.recurrent_state.index_copy_(0, slots, self._verified_states[index, at])

@@ -99,11 +99,15 @@ class MLAOperator(MetadataOperator):
             raise StepMetadataError(f"layer {self.layer_name!r} has no latent cache bound")
         s, view, tokens = self.spec, self.view, q.shape[0]
         q = self.rope_and_store(q.view(tokens, s.num_heads, s.qk_head_dim), kv_latent, k_rope, view)
-        if view.is_decode:
+        if self.decodes(view):
             out = self.attend_absorbed(q, view, self.attend_latent)
         else:
             out = self.forward_extend(q, view)
         return out.reshape(tokens, -1)
+
+    def decodes(self, view: PagedAttentionView) -> bool:
+        """Whether the step's queries go to :meth:`attend_latent` (else :meth:`forward_extend`)."""
+        return view.is_decode
 
     def rope_and_store(
         self,
@@ -153,8 +157,8 @@ class MLAOperator(MetadataOperator):
         return torch.einsum("thl,hvl->thv", latent_out.to(w_uv.dtype), w_uv)
 
     def attend_latent(self, q: torch.Tensor, view: PagedAttentionView) -> torch.Tensor:
-        """Decode: ``q [reqs, heads, lora + rope]`` over each request's cached entries ->
-        the attention-weighted latents ``[reqs, heads, lora]``."""
+        """Decode: ``q [tokens, heads, lora + rope]`` over each request's cached entries ->
+        the attention-weighted latents ``[tokens, heads, lora]``."""
         raise NotImplementedError
 
     def forward_extend(self, q: torch.Tensor, view: PagedAttentionView) -> torch.Tensor:

@@ -18,7 +18,7 @@ from heron.kernels.mla_extend import mla_extend_attention
 from heron.kernels.mla_rope import mla_rope_latent_write
 from heron.kernels.pdl import multiprocessor_count
 from heron.layers.rotary import MLARotary
-from heron.metadata import SequenceMetadata, StepMetadataError
+from heron.metadata import GraphSupport, SequenceMetadata, StepMetadataError
 from heron.ops.attention.paged import PagedAttentionView, PagedGraphBuffers
 from heron.ops.mla.base import LatentAttentionBuilder, MLAOperator, MLASpec
 
@@ -26,19 +26,21 @@ from heron.ops.mla.base import LatentAttentionBuilder, MLAOperator, MLASpec
 @dataclass(frozen=True)
 class MLADecodeWorkspace:
     """A decode step's launch depth, its split plan (filled on the device by the step's first
-    latent layer, then shared by the others) and the partial buffers of the merge."""
+    latent layer, then shared by the others), the partial buffers of the merge, and the query
+    tokens per request (``1 + k`` in a verification step)."""
 
     max_splits: int
-    plan: MLADecodePlan
-    partial_out: torch.Tensor | None  # [reqs, heads, max_splits, lora] fp32
-    partial_lse: torch.Tensor | None  # [reqs, heads, max_splits] fp32
+    plan: MLADecodePlan  # per request
+    partial_out: torch.Tensor | None  # [tokens, heads, max_splits, lora] fp32
+    partial_lse: torch.Tensor | None  # [tokens, heads, max_splits] fp32
+    query_len: int = 1
 
 
 @dataclass(frozen=True)
 class MLAGraphBuffers:
     paged: PagedGraphBuffers
     plan: MLADecodePlan  # [max_batch] tensors, shared by every bucket's view
-    partial_out: torch.Tensor  # flat, sized for the bucket with the most requests * splits
+    partial_out: torch.Tensor  # flat, sized for the bucket with the most tokens * splits
     partial_lse: torch.Tensor
 
 
@@ -51,7 +53,15 @@ class TritonMLABuilder(LatentAttentionBuilder):
     A captured graph must contain that computation: ``before_capture`` marks the graph
     buffers' plan not ready, so the capture records it (the warm-up before left it ready) and
     every replay plans from its own lengths.
+
+    Uniform verification steps (``1 + k`` tokens per row) take the decode kernel too, each
+    token a decode query one key longer than the one before, under the same per-request plan:
+    split-KV keeps a small batch's long contexts spread over the GPU, where the extend kernel
+    would give each row's few tokens one program per head tile. So they replay graphs keyed
+    by (rows, query length), the split depth chosen for the graph's tokens.
     """
+
+    graph_support = GraphSupport.UNIFORM
 
     def __init__(self, spec: MLASpec, block_size: int, max_model_len: int) -> None:
         super().__init__("triton", block_size, max_model_len)
@@ -69,16 +79,23 @@ class TritonMLABuilder(LatentAttentionBuilder):
         )
 
     def _workspace(
-        self, batch: int, splits: int, plan: MLADecodePlan, out: torch.Tensor, lse: torch.Tensor
+        self,
+        tokens: int,
+        splits: int,
+        plan: MLADecodePlan,
+        out: torch.Tensor,
+        lse: torch.Tensor,
+        query_len: int,
     ) -> MLADecodeWorkspace:
         if splits == 1:
-            return MLADecodeWorkspace(1, plan, None, None)
+            return MLADecodeWorkspace(1, plan, None, None, query_len)
         h, lora = self.spec.num_heads, self.spec.kv_lora_rank
         return MLADecodeWorkspace(
             splits,
             plan,
-            out[: batch * h * splits * lora].view(batch, h, splits, lora),
-            lse[: batch * h * splits].view(batch, h, splits),
+            out[: tokens * h * splits * lora].view(tokens, h, splits, lora),
+            lse[: tokens * h * splits].view(tokens, h, splits),
+            query_len,
         )
 
     @staticmethod
@@ -87,23 +104,30 @@ class TritonMLABuilder(LatentAttentionBuilder):
         return MLADecodePlan(empty(), empty())
 
     def build(self, seq: SequenceMetadata) -> PagedAttentionView:
+        """A decode or uniform verification step's view holds the decode workspace; any other
+        step's view has none (it runs the extend kernel)."""
         view = super().build(seq)
-        if not seq.is_decode:
+        if not (seq.is_decode or seq.is_uniform_verification):
             return view
-        device, batch = seq.kv_lens.device, seq.num_reqs
-        splits = self._max_splits(batch, seq.max_kv_len, device)
-        rows = batch * self.spec.num_heads * splits if splits > 1 else 0
+        device, tokens = seq.kv_lens.device, seq.num_tokens
+        splits = self._max_splits(tokens, seq.max_kv_len, device)
+        rows = tokens * self.spec.num_heads * splits if splits > 1 else 0
         out = torch.empty(rows * self.spec.kv_lora_rank, dtype=torch.float32, device=device)
         lse = torch.empty(rows, dtype=torch.float32, device=device)
-        workspace = self._workspace(batch, splits, self._plan(batch, device), out, lse)
+        plan = self._plan(seq.num_reqs, device)
+        workspace = self._workspace(tokens, splits, plan, out, lse, seq.max_query_len)
         return dataclasses.replace(view, workspace=workspace)
 
-    def make_graph_buffers(self, max_batch: int, device: torch.device) -> MLAGraphBuffers:
-        splits = [self._max_splits(b, self.max_model_len, device) for b in range(1, max_batch + 1)]
-        rows = max((b * s for b, s in enumerate(splits, 1) if s > 1), default=0)
+    def make_graph_buffers(
+        self, max_batch: int, device: torch.device, max_query_len: int = 1
+    ) -> MLAGraphBuffers:
+        # The partials hold the most tokens * splits of any graph (splits fall as tokens grow).
+        most = max_batch * max_query_len
+        splits = [self._max_splits(t, self.max_model_len, device) for t in range(1, most + 1)]
+        rows = max((t * s for t, s in enumerate(splits, 1) if s > 1), default=0)
         rows *= self.spec.num_heads
         return MLAGraphBuffers(
-            paged=super().make_graph_buffers(max_batch, device),
+            paged=super().make_graph_buffers(max_batch, device, max_query_len),
             plan=self._plan(max_batch, device),
             partial_out=torch.empty(
                 rows * self.spec.kv_lora_rank, dtype=torch.float32, device=device
@@ -118,9 +142,10 @@ class TritonMLABuilder(LatentAttentionBuilder):
         self, seq: SequenceMetadata, buffers: MLAGraphBuffers, batch: int
     ) -> PagedAttentionView:
         view = super().graph_view(seq, buffers.paged, batch)
-        splits = self._max_splits(batch, self.max_model_len, seq.kv_lens.device)
+        q = seq.max_query_len
+        splits = self._max_splits(batch * q, self.max_model_len, seq.kv_lens.device)
         workspace = self._workspace(
-            batch, splits, buffers.plan, buffers.partial_out, buffers.partial_lse
+            batch * q, splits, buffers.plan, buffers.partial_out, buffers.partial_lse, q
         )
         return dataclasses.replace(view, workspace=workspace)
 
@@ -164,6 +189,10 @@ class TritonMLA(MLAOperator):
         )
         return q
 
+    def decodes(self, view: PagedAttentionView) -> bool:
+        # verification steps as well: the builder gave their views a decode workspace
+        return view.workspace is not None
+
     def attend_latent(self, q: torch.Tensor, view: PagedAttentionView) -> torch.Tensor:
         ws: MLADecodeWorkspace | None = view.workspace
         if ws is None:
@@ -185,6 +214,7 @@ class TritonMLA(MLAOperator):
             out,
             ws.partial_out,
             ws.partial_lse,
+            ws.query_len,
         )
 
     def forward_extend(self, q: torch.Tensor, view: PagedAttentionView) -> torch.Tensor:

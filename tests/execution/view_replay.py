@@ -1,0 +1,66 @@
+"""What a CUDA graph replay computes, without the graph, so the CPU (Triton's interpreter) can
+run it: the capture's dummy steps fill each builder's graph buffers and give the buckets' views
+(warm-up forward included), and a "replay" fills the step into the buffers, puts the bucket's
+views back and runs the forward on them. Only what a graph adds is missing (replaying no
+Python), so ``before_capture`` runs before every replay, as the captured planning would."""
+
+from __future__ import annotations
+
+import bisect
+from dataclasses import replace
+
+import torch
+
+from heron.execution.cuda_graph import CudaGraphRunner, _dummy_step
+
+
+class ViewReplay(CudaGraphRunner):
+    @torch.inference_mode()
+    def capture(self, block_size, group_parts) -> None:
+        self.views = {}
+        for q in reversed(self.query_lens):
+            for batch in reversed(self.buckets_of[q]):
+                dummy = _dummy_step(batch, q, block_size, self.device, group_parts)
+                self._fill(dummy, batch)
+                views = [
+                    g.builder.graph_view(dummy, self.buffers[id(g)], batch)
+                    for g in self.plan.groups
+                ]
+                self.views[batch, q] = views
+                self._forward(batch, q)  # the warm-up
+
+    def _forward(self, batch: int, q: int) -> torch.Tensor:
+        for group, view in zip(self.plan.groups, self.views[batch, q]):
+            group.builder.before_capture(self.buffers[id(group)])
+            group.view = view
+        return self.model.compute_logits(self.model(self.token_ids[: batch * q]))
+
+    def run(self, seq):
+        n, q = seq.num_reqs, seq.max_query_len
+        buckets = self.buckets_of[q]
+        batch = buckets[bisect.bisect_left(buckets, n)]
+        self.token_ids[: n * q].copy_(seq.token_ids)
+        self._fill(seq, batch)
+        logits = self._forward(batch, q)[: n * q]
+        self.replayed.append((n, q))
+        return logits, logits.argmax(-1)
+
+
+def replay_views(llm, max_batch: int = 2) -> ViewReplay:
+    """Make ``llm``'s engine replay (emulated) decode and verification graphs up to
+    ``max_batch`` rows, with proposals padded to ``k`` as real verification graphs have them."""
+    engine = llm.engine
+    runner, spec = engine.runner, engine.config.speculative
+    graphs = ViewReplay(
+        runner.model,
+        runner.plan,
+        runner.device,
+        max_batch,
+        {1 + spec.num_speculative_tokens: max_batch},
+    )
+    graphs.replayed = []
+    graphs.capture(runner.block_size, runner.inputs.parts)
+    runner.graphs = graphs
+    scheduler = engine.scheduler
+    scheduler.config = replace(scheduler.config, uniform_proposals_up_to=max_batch)
+    return graphs
