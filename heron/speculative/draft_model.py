@@ -37,8 +37,9 @@ def load_draft_runner(
     dtype: str,
     kv_cache_dtype: str,
 ) -> ModelRunner:
-    """The draft's runner, on the target's (first) device and context length; ``ValueError``
-    naming ``model`` if it cannot be loaded or does not share the target's vocabulary."""
+    """The draft's runner, on the target's (first) device, context length, seed and load
+    format; ``ValueError`` naming ``model`` if it cannot be loaded or does not share the
+    target's vocabulary."""
     try:
         path = resolve_model_path(spec.model)
         config = ModelConfig.from_path(
