@@ -32,7 +32,9 @@ def load_model(model: nn.Module, model_config: ModelConfig, sharded: bool = Fals
         std = getattr(model_config.hf_config, "initializer_range", None) or 0.02
         initialize_dummy_weights(model, std, model_config.seed)
     else:
-        load_weights(model, iterate_weights(model_config.path, lazy=sharded))
+        # A model reading part of the checkpoint (an MTP head) reads only the tensors it takes.
+        lazy = sharded or getattr(model, "loads_prefixes_only", False)
+        load_weights(model, iterate_weights(model_config.path, lazy=lazy))
     if not as_stored:
         for layer in linears:
             layer.quantize_fp8(scheme.block)

@@ -33,6 +33,7 @@ from heron.models.common import (
     head_dim_of,
     norm_with_residual,
 )
+from heron.models.mtp import MultiTokenPredictor, num_mtp_layers
 from heron.models.qwen_moe import is_sparse_layer
 from heron.ops.linear_attention.operator import GatedDeltaNetSpec
 from heron.ops.selector import OperatorRuntime, make_attention, make_gated_delta_net
@@ -246,6 +247,7 @@ class Qwen3_5Model(DecoderModel):
 
 class Qwen3_5ForCausalLM(DecoderForCausalLM):
     tensor_parallel_unsupported = "its gated delta rule (GDN) layers are not sharded"
+    checkpoint_prefixes = {"mtp.": None}  # the multi-token-prediction head: Qwen3_5MTP's
     packed_modules = PACKED_MODULES | {
         "in_proj_qkv": ("in_proj", "qkv"),
         "in_proj_z": ("in_proj", "z"),
@@ -302,3 +304,38 @@ class Qwen3_5ForConditionalGeneration(_LanguageModelOf, Qwen3_5ForCausalLM):
 
 class Qwen3_5MoeForConditionalGeneration(_LanguageModelOf, Qwen3_5MoeForCausalLM):
     pass
+
+
+class Qwen3_5MTP(MultiTokenPredictor):
+    """Qwen3.5 / Qwen3-Next's MTP head (``mtp.*``): ``pre_fc_norm_embedding`` and
+    ``pre_fc_norm_hidden``, their projection ``fc``, ``mtp_num_hidden_layers`` full-attention
+    decoder layers with the target's MLP kind (``mtp.layers.{i}``, numbered from 0 as their
+    MLP choice), and the output norm ``norm``."""
+
+    checkpoint_prefixes = {"mtp.": "mtp."}
+
+    def __init__(self, target: Qwen3_5ForCausalLM, runtime: OperatorRuntime) -> None:
+        super().__init__(target)
+        self.packed_modules = target.packed_modules
+        config = copy.copy(target.config)
+        count = num_mtp_layers(config, "mtp_num_hidden_layers")
+        config.layer_types = ["full_attention"] * count
+        eps, kernels, hidden = config.rms_norm_eps, runtime.kernels, config.hidden_size
+        rotary = RotaryEmbedding(config, head_dim_of(config), runtime.max_model_len)
+        mtp = nn.Module()
+        mtp.rotary = rotary
+        mtp.pre_fc_norm_embedding = GemmaRMSNorm(hidden, eps, kernels)
+        mtp.pre_fc_norm_hidden = GemmaRMSNorm(hidden, eps, kernels)
+        mtp.fc = Linear(2 * hidden, hidden, False, kernels)
+        mtp.layers = nn.ModuleList(
+            Qwen3_5DecoderLayer(
+                config, i, rotary, runtime, f"mtp.layers.{i}", target.mlp, target.in_proj
+            )
+            for i in range(count)
+        )
+        mtp.norm = GemmaRMSNorm(hidden, eps, kernels)
+        self.mtp = mtp
+        self.layers_parts = [
+            (mtp.pre_fc_norm_embedding, mtp.pre_fc_norm_hidden, mtp.fc, layer, mtp.norm)
+            for layer in mtp.layers
+        ]
