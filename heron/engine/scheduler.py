@@ -11,7 +11,7 @@ from heron.cache.coordinator import KVCacheCoordinator
 from heron.engine.request import Request, RequestStatus
 from heron.execution.sampler import on_device
 from heron.execution.step_plan import EntryCopies, NewRequest, SentTables, StepPlan
-from heron.speculative import NgramProposer, SpeculativeConfig
+from heron.speculative import ModelProposer, NgramProposer, SpeculativeConfig
 
 
 @dataclass(frozen=True)
@@ -61,7 +61,14 @@ class Scheduler:
     one (the plan's ``draft_token_ids``); :meth:`reject` takes back those the step refused.
     """
 
-    def __init__(self, config: SchedulerConfig, kv_cache: KVCacheCoordinator) -> None:
+    def __init__(
+        self,
+        config: SchedulerConfig,
+        kv_cache: KVCacheCoordinator,
+        model_proposer: ModelProposer | None = None,
+    ) -> None:
+        """``model_proposer``: the proposer of a method that runs a model (built by the engine,
+        which owns its runner); n-gram proposals are made here."""
         self.config = config
         self.kv_cache = kv_cache
         self.waiting: deque[Request] = deque()
@@ -73,13 +80,11 @@ class Scheduler:
         self._preempted_ids: list[str] = []
         self._sent = SentTables()
         spec = config.speculative
-        self._proposer = (
-            None
-            if spec is None
-            else NgramProposer(
+        self._proposer: NgramProposer | ModelProposer | None = model_proposer
+        if spec is not None and spec.method == "ngram":
+            self._proposer = NgramProposer(
                 spec.num_speculative_tokens, spec.prompt_lookup_min, spec.prompt_lookup_max
             )
-        )
         self._propose_up_to = (spec.disable_by_batch_size if spec else None) or config.max_num_seqs
 
     def add(self, request: Request) -> None:
@@ -164,16 +169,16 @@ class Scheduler:
         ``disable_by_batch_size``), padded to ``num_speculative_tokens`` with uniform steps."""
         if not self.proposes:
             return {}
-        rows = []  # (request, the tokens its step may verify, its proposals)
+        proposing, rooms, limits = [], [], []
         for request in self.running:
             if request.num_tokens - request.num_computed_tokens == 1:
                 room = self._verification_room(request, budget - 1)
                 if room > 0:
-                    limit = self._proposal_limit(request, room)
-                    proposed = self._proposer.propose(
-                        request.request_id, request.all_token_ids, limit
-                    )
-                    rows.append((request, room, proposed))
+                    proposing.append(request)
+                    rooms.append(room)
+                    limits.append(self._proposal_limit(request, room))
+        # (request, the tokens its step may verify, its proposals)
+        rows = list(zip(proposing, rooms, self._propose(proposing, limits)))
         uniform = len(self.running) <= self.config.uniform_proposals_up_to
         if uniform and any(proposed for _, _, proposed in rows):
             k = self._proposer.num_tokens
@@ -184,6 +189,23 @@ class Scheduler:
                 pad = (proposed or request.all_token_ids)[-1]
                 proposed += [pad] * (min(k, room) - len(proposed))
         return {request.request_id: proposed for request, _, proposed in rows}
+
+    def _propose(self, requests: list[Request], limits: list[int]) -> list[list[int]]:
+        """At most ``limits[i]`` proposals for ``requests[i]``: a model proposer's in one call."""
+        proposer = self._proposer
+        if isinstance(proposer, NgramProposer):
+            return [
+                proposer.propose(r.request_id, r.all_token_ids, limit)
+                for r, limit in zip(requests, limits)
+            ]
+        # (a model runs only for rows that may get a proposal)
+        wanted = [i for i, limit in enumerate(limits) if limit > 0]
+        out: list[list[int]] = [[] for _ in requests]
+        if wanted:
+            made = proposer.propose([requests[i] for i in wanted], [limits[i] for i in wanted])
+            for i, proposed in zip(wanted, made):
+                out[i] = proposed
+        return out
 
     def _verification_room(self, request: Request, budget: int) -> int:
         """How many tokens after its last one a decode step may compute for the request: none
@@ -209,6 +231,8 @@ class Scheduler:
         request.num_computed_tokens -= num_rejected
         self.kv_cache.truncate(request, request.num_computed_tokens)
         self._sent.shrink(request.request_id, self.kv_cache.block_tables(request.request_id))
+        if isinstance(self._proposer, ModelProposer):
+            self._proposer.reject(request)
 
     def _fill_plan(self, out: SchedulerOutput) -> None:
         """The step's rows, and what changed for the runner since the last plan."""
@@ -238,6 +262,8 @@ class Scheduler:
     def _preempt(self, request: Request) -> None:
         self.kv_cache.free(request)
         self._sent.forget(request.request_id)
+        if self._proposer is not None:
+            self._proposer.forget(request.request_id)
         self._preempted_ids.append(request.request_id)
         request.status = RequestStatus.WAITING
         request.num_computed_tokens = 0

@@ -2,6 +2,7 @@
 
 from heron.speculative.config import SpeculativeConfig
 from heron.speculative.ngram import NgramProposer
+from heron.speculative.proposer import ModelProposer
 from heron.speculative.stats import SpecDecodeStats
 
-__all__ = ["NgramProposer", "SpecDecodeStats", "SpeculativeConfig"]
+__all__ = ["ModelProposer", "NgramProposer", "SpecDecodeStats", "SpeculativeConfig"]
