@@ -31,6 +31,7 @@ from heron.outputs import CompletionOutput, Logprob, PrefixView, RequestOutput
 from heron.platforms import platform_for, resolve_device
 from heron.sampling_params import SamplingParams
 from heron.speculative import SpecDecodeStats
+from heron.speculative.mtp import MTPProposer, load_mtp_runner
 
 if TYPE_CHECKING:
     import torch
@@ -169,6 +170,11 @@ class LLMEngine:
         self.kv_cache = KVCacheCoordinator(
             self.runner.cache_specs, num_blocks, config.enable_prefix_caching
         )
+        self.model_proposer = (
+            self._mtp_proposer(num_blocks, backend)
+            if speculative is not None and speculative.method == "mtp"
+            else None
+        )
         max_len = self.model_config.max_model_len
         self.scheduler = Scheduler(
             SchedulerConfig(
@@ -179,6 +185,7 @@ class LLMEngine:
                 uniform_proposals_up_to=self.runner.verify_graph_max_batch,
             ),
             self.kv_cache,
+            self.model_proposer,
         )
         self._parents: dict[str, ParentRequest] = {}
         self._in_flight: _Launched | None = None  # launched, its tokens not read yet
@@ -203,6 +210,26 @@ class LLMEngine:
                 group.num_blocks - 1,
                 (group.num_blocks - 1) * group.spec.block_size,
             )
+
+    def _mtp_proposer(self, num_blocks: list[int], backend: str) -> MTPProposer:
+        """The checkpoint's MTP head, its pool as large as the target's largest paged one
+        (allocated beside the target's budget), its decode graphs up to the batch size that
+        still proposes."""
+        config, speculative = self.config, self.config.speculative
+        runner = load_mtp_runner(self.runner, backend, self.max_num_batched_tokens)
+        self.runner.keep_hidden_states = True
+        paged = [
+            n for n, spec in zip(num_blocks, self.runner.cache_specs) if isinstance(spec, PagedSpec)
+        ]
+        head_blocks = [config.num_kv_blocks or max(paged)]
+        runner.allocate_kv_cache(head_blocks)
+        if self.platform.device.type == "cuda" and not config.enforce_eager:
+            max_batch = min(config.cuda_graph_max_bs, config.max_num_seqs)
+            runner.capture_graphs(min(max_batch, speculative.disable_by_batch_size or max_batch))
+        kv_cache = KVCacheCoordinator(runner.cache_specs, head_blocks, config.enable_prefix_caching)
+        return MTPProposer(
+            runner, kv_cache, speculative.num_speculative_tokens, self.max_num_batched_tokens
+        )
 
     def _num_kv_blocks(self) -> list[int]:
         """Pool size (null block included) of each cache group: the measured budget split by
@@ -382,6 +409,11 @@ class LLMEngine:
                     previous = None
                 plan = replace(plan, token_bitmask=self._token_bitmask(sample_requests))
             step = self.runner.launch(plan, previous.launched if previous else None)
+            if step.hidden_states is not None and self.scheduler.proposes:
+                # (while the batch is too large to propose, the head is not fed)
+                self.model_proposer.take_hidden_states(
+                    plan.request_ids, plan.num_computed, plan.num_new, step.hidden_states
+                )
             drafts = plan.draft_token_ids
             launched = _Launched(
                 step,

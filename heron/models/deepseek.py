@@ -181,9 +181,9 @@ class DeepseekMTPLayer(DeepseekDecoderLayer):
 
 
 class DeepseekMTP(MultiTokenPredictor):
-    """The ``num_nextn_predict_layers`` layers ``model.layers.{num_hidden_layers + i}``; their
-    stored copies of the embedding and LM head (``embed_tokens``, ``shared_head.head``) are
-    the target's, not loaded."""
+    """The first of the ``num_nextn_predict_layers`` layers ``model.layers.{num_hidden_layers +
+    i}``; its stored copies of the embedding and LM head (``embed_tokens``,
+    ``shared_head.head``) are the target's, not loaded."""
 
     packed_modules = DeepseekForCausalLM.packed_modules
     checkpoint_renames = DeepseekForCausalLM.checkpoint_renames
@@ -192,22 +192,15 @@ class DeepseekMTP(MultiTokenPredictor):
         super().__init__(target)
         config = target.config
         first = config.num_hidden_layers
-        numbers = range(first, first + num_mtp_layers(config, "num_nextn_predict_layers"))
+        count = num_mtp_layers(config, "num_nextn_predict_layers")
         self.rotary = mla_rotary(config, runtime)
+        own = f"model.layers.{first}."
+        layer = DeepseekMTPLayer(config, first, self.rotary, runtime, own.rstrip("."))
         self.model = nn.Module()
-        self.model.layers = nn.ModuleDict(
-            {
-                str(n): DeepseekMTPLayer(config, n, self.rotary, runtime, f"model.layers.{n}")
-                for n in numbers
-            }
+        self.model.layers = nn.ModuleDict({str(first): layer})
+        self.checkpoint_prefixes = {own + "embed_tokens.": None, own + "shared_head.head.": None}
+        self.checkpoint_prefixes[own] = own
+        self.checkpoint_prefixes.update(
+            {f"model.layers.{n}.": None for n in range(first + 1, first + count)}
         )
-        self.checkpoint_prefixes = {}
-        for n in numbers:
-            own = f"model.layers.{n}."
-            for shared in ("embed_tokens.", "shared_head.head."):
-                self.checkpoint_prefixes[own + shared] = None
-            self.checkpoint_prefixes[own] = own
-        self.layers_parts = [
-            (layer.enorm, layer.hnorm, layer.eh_proj, layer, layer.shared_head.norm)
-            for layer in self.model.layers.values()
-        ]
+        self.parts = (layer.enorm, layer.hnorm, layer.eh_proj, layer, layer.shared_head.norm)

@@ -308,34 +308,28 @@ class Qwen3_5MoeForConditionalGeneration(_LanguageModelOf, Qwen3_5MoeForCausalLM
 
 class Qwen3_5MTP(MultiTokenPredictor):
     """Qwen3.5 / Qwen3-Next's MTP head (``mtp.*``): ``pre_fc_norm_embedding`` and
-    ``pre_fc_norm_hidden``, their projection ``fc``, ``mtp_num_hidden_layers`` full-attention
-    decoder layers with the target's MLP kind (``mtp.layers.{i}``, numbered from 0 as their
-    MLP choice), and the output norm ``norm``."""
-
-    checkpoint_prefixes = {"mtp.": "mtp."}
+    ``pre_fc_norm_hidden``, their projection ``fc``, the first of the
+    ``mtp_num_hidden_layers`` full-attention decoder layers (``mtp.layers.0``, with the
+    target's MLP kind for layer index 0) and the output norm ``norm``."""
 
     def __init__(self, target: Qwen3_5ForCausalLM, runtime: OperatorRuntime) -> None:
         super().__init__(target)
         self.packed_modules = target.packed_modules
         config = copy.copy(target.config)
         count = num_mtp_layers(config, "mtp_num_hidden_layers")
-        config.layer_types = ["full_attention"] * count
+        config.layer_types = ["full_attention"]
         eps, kernels, hidden = config.rms_norm_eps, runtime.kernels, config.hidden_size
-        rotary = RotaryEmbedding(config, head_dim_of(config), runtime.max_model_len)
         mtp = nn.Module()
-        mtp.rotary = rotary
+        mtp.rotary = RotaryEmbedding(config, head_dim_of(config), runtime.max_model_len)
         mtp.pre_fc_norm_embedding = GemmaRMSNorm(hidden, eps, kernels)
         mtp.pre_fc_norm_hidden = GemmaRMSNorm(hidden, eps, kernels)
         mtp.fc = Linear(2 * hidden, hidden, False, kernels)
-        mtp.layers = nn.ModuleList(
-            Qwen3_5DecoderLayer(
-                config, i, rotary, runtime, f"mtp.layers.{i}", target.mlp, target.in_proj
-            )
-            for i in range(count)
+        layer = Qwen3_5DecoderLayer(
+            config, 0, mtp.rotary, runtime, "mtp.layers.0", target.mlp, target.in_proj
         )
+        mtp.layers = nn.ModuleList([layer])
         mtp.norm = GemmaRMSNorm(hidden, eps, kernels)
         self.mtp = mtp
-        self.layers_parts = [
-            (mtp.pre_fc_norm_embedding, mtp.pre_fc_norm_hidden, mtp.fc, layer, mtp.norm)
-            for layer in mtp.layers
-        ]
+        self.checkpoint_prefixes = {f"mtp.layers.{i}.": None for i in range(1, count)}
+        self.checkpoint_prefixes["mtp."] = "mtp."
+        self.parts = (mtp.pre_fc_norm_embedding, mtp.pre_fc_norm_hidden, mtp.fc, layer, mtp.norm)

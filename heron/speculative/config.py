@@ -6,7 +6,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, fields
 from typing import Any
 
-METHODS = ("ngram",)
+METHODS = ("ngram", "mtp")
 
 
 @dataclass(frozen=True)
@@ -16,6 +16,10 @@ class SpeculativeConfig:
     ``ngram``: prompt lookup. The longest suffix of the sequence (``prompt_lookup_max`` tokens
     down to ``prompt_lookup_min``) that occurred before proposes the ``num_speculative_tokens``
     tokens that followed its latest earlier occurrence.
+
+    ``mtp``: the checkpoint's multi-token-prediction head (DeepSeek-V3, Qwen3.5, Qwen3-Next)
+    proposes from the target's hidden states, applied again to its own output for each
+    further token.
     """
 
     method: str
