@@ -38,7 +38,7 @@ from heron.execution.step_plan import NewRequest, StepPlan, TableUpdate
 from heron.sampling_params import SamplingParams
 from heron.speculative.mtp import load_mtp_runner
 
-from tiny_models import make_tokenizer
+from tiny_models import first_divergence_is_a_near_tie, greedy_tokens, make_tokenizer
 
 SPECULATION = {"method": "mtp", "num_speculative_tokens": 2}
 
@@ -238,3 +238,29 @@ def test_checkpoint_without_mtp_is_refused(tmp_path):
     config_file.write_text(json.dumps(config_json | {"num_nextn_predict_layers": 1}))
     with pytest.raises(ValueError, match="missing weights for: model.layers.2"):
         LLM(str(tmp_path), speculative_config=SPECULATION)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("family", ["deepseek_v3", "qwen3_5"])
+def test_bf16_with_graphs_on_cuda_follows_plain_decoding(family, tmp_path):
+    """bf16 on the GPU, the head's decode steps replayed from its own graphs: where a request's
+    tokens first leave plain greedy decoding's, both tokens are in HF's fp32 top-5 there
+    (DESIGN's near-tie rule); prints how many outputs are identical."""
+    target, _ = save_with_mtp(family, tmp_path, predictive=True)
+    path = str(tmp_path)
+    options = dict(device="cuda", dtype="bfloat16", max_model_len=128, num_kv_blocks=64)
+    want = greedy_tokens(LLM(path, cuda_graph_max_bs=8, **options), PROMPTS, GREEDY)
+    llm = LLM(path, cuda_graph_max_bs=8, speculative_config=SPECULATION, **options)
+    head = llm.engine.model_proposer.runner
+    assert head.graphs is not None
+    replayed = []
+    run = head.graphs.run
+    head.graphs.run = lambda seq: replayed.append(seq.num_reqs) or run(seq)
+    got = greedy_tokens(llm, PROMPTS, GREEDY)
+    assert replayed
+    identical = sum(a == b for a, b in zip(got, want))
+    stats = llm.engine.spec_decode_stats
+    print(f"{family}: {identical}/{len(PROMPTS)} identical, {stats}")
+    assert stats.num_accepted_tokens > 0, stats
+    for prompt, a, b in zip(PROMPTS, got, want):
+        assert first_divergence_is_a_near_tie(target, prompt, a, b), (prompt, a, b)
