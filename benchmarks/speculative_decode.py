@@ -11,12 +11,17 @@
      (a verification step is read at once, so its host work does not overlap the device's)
   C  the default model at batches 1 to 64 over the edit prompts: output tokens/s without and
      with speculation, to see where speculation stops paying (``disable_by_batch_size``)
+  D  batch 1, the random-weight Qwen3-0.6B shape with a draft model (``method:
+     "draft_model"``, k = ``--k``): a 2-layer draft of the same shape otherwise, with forced
+     acceptance (what the draft's k passes and the verification cost per output token), and
+     the target as its own draft (every greedy proposal accepted but at near-ties: mean
+     acceptance length, and how many outputs equal plain decoding's)
 
 ms per output token is wall time of the requests' decoding (first token to last) over their
 output tokens. Prints markdown tables.
 
     python benchmarks/speculative_decode.py [--k 4] [--max-tokens 256] [--enforce-eager]
-        [--disable-by-batch-size N] [--cases PABC]
+        [--disable-by-batch-size N] [--cases PABCD]
 
 "verification steps replayed" counts the verification steps that replayed a graph of ``1 + k``
 tokens per row (the others ran eagerly).
@@ -247,18 +252,22 @@ class HostPhases:
         return " | ".join(f"{self.seconds[n] / max(1, self.steps) * 1e3:.3f}" for n in self.NAMES)
 
 
+def random_weight_batch_1(args) -> tuple[list[list[int]], SamplingParams, dict]:
+    """Cases B and D: one random prompt, greedy to ``--max-tokens``, and the engine options of
+    a dummy-weight model at batch 1."""
+    prompt = [np.random.default_rng(0).integers(2, 150000, 128).tolist()]
+    params = SamplingParams(temperature=0, max_tokens=args.max_tokens, ignore_eos=True)
+    options = dict(
+        load_format="dummy", max_model_len=1024, max_num_seqs=1, enforce_eager=args.enforce_eager
+    )
+    return prompt, params, options
+
+
 def case_b(args) -> None:
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp)
         save_config_only(tf.Qwen3Config(**QWEN3_0_6B), "Qwen3ForCausalLM", path)
-        prompt = [np.random.default_rng(0).integers(2, 150000, 128).tolist()]
-        params = SamplingParams(temperature=0, max_tokens=args.max_tokens, ignore_eos=True)
-        options = dict(
-            load_format="dummy",
-            max_model_len=1024,
-            max_num_seqs=1,
-            enforce_eager=args.enforce_eager,
-        )
+        prompt, params, options = random_weight_batch_1(args)
         llm = LLM(str(path), **options)
         decode(llm, prompt, params, 1)
         plain_ms = decode(llm, prompt, params, 1)[0]
@@ -324,9 +333,49 @@ def case_c(args) -> None:
         )
 
 
+def case_d(args) -> None:
+    with tempfile.TemporaryDirectory() as tmp:
+        target, small = Path(tmp, "target"), Path(tmp, "draft")
+        save_config_only(tf.Qwen3Config(**QWEN3_0_6B), "Qwen3ForCausalLM", target)
+        draft_shape = QWEN3_0_6B | {"num_hidden_layers": 2}
+        save_config_only(tf.Qwen3Config(**draft_shape), "Qwen3ForCausalLM", small)
+        prompt, params, options = random_weight_batch_1(args)
+        runs = (
+            ("plain", None, False),
+            ("2-layer draft, forced acceptance", small, True),
+            ("target as draft", target, False),
+        )
+        print(
+            f"| k = {args.k} | ms / output token | × plain | mean acceptance length "
+            "| identical to plain |"
+        )
+        print("| --- | --- | --- | --- | --- |")
+        real_accept, plain = model_runner.accept_greedy, None
+        try:
+            for name, draft, forced in runs:
+                spec = None
+                if draft is not None:
+                    spec = {"method": "draft_model", "model": str(draft)}
+                    spec["num_speculative_tokens"] = args.k
+                model_runner.accept_greedy = accept_all if forced else real_accept
+                llm = LLM(str(target), **options, speculative_config=spec)
+                decode(llm, prompt, params, 1)  # warm-up
+                llm.engine.spec_decode_stats = SpecDecodeStats()
+                ms, _, (tokens,) = decode(llm, prompt, params, 1)
+                plain = plain or (ms, tokens)
+                stats = llm.spec_decode_stats
+                acceptance = f"{stats.mean_acceptance_length:.2f}" if stats.num_drafts else "-"
+                same = "-" if forced or draft is None else str(tokens == plain[1])
+                print(f"| {name} | {ms:.3f} | {ms / plain[0]:.2f}× | {acceptance} | {same} |")
+                del llm
+                torch.cuda.empty_cache()
+        finally:
+            model_runner.accept_greedy = real_accept
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--k", type=int, default=4, help="num_speculative_tokens of A and C")
+    parser.add_argument("--k", type=int, default=4, help="num_speculative_tokens of A, C, D")
     parser.add_argument("--max-tokens", type=int, default=256)
     parser.add_argument("--enforce-eager", action="store_true")
     parser.add_argument(
@@ -334,9 +383,10 @@ def main() -> None:
         type=int,
         help="speculation's disable_by_batch_size in A and C (default: the config's; 0: never)",
     )
-    parser.add_argument("--cases", default="PABC")
+    parser.add_argument("--cases", default="PABCD")
     args = parser.parse_args()
-    for case, run in (("P", proposer_cost), ("A", case_a), ("B", case_b), ("C", case_c)):
+    cases = (("P", proposer_cost), ("A", case_a), ("B", case_b), ("C", case_c), ("D", case_d))
+    for case, run in cases:
         if case in args.cases:
             print(f"\n### {case}\n")
             run() if case == "P" else run(args)

@@ -117,6 +117,21 @@ def save_random_model(
     return path
 
 
+def save_truncated_draft(target: Path, path: Path) -> Path:
+    """A draft model for ``target``: its weights without the last decoder layer (a smaller
+    model with the same tokenizer, whose greedy tokens often but not always agree)."""
+    import transformers as tf
+
+    model = tf.AutoModelForCausalLM.from_pretrained(target, dtype=torch.float32)
+    model.model.layers = model.model.layers[:-1]
+    model.config.num_hidden_layers -= 1
+    if getattr(model.config, "layer_types", None):
+        model.config.layer_types = model.config.layer_types[:-1]
+    model.save_pretrained(path)
+    tf.AutoTokenizer.from_pretrained(target).save_pretrained(path)
+    return path
+
+
 def attend(op, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
     """Run an attention operator on separate q [T,H,D], k, v [T,KVH,D] (it takes them packed)."""
     qkv = torch.cat([q.flatten(1), k.flatten(1), v.flatten(1)], dim=1)

@@ -31,6 +31,7 @@ from heron.outputs import CompletionOutput, Logprob, PrefixView, RequestOutput
 from heron.platforms import platform_for, resolve_device
 from heron.sampling_params import SamplingParams
 from heron.speculative import SpecDecodeStats
+from heron.speculative.draft_model import DraftModelProposer, load_draft_runner, split_kv_budget
 from heron.speculative.mtp import MTPProposer, load_mtp_runner
 
 if TYPE_CHECKING:
@@ -155,9 +156,28 @@ class LLMEngine:
                         f"speculative_config: the cache kind {spec.describe()} cannot roll back "
                         "refused proposals (paged attention caches and recurrent states can)"
                     )
+        method = speculative.method if speculative is not None else None
+        # The runner of the model a proposer runs (its share of the KV budget, its graphs).
+        self.draft_runner = None
+        if method == "draft_model":
+            self.draft_runner = load_draft_runner(
+                speculative,
+                self.model_config,
+                self.tokenizer,
+                self.platform,
+                self.block_size,
+                backend,
+                config.dtype,
+                config.kv_cache_dtype,
+            )
+        elif method == "mtp":
+            self.draft_runner = load_mtp_runner(self.runner, backend, self.max_num_batched_tokens)
+            self.runner.keep_hidden_states = True
         self.spec_decode_stats = SpecDecodeStats()
-        num_blocks = self._num_kv_blocks()
+        num_blocks, draft_blocks = self._num_kv_blocks()
         self.runner.allocate_kv_cache(num_blocks)
+        if self.draft_runner is not None:
+            self.draft_runner.allocate_kv_cache(draft_blocks)
         if device.type == "cuda" and not config.enforce_eager:
             max_batch = min(config.cuda_graph_max_bs, config.max_num_seqs)
             self.runner.capture_graphs(
@@ -167,13 +187,25 @@ class LLMEngine:
                 if speculative
                 else 0,
             )
+            if self.draft_runner is not None:
+                self.draft_runner.capture_graphs(
+                    min(max_batch, speculative.disable_by_batch_size or max_batch)
+                )
         self.kv_cache = KVCacheCoordinator(
             self.runner.cache_specs, num_blocks, config.enable_prefix_caching
         )
+        proposer_class = MTPProposer if method == "mtp" else DraftModelProposer
         self.model_proposer = (
-            self._mtp_proposer(num_blocks, backend)
-            if speculative is not None and speculative.method == "mtp"
-            else None
+            None
+            if self.draft_runner is None
+            else proposer_class(
+                self.draft_runner,
+                KVCacheCoordinator(
+                    self.draft_runner.cache_specs, draft_blocks, config.enable_prefix_caching
+                ),
+                speculative.num_speculative_tokens,
+                self.max_num_batched_tokens,
+            )
         )
         max_len = self.model_config.max_model_len
         self.scheduler = Scheduler(
@@ -202,65 +234,62 @@ class LLMEngine:
             device,
             scheme.describe() if scheme else "unquantised weights",
         )
-        for group in self.kv_cache.group_usage():
-            logger.info(
-                "cache group %d (%s): %d blocks (%d tokens)",
-                group.group,
-                group.spec.describe(),
-                group.num_blocks - 1,
-                (group.num_blocks - 1) * group.spec.block_size,
-            )
+        caches = [("", self.kv_cache)]
+        if self.model_proposer is not None:
+            caches.append(("draft ", self.model_proposer.kv_cache))
+        for name, kv in caches:
+            for group in kv.group_usage():
+                logger.info(
+                    "%scache group %d (%s): %d blocks (%d tokens)",
+                    name,
+                    group.group,
+                    group.spec.describe(),
+                    group.num_blocks - 1,
+                    (group.num_blocks - 1) * group.spec.block_size,
+                )
 
-    def _mtp_proposer(self, num_blocks: list[int], backend: str) -> MTPProposer:
-        """The checkpoint's MTP head, its pool as large as the target's largest paged one
-        (allocated beside the target's budget), its decode graphs up to the batch size that
-        still proposes."""
-        config, speculative = self.config, self.config.speculative
-        runner = load_mtp_runner(self.runner, backend, self.max_num_batched_tokens)
-        self.runner.keep_hidden_states = True
-        paged = [
-            n for n, spec in zip(num_blocks, self.runner.cache_specs) if isinstance(spec, PagedSpec)
-        ]
-        head_blocks = [config.num_kv_blocks or max(paged)]
-        runner.allocate_kv_cache(head_blocks)
-        if self.platform.device.type == "cuda" and not config.enforce_eager:
-            max_batch = min(config.cuda_graph_max_bs, config.max_num_seqs)
-            runner.capture_graphs(min(max_batch, speculative.disable_by_batch_size or max_batch))
-        kv_cache = KVCacheCoordinator(runner.cache_specs, head_blocks, config.enable_prefix_caching)
-        return MTPProposer(
-            runner, kv_cache, speculative.num_speculative_tokens, self.max_num_batched_tokens
-        )
-
-    def _num_kv_blocks(self) -> list[int]:
-        """Pool size (null block included) of each cache group: the measured budget split by
-        the cache layout (every group fits the same number of max-length sequences), or an
-        explicit ``num_kv_blocks`` for every group."""
-        layout = self.runner.cache
+    def _num_kv_blocks(self) -> tuple[list[int], list[int] | None]:
+        """Pool size (null block included) of each cache group of the target and of the draft
+        model (None without one): the measured budget, split between the two so both hold the
+        same number of max-length sequences, then by each cache layout (every group fits the
+        same number of them); or an explicit ``num_kv_blocks`` for every group."""
+        layouts = [self.runner.cache]
+        if self.draft_runner is not None:
+            layouts.append(self.draft_runner.cache)
         max_len, max_tokens = self.model_config.max_model_len, self.max_num_batched_tokens
+        on_cuda = self.platform.device.type == "cuda"
         if self.config.num_kv_blocks is not None:
-            num_blocks = [self.config.num_kv_blocks] * layout.num_groups
-        elif self.platform.device.type == "cuda":
-            budget = self.runner.kv_cache_budget(
-                self.config.gpu_memory_utilization, min(max_tokens, max_len)
-            )
-            num_blocks = layout.split_budget(
-                budget,
-                max_len,
-                max_tokens,
-                max_running=self.config.max_num_seqs,
-                state_checkpoints=self.config.enable_prefix_caching,
-            )
+            sizes = [[self.config.num_kv_blocks] * layout.num_groups for layout in layouts]
         else:
-            num_blocks = layout.split_budget(
-                DEFAULT_HOST_KV_CACHE_BYTES,
-                max_len,
-                max_tokens,
-                self.config.max_num_seqs,
-                max_running=self.config.max_num_seqs,
-                state_checkpoints=self.config.enable_prefix_caching,
-            )
-        layout.check_fits(num_blocks, max_len, max_tokens)
-        return num_blocks
+            budget = DEFAULT_HOST_KV_CACHE_BYTES
+            if on_cuda:
+                budget = min(
+                    runner.kv_cache_budget(
+                        self.config.gpu_memory_utilization, min(max_tokens, max_len)
+                    )
+                    for runner in filter(None, (self.runner, self.draft_runner))
+                )
+            budgets = [budget]
+            if self.draft_runner is not None:
+                budgets = split_kv_budget(budget, *layouts, max_len, max_tokens)
+                logger.info(
+                    "KV cache budget %.3f GiB: %.3f GiB for the target, %.3f GiB for the draft",
+                    *(b / 2**30 for b in (budget, *budgets)),
+                )
+            sizes = [
+                layout.split_budget(
+                    b,
+                    max_len,
+                    max_tokens,
+                    None if on_cuda else self.config.max_num_seqs,
+                    max_running=self.config.max_num_seqs,
+                    state_checkpoints=self.config.enable_prefix_caching,
+                )
+                for layout, b in zip(layouts, budgets)
+            ]
+        for layout, num_blocks in zip(layouts, sizes):
+            layout.check_fits(num_blocks, max_len, max_tokens)
+        return sizes[0], sizes[1] if self.draft_runner is not None else None
 
     def shutdown(self) -> None:
         """Stop what runs beside this process: the tensor-parallel workers, if any."""

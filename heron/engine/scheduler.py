@@ -170,18 +170,18 @@ class Scheduler:
         if not self.proposes:
             return {}
         proposing, rooms, limits = [], [], []
+        k = self._proposer.num_tokens
         for request in self.running:
             if request.num_tokens - request.num_computed_tokens == 1:
                 room = self._verification_room(request, budget - 1)
                 if room > 0:
                     proposing.append(request)
                     rooms.append(room)
-                    limits.append(self._proposal_limit(request, room))
+                    limits.append(min(k, self._proposal_limit(request, room)))
         # (request, the tokens its step may verify, its proposals)
         rows = list(zip(proposing, rooms, self._propose(proposing, limits)))
         uniform = len(self.running) <= self.config.uniform_proposals_up_to
         if uniform and any(proposed for _, _, proposed in rows):
-            k = self._proposer.num_tokens
             for request, room, proposed in rows:
                 # any token does, as each is verified: the last one (text often repeats); past
                 # max_tokens too (the tokens after the one that ends the request are dropped),
@@ -193,7 +193,7 @@ class Scheduler:
     def _propose(self, requests: list[Request], limits: list[int]) -> list[list[int]]:
         """At most ``limits[i]`` proposals for ``requests[i]``: a model proposer's in one call."""
         proposer = self._proposer
-        if isinstance(proposer, NgramProposer):
+        if not isinstance(proposer, ModelProposer):
             return [
                 proposer.propose(r.request_id, r.all_token_ids, limit)
                 for r, limit in zip(requests, limits)

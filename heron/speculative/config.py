@@ -6,7 +6,12 @@ from collections.abc import Mapping
 from dataclasses import dataclass, fields
 from typing import Any
 
-METHODS = ("ngram", "mtp")
+METHODS = ("ngram", "draft_model", "mtp")
+# Fields that only one method reads: refused by name for the others.
+METHOD_FIELDS = {
+    "ngram": ("prompt_lookup_min", "prompt_lookup_max"),
+    "draft_model": ("model", "draft_tensor_parallel_size"),
+}
 
 
 @dataclass(frozen=True)
@@ -16,6 +21,10 @@ class SpeculativeConfig:
     ``ngram``: prompt lookup. The longest suffix of the sequence (``prompt_lookup_max`` tokens
     down to ``prompt_lookup_min``) that occurred before proposes the ``num_speculative_tokens``
     tokens that followed its latest earlier occurrence.
+
+    ``draft_model``: a smaller model with the target's tokenizer (``model``, a path or hub
+    name) proposes its greedy continuation; it runs on the target's first device
+    (``draft_tensor_parallel_size`` 1).
 
     ``mtp``: the checkpoint's multi-token-prediction head (DeepSeek-V3, Qwen3.5, Qwen3-Next)
     proposes from the target's hidden states, applied again to its own output for each
@@ -30,6 +39,8 @@ class SpeculativeConfig:
     # batches do not have to spare (on the H200 it lost from batch 16 up: BENCHMARKS.md);
     # None: always propose.
     disable_by_batch_size: int | None = 8
+    model: str | None = None
+    draft_tensor_parallel_size: int = 1
 
     @classmethod
     def from_dict(cls, options: Mapping[str, Any]) -> SpeculativeConfig:
@@ -53,6 +64,25 @@ class SpeculativeConfig:
             raise ValueError(
                 f"speculative_config: method must be one of {', '.join(METHODS)}, got {method!r}"
             )
+        for other, names in METHOD_FIELDS.items():
+            given = [name for name in names if name in options]
+            if other != method and given:
+                raise ValueError(
+                    f"speculative_config: {given[0]} applies to method {other!r}, not {method!r}"
+                )
+        if method == "draft_model":
+            model = options.get("model")
+            if not isinstance(model, str) or not model:
+                raise ValueError(
+                    "speculative_config: 'model' (the draft model's path or name) is required "
+                    f"for method 'draft_model', got {model!r}"
+                )
+            size = options.get("draft_tensor_parallel_size", 1)
+            if isinstance(size, bool) or size != 1:
+                raise ValueError(
+                    "speculative_config: draft_tensor_parallel_size must be 1 (the draft runs "
+                    f"on one device), got {size!r}"
+                )
         values = dict(options)
         for name in (
             "num_speculative_tokens",

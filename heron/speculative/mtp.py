@@ -10,16 +10,13 @@ import torch
 
 from heron.cache.coordinator import KVCacheCoordinator
 from heron.execution.model_runner import LaunchedStep, ModelRunner
-from heron.execution.step_plan import NewRequest, SentTables, StepPlan
+from heron.execution.step_plan import NewRequest, StepPlan
 from heron.models.build import build_mtp
-from heron.sampling_params import SamplingParams
-from heron.speculative.proposer import ModelProposer
+from heron.speculative.draft_model import GREEDY, DraftModelProposer
 
 if TYPE_CHECKING:
     from heron.engine.request import Request
     from heron.models.mtp import MultiTokenPredictor
-
-GREEDY = SamplingParams(temperature=0.0)
 
 
 def load_mtp_runner(target: ModelRunner, attention_backend: str, max_rows: int) -> ModelRunner:
@@ -53,20 +50,21 @@ class _HeadSequence:
     ``num_computed_tokens`` positions hold the KV of accepted tokens.
     """
 
-    __slots__ = ("request_id", "all_token_ids", "num_computed_tokens")
+    __slots__ = ("request_id", "all_token_ids", "num_computed_tokens", "num_synced")
     wants_prompt_logprobs = False
 
     def __init__(self, request: Request) -> None:
         self.request_id = request.request_id
         self.all_token_ids = request.all_token_ids[1:]
         self.num_computed_tokens = 0
+        self.num_synced = 0  # (all computed positions are accepted ones)
 
     @property
     def num_tokens(self) -> int:
         return len(self.all_token_ids)
 
 
-class MTPProposer(ModelProposer):
+class MTPProposer(DraftModelProposer):
     """Each pass, for the requests that propose: the head catches up on the positions it does
     not hold (up to the request's last token, from the target hidden states taken since: an
     extend chunk per request, within the token budget), whose last position's logits give the
@@ -76,7 +74,8 @@ class MTPProposer(ModelProposer):
 
     The target's hidden rows are kept per request from the first position the head has not
     computed; the rows of the last position are kept after each pass (its output starts the
-    next pass).
+    next pass). The pool, plans and forgetting are a draft model's; the head only ever holds
+    accepted positions, so a refusal costs it nothing.
     """
 
     wants_hidden_states = True
@@ -88,15 +87,9 @@ class MTPProposer(ModelProposer):
         num_tokens: int,
         max_num_batched_tokens: int,
     ) -> None:
-        self.runner = runner
+        super().__init__(runner, kv_cache, num_tokens, max_num_batched_tokens)
         self.head: MultiTokenPredictor = runner.model
-        self.kv_cache = kv_cache
-        self.num_tokens = num_tokens
-        self.max_num_batched_tokens = max_num_batched_tokens
-        self._sequences: dict[str, _HeadSequence] = {}
         self._hidden: dict[str, tuple[int, torch.Tensor]] = {}  # request -> (position, rows)
-        self._sent = SentTables()
-        self._forgotten: list[str] = []  # for the next plan's finished_ids
 
     def take_hidden_states(
         self,
@@ -154,7 +147,7 @@ class MTPProposer(ModelProposer):
         if not rows:
             return out
         states = self.runner.requests
-        launched, outputs = self._catch_up([seq for _, seq, _ in rows], new_requests)
+        launched, outputs = self._catch_up_from_hidden([seq for _, seq, _ in rows], new_requests)
         for s in range(1, max(limit for _, _, limit in rows)):
             decoding = [seq for _, seq, limit in rows if limit > s]
             self.head.stage_hidden(torch.cat([outputs[seq.request_id] for seq in decoding]))
@@ -174,25 +167,11 @@ class MTPProposer(ModelProposer):
         for i, seq, limit in rows:
             out[i] = states[seq.request_id].all_token_ids[seq.num_tokens : seq.num_tokens + limit]
             # The last position is computed again next pass: its output starts the proposals.
-            seq.num_computed_tokens -= 1
-            self.kv_cache.truncate(seq, seq.num_computed_tokens)
-            self._sent.shrink(seq.request_id, self.kv_cache.block_tables(seq.request_id))
+            self._truncate(seq, seq.num_computed_tokens - 1)
+            seq.num_synced = seq.num_computed_tokens
         return out
 
-    def _first_plan(self, new_requests: list[NewRequest]) -> StepPlan:
-        """The pass's first plan, with what changed for the head's runner since the last."""
-        plan = StepPlan(finished_ids=self._forgotten, new_requests=new_requests)
-        self._forgotten = []
-        changed = self.kv_cache.changed_tables
-        for request_id in changed:
-            if request_id in self._sequences:
-                plan.table_updates.extend(
-                    self._sent.updates(request_id, self.kv_cache.block_tables(request_id))
-                )
-        changed.clear()
-        return plan
-
-    def _catch_up(
+    def _catch_up_from_hidden(
         self, sequences: list[_HeadSequence], new_requests: list[NewRequest]
     ) -> tuple[list[LaunchedStep], dict[str, torch.Tensor]]:
         """Steps computing each sequence's missing positions from the target's hidden rows,
@@ -245,18 +224,9 @@ class MTPProposer(ModelProposer):
         self._hidden[request_id] = (start + n - 1, held[max(hi - 1, 0) :])
         return rows
 
-    def reject(self, request: Request) -> None:
-        """Nothing: the head holds accepted positions only, and refused hidden rows are
-        replaced when their positions are computed again."""
-
     def forget(self, request_id: str) -> None:
         self._hidden.pop(request_id, None)
-        seq = self._sequences.pop(request_id, None)
-        if seq is None:
-            return
-        self.kv_cache.free(seq)
-        self._sent.forget(request_id)
-        self._forgotten.append(request_id)
+        super().forget(request_id)
 
 
 def _sampled_rows(plan: StepPlan, hidden: torch.Tensor) -> dict[str, torch.Tensor]:

@@ -37,19 +37,30 @@ def tokens(llm: LLM, params: SamplingParams, prompts=PROMPTS) -> list[list[int]]
     return [[c.token_ids for c in o.outputs] for o in llm.generate(prompts, params, use_tqdm=False)]
 
 
-def test_sampling_with_speculation_is_reproducible_by_seed(llama):
+def speculation(method: str, llama: str) -> dict:
+    """n-gram proposals, or the target itself as the draft model (its proposals are its
+    greedy tokens: each is accepted with its probability when sampling)."""
+    if method == "ngram":
+        return SPECULATION
+    return {"method": method, "model": llama, "num_speculative_tokens": 4}
+
+
+@pytest.mark.parametrize("method", ["ngram", "draft_model"])
+def test_sampling_with_speculation_is_reproducible_by_seed(method, llama):
     params = SamplingParams(temperature=0.5, top_k=3, max_tokens=24, seed=3, n=2)
-    llms = [LLM(llama, speculative_config=SPECULATION) for _ in range(2)]
+    llms = [LLM(llama, speculative_config=speculation(method, llama)) for _ in range(2)]
     runs = [tokens(llm, params) for llm in llms]
     assert runs[0] == runs[1]
     assert any(a != b for a, b in runs[0])  # the two samples of a prompt draw differently
     assert llms[0].spec_decode_stats.num_accepted_tokens > 0  # sampled rows verified some
 
 
-def test_sampled_sequences_follow_the_target_distribution(llama):
+@pytest.mark.parametrize("method, n", [("ngram", 2000), ("draft_model", 1000)])
+def test_sampled_sequences_follow_the_target_distribution(method, n, llama):
     """Three tokens sampled at temperature 0.5 among the top 3, with proposals verified at the
-    second and third: a chi-square of the 27 sequences' counts against HF's probabilities."""
-    temperature, top_k, n = 0.5, 3, 2000
+    second and third: a chi-square of the ``n`` sequences' counts over the 27 against HF's
+    probabilities."""
+    temperature, top_k = 0.5, 3
     hf = tf.AutoModelForCausalLM.from_pretrained(llama, dtype=torch.float32).eval()
 
     def top(prefix: list[int]) -> dict[int, float]:
@@ -65,7 +76,8 @@ def test_sampled_sequences_follow_the_target_distribution(llama):
             for c, pc in top(prompt + [a, b]).items():
                 want[a, b, c] = pa * pb * pc
     # Every row proposes, however many run at once.
-    llm = LLM(llama, speculative_config=SPECULATION | {"disable_by_batch_size": None})
+    spec = speculation(method, llama) | {"disable_by_batch_size": None}
+    llm = LLM(llama, speculative_config=spec)
     params = SamplingParams(temperature=temperature, top_k=top_k, max_tokens=3, ignore_eos=True)
     outputs = llm.generate([prompt] * n, params, use_tqdm=False)
     counts = Counter(tuple(o.outputs[0].token_ids) for o in outputs)
@@ -123,12 +135,15 @@ def test_uniform_steps_keep_their_query_length_to_max_tokens(llama, monkeypatch)
     assert llm.engine.kv_cache.num_free_blocks == llm.engine.kv_cache.num_blocks - 1
 
 
-def test_above_the_batch_size_limit_steps_are_plain_and_asynchronous(llama, monkeypatch):
+@pytest.mark.parametrize("method", ["ngram", "draft_model"])
+def test_above_the_batch_size_limit_steps_are_plain_and_asynchronous(method, llama, monkeypatch):
     """While more requests run than ``disable_by_batch_size``, nothing is proposed and steps
-    stay in flight; once fewer run, proposals resume: the tokens are plain greedy's."""
+    stay in flight; once fewer run, proposals resume (a draft model first catches up on the
+    tokens decoded meanwhile): the tokens are plain greedy's."""
     params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in (8, 8, 8, 30)]
     plain = LLM(llama).generate(PROMPTS, params, use_tqdm=False)
-    llm = LLM(llama, speculative_config=SPECULATION | {"disable_by_batch_size": 1})
+    spec = speculation(method, llama) | {"disable_by_batch_size": 1}
+    llm = LLM(llama, speculative_config=spec)
     engine, in_flight = llm.engine, []
     step = engine.step
 

@@ -1,0 +1,278 @@
+"""Draft-model proposals: a smaller model with the target's tokenizer decodes greedily ahead of
+the target, through a runner, a plan and caches of its own."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+from heron.cache.coordinator import KVCacheCoordinator
+from heron.cache.layout import CacheLayout
+from heron.cache.spec import PagedSpec
+from heron.config import ModelConfig, lacks_tokenizer
+from heron.distributed.executor import RunnerArgs, make_model_runner
+from heron.execution.model_runner import LaunchedStep, ModelRunner
+from heron.execution.step_plan import NewRequest, SentTables, StepPlan
+from heron.loader.resolve import resolve_model_path
+from heron.platforms import Platform
+from heron.sampling_params import SamplingParams
+from heron.speculative.config import SpeculativeConfig
+from heron.speculative.proposer import ModelProposer
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
+
+    from heron.engine.request import Request
+
+GREEDY = SamplingParams(temperature=0.0)
+
+
+def load_draft_runner(
+    spec: SpeculativeConfig,
+    target: ModelConfig,
+    tokenizer: PreTrainedTokenizerBase,
+    platform: Platform,
+    block_size: int,
+    attention_backend: str,
+    dtype: str,
+    kv_cache_dtype: str,
+) -> ModelRunner:
+    """The draft's runner, on the target's (first) device and context length; ``ValueError``
+    naming ``model`` if it cannot be loaded or does not share the target's vocabulary."""
+    try:
+        path = resolve_model_path(spec.model)
+        config = ModelConfig.from_path(
+            path,
+            dtype,
+            platform.device,
+            target.max_model_len,
+            target.load_format,
+            target.seed,
+            kv_cache_dtype=kv_cache_dtype,
+        )
+        runner = make_model_runner(
+            1, RunnerArgs(config, block_size, attention_backend, target.seed), platform
+        )
+    except (ValueError, OSError) as e:
+        raise ValueError(f"speculative_config: model {spec.model!r} cannot be loaded: {e}") from e
+    _check_vocabulary(spec.model, path, config, target, tokenizer)
+    for cache in runner.cache_specs:
+        if not isinstance(cache, PagedSpec):
+            raise ValueError(
+                f"speculative_config: model {spec.model!r} has a cache of kind "
+                f"{cache.describe()}, whose draft tokens cannot be rolled back (a draft model "
+                "needs paged attention caches only)"
+            )
+    return runner
+
+
+def _check_vocabulary(
+    name: str,
+    path,
+    draft: ModelConfig,
+    target: ModelConfig,
+    tokenizer: PreTrainedTokenizerBase,
+) -> None:
+    """The draft's token ids must mean the target's: the same vocabulary size and, where the
+    draft ships a tokenizer, the same vocabulary."""
+    from transformers import AutoTokenizer
+
+    mismatch = None
+    if draft.vocab_size != target.vocab_size:
+        mismatch = f"vocabulary sizes differ ({draft.vocab_size} and {target.vocab_size})"
+    elif not lacks_tokenizer(path):
+        if AutoTokenizer.from_pretrained(path).get_vocab() != tokenizer.get_vocab():
+            mismatch = "their tokenizers' vocabularies differ"
+    if mismatch:
+        raise ValueError(
+            f"speculative_config: the draft model {name!r} and the target model "
+            f"{str(target.path)!r} must share one tokenizer: {mismatch}"
+        )
+
+
+def split_kv_budget(
+    budget: int, target: CacheLayout, draft: CacheLayout, max_model_len: int, max_tokens: int
+) -> tuple[int, int]:
+    """The target's and the draft's shares of ``budget`` bytes, in proportion to what a
+    max-length sequence takes in each, so both pools hold the same number of sequences."""
+
+    def bytes_per_seq(layout: CacheLayout) -> int:
+        per_seq = layout.blocks_per_seq(max_model_len, max_tokens)
+        return sum(b * n for b, n in zip(layout.bytes_per_block(), per_seq))
+
+    t, d = bytes_per_seq(target), bytes_per_seq(draft)
+    draft_share = budget * d // (t + d)
+    return budget - draft_share, draft_share
+
+
+class _DraftSequence:
+    """What the draft's cache holds of one request; the cache coordinator reads it as it reads
+    a request. ``all_token_ids`` is the request's own (accepted) list, so only accepted tokens
+    are hashed; ``num_synced`` tokens are known to be accepted ones (those of the last pass's
+    catch-up), the rest of ``num_computed_tokens`` are draft tokens of that pass."""
+
+    __slots__ = ("request_id", "all_token_ids", "num_computed_tokens", "num_synced")
+    wants_prompt_logprobs = False
+
+    def __init__(self, request: Request) -> None:
+        self.request_id = request.request_id
+        self.all_token_ids = request.all_token_ids
+        self.num_computed_tokens = 0
+        self.num_synced = 0
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.all_token_ids)
+
+
+class DraftModelProposer(ModelProposer):
+    """Each pass, for the requests that propose: the draft catches up on the tokens it does
+    not hold (the prompt, then those accepted since its last pass: a prefill or extend chunk
+    per request, batched within the token budget), which samples the first proposal; then
+    ``limit - 1`` decode steps batched over the requests, each fed the previous step's token
+    on the device (read once, at the end). The draft's runner keeps each request's tokens: its
+    own proposals after the accepted ones, compared with the request's at the next pass (the
+    computed length drops to the common prefix, blocks past it are freed) and then replaced
+    by the request's.
+    """
+
+    def __init__(
+        self,
+        runner: ModelRunner,
+        kv_cache: KVCacheCoordinator,
+        num_tokens: int,
+        max_num_batched_tokens: int,
+    ) -> None:
+        self.runner = runner
+        self.kv_cache = kv_cache
+        self.num_tokens = num_tokens
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self._sequences: dict[str, _DraftSequence] = {}
+        self._sent = SentTables()
+        self._forgotten: list[str] = []  # for the next plan's finished_ids
+
+    def propose(self, requests: Sequence[Request], limits: Sequence[int]) -> list[list[int]]:
+        rows: list[tuple[int, _DraftSequence, int]] = []  # (index, sequence, limit)
+        new_requests = []
+        for i, (request, limit) in enumerate(zip(requests, limits)):
+            seq = self._sequences.get(request.request_id)
+            if seq is None:
+                seq = _DraftSequence(request)
+                hits, num_hit = self.kv_cache.get_computed_blocks(seq)
+            else:
+                self._sync(seq)
+                hits, num_hit = (), 0
+            num_new = request.num_tokens - seq.num_computed_tokens - num_hit + limit - 1
+            if not self.kv_cache.allocate_slots(seq, num_new, hits):
+                continue  # no room in the draft's pool: no proposals this pass
+            if request.request_id not in self._sequences:
+                self._sequences[request.request_id] = seq
+                seq.num_computed_tokens = num_hit
+                new_requests.append(
+                    NewRequest(
+                        request.request_id,
+                        list(request.all_token_ids),
+                        request.num_prompt_tokens,
+                        GREEDY,
+                        None,
+                    )
+                )
+            rows.append((i, seq, limit))
+        out: list[list[int]] = [[] for _ in requests]
+        if not rows:
+            return out
+        first = self._first_plan(new_requests)
+        launched = self._catch_up([seq for _, seq, _ in rows], first)
+        for s in range(1, max(limit for _, _, limit in rows)):
+            decoding = [seq for _, seq, limit in rows if limit > s]
+            plan = StepPlan(
+                request_ids=[seq.request_id for seq in decoding],
+                num_computed=[seq.num_computed_tokens for seq in decoding],
+                num_new=[1] * len(decoding),
+                samples=[True] * len(decoding),
+            )
+            launched.append(self.runner.launch(plan, launched[-1]))
+            for seq in decoding:
+                seq.num_computed_tokens += 1
+        for step in launched:
+            step.result()
+        states = self.runner.requests
+        for i, seq, limit in rows:
+            n = seq.num_synced
+            out[i] = states[seq.request_id].all_token_ids[n : n + limit]
+        return out
+
+    def _first_plan(self, new_requests: list[NewRequest]) -> StepPlan:
+        """The pass's first plan, with what changed for the draft's runner since the last."""
+        plan = StepPlan(finished_ids=self._forgotten, new_requests=new_requests)
+        self._forgotten = []
+        changed = self.kv_cache.changed_tables
+        for request_id in changed:
+            if request_id in self._sequences:
+                plan.table_updates.extend(
+                    self._sent.updates(request_id, self.kv_cache.block_tables(request_id))
+                )
+        changed.clear()
+        return plan
+
+    def _catch_up(self, sequences: list[_DraftSequence], plan: StepPlan) -> list[LaunchedStep]:
+        """Steps computing each sequence's missing tokens, within the token budget; every step
+        but the last is read at once (the decode steps take their tokens from the last)."""
+        launched = []
+        pending = list(sequences)
+        while pending:
+            budget = self.max_num_batched_tokens
+            for seq in pending:
+                if budget == 0:
+                    break
+                remaining = seq.num_tokens - seq.num_computed_tokens
+                num_new = min(remaining, budget)
+                plan.request_ids.append(seq.request_id)
+                plan.num_computed.append(seq.num_computed_tokens)
+                plan.num_new.append(num_new)
+                plan.samples.append(num_new == remaining)
+                budget -= num_new
+            for seq, num_new in zip(pending, plan.num_new):
+                seq.num_computed_tokens += num_new
+                seq.num_synced = seq.num_computed_tokens
+            pending = [seq for seq in pending if seq.num_computed_tokens < seq.num_tokens]
+            launched.append(self.runner.launch(plan))
+            if pending:
+                launched[-1].result()
+                plan = StepPlan()
+        return launched
+
+    def _sync(self, seq: _DraftSequence) -> None:
+        """Keep the draft tokens of the last pass that the request accepted (refused or
+        unverified ones go, with their blocks), then give the runner the request's tokens."""
+        drafted = self.runner.requests[seq.request_id].all_token_ids
+        tokens = seq.all_token_ids
+        # (the last token is always computed again: its logits give the first proposal)
+        end = min(seq.num_computed_tokens, len(tokens) - 1)
+        valid = min(seq.num_synced, end)
+        while valid < end and drafted[valid] == tokens[valid]:
+            valid += 1
+        if valid < seq.num_computed_tokens:
+            self._truncate(seq, valid)
+        seq.num_synced = valid
+        drafted[valid:] = tokens[valid:]
+
+    def _truncate(self, seq: _DraftSequence, num_tokens: int) -> None:
+        self.kv_cache.truncate(seq, num_tokens)
+        seq.num_computed_tokens = num_tokens
+        self._sent.shrink(seq.request_id, self.kv_cache.block_tables(seq.request_id))
+
+    def reject(self, request: Request) -> None:
+        seq = self._sequences.get(request.request_id)
+        if seq is not None and seq.num_computed_tokens > request.num_computed_tokens:
+            self._truncate(seq, request.num_computed_tokens)
+
+    def forget(self, request_id: str) -> None:
+        seq = self._sequences.pop(request_id, None)
+        if seq is None:
+            return
+        # Blocks past the accepted tokens hold no KV anyone may look up.
+        seq.num_computed_tokens = min(seq.num_computed_tokens, seq.num_synced)
+        self.kv_cache.free(seq)
+        self._sent.forget(request_id)
+        self._forgotten.append(request_id)
