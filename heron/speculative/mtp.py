@@ -10,9 +10,9 @@ import torch
 
 from heron.cache.coordinator import KVCacheCoordinator
 from heron.execution.model_runner import LaunchedStep, ModelRunner
-from heron.execution.step_plan import NewRequest, StepPlan
+from heron.execution.step_plan import StepPlan
 from heron.models.build import build_mtp
-from heron.speculative.draft_model import GREEDY, DraftModelProposer
+from heron.speculative.draft_model import DraftModelProposer
 
 if TYPE_CHECKING:
     from heron.engine.request import Request
@@ -46,18 +46,26 @@ class _HeadSequence:
     """What the head's cache holds of one request, read by the cache coordinator as a request.
 
     The head's position ``p`` pairs token ``t_{p+1}`` with the target's hidden state at ``p``,
-    so its tokens are the request's shifted by one (its blocks are hashed over those).
-    ``num_computed_tokens`` positions hold the KV of accepted tokens.
+    so its tokens are the request's shifted by one (its blocks are hashed over those), copied
+    from the request's live list at each pass. Its computed positions are accepted ones.
     """
 
-    __slots__ = ("request_id", "all_token_ids", "num_computed_tokens", "num_synced")
+    __slots__ = (
+        "request_id",
+        "request_tokens",
+        "all_token_ids",
+        "num_computed_tokens",
+        "num_synced",
+    )
     wants_prompt_logprobs = False
+    shift = 1
 
     def __init__(self, request: Request) -> None:
         self.request_id = request.request_id
+        self.request_tokens = request.all_token_ids
         self.all_token_ids = request.all_token_ids[1:]
         self.num_computed_tokens = 0
-        self.num_synced = 0  # (all computed positions are accepted ones)
+        self.num_synced = 0
 
     @property
     def num_tokens(self) -> int:
@@ -65,17 +73,16 @@ class _HeadSequence:
 
 
 class MTPProposer(DraftModelProposer):
-    """Each pass, for the requests that propose: the head catches up on the positions it does
-    not hold (up to the request's last token, from the target hidden states taken since: an
-    extend chunk per request, within the token budget), whose last position's logits give the
-    first proposal; then ``limit - 1`` decode steps feed each proposal and the head's own
-    output back. Positions the target never computed (its prefix-cache hits beyond the
-    head's) get zero hidden states: a weaker proposal there, never a wrong output.
+    """A draft model's passes (catch-up, then ``limit - 1`` decode steps; its pool, plans and
+    forgetting) over the MTP head, whose every step is fed hidden states: the target's for the
+    catch-up (up to the request's last token), the head's own output at the previous step's
+    row for each decode step. Positions the target never computed (its prefix-cache hits
+    beyond the head's) get zero hidden states: a weaker proposal there, never a wrong output.
 
     The target's hidden rows are kept per request from the first position the head has not
-    computed; the rows of the last position are kept after each pass (its output starts the
-    next pass). The pool, plans and forgetting are a draft model's; the head only ever holds
-    accepted positions, so a refusal costs it nothing.
+    computed. The head holds accepted positions only: after each pass it goes back to the
+    position before the last token (whose output starts the next pass), so a refusal costs it
+    nothing.
     """
 
     wants_hidden_states = True
@@ -90,6 +97,7 @@ class MTPProposer(DraftModelProposer):
         super().__init__(runner, kv_cache, num_tokens, max_num_batched_tokens)
         self.head: MultiTokenPredictor = runner.model
         self._hidden: dict[str, tuple[int, torch.Tensor]] = {}  # request -> (position, rows)
+        self._outputs: dict[str, torch.Tensor] = {}  # request -> the head's last output row
 
     def take_hidden_states(
         self,
@@ -112,102 +120,31 @@ class MTPProposer(DraftModelProposer):
             else:
                 self._hidden[request_id] = (start, rows.clone())
 
-    def propose(self, requests: Sequence[Request], limits: Sequence[int]) -> list[list[int]]:
-        rows: list[tuple[int, _HeadSequence, int]] = []  # (index, sequence, limit)
-        new_requests = []
-        for i, (request, limit) in enumerate(zip(requests, limits)):
-            limit = min(limit, self.num_tokens)
-            if request.num_tokens < 2 or limit < 1:
-                continue  # no hidden state before the first token
-            seq = self._sequences.get(request.request_id)
-            hits, num_hit = (), 0
-            if seq is None:
-                seq = _HeadSequence(request)
-                hits, num_hit = self.kv_cache.get_computed_blocks(seq)
-            else:
-                seq.all_token_ids = request.all_token_ids[1:]
-            # Positions up to the one before the last token, then limit - 1 drafted ones.
-            num_new = seq.num_tokens - seq.num_computed_tokens - num_hit + limit - 1
-            if not self.kv_cache.allocate_slots(seq, num_new, hits):
-                continue  # no room in the head's pool: no proposals this pass
-            if request.request_id not in self._sequences:
-                self._sequences[request.request_id] = seq
-                seq.num_computed_tokens = num_hit
-                new_requests.append(
-                    NewRequest(
-                        request.request_id,
-                        list(seq.all_token_ids),
-                        request.num_prompt_tokens,
-                        GREEDY,
-                        None,
-                    )
-                )
-            rows.append((i, seq, limit))
-        out: list[list[int]] = [[] for _ in requests]
-        if not rows:
-            return out
-        states = self.runner.requests
-        launched, outputs = self._catch_up_from_hidden([seq for _, seq, _ in rows], new_requests)
-        for s in range(1, max(limit for _, _, limit in rows)):
-            decoding = [seq for _, seq, limit in rows if limit > s]
-            self.head.stage_hidden(torch.cat([outputs[seq.request_id] for seq in decoding]))
-            plan = StepPlan(
-                request_ids=[seq.request_id for seq in decoding],
-                num_computed=[seq.num_tokens - 1 + s for seq in decoding],
-                num_new=[1] * len(decoding),
-                samples=[True] * len(decoding),
-            )
-            last = launched[-1]
-            if last.is_ready:  # (read at once: its tokens are the runner's already)
-                last.result()
-            launched.append(self.runner.launch(plan, None if last.is_ready else last))
-            outputs.update(_sampled_rows(plan, launched[-1].hidden_states))
-        for step in launched:
-            step.result()
-        for i, seq, limit in rows:
-            out[i] = states[seq.request_id].all_token_ids[seq.num_tokens : seq.num_tokens + limit]
-            # The last position is computed again next pass: its output starts the proposals.
-            self._truncate(seq, seq.num_computed_tokens - 1)
-            seq.num_synced = seq.num_computed_tokens
-        return out
+    def _new_sequence(self, request: Request) -> _HeadSequence:
+        return _HeadSequence(request)
 
-    def _catch_up_from_hidden(
-        self, sequences: list[_HeadSequence], new_requests: list[NewRequest]
-    ) -> tuple[list[LaunchedStep], dict[str, torch.Tensor]]:
-        """Steps computing each sequence's missing positions from the target's hidden rows,
-        within the token budget (every step but the last is read at once); and each
-        sequence's output at its last position."""
-        states = self.runner.requests
-        plan = self._first_plan(new_requests)
-        launched, outputs = [], {}
-        pending = list(sequences)
-        while pending:
-            budget, hidden = self.max_num_batched_tokens, []
-            for seq in pending:
-                if budget == 0:
-                    break
-                remaining = seq.num_tokens - seq.num_computed_tokens
-                num_new = min(remaining, budget)
-                plan.request_ids.append(seq.request_id)
-                plan.num_computed.append(seq.num_computed_tokens)
-                plan.num_new.append(num_new)
-                plan.samples.append(num_new == remaining)
-                hidden.append(self._target_rows(seq.request_id, seq.num_computed_tokens, num_new))
-                budget -= num_new
-            for seq, num_new in zip(pending, plan.num_new):
-                seq.num_computed_tokens += num_new
-            pending = [seq for seq in pending if seq.num_computed_tokens < seq.num_tokens]
-            if launched:
-                launched[-1].result()
-            for request_id in plan.request_ids:
-                if request_id in states:  # (the runner appends its proposals to its copy)
-                    tokens = self._sequences[request_id].all_token_ids
-                    states[request_id].all_token_ids = list(tokens)
-            self.head.stage_hidden(torch.cat(hidden))
-            launched.append(self.runner.launch(plan))
-            outputs.update(_sampled_rows(plan, launched[-1].hidden_states))
-            plan = StepPlan()
-        return launched, outputs
+    def _sync(self, seq: _HeadSequence) -> None:
+        seq.all_token_ids = seq.request_tokens[1:]
+        self.runner.requests[seq.request_id].all_token_ids = list(seq.all_token_ids)
+
+    def _launch(self, plan: StepPlan, previous: LaunchedStep | None = None) -> LaunchedStep:
+        """Stage the step's hidden states (a catch-up's from the target, a decode step's from
+        the head's last outputs), then launch it."""
+        if previous is None:
+            rows = map(self._target_rows, plan.request_ids, plan.num_computed, plan.num_new)
+        else:
+            rows = (self._outputs[request_id] for request_id in plan.request_ids)
+        self.head.stage_hidden(torch.cat(list(rows)))
+        launched = self.runner.launch(plan, previous)
+        self._outputs.update(_sampled_rows(plan, launched.hidden_states))
+        return launched
+
+    def _end_pass(self, sequences: list[_HeadSequence]) -> None:
+        """Back to the position before the last token: its output starts the next pass."""
+        self._outputs.clear()
+        for seq in sequences:
+            self._truncate(seq, seq.num_synced - 1)
+            seq.num_synced = seq.num_computed_tokens
 
     def _target_rows(self, request_id: str, start: int, n: int) -> torch.Tensor:
         """The target's hidden rows of positions ``[start, start + n)`` (zeros where it
