@@ -21,7 +21,7 @@ import transformers as tf
 from safetensors.torch import load_file, save_file
 from test_deepseek import randomize as randomize_deepseek
 from test_deepseek import v3_config
-from test_qwen3_5 import qwen3_5_config
+from test_qwen3_5 import moe_variant, qwen3_5_config
 from test_qwen3_5 import randomize as randomize_qwen3_5
 from test_speculative_parity import (
     GREEDY,
@@ -49,12 +49,21 @@ def _hf_model(family: str, extra_layers: int = 0) -> torch.nn.Module:
         config.num_hidden_layers += extra_layers
         model = tf.DeepseekV3ForCausalLM(config)
         randomize_deepseek(model)
-    else:
+    elif family == "qwen3_5":
         config = qwen3_5_config()
         config.layer_types = [*config.layer_types, *["full_attention"] * extra_layers]
         config.num_hidden_layers += extra_layers
         model = tf.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
         randomize_qwen3_5(model)
+    else:  # Qwen3-Next, every MLP sparse (the head's too)
+        config = moe_variant(tf.Qwen3NextConfig, tf.Qwen3NextForCausalLM, seed=3).config
+        config.layer_types = [*config.layer_types, *["full_attention"] * extra_layers]
+        config.num_hidden_layers += extra_layers
+        model = tf.Qwen3NextForCausalLM(config)
+        with torch.no_grad():
+            for p in model.parameters():
+                if p.dim() >= 2:
+                    p.normal_(0.0, 0.08)
     return model.eval()
 
 
@@ -87,8 +96,8 @@ def _make_predictive(reference: MtpLayer, target: torch.nn.Module) -> None:
 
 
 def norm_offset(target: torch.nn.Module) -> float:
-    """1 for the ``(1 + w)`` norms of Qwen3.5, whose neutral weight is 0."""
-    return 1.0 if isinstance(target, tf.Qwen3_5ForCausalLM) else 0.0
+    """1 for the ``(1 + w)`` norms of Qwen3.5 and Qwen3-Next, whose neutral weight is 0."""
+    return 1.0 if isinstance(target, (tf.Qwen3_5ForCausalLM, tf.Qwen3NextForCausalLM)) else 0.0
 
 
 def save_with_mtp(
@@ -161,7 +170,7 @@ def hf_mtp(target, reference: MtpLayer, tokens: list[int], hidden: torch.Tensor)
     return out[0]
 
 
-@pytest.mark.parametrize("family", ["deepseek_v3", "qwen3_5"])
+@pytest.mark.parametrize("family", ["deepseek_v3", "qwen3_5", "qwen3_next"])
 def test_head_equals_hf_composition(family, tmp_path):
     """The head's prefill over a prompt (from HF's target hidden states), then one drafted
     position fed its own output: both equal the reference, and so do the target's hidden
