@@ -90,7 +90,12 @@ def build_mtp(
     ``target``) and cache groups."""
     cls = mtp_class(model_config.architecture)
     construct = lambda runtime: cls(model, runtime)
-    return _build(construct, model_config, platform, target, attention_backend, block_size, SINGLE)
+    try:
+        return _build(
+            construct, model_config, platform, target, attention_backend, block_size, SINGLE
+        )
+    except ValueError as e:
+        raise ValueError(f"speculative method 'mtp': {e}") from e
 
 
 def _build(

@@ -85,7 +85,7 @@ def num_mtp_layers(config: PretrainedConfig, field: str) -> int:
     count = getattr(config, field, None) or 0
     if count < 1:
         raise ValueError(
-            f"speculative method 'mtp' needs multi-token-prediction layers, but this model's "
-            f"config has {field} = {getattr(config, field, None)!r}"
+            f"the model's config names no multi-token-prediction layers ({field} = "
+            f"{getattr(config, field, None)!r})"
         )
     return count

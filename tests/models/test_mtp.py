@@ -235,17 +235,23 @@ def test_greedy_with_mtp_equals_greedy_without(family, tmp_path, monkeypatch):
     assert 0 < stats.num_accepted_tokens < stats.num_draft_tokens
 
 
-def test_checkpoint_without_mtp_is_refused(tmp_path):
+def test_checkpoint_without_mtp_is_refused(tmp_path, tiny_model_dir):
+    """A family without MTP heads, a config without MTP layers, and a config that names one
+    the checkpoint does not hold: each a clear error."""
+    with pytest.raises(ValueError, match="'mtp' is not supported for LlamaForCausalLM"):
+        LLM(str(tiny_model_dir("llama")), speculative_config=SPECULATION)
     torch.manual_seed(0)
     target = _hf_model("deepseek_v3")
     _saved_tensors(target, tmp_path)
     make_tokenizer().save_pretrained(tmp_path)
-    with pytest.raises(ValueError, match="num_nextn_predict_layers = 0"):
+    with pytest.raises(ValueError, match="'mtp': .* no multi-token.*num_nextn_predict_layers = 0"):
         LLM(str(tmp_path), speculative_config=SPECULATION)
     config_file = tmp_path / "config.json"
     config_json = json.loads(config_file.read_text())
     config_file.write_text(json.dumps(config_json | {"num_nextn_predict_layers": 1}))
-    with pytest.raises(ValueError, match="missing weights for: model.layers.2"):
+    with pytest.raises(
+        ValueError, match="'mtp': checkpoint is missing weights for: model.layers.2"
+    ):
         LLM(str(tmp_path), speculative_config=SPECULATION)
 
 
