@@ -128,14 +128,20 @@ class _DraftSequence:
 
 class DraftModelProposer(ModelProposer):
     """Each pass, for the requests that propose: the draft catches up on the tokens it does
-    not hold (the prompt, then those accepted since its last pass: a prefill or extend chunk
-    per request, batched within the token budget), which samples the first proposal; then
-    ``limit - 1`` decode steps batched over the requests, each fed the previous step's token
-    on the device (read once, at the end). The draft's runner keeps each request's tokens: its
-    own proposals after the accepted ones, compared with the request's at the next pass (the
-    computed length drops to the common prefix, blocks past it are freed) and then replaced
-    by the request's.
+    not hold (the prompt, then those accepted since its last pass; chunks batched within the
+    token budget), which samples the first proposal, then runs ``limit`` decode steps, each
+    fed the previous step's token on the device and all read at the end. The last step only
+    caches the last proposal, so that after full acceptance, as after a refusal, the next
+    catch-up is one token: steady-state passes are decode steps (graph replays).
+
+    The draft's runner keeps each request's tokens (its proposals after the accepted ones);
+    the next pass keeps the prefix they share with the request's, frees the blocks past it,
+    and writes the request's tokens in.
     """
+
+    # Whether a pass ends with a decode step of its last proposal (a subclass whose drafted
+    # positions are never kept skips it).
+    caches_last_proposal = True
 
     def __init__(
         self,
@@ -163,7 +169,8 @@ class DraftModelProposer(ModelProposer):
             else:
                 self._sync(seq)
                 hits, num_hit = (), 0
-            num_new = seq.num_tokens - seq.num_computed_tokens - num_hit + limit - 1
+            steps = limit - 1 + self.caches_last_proposal  # decode steps after the catch-up
+            num_new = seq.num_tokens - seq.num_computed_tokens - num_hit + steps
             if not self.kv_cache.allocate_slots(seq, num_new, hits):
                 continue  # no room in the draft's pool: no proposals this pass
             if request.request_id not in self._sequences:
@@ -184,8 +191,9 @@ class DraftModelProposer(ModelProposer):
             return out
         first = self._first_plan(new_requests)
         launched = self._catch_up([seq for _, seq, _ in rows], first)
-        for s in range(1, max(limit for _, _, limit in rows)):
-            decoding = [seq for _, seq, limit in rows if limit > s]
+        extra = self.caches_last_proposal
+        for s in range(1, max(limit for _, _, limit in rows) + extra):
+            decoding = [seq for _, seq, limit in rows if limit - 1 + extra >= s]
             plan = StepPlan(
                 request_ids=[seq.request_id for seq in decoding],
                 num_computed=[seq.num_computed_tokens for seq in decoding],

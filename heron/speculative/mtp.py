@@ -86,6 +86,7 @@ class MTPProposer(DraftModelProposer):
     """
 
     wants_hidden_states = True
+    caches_last_proposal = False
 
     def __init__(
         self,

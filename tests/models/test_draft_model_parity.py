@@ -19,6 +19,7 @@ from test_speculative_parity import (
 )
 
 from heron import LLM, SamplingParams
+from heron.speculative.draft_model import split_kv_budget
 
 from tiny_models import first_divergence_is_a_near_tie, save_tiny_model, save_truncated_draft
 
@@ -123,6 +124,23 @@ def test_aborted_requests_give_the_draft_blocks_back(tiny_model_dir, tmp_path):
     assert_draft_pool_empty(llm)
     engine.step()  # the draft's runner forgets them with its next plan
     assert not engine.has_unfinished_requests()
+
+
+def test_the_kv_budget_splits_to_as_many_sequences_each(tiny_model_dir, tmp_path):
+    """The draft's share of the budget holds as many max-length sequences as the target's."""
+    path = tiny_model_dir("llama")
+    draft = save_truncated_draft(path, tmp_path / "draft")
+    engine = LLM(str(path), max_model_len=128, speculative_config=draft_config(draft)).engine
+    layouts = (engine.runner.cache, engine.draft_runner.cache)
+    budget = 10 << 20
+    shares = split_kv_budget(budget, *layouts, 128, engine.max_num_batched_tokens)
+    assert sum(shares) == budget
+    (target,), (drafted,) = (
+        layout.split_budget(share, 128, engine.max_num_batched_tokens)
+        for layout, share in zip(layouts, shares)
+    )
+    assert abs(target - drafted) <= 1  # one block size, one group: blocks per sequence agree
+    assert drafted * layouts[1].bytes_per_block()[0] < target * layouts[0].bytes_per_block()[0]
 
 
 @pytest.mark.gpu
