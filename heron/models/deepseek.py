@@ -187,6 +187,8 @@ class DeepseekMTP(MultiTokenPredictor):
 
     packed_modules = DeepseekForCausalLM.packed_modules
     checkpoint_renames = DeepseekForCausalLM.checkpoint_renames
+    # Stored unquantised in DeepSeek-V3's FP8 checkpoints (vLLM and SGLang load it so).
+    full_precision_modules = ("eh_proj",)
 
     def __init__(self, target: DeepseekForCausalLM, runtime: OperatorRuntime) -> None:
         super().__init__(target)

@@ -235,6 +235,18 @@ def test_greedy_with_mtp_equals_greedy_without(family, tmp_path, monkeypatch):
     assert 0 < stats.num_accepted_tokens < stats.num_draft_tokens
 
 
+def test_fp8_head_keeps_eh_proj_in_full_precision(tmp_path):
+    """Under an FP8 scheme DeepSeek's head quantises its layer's projections, not ``eh_proj``
+    (unquantised in DeepSeek-V3's FP8 checkpoints)."""
+    save_with_mtp("deepseek_v3", tmp_path)
+    options = dict(quantization="fp8", max_model_len=64, num_kv_blocks=16)
+    llm = LLM(str(tmp_path), **options, speculative_config=SPECULATION)
+    head = llm.engine.model_proposer.head
+    enorm, hnorm, eh_proj, layer, _ = head.parts
+    assert eh_proj.weight_scale is None and eh_proj.weight.dtype == torch.float32
+    assert layer.self_attn.o_proj.weight_scale is not None
+
+
 def test_checkpoint_without_mtp_is_refused(tmp_path, tiny_model_dir):
     """A family without MTP heads, a config without MTP layers, and a config that names one
     the checkpoint does not hold: each a clear error."""
