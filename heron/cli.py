@@ -40,7 +40,8 @@ _ENGINE_FLAG_HELP = {
     "kv_cache_dtype": "auto (the model's dtype) or fp8 (E4M3: half of bf16's bytes per block)",
     "speculative_config": 'speculative decoding as JSON, e.g. \'{"method": "ngram", '
     '"num_speculative_tokens": 4, "prompt_lookup_max": 4}\' or \'{"method": "draft_model", '
-    '"model": "DRAFT", "num_speculative_tokens": 3}\'',
+    '"model": "DRAFT", "num_speculative_tokens": 3}\' or \'{"method": "mtp", '
+    "\"num_speculative_tokens\": 1}' (the checkpoint's MTP head)",
     "tensor_parallel_size": "split the model over this many GPUs (processes) of the host; "
     "under torchrun, over its ranks (python -m heron.distributed.launch)",
 }

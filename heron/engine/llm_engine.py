@@ -32,6 +32,7 @@ from heron.platforms import platform_for, resolve_device
 from heron.sampling_params import SamplingParams
 from heron.speculative import SpecDecodeStats
 from heron.speculative.draft_model import DraftModelProposer, load_draft_runner, split_kv_budget
+from heron.speculative.mtp import MTPProposer, load_mtp_runner
 
 if TYPE_CHECKING:
     import torch
@@ -155,8 +156,11 @@ class LLMEngine:
                         f"speculative_config: the cache kind {spec.describe()} cannot roll back "
                         "refused proposals (paged attention caches and recurrent states can)"
                     )
-        self.draft_runner = (
-            load_draft_runner(
+        method = speculative.method if speculative is not None else None
+        # The runner of the model a proposer runs (its share of the KV budget, its graphs).
+        self.draft_runner = None
+        if method == "draft_model":
+            self.draft_runner = load_draft_runner(
                 speculative,
                 self.model_config,
                 self.tokenizer,
@@ -166,9 +170,9 @@ class LLMEngine:
                 config.dtype,
                 config.kv_cache_dtype,
             )
-            if speculative is not None and speculative.method == "draft_model"
-            else None
-        )
+        elif method == "mtp":
+            self.draft_runner = load_mtp_runner(self.runner, backend, self.max_num_batched_tokens)
+            self.runner.keep_hidden_states = True
         self.spec_decode_stats = SpecDecodeStats()
         # before the KV cache is sized, which leaves this out of its budget
         self.verification_bytes = self._reserve_verification()
@@ -192,10 +196,11 @@ class LLMEngine:
         self.kv_cache = KVCacheCoordinator(
             self.runner.cache_specs, num_blocks, config.enable_prefix_caching
         )
+        proposer_class = MTPProposer if method == "mtp" else DraftModelProposer
         self.model_proposer = (
             None
             if self.draft_runner is None
-            else DraftModelProposer(
+            else proposer_class(
                 self.draft_runner,
                 KVCacheCoordinator(
                     self.draft_runner.cache_specs, draft_blocks, config.enable_prefix_caching
@@ -451,6 +456,11 @@ class LLMEngine:
                     previous = None
                 plan = replace(plan, token_bitmask=self._token_bitmask(sample_requests))
             step = self.runner.launch(plan, previous.launched if previous else None)
+            if step.hidden_states is not None and self.scheduler.proposes:
+                # (while the batch is too large to propose, the head is not fed)
+                self.model_proposer.take_hidden_states(
+                    plan.request_ids, plan.num_computed, plan.num_new, step.hidden_states
+                )
             drafts = plan.draft_token_ids
             launched = _Launched(
                 step,

@@ -75,9 +75,10 @@ class CudaGraphRunner:
         self.buffers: dict[int, Any] = {
             id(g): g.builder.make_graph_buffers(self.max_batch, device, *extra) for g in plan.groups
         }
-        # (batch, query length) -> (graph, its logits, its greedy tokens): its output buffers.
+        # (batch, query length) -> (graph, its hidden states, logits and greedy tokens): its
+        # output buffers.
         self.graphs: dict[
-            tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor, torch.Tensor]
+            tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor, torch.Tensor, torch.Tensor]
         ] = {}
 
     def _fill(self, seq: SequenceMetadata, batch: int) -> None:
@@ -103,9 +104,10 @@ class CudaGraphRunner:
                     group.builder.before_capture(self.buffers[id(group)])
                 graph = torch.cuda.CUDAGraph()
                 with torch.cuda.graph(graph, pool=pool):
-                    logits = self.model.compute_logits(self.model(tokens))
+                    hidden = self.model(tokens)
+                    logits = self.model.compute_logits(hidden)
                     greedy = greedy_argmax(logits)
-                self.graphs[batch, q] = (graph, logits, greedy)
+                self.graphs[batch, q] = (graph, hidden, logits, greedy)
         torch.cuda.synchronize(self.device)
         for q, buckets in self.buckets_of.items():
             logger.info("captured CUDA graphs of %d tokens per row for batches %s", q, buckets)
@@ -120,18 +122,19 @@ class CudaGraphRunner:
             and seq.num_tokens == seq.num_reqs * q
         )
 
-    def run(self, seq: SequenceMetadata) -> tuple[torch.Tensor, torch.Tensor]:
-        """Replay the step of ``seq`` (every request with the same query length); its logits
-        rows (every token's) and each row's greedy token. Both are views of the graph's
-        buffers, which the next replay overwrites: read them (on the stream) before it."""
+    def run(self, seq: SequenceMetadata) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Replay the step of ``seq`` (every request with the same query length); its hidden
+        states and logits rows (every token's) and each row's greedy token. All are views of
+        the graph's buffers, which the next replay overwrites: read them (on the stream)
+        before it."""
         n, q = seq.num_reqs, seq.max_query_len
         buckets = self.buckets_of[q]
         batch = buckets[bisect.bisect_left(buckets, n)]
         self.token_ids[: n * q].copy_(seq.token_ids)
         self._fill(seq, batch)
-        graph, logits, greedy = self.graphs[batch, q]
+        graph, hidden, logits, greedy = self.graphs[batch, q]
         graph.replay()
-        return logits[: n * q], greedy[: n * q]
+        return hidden[: n * q], logits[: n * q], greedy[: n * q]
 
 
 def _dummy_step(

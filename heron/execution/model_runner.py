@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from itertools import accumulate
 
 import torch
+from torch import nn
 
 from heron.cache.layout import CacheLayout
 from heron.cache.recurrent import RecurrentStateSpec
@@ -49,10 +51,15 @@ class LaunchedStep:
         sample_states: list[RequestState],
         token_ids: torch.Tensor | None = None,
         result: StepOutput | None = None,
+        hidden_states: torch.Tensor | None = None,
     ) -> None:
         self.sample_states = sample_states
         self.token_ids = token_ids
         self._result = result
+        # The model's last hidden states of every token the step computed, in the plan's row
+        # order, where the runner keeps them (an MTP head reads them; the next step may
+        # overwrite them).
+        self.hidden_states = hidden_states
         self._copied: torch.cuda.Event | None = None
         if token_ids is not None:
             self._host_ids = token_ids.to("cpu", non_blocking=True)  # pinned when on CUDA
@@ -105,14 +112,16 @@ class ModelRunner:
         attention_backend: str,
         seed: int,
         tp: TensorParallel = SINGLE,
+        build: Callable[..., nn.Module] = build_model,
     ) -> None:
-        """Under ``tp`` the runner holds this rank's shard of the model and of the caches."""
+        """Under ``tp`` the runner holds this rank's shard of the model and of the caches.
+        ``build`` makes the model (``build_model``'s arguments; an MTP head's is another)."""
         self.model_config = model_config
         self.platform = platform
         self.device = platform.device
         self.block_size = block_size
         self.plan: StepMetaPlan | None = None
-        self.model = build_model(model_config, platform, self, attention_backend, block_size, tp)
+        self.model = build(model_config, platform, self, attention_backend, block_size, tp)
         self.cache = CacheLayout(
             [
                 m
@@ -133,6 +142,8 @@ class ModelRunner:
         self.graphs: CudaGraphRunner | None = None
         self.requests: dict[str, RequestState] = {}
         self._coverage_checked = False
+        # Whether each LaunchedStep carries the step's hidden states (for an MTP head).
+        self.keep_hidden_states = False
 
     @property
     def cache_specs(self) -> list[CacheSpec]:
@@ -269,7 +280,7 @@ class ModelRunner:
         # (not a prefill chunk that samples nothing, nor prompt logprobs' rows first).
         every_token_sampled = step.sample_rows == slice(0, seq.num_tokens)
         if self.graphs is not None and every_token_sampled and self.graphs.can_run(seq):
-            logits, greedy_ids = self.graphs.run(seq)
+            hidden, logits, greedy_ids = self.graphs.run(seq)
         else:
             if self.graphs is not None:
                 logger.debug("eager step: %d requests, %d tokens", seq.num_reqs, seq.num_tokens)
@@ -278,10 +289,11 @@ class ModelRunner:
             logits = self.model.compute_logits(hidden[seq.logits_indices.long()])
         for copies in plan.copies_after:
             self.cache.copy_entries(copies.group, copies.sources, copies.destinations)
+        kept = hidden if self.keep_hidden_states else None
         if plan.draft_token_ids:
             output = self._verified(plan, step, logits, greedy_ids)
             self._keep_accepted_states(plan, step.sample_states, output)
-            return LaunchedStep(step.sample_states, result=output)
+            return LaunchedStep(step.sample_states, result=output, hidden_states=kept)
         states, bitmask = step.sample_states, plan.token_bitmask
         if states and not step.prompt_rows and all(map(on_device, states)):
             if greedy_ids is not None and all(s.sampling_params.plain_argmax for s in states):
@@ -290,14 +302,14 @@ class ModelRunner:
                 token_ids = self.sampler.sample_on_device(
                     logits[step.sample_rows], states, self.generator, bitmask
                 )
-            return LaunchedStep(states, token_ids=token_ids)
+            return LaunchedStep(states, token_ids=token_ids, hidden_states=kept)
         token_ids, logprobs = [], []
         if states:
             sampled = self.sampler(logits[step.sample_rows], states, self.generator, bitmask)
             token_ids, logprobs = sampled.token_ids, sampled.logprobs
         request_ids = [s.request_id for s in states]
         output = StepOutput(request_ids, token_ids, logprobs, _prompt_logprobs(step, logits))
-        return LaunchedStep(states, result=output)
+        return LaunchedStep(states, result=output, hidden_states=kept)
 
     def _verified(
         self,

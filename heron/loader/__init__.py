@@ -28,7 +28,9 @@ def load_model(model: nn.Module, model_config: ModelConfig, sharded: bool = Fals
         std = getattr(model_config.hf_config, "initializer_range", None) or 0.02
         initialize_dummy_weights(model, std, model_config.seed)
     else:
-        load_weights(model, iterate_weights(model_config.path, lazy=sharded))
+        # A model reading part of the checkpoint (an MTP head) reads only the tensors it takes.
+        lazy = sharded or getattr(model, "loads_prefixes_only", False)
+        load_weights(model, iterate_weights(model_config.path, lazy=lazy))
     for layer in linears:
         if layer.keep_dense and as_stored:
             layer.dequantize_fp8(model_config.dtype)

@@ -16,9 +16,11 @@ def fp8_linears(model: nn.Module, scheme: Fp8Scheme) -> list[Linear]:
 
     A skip fragment matches a module by its name here or by a checkpoint name it packs
     (``q_proj`` of ``qkv_proj``); a packed module some of whose shards match is an error, as
-    one matrix cannot mix formats.
+    one matrix cannot mix formats. The model's own ``full_precision_modules`` are skipped too
+    (layers its family's FP8 checkpoints store unquantised).
     """
     packed: dict[str, tuple[str, str]] = getattr(model, "packed_modules", {})
+    skip = scheme.skip + tuple(getattr(model, "full_precision_modules", ()))
     out = []
     for name, module in model.named_modules():
         if not isinstance(module, Linear) or isinstance(module, TopKRouter):
@@ -27,7 +29,7 @@ def fp8_linears(model: nn.Module, scheme: Fp8Scheme) -> list[Linear]:
         sources = [
             ".".join(parts[:-1] + [ckpt]) for ckpt, (into, _) in packed.items() if into == parts[-1]
         ] or [name]
-        skipped = [any(f in source for f in scheme.skip) for source in sources]
+        skipped = [any(f in source for f in skip) for source in sources]
         if all(skipped):
             continue
         if any(skipped):

@@ -33,7 +33,8 @@ def load_weights(
     """Copy ``weights`` into ``model``; raise naming any unknown tensor or unloaded parameter.
 
     ``model.checkpoint_prefixes`` maps a checkpoint name prefix to the model's (``None``: tensors
-    the model does not load, such as a multimodal checkpoint's vision tower);
+    the model does not load, such as a multimodal checkpoint's vision tower); a model that
+    ``loads_prefixes_only`` (an MTP head) skips every tensor outside them;
     ``model.checkpoint_renames`` maps a checkpoint module name to the model's (``router`` ->
     ``gate``); ``model.packed_modules`` maps a checkpoint module name (``q_proj``) to the packed
     module that holds it and its shard (``("qkv_proj", "q")``). One tensor per expert
@@ -45,6 +46,7 @@ def load_weights(
     renames: dict[str, str] = getattr(model, "checkpoint_renames", {})
     packed: dict[str, tuple[str, str]] = getattr(model, "packed_modules", {})
     prefixes: dict[str, str | None] = getattr(model, "checkpoint_prefixes", {})
+    prefixes_only = getattr(model, "loads_prefixes_only", False)
     params = dict(model.named_parameters())
     banks = {name: m for name, m in model.named_modules() if isinstance(m, ExpertBank)}
     owners = {
@@ -59,6 +61,8 @@ def load_weights(
     for name, tensor in weights:
         source = name  # as the checkpoint names it
         prefix = next((p for p in prefixes if name.startswith(p)), None)
+        if prefix is None and prefixes_only:
+            continue
         if prefix is not None:
             if prefixes[prefix] is None:
                 continue

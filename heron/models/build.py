@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
 import torch
@@ -13,7 +13,7 @@ from heron.config import ModelConfig
 from heron.distributed.parallel import SINGLE, TensorParallel, tensor_parallel_scope
 from heron.loader import load_model
 from heron.metadata import MetadataBuilder, MetadataOperator, StepMetadataError, StepMetaPlan
-from heron.models.registry import model_class
+from heron.models.registry import model_class, mtp_class
 from heron.ops.attention.base import AttentionOperator
 from heron.ops.attention.paged import PagedAttentionBuilder
 from heron.ops.selector import OperatorRuntime, layer_kernels
@@ -61,8 +61,42 @@ def build_model(
 ) -> nn.Module:
     """Build, load and plan the model (this rank's shard of it, under ``tp``); attach the plan
     to ``target`` only if all succeeded."""
-    target.plan = None
     cls = model_class(model_config.architecture)
+    construct = lambda runtime: cls(model_config.hf_config, runtime)
+    return _build(construct, model_config, platform, target, attention_backend, block_size, tp)
+
+
+def build_mtp(
+    model: nn.Module,
+    model_config: ModelConfig,
+    platform: Platform,
+    target: ModelRunner,
+    attention_backend: str,
+    block_size: int,
+) -> nn.Module:
+    """The multi-token-prediction head of the built target ``model``, loaded from the target's
+    checkpoint, in a build scope of its own: its operators form their own plan (attached to
+    ``target``) and cache groups."""
+    cls = mtp_class(model_config.architecture)
+    construct = lambda runtime: cls(model, runtime)
+    try:
+        return _build(
+            construct, model_config, platform, target, attention_backend, block_size, SINGLE
+        )
+    except ValueError as e:
+        raise ValueError(f"speculative method 'mtp': {e}") from e
+
+
+def _build(
+    construct: Callable[[OperatorRuntime], nn.Module],
+    model_config: ModelConfig,
+    platform: Platform,
+    target: ModelRunner,
+    attention_backend: str,
+    block_size: int,
+    tp: TensorParallel,
+) -> nn.Module:
+    target.plan = None
     previous_dtype = torch.get_default_dtype()
     torch.set_default_dtype(model_config.dtype)
     try:
@@ -79,7 +113,7 @@ def build_model(
                 layer_kernels(platform.layer_kernels()),
                 model_config.kv_cache_dtype,
             )
-            model = cls(model_config.hf_config, runtime)
+            model = construct(runtime)
     finally:
         torch.set_default_dtype(previous_dtype)
     model.to(platform.device)

@@ -27,6 +27,7 @@ from heron.models.common import (
     DecoderModel,
     PreNormDecoderLayer,
 )
+from heron.models.mtp import MultiTokenPredictor, num_mtp_layers
 from heron.ops.mla.base import MLASpec
 from heron.ops.selector import OperatorRuntime, make_mla
 
@@ -133,15 +134,19 @@ class DeepseekDecoderLayer(PreNormDecoderLayer):
             )
 
 
+def mla_rotary(config: PretrainedConfig, runtime: OperatorRuntime) -> MLARotary:
+    interleaved = config.model_type == "deepseek_v2" or bool(
+        getattr(config, "rope_interleave", True)
+    )
+    table = RotaryEmbedding(config, config.qk_rope_head_dim, runtime.max_model_len)
+    return MLARotary(table, interleaved)
+
+
 class DeepseekModel(DecoderModel):
     def __init__(self, config: PretrainedConfig, runtime: OperatorRuntime) -> None:
         super().__init__()
-        interleaved = config.model_type == "deepseek_v2" or bool(
-            getattr(config, "rope_interleave", True)
-        )
-        table = RotaryEmbedding(config, config.qk_rope_head_dim, runtime.max_model_len)
         # One table for all layers, stored once (not a submodule of each layer first).
-        self.rotary = MLARotary(table, interleaved)
+        self.rotary = mla_rotary(config, runtime)
         self.embed_tokens = VocabEmbedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(
             DeepseekDecoderLayer(config, i, self.rotary, runtime, f"model.layers.{i}")
@@ -160,3 +165,59 @@ class DeepseekForCausalLM(DecoderForCausalLM):
 
     def __init__(self, config: PretrainedConfig, runtime: OperatorRuntime) -> None:
         super().__init__(config, DeepseekModel(config, runtime), runtime)
+        # The MTP layers stored after the last one are DeepseekMTP's.
+        first = config.num_hidden_layers
+        self.checkpoint_prefixes = {
+            f"model.layers.{n}.": None
+            for n in range(first, first + (getattr(config, "num_nextn_predict_layers", 0) or 0))
+        }
+
+
+class DeepseekMTPLayer(DeepseekDecoderLayer):
+    """DeepSeek-V3's MTP module: a decoder layer (MLA, MoE) with the norms of its two inputs
+    (``enorm``, ``hnorm``), their projection ``eh_proj`` and its output norm
+    ``shared_head.norm``, all stored under the layer's own name."""
+
+    def __init__(
+        self,
+        config: PretrainedConfig,
+        layer_idx: int,
+        rotary: MLARotary,
+        runtime: OperatorRuntime,
+        prefix: str,
+    ) -> None:
+        super().__init__(config, layer_idx, rotary, runtime, prefix)
+        hidden, eps, kernels = config.hidden_size, config.rms_norm_eps, runtime.kernels
+        self.enorm = RMSNorm(hidden, eps, kernels)
+        self.hnorm = RMSNorm(hidden, eps, kernels)
+        self.eh_proj = Linear(2 * hidden, hidden, False, kernels)
+        self.shared_head = nn.Module()
+        self.shared_head.norm = RMSNorm(hidden, eps, kernels)
+
+
+class DeepseekMTP(MultiTokenPredictor):
+    """The first of the ``num_nextn_predict_layers`` layers ``model.layers.{num_hidden_layers +
+    i}``; its stored copies of the embedding and LM head (``embed_tokens``,
+    ``shared_head.head``) are the target's, not loaded."""
+
+    packed_modules = DeepseekForCausalLM.packed_modules
+    checkpoint_renames = DeepseekForCausalLM.checkpoint_renames
+    # Stored unquantised in DeepSeek-V3's FP8 checkpoints (vLLM and SGLang load it so).
+    full_precision_modules = ("eh_proj",)
+
+    def __init__(self, target: DeepseekForCausalLM, runtime: OperatorRuntime) -> None:
+        super().__init__(target)
+        config = target.config
+        first = config.num_hidden_layers
+        count = num_mtp_layers(config, "num_nextn_predict_layers")
+        self.rotary = mla_rotary(config, runtime)
+        own = f"model.layers.{first}."
+        layer = DeepseekMTPLayer(config, first, self.rotary, runtime, own.rstrip("."))
+        self.model = nn.Module()
+        self.model.layers = nn.ModuleDict({str(first): layer})
+        self.checkpoint_prefixes = {own + "embed_tokens.": None, own + "shared_head.head.": None}
+        self.checkpoint_prefixes[own] = own
+        self.checkpoint_prefixes.update(
+            {f"model.layers.{n}.": None for n in range(first + 1, first + count)}
+        )
+        self.parts = (layer.enorm, layer.hnorm, layer.eh_proj, layer, layer.shared_head.norm)

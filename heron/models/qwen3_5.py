@@ -35,6 +35,7 @@ from heron.models.common import (
     head_parallel_qkv,
     norm_with_residual,
 )
+from heron.models.mtp import MultiTokenPredictor, num_mtp_layers
 from heron.models.qwen_moe import is_sparse_layer
 from heron.ops.linear_attention.operator import GatedDeltaNetSpec
 from heron.ops.selector import OperatorRuntime, make_attention, make_gated_delta_net
@@ -316,6 +317,7 @@ class Qwen3_5Model(DecoderModel):
 
 
 class Qwen3_5ForCausalLM(DecoderForCausalLM):
+    checkpoint_prefixes = {"mtp.": None}  # the multi-token-prediction head: Qwen3_5MTP's
     packed_modules = PACKED_MODULES | {
         "in_proj_qkv": ("in_proj", "qkv"),
         "in_proj_z": ("in_proj", "z"),
@@ -372,3 +374,32 @@ class Qwen3_5ForConditionalGeneration(_LanguageModelOf, Qwen3_5ForCausalLM):
 
 class Qwen3_5MoeForConditionalGeneration(_LanguageModelOf, Qwen3_5MoeForCausalLM):
     pass
+
+
+class Qwen3_5MTP(MultiTokenPredictor):
+    """Qwen3.5 / Qwen3-Next's MTP head (``mtp.*``): ``pre_fc_norm_embedding`` and
+    ``pre_fc_norm_hidden``, their projection ``fc``, the first of the
+    ``mtp_num_hidden_layers`` full-attention decoder layers (``mtp.layers.0``, with the
+    target's MLP kind for layer index 0) and the output norm ``norm``."""
+
+    def __init__(self, target: Qwen3_5ForCausalLM, runtime: OperatorRuntime) -> None:
+        super().__init__(target)
+        self.packed_modules = target.packed_modules
+        config = copy.copy(target.config)
+        count = num_mtp_layers(config, "mtp_num_hidden_layers")
+        config.layer_types = ["full_attention"]
+        eps, kernels, hidden = config.rms_norm_eps, runtime.kernels, config.hidden_size
+        mtp = nn.Module()
+        mtp.rotary = RotaryEmbedding(config, head_dim_of(config), runtime.max_model_len)
+        mtp.pre_fc_norm_embedding = GemmaRMSNorm(hidden, eps, kernels)
+        mtp.pre_fc_norm_hidden = GemmaRMSNorm(hidden, eps, kernels)
+        mtp.fc = Linear(2 * hidden, hidden, False, kernels)
+        layer = Qwen3_5DecoderLayer(
+            config, 0, mtp.rotary, runtime, "mtp.layers.0", target.mlp, target.in_proj
+        )
+        mtp.layers = nn.ModuleList([layer])
+        mtp.norm = GemmaRMSNorm(hidden, eps, kernels)
+        self.mtp = mtp
+        self.checkpoint_prefixes = {f"mtp.layers.{i}.": None for i in range(1, count)}
+        self.checkpoint_prefixes["mtp."] = "mtp."
+        self.parts = (mtp.pre_fc_norm_embedding, mtp.pre_fc_norm_hidden, mtp.fc, layer, mtp.norm)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from torch import nn
 
-from heron.models.deepseek import DeepseekForCausalLM
+from heron.models.deepseek import DeepseekForCausalLM, DeepseekMTP
 from heron.models.gemma import GemmaForCausalLM
 from heron.models.gpt_oss import GptOssForCausalLM
 from heron.models.llama import LlamaForCausalLM
@@ -13,6 +13,7 @@ from heron.models.qwen3_5 import (
     Qwen3_5ForConditionalGeneration,
     Qwen3_5MoeForCausalLM,
     Qwen3_5MoeForConditionalGeneration,
+    Qwen3_5MTP,
     Qwen3NextForCausalLM,
 )
 from heron.models.qwen_moe import QwenMoeForCausalLM
@@ -36,6 +37,13 @@ MODEL_REGISTRY: dict[str, type[nn.Module]] = {
     "Qwen3_5MoeForConditionalGeneration": Qwen3_5MoeForConditionalGeneration,
 }
 
+# A target family -> the class of its multi-token-prediction head (speculative method "mtp");
+# subclasses (MoE, multimodal, Qwen3-Next) have their base's.
+MTP_CLASSES: dict[type[nn.Module], type[nn.Module]] = {
+    DeepseekForCausalLM: DeepseekMTP,
+    Qwen3_5ForCausalLM: Qwen3_5MTP,
+}
+
 
 def model_class(architecture: str) -> type[nn.Module]:
     try:
@@ -44,3 +52,13 @@ def model_class(architecture: str) -> type[nn.Module]:
         raise ValueError(
             f"unsupported architecture {architecture!r}; supported: {', '.join(sorted(MODEL_REGISTRY))}"
         ) from None
+
+
+def mtp_class(architecture: str) -> type[nn.Module]:
+    for cls in model_class(architecture).__mro__:
+        if cls in MTP_CLASSES:
+            return MTP_CLASSES[cls]
+    families = ", ".join(sorted(c.__name__ for c in MTP_CLASSES))
+    raise ValueError(
+        f"speculative method 'mtp' is not supported for {architecture} (MTP heads: {families})"
+    )

@@ -6,7 +6,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, fields
 from typing import Any
 
-METHODS = ("ngram", "draft_model")
+METHODS = ("ngram", "draft_model", "mtp")
 # Fields that only one method reads: refused by name for the others.
 METHOD_FIELDS = {
     "ngram": ("prompt_lookup_min", "prompt_lookup_max"),
@@ -25,6 +25,10 @@ class SpeculativeConfig:
     ``draft_model``: a smaller model with the target's tokenizer (``model``, a path or hub
     name) proposes its greedy continuation; it runs on the target's first device
     (``draft_tensor_parallel_size`` 1).
+
+    ``mtp``: the checkpoint's multi-token-prediction head (DeepSeek-V3, Qwen3.5, Qwen3-Next)
+    proposes from the target's hidden states, applied again to its own output for each
+    further token.
     """
 
     method: str

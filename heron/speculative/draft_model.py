@@ -114,6 +114,7 @@ class _DraftSequence:
 
     __slots__ = ("request_id", "all_token_ids", "num_computed_tokens", "num_synced")
     wants_prompt_logprobs = False
+    shift = 0  # the request's tokens this sequence's first one comes after
 
     def __init__(self, request: Request) -> None:
         self.request_id = request.request_id
@@ -139,6 +140,10 @@ class DraftModelProposer(ModelProposer):
     and writes the request's tokens in.
     """
 
+    # Whether a pass ends with a decode step of its last proposal (a subclass whose drafted
+    # positions are never kept skips it).
+    caches_last_proposal = True
+
     def __init__(
         self,
         runner: ModelRunner,
@@ -160,12 +165,13 @@ class DraftModelProposer(ModelProposer):
         for i, (request, limit) in enumerate(zip(requests, limits)):
             seq = self._sequences.get(request.request_id)
             if seq is None:
-                seq = _DraftSequence(request)
+                seq = self._new_sequence(request)
                 hits, num_hit = self.kv_cache.get_computed_blocks(seq)
             else:
                 self._sync(seq)
                 hits, num_hit = (), 0
-            num_new = request.num_tokens - seq.num_computed_tokens - num_hit + limit
+            steps = limit - 1 + self.caches_last_proposal  # decode steps after the catch-up
+            num_new = seq.num_tokens - seq.num_computed_tokens - num_hit + steps
             if not self.kv_cache.allocate_slots(seq, num_new, hits):
                 continue  # no room in the draft's pool: no proposals this pass
             if request.request_id not in self._sequences:
@@ -174,8 +180,8 @@ class DraftModelProposer(ModelProposer):
                 new_requests.append(
                     NewRequest(
                         request.request_id,
-                        list(request.all_token_ids),
-                        request.num_prompt_tokens,
+                        list(seq.all_token_ids),
+                        request.num_prompt_tokens - seq.shift,
                         GREEDY,
                         None,
                     )
@@ -186,15 +192,16 @@ class DraftModelProposer(ModelProposer):
             return out
         first = self._first_plan(new_requests)
         launched = self._catch_up([seq for _, seq, _ in rows], first)
-        for s in range(1, 1 + max(limit for _, _, limit in rows)):
-            decoding = [seq for _, seq, limit in rows if limit >= s]
+        extra = self.caches_last_proposal
+        for s in range(1, max(limit for _, _, limit in rows) + extra):
+            decoding = [seq for _, seq, limit in rows if limit - 1 + extra >= s]
             plan = StepPlan(
                 request_ids=[seq.request_id for seq in decoding],
                 num_computed=[seq.num_computed_tokens for seq in decoding],
                 num_new=[1] * len(decoding),
                 samples=[True] * len(decoding),
             )
-            launched.append(self.runner.launch(plan, launched[-1]))
+            launched.append(self._launch(plan, launched[-1]))
             for seq in decoding:
                 seq.num_computed_tokens += 1
         for step in launched:
@@ -203,7 +210,18 @@ class DraftModelProposer(ModelProposer):
         for i, seq, limit in rows:
             n = seq.num_synced
             out[i] = states[seq.request_id].all_token_ids[n : n + limit]
+        self._end_pass([seq for _, seq, _ in rows])
         return out
+
+    def _new_sequence(self, request: Request) -> _DraftSequence:
+        return _DraftSequence(request)
+
+    def _launch(self, plan: StepPlan, previous: LaunchedStep | None = None) -> LaunchedStep:
+        """One step of the draft's runner (a subclass adds its inputs)."""
+        return self.runner.launch(plan, previous)
+
+    def _end_pass(self, sequences: list[_DraftSequence]) -> None:
+        """After a pass's proposals were read (a subclass may cut its caches back)."""
 
     def _first_plan(self, new_requests: list[NewRequest]) -> StepPlan:
         """The pass's first plan, with what changed for the draft's runner since the last."""
@@ -239,7 +257,7 @@ class DraftModelProposer(ModelProposer):
                 seq.num_computed_tokens += num_new
                 seq.num_synced = seq.num_computed_tokens
             pending = [seq for seq in pending if seq.num_computed_tokens < seq.num_tokens]
-            launched.append(self.runner.launch(plan))
+            launched.append(self._launch(plan))
             if pending:
                 launched[-1].result()
                 plan = StepPlan()

@@ -44,8 +44,13 @@ class ModelProposer(ABC):
         """The request finished, was aborted or preempted: free what is kept for it."""
 
     def take_hidden_states(
-        self, request_ids: Sequence[str], num_tokens: Sequence[int], hidden_states: torch.Tensor
+        self,
+        request_ids: Sequence[str],
+        num_computed: Sequence[int],
+        num_tokens: Sequence[int],
+        hidden_states: torch.Tensor,
     ) -> None:
-        """The target's last hidden states of the tokens a step just read gave each request
-        (accepted proposals and the token after them): ``num_tokens[i]`` consecutive rows of
-        ``hidden_states`` for ``request_ids[i]``. Called only when ``wants_hidden_states``."""
+        """The target's last hidden states of every token a step computed, in its row order:
+        ``num_tokens[i]`` consecutive rows of ``hidden_states`` for ``request_ids[i]``, at
+        positions ``num_computed[i]`` on (a verification step's refused proposals included).
+        Called right after the step is launched, only when ``wants_hidden_states``."""

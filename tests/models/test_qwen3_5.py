@@ -52,8 +52,16 @@ def qwen3_5_config() -> tf.Qwen3_5TextConfig:
 def save_qwen3_5(path: Path) -> Path:
     torch.manual_seed(0)
     model = tf.AutoModelForCausalLM.from_config(qwen3_5_config(), dtype=torch.float32)
-    # Larger than HF's init so logits are not near-uniform; decays that keep a memory of
-    # several tokens (g = -A * softplus(a + dt_bias)).
+    randomize(model)
+    model.generation_config.eos_token_id = None
+    model.save_pretrained(path)
+    make_tokenizer().save_pretrained(path)
+    return path
+
+
+def randomize(model: torch.nn.Module) -> None:
+    """Larger than HF's init so logits are not near-uniform; decays that keep a memory of
+    several tokens (g = -A * softplus(a + dt_bias))."""
     with torch.no_grad():
         for name, p in model.named_parameters():
             if name.endswith("A_log"):
@@ -66,10 +74,6 @@ def save_qwen3_5(path: Path) -> Path:
                 p.uniform_(0.8, 1.2)
             else:  # (1 + w) norms, dt_bias
                 p.uniform_(-0.5, 0.5)
-    model.generation_config.eos_token_id = None
-    model.save_pretrained(path)
-    make_tokenizer().save_pretrained(path)
-    return path
 
 
 @pytest.fixture(scope="module")

@@ -11,6 +11,7 @@ from heron.speculative import SpeculativeConfig
 from tiny_models import make_tokenizer, save_random_model, save_tiny_model, tiny_config
 
 DRAFT = {"method": "draft_model", "model": "d", "num_speculative_tokens": 3}
+MTP = {"method": "mtp", "num_speculative_tokens": 2}
 
 
 def test_vllm_spelling_is_accepted():
@@ -24,6 +25,7 @@ def test_vllm_spelling_is_accepted():
     )
     assert config.speculative == SpeculativeConfig("ngram", 4, 2, 5)
     assert EngineConfig().speculative is None
+    assert EngineConfig(speculative_config=MTP).speculative == SpeculativeConfig("mtp", 2)
     for options in (DRAFT, DRAFT | {"draft_tensor_parallel_size": 1}):
         assert EngineConfig(speculative_config=options).speculative == SpeculativeConfig(
             "draft_model", 3, model="d"
@@ -61,6 +63,8 @@ def test_vllm_spelling_is_accepted():
         (DRAFT | {"prompt_lookup_max": 2}, "prompt_lookup_max applies to method 'ngram'"),
         (DRAFT | {"draft_tensor_parallel_size": 2}, "draft_tensor_parallel_size must be 1"),
         (DRAFT | {"draft_tensor_parallel_size": True}, "draft_tensor_parallel_size must be 1"),
+        (MTP | {"prompt_lookup_max": 2}, "prompt_lookup_max applies to method 'ngram', not 'mtp'"),
+        (MTP | {"model": "d"}, "model applies to method 'draft_model', not 'mtp'"),
     ],
 )
 def test_bad_configurations_name_the_field(options, named):

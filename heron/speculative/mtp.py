@@ -1,0 +1,181 @@
+"""MTP proposals: the target checkpoint's multi-token-prediction head proposes from the target's
+own hidden states, through a runner, a plan and a cache of its own."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+import torch
+
+from heron.cache.coordinator import KVCacheCoordinator
+from heron.execution.model_runner import LaunchedStep, ModelRunner
+from heron.execution.step_plan import StepPlan
+from heron.models.build import build_mtp
+from heron.speculative.draft_model import DraftModelProposer
+
+if TYPE_CHECKING:
+    from heron.engine.request import Request
+    from heron.models.mtp import MultiTokenPredictor
+
+
+def load_mtp_runner(target: ModelRunner, attention_backend: str, max_rows: int) -> ModelRunner:
+    """A runner of the target's MTP head (the target's weights stay shared), with room for
+    steps of ``max_rows`` tokens; ``ValueError`` if the checkpoint has none."""
+    model = target.model
+
+    def build(model_config, platform, runner, backend, block_size, tp):
+        return build_mtp(model, model_config, platform, runner, backend, block_size)
+
+    runner = ModelRunner(
+        target.model_config,
+        target.platform,
+        target.block_size,
+        attention_backend,
+        0,
+        build=build,
+    )
+    if runner.num_cache_groups != 1:
+        raise ValueError(f"an MTP head has one attention cache, got {runner.cache_specs}")
+    runner.model.reserve_hidden_rows(max_rows)
+    runner.keep_hidden_states = True
+    return runner
+
+
+class _HeadSequence:
+    """What the head's cache holds of one request, read by the cache coordinator as a request.
+
+    The head's position ``p`` pairs token ``t_{p+1}`` with the target's hidden state at ``p``,
+    so its tokens are the request's shifted by one (its blocks are hashed over those), copied
+    from the request's live list at each pass. Its computed positions are accepted ones.
+    """
+
+    __slots__ = (
+        "request_id",
+        "request_tokens",
+        "all_token_ids",
+        "num_computed_tokens",
+        "num_synced",
+    )
+    wants_prompt_logprobs = False
+    shift = 1
+
+    def __init__(self, request: Request) -> None:
+        self.request_id = request.request_id
+        self.request_tokens = request.all_token_ids
+        self.all_token_ids = request.all_token_ids[1:]
+        self.num_computed_tokens = 0
+        self.num_synced = 0
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.all_token_ids)
+
+
+class MTPProposer(DraftModelProposer):
+    """A draft model's passes (catch-up, then ``limit - 1`` decode steps; its pool, plans and
+    forgetting) over the MTP head, whose every step is fed hidden states: the target's for the
+    catch-up (up to the request's last token), the head's own output at the previous step's
+    row for each decode step. Positions the target never computed (its prefix-cache hits
+    beyond the head's) get zero hidden states: a weaker proposal there, never a wrong output.
+
+    The target's hidden rows are kept per request from the first position the head has not
+    computed. The head holds accepted positions only: after each pass it goes back to the
+    position before the last token (whose output starts the next pass), so a refusal costs it
+    nothing.
+    """
+
+    wants_hidden_states = True
+    caches_last_proposal = False
+
+    def __init__(
+        self,
+        runner: ModelRunner,
+        kv_cache: KVCacheCoordinator,
+        num_tokens: int,
+        max_num_batched_tokens: int,
+    ) -> None:
+        super().__init__(runner, kv_cache, num_tokens, max_num_batched_tokens)
+        self.head: MultiTokenPredictor = runner.model
+        self._hidden: dict[str, tuple[int, torch.Tensor]] = {}  # request -> (position, rows)
+        self._outputs: dict[str, torch.Tensor] = {}  # request -> the head's last output row
+
+    def take_hidden_states(
+        self,
+        request_ids: Sequence[str],
+        num_computed: Sequence[int],
+        num_tokens: Sequence[int],
+        hidden_states: torch.Tensor,
+    ) -> None:
+        """Rows ``[offset, offset + num_tokens[i])`` of ``hidden_states`` are the target's at
+        positions ``num_computed[i]`` on (a refused proposal's are replaced when its position
+        is computed again)."""
+        offset = 0
+        for request_id, start, n in zip(request_ids, num_computed, num_tokens):
+            rows = hidden_states[offset : offset + n]
+            offset += n
+            kept = self._hidden.get(request_id)
+            if kept is not None and kept[0] <= start <= kept[0] + len(kept[1]):
+                first, held = kept
+                self._hidden[request_id] = (first, torch.cat([held[: start - first], rows]))
+            else:
+                self._hidden[request_id] = (start, rows.clone())
+
+    def _new_sequence(self, request: Request) -> _HeadSequence:
+        return _HeadSequence(request)
+
+    def _sync(self, seq: _HeadSequence) -> None:
+        seq.all_token_ids = seq.request_tokens[1:]
+        self.runner.requests[seq.request_id].all_token_ids = list(seq.all_token_ids)
+
+    def _launch(self, plan: StepPlan, previous: LaunchedStep | None = None) -> LaunchedStep:
+        """Stage the step's hidden states (a catch-up's from the target, a decode step's from
+        the head's last outputs), then launch it."""
+        if previous is None:
+            rows = map(self._target_rows, plan.request_ids, plan.num_computed, plan.num_new)
+        else:
+            rows = (self._outputs[request_id] for request_id in plan.request_ids)
+        self.head.stage_hidden(torch.cat(list(rows)))
+        launched = self.runner.launch(plan, previous)
+        self._outputs.update(_sampled_rows(plan, launched.hidden_states))
+        return launched
+
+    def _end_pass(self, sequences: list[_HeadSequence]) -> None:
+        """Back to the position before the last token: its output starts the next pass."""
+        self._outputs.clear()
+        for seq in sequences:
+            self._truncate(seq, seq.num_synced - 1)
+            seq.num_synced = seq.num_computed_tokens
+
+    def _target_rows(self, request_id: str, start: int, n: int) -> torch.Tensor:
+        """The target's hidden rows of positions ``[start, start + n)`` (zeros where it
+        computed none); the rows before ``start + n - 1`` are dropped."""
+        first, held = self._hidden.get(request_id, (start, self.head.zero_hidden(0)))
+        lo, hi = start - first, start + n - first
+        if lo >= 0 and hi <= len(held):
+            rows = held[lo:hi]
+        else:
+            rows = self.head.zero_hidden(n)
+            src_lo, src_hi = max(lo, 0), min(hi, len(held))
+            if src_lo < src_hi:
+                rows[src_lo - lo : src_hi - lo] = held[src_lo:src_hi]
+        self._hidden[request_id] = (start + n - 1, held[max(hi - 1, 0) :])
+        return rows
+
+    def forget(self, request_id: str) -> None:
+        self._hidden.pop(request_id, None)
+        super().forget(request_id)
+
+
+def _sampled_rows(plan: StepPlan, hidden: torch.Tensor) -> dict[str, torch.Tensor]:
+    """Each sampling request's hidden state at its last row of ``plan`` (gathered: the rows
+    outlive a graph's next replay)."""
+    ends, offset = {}, 0
+    for request_id, n, samples in zip(plan.request_ids, plan.num_new, plan.samples):
+        offset += n
+        if samples:
+            ends[request_id] = offset - 1
+    if not ends:
+        return {}
+    index = torch.tensor(list(ends.values()), device=hidden.device)
+    return dict(zip(ends, hidden[index].unsqueeze(1)))
