@@ -61,6 +61,7 @@ def build_model(
 ) -> nn.Module:
     """Build, load and plan the model (this rank's shard of it, under ``tp``); attach the plan
     to ``target`` only if all succeeded."""
+    target.plan = None
     cls = model_class(model_config.architecture)
     construct = lambda runtime: cls(model_config.hf_config, runtime)
     return _build(construct, model_config, platform, target, attention_backend, block_size, tp)
@@ -77,6 +78,7 @@ def build_mtp(
     """The multi-token-prediction head of the built target ``model``, loaded from the target's
     checkpoint, in a build scope of its own: its operators form their own plan (attached to
     ``target``) and cache groups."""
+    target.plan = None
     cls = mtp_class(model_config.architecture)
     construct = lambda runtime: cls(model, runtime)
     try:
@@ -96,7 +98,6 @@ def _build(
     block_size: int,
     tp: TensorParallel,
 ) -> nn.Module:
-    target.plan = None
     previous_dtype = torch.get_default_dtype()
     torch.set_default_dtype(model_config.dtype)
     try:

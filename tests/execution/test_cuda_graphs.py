@@ -163,6 +163,6 @@ def test_before_capture_makes_replay_recompute_lazy_metadata(reset):
     step.query_lens[:] = 1
     step.kv_lens[:] = [5, 9]
     step.finish()
-    logits, _ = runner.run(SequenceMetadata.from_step_batch(step, torch.device("cuda")))
+    _, logits, _ = runner.run(SequenceMetadata.from_step_batch(step, torch.device("cuda")))
     recomputed = logits[:, 0].tolist() == [10.0, 18.0]
     assert recomputed == reset

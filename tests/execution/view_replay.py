@@ -29,11 +29,12 @@ class ViewReplay(CudaGraphRunner):
                 self.views[batch, q] = views
                 self._forward(batch, q)  # the warm-up
 
-    def _forward(self, batch: int, q: int) -> torch.Tensor:
+    def _forward(self, batch: int, q: int) -> tuple[torch.Tensor, torch.Tensor]:
         for group, view in zip(self.plan.groups, self.views[batch, q]):
             group.builder.before_capture(self.buffers[id(group)])
             group.view = view
-        return self.model.compute_logits(self.model(self.token_ids[: batch * q]))
+        hidden = self.model(self.token_ids[: batch * q])
+        return hidden, self.model.compute_logits(hidden)
 
     def run(self, seq):
         n, q = seq.num_reqs, seq.max_query_len
@@ -41,9 +42,9 @@ class ViewReplay(CudaGraphRunner):
         batch = buckets[bisect.bisect_left(buckets, n)]
         self.token_ids[: n * q].copy_(seq.token_ids)
         self._fill(seq, batch)
-        logits = self._forward(batch, q)[: n * q]
+        hidden, logits = (t[: n * q] for t in self._forward(batch, q))
         self.replayed.append((n, q))
-        return logits, logits.argmax(-1)
+        return hidden, logits, logits.argmax(-1)
 
 
 def replay_views(llm, max_batch: int = 2) -> ViewReplay:
