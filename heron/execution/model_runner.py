@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import logging
 from collections.abc import Callable
 from itertools import accumulate
@@ -199,6 +200,10 @@ class ModelRunner:
         Runs before the KV cache exists: every operator gets a one-block cache, and the dummy
         prompt's block table points every block at that (null) block.
         """
+        # An engine dropped without a collection (engines hold reference cycles) still holds
+        # its caches, which the peak would count as this runner's.
+        gc.collect()
+        torch.cuda.empty_cache()
         self.cache.allocate([1] * self.num_cache_groups, self.device)
         width = -(-num_tokens // self.block_size)
         layouts = [parts.layout_of(1, num_tokens, width) for parts in self.inputs.parts]

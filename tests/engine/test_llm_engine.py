@@ -200,3 +200,18 @@ def test_abort_one_sample_and_no_detokenizer(tiny_model_dir):
     assert first.text == second.text == ""  # the caller detokenizes (and matches "a")
     assert engine.kv_cache.num_free_blocks == engine.kv_cache.num_blocks - 1
     assert engine.abort_request("r") is None
+
+
+@pytest.mark.gpu
+def test_a_dropped_engine_leaves_its_memory_to_the_next(tiny_model_dir):
+    """An engine dropped while a reference cycle still holds it (no collection since) keeps
+    its KV cache allocated; the next engine's memory profile must not count it as its own."""
+    path = str(tiny_model_dir("qwen2"))
+    first = LLM(path, device="cuda", max_model_len=128, gpu_memory_utilization=0.4)
+    first.engine.cycle = first  # what closures over an engine make
+    del first  # not collected: its cache stays allocated until the next collection
+    second = LLM(path, device="cuda", max_model_len=128, gpu_memory_utilization=0.4)
+    _, total = torch.cuda.mem_get_info()
+    # The first engine's cache is gone, and the second took its share (0.4 of the device).
+    assert 0.3 * total < torch.cuda.memory_allocated() < 0.45 * total
+    assert second.engine.kv_cache.group_usage()[0].num_blocks > 1000
