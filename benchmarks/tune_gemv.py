@@ -13,7 +13,8 @@ them to the timing pass).
     python benchmarks/tune_gemv.py --model gemma3 [--rows 1 2 4 8 16] [--workers 12]
         [--shapes down down_plain] [--write]
 
-Models: qwen3 (Qwen3-0.6B), gemma3 (Gemma-3-1B), llama8b (Llama-3-8B / Mistral-7B).
+Models: qwen3 (Qwen3-0.6B), gemma3 (Gemma-3-1B), llama8b (Llama-3-8B / Mistral-7B), qwen3_5
+(Qwen3.5-0.8B), deepseek_v2_lite (DeepSeek-V2-Lite's dense products).
 """
 
 from __future__ import annotations
@@ -41,6 +42,24 @@ SHAPES = {
         ("gate_up", 28672, 4096, None),
         ("down", 4096, 14336, "silu"),
         ("lm_head", 128256, 4096, None),
+    ],
+    "qwen3_5": [  # Qwen3.5-0.8B: GDN and gated full-attention layers
+        ("gdn_in", 8224, 1024, None),  # [qkv | z | b | a]
+        ("attn_qkv", 5120, 1024, None),  # query and gate, k, v
+        ("o", 1024, 2048, None),  # out_proj and o_proj
+        ("gate_up", 7168, 1024, None),
+        ("down", 1024, 3584, "silu"),
+        ("lm_head", 248320, 1024, None),
+    ],
+    "deepseek_v2_lite": [
+        ("q", 3072, 2048, None),
+        ("kv_a", 576, 2048, None),
+        ("o", 2048, 2048, None),
+        ("shared_gate_up", 5632, 2048, None),
+        ("shared_down", 2048, 2816, "silu"),
+        ("dense_gate_up", 21888, 2048, None),
+        ("dense_down", 2048, 10944, "silu"),
+        ("lm_head", 102400, 2048, None),
     ],
     "gemma3": [
         ("qkv", 1536, 1152, None),
