@@ -7,11 +7,12 @@ weight to overflow the L2 cache) and prints the winner next to the configuration
 no), in µs and TB/s. ``--write`` stores the winners in the tuned table
 (``heron/kernels/configs/gemv.json``) under this GPU's name; a winner that is slower than cuBLAS
 is stored too (past 16 rows an entry makes the linear take the kernel: check the table printed
-first). Kernels are compiled first by worker processes in parallel (Triton's on-disk cache hands
-them to the timing pass).
+first). ``--fp8`` does the same over FP8 weights (per-channel scales), against the FP8 tensor
+cores, and stores under ``<GPU name> fp8``. Kernels are compiled first by worker processes in
+parallel (Triton's on-disk cache hands them to the timing pass).
 
     python benchmarks/tune_gemv.py --model gemma3 [--rows 1 2 4 8 16] [--workers 12]
-        [--shapes down down_plain] [--write]
+        [--shapes down down_plain] [--fp8] [--write]
 
 Models: qwen3 (Qwen3-0.6B), gemma3 (Gemma-3-1B), llama8b (Llama-3-8B / Mistral-7B), qwen3_5
 (Qwen3.5-0.8B), deepseek_v2_lite (DeepSeek-V2-Lite's dense products).
@@ -26,6 +27,8 @@ import multiprocessing as mp
 import torch
 
 from heron.kernels import gemv as g
+from heron.kernels.fp8_quant import quantize_rows
+from heron.layers.fp8 import quantize, scaled_mm
 
 # (name, N, K, fused gated activation) of each decode-time linear, per model shape.
 SHAPES = {
@@ -91,18 +94,27 @@ def candidates(m: int, n: int, k: int) -> list[g.GemvConfig]:
     return out
 
 
-def tensors(m: int, n: int, k: int, act, copies: int = 1):
+def tensors(m: int, n: int, k: int, act, copies: int = 1, fp8: bool = False):
+    """``x``, ``copies`` weights (bf16, or with ``fp8`` E4M3 with per-channel scales: pairs
+    ``(q, scale)``) and ``out``."""
     x = torch.randn(m, 2 * k if act else k, device="cuda", dtype=torch.bfloat16)
     ws = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02 for _ in range(copies)]
+    if fp8:
+        ws = [quantize(w) for w in ws]
     return x, ws, torch.empty(m, n, device="cuda", dtype=torch.bfloat16)
 
 
+def launch(x, w, out, cfg, act) -> None:
+    """The kernel over ``w``: a bf16 weight, or an FP8 ``(q, scale)``."""
+    q, scale = w if isinstance(w, tuple) else (w, None)
+    g._launch(x, q, None, out, cfg, g.ACTIVATIONS[act] if act else 0, w_scale=scale)
+
+
 def _compile(jobs) -> None:
-    for m, n, k, act, cfg in jobs:
-        cfg = g.GemvConfig(*cfg)
-        x, (w,), out = tensors(m, n, k, act)
+    for m, n, k, act, cfg, fp8 in jobs:
+        x, (w,), out = tensors(m, n, k, act, fp8=fp8)
         try:
-            g._launch(x, w, None, out, cfg, g.ACTIVATIONS[act] if act else 0)
+            launch(x, w, out, g.GemvConfig(*cfg), act)
         except Exception:  # out of resources: the timing pass skips it
             pass
     torch.cuda.synchronize()
@@ -131,15 +143,19 @@ def time_us(launch, items) -> float:
 
 def triton_us(act, cfg, x, ws, out) -> float:
     """µs per weight (inf where the launch fails: out of shared memory or registers)."""
-    code = g.ACTIVATIONS[act] if act else 0
     try:
-        return time_us(lambda w: g._launch(x, w, None, out, cfg, code), ws)
+        return time_us(lambda w: launch(x, w, out, cfg, act), ws)
     except Exception:
         return float("inf")
 
 
-def cublas_us(x, ws, out) -> float:
-    """The plain product through cuBLAS (``torch.mm``), without a gated activation's input."""
+def vendor_us(x, ws, out) -> float:
+    """The plain product as layers run it past the kernel, without a gated activation's
+    input: cuBLAS (``torch.mm``) over bf16, FP8 tensor cores over FP8 (``scaled_mm`` with
+    the one-launch activation quantisation)."""
+    if isinstance(ws[0], tuple):
+        k = ws[0][0].shape[1]
+        return time_us(lambda w: scaled_mm(x[:, :k], *w, quantize_rows=quantize_rows), ws)
     k = ws[0].shape[1]
     return time_us(lambda w: torch.mm(x[:, :k], w.t(), out=out), ws)
 
@@ -151,36 +167,40 @@ def main() -> None:
     parser.add_argument("--workers", type=int, default=12)
     parser.add_argument("--shapes", nargs="+", help="only these shapes (names as in SHAPES)")
     parser.add_argument("--write", action="store_true", help="store the winners in the table")
+    parser.add_argument("--fp8", action="store_true", help="FP8 weights (their own table)")
     args = parser.parse_args()
     shapes = [s for s in SHAPES[args.model] if not args.shapes or s[0] in args.shapes]
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     jobs = []
     for m, (_, n, k, act) in itertools.product(args.rows, shapes):
-        jobs += [(m, n, k, act, tuple(c)) for c in candidates(m, n, k)]  # plain tuples pickle
+        jobs += [(m, n, k, act, tuple(c), args.fp8) for c in candidates(m, n, k)]  # tuples pickle
     ctx = mp.get_context("spawn")
     with ctx.Pool(args.workers) as pool:
         pool.map(_compile, [jobs[i :: args.workers] for i in range(args.workers)])
-    print("| shape | rows | today: config, µs, TB/s | best: config, µs, TB/s | cuBLAS µs, TB/s |")
+    vendor = "FP8 tensor cores" if args.fp8 else "cuBLAS"
+    print(
+        f"| shape | rows | today: config, µs, TB/s | best: config, µs, TB/s | {vendor} µs, TB/s |"
+    )
     print("| --- | --- | --- | --- | --- |")
     tuned: dict[tuple[int, int, int], g.GemvConfig] = {}
     for m, (name, n, k, act) in itertools.product(args.rows, shapes):
-        nbytes = n * k * 2
+        nbytes = n * k * (1 if args.fp8 else 2)
         copies = max(1, -(-(256 << 20) // nbytes))
-        x, ws, out = tensors(m, n, k, act, copies)
-        today = g._config(g._m_pad(m), n, k, 2, x.device, act is not None)
+        x, ws, out = tensors(m, n, k, act, copies, args.fp8)
+        today = g._config(g._m_pad(m), n, k, 2, x.device, act is not None, fp8=args.fp8)
         t_today = triton_us(act, today, x, ws, out)
         results = [(triton_us(act, c, x, ws, out), c) for c in candidates(m, n, k)]
         t_best, best = min(results + [(t_today, today)])
-        t_cublas = cublas_us(x, ws, out)
+        t_vendor = vendor_us(x, ws, out)
         print(
             f"| {name} {n}x{k} | {m} | {tuple(today)} {t_today:.1f} {nbytes / t_today / 1e6:.2f}"
             f" | {tuple(best)} {t_best:.1f} {nbytes / t_best / 1e6:.2f}"
-            f" | {t_cublas:.1f} {nbytes / t_cublas / 1e6:.2f} |"
+            f" | {t_vendor:.1f} {nbytes / t_vendor / 1e6:.2f} |"
         )
         tuned[(g._m_pad(m), n, k)] = best
         del ws
         torch.cuda.empty_cache()
-    device = torch.cuda.get_device_name(0)
+    device = torch.cuda.get_device_name(0) + (g.FP8_TABLE if args.fp8 else "")
     print(f"\n{device}, {sms} SMs: {len(tuned)} winners")
     if args.write:
         tables = g.read_tuned()

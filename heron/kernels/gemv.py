@@ -232,8 +232,12 @@ _ABOUT = (
     "Measured launch configurations of heron.kernels.gemv (benchmarks/tune_gemv.py --write): "
     "per device name (torch.cuda.get_device_name), per 'rows padded to a power of two,N,K' of "
     "the weight's [N, K]. Timed in bf16 with the weights cold in HBM, in CUDA-graph replays; "
-    "they serve fp16 too. Shapes without an entry take the rule in gemv._default_config."
+    "they serve fp16 too. A device name ending in ' fp8' holds the entries timed over FP8 "
+    "weights (tune_gemv.py --fp8); FP8 shapes without one take the 16-bit entry. Shapes "
+    "without an entry take the rule in gemv._default_config."
 )
+#: The suffix of a device's table of FP8-weight entries.
+FP8_TABLE = " fp8"
 
 Table = dict[tuple[int, int, int], GemvConfig]
 
@@ -267,16 +271,23 @@ def _tables() -> dict[str, Table]:
     return read_tuned()
 
 
-_TUNED: dict[torch.device, Table] = {}
+_TUNED: dict[tuple[torch.device, bool], Table] = {}
 
 
-def _tuned(device: torch.device) -> Table:
-    """The measured configurations for ``device``'s model (none off CUDA), read once."""
-    table = _TUNED.get(device)
+def _tuned(device: torch.device, fp8: bool = False) -> Table:
+    """The measured configurations for ``device``'s model (none off CUDA), read once: over
+    16-bit weights, or with ``fp8`` over FP8 ones."""
+    table = _TUNED.get((device, fp8))
     if table is None:
         name = torch.cuda.get_device_name(device) if device.type == "cuda" else device.type
-        table = _TUNED[device] = _tables().get(name, {})
+        table = _TUNED[device, fp8] = _tables().get(name + (FP8_TABLE if fp8 else ""), {})
     return table
+
+
+def _measured(key: tuple[int, int, int], device: torch.device, fp8: bool) -> GemvConfig | None:
+    """The measured configuration of ``key``: for an FP8 weight its own entry, else the
+    16-bit weight's."""
+    return (_tuned(device, True).get(key) if fp8 else None) or _tuned(device).get(key)
 
 
 _CONFIG_CACHE: dict[tuple, GemvConfig] = {}
@@ -340,13 +351,15 @@ def _config(
     device: torch.device,
     gated: bool = False,
     gated_out: bool = False,
+    fp8: bool = False,
 ) -> GemvConfig:
     """The launch configuration of an ``[m_pad, k] x [n, k]^T`` product (``gated``: with a
-    gated input; ``gated_out``: gated in the epilogue, ``n`` the gate and up rows together)."""
-    key = (m_pad, n, k, elem_size, device, gated, gated_out)
+    gated input; ``gated_out``: gated in the epilogue, ``n`` the gate and up rows together;
+    ``fp8``: over an FP8 weight)."""
+    key = (m_pad, n, k, elem_size, device, gated, gated_out, fp8)
     cfg = _CONFIG_CACHE.get(key)
     if cfg is None:
-        cfg = _tuned(device).get((m_pad, n, k)) if elem_size == 2 else None
+        cfg = _measured((m_pad, n, k), device, fp8) if elem_size == 2 else None
         cfg = cfg or _default_config(m_pad, n, k, elem_size, multiprocessor_count(device), gated)
         if gated_out:  # the epilogue needs each program's whole K: no split
             cfg = GemvConfig(*cfg[:5], 1)
@@ -447,12 +460,13 @@ def _launch(
     )
 
 
-def serves(m: int, n: int, k: int, device: torch.device) -> bool:
-    """Whether an ``[m, k] x [n, k]^T`` product (in half precision) on ``device`` should take
-    this kernel rather than cuBLAS: up to ``RULE_MAX_M`` rows any shape, up to ``MAX_M`` rows
-    the shapes measured faster here (the device's tuned entries; a gated input has the key of
-    its plain product, ``k`` the weight's width)."""
-    return m <= RULE_MAX_M or (m <= MAX_M and (_m_pad(m), n, k) in _tuned(device))
+def serves(m: int, n: int, k: int, device: torch.device, fp8: bool = False) -> bool:
+    """Whether an ``[m, k] x [n, k]^T`` product (in half precision; ``fp8``: over an FP8
+    weight) on ``device`` should take this kernel rather than the vendor's: up to
+    ``RULE_MAX_M`` rows any shape, up to ``MAX_M`` rows the shapes measured faster here (the
+    device's tuned entries; a gated input has the key of its plain product, ``k`` the weight's
+    width)."""
+    return m <= RULE_MAX_M or (m <= MAX_M and _measured((_m_pad(m), n, k), device, fp8) is not None)
 
 
 def linear_small_m(
@@ -506,7 +520,10 @@ def linear_small_m(
     for start in range(0, M, MAX_M):
         rows = slice(start, min(M, start + MAX_M))
         m_pad = _m_pad(rows.stop - rows.start)
-        cfg = _config(m_pad, N, K, x.element_size(), x.device, act is not None, bool(gated_out))
+        cfg = _config(
+            m_pad, N, K, x.element_size(), x.device, act is not None, bool(gated_out),
+            w_scale is not None,
+        )  # fmt: skip
         if w_block and cfg.block_k > w_block[1]:  # a tile lies in one block of scales
             cfg = GemvConfig(cfg[0], cfg[1], w_block[1], *cfg[3:])
         _launch(

@@ -327,7 +327,7 @@ def takes_gemv(kernels: LayerKernels, x: torch.Tensor, weight: torch.Tensor) -> 
         kernels.gemv is not None
         and x.dim() == 2
         and x.dtype in _GEMV_DTYPES
-        and kernels.gemv_serves(x.shape[0], *weight.shape, x.device)
+        and kernels.gemv_serves(x.shape[0], *weight.shape, x.device, weight.dtype == FP8)
     )
 
 

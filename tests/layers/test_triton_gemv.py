@@ -130,13 +130,29 @@ def test_serves_the_rule_s_rows_and_measured_shapes_beyond(monkeypatch):
     """Up to RULE_MAX_M rows every shape takes the kernel; up to MAX_M only shapes with a
     measured entry (for the device) for their padded row count; past MAX_M none."""
     rule, cpu = triton_gemv.RULE_MAX_M, torch.device("cpu")
-    monkeypatch.setitem(triton_gemv._TUNED, cpu, {(2 * rule, 96, 320): FORCED[0]})
+    monkeypatch.setitem(triton_gemv._TUNED, (cpu, False), {(2 * rule, 96, 320): FORCED[0]})
     serves = lambda m, n, k: triton_gemv.serves(m, n, k, cpu)
     assert serves(1, 64, 128) and serves(rule, 64, 128)
     assert not serves(rule + 1, 64, 128)
     assert serves(rule + 1, 96, 320) and serves(2 * rule, 96, 320)
     assert not serves(2 * rule + 1, 96, 320)  # pads to another row count
     assert not serves(MAX_M + 1, 96, 320)
+
+
+def test_fp8_weights_take_their_own_entries_else_the_16_bit_ones(monkeypatch):
+    rule, cpu = triton_gemv.RULE_MAX_M, torch.device("cpu")
+    m_pad = 2 * rule
+    plain = {(m_pad, 96, 320): FORCED[0], (m_pad, 64, 128): FORCED[1]}
+    monkeypatch.setitem(triton_gemv._TUNED, (cpu, False), plain)
+    monkeypatch.setitem(triton_gemv._TUNED, (cpu, True), {(m_pad, 96, 320): FORCED[2]})
+    monkeypatch.setattr(triton_gemv, "_CONFIG_CACHE", {})
+    fitted = lambda cfg: triton_gemv._fit_pipeline(cfg, m_pad, 2, False)
+    config = lambda n, k, fp8: triton_gemv._config(m_pad, n, k, 2, cpu, fp8=fp8)
+    assert config(96, 320, True) == fitted(FORCED[2])
+    assert config(96, 320, False) == fitted(FORCED[0])
+    assert config(64, 128, True) == fitted(FORCED[1])
+    assert triton_gemv.serves(m_pad, 64, 128, cpu, fp8=True)
+    assert not triton_gemv.serves(m_pad, 32, 128, cpu, fp8=True)
 
 
 def test_the_tuned_table_is_keyed_by_device_and_round_trips(tmp_path):
