@@ -91,7 +91,7 @@ def align_by_expert(
     num_blocks = torch.empty(1, dtype=torch.int32, device=flat.device)
     block_e = triton.next_power_of_2(num_experts)
     _align_kernel[(1,)](
-        flat.contiguous(),
+        flat,
         sorted_ids,
         block_expert,
         num_blocks,

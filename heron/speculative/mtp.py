@@ -12,7 +12,7 @@ from heron.cache.coordinator import KVCacheCoordinator
 from heron.execution.model_runner import LaunchedStep, ModelRunner
 from heron.execution.step_plan import StepPlan
 from heron.models.build import build_mtp
-from heron.speculative.draft_model import DraftModelProposer
+from heron.speculative.draft_model import DraftModelProposer, _DraftSequence
 
 if TYPE_CHECKING:
     from heron.engine.request import Request
@@ -42,7 +42,7 @@ def load_mtp_runner(target: ModelRunner, attention_backend: str, max_rows: int) 
     return runner
 
 
-class _HeadSequence:
+class _HeadSequence(_DraftSequence):
     """What the head's cache holds of one request, read by the cache coordinator as a request.
 
     The head's position ``p`` pairs token ``t_{p+1}`` with the target's hidden state at ``p``,
@@ -50,26 +50,13 @@ class _HeadSequence:
     from the request's live list at each pass. Its computed positions are accepted ones.
     """
 
-    __slots__ = (
-        "request_id",
-        "request_tokens",
-        "all_token_ids",
-        "num_computed_tokens",
-        "num_synced",
-    )
-    wants_prompt_logprobs = False
+    __slots__ = ("request_tokens",)
     shift = 1
 
     def __init__(self, request: Request) -> None:
-        self.request_id = request.request_id
+        super().__init__(request)
         self.request_tokens = request.all_token_ids
         self.all_token_ids = request.all_token_ids[1:]
-        self.num_computed_tokens = 0
-        self.num_synced = 0
-
-    @property
-    def num_tokens(self) -> int:
-        return len(self.all_token_ids)
 
 
 class MTPProposer(DraftModelProposer):
