@@ -13,7 +13,8 @@ Shapes (``--shape``):
 For each (context x batch) case: decode ms per step, measured as in ``gpu_decode.py``, and its
 multiple of the bandwidth floor: (weight bytes the step reads + latent cache bytes) / measured
 copy bandwidth, where the experts read per MoE layer are those the step's routing touches
-(counted as in ``moe_decode.py``). HF runs the batch-1 cases. Then Heron's throughput on
+(counted as in ``moe_decode.py``). HF runs the batch-1 cases through its plain ``generate``
+(its continuous batching does not take DeepSeek-V2). Then Heron's throughput on
 workload A of ``gpu_decode.py`` (256 requests, in/out uniform in [100, 1024]) unless
 ``--skip-throughput``.
 
@@ -35,7 +36,7 @@ from heron import LLM
 from gpu_decode import (
     copy_bandwidth,
     heron_decode_ms,
-    hf_decode_ms,
+    hf_generate_ms,
     hf_model,
     save_config_only,
     workload_a,
@@ -176,7 +177,8 @@ def main() -> None:
         for context, batch in cases:
             if batch == 1:
                 prompt = [[(7 + j) % 100000 + 2 for j in range(context)]]
-                row("HF transformers", context, 1, hf_decode_ms(model, prompt, args.new_tokens)[0])
+                ms = hf_generate_ms(model, prompt[0], args.new_tokens)
+                row("HF transformers (generate)", context, 1, ms)
 
 
 if __name__ == "__main__":

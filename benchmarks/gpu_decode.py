@@ -243,6 +243,22 @@ def hf_decode_ms(model, prompts: list[list[int]], out_len: int) -> tuple[float, 
     return steady_decode_ms([o.timestamps for o in outs.values()]), tokens / wall
 
 
+def hf_generate_ms(model, prompt: list[int], out_len: int) -> float:
+    """Batch-1 decode ms per token through HF's plain ``generate`` (for models its continuous
+    batching does not take): ``out_len`` new tokens less one, over ``out_len - 1``."""
+    ids = torch.tensor([prompt], device=model.device)
+
+    def timed(new: int) -> float:
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        model.generate(ids, max_new_tokens=new, min_new_tokens=new, do_sample=False, pad_token_id=0)
+        torch.cuda.synchronize()
+        return time.perf_counter() - start
+
+    timed(2)
+    return (timed(out_len) - timed(1)) / (out_len - 1) * 1e3
+
+
 def throughput_workload(
     n: int, seed: int = 0, vocab_size: int = 150000
 ) -> tuple[list[list[int]], list[int]]:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import tempfile
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -39,7 +40,7 @@ def build_deepseek(path: Path, load_format: str) -> None:
 MODELS = {
     "qwen3": gpu_decode.build_model,
     "gemma3": gemma_decode.build_model,
-    "qwen3_5": qwen3_5_decode.build_model,
+    "qwen3_5": partial(qwen3_5_decode.build_model, "0.8b"),
     "deepseek": build_deepseek,
 }
 

@@ -1,16 +1,24 @@
-"""Decode on a Qwen3.5-0.8B-shaped hybrid model (GDN + gated attention), Heron against HF (GPU).
+"""Decode on Qwen3.5-shaped hybrid models (GDN + gated attention), Heron against HF (GPU).
 
-A random-weight model with Qwen3.5-0.8B's text shape (hidden 1024, 24 layers: three
-gated-delta-rule layers then one gated full-attention layer, repeating; 8 heads, 2 KV heads,
-head_dim 256; linear key/value heads 16/16 of dim 128, conv 4; intermediate 3584; vocab 248320,
-tied; bf16). Measures decode ms per step at batch 1 and batch 64 with 4k-token prompts (as in
+Random-weight models with a Qwen3.5 text shape (``--shape``; bf16):
+
+- ``0.8b``: Qwen3.5-0.8B: hidden 1024, 24 layers (three gated-delta-rule layers then one gated
+  full-attention layer, repeating), 8 heads, 2 KV heads, head_dim 256; linear key/value heads
+  16/16 of dim 128, conv 4; intermediate 3584; vocab 248320, tied.
+- ``35b-a3b``: Qwen3.5-35B-A3B (MoE): hidden 2048, 40 layers, 16 heads, 2 KV heads, head_dim
+  256; linear key/value heads 16/32 of dim 128; 256 experts top-8 of width 512 plus a gated
+  shared expert of width 512; vocab 248320, untied. Heron only (HF would build ~70 GB of
+  random weights beside Heron's).
+
+Measures decode ms per step at batch 1 and batch 64 with 4k-token prompts (as in
 ``gpu_decode.py``: per request, (last token time - first token time) / (tokens - 1)) and its
-multiple of the bandwidth floor: (weight bytes + KV bytes read by the full layers + recurrent
-and conv state bytes read and written by the GDN layers) / measured copy bandwidth; then
-throughput on workload A of ``gpu_decode.py`` (256 requests, in/out uniform in [100, 1024]).
+multiple of the bandwidth floor: (weight bytes, with the experts the step's routing touches,
+counted as in ``moe_decode.py`` + KV bytes read by the full layers + recurrent and conv state
+bytes read and written by the GDN layers) / measured copy bandwidth; then throughput on
+workload A of ``gpu_decode.py`` (256 requests, in/out uniform in [100, 1024]).
 
-    python benchmarks/qwen3_5_decode.py [--skip-hf] [--new-tokens 64] [--cases 4096x1 ...]
-        [--skip-throughput] [--load-format dummy] [--no-prefix-caching]
+    python benchmarks/qwen3_5_decode.py [--shape 0.8b] [--skip-hf] [--new-tokens 64]
+        [--cases 4096x1 ...] [--skip-throughput] [--load-format dummy] [--no-prefix-caching]
 
 HF transformers uses fla-core's kernels where it is installed.
 """
@@ -18,6 +26,7 @@ HF transformers uses fla-core's kernels where it is installed.
 from __future__ import annotations
 
 import argparse
+import statistics
 import tempfile
 import time
 from pathlib import Path
@@ -36,6 +45,7 @@ from gpu_decode import (
     save_random_checkpoint,
     throughput_workload,
 )
+from moe_decode import touched_experts
 
 QWEN3_5_0_8B = dict(
     hidden_size=1024,
@@ -54,24 +64,43 @@ QWEN3_5_0_8B = dict(
     max_position_embeddings=32768,
     rms_norm_eps=1e-6,
 )
+QWEN3_5_35B_A3B = dict(
+    QWEN3_5_0_8B,
+    hidden_size=2048,
+    num_hidden_layers=40,
+    num_attention_heads=16,
+    linear_num_value_heads=32,
+    num_experts=256,
+    num_experts_per_tok=8,
+    moe_intermediate_size=512,
+    shared_expert_intermediate_size=512,
+    tie_word_embeddings=False,
+)
+# (config class, fields, architecture)
+SHAPES = {
+    "0.8b": ("Qwen3_5TextConfig", QWEN3_5_0_8B, "Qwen3_5ForCausalLM"),
+    "35b-a3b": ("Qwen3_5MoeTextConfig", QWEN3_5_35B_A3B, "Qwen3_5MoeForCausalLM"),
+}
 CASES = [(4096, 1), (4096, 64)]  # (context, batch)
 
 
-def build_model(path: Path, load_format: str) -> None:
+def build_model(shape: str, path: Path, load_format: str) -> None:
     import transformers as tf
 
-    config = tf.Qwen3_5TextConfig(**QWEN3_5_0_8B)  # layer_types: 3 linear : 1 full
+    config_class, fields, architecture = SHAPES[shape]
+    config = getattr(tf, config_class)(**fields)  # layer_types: 3 linear : 1 full
     if load_format == "dummy":
-        save_config_only(config, "Qwen3_5ForCausalLM", path)
+        save_config_only(config, architecture, path)
         return
     torch.manual_seed(0)
     with torch.device("cuda"):
-        model = tf.Qwen3_5ForCausalLM(config).to(torch.bfloat16)
+        model = getattr(tf, architecture)(config).to(torch.bfloat16)
     save_random_checkpoint(model, path)
 
 
-def floor_ms(batch: int, context: int, bandwidth: float) -> float:
-    c = QWEN3_5_0_8B
+def floor_ms(c: dict, batch: int, context: int, experts_read: float, bandwidth: float) -> float:
+    """Per-step lower bound in bf16; an MoE layer reads its router, its shared expert and
+    ``experts_read`` routed experts."""
     d, h, kv, hd = (
         c["hidden_size"],
         c["num_attention_heads"],
@@ -83,7 +112,12 @@ def floor_ms(batch: int, context: int, bandwidth: float) -> float:
     conv_dim = 2 * hk * dk + hv * dv
     num_full = c["num_hidden_layers"] // 4
     num_gdn = c["num_hidden_layers"] - num_full
-    mlp = 3 * d * c["intermediate_size"]
+    if "num_experts" in c:
+        expert = 3 * d * c["moe_intermediate_size"]
+        shared = 3 * d * c["shared_expert_intermediate_size"] + d
+        mlp = c["num_experts"] * d + experts_read * expert + shared
+    else:
+        mlp = 3 * d * c["intermediate_size"]
     full = d * (2 * h + 2 * kv) * hd + h * hd * d + mlp  # q_proj carries the gate
     gdn = d * (conv_dim + hv * dv + 2 * hv) + conv_dim * c["linear_conv_kernel_dim"] + hv * dv * d
     weights = 2 * (num_full * full + num_gdn * (gdn + mlp) + c["vocab_size"] * d)
@@ -95,6 +129,7 @@ def floor_ms(batch: int, context: int, bandwidth: float) -> float:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--shape", choices=sorted(SHAPES), default="0.8b")
     parser.add_argument("--skip-hf", action="store_true")
     parser.add_argument("--skip-throughput", action="store_true")
     parser.add_argument("--new-tokens", type=int, default=64)
@@ -116,7 +151,7 @@ def main() -> None:
     prompts = lambda context, batch: [[3 + i] * context for i in range(batch)]
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp)
-        build_model(path, args.load_format)
+        build_model(args.shape, path, args.load_format)
         llm = LLM(
             str(path),
             max_model_len=max([c for c, _ in cases] + [2048]) + new + 16,
@@ -126,6 +161,10 @@ def main() -> None:
         warm = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
         for c, b in cases:
             llm.generate(prompts(c, b), warm, use_tqdm=False)
+        fields = SHAPES[args.shape][1]
+        touched = {b: fields.get("num_experts_per_tok", 0) for _, b in cases}
+        if "num_experts" in fields:
+            touched = {b: statistics.mean(touched_experts(llm, b)) for b in touched}
         results["Heron"] = [heron_decode_ms(llm, prompts(c, b), new)[0] for c, b in cases]
         if not args.skip_throughput:
             work, out_lens = throughput_workload(256)
@@ -138,7 +177,7 @@ def main() -> None:
             throughput["Heron"] = tokens / (time.perf_counter() - start)
         del llm
         torch.cuda.empty_cache()
-        if not args.skip_hf:
+        if not args.skip_hf and args.shape == "0.8b":
             hf = hf_model(path, args.load_format)
             try:
                 results["HF transformers CB"] = [
@@ -146,8 +185,10 @@ def main() -> None:
                 ]
             except Exception as e:  # reported, not hidden: HF's CB may not take hybrid models
                 print(f"HF transformers CB failed on this model: {type(e).__name__}: {e}")
-    floors = [floor_ms(b, c + new // 2, bandwidth) for c, b in cases]
-    print(f"copy bandwidth {bandwidth / 1e12:.2f} TB/s")
+    floors = [floor_ms(fields, b, c + new // 2, touched[b], bandwidth) for c, b in cases]
+    print(
+        f"copy bandwidth {bandwidth / 1e12:.2f} TB/s; shape {args.shape}; experts touched {touched}"
+    )
     print_case_table(cases, floors, results)
     for name, tps in throughput.items():
         print(

@@ -49,4 +49,5 @@ def test_profiled_budget_shrinks_by_the_verification_buffers(tmp_path):
     reserved = runner.reserve_verification(4096, 7)  # large enough to stand out of rounding
     assert reserved == verification_bytes(4096, 7)
     after = runner.kv_cache_budget(0.9, 128)
-    assert abs(before - after - reserved) <= 1 << 20, (before, after, reserved)
+    # within the caching allocator's rounding of the profiled peak and of its segments
+    assert abs(before - after - reserved) <= reserved // 100, (before, after, reserved)
