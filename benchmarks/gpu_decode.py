@@ -145,16 +145,19 @@ def element_bytes(args: argparse.Namespace) -> tuple[int, int]:
 
 
 def print_case_table(
-    cases: list[tuple[int, int]], floors: list[float], results: dict[str, list[float]]
+    cases: list[tuple[int, int]], floors: list[float], results: dict[str, list[float | None]]
 ) -> None:
-    """One Markdown row per engine: ms/step and its multiple of the floor per (context, batch)."""
+    """One Markdown row per engine: ms/step and its multiple of the floor per (context, batch)
+    (``None``: not run)."""
     header = " | ".join(
         f"ctx {c}, batch {b}: ms/step (× floor {f:.2f} ms)" for (c, b), f in zip(cases, floors)
     )
     print(f"| engine | {header} |")
     print("| --- |" + " --- |" * len(cases))
     for name, times in results.items():
-        cells = " | ".join(f"{t:.3f} ({t / f:.2f}×)" for t, f in zip(times, floors))
+        cells = " | ".join(
+            "-" if t is None else f"{t:.3f} ({t / f:.2f}×)" for t, f in zip(times, floors)
+        )
         print(f"| {name} | {cells} |")
 
 

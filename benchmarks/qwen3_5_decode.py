@@ -39,6 +39,7 @@ from gpu_decode import (
     copy_bandwidth,
     heron_decode_ms,
     hf_decode_ms,
+    hf_generate_ms,
     hf_model,
     print_case_table,
     save_config_only,
@@ -185,6 +186,9 @@ def main() -> None:
                 ]
             except Exception as e:  # reported, not hidden: HF's CB may not take hybrid models
                 print(f"HF transformers CB failed on this model: {type(e).__name__}: {e}")
+                results["HF transformers (generate)"] = [
+                    hf_generate_ms(hf, prompts(c, b)[0], new) if b == 1 else None for c, b in cases
+                ]
     floors = [floor_ms(fields, b, c + new // 2, touched[b], bandwidth) for c, b in cases]
     print(
         f"copy bandwidth {bandwidth / 1e12:.2f} TB/s; shape {args.shape}; experts touched {touched}"
