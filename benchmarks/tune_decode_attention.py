@@ -6,8 +6,8 @@ layer's decode attention (bf16, block size 16, blocks scattered over a cache lar
 each timed call on blocks of its own, CUDA-graph replays) for each variant of keys per tile,
 pipeline stages and warps, and prints µs and the KV bytes read per second.
 
-With ``--splits`` it instead times batch-1 Gemma-3 layers at 4k and 16k tokens for each forced
-number of KV splits (the default launch shape), to check ``choose_num_splits`` at one request;
+With ``--splits`` it instead times batch-1 Gemma-3 layers at 4k and 16k tokens (and a Qwen3.5
+full-attention layer at 4k: 8 heads, 2 KV heads) for each forced number of KV splits (the default launch shape), to check ``choose_num_splits`` at one request;
 with ``--merge``, the same layers at 128 splits (a captured graph's count) for each number of
 partial values a thread of the merging program loads per step.
 
@@ -94,16 +94,26 @@ def tune_case(batch, context, heads, kv_heads, head_dim, window, sms, variants, 
     return results
 
 
+# (model, context, heads, KV heads, window) of the batch-1 split sweep; head_dim 256
+SPLIT_CASES = [
+    ("gemma3", 4096, 4, 1, None),
+    ("gemma3", 16384, 4, 1, None),
+    ("gemma3", 16384, 4, 1, 512),
+    ("qwen3.5", 4096, 8, 2, None),
+]
+
+
 def sweep_splits(sms: int) -> None:
-    """µs of one batch-1 Gemma-3 layer for each forced split count."""
+    """µs of one batch-1 layer (Gemma-3's, Qwen3.5's full attention) for each forced split
+    count."""
     counts = [1, 4, 8, 16, 32, 64, 128]
     print("| case | chosen | " + " | ".join(f"{c} splits µs" for c in counts) + " |")
     print("| --- | --- |" + " --- |" * len(counts))
-    for context, window in ((4096, None), (16384, None), (16384, 512)):
-        shape = (1, context, 4, 1, 256, window, sms)
-        chosen = decode.choose_num_splits(1, 1, context, sms, window)
+    for model, context, heads, kv_heads, window in SPLIT_CASES:
+        shape = (1, context, heads, kv_heads, 256, window, sms)
+        chosen = decode.choose_num_splits(1, kv_heads, context, sms, window)
         times = [tune_case(*shape, [None], splits=c)[0][0] for c in counts]
-        name = f"gemma3 b1 ctx{context} {'win' + str(window) if window else 'full'}"
+        name = f"{model} b1 ctx{context} {'win' + str(window) if window else 'full'}"
         print(f"| {name} | {chosen} | " + " | ".join(f"{t:.1f}" for t in times) + " |")
 
 

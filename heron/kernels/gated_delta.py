@@ -205,6 +205,7 @@ def _gated_delta_decode_kernel(
             kept = kept_ptr + row.to(tl.int64) * stride_kept_row + t * stride_kept_token
             tl.store(kept + within, s, mask=mask)
         s = s.to(tl.float32)
+        out = out.to(out_ptr.dtype.element_ty)
         tl.store(out_ptr + token * stride_out + head * VALUE_DIM + vs, out, mask=v_mask)
 
 
@@ -219,6 +220,7 @@ def gated_delta_decode(
     has_state: torch.Tensor,
     num_key_heads: int,
     kept: torch.Tensor | None = None,
+    out_dtype: torch.dtype = torch.float32,
 ) -> torch.Tensor:
     """One delta-rule step per row on ``state[slots[n]]`` [Hv, K, V] in place (zeros where
     not ``has_state[n]``); qkv: the convolved ``[q|k|v]`` [N, conv_dim]; a, b: [N, Hv].
@@ -236,7 +238,7 @@ def gated_delta_decode(
         raise ValueError(f"qkv must have {q} rows per row of slots")
     if qkv.stride(1) != 1 or a.stride(1) != 1 or b.stride(1) != 1 or a.stride(0) != b.stride(0):
         raise ValueError("qkv, a and b need contiguous rows, a and b of one stride")
-    out = torch.empty(n * q, num_value_heads, value_dim, dtype=torch.float32, device=qkv.device)
+    out = torch.empty(n * q, num_value_heads, value_dim, dtype=out_dtype, device=qkv.device)
     if n:
         block_v = min(32, triton.next_power_of_2(value_dim))
         _gated_delta_decode_kernel[(n, num_value_heads, triton.cdiv(value_dim, block_v))](

@@ -95,8 +95,10 @@ class GatedAttention(nn.Module):
         qkv = self.qkv_proj(x)
         q_gate, kv = qkv[:, : 2 * q_size], qkv[:, 2 * q_size :]
         q, gate = q_gate.view(tokens, self.num_heads, 2 * self.head_dim).chunk(2, dim=-1)
-        out = self.attn(torch.cat([q.reshape(tokens, q_size), kv], dim=-1))
-        return self.o_proj(out * torch.sigmoid(gate.reshape(tokens, q_size)))
+        # Strided views as they come: one copy packs [q|k|v], the gate is read where it lies.
+        qkv = torch.cat([q, kv.view(tokens, -1, self.head_dim)], dim=1).view(tokens, -1)
+        out = self.attn(qkv).view(tokens, self.num_heads, self.head_dim) * torch.sigmoid(gate)
+        return self.o_proj(out.view(tokens, q_size))
 
 
 def qkv_rows(spec: GatedDeltaNetSpec, first: int, count: int) -> Runs:

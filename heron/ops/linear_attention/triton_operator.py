@@ -47,7 +47,7 @@ class TritonGatedDeltaNet(GatedDeltaNet):
             out = self._decode_in_place(mixed_qkv, a, b, view, mixed_qkv.shape[0])
         else:
             return super().forward(mixed_qkv, a, b)
-        return out.to(mixed_qkv.dtype)
+        return out
 
     def _extend(
         self, x: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, view: GatedDeltaNetView
@@ -94,4 +94,5 @@ class TritonGatedDeltaNet(GatedDeltaNet):
             has_state,
             self.spec.num_key_heads,
             state_kept,
+            x.dtype,
         )
