@@ -103,6 +103,18 @@ def quantize(
     return to_fp8(w / _expand(scale, block, w.shape)), scale
 
 
+def scale_shape(n: int, k: int, block: tuple[int, int] | None) -> tuple[int, ...]:
+    """The shape of an ``[n, k]`` weight's scales: ``[n]`` per channel, else one per tile."""
+    return (n,) if block is None else (-(-n // block[0]), -(-k // block[1]))
+
+
+def channel_scales(loaded: torch.Tensor, rows: int) -> torch.Tensor:
+    """A checkpoint's per-channel scales (``[rows]`` or ``[rows, 1]``) or per-tensor scale as
+    ``rows`` per-channel values (the one scale repeated, which is exact)."""
+    values = loaded.reshape(-1)
+    return values.expand(rows) if values.numel() == 1 else values
+
+
 def to_fp8(x: torch.Tensor) -> torch.Tensor:
     """``x`` rounded to E4M3, saturating at its largest value (a plain cast gives NaN)."""
     return x.float().clamp(-FP8_MAX, FP8_MAX).to(FP8)
