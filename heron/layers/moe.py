@@ -23,6 +23,8 @@ otherwise maps the names with its model's ``checkpoint_renames``.
 
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -275,7 +277,7 @@ class SwiGLUExperts(ExpertBank):
             return super().checkpoint_part(name, loaded, shard)
         dim = self._intermediate_dim(name, shard)
         run = (self.inter_start, self.intermediate_size)
-        if loaded.numel() == 1 or (self.weight_block is None and dim == 1):
+        if math.prod(loaded.shape) == 1 or (self.weight_block is None and dim == 1):
             return loaded
         if self.weight_block is not None:
             run = whole_blocks(run, self.weight_block[dim], "intermediate features")
@@ -294,8 +296,8 @@ class SwiGLUExperts(ExpertBank):
             start, size = self.inter_start, self.intermediate_size
             gate, up = loaded.narrow(1, start, size), loaded.narrow(1, whole + start, size)
             loaded = torch.cat([gate, up], dim=1)
-        channels = param in (self.gate_up_proj_scale, self.down_proj_scale)
-        if channels and shard is not None and self.weight_block is None:
+        scales = param is self.gate_up_proj_scale or param is self.down_proj_scale
+        if scales and shard is not None and self.weight_block is None:  # per channel
             loaded = channel_scales(loaded, self._piece(param.data, *shard).shape[0])
         super().weight_loader(param, loaded, shard)
 

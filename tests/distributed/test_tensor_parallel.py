@@ -30,6 +30,7 @@ from heron.platforms import CpuPlatform
 from tiny_models import (
     SHARED_PREFIX_PROMPTS,
     hf_greedy,
+    hf_on_saved_weights,
     hf_on_weights,
     save_random_model,
     write_fp8_checkpoint,
@@ -170,6 +171,19 @@ def test_two_ranks_load_fp8_checkpoints_equal_hf(saved, layout, tmp_path):
     llm = LLM(str(tmp_path / "fp8"), tensor_parallel_size=2, **ENGINE)
     try:
         assert tokens(llm) == hf_greedy(hf_on_weights(src, weights), PROMPTS, MAX_NEW)
+    finally:
+        llm.engine.shutdown()
+
+
+def test_two_ranks_load_block_wise_fp8_experts_equal_hf(saved, tmp_path):
+    """Qwen3-MoE's per-expert FP8 tensors in 16 x 16 tiles: each rank holds its 16 of every
+    expert's 32 gate and up rows and down columns, and their whole tiles of scales."""
+    src = saved("qwen3_moe")
+    weights = write_fp8_checkpoint(src, tmp_path / "fp8", "block-wise", block=(16, 16))
+    llm = LLM(str(tmp_path / "fp8"), tensor_parallel_size=2, **ENGINE)
+    try:
+        hf = hf_on_saved_weights(src, weights, tmp_path / "dequantised")
+        assert tokens(llm) == hf_greedy(hf, PROMPTS, MAX_NEW)
     finally:
         llm.engine.shutdown()
 
