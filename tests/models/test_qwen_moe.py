@@ -166,3 +166,18 @@ def test_greedy_on_cuda_with_graphs(qwen_moe):
     _, path, _, refs = qwen_moe
     llm = cuda_graph_llm(path)
     assert greedy_tokens(llm, PROMPTS, GREEDY) == refs
+
+
+@pytest.mark.gpu
+def test_block_wise_fp8_experts_on_cuda_with_graphs(qwen_moe, tmp_path):
+    """The fused Triton MoE over FP8 16 x 16 tiles inside the decode graphs, fp32: the dense
+    projections take their dequantised weights there, so parity with HF on the dequantised
+    weights is exact."""
+    _, path, _, _ = qwen_moe
+    weights = write_fp8_checkpoint(
+        path, tmp_path / "fp8", "block-wise", ("shared_expert_gate",), block=(16, 16)
+    )
+    llm = cuda_graph_llm(tmp_path / "fp8")
+    assert _expert_banks(llm)
+    hf = hf_on_saved_weights(path, weights, tmp_path / "dequantised")
+    assert greedy_tokens(llm, PROMPTS, GREEDY) == hf_greedy(hf, PROMPTS, MAX_NEW)
