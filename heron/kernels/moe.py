@@ -326,8 +326,9 @@ def fused_experts(
     gate and up outputs alternate rather than form halves. Biases are [E, 2I] and [E, hidden].
     With ``gate_up_scale`` and ``down_scale`` the weights are FP8 E4M3 times fp32 scales: per
     output channel ([E, 2I], [E, hidden]), or with ``scale_block`` ``(bn, bk)`` per tile of an
-    output-major ``[gate | up]`` weight ([E, 2 cdiv(I, bn), cdiv(hidden, bk)], the gate's rows of
-    tiles then the up's; [E, cdiv(hidden, bn), cdiv(I, bk)]). ``blocks`` overrides ``(BLOCK_M, BLOCK_N, BLOCK_K)`` (each a power of two of at least 16).
+    output-major ``[gate | up]`` weight ([E, 2 cdiv(I, bn), cdiv(hidden, bk)], the gate's rows
+    of tiles then the up's; [E, cdiv(hidden, bn), cdiv(I, bk)]). ``blocks`` overrides
+    ``(BLOCK_M, BLOCK_N, BLOCK_K)`` (each a power of two of at least 16).
     """
     if activation not in ACTIVATIONS:
         raise ValueError(f"fused_experts: activation {activation!r} is not one of {ACTIVATIONS}")

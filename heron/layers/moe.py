@@ -260,9 +260,10 @@ class SwiGLUExperts(ExpertBank):
         return F.linear(F.silu(gate) * up, down)
 
     def fused_layout(self) -> dict:
+        layout = super().fused_layout()
         if self.gate_up_proj_scale is None:
-            return super().fused_layout()
-        return super().fused_layout() | dict(
+            return layout
+        return layout | dict(
             gate_up_scale=self.gate_up_proj_scale,
             down_scale=self.down_proj_scale,
             scale_block=self.weight_block,
