@@ -198,6 +198,16 @@ def test_a_rank_boundary_inside_an_fp8_block_is_refused_naming_the_layer(saved, 
         build(tmp_path / "fp8", TensorParallel(0, 2))
 
 
+def test_a_rank_boundary_inside_an_expert_fp8_block_is_refused_naming_the_tensor(saved, tmp_path):
+    """32-row blocks over the 16 of each expert's 32 intermediate features a rank holds (the
+    attention stays in full precision, so the experts are the first to split)."""
+    attention = ("q_proj", "k_proj", "v_proj", "o_proj")
+    write_fp8_checkpoint(saved("qwen3_moe"), tmp_path / "fp8", "block-wise", attention)
+    message = r"experts\.0\.\w+_proj\.weight_scale_inv': .* 16 intermediate features, which split"
+    with pytest.raises(ValueError, match=message):
+        build(tmp_path / "fp8", TensorParallel(0, 2))
+
+
 def test_a_dead_worker_stops_the_engine_naming_its_rank(saved):
     llm = LLM(str(saved("gpt_oss")), tensor_parallel_size=2, **ENGINE)
     worker = llm.engine.runner._workers[1]
