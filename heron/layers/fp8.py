@@ -34,7 +34,7 @@ _CHECKPOINT_KEYS = {
 
 @dataclass(frozen=True)
 class Fp8Scheme:
-    """How a model's linear layers hold FP8 weights.
+    """How a model's linear layers and SwiGLU experts hold FP8 weights.
 
     ``from_checkpoint``: the checkpoint stores FP8 weights and scales (loaded as they are);
     otherwise full-precision weights are quantised per channel after loading. ``block`` is the
