@@ -16,10 +16,12 @@ copy bandwidth, where the experts read per MoE layer are those the step's routin
 (counted as in ``moe_decode.py``). HF runs the batch-1 cases through its plain ``generate``
 (its continuous batching does not take DeepSeek-V2). Then Heron's throughput on
 workload A of ``gpu_decode.py`` (256 requests, in/out uniform in [100, 1024]) unless
-``--skip-throughput``.
+``--skip-throughput``. ``--quantization fp8`` (FP8 projections and experts; ``kv_b_proj``,
+which the latent operator absorbs, stays bf16) applies to Heron only; the floor counts its
+bytes (one per FP8 element; routers and the LM head stay bf16).
 
     python benchmarks/deepseek_decode.py [--shape v2-lite] [--skip-hf] [--skip-throughput]
-        [--new-tokens 64] [--cases 4096x1 4096x64]
+        [--new-tokens 64] [--cases 4096x1 4096x64] [--quantization fp8]
 """
 
 from __future__ import annotations
@@ -98,19 +100,31 @@ CASES = [(4096, 1), (4096, 64)]  # (context, batch)
 WORKLOAD_A_BATCH, WORKLOAD_A_LEN = 256, 2048  # its requests (all may decode at once), longest
 
 
-def floor_ms(c: dict, batch: int, context: int, experts_read: float, bandwidth: float) -> float:
-    """Per-step lower bound in bf16: attention, dense and shared MLPs, routers, ``experts_read``
-    routed experts per MoE layer, the LM head (not the embedding rows), and every request's
-    latent cache (``kv_lora_rank + rope`` values per token per layer), at full bandwidth."""
+def floor_ms(
+    c: dict,
+    batch: int,
+    context: int,
+    experts_read: float,
+    bandwidth: float,
+    weight_bytes: int = 2,
+) -> float:
+    """Per-step lower bound: attention, dense and shared MLPs, routers, ``experts_read`` routed
+    experts per MoE layer, the LM head (not the embedding rows), and every request's bf16
+    latent cache (``kv_lora_rank + rope`` values per token per layer), at full bandwidth;
+    ``weight_bytes`` per element of the projections and experts (``kv_b_proj``, routers and the
+    LM head are bf16)."""
     d, h, lora, rope = c["hidden_size"], c["num_attention_heads"], c["kv_lora_rank"], 64
     nope, v, q_lora = c["qk_nope_head_dim"], c["v_head_dim"], c["q_lora_rank"]
     q = d * h * (nope + rope) if q_lora is None else d * q_lora + q_lora * h * (nope + rope)
-    attention = q + d * (lora + rope) + lora * h * (nope + v) + h * v * d
+    kv_b = lora * h * (nope + v)
+    attention = q + d * (lora + rope) + h * v * d
     layers, dense = c["num_hidden_layers"], c["first_k_dense_replace"]
     expert = 3 * d * c["moe_intermediate_size"]
-    moe = c["n_routed_experts"] * d + (experts_read + c["n_shared_experts"]) * expert
-    mlps = dense * 3 * d * c["intermediate_size"] + (layers - dense) * moe
-    weights = 2 * (layers * attention + mlps + c["vocab_size"] * d)
+    experts = (experts_read + c["n_shared_experts"]) * expert
+    mlps = dense * 3 * d * c["intermediate_size"] + (layers - dense) * experts
+    routers = (layers - dense) * c["n_routed_experts"] * d
+    weights = weight_bytes * (layers * attention + mlps)
+    weights += 2 * (layers * kv_b + routers + c["vocab_size"] * d)
     latent = batch * context * layers * (lora + rope) * 2
     return (weights + latent) / bandwidth * 1e3
 
@@ -124,11 +138,16 @@ def main() -> None:
     parser.add_argument("--skip-throughput", action="store_true")
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--cases", nargs="+", help="CONTEXTxBATCH, e.g. 4096x64")
+    parser.add_argument("--quantization", choices=["fp8"], default=None)
     args = parser.parse_args()
     cases = [tuple(map(int, c.split("x"))) for c in args.cases] if args.cases else CASES
     family, shape = SHAPES[args.shape]
     bandwidth = copy_bandwidth()
-    print(f"copy bandwidth {bandwidth / 1e12:.2f} TB/s; shape {args.shape}")
+    weight_bytes = 1 if args.quantization else 2
+    print(
+        f"copy bandwidth {bandwidth / 1e12:.2f} TB/s; shape {args.shape}; Heron weights "
+        f"{args.quantization or 'bf16'}"
+    )
     touched: dict[int, float] = {}
 
     def header() -> None:
@@ -137,7 +156,10 @@ def main() -> None:
 
     def row(name: str, context: int, batch: int, ms: float) -> None:
         # Rows as they come: Heron's stand even if the HF baseline fails.
-        floor = floor_ms(shape, batch, context + args.new_tokens // 2, touched[batch], bandwidth)
+        floor = floor_ms(
+            shape, batch, context + args.new_tokens // 2, touched[batch], bandwidth,
+            weight_bytes if name == "Heron" else 2,
+        )  # fmt: skip
         print(
             f"| {name} | {context} | {batch} | {ms:.3f} | {touched[batch]:.1f} | {floor:.3f} | "
             f"{ms / floor:.2f}x |"
@@ -153,7 +175,11 @@ def main() -> None:
         if not args.skip_throughput:
             longest, graph_batch = max(longest, WORKLOAD_A_LEN), max(graph_batch, WORKLOAD_A_BATCH)
         llm = LLM(
-            str(path), load_format="dummy", max_model_len=longest, cuda_graph_max_bs=graph_batch
+            str(path),
+            load_format="dummy",
+            max_model_len=longest,
+            cuda_graph_max_bs=graph_batch,
+            quantization=args.quantization,
         )
         for b in batches:  # compiles the kernel variants each batch's steps need
             heron_decode_ms(llm, [[3 + i] * 256 for i in range(b)], 8)

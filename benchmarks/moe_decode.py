@@ -8,9 +8,12 @@ multiple of the bandwidth floor, (weight bytes the step must read + KV bytes) / 
 bandwidth, where the experts read are those the step's routing touches: counted in a separate
 eager run with hooks on the routers, and printed (distinct experts per MoE layer per decode
 step). ``--hf`` adds HF transformers' continuous batching on the same config (its own random
-init; slow: its experts loop on the host).
+init; slow: its experts loop on the host). ``--quantization fp8`` (FP8 attention projections
+and experts) and ``--kv-cache-dtype fp8`` apply to Heron only; the floor counts their bytes
+(one per FP8 element; routers and the LM head stay bf16).
 
     python benchmarks/moe_decode.py [--new-tokens 128] [--batches 1 64] [--hf]
+        [--quantization fp8] [--kv-cache-dtype fp8]
 """
 
 from __future__ import annotations
@@ -25,7 +28,15 @@ import torch
 from heron import LLM, SamplingParams
 from heron.layers.routing import TopKRouter
 
-from gpu_decode import copy_bandwidth, heron_decode_ms, hf_decode_ms, hf_model, save_config_only
+from gpu_decode import (
+    add_fp8_args,
+    copy_bandwidth,
+    element_bytes,
+    heron_decode_ms,
+    hf_decode_ms,
+    hf_model,
+    save_config_only,
+)
 
 QWEN3_30B_A3B = dict(
     hidden_size=2048,
@@ -76,18 +87,26 @@ def touched_experts(llm: LLM, batch: int, steps: int = 8) -> list[int]:
     return counts
 
 
-def floor_ms(batch: int, context: int, experts_read: float, bandwidth: float) -> float:
+def floor_ms(
+    batch: int,
+    context: int,
+    experts_read: float,
+    bandwidth: float,
+    weight_bytes: int = 2,
+    kv_bytes: int = 2,
+) -> float:
     """Per-step lower bound: attention, router and LM-head weights, ``experts_read`` experts per
-    layer, and every request's KV history, at full bandwidth (bf16)."""
+    layer, and every request's KV history, at full bandwidth (``weight_bytes`` per attention or
+    expert weight element, ``kv_bytes`` per cached element; routers and LM head bf16)."""
     c = QWEN3_30B_A3B
     d, h, kv, hd = c["hidden_size"], c["num_attention_heads"], c["num_key_value_heads"], 128
     layers = c["num_hidden_layers"]
     attention = d * (h + 2 * kv) * hd + h * hd * d
     expert = 3 * d * c["moe_intermediate_size"]
-    per_layer = attention + c["num_experts"] * d + experts_read * expert
-    weights = 2 * (layers * per_layer + c["vocab_size"] * d)
-    kv_bytes = batch * context * layers * 2 * kv * hd * 2
-    return (weights + kv_bytes) / bandwidth * 1e3
+    quantised = weight_bytes * layers * (attention + experts_read * expert)
+    weights = quantised + 2 * (layers * c["num_experts"] * d + c["vocab_size"] * d)
+    cache = batch * context * layers * 2 * kv * hd * kv_bytes
+    return (weights + cache) / bandwidth * 1e3
 
 
 def main() -> None:
@@ -97,6 +116,7 @@ def main() -> None:
     parser.add_argument("--new-tokens", type=int, default=128)
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 64])
     parser.add_argument("--hf", action="store_true", help="also run HF transformers")
+    add_fp8_args(parser)
     args = parser.parse_args()
     bandwidth = copy_bandwidth()
     new, batches = args.new_tokens, args.batches
@@ -109,6 +129,8 @@ def main() -> None:
             load_format="dummy",
             max_model_len=PROMPT_LEN + new + 16,
             cuda_graph_max_bs=max(batches),
+            quantization=args.quantization,
+            kv_cache_dtype=args.kv_cache_dtype,
         )
         warm = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
         for b in batches:  # compiles the kernel variants each batch's steps need
@@ -120,7 +142,10 @@ def main() -> None:
         if args.hf:
             hf = hf_model(path, "dummy")
             rows["HF transformers CB"] = [hf_decode_ms(hf, prompts(b), new)[0] for b in batches]
-    print(f"copy bandwidth {bandwidth / 1e12:.2f} TB/s")
+    print(
+        f"copy bandwidth {bandwidth / 1e12:.2f} TB/s; Heron weights "
+        f"{args.quantization or 'bf16'}, KV cache {args.kv_cache_dtype}"
+    )
     floors = []
     for b in batches:
         counts = touched[b]
@@ -130,7 +155,7 @@ def main() -> None:
             f"min {min(counts)}, max {max(counts)} of {QWEN3_30B_A3B['num_experts']} "
             f"({len(counts)} layer-steps)"
         )
-        floors.append(floor_ms(b, PROMPT_LEN + new // 2, mean, bandwidth))
+        floors.append(floor_ms(b, PROMPT_LEN + new // 2, mean, bandwidth, *element_bytes(args)))
     header = " | ".join(f"batch {b}: ms/step (× floor {f:.2f} ms)" for b, f in zip(batches, floors))
     print(f"| engine | {header} |")
     print("| --- |" + " --- |" * len(batches))

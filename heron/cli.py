@@ -35,8 +35,8 @@ _ENGINE_FLAG_HELP = {
     "attention_backend": "attention operator (default: the platform's)",
     "load_format": "auto (the checkpoint's weights) or dummy (seeded random weights from "
     "config.json alone, for benchmarks; give --tokenizer if the directory has none)",
-    "quantization": "fp8: FP8 E4M3 linear weights quantised at load (FP8 checkpoints are read "
-    "as FP8 without it)",
+    "quantization": "fp8: FP8 E4M3 linear and expert weights quantised at load (FP8 "
+    "checkpoints are read as FP8 without it)",
     "kv_cache_dtype": "auto (the model's dtype) or fp8 (E4M3: half of bf16's bytes per block)",
     "speculative_config": 'speculative decoding as JSON, e.g. \'{"method": "ngram", '
     '"num_speculative_tokens": 4, "prompt_lookup_max": 4}\' or \'{"method": "draft_model", '

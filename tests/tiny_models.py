@@ -247,11 +247,17 @@ def _per_tensor_fp8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def write_fp8_checkpoint(
-    src: Path, dst: Path, layout: str, skip: tuple[str, ...] = (), block: tuple[int, int] = (32, 32)
+    src: Path,
+    dst: Path,
+    layout: str,
+    skip: tuple[str, ...] = (),
+    block: tuple[int, int] = (32, 32),
+    projections: tuple[str, ...] = FP8_PROJECTIONS,
 ) -> dict[str, torch.Tensor]:
-    """``src`` re-saved with FP8 projections (but those in ``skip``, which the config lists as
+    """``src`` re-saved with FP8 ``projections`` (each expert's too, where the checkpoint holds
+    one tensor per expert; but those in ``skip``, which the config lists as
     ``modules_to_not_convert``), ``layout`` per tensor, per channel or in ``block`` tiles;
-    returns the dequantised weights HF should run."""
+    returns the dequantised weights HF should run, by checkpoint name."""
     import json
     import shutil
 
@@ -262,7 +268,7 @@ def write_fp8_checkpoint(
     shutil.copytree(src, dst)
     tensors = load_file(dst / "model.safetensors")
     dequantised = {}
-    projections = [p for p in FP8_PROJECTIONS if p not in skip]
+    projections = [p for p in projections if p not in skip]
     for name in [n for n in tensors if n.endswith("weight") and n.split(".")[-2] in projections]:
         w = tensors.pop(name)
         if layout == "per-tensor":
@@ -290,6 +296,21 @@ def write_fp8_checkpoint(
         config["quantization_config"]["modules_to_not_convert"] = list(skip)
     (dst / "config.json").write_text(json.dumps(config))
     return dequantised
+
+
+def hf_on_saved_weights(src: Path, weights: dict[str, torch.Tensor], dst: Path):
+    """HF's model of ``src`` with checkpoint tensors ``weights`` (by checkpoint name, as
+    :func:`write_fp8_checkpoint` returns them) in place of its own: a copy at ``dst`` that HF
+    loads, mapping per-expert tensors onto its stacked experts itself."""
+    import shutil
+
+    import transformers as tf
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(src, dst)
+    tensors = load_file(dst / "model.safetensors") | weights
+    save_file({name: t.contiguous() for name, t in tensors.items()}, dst / "model.safetensors")
+    return tf.AutoModelForCausalLM.from_pretrained(dst, dtype=torch.float32).eval()
 
 
 def hf_on_weights(src: Path, weights: dict[str, torch.Tensor]):

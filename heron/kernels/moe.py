@@ -8,7 +8,12 @@ choose what differs between them:
 - ``OUTPUT_MAJOR``: weights stored as ``nn.Linear`` stores them (``[E, out, in]``, HF's stacked
   experts) or input-major (``[E, in, out]``, gpt-oss);
 - ``INTERLEAVED``: gate and up outputs alternate (gpt-oss) or form two halves ``[gate | up]``;
-- ``HAS_BIAS``: per-expert biases (gpt-oss) or none.
+- ``HAS_BIAS``: per-expert biases (gpt-oss) or none;
+- ``SCALE``: weights in ``x``'s dtype (0), or FP8 E4M3 standing for ``q * scale`` with fp32
+  scales per output channel (1, applied in the epilogue) or per ``SCALE_BN x SCALE_BK`` tile
+  of an output-major weight (2, applied per K step inside the loop; ``BLOCK_K`` divides
+  ``SCALE_BK``). FP8 tiles are converted to ``x``'s dtype as they load (weight-only FP8: the
+  bytes that bound decode halve, the products stay in half precision).
 
 Every step runs on the GPU with shapes that depend only on the token count, never on the
 routing, so there is no host sync and the whole call can be captured in a CUDA graph.
@@ -52,8 +57,11 @@ def _expert_matmul(
     n_mask,
     N,
     K,
+    s_ptrs,
     OUTPUT_MAJOR: tl.constexpr,
     EVEN_K: tl.constexpr,
+    SCALE: tl.constexpr,
+    SCALE_BK: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -61,7 +69,8 @@ def _expert_matmul(
 ):
     """fp32 ``a @ w[:, cols]`` [BLOCK_M, BLOCK_N] over ``K``: ``a_ptrs`` [BLOCK_M, 1] point at
     the rows' starts (``a_mask`` [BLOCK_M, 1] says which to read), ``w_ptr`` at one expert's
-    weight, [N, K] if ``OUTPUT_MAJOR`` else [K, N]."""
+    weight, [N, K] if ``OUTPUT_MAJOR`` else [K, N]. With ``SCALE`` the weight is FP8 and
+    ``s_ptrs`` [BLOCK_N] point at each column's scale (1) or at its row of tile scales (2)."""
     if OUTPUT_MAJOR:
         stride_k, stride_n = 1, K
     else:
@@ -78,9 +87,16 @@ def _expert_matmul(
             k_mask = (k + offs_k) < K
             a = tl.load(a_ptrs, mask=a_mask & k_mask[None, :], other=0.0)
             w = tl.load(w_ptrs, mask=k_mask[:, None] & n_mask[None, :], other=0.0)
-        acc = tl.dot(a, w, acc=acc, input_precision=DOT_PREC)
+        w = w.to(a_ptrs.dtype.element_ty)
+        if SCALE == 2:
+            s = tl.load(s_ptrs + k // SCALE_BK, mask=n_mask, other=0.0)
+            acc += tl.dot(a, w, input_precision=DOT_PREC) * s[None, :]
+        else:
+            acc = tl.dot(a, w, acc=acc, input_precision=DOT_PREC)
         a_ptrs += BLOCK_K
         w_ptrs += BLOCK_K * stride_k
+    if SCALE == 1:
+        acc *= tl.load(s_ptrs, mask=n_mask, other=0.0)[None, :]
     return acc
 
 
@@ -95,10 +111,21 @@ def _row_block(pid_m, block_expert_ptr, sorted_ids_ptr, num_pairs, BLOCK_M: tl.c
 
 
 @triton.jit
+def _scale_ptrs(s_ptr, expert, rows, num_rows, K, SCALE: tl.constexpr, SCALE_BK: tl.constexpr):
+    """Pointers at the scales of one expert's weight ``rows`` [BLOCK_N] (output channels for
+    ``SCALE`` 1; rows of tiles for 2, each ``cdiv(K, SCALE_BK)`` long) of ``num_rows``; for
+    ``SCALE`` 0, unread pointers off the weight that stands in for the scales."""
+    if SCALE == 2:
+        return s_ptr + (expert * num_rows + rows) * tl.cdiv(K, SCALE_BK)
+    return s_ptr + expert * num_rows + rows
+
+
+@triton.jit
 def _gate_up_kernel(
     x_ptr,
     w_ptr,
     b_ptr,
+    s_ptr,
     h_ptr,
     sorted_ids_ptr,
     block_expert_ptr,
@@ -115,6 +142,9 @@ def _gate_up_kernel(
     INTERLEAVED: tl.constexpr,
     HAS_BIAS: tl.constexpr,
     EVEN_K: tl.constexpr,
+    SCALE: tl.constexpr,
+    SCALE_BN: tl.constexpr,
+    SCALE_BK: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -143,6 +173,14 @@ def _gate_up_kernel(
     else:
         cols = is_up * inter + offs_j
     n_mask = offs_j < inter
+    if SCALE == 2:  # tile rows: the gate's cdiv(inter, SCALE_BN), then the up's
+        gate_tiles = tl.cdiv(inter, SCALE_BN)
+        s_ptrs = _scale_ptrs(
+            s_ptr, expert, is_up * gate_tiles + offs_j // SCALE_BN, 2 * gate_tiles, hidden,
+            SCALE, SCALE_BK,
+        )  # fmt: skip
+    else:
+        s_ptrs = _scale_ptrs(s_ptr, expert, cols, n_cols, hidden, SCALE, SCALE_BK)
     acc = _expert_matmul(
         x_ptr + tokens[:, None] * stride_x,
         valid[:, None],
@@ -151,8 +189,11 @@ def _gate_up_kernel(
         n_mask,
         n_cols,
         hidden,
+        s_ptrs,
         OUTPUT_MAJOR,
         EVEN_K,
+        SCALE,
+        SCALE_BK,
         BLOCK_M,
         BLOCK_N,
         BLOCK_K,
@@ -180,6 +221,7 @@ def _down_kernel(
     h_ptr,
     w_ptr,
     b_ptr,
+    s_ptr,
     route_ptr,
     out_ptr,
     sorted_ids_ptr,
@@ -191,6 +233,9 @@ def _down_kernel(
     OUTPUT_MAJOR: tl.constexpr,
     HAS_BIAS: tl.constexpr,
     EVEN_K: tl.constexpr,
+    SCALE: tl.constexpr,
+    SCALE_BN: tl.constexpr,
+    SCALE_BK: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -209,6 +254,10 @@ def _down_kernel(
 
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = offs_n < hidden
+    if SCALE == 2:
+        rows, num_rows = offs_n // SCALE_BN, tl.cdiv(hidden, SCALE_BN)
+    else:
+        rows, num_rows = offs_n, hidden
     # Every row of a used block was written by the first kernel, padding rows too.
     acc = _expert_matmul(
         h_ptr + offs_m[:, None] * inter,
@@ -218,8 +267,11 @@ def _down_kernel(
         n_mask,
         hidden,
         inter,
+        _scale_ptrs(s_ptr, expert, rows, num_rows, inter, SCALE, SCALE_BK),
         OUTPUT_MAJOR,
         EVEN_K,
+        SCALE,
+        SCALE_BK,
         BLOCK_M,
         BLOCK_N,
         BLOCK_K,
@@ -260,6 +312,9 @@ def fused_experts(
     down_bias: torch.Tensor | None = None,
     alpha: float = 0.0,
     limit: float = 0.0,
+    gate_up_scale: torch.Tensor | None = None,
+    down_scale: torch.Tensor | None = None,
+    scale_block: tuple[int, int] | None = None,
     blocks: tuple[int, int, int] | None = None,
 ) -> torch.Tensor:
     """The experts on ``x`` [T, hidden]: the sum over each token's experts ``indices`` [T, k]
@@ -269,7 +324,11 @@ def fused_experts(
     With ``output_major`` the weights are ``gate_up`` [E, 2I, hidden] and ``down`` [E, hidden,
     I], else ``gate_up`` [E, hidden, 2I] and ``down`` [E, I, hidden]; ``interleaved`` says the
     gate and up outputs alternate rather than form halves. Biases are [E, 2I] and [E, hidden].
-    ``blocks`` overrides ``(BLOCK_M, BLOCK_N, BLOCK_K)`` (each a power of two of at least 16).
+    With ``gate_up_scale`` and ``down_scale`` the weights are FP8 E4M3 times fp32 scales: per
+    output channel ([E, 2I], [E, hidden]), or with ``scale_block`` ``(bn, bk)`` per tile of an
+    output-major ``[gate | up]`` weight ([E, 2 cdiv(I, bn), cdiv(hidden, bk)], the gate's rows
+    of tiles then the up's; [E, cdiv(hidden, bn), cdiv(I, bk)]). ``blocks`` overrides
+    ``(BLOCK_M, BLOCK_N, BLOCK_K)`` (each a power of two of at least 16).
     """
     if activation not in ACTIVATIONS:
         raise ValueError(f"fused_experts: activation {activation!r} is not one of {ACTIVATIONS}")
@@ -288,15 +347,21 @@ def fused_experts(
         )
     if (gate_up_bias is None) != (down_bias is None):
         raise ValueError("fused_experts: give both biases or neither")
-    for w in (gate_up, down, gate_up_bias, down_bias):
-        if w is not None and (not w.is_contiguous() or w.dtype != x.dtype):
-            raise ValueError("fused_experts: expert weights must be contiguous, in x's dtype")
+    if scale_block is not None and (interleaved or not output_major):
+        raise ValueError("fused_experts: tile scales need output-major [gate | up] weights")
+    scale = _check_weights(
+        x, (gate_up, down), (gate_up_bias, down_bias), (gate_up_scale, down_scale), scale_block,
+        output_major,
+    )  # fmt: skip
     if x.stride(1) != 1:
         x = x.contiguous()
     if num_tokens == 0:
         return torch.zeros_like(x)
     num_pairs = num_tokens * top_k
     block_m, block_n, block_k = blocks or default_blocks(num_pairs, num_experts)
+    scale_bn, scale_bk = scale_block or (1, 1)
+    if scale == 2:
+        block_k = min(block_k, scale_bk)  # one tile of scales per K step
     sorted_ids, block_expert, num_blocks = align_by_expert(indices, num_experts, block_m)
     max_blocks = block_expert.numel()
     has_bias = gate_up_bias is not None
@@ -306,6 +371,9 @@ def fused_experts(
         BLOCK_M=block_m,
         BLOCK_N=block_n,
         BLOCK_K=block_k,
+        SCALE=scale,
+        SCALE_BN=scale_bn,
+        SCALE_BK=scale_bk,
         DOT_PREC="ieee" if x.dtype == torch.float32 else "tf32",
         num_warps=4,
         num_stages=2 if x.dtype == torch.float32 else 3,
@@ -317,6 +385,7 @@ def fused_experts(
         x,
         gate_up,
         gate_up_bias,
+        gate_up if gate_up_scale is None else gate_up_scale,  # not read without scales
         h,
         sorted_ids,
         block_expert,
@@ -339,6 +408,7 @@ def fused_experts(
         h,
         down,
         down_bias,
+        down if down_scale is None else down_scale,
         weights.contiguous(),
         per_slot,
         sorted_ids,
@@ -351,3 +421,52 @@ def fused_experts(
         **common,
     )
     return per_slot.view(num_tokens, top_k, hidden).sum(dim=1).to(x.dtype)
+
+
+def _check_weights(
+    x: torch.Tensor,
+    weights: tuple[torch.Tensor, torch.Tensor],
+    biases: tuple[torch.Tensor | None, torch.Tensor | None],
+    scales: tuple[torch.Tensor | None, torch.Tensor | None],
+    block: tuple[int, int] | None,
+    output_major: bool,
+) -> int:
+    """The kernels' ``SCALE`` for these weights; raises unless they are contiguous and in
+    ``x``'s dtype (0), or FP8 with contiguous fp32 scales of the layout's shapes (1, 2)."""
+    for b in biases:
+        if b is not None and (not b.is_contiguous() or b.dtype != x.dtype):
+            raise ValueError("fused_experts: expert biases must be contiguous, in x's dtype")
+    if scales == (None, None):
+        if block is not None or any(w.dtype != x.dtype or not w.is_contiguous() for w in weights):
+            raise ValueError(
+                "fused_experts: expert weights must be contiguous, in x's dtype (or FP8 with "
+                "gate_up_scale and down_scale)"
+            )
+        return 0
+    if block is not None and (len(block) != 2 or block[1] < 16 or any(b & (b - 1) for b in block)):
+        raise ValueError(
+            f"fused_experts: scale_block {block} is not two powers of two with bk >= 16"
+        )
+    expected = []
+    for w, rows in zip(weights, (2, 1), strict=True):  # gate_up holds two matrices' tiles
+        num_experts, n, k = w.shape if output_major else (w.shape[0], w.shape[2], w.shape[1])
+        if block is None:
+            expected.append((num_experts, n))
+        else:
+            n_tiles = -(-(n // rows) // block[0]) * rows
+            expected.append((num_experts, n_tiles, -(-k // block[1])))
+    for which, w, s, shape in zip(("gate_up", "down"), weights, scales, expected, strict=True):
+        if (
+            s is None
+            or w.dtype != torch.float8_e4m3fn
+            or not w.is_contiguous()
+            or s.dtype != torch.float32
+            or not s.is_contiguous()
+            or tuple(s.shape) != shape
+        ):
+            raise ValueError(
+                f"fused_experts: FP8 {which} weights are contiguous float8_e4m3fn with contiguous "
+                f"fp32 scales of shape {shape}; got {w.dtype} and "
+                f"{None if s is None else (s.dtype, tuple(s.shape))}"
+            )
+    return 2 if block is not None else 1

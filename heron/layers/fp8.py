@@ -34,7 +34,7 @@ _CHECKPOINT_KEYS = {
 
 @dataclass(frozen=True)
 class Fp8Scheme:
-    """How a model's linear layers hold FP8 weights.
+    """How a model's linear layers and SwiGLU experts hold FP8 weights.
 
     ``from_checkpoint``: the checkpoint stores FP8 weights and scales (loaded as they are);
     otherwise full-precision weights are quantised per channel after loading. ``block`` is the
@@ -101,6 +101,18 @@ def quantize(
     # Times the fp32 reciprocal: CUDA divides by a scalar so, the CPU would not.
     scale = torch.where(amax > 0, amax * (1 / FP8_MAX), torch.ones_like(amax))
     return to_fp8(w / _expand(scale, block, w.shape)), scale
+
+
+def scale_shape(n: int, k: int, block: tuple[int, int] | None) -> tuple[int, ...]:
+    """The shape of an ``[n, k]`` weight's scales: ``[n]`` per channel, else one per tile."""
+    return (n,) if block is None else (-(-n // block[0]), -(-k // block[1]))
+
+
+def channel_scales(loaded: torch.Tensor, rows: int) -> torch.Tensor:
+    """A checkpoint's per-channel scales (``[rows]`` or ``[rows, 1]``) or per-tensor scale as
+    ``rows`` per-channel values (the one scale repeated, which is exact)."""
+    values = loaded.reshape(-1)
+    return values.expand(rows) if values.numel() == 1 else values
 
 
 def to_fp8(x: torch.Tensor) -> torch.Tensor:

@@ -18,7 +18,14 @@ from torch import nn
 
 from heron.distributed.parallel import current_tensor_parallel
 from heron.kernels import TORCH_KERNELS, LayerKernels
-from heron.layers.fp8 import FP8, dequantize, quantize, scaled_mm_reference
+from heron.layers.fp8 import (
+    FP8,
+    channel_scales,
+    dequantize,
+    quantize,
+    scale_shape,
+    scaled_mm_reference,
+)
 
 
 class Linear(nn.Module):
@@ -84,9 +91,10 @@ class Linear(nn.Module):
         """Empty FP8 weight and scales for a checkpoint to fill: per channel (``block`` None;
         a per-tensor checkpoint's scales repeat over their rows) or per ``block`` tile."""
         n, k = self.weight.shape
-        rows = (n,) if block is None else (-(-n // block[0]), -(-k // block[1]))
         self.weight = _frozen(torch.empty(n, k, dtype=FP8, device=self.weight.device))
-        self.weight_scale = _frozen(torch.empty(rows, device=self.weight.device))
+        self.weight_scale = _frozen(
+            torch.empty(scale_shape(n, k, block), device=self.weight.device)
+        )
         self.weight_block = block
 
     def dequantize_fp8(self, dtype: torch.dtype) -> None:
@@ -156,10 +164,10 @@ class Linear(nn.Module):
                 return loaded
             bn, bk = self.weight_block or (1, 1)
             if cols is not None:
-                start, size = _whole_blocks(cols, bk, "input columns")
+                start, size = whole_blocks(cols, bk, "input columns")
                 loaded = loaded.narrow(1, start, size)
             if rows is not None:
-                blocks = tuple(_whole_blocks(run, bn, "output rows") for run in rows)
+                blocks = tuple(whole_blocks(run, bn, "output rows") for run in rows)
                 return rows_of(loaded, blocks)
             return loaded
         if cols is not None and name == "weight":
@@ -178,9 +186,7 @@ class Linear(nn.Module):
         if param is not self.weight_scale:
             _copy_checked(param.data.narrow(0, start, size), loaded, param)
         elif self.weight_block is None:  # per channel; a per-tensor scale repeats
-            values = loaded.reshape(-1)
-            values = values.expand(size) if values.numel() == 1 else values
-            _copy_checked(param.data.narrow(0, start, size), values, param)
+            _copy_checked(param.data.narrow(0, start, size), channel_scales(loaded, size), param)
         else:
             bn = self.weight_block[0]
             if start % bn:
@@ -267,7 +273,7 @@ def rows_of(loaded: torch.Tensor, runs: Runs) -> torch.Tensor | tuple[torch.Tens
     return parts[0] if len(parts) == 1 else parts
 
 
-def _whole_blocks(run: tuple[int, int], block: int, what: str) -> tuple[int, int]:
+def whole_blocks(run: tuple[int, int], block: int, what: str) -> tuple[int, int]:
     """The run of FP8 scale blocks covering a rank's ``run`` of rows or columns, which must
     be whole blocks (every rank's run is as long, so all ranks refuse alike)."""
     start, length = run

@@ -7,7 +7,8 @@ switches:
 - ``SwiGLUExperts``: ``down(silu(gate(x)) * up(x))`` without biases, stored as HF transformers
   stacks them (``gate_up_proj`` [E, 2I, hidden] as ``[gate | up]``, ``down_proj`` [E, hidden,
   I]); checkpoints holding one tensor per expert (``experts.{e}.gate_proj.weight``) load into
-  the stacks through :meth:`ExpertBank.weight_loader` (Qwen-MoE, Qwen3-Next/3.5, DeepSeek);
+  the stacks through :meth:`ExpertBank.weight_loader` (Qwen-MoE, Qwen3-Next/3.5, DeepSeek).
+  They may hold FP8 weights (``hold_fp8`` / ``quantize_fp8``, as ``Linear`` does);
 - ``ClampedSwiGLUExperts``: gpt-oss's, with biases, input-major, gate and up interleaved.
 
 With the Triton kernel set the experts run as two fused grouped GEMMs, with no host sync, in
@@ -22,6 +23,8 @@ otherwise maps the names with its model's ``checkpoint_renames``.
 
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -30,13 +33,21 @@ from transformers import PretrainedConfig
 from heron.distributed.parallel import current_tensor_parallel
 from heron.kernels import TORCH_KERNELS, LayerKernels
 from heron.layers.activation import SiluAndMul
-from heron.layers.linear import Linear
+from heron.layers.fp8 import FP8, channel_scales, dequantize, quantize, scale_shape
+from heron.layers.linear import Linear, whole_blocks
 from heron.layers.mlp import GatedMLP
 from heron.layers.routing import Routing, TopKRouter
+
+#: An FP8 stack's scales are the parameter of its name plus this (``gate_up_proj_scale``).
+SCALE_SUFFIX = "_scale"
 
 
 def _stacked(*shape: int) -> nn.Parameter:
     return nn.Parameter(torch.empty(*shape), requires_grad=False)
+
+
+def _frozen(t: torch.Tensor) -> nn.Parameter:
+    return nn.Parameter(t, requires_grad=False)
 
 
 def clamped_swiglu(gate_up: torch.Tensor, alpha: float, limit: float) -> torch.Tensor:
@@ -150,8 +161,9 @@ class ExpertBank(nn.Module):
         return 1
 
     def checkpoint_shards(self, param_name: str) -> set[tuple[int, str]]:
-        """The per-expert pieces that together fill ``param_name``."""
-        parts = {part for target, part in self.per_expert_names.values() if target == param_name}
+        """The per-expert pieces that together fill ``param_name`` (a stack or its scales)."""
+        stack = param_name.removesuffix(SCALE_SUFFIX)
+        parts = {part for target, part in self.per_expert_names.values() if target == stack}
         return {(e, part) for e in range(self.num_experts) for part in parts}
 
     def weight_loader(
@@ -173,7 +185,13 @@ class ExpertBank(nn.Module):
 
 class SwiGLUExperts(ExpertBank):
     """``down(silu(gate(x)) * up(x))`` experts without biases, in HF's stacked layout
-    (``gate_up_proj`` [E, 2I, hidden] as ``[gate | up]``, ``down_proj`` [E, hidden, I])."""
+    (``gate_up_proj`` [E, 2I, hidden] as ``[gate | up]``, ``down_proj`` [E, hidden, I]).
+
+    After :meth:`hold_fp8` or :meth:`quantize_fp8` both stacks are FP8 E4M3 with fp32 scales
+    ``gate_up_proj_scale`` and ``down_proj_scale``: per output channel ([E, 2I], [E, hidden])
+    or per ``weight_block`` tile, where the gate's rows of tiles and the up's are kept apart
+    ([E, 2 cdiv(I, bn), cdiv(hidden, bk)]) so that an ``I`` of part-blocks stacks as published.
+    """
 
     activation, output_major, interleaved = "swiglu", True, False
     per_expert_names = {
@@ -181,6 +199,8 @@ class SwiGLUExperts(ExpertBank):
         "up_proj": ("gate_up_proj", "up"),
         "down_proj": ("down_proj", "down"),
     }
+    #: How many matrices each stack holds along its rows (gate and up; down).
+    _matrices = {"gate_up_proj": 2, "down_proj": 1}
 
     def __init__(
         self,
@@ -193,10 +213,76 @@ class SwiGLUExperts(ExpertBank):
         inter = self.intermediate_size
         self.gate_up_proj = _stacked(num_experts, 2 * inter, hidden_size)
         self.down_proj = _stacked(num_experts, hidden_size, inter)
+        self.register_parameter("gate_up_proj_scale", None)
+        self.register_parameter("down_proj_scale", None)
+        self.weight_block: tuple[int, int] | None = None
+
+    def hold_fp8(self, block: tuple[int, int] | None) -> None:
+        """Empty FP8 stacks and scales for an FP8 checkpoint to fill: per channel (``block``
+        None; a per-tensor checkpoint's scales repeat over their rows) or per ``block`` tile."""
+        for name, count in self._matrices.items():
+            stack = getattr(self, name)
+            e, n, k = stack.shape
+            tiles = scale_shape(n // count, k, block)
+            q = torch.empty(e, n, k, dtype=FP8, device=stack.device)
+            scale = torch.empty(e, count * tiles[0], *tiles[1:], device=stack.device)
+            setattr(self, name, _frozen(q))
+            setattr(self, name + SCALE_SUFFIX, _frozen(scale))
+        self.weight_block = block
+
+    def quantize_fp8(self, block: tuple[int, int] | None = None) -> None:
+        """Replace the loaded full-precision stacks by their FP8 quantisation, each expert's
+        gate, up and down matrix on its own."""
+        for name, count in self._matrices.items():
+            experts = [
+                [quantize(w, block) for w in stack.chunk(count)] for stack in getattr(self, name)
+            ]
+            q = torch.stack([torch.cat([q for q, _ in parts]) for parts in experts])
+            scale = torch.stack([torch.cat([s for _, s in parts]) for parts in experts])
+            setattr(self, name, _frozen(q))
+            setattr(self, name + SCALE_SUFFIX, _frozen(scale))
+        self.weight_block = block
+
+    def weights_of(self, e: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """Expert ``e``'s ``[gate | up]`` and down matrices in ``dtype`` (dequantised if FP8)."""
+        out = []
+        for name, count in self._matrices.items():
+            w, scale = getattr(self, name)[e], getattr(self, name + SCALE_SUFFIX)
+            if scale is not None:
+                parts = zip(w.chunk(count), scale[e].chunk(count), strict=True)
+                w = torch.cat([dequantize(q, s, self.weight_block) for q, s in parts])
+            out.append(w.to(dtype))
+        return out[0], out[1]
 
     def expert(self, e: int, x: torch.Tensor) -> torch.Tensor:
-        gate, up = F.linear(x, self.gate_up_proj[e]).chunk(2, dim=-1)
-        return F.linear(F.silu(gate) * up, self.down_proj[e])
+        gate_up, down = self.weights_of(e, x.dtype)
+        gate, up = F.linear(x, gate_up).chunk(2, dim=-1)
+        return F.linear(F.silu(gate) * up, down)
+
+    def fused_layout(self) -> dict:
+        layout = super().fused_layout()
+        if self.gate_up_proj_scale is None:
+            return layout
+        return layout | dict(
+            gate_up_scale=self.gate_up_proj_scale,
+            down_scale=self.down_proj_scale,
+            scale_block=self.weight_block,
+        )
+
+    def checkpoint_part(
+        self, name: str, loaded: torch.Tensor, shard: tuple[int, str] | None
+    ) -> torch.Tensor:
+        """As for the weights; an expert's scales follow its rank's rows (gate, up) or
+        columns (down) in whole tiles, and per-tensor and down's per-channel ones are whole."""
+        if self.tp is None or not name.endswith(SCALE_SUFFIX) or shard is None:
+            return super().checkpoint_part(name, loaded, shard)
+        dim = self._intermediate_dim(name, shard)
+        run = (self.inter_start, self.intermediate_size)
+        if math.prod(loaded.shape) == 1 or (self.weight_block is None and dim == 1):
+            return loaded
+        if self.weight_block is not None:
+            run = whole_blocks(run, self.weight_block[dim], "intermediate features")
+        return loaded.narrow(dim, *run)
 
     def _intermediate_dim(self, name: str, shard: tuple[int, str] | None) -> int | None:
         if shard is not None:  # gate_proj, up_proj [I, hidden]; down_proj [hidden, I]
@@ -211,14 +297,17 @@ class SwiGLUExperts(ExpertBank):
             start, size = self.inter_start, self.intermediate_size
             gate, up = loaded.narrow(1, start, size), loaded.narrow(1, whole + start, size)
             loaded = torch.cat([gate, up], dim=1)
+        scales = param is self.gate_up_proj_scale or param is self.down_proj_scale
+        if scales and shard is not None and self.weight_block is None:  # per channel
+            loaded = channel_scales(loaded, self._piece(param.data, *shard).shape[0])
         super().weight_loader(param, loaded, shard)
 
     def _piece(self, stacked: torch.Tensor, expert: int, part: str) -> torch.Tensor:
-        inter = self.intermediate_size
+        half = stacked.shape[1] // 2  # the gate's rows (of weights, channels or tiles)
         if part == "gate":
-            return stacked[expert, :inter]
+            return stacked[expert, :half]
         if part == "up":
-            return stacked[expert, inter:]
+            return stacked[expert, half:]
         return stacked[expert]
 
 

@@ -6,23 +6,24 @@ from torch import nn
 
 from heron.config import ModelConfig
 from heron.loader.dummy import initialize_dummy_weights
-from heron.loader.fp8 import fp8_linears
+from heron.loader.fp8 import fp8_expert_banks, fp8_linears
 from heron.loader.safetensors import iterate_weights
 from heron.loader.weights import load_weights
 
 
 def load_model(model: nn.Module, model_config: ModelConfig, sharded: bool = False) -> None:
-    """Fill ``model``; under an FP8 scheme its linear layers end up holding FP8 weights: read
-    as stored from an FP8 checkpoint, else quantised from the loaded (or dummy) weights (but
-    those an operator reads as matrices, ``Linear.keep_dense``).
+    """Fill ``model``; under an FP8 scheme its linear layers and SwiGLU experts end up holding
+    FP8 weights: read as stored from an FP8 checkpoint, else quantised from the loaded (or
+    dummy) weights (but those an operator reads as matrices, ``Linear.keep_dense``).
     A ``sharded`` (tensor-parallel) model reads only its own parts of the checkpoint."""
     scheme = model_config.quantization
     linears = fp8_linears(model, scheme) if scheme is not None else []
+    banks = fp8_expert_banks(model, scheme) if scheme is not None else []
     as_stored = (
         scheme is not None and scheme.from_checkpoint and model_config.load_format != "dummy"
     )
     if as_stored:
-        for layer in linears:
+        for layer in [*linears, *banks]:
             layer.hold_fp8(scheme.block)
     if model_config.load_format == "dummy":
         std = getattr(model_config.hf_config, "initializer_range", None) or 0.02
@@ -36,3 +37,6 @@ def load_model(model: nn.Module, model_config: ModelConfig, sharded: bool = Fals
             layer.dequantize_fp8(model_config.dtype)
         elif not layer.keep_dense and not as_stored:
             layer.quantize_fp8(scheme.block)
+    if not as_stored:
+        for bank in banks:
+            bank.quantize_fp8(scheme.block)

@@ -6,13 +6,14 @@ from torch import nn
 
 from heron.layers.fp8 import Fp8Scheme
 from heron.layers.linear import Linear
+from heron.layers.moe import SwiGLUExperts
 from heron.layers.routing import TopKRouter
 
 
 def fp8_linears(model: nn.Module, scheme: Fp8Scheme) -> list[Linear]:
     """Every :class:`Linear` of ``model`` except MoE routers (tiny, and their logits pick the
-    experts) and the modules the scheme skips. Embeddings, the LM head and MoE experts are not
-    ``Linear`` and stay in full precision.
+    experts) and the modules the scheme skips. Embeddings and the LM head are not ``Linear``
+    and stay in full precision.
 
     A skip fragment matches a module by its name here or by a checkpoint name it packs
     (``q_proj`` of ``qkv_proj``); a packed module some of whose shards match is an error, as
@@ -20,7 +21,6 @@ def fp8_linears(model: nn.Module, scheme: Fp8Scheme) -> list[Linear]:
     (layers its family's FP8 checkpoints store unquantised).
     """
     packed: dict[str, tuple[str, str]] = getattr(model, "packed_modules", {})
-    skip = scheme.skip + tuple(getattr(model, "full_precision_modules", ()))
     out = []
     for name, module in model.named_modules():
         if not isinstance(module, Linear) or isinstance(module, TopKRouter):
@@ -29,13 +29,32 @@ def fp8_linears(model: nn.Module, scheme: Fp8Scheme) -> list[Linear]:
         sources = [
             ".".join(parts[:-1] + [ckpt]) for ckpt, (into, _) in packed.items() if into == parts[-1]
         ] or [name]
-        skipped = [any(f in source for f in skip) for source in sources]
-        if all(skipped):
-            continue
-        if any(skipped):
-            raise ValueError(
-                f"{name}: the FP8 scheme skips some of the checkpoint matrices it packs "
-                f"({', '.join(s for s, k in zip(sources, skipped, strict=True) if k)}), not all"
-            )
-        out.append(module)
+        if not _skipped(model, scheme, name, sources):
+            out.append(module)
     return out
+
+
+def fp8_expert_banks(model: nn.Module, scheme: Fp8Scheme) -> list[SwiGLUExperts]:
+    """Every bank of SwiGLU experts of ``model`` (gpt-oss's input-major clamped experts stay in
+    full precision) but those the scheme skips, matched as :func:`fp8_linears` matches: by the
+    bank's name or an expert's checkpoint names (``experts.0.down_proj``), all or none."""
+    out = []
+    for name, module in model.named_modules():
+        if isinstance(module, SwiGLUExperts):
+            sources = [f"{name}.0.{ckpt}" for ckpt in module.per_expert_names]
+            if not _skipped(model, scheme, name, sources):
+                out.append(module)
+    return out
+
+
+def _skipped(model: nn.Module, scheme: Fp8Scheme, name: str, sources: list[str]) -> bool:
+    """Whether module ``name``, which holds checkpoint modules ``sources`` in one format,
+    stays in full precision; raises if the scheme skips some of them only."""
+    skip = scheme.skip + tuple(getattr(model, "full_precision_modules", ()))
+    skipped = [any(f in source for f in skip) for source in sources]
+    if any(skipped) and not all(skipped):
+        raise ValueError(
+            f"{name}: the FP8 scheme skips some of the checkpoint matrices it packs "
+            f"({', '.join(s for s, k in zip(sources, skipped, strict=True) if k)}), not all"
+        )
+    return all(skipped)

@@ -10,7 +10,7 @@ from torch import nn
 
 from heron.layers.fp8 import FP8
 from heron.layers.linear import PackedLinear
-from heron.layers.moe import ExpertBank
+from heron.layers.moe import SCALE_SUFFIX, ExpertBank
 from heron.loader.safetensors import LazyTensor, materialize
 from heron.ops.attention.base import AttentionOperator
 
@@ -23,6 +23,9 @@ _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 _SCALE_INV = ".weight_scale_inv"
 # A static FP8 checkpoint's activation scales: Heron scales activations per token instead.
 _INPUT_SCALE = ".input_scale"
+# What one expert's tensor fills in its bank: the stack itself, its scales, or (unused) the
+# input scale of a static FP8 checkpoint.
+_EXPERT_TENSORS = {"weight": "", "weight_scale": SCALE_SUFFIX, "input_scale": _INPUT_SCALE}
 # An FP8 checkpoint's per-layer KV-cache scales, on the attention module (self_attn.k_scale).
 _KV_SCALES = (".k_scale", ".v_scale")
 
@@ -75,7 +78,7 @@ def load_weights(
         if name.endswith(_SCALE_INV):
             name = name.removesuffix(_SCALE_INV) + ".weight_scale"
         target, shard = _target([renames.get(p, p) for p in name.split(".")], packed, banks)
-        if target.endswith(_INPUT_SCALE) and _scale_name(target) in params:
+        if target.endswith(_INPUT_SCALE) and _scales_weights(target, params):
             unused_input_scales += 1
             continue
         param = params.get(target)
@@ -129,9 +132,10 @@ def _target(
     """The parameter a checkpoint name (split at dots, renamed) fills, and the shard."""
     for i, part in enumerate(parts):
         bank = banks.get(".".join(parts[:i])) if part.isdigit() else None
-        if bank is not None and parts[i + 2 :] == ["weight"]:
+        leaf = parts[i + 2 :]
+        if bank is not None and len(leaf) == 1 and leaf[0] in _EXPERT_TENSORS:
             param, piece = bank.per_expert_names.get(parts[i + 1], (parts[i + 1], ""))
-            return ".".join([*parts[:i], param]), (int(part), piece)
+            return ".".join([*parts[:i], param]) + _EXPERT_TENSORS[leaf[0]], (int(part), piece)
     for i, part in enumerate(parts):
         if part in packed:
             parts[i], shard = packed[part]
@@ -149,9 +153,12 @@ def _complete(owner: nn.Module, name: str, shards: set | None) -> bool:
     return shards == {None}
 
 
-def _scale_name(input_scale: str) -> str:
-    """The weight scales of the layer that ``input_scale`` (a parameter name) belongs to."""
-    return input_scale.removesuffix(_INPUT_SCALE) + ".weight_scale"
+def _scales_weights(input_scale: str, params: dict[str, nn.Parameter]) -> bool:
+    """Whether ``input_scale`` (a layer's ``.input_scale``, or an expert stack's
+    ``gate_up_proj.input_scale``) belongs to FP8 weights (``.weight_scale``,
+    ``gate_up_proj_scale``)."""
+    owner = input_scale.removesuffix(_INPUT_SCALE)
+    return owner + ".weight_scale" in params or owner + SCALE_SUFFIX in params
 
 
 def _set_kv_scale(modules: dict[str, nn.Module], name: str, tensor: torch.Tensor) -> bool:

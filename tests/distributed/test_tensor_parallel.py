@@ -30,6 +30,7 @@ from heron.platforms import CpuPlatform
 from tiny_models import (
     SHARED_PREFIX_PROMPTS,
     hf_greedy,
+    hf_on_saved_weights,
     hf_on_weights,
     save_random_model,
     write_fp8_checkpoint,
@@ -174,12 +175,35 @@ def test_two_ranks_load_fp8_checkpoints_equal_hf(saved, layout, tmp_path):
         llm.engine.shutdown()
 
 
+def test_two_ranks_load_block_wise_fp8_experts_equal_hf(saved, tmp_path):
+    """Qwen3-MoE's per-expert FP8 tensors in 16 x 16 tiles: each rank holds its 16 of every
+    expert's 32 gate and up rows and down columns, and their whole tiles of scales."""
+    src = saved("qwen3_moe")
+    weights = write_fp8_checkpoint(src, tmp_path / "fp8", "block-wise", block=(16, 16))
+    llm = LLM(str(tmp_path / "fp8"), tensor_parallel_size=2, **ENGINE)
+    try:
+        hf = hf_on_saved_weights(src, weights, tmp_path / "dequantised")
+        assert tokens(llm) == hf_greedy(hf, PROMPTS, MAX_NEW)
+    finally:
+        llm.engine.shutdown()
+
+
 def test_a_rank_boundary_inside_an_fp8_block_is_refused_naming_the_layer(saved, tmp_path):
     """32-row blocks over the one 16-row KV head each rank holds."""
     write_fp8_checkpoint(saved("llama"), tmp_path / "fp8", "block-wise", block=(32, 32))
     message = (
         r"'model\.layers\.0\.self_attn\.k_proj\.weight_scale_inv': .* 16 output rows, which split"
     )
+    with pytest.raises(ValueError, match=message):
+        build(tmp_path / "fp8", TensorParallel(0, 2))
+
+
+def test_a_rank_boundary_inside_an_expert_fp8_block_is_refused_naming_the_tensor(saved, tmp_path):
+    """32-row blocks over the 16 of each expert's 32 intermediate features a rank holds (the
+    attention stays in full precision, so the experts are the first to split)."""
+    attention = ("q_proj", "k_proj", "v_proj", "o_proj")
+    write_fp8_checkpoint(saved("qwen3_moe"), tmp_path / "fp8", "block-wise", attention)
+    message = r"experts\.0\.\w+_proj\.weight_scale_inv': .* 16 intermediate features, which split"
     with pytest.raises(ValueError, match=message):
         build(tmp_path / "fp8", TensorParallel(0, 2))
 

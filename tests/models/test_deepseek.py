@@ -15,7 +15,9 @@ from execution.view_replay import replay_views
 
 from heron import LLM, SamplingParams
 from heron.cli import main
-from heron.layers.fp8 import dequantize, quantize
+from heron.layers.fp8 import FP8, dequantize, quantize
+from heron.layers.linear import Linear
+from heron.layers.moe import SwiGLUExperts
 from heron.layers.rotary import MLARotary, RotaryEmbedding
 from heron.models.deepseek import mla_softmax_scale
 
@@ -26,10 +28,12 @@ from tiny_models import (
     first_divergence_is_a_near_tie,
     greedy_tokens,
     hf_greedy,
+    hf_on_saved_weights,
     hf_on_weights,
     prompt_logprob_error,
     rerun_from_prefix_cache,
     save_with_hf_reference,
+    write_fp8_checkpoint,
 )
 
 MAX_NEW = 16
@@ -266,8 +270,8 @@ def test_bf16_greedy_on_cuda_is_hfs_up_to_near_ties(deepseek):
 
 
 def test_fp8_weights_leave_the_absorbed_kv_b_proj_dense(deepseek_v3):
-    """``quantization="fp8"``: every projection but ``kv_b_proj`` (which the operator reads
-    as a matrix) and the experts and router is FP8; greedy equals HF on those weights
+    """``quantization="fp8"``: every projection and expert but ``kv_b_proj`` (which the
+    operator reads as a matrix) and the router is FP8; greedy equals HF on those weights
     dequantised."""
     path, hf, _ = deepseek_v3
     llm = LLM(str(path), max_model_len=128, quantization="fp8")
@@ -281,7 +285,35 @@ def test_fp8_weights_leave_the_absorbed_kv_b_proj_dense(deepseek_v3):
     weights = {
         name: dequantize(*quantize(w))
         for name, w in hf.state_dict().items()
-        if w.dim() == 2 and name.split(".")[-2] in projections and ".experts." not in name
+        if w.dim() == 2 and name.split(".")[-2] in projections
     }
+    for name, w in hf.state_dict().items():
+        if name.endswith(("experts.gate_up_proj", "experts.down_proj")):  # [E, out, in]
+            weights[name] = torch.stack([dequantize(*quantize(expert)) for expert in w])
     fp8_hf = hf_on_weights(path, weights)
     assert greedy_tokens(llm, PROMPTS, GREEDY) == hf_greedy(fp8_hf, PROMPTS, MAX_NEW)
+
+
+def test_block_wise_fp8_checkpoint_with_fp8_experts_equals_hf(deepseek_v3, tmp_path):
+    """DeepSeek-V3's FP8 release in miniature: every projection and each expert's FP8 in
+    16 x 16 tiles of ``weight_scale_inv`` (part-tiles over q_a's 24 and kv_a's 40 rows and q_b's
+    24 columns). The experts hold their tiles as stored, ``kv_b_proj`` is dequantised (the
+    operator absorbs it); greedy tokens equal HF's on the dequantised weights."""
+    path, _, _ = deepseek_v3
+    latent = ("q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj")
+    weights = write_fp8_checkpoint(
+        path, tmp_path / "fp8", "block-wise", block=(16, 16), projections=FP8_PROJECTIONS + latent
+    )
+    llm = LLM(str(tmp_path / "fp8"), max_model_len=128)
+    model = llm.engine.runner.model
+    banks = [m for m in model.modules() if isinstance(m, SwiGLUExperts)]
+    assert banks and all(b.gate_up_proj.dtype == FP8 and b.weight_block == (16, 16) for b in banks)
+    # 8 experts: 2 row tiles each for gate and up (32 rows), 4 column tiles of the hidden 64.
+    assert all(b.gate_up_proj_scale.shape == (8, 4, 4) for b in banks)
+    assert all(b.down_proj_scale.shape == (8, 4, 2) for b in banks)
+    linears = {n: m for n, m in model.named_modules() if isinstance(m, Linear)}
+    for name, m in linears.items():
+        dense = name.endswith("kv_b_proj") or name.endswith("mlp.gate")  # the router
+        assert (m.weight.dtype == torch.float32) == dense, name
+    hf = hf_on_saved_weights(path, weights, tmp_path / "dequantised")
+    assert greedy_tokens(llm, PROMPTS, GREEDY) == hf_greedy(hf, PROMPTS, MAX_NEW)

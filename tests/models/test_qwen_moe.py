@@ -11,10 +11,22 @@ import transformers as tf
 from safetensors import safe_open
 
 from heron import LLM, SamplingParams
+from heron.layers.fp8 import FP8, dequantize, quantize
 from heron.layers.mlp import GatedMLP
-from heron.layers.moe import SparseMoE
+from heron.layers.moe import SparseMoE, SwiGLUExperts
 
-from tiny_models import cuda_graph_llm, greedy_tokens, hf_greedy, hf_prompt_logprobs, make_tokenizer
+from tiny_models import (
+    FP8_PROJECTIONS,
+    cuda_graph_llm,
+    greedy_tokens,
+    hf_greedy,
+    hf_on_saved_weights,
+    hf_on_weights,
+    hf_prompt_logprobs,
+    make_tokenizer,
+    prompt_logprob_error,
+    write_fp8_checkpoint,
+)
 
 MAX_NEW = 16
 # Different lengths; the first two share a 32-token prefix (two full blocks).
@@ -108,9 +120,64 @@ def test_prompt_logprobs_match_hf(qwen_moe):
     assert (got - hf_prompt_logprobs(hf, prompt)).abs().max().item() <= 1e-3
 
 
+def _expert_banks(llm: LLM) -> list[SwiGLUExperts]:
+    banks = [m for m in llm.engine.runner.model.modules() if isinstance(m, SwiGLUExperts)]
+    assert banks and all(b.gate_up_proj.dtype == b.down_proj.dtype == FP8 for b in banks)
+    return banks
+
+
+def test_fp8_experts_quantised_at_load_equal_hf_on_the_dequantised_weights(qwen_moe):
+    """``quantization="fp8"``: every expert's gate, up and down rows get their own scale (as
+    the projections, and Qwen2-MoE's one-row shared-expert gate, do); greedy tokens and prompt
+    logprobs equal HF's on those weights dequantised."""
+    _, path, hf, _ = qwen_moe
+    llm = LLM(str(path), max_model_len=128, quantization="fp8")
+    for bank in _expert_banks(llm):
+        assert bank.gate_up_proj_scale.shape == (8, 64) and bank.down_proj_scale.shape == (8, 64)
+    weights = {}
+    for name, w in hf.state_dict().items():
+        if name.endswith(("experts.gate_up_proj", "experts.down_proj")):  # [E, out, in]
+            weights[name] = torch.stack([dequantize(*quantize(expert)) for expert in w])
+        elif w.dim() == 2 and name.split(".")[-2] in (*FP8_PROJECTIONS, "shared_expert_gate"):
+            weights[name] = dequantize(*quantize(w))
+    fp8_hf = hf_on_weights(path, weights)
+    assert greedy_tokens(llm, PROMPTS, GREEDY) == hf_greedy(fp8_hf, PROMPTS, MAX_NEW)
+    assert prompt_logprob_error(llm, fp8_hf, PROMPTS[3]) <= 1e-3
+
+
+def test_per_tensor_fp8_checkpoint_with_fp8_experts_equals_hf(qwen_moe, tmp_path):
+    """A static per-tensor FP8 checkpoint, one tensor per expert (its ``weight_scale`` and
+    ``input_scale`` too): each expert matrix's one scale repeats over its rows, the input
+    scales are not used. Qwen2-MoE's one-row shared-expert gate stays in full precision."""
+    _, path, _, _ = qwen_moe
+    weights = write_fp8_checkpoint(path, tmp_path / "fp8", "per-tensor", ("shared_expert_gate",))
+    llm = LLM(str(tmp_path / "fp8"), max_model_len=128)
+    for bank in _expert_banks(llm):
+        gate, up = bank.gate_up_proj_scale.chunk(2, dim=1)
+        for scales in (gate, up, bank.down_proj_scale):
+            assert (scales == scales[:, :1]).all() and scales.unique().numel() == 8
+    hf = hf_on_saved_weights(path, weights, tmp_path / "dequantised")
+    assert greedy_tokens(llm, PROMPTS, GREEDY) == hf_greedy(hf, PROMPTS, MAX_NEW)
+
+
 @pytest.mark.gpu
 def test_greedy_on_cuda_with_graphs(qwen_moe):
     """The fused Triton MoE inside the decode graphs, fp32 (exact greedy parity)."""
     _, path, _, refs = qwen_moe
     llm = cuda_graph_llm(path)
     assert greedy_tokens(llm, PROMPTS, GREEDY) == refs
+
+
+@pytest.mark.gpu
+def test_block_wise_fp8_experts_on_cuda_with_graphs(qwen_moe, tmp_path):
+    """The fused Triton MoE over FP8 16 x 16 tiles inside the decode graphs, fp32: the dense
+    projections take their dequantised weights there, so parity with HF on the dequantised
+    weights is exact."""
+    _, path, _, _ = qwen_moe
+    weights = write_fp8_checkpoint(
+        path, tmp_path / "fp8", "block-wise", ("shared_expert_gate",), block=(16, 16)
+    )
+    llm = cuda_graph_llm(tmp_path / "fp8")
+    assert _expert_banks(llm)
+    hf = hf_on_saved_weights(path, weights, tmp_path / "dequantised")
+    assert greedy_tokens(llm, PROMPTS, GREEDY) == hf_greedy(hf, PROMPTS, MAX_NEW)
