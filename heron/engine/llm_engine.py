@@ -24,7 +24,7 @@ from heron.engine.detokenizer import IncrementalDetokenizer
 from heron.engine.request import FinishReason, Request, RequestStatus
 from heron.engine.scheduler import Scheduler, SchedulerConfig
 from heron.engine.stopping import check_stop
-from heron.execution.model_runner import LaunchedStep
+from heron.execution.model_runner import LaunchedStep, ModelRunner
 from heron.execution.step_plan import StepOutput
 from heron.loader.resolve import resolve_model_path
 from heron.outputs import CompletionOutput, Logprob, PrefixView, RequestOutput
@@ -217,6 +217,7 @@ class LLMEngine:
                 max_model_len=max_len,
                 speculative=speculative,
                 uniform_proposals_up_to=self.runner.verify_graph_max_batch,
+                drafts_on_device=isinstance(self.runner, ModelRunner),
             ),
             self.kv_cache,
             self.model_proposer,
@@ -455,17 +456,22 @@ class LLMEngine:
                     self._read(previous, touched)
                     previous = None
                 plan = replace(plan, token_bitmask=self._token_bitmask(sample_requests))
-            step = self.runner.launch(plan, previous.launched if previous else None)
+            previous_step = previous.launched if previous else None
+            if schedule.drafts is None:
+                step = self.runner.launch(plan, previous_step)
+            else:
+                step = self.runner.launch(plan, previous_step, schedule.drafts)
             if step.hidden_states is not None and self.scheduler.proposes:
                 # (while the batch is too large to propose, the head is not fed)
                 self.model_proposer.take_hidden_states(
                     plan.request_ids, plan.num_computed, plan.num_new, step.hidden_states
                 )
-            drafts = plan.draft_token_ids
             launched = _Launched(
                 step,
                 sample_requests,
-                [len(drafts.get(r.request_id, ())) for r in sample_requests] if drafts else None,
+                [plan.num_proposed(r.request_id) for r in sample_requests]
+                if plan.verifies
+                else None,
             )
             self.scheduler.finish_step(schedule)
             for request in launched.sample_requests:

@@ -1,0 +1,98 @@
+"""A model proposer's proposals stay on the device into the target's verification step: no
+host read between the draft's pass and the target's launch, and the same tokens (greedy and
+seeded sampling) and counts as when the proposals are read on the host first."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+
+from heron import LLM, SamplingParams
+from heron.execution.model_runner import LaunchedStep
+
+from tiny_models import save_truncated_draft
+
+PROMPTS = [[5, 6, 7, 8, 9] * 4, [3, 4, 3, 4, 3, 4, 3], list(range(10, 40))]
+
+
+@pytest.fixture(scope="module")
+def models(tiny_model_dir, tmp_path_factory):
+    target = tiny_model_dir("llama")
+    return str(target), str(save_truncated_draft(target, tmp_path_factory.mktemp("draft")))
+
+
+def draft_llm(models, **options) -> LLM:
+    target, draft = models
+    spec = {"method": "draft_model", "model": draft, "num_speculative_tokens": 3}
+    return LLM(target, speculative_config=spec, **options)
+
+
+def test_the_target_launches_before_the_drafts_are_read(models, monkeypatch):
+    llm = draft_llm(models)
+    engine = llm.engine
+    events: list[str] = []
+    draft_steps: set[int] = set()
+    draft_launch, target_launch, result = (
+        engine.draft_runner.launch,
+        engine.runner.launch,
+        LaunchedStep.result,
+    )
+
+    def launched_draft(*args):
+        step = draft_launch(*args)
+        draft_steps.add(id(step))
+        events.append("draft launch")
+        return step
+
+    def launched_target(plan, *args):
+        events.append("verification" if plan.device_drafts else "target launch")
+        return target_launch(plan, *args)
+
+    def read(step):
+        if id(step) in draft_steps and not step._read:
+            events.append("draft read")
+        return result(step)
+
+    monkeypatch.setattr(engine.draft_runner, "launch", launched_draft)
+    monkeypatch.setattr(engine.runner, "launch", launched_target)
+    monkeypatch.setattr(LaunchedStep, "result", read)
+    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    llm.generate(PROMPTS, params, use_tqdm=False)
+    verifications = [i for i, event in enumerate(events) if event == "verification"]
+    assert len(verifications) >= 4
+    for v in verifications:
+        # the pass before it: the last pass's steps read, then this one's launched, unread
+        start = v
+        while start and events[start - 1].startswith("draft"):
+            start -= 1
+        launches = events.index("draft launch", start)
+        assert launches < v and "draft read" not in events[launches:v]
+
+
+@pytest.mark.parametrize(
+    "params",
+    [
+        SamplingParams(temperature=0, max_tokens=20, ignore_eos=True),
+        SamplingParams(temperature=0.8, top_k=5, max_tokens=20, seed=11, ignore_eos=True),
+    ],
+    ids=["greedy", "seeded"],
+)
+def test_proposals_on_the_device_verify_as_on_the_host(models, params, monkeypatch):
+    runs = []
+    for on_device in (True, False):
+        llm = draft_llm(models, seed=5)
+        scheduler = llm.engine.scheduler
+        config = replace(scheduler.config, drafts_on_device=on_device)
+        monkeypatch.setattr(scheduler, "config", config)
+        outputs = llm.generate(PROMPTS, params, use_tqdm=False)
+        stats = llm.spec_decode_stats
+        runs.append(
+            (
+                [o.outputs[0].token_ids for o in outputs],
+                stats.num_draft_tokens,
+                stats.num_accepted_tokens,
+            )
+        )
+    assert runs[0] == runs[1]
+    assert 0 < runs[0][2] < runs[0][1]  # some proposals accepted, some refused
