@@ -30,7 +30,7 @@ from heron.loader.resolve import resolve_model_path
 from heron.outputs import CompletionOutput, Logprob, PrefixView, RequestOutput
 from heron.platforms import platform_for, resolve_device
 from heron.sampling_params import SamplingParams
-from heron.speculative import SpecDecodeStats
+from heron.speculative import SpecDecodeStats, SpeculativeConfig
 from heron.speculative.draft_model import DraftModelProposer, load_draft_runner, split_kv_budget
 from heron.speculative.mtp import MTPProposer, load_mtp_runner
 
@@ -49,6 +49,23 @@ FALLBACK_MAX_NUM_BATCHED_TOKENS = 2048
 VERIFY_GRAPH_MAX_BS = 64
 # How long an idle step waits for a grammar being compiled before it looks at its commands.
 _GRAMMAR_WAIT_S = 0.02
+
+
+def _describe(speculative: SpeculativeConfig, scheduler: SchedulerConfig) -> str:
+    """How proposals reach the verification step, and when scheduling overlaps the device."""
+    if speculative.method == "ngram":
+        where = "looked up on the host in the accepted tokens"
+    elif scheduler.drafts_on_device:
+        where = "kept on the device up to the verification step"
+    else:
+        where = "read on the host (a tensor-parallel target)"
+    limit = speculative.disable_by_batch_size
+    return (
+        f"{speculative.method}, {speculative.num_speculative_tokens} proposals per step, "
+        f"{where}; each verification step is read before the next proposals, so scheduling "
+        f"overlaps the device only while speculation is off "
+        f"({f'more than {limit} requests' if limit else 'never'})"
+    )
 
 
 @dataclass(frozen=True)
@@ -237,6 +254,8 @@ class LLMEngine:
             device,
             scheme.describe() if scheme else "unquantised weights",
         )
+        if speculative is not None:
+            logger.info("speculative decoding: %s", _describe(speculative, self.scheduler.config))
         caches = [("", self.kv_cache)]
         if self.model_proposer is not None:
             caches.append(("draft ", self.model_proposer.kv_cache))

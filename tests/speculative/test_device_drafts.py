@@ -4,11 +4,13 @@ seeded sampling) and counts as when the proposals are read on the host first."""
 
 from __future__ import annotations
 
+import logging
 from dataclasses import replace
 
 import pytest
 
 from heron import LLM, SamplingParams
+from heron.execution.cuda_graph import CudaGraphRunner
 from heron.execution.model_runner import LaunchedStep
 
 from tiny_models import save_truncated_draft
@@ -28,8 +30,10 @@ def draft_llm(models, **options) -> LLM:
     return LLM(target, speculative_config=spec, **options)
 
 
-def test_the_target_launches_before_the_drafts_are_read(models, monkeypatch):
+def test_the_target_launches_before_the_drafts_are_read(models, monkeypatch, caplog):
+    caplog.set_level(logging.INFO, logger="heron.engine.llm_engine")
     llm = draft_llm(models)
+    assert "kept on the device up to the verification step" in caplog.text
     engine = llm.engine
     events: list[str] = []
     draft_steps: set[int] = set()
@@ -70,18 +74,12 @@ def test_the_target_launches_before_the_drafts_are_read(models, monkeypatch):
         assert launches < v and "draft read" not in events[launches:v]
 
 
-@pytest.mark.parametrize(
-    "params",
-    [
-        SamplingParams(temperature=0, max_tokens=20, ignore_eos=True),
-        SamplingParams(temperature=0.8, top_k=5, max_tokens=20, seed=11, ignore_eos=True),
-    ],
-    ids=["greedy", "seeded"],
-)
-def test_proposals_on_the_device_verify_as_on_the_host(models, params, monkeypatch):
+def runs_both_ways(models, params, monkeypatch, **options) -> list[tuple]:
+    """(outputs, proposals, accepted) with the proposals kept on the device, then read on the
+    host before each verification."""
     runs = []
     for on_device in (True, False):
-        llm = draft_llm(models, seed=5)
+        llm = draft_llm(models, seed=5, **options)
         scheduler = llm.engine.scheduler
         config = replace(scheduler.config, drafts_on_device=on_device)
         monkeypatch.setattr(scheduler, "config", config)
@@ -94,5 +92,39 @@ def test_proposals_on_the_device_verify_as_on_the_host(models, params, monkeypat
                 stats.num_accepted_tokens,
             )
         )
+    return runs
+
+
+@pytest.mark.parametrize(
+    "params",
+    [
+        SamplingParams(temperature=0, max_tokens=20, ignore_eos=True),
+        SamplingParams(temperature=0.8, top_k=5, max_tokens=20, seed=11, ignore_eos=True),
+    ],
+    ids=["greedy", "seeded"],
+)
+def test_proposals_on_the_device_verify_as_on_the_host(models, params, monkeypatch):
+    runs = runs_both_ways(models, params, monkeypatch)
     assert runs[0] == runs[1]
     assert 0 < runs[0][2] < runs[0][1]  # some proposals accepted, some refused
+
+
+@pytest.mark.gpu
+def test_with_graphs_on_cuda_proposals_on_the_device_verify_as_on_the_host(models, monkeypatch):
+    """bf16, the draft's decode graphs and the target's verification graphs: the proposals
+    gathered from the draft's graph outputs are the ones read on the host (the same tokens;
+    the counts may differ where the host pads a row's last proposals past ``max_tokens`` and
+    the draft proposes them instead)."""
+    params = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
+    options = dict(device="cuda", dtype="bfloat16", max_model_len=128, cuda_graph_max_bs=8)
+    replays = []
+    run = CudaGraphRunner.run
+
+    def counted(graphs, seq):
+        replays.append(seq.max_query_len)
+        return run(graphs, seq)
+
+    monkeypatch.setattr(CudaGraphRunner, "run", counted)
+    (device, *_), (host, *_) = runs_both_ways(models, params, monkeypatch, **options)
+    assert device == host
+    assert 1 in replays and 4 in replays  # draft decode and verification (1 + k) graphs
