@@ -195,19 +195,17 @@ class DraftModelProposer(ModelProposer):
                     )
                 )
             rows.append((i, seq, limit))
+        counts = [0] * len(requests)
+        for i, _, limit in rows:
+            counts[i] = limit
+        width = max(limits, default=0)
         drafts = DeviceDrafts(
             [r.request_id for r in requests],
-            [0] * len(requests),
-            torch.zeros(
-                (len(requests), max(limits, default=0)),
-                dtype=torch.int64,
-                device=self.runner.device,
-            ),
+            counts,
+            torch.zeros((len(requests), width), dtype=torch.int64, device=self.runner.device),
         )
         if not rows:
             return drafts
-        for i, _, limit in rows:
-            drafts.counts[i] = limit
         first = self._first_plan(new_requests)
         launched = self._catch_up([seq for _, seq, _ in rows], first, drafts)
         extra = self.caches_last_proposal
