@@ -128,3 +128,32 @@ def test_with_graphs_on_cuda_proposals_on_the_device_verify_as_on_the_host(model
     (device, *_), (host, *_) = runs_both_ways(models, params, monkeypatch, **options)
     assert device == host
     assert 1 in replays and 4 in replays  # draft decode and verification (1 + k) graphs
+
+
+def test_uniform_steps_get_k_proposals_to_a_requests_end(models, monkeypatch):
+    """With uniform steps (what verification graphs replay) the draft proposes ``k`` for
+    every decode row, past ``max_tokens`` too, so a request's last steps keep the query
+    length; the tokens past ``max_tokens`` are dropped, and both pools get every block back."""
+    target, _ = models
+    plain = LLM(target)
+    llm = draft_llm(models)
+    engine = llm.engine
+    scheduler, runner = engine.scheduler, engine.runner
+    monkeypatch.setattr(scheduler, "config", replace(scheduler.config, uniform_proposals_up_to=8))
+    query_lens = set()
+    launch = runner.launch
+
+    def recorded(plan, *args):
+        rows = zip(plan.request_ids, plan.num_new)
+        query_lens.update(n for request_id, n in rows if request_id in plan.device_drafts)
+        return launch(plan, *args)
+
+    monkeypatch.setattr(runner, "launch", recorded)
+    for max_tokens in (2, 5, 9):
+        params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+        want = [o.outputs[0].token_ids for o in plain.generate(PROMPTS, params, use_tqdm=False)]
+        got = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, params, use_tqdm=False)]
+        assert got == want
+    assert query_lens == {1 + 3}
+    for kv in (engine.kv_cache, engine.model_proposer.kv_cache):
+        assert kv.num_free_blocks == kv.num_blocks - 1
