@@ -17,7 +17,7 @@ from heron.config import ModelConfig
 from heron.distributed.parallel import SINGLE, TensorParallel
 from heron.execution.cuda_graph import CudaGraphRunner
 from heron.execution.request_state import RequestState
-from heron.execution.sampler import Sampler, on_device, prompt_logprobs
+from heron.execution.sampler import Sampler, on_device, prompt_logprobs, to_device
 from heron.execution.step_inputs import BlockTableRows, PreparedStep, StepInputBuilder
 from heron.execution.step_plan import DeviceDrafts, StepOutput, StepPlan
 from heron.metadata import (
@@ -410,7 +410,7 @@ class ModelRunner:
             # The same requests in the same rows as last step: one copy, no index upload.
             token_ids[:m].copy_(sampled[:m])
             return
-        index = device_index(sources, self.device)
+        index = to_device(sources, self.device)
         token_ids[index[:, 0]] = sampled[index[:, 1]].to(token_ids.dtype)
 
     def _fill_draft_tokens(
@@ -424,7 +424,7 @@ class ModelRunner:
             for offset, request_id, count in sources
             for j in range(count)
         ]
-        index = device_index(pairs, self.device)
+        index = to_device(pairs, self.device)
         token_ids[index[:, 0]] = drafts.tokens.flatten()[index[:, 1]].to(token_ids.dtype)
 
     def _draft_rows(
@@ -441,16 +441,7 @@ class ModelRunner:
             for state, n in zip(states, counts)
             for j in (*range(n), width - 1)
         ]
-        return DraftRows(counts, ended[device_index(index, self.device)])
-
-
-def device_index(values: list, device: torch.device) -> torch.Tensor:
-    """An int64 index on ``device``, uploaded without waiting for the device (from pinned
-    memory on CUDA)."""
-    index = torch.tensor(values, dtype=torch.int64)
-    if device.type == "cuda":
-        index = index.pin_memory()
-    return index.to(device, non_blocking=True)
+        return DraftRows(counts, ended[to_device(index, self.device)])
 
 
 def _prompt_logprobs(step: PreparedStep, logits: torch.Tensor) -> dict[str, list[Logprob]]:

@@ -13,7 +13,8 @@ from heron.cache.layout import CacheLayout
 from heron.cache.spec import PagedSpec
 from heron.config import ModelConfig, lacks_tokenizer
 from heron.distributed.executor import RunnerArgs, make_model_runner
-from heron.execution.model_runner import LaunchedStep, ModelRunner, device_index
+from heron.execution.model_runner import LaunchedStep, ModelRunner
+from heron.execution.sampler import to_device
 from heron.execution.step_plan import DeviceDrafts, NewRequest, SentTables, StepPlan
 from heron.loader.resolve import resolve_model_path
 from heron.platforms import Platform
@@ -331,5 +332,5 @@ def _gather(drafts: DeviceDrafts, step: LaunchedStep, column: int) -> None:
         # every row in its own place (most decode steps): one copy, no index upload
         drafts.tokens[: len(pairs), column] = step.token_ids
         return
-    index = device_index(pairs, drafts.tokens.device)
+    index = to_device(pairs, drafts.tokens.device)
     drafts.tokens[index[:, 1], column] = step.token_ids[index[:, 0]].to(torch.int64)

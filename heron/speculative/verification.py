@@ -18,7 +18,7 @@ from itertools import accumulate
 import torch
 
 from heron.execution.request_state import RequestState
-from heron.execution.sampler import apply_logit_bias, sampling_probs
+from heron.execution.sampler import apply_logit_bias, sampling_probs, to_device
 
 
 @dataclass(frozen=True)
@@ -73,9 +73,7 @@ def verify(
     if on_device:
         proposed = proposals.flat
     else:
-        proposed = torch.tensor(
-            [t for p in proposals for t in (*p, -1)], dtype=torch.int64, device=device
-        )
+        proposed = to_device([t for p in proposals for t in (*p, -1)], device)
     has_proposal = proposed >= 0
     safe = proposed.clamp(min=0).unsqueeze(1)
     targets = logits.argmax(dim=-1)
@@ -88,7 +86,7 @@ def verify(
     kept = probs.gather(1, safe) * ~has_proposal.unsqueeze(1)
     residual = probs.scatter(1, safe, kept)
     drawn = residual.div_(noise).argmax(dim=-1)
-    is_greedy = torch.tensor(greedy, device=device)
+    is_greedy = to_device(greedy, device)
     accepted = torch.where(is_greedy, (targets == proposed) & has_proposal, accepted)
     chosen = torch.where(is_greedy, targets, drawn)
     accepted, chosen, proposed = torch.stack([accepted.long(), chosen, proposed]).tolist()
