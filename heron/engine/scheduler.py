@@ -101,8 +101,10 @@ class Scheduler:
         running, allocate_slots = self.running, self.kv_cache.allocate_slots
         max_model_len = self.config.max_model_len
         proposals = self._proposals(budget) if self._proposer is not None else {}
-        if isinstance(proposals, DeviceDrafts):
+        if isinstance(proposals, DeviceDrafts):  # (their counts; the tokens stay on the device)
             out.drafts, counts = proposals, dict(zip(proposals.request_ids, proposals.counts))
+        else:
+            counts = {request_id: len(p) for request_id, p in proposals.items()}
         i = 0
         while i < len(running) and budget > 0:
             request = running[i]
@@ -113,11 +115,7 @@ class Scheduler:
             num_new = min(remaining, budget)
             if num_new > 1:
                 num_new = self.kv_cache.chunk_end(request, request.num_computed_tokens, num_new)
-            if out.drafts is None:
-                proposed = proposals.get(request.request_id, ())[: budget - 1] if proposals else ()
-                num_proposed = len(proposed)
-            else:
-                num_proposed = min(counts.get(request.request_id, 0), budget - 1)
+            num_proposed = min(counts.get(request.request_id, 0), budget - 1) if counts else 0
             while not allocate_slots(request, num_new + num_proposed):
                 victim = running.pop()
                 self._preempt(victim)
@@ -126,6 +124,7 @@ class Scheduler:
                     break
             else:
                 if num_proposed and out.drafts is None:
+                    proposed = proposals[request.request_id][:num_proposed]
                     out.plan.draft_token_ids[request.request_id] = proposed
                 elif num_proposed:
                     out.plan.device_drafts[request.request_id] = num_proposed
