@@ -1,6 +1,8 @@
 """A model proposer's proposals stay on the device into the target's verification step: no
 host read between the draft's pass and the target's launch, and the same tokens (greedy and
-seeded sampling) and counts as when the proposals are read on the host first."""
+seeded sampling) and counts as when the proposals are read on the host first; uniform steps
+keep their query length to a request's end, and a row the draft cannot hold is sampled
+beside the verified ones."""
 
 from __future__ import annotations
 
@@ -157,3 +159,41 @@ def test_uniform_steps_get_k_proposals_to_a_requests_end(models, monkeypatch):
     assert query_lens == {1 + 3}
     for kv in (engine.kv_cache, engine.model_proposer.kv_cache):
         assert kv.num_free_blocks == kv.num_blocks - 1
+
+
+def test_a_row_the_draft_pool_cannot_hold_is_sampled_beside_verified_rows(models, monkeypatch):
+    """A pass whose draft allocation fails for one request gives it no proposals: its row is
+    sampled plainly in the step that verifies the others' proposals on the device."""
+    target, _ = models
+    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    plain = LLM(target).generate(PROMPTS, params, use_tqdm=False)
+    llm = draft_llm(models)
+    kv = llm.engine.model_proposer.kv_cache
+    allocate, refused = kv.allocate_slots, []
+
+    def allocate_slots(seq, *args):
+        if seq.request_id == "1" and len(refused) < 3:
+            refused.append(seq.request_id)
+            return False
+        return allocate(seq, *args)
+
+    monkeypatch.setattr(kv, "allocate_slots", allocate_slots)
+    mixed = []
+    launch = llm.engine.runner.launch
+
+    def recorded(plan, *args):
+        if plan.device_drafts:
+            mixed.append("1" in plan.request_ids and "1" not in plan.device_drafts)
+        return launch(plan, *args)
+
+    monkeypatch.setattr(llm.engine.runner, "launch", recorded)
+    engine = llm.engine
+    for i, prompt in enumerate(PROMPTS):
+        engine.add_request(str(i), prompt, params)
+    done = {}
+    while engine.has_unfinished_requests():
+        for output in engine.step():
+            if output.finished:
+                done[output.request_id] = output.outputs[0].token_ids
+    assert [done[str(i)] for i in range(len(PROMPTS))] == [o.outputs[0].token_ids for o in plain]
+    assert len(refused) == 3 and sum(mixed) == 3
