@@ -14,9 +14,11 @@
      with speculation, to see where speculation stops paying (``disable_by_batch_size``)
   D  batch 1, the random-weight Qwen3-0.6B shape with a draft model (``method:
      "draft_model"``, k = ``--k``): a 2-layer draft of the same shape otherwise, with forced
-     acceptance (what the draft's k passes and the verification cost per output token), and
-     the target as its own draft (every greedy proposal accepted but at near-ties: mean
-     acceptance length, and how many outputs equal plain decoding's)
+     acceptance (what the draft's k passes and the verification cost per output token; again
+     with the proposals read on the host before the verification step is launched, as
+     before they stayed on the device), and the target as its own draft (every greedy
+     proposal accepted but at near-ties: mean acceptance length, and how many outputs equal
+     plain decoding's)
 
 ms per output token is wall time of the requests' decoding (first token to last) over their
 output tokens. Prints markdown tables.
@@ -205,9 +207,9 @@ def count_steps(llm: LLM) -> Counter:
     counts, runner = Counter(), llm.engine.runner
     launch = runner.launch
 
-    def counted_launch(plan, previous=None):
-        counts.update(["verified"] if plan.draft_token_ids else [])
-        return launch(plan, previous)
+    def counted_launch(plan, *args):
+        counts.update(["verified"] if plan.verifies else [])
+        return launch(plan, *args)
 
     runner.launch = counted_launch
     if runner.graphs is not None:
@@ -231,10 +233,10 @@ class HostPhases:
         self._time(engine, "_read", "read + detokenize")
         launch, accept = runner.launch, model_runner.accept_greedy
 
-        def marked_launch(plan, previous=None):
-            self.steps += bool(plan.draft_token_ids)
+        def marked_launch(plan, *args):
+            self.steps += plan.verifies
             self._mark = time.perf_counter()
-            return launch(plan, previous)
+            return launch(plan, *args)
 
         def marked_accept(proposals, targets):
             self._lap("wait for the device")
@@ -355,10 +357,12 @@ def case_d(args) -> None:
         draft_shape = QWEN3_0_6B | {"num_hidden_layers": 2}
         save_config_only(tf.Qwen3Config(**draft_shape), "Qwen3ForCausalLM", small)
         prompt, params, options = random_weight_batch_1(args, QWEN3_0_6B["vocab_size"])
+        # (name, draft, forced acceptance, proposals left on the device)
         runs = (
-            ("plain", None, False),
-            ("2-layer draft, forced acceptance", small, True),
-            ("target as draft", target, False),
+            ("plain", None, False, True),
+            ("2-layer draft, forced acceptance", small, True, True),
+            ("2-layer draft, forced acceptance, proposals read on the host", small, True, False),
+            ("target as draft", target, False, True),
         )
         print(
             f"| k = {args.k} | ms / output token | × plain | mean acceptance length "
@@ -367,13 +371,15 @@ def case_d(args) -> None:
         print("| --- | --- | --- | --- | --- |")
         real_accept, plain = model_runner.accept_greedy, None
         try:
-            for name, draft, forced in runs:
+            for name, draft, forced, on_device in runs:
                 spec = None
                 if draft is not None:
                     spec = {"method": "draft_model", "model": str(draft)}
                     spec["num_speculative_tokens"] = args.k
                 model_runner.accept_greedy = accept_all if forced else real_accept
                 llm = LLM(str(target), **options, speculative_config=spec)
+                scheduler = llm.engine.scheduler
+                scheduler.config = replace(scheduler.config, drafts_on_device=on_device)
                 decode(llm, prompt, params, 1)  # warm-up
                 llm.engine.spec_decode_stats = SpecDecodeStats()
                 ms, _, (tokens,) = decode(llm, prompt, params, 1)

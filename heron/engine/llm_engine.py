@@ -24,13 +24,13 @@ from heron.engine.detokenizer import IncrementalDetokenizer
 from heron.engine.request import FinishReason, Request, RequestStatus
 from heron.engine.scheduler import Scheduler, SchedulerConfig
 from heron.engine.stopping import check_stop
-from heron.execution.model_runner import LaunchedStep
+from heron.execution.model_runner import LaunchedStep, ModelRunner
 from heron.execution.step_plan import StepOutput
 from heron.loader.resolve import resolve_model_path
 from heron.outputs import CompletionOutput, Logprob, PrefixView, RequestOutput
 from heron.platforms import platform_for, resolve_device
 from heron.sampling_params import SamplingParams
-from heron.speculative import SpecDecodeStats
+from heron.speculative import SpecDecodeStats, SpeculativeConfig
 from heron.speculative.draft_model import DraftModelProposer, load_draft_runner, split_kv_budget
 from heron.speculative.mtp import MTPProposer, load_mtp_runner
 
@@ -49,6 +49,23 @@ FALLBACK_MAX_NUM_BATCHED_TOKENS = 2048
 VERIFY_GRAPH_MAX_BS = 64
 # How long an idle step waits for a grammar being compiled before it looks at its commands.
 _GRAMMAR_WAIT_S = 0.02
+
+
+def _describe(speculative: SpeculativeConfig, scheduler: SchedulerConfig) -> str:
+    """How proposals reach the verification step, and when scheduling overlaps the device."""
+    if speculative.method == "ngram":
+        where = "looked up on the host in the accepted tokens"
+    elif scheduler.drafts_on_device:
+        where = "kept on the device up to the verification step"
+    else:
+        where = "read on the host (a tensor-parallel target)"
+    limit = speculative.disable_by_batch_size
+    return (
+        f"{speculative.method}, {speculative.num_speculative_tokens} proposals per step, "
+        f"{where}; each verification step is read before the next proposals, so scheduling "
+        f"overlaps the device only while speculation is off "
+        f"({f'more than {limit} requests' if limit else 'never'})"
+    )
 
 
 @dataclass(frozen=True)
@@ -217,6 +234,7 @@ class LLMEngine:
                 max_model_len=max_len,
                 speculative=speculative,
                 uniform_proposals_up_to=self.runner.verify_graph_max_batch,
+                drafts_on_device=isinstance(self.runner, ModelRunner),
             ),
             self.kv_cache,
             self.model_proposer,
@@ -236,6 +254,8 @@ class LLMEngine:
             device,
             scheme.describe() if scheme else "unquantised weights",
         )
+        if speculative is not None:
+            logger.info("speculative decoding: %s", _describe(speculative, self.scheduler.config))
         caches = [("", self.kv_cache)]
         if self.model_proposer is not None:
             caches.append(("draft ", self.model_proposer.kv_cache))
@@ -455,17 +475,22 @@ class LLMEngine:
                     self._read(previous, touched)
                     previous = None
                 plan = replace(plan, token_bitmask=self._token_bitmask(sample_requests))
-            step = self.runner.launch(plan, previous.launched if previous else None)
+            previous_step = previous.launched if previous else None
+            if schedule.drafts is None:
+                step = self.runner.launch(plan, previous_step)
+            else:
+                step = self.runner.launch(plan, previous_step, schedule.drafts)
             if step.hidden_states is not None and self.scheduler.proposes:
                 # (while the batch is too large to propose, the head is not fed)
                 self.model_proposer.take_hidden_states(
                     plan.request_ids, plan.num_computed, plan.num_new, step.hidden_states
                 )
-            drafts = plan.draft_token_ids
             launched = _Launched(
                 step,
                 sample_requests,
-                [len(drafts.get(r.request_id, ())) for r in sample_requests] if drafts else None,
+                [plan.num_proposed(r.request_id) for r in sample_requests]
+                if plan.verifies
+                else None,
             )
             self.scheduler.finish_step(schedule)
             for request in launched.sample_requests:

@@ -10,7 +10,7 @@ from typing import NamedTuple
 from heron.cache.coordinator import KVCacheCoordinator
 from heron.engine.request import Request, RequestStatus
 from heron.execution.sampler import on_device
-from heron.execution.step_plan import EntryCopies, NewRequest, SentTables, StepPlan
+from heron.execution.step_plan import DeviceDrafts, EntryCopies, NewRequest, SentTables, StepPlan
 from heron.speculative import ModelProposer, NgramProposer, SpeculativeConfig
 
 
@@ -24,6 +24,9 @@ class SchedulerConfig:
     # num_speculative_tokens once any row has some, so verification steps are uniform (what
     # verification graphs replay); 0: never.
     uniform_proposals_up_to: int = 0
+    # Whether the target's runner takes a model proposer's proposals on the device (a
+    # single-rank one does); otherwise they are read here.
+    drafts_on_device: bool = False
 
 
 class ScheduledRequest(NamedTuple):
@@ -41,6 +44,7 @@ class SchedulerOutput:
     scheduled: list[ScheduledRequest] = field(default_factory=list)
     preempted: list[Request] = field(default_factory=list)
     plan: StepPlan = field(default_factory=StepPlan)  # what the runner is told
+    drafts: DeviceDrafts | None = None  # the proposals the plan's device_drafts count
 
     @property
     def num_tokens(self) -> int:
@@ -97,7 +101,10 @@ class Scheduler:
         running, allocate_slots = self.running, self.kv_cache.allocate_slots
         max_model_len = self.config.max_model_len
         proposals = self._proposals(budget) if self._proposer is not None else {}
-        drafts = out.plan.draft_token_ids
+        if isinstance(proposals, DeviceDrafts):  # (their counts; the tokens stay on the device)
+            out.drafts, counts = proposals, dict(zip(proposals.request_ids, proposals.counts))
+        else:
+            counts = {request_id: len(p) for request_id, p in proposals.items()}
         i = 0
         while i < len(running) and budget > 0:
             request = running[i]
@@ -108,22 +115,25 @@ class Scheduler:
             num_new = min(remaining, budget)
             if num_new > 1:
                 num_new = self.kv_cache.chunk_end(request, request.num_computed_tokens, num_new)
-            proposed = proposals.get(request.request_id, ())[: budget - 1] if proposals else ()
-            while not allocate_slots(request, num_new + len(proposed)):
+            num_proposed = min(counts.get(request.request_id, 0), budget - 1) if counts else 0
+            while not allocate_slots(request, num_new + num_proposed):
                 victim = running.pop()
                 self._preempt(victim)
                 out.preempted.append(victim)
                 if victim is request:
                     break
             else:
-                if proposed:
-                    drafts[request.request_id] = proposed
+                if num_proposed and out.drafts is None:
+                    proposed = proposals[request.request_id][:num_proposed]
+                    out.plan.draft_token_ids[request.request_id] = proposed
+                elif num_proposed:
+                    out.plan.device_drafts[request.request_id] = num_proposed
                 out.scheduled.append(
                     ScheduledRequest(
-                        request, num_new + len(proposed), num_new == remaining, len(proposed)
+                        request, num_new + num_proposed, num_new == remaining, num_proposed
                     )
                 )
-                budget -= num_new + len(proposed)
+                budget -= num_new + num_proposed
                 i += 1
 
         # Admitting new work right after a preemption would only thrash the pool.
@@ -164,23 +174,33 @@ class Scheduler:
         """Whether this pass would make proposals (speculation on, the batch small enough)."""
         return self._proposer is not None and len(self.running) <= self._propose_up_to
 
-    def _proposals(self, budget: int) -> dict[str, list[int]]:
+    def _proposals(self, budget: int) -> dict[str, list[int]] | DeviceDrafts:
         """Each running request's proposals (none while more requests run than
-        ``disable_by_batch_size``), padded to ``num_speculative_tokens`` with uniform steps."""
+        ``disable_by_batch_size``), padded to ``num_speculative_tokens`` with uniform steps;
+        a model proposer's stay on the device where the runner takes them so (it proposes
+        that many itself for uniform steps; a row its pool cannot hold then makes the step
+        non-uniform)."""
         if not self.proposes:
             return {}
         proposing, rooms, limits = [], [], []
         k = self._proposer.num_tokens
+        uniform = len(self.running) <= self.config.uniform_proposals_up_to
+        on_device = self.config.drafts_on_device and isinstance(self._proposer, ModelProposer)
         for request in self.running:
             if request.num_tokens - request.num_computed_tokens == 1:
                 room = self._verification_room(request, budget - 1)
                 if room > 0:
                     proposing.append(request)
                     rooms.append(room)
-                    limits.append(min(k, self._proposal_limit(request, room)))
+                    if on_device and uniform:
+                        limits.append(min(k, room))
+                    else:
+                        limits.append(min(k, self._proposal_limit(request, room)))
+        made = self._propose(proposing, limits)
+        if on_device:
+            return made
         # (request, the tokens its step may verify, its proposals)
-        rows = list(zip(proposing, rooms, self._propose(proposing, limits)))
-        uniform = len(self.running) <= self.config.uniform_proposals_up_to
+        rows = list(zip(proposing, rooms, made))
         if uniform and any(proposed for _, _, proposed in rows):
             for request, room, proposed in rows:
                 # any token does, as each is verified: the last one (text often repeats); past
@@ -190,8 +210,11 @@ class Scheduler:
                 proposed += [pad] * (min(k, room) - len(proposed))
         return {request.request_id: proposed for request, _, proposed in rows}
 
-    def _propose(self, requests: list[Request], limits: list[int]) -> list[list[int]]:
-        """At most ``limits[i]`` proposals for ``requests[i]``: a model proposer's in one call."""
+    def _propose(
+        self, requests: list[Request], limits: list[int]
+    ) -> list[list[int]] | DeviceDrafts:
+        """At most ``limits[i]`` proposals for ``requests[i]``: a model proposer's in one call
+        (kept on the device where the runner takes them so)."""
         proposer = self._proposer
         if not isinstance(proposer, ModelProposer):
             return [
@@ -200,11 +223,12 @@ class Scheduler:
             ]
         # (a model runs only for rows that may get a proposal)
         wanted = [i for i, limit in enumerate(limits) if limit > 0]
+        drafts = proposer.propose([requests[i] for i in wanted], [limits[i] for i in wanted])
+        if self.config.drafts_on_device:
+            return drafts
         out: list[list[int]] = [[] for _ in requests]
-        if wanted:
-            made = proposer.propose([requests[i] for i in wanted], [limits[i] for i in wanted])
-            for i, proposed in zip(wanted, made):
-                out[i] = proposed
+        for i, proposed in zip(wanted, drafts.to_lists()):
+            out[i] = proposed
         return out
 
     def _verification_room(self, request: Request, budget: int) -> int:

@@ -17,9 +17,9 @@ from heron.config import ModelConfig
 from heron.distributed.parallel import SINGLE, TensorParallel
 from heron.execution.cuda_graph import CudaGraphRunner
 from heron.execution.request_state import RequestState
-from heron.execution.sampler import Sampler, on_device, prompt_logprobs
+from heron.execution.sampler import Sampler, on_device, prompt_logprobs, to_device
 from heron.execution.step_inputs import BlockTableRows, PreparedStep, StepInputBuilder
-from heron.execution.step_plan import StepOutput, StepPlan
+from heron.execution.step_plan import DeviceDrafts, StepOutput, StepPlan
 from heron.metadata import (
     GraphSupport,
     MetadataOperator,
@@ -31,7 +31,7 @@ from heron.metadata import (
 from heron.models.build import build_model
 from heron.outputs import Logprob
 from heron.platforms import Platform
-from heron.speculative.verification import accept_greedy, verify
+from heron.speculative.verification import DraftRows, accept_greedy, verify
 
 logger = logging.getLogger(__name__)
 
@@ -263,9 +263,15 @@ class ModelRunner:
         apply_plan(plan, self.requests, self.inputs.tables, self.device)
 
     @torch.inference_mode()
-    def launch(self, plan: StepPlan, previous: LaunchedStep | None = None) -> LaunchedStep:
+    def launch(
+        self,
+        plan: StepPlan,
+        previous: LaunchedStep | None = None,
+        drafts: DeviceDrafts | None = None,
+    ) -> LaunchedStep:
         """Queue the step's forward pass and sampling; ``previous`` is the step still in flight
-        whose sampled tokens are this step's pending inputs."""
+        whose sampled tokens are this step's pending inputs, ``drafts`` the proposals on the
+        device that the plan's ``device_drafts`` verify."""
         if not self._coverage_checked:
             # Operators added after the build (or outside its scope) must fail loudly, not run
             # on stale metadata.
@@ -278,6 +284,8 @@ class ModelRunner:
         seq = step.seq
         if step.pending_sources:
             self._fill_pending_tokens(seq.token_ids, step.pending_sources, previous.token_ids)
+        if step.draft_sources:
+            self._fill_draft_tokens(seq.token_ids, step.draft_sources, drafts)
         for copies in plan.copies_before:
             self.cache.copy_entries(copies.group, copies.sources, copies.destinations)
         greedy_ids = None  # each row's greedy token, where the step drew them already
@@ -295,8 +303,8 @@ class ModelRunner:
         for copies in plan.copies_after:
             self.cache.copy_entries(copies.group, copies.sources, copies.destinations)
         kept = hidden if self.keep_hidden_states else None
-        if plan.draft_token_ids:
-            output = self._verified(plan, step, logits, greedy_ids)
+        if plan.verifies:
+            output = self._verified(plan, step, logits, greedy_ids, drafts)
             self._keep_accepted_states(plan, step.sample_states, output)
             return LaunchedStep(step.sample_states, result=output, hidden_states=kept)
         states, bitmask = step.sample_states, plan.token_bitmask
@@ -322,30 +330,37 @@ class ModelRunner:
         step: PreparedStep,
         logits: torch.Tensor,
         greedy_ids: torch.Tensor | None,
+        drafts: DeviceDrafts | None,
     ) -> StepOutput:
         """A verification step's tokens, read at once: rows with proposals are verified, the
         others sampled as in any step (their one logits row). Plain greedy rows are accepted
         on the host from the step's argmax (the graph's own where it replayed one): one
-        download, nothing uploaded."""
+        download (the proposals too where they are on the device), nothing uploaded."""
         states = step.sample_states
-        proposals = [plan.draft_token_ids.get(s.request_id, []) for s in states]
-        starts = [0, *accumulate(1 + len(p) for p in proposals)]
+        counts = [plan.num_proposed(s.request_id) for s in states]
+        starts = [0, *accumulate(1 + n for n in counts)]
         rows = logits[step.sample_rows]
         tokens: list[list[int]] = [[] for _ in states]
         logprobs: list[Logprob | None] = [None] * len(states)
-        verified = [i for i, p in enumerate(proposals) if p]
+        verified = [i for i, n in enumerate(counts) if n]
         index = [r for i in verified for r in range(starts[i], starts[i + 1])]
         verified_states = [states[i] for i in verified]
-        verified_proposals = [proposals[i] for i in verified]
+        if plan.draft_token_ids:
+            proposals = [plan.draft_token_ids[s.request_id] for s in verified_states]
+        else:
+            proposals = self._draft_rows(drafts, verified_states, [counts[i] for i in verified])
         if all(s.sampling_params.plain_argmax for s in verified_states):
             argmax = rows.argmax(dim=-1) if greedy_ids is None else greedy_ids[step.sample_rows]
-            targets = argmax.tolist()
-            emitted = accept_greedy(verified_proposals, [targets[r] for r in index])
+            if isinstance(proposals, DraftRows):
+                proposals, targets = proposals.download_with(argmax)
+            else:
+                targets = argmax.tolist()
+            emitted = accept_greedy(proposals, [targets[r] for r in index])
         else:
-            emitted = verify(rows[index], verified_states, verified_proposals, self.generator)
+            emitted = verify(rows[index], verified_states, proposals, self.generator)
         for i, row_tokens in zip(verified, emitted):
             tokens[i] = row_tokens
-        plain = [i for i, p in enumerate(proposals) if not p]
+        plain = [i for i, n in enumerate(counts) if not n]
         if plain:
             bitmask = plan.token_bitmask
             sampled = self.sampler(
@@ -372,11 +387,11 @@ class ModelRunner:
         each refusing row's caches to its accepted ones."""
         rows = {request_id: i for i, request_id in enumerate(plan.request_ids)}
         # each verifying row's place among the step's verifying rows (in row order)
-        verifying = {r: j for j, r in enumerate(filter(plan.draft_token_ids.get, plan.request_ids))}
+        verifying = {r: j for j, r in enumerate(filter(plan.num_proposed, plan.request_ids))}
         refused, positions = [], []
         for state, accepted in zip(states, output.num_accepted):
             request_id = state.request_id
-            num_proposed = len(plan.draft_token_ids.get(request_id, ()))
+            num_proposed = plan.num_proposed(request_id)
             if accepted < num_proposed:
                 refused.append(verifying[request_id])
                 positions.append(accepted)
@@ -395,11 +410,38 @@ class ModelRunner:
             # The same requests in the same rows as last step: one copy, no index upload.
             token_ids[:m].copy_(sampled[:m])
             return
-        index = torch.tensor(sources, dtype=torch.int64)
-        if self.device.type == "cuda":
-            index = index.pin_memory()
-        index = index.to(self.device, non_blocking=True)
+        index = to_device(sources, self.device)
         token_ids[index[:, 0]] = sampled[index[:, 1]].to(token_ids.dtype)
+
+    def _fill_draft_tokens(
+        self, token_ids: torch.Tensor, sources: list[tuple[int, str, int]], drafts: DeviceDrafts
+    ) -> None:
+        """``token_ids[offset + j] = drafts.tokens[row, j]`` on the device, ``j < count``, for
+        each ``(offset, request_id, count)``, the row being the request's."""
+        row_of, width = drafts.rows, drafts.tokens.shape[1]
+        pairs = [
+            (offset + j, row_of[request_id] * width + j)
+            for offset, request_id, count in sources
+            for j in range(count)
+        ]
+        index = to_device(pairs, self.device)
+        token_ids[index[:, 0]] = drafts.tokens.flatten()[index[:, 1]].to(token_ids.dtype)
+
+    def _draft_rows(
+        self, drafts: DeviceDrafts, states: list[RequestState], counts: list[int]
+    ) -> DraftRows:
+        """The first ``counts[i]`` proposals of ``states[i]``'s row of ``drafts``, gathered
+        into the layout verification reads (each row followed by -1), on the device."""
+        tokens = drafts.tokens
+        width = tokens.shape[1] + 1
+        ended = torch.cat([tokens, tokens.new_full((tokens.shape[0], 1), -1)], dim=1).flatten()
+        row_of = drafts.rows
+        index = [
+            row_of[state.request_id] * width + j
+            for state, n in zip(states, counts)
+            for j in (*range(n), width - 1)
+        ]
+        return DraftRows(counts, ended[to_device(index, self.device)])
 
 
 def _prompt_logprobs(step: PreparedStep, logits: torch.Tensor) -> dict[str, list[Logprob]]:

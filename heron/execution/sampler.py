@@ -138,10 +138,10 @@ def _choose(
         return _draw(sampling_probs(logits, params), requests, generator)
     argmax = logits.argmax(dim=-1)
     drawn = _draw(sampling_probs(logits, params), requests, generator)
-    return torch.where(_to_device(greedy, logits.device), argmax, drawn)
+    return torch.where(to_device(greedy, logits.device), argmax, drawn)
 
 
-def _to_device(values: list, device: torch.device) -> torch.Tensor:
+def to_device(values: list, device: torch.device) -> torch.Tensor:
     """A small host list as a device tensor, without waiting for the device (a pinned copy on
     CUDA; a plain copy from pageable memory would synchronise)."""
     host = torch.tensor(values)
@@ -176,9 +176,9 @@ def apply_logit_bias(logits: torch.Tensor, requests: Sequence[RequestState]) -> 
         cols += bias.keys()
         biases += bias.values()
     if rows:
-        index = _to_device([rows, cols], logits.device)
+        index = to_device([rows, cols], logits.device)
         logits.index_put_(
-            (index[0], index[1]), _to_device(biases, logits.device).float(), accumulate=True
+            (index[0], index[1]), to_device(biases, logits.device).float(), accumulate=True
         )
 
 
@@ -216,7 +216,7 @@ def sampling_probs(logits: torch.Tensor, params: Sequence[SamplingParams]) -> to
     """
     vocab = logits.shape[-1]
     # Greedy rows of a mixed batch are drawn too, at temperature 1; their draw is not used.
-    values = _to_device(
+    values = to_device(
         [[p.temperature or 1.0, min(p.top_k or vocab, vocab), p.top_p, p.min_p] for p in params],
         logits.device,
     ).to(logits.dtype)

@@ -25,6 +25,8 @@ class PreparedStep:
     prompt_rows: list[tuple[RequestState, int, int, int]]  # state, first row, position, count
     # Tokens still being sampled by the previous step: (token offset, that step's sample row).
     pending_sources: list[tuple[int, int]]
+    # Proposals on the device: (first token offset, request id, count), in the launch's drafts.
+    draft_sources: list[tuple[int, str, int]]
 
 
 class StepInputBuilder:
@@ -74,7 +76,7 @@ class StepInputBuilder:
         Each cache group's kind lays out and fills its own parts (``CacheSpec.step_parts``).
         A decode token that is still pending (sampled by the previous step, not yet read) is
         left as 0 and listed in ``pending_sources`` with its row in ``pending_rows``, for the
-        runner to fill on the device.
+        runner to fill on the device; so are proposals on the device (``draft_sources``).
         """
         request_ids = plan.request_ids
         bs = self.block_size
@@ -83,7 +85,8 @@ class StepInputBuilder:
         sample_rows: list[int] = []  # their last tokens' offsets
         prompt_spans: list[tuple[RequestState, int, int, int]] = []  # state, offset, pos, count
         pending_sources: list[tuple[int, int]] = []
-        drafts = plan.draft_token_ids
+        draft_sources: list[tuple[int, str, int]] = []
+        drafts, device_drafts = plan.draft_token_ids, plan.device_drafts
         num_tokens = 0
         for request_id, c, n, samples in zip(
             request_ids, plan.num_computed, plan.num_new, plan.samples
@@ -91,9 +94,14 @@ class StepInputBuilder:
             state = states[request_id]
             tokens = state.all_token_ids
             proposed = drafts.get(request_id) if drafts else None
-            if proposed:  # the last token, then the proposals: every position is sampled
+            on_device = device_drafts.get(request_id) if device_drafts else None
+            if proposed or on_device:  # the last token, then the proposals: all are sampled
                 token_ids += tokens[c:]
-                token_ids += proposed
+                if proposed:
+                    token_ids += proposed
+                else:
+                    draft_sources.append((num_tokens + 1, request_id, on_device))
+                    token_ids += [0] * on_device
                 sample_states.append(state)
                 sample_rows += range(num_tokens, num_tokens + n)
                 num_tokens += n
@@ -169,13 +177,18 @@ class StepInputBuilder:
             row += count
 
         seq = SequenceMetadata.from_step_batch(batch, self.device)
-        if drafts:
-            proposed = [len(drafts.get(request_id, ())) for request_id in request_ids]
+        if plan.verifies:
+            proposed = [plan.num_proposed(request_id) for request_id in request_ids]
             seq = replace(seq, num_proposed_host=np.array(proposed, dtype=np.int32))
         if self._copied is not None:
             self._copied.record()
         return PreparedStep(
-            seq, sample_states, slice(num_prompt_rows, num_logits), prompt_rows, pending_sources
+            seq,
+            sample_states,
+            slice(num_prompt_rows, num_logits),
+            prompt_rows,
+            pending_sources,
+            draft_sources,
         )
 
 

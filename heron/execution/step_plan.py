@@ -90,8 +90,9 @@ class StepPlan:
     ``copies_before`` (a prefix hit's state from its checkpoint into its slot); after the
     forward pass, ``copies_after`` (states saved into checkpoints).
     A running request's input tokens are the runner's own: its prompt and the tokens it sampled,
-    then, in a verification step, its ``draft_token_ids`` (a decode row of ``1 + len(drafts)``
-    tokens whose every position is sampled).
+    then, in a verification step, its proposals (a decode row of ``1 + len(proposals)`` tokens
+    whose every position is sampled): ``draft_token_ids`` on the host, or the first
+    ``device_drafts`` tokens of its row of the :class:`DeviceDrafts` given to the launch.
     """
 
     request_ids: list[str] = field(default_factory=list)
@@ -105,9 +106,41 @@ class StepPlan:
     copies_before: list[EntryCopies] = field(default_factory=list)
     copies_after: list[EntryCopies] = field(default_factory=list)
     draft_token_ids: dict[str, list[int]] = field(default_factory=dict)  # proposals to verify
+    device_drafts: dict[str, int] = field(default_factory=dict)  # how many, left on the device
     # Rows with a grammar: each sampled row's allowed tokens (xgrammar's packed int32 mask, in
     # host memory, one row per sampled row in order; other rows allow everything).
     token_bitmask: torch.Tensor | None = None
+
+    @property
+    def verifies(self) -> bool:
+        """Whether some row verifies proposals."""
+        return bool(self.draft_token_ids or self.device_drafts)
+
+    def num_proposed(self, request_id: str) -> int:
+        """How many proposals the request's row verifies."""
+        return len(self.draft_token_ids.get(request_id, ())) or self.device_drafts.get(
+            request_id, 0
+        )
+
+
+@dataclass(frozen=True)
+class DeviceDrafts:
+    """Proposals a model proposer left on the device, handed to the launch of the step that
+    verifies them beside its plan (never pickled with it): ``request_ids[i]``'s are
+    ``tokens[i, :counts[i]]``; the plan's ``device_drafts`` says how many of them a row
+    verifies."""
+
+    request_ids: list[str]
+    counts: list[int]
+    tokens: torch.Tensor  # [rows, width] int64 on the device
+
+    @property
+    def rows(self) -> dict[str, int]:
+        return {request_id: i for i, request_id in enumerate(self.request_ids)}
+
+    def to_lists(self) -> list[list[int]]:
+        """Each request's proposals on the host (one download)."""
+        return [row[:n] for row, n in zip(self.tokens.tolist(), self.counts)]
 
 
 @dataclass(frozen=True)

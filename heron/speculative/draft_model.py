@@ -6,13 +6,16 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
+import torch
+
 from heron.cache.coordinator import KVCacheCoordinator
 from heron.cache.layout import CacheLayout
 from heron.cache.spec import PagedSpec
 from heron.config import ModelConfig, lacks_tokenizer
 from heron.distributed.executor import RunnerArgs, make_model_runner
 from heron.execution.model_runner import LaunchedStep, ModelRunner
-from heron.execution.step_plan import NewRequest, SentTables, StepPlan
+from heron.execution.sampler import to_device
+from heron.execution.step_plan import DeviceDrafts, NewRequest, SentTables, StepPlan
 from heron.loader.resolve import resolve_model_path
 from heron.platforms import Platform
 from heron.sampling_params import SamplingParams
@@ -135,9 +138,11 @@ class DraftModelProposer(ModelProposer):
     caches the last proposal, so that after full acceptance, as after a refusal, the next
     catch-up is one token: steady-state passes are decode steps (graph replays).
 
-    The draft's runner keeps each request's tokens (its proposals after the accepted ones);
-    the next pass keeps the prefix they share with the request's, frees the blocks past it,
-    and writes the request's tokens in.
+    The proposals stay on the device (each step's tokens are gathered as it is launched), so
+    the target's verification step is launched with no read in between; the draft's runner
+    reads its steps at the start of the next pass. It keeps each request's tokens (its
+    proposals after the accepted ones); the next pass keeps the prefix they share with the
+    request's, frees the blocks past it, and writes the request's tokens in.
     """
 
     # Whether a pass ends with a decode step of its last proposal (a subclass whose drafted
@@ -158,8 +163,12 @@ class DraftModelProposer(ModelProposer):
         self._sequences: dict[str, _DraftSequence] = {}
         self._sent = SentTables()
         self._forgotten: list[str] = []  # for the next plan's finished_ids
+        self._unread: list[LaunchedStep] = []  # the last pass's steps
 
-    def propose(self, requests: Sequence[Request], limits: Sequence[int]) -> list[list[int]]:
+    def propose(self, requests: Sequence[Request], limits: Sequence[int]) -> DeviceDrafts:
+        for step in self._unread:
+            step.result()  # (the target's verification, read since, waited for them)
+        self._unread = []
         rows: list[tuple[int, _DraftSequence, int]] = []  # (index, sequence, limit)
         new_requests = []
         for i, (request, limit) in enumerate(zip(requests, limits)):
@@ -187,11 +196,19 @@ class DraftModelProposer(ModelProposer):
                     )
                 )
             rows.append((i, seq, limit))
-        out: list[list[int]] = [[] for _ in requests]
+        counts = [0] * len(requests)
+        for i, _, limit in rows:
+            counts[i] = limit
+        width = max(limits, default=0)
+        drafts = DeviceDrafts(
+            [r.request_id for r in requests],
+            counts,
+            torch.zeros((len(requests), width), dtype=torch.int64, device=self.runner.device),
+        )
         if not rows:
-            return out
+            return drafts
         first = self._first_plan(new_requests)
-        launched = self._catch_up([seq for _, seq, _ in rows], first)
+        launched = self._catch_up([seq for _, seq, _ in rows], first, drafts)
         extra = self.caches_last_proposal
         for s in range(1, max(limit for _, _, limit in rows) + extra):
             decoding = [seq for _, seq, limit in rows if limit - 1 + extra >= s]
@@ -202,16 +219,12 @@ class DraftModelProposer(ModelProposer):
                 samples=[True] * len(decoding),
             )
             launched.append(self._launch(plan, launched[-1]))
+            _gather(drafts, launched[-1], s)
             for seq in decoding:
                 seq.num_computed_tokens += 1
-        for step in launched:
-            step.result()
-        states = self.runner.requests
-        for i, seq, limit in rows:
-            n = seq.num_synced
-            out[i] = states[seq.request_id].all_token_ids[n : n + limit]
+        self._unread = launched
         self._end_pass([seq for _, seq, _ in rows])
-        return out
+        return drafts
 
     def _new_sequence(self, request: Request) -> _DraftSequence:
         return _DraftSequence(request)
@@ -236,9 +249,12 @@ class DraftModelProposer(ModelProposer):
         changed.clear()
         return plan
 
-    def _catch_up(self, sequences: list[_DraftSequence], plan: StepPlan) -> list[LaunchedStep]:
-        """Steps computing each sequence's missing tokens, within the token budget; every step
-        but the last is read at once (the decode steps take their tokens from the last)."""
+    def _catch_up(
+        self, sequences: list[_DraftSequence], plan: StepPlan, drafts: DeviceDrafts
+    ) -> list[LaunchedStep]:
+        """Steps computing each sequence's missing tokens, within the token budget (the one
+        that ends a sequence's gives its first proposal); every step but the last is read at
+        once (the decode steps take their tokens from the last)."""
         launched = []
         pending = list(sequences)
         while pending:
@@ -258,6 +274,7 @@ class DraftModelProposer(ModelProposer):
                 seq.num_synced = seq.num_computed_tokens
             pending = [seq for seq in pending if seq.num_computed_tokens < seq.num_tokens]
             launched.append(self._launch(plan))
+            _gather(drafts, launched[-1], 0)
             if pending:
                 launched[-1].result()
                 plan = StepPlan()
@@ -297,3 +314,23 @@ class DraftModelProposer(ModelProposer):
         self.kv_cache.free(seq)
         self._sent.forget(request_id)
         self._forgotten.append(request_id)
+
+
+def _gather(drafts: DeviceDrafts, step: LaunchedStep, column: int) -> None:
+    """The step's sampled tokens become proposal ``column`` of their requests' rows (those
+    that want that many), on the device and at once: a graph's outputs are overwritten by
+    its next replay."""
+    rows, counts = drafts.rows, drafts.counts
+    pairs = [
+        (j, rows[state.request_id])
+        for j, state in enumerate(step.sample_states)
+        if counts[rows[state.request_id]] > column
+    ]
+    if not pairs:
+        return
+    if all(j == row for j, row in pairs) and len(pairs) == len(step.sample_states):
+        # every row in its own place (most decode steps): one copy, no index upload
+        drafts.tokens[: len(pairs), column] = step.token_ids
+        return
+    index = to_device(pairs, drafts.tokens.device)
+    drafts.tokens[index[:, 1], column] = step.token_ids[index[:, 0]].to(torch.int64)

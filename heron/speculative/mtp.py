@@ -10,6 +10,7 @@ import torch
 
 from heron.cache.coordinator import KVCacheCoordinator
 from heron.execution.model_runner import LaunchedStep, ModelRunner
+from heron.execution.sampler import to_device
 from heron.execution.step_plan import StepPlan
 from heron.models.build import build_mtp
 from heron.speculative.draft_model import DraftModelProposer, _DraftSequence
@@ -164,5 +165,5 @@ def _sampled_rows(plan: StepPlan, hidden: torch.Tensor) -> dict[str, torch.Tenso
             ends[request_id] = offset - 1
     if not ends:
         return {}
-    index = torch.tensor(list(ends.values()), device=hidden.device)
+    index = to_device(list(ends.values()), hidden.device)
     return dict(zip(ends, hidden[index].unsqueeze(1)))

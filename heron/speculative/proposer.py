@@ -11,6 +11,7 @@ if TYPE_CHECKING:
     import torch
 
     from heron.engine.request import Request
+    from heron.execution.step_plan import DeviceDrafts
 
 
 class ModelProposer(ABC):
@@ -31,9 +32,10 @@ class ModelProposer(ABC):
     wants_hidden_states: bool = False
 
     @abstractmethod
-    def propose(self, requests: Sequence[Request], limits: Sequence[int]) -> list[list[int]]:
+    def propose(self, requests: Sequence[Request], limits: Sequence[int]) -> DeviceDrafts:
         """At most ``limits[i]`` (each at most ``num_tokens``) tokens to follow
-        ``requests[i]``'s last token, in order."""
+        ``requests[i]``'s last token, in order, left on the device (row ``i`` of the
+        result)."""
 
     @abstractmethod
     def reject(self, request: Request) -> None:

@@ -12,18 +12,41 @@ proposals were.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 from itertools import accumulate
 
 import torch
 
 from heron.execution.request_state import RequestState
-from heron.execution.sampler import apply_logit_bias, sampling_probs
+from heron.execution.sampler import apply_logit_bias, sampling_probs, to_device
+
+
+@dataclass(frozen=True)
+class DraftRows:
+    """Proposals that are on the device, one row per verifying request: ``counts[i]`` tokens
+    of row ``i``, then -1 (the row's last position, which verifies none), all rows in one
+    flat int64 tensor. Read on the host only together with what verified them."""
+
+    counts: list[int]
+    flat: torch.Tensor
+
+    def download_with(self, values: torch.Tensor) -> tuple[list[list[int]], list[int]]:
+        """The proposals as lists, and ``values`` (int64, on the same device), in one
+        download."""
+        both = torch.cat([self.flat, values]).tolist()
+        return _split(both, self.counts), both[len(self.flat) :]
+
+
+def _split(flat: Sequence[int], counts: Sequence[int]) -> list[list[int]]:
+    """Each row's proposals out of the flat layout of :class:`DraftRows`."""
+    starts = accumulate((1 + n for n in counts), initial=0)
+    return [list(flat[start : start + n]) for start, n in zip(starts, counts)]
 
 
 def verify(
     logits: torch.Tensor,
     states: Sequence[RequestState],
-    proposals: Sequence[Sequence[int]],
+    proposals: Sequence[Sequence[int]] | DraftRows,
     generator: torch.Generator | None,
 ) -> list[list[int]]:
     """Each request's emitted tokens: its accepted proposals and one token after them.
@@ -31,21 +54,26 @@ def verify(
     ``logits`` holds ``1 + len(proposals[i])`` consecutive rows for ``states[i]``: the
     distributions after its last token and after each proposal. A seeded request draws its
     uniforms and noise from its own generator, a fixed amount per position, so its tokens
-    depend on nothing else in the batch.
+    depend on nothing else in the batch. Proposals on the device are read in the same
+    download as the verdicts.
     """
-    counts = [1 + len(p) for p in proposals]
+    on_device = isinstance(proposals, DraftRows)
+    counts = [1 + n for n in proposals.counts] if on_device else [1 + len(p) for p in proposals]
     starts = [0, *accumulate(counts)]
     rows = [s for s, n in zip(states, counts) for _ in range(n)]
     logits = logits.to(torch.float32, copy=True)
     apply_logit_bias(logits, rows)
     greedy = [r.sampling_params.greedy for r in rows]
     if all(greedy):  # the host compares: no upload of the proposals
+        if on_device:
+            return accept_greedy(*proposals.download_with(logits.argmax(dim=-1)))
         return accept_greedy(proposals, logits.argmax(dim=-1).tolist())
     device = logits.device
     # The token each row verifies (the proposal after it); -1 on each request's last row.
-    proposed = torch.tensor(
-        [t for p in proposals for t in (*p, -1)], dtype=torch.int64, device=device
-    )
+    if on_device:
+        proposed = proposals.flat
+    else:
+        proposed = to_device([t for p in proposals for t in (*p, -1)], device)
     has_proposal = proposed >= 0
     safe = proposed.clamp(min=0).unsqueeze(1)
     targets = logits.argmax(dim=-1)
@@ -58,12 +86,13 @@ def verify(
     kept = probs.gather(1, safe) * ~has_proposal.unsqueeze(1)
     residual = probs.scatter(1, safe, kept)
     drawn = residual.div_(noise).argmax(dim=-1)
-    is_greedy = torch.tensor(greedy, device=device)
+    is_greedy = to_device(greedy, device)
     accepted = torch.where(is_greedy, (targets == proposed) & has_proposal, accepted)
     chosen = torch.where(is_greedy, targets, drawn)
-    accepted, chosen = torch.stack([accepted.long(), chosen]).tolist()
+    accepted, chosen, proposed = torch.stack([accepted.long(), chosen, proposed]).tolist()
     out = []
-    for p, start in zip(proposals, starts):
+    for start, end in zip(starts, starts[1:]):
+        p = proposed[start : end - 1]
         n = 0
         while n < len(p) and accepted[start + n]:
             n += 1

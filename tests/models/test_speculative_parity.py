@@ -108,8 +108,8 @@ def check_runner_tables(llm: LLM, monkeypatch) -> None:
     runner, kv = engine.runner, engine.kv_cache
     launch = runner.launch
 
-    def checked(plan, previous=None):
-        step = launch(plan, previous)
+    def checked(plan, previous=None, drafts=None):
+        step = launch(plan, previous, drafts)
         tables = runner.inputs.tables
         for request_id in plan.request_ids:
             row = tables._row_of[request_id]
