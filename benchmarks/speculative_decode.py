@@ -1,9 +1,10 @@
-"""Speculative decoding on the GPU: n-gram proposals against plain decoding.
+"""Speculative decoding (n-gram, draft model, MTP) against plain decoding: on the GPU, and
+cases P and A on the CPU where torch sees no GPU (fp32 there).
 
   P  proposer cost: microseconds per n-gram lookup over sequences of 256 to 4096 tokens (host)
   A  batch 1, the default model (SmolLM2-135M-Instruct), greedy, prompts asking to repeat or
      edit a given text: ms per output token without and with n-gram speculation, mean
-     acceptance length, speed-up, and how many outputs are identical (bf16: a verification
+     acceptance length, speed-up, and how many outputs are identical (in bf16 a verification
      step and a decode step sum in different orders, so outputs may part at near-ties)
   B  batch 1, a random-weight model shape (``--shape``: Qwen3-0.6B, Qwen3.5-0.8B's GDN
      hybrid, DeepSeek-V2-Lite's latent attention), forced acceptance (every proposal accepted,
@@ -19,20 +20,27 @@
      before they stayed on the device), and the target as its own draft (every greedy
      proposal accepted but at near-ties: mean acceptance length, and how many outputs equal
      plain decoding's)
+  E  batch 1, MTP (``method: "mtp"``) on random-weight shapes with one MTP layer
+     (``--mtp-shapes``: Qwen3.5-0.8B's, DeepSeek-V3's 5-layer one), forced acceptance: as B
+     for k = 1..3, the head's k passes per step included (the host's "schedule" phase holds
+     them), and how many of the head's steps replayed its decode graphs
 
 ms per output token is wall time of the requests' decoding (first token to last) over their
 output tokens. Prints markdown tables.
 
     python benchmarks/speculative_decode.py [--k 4] [--max-tokens 256] [--enforce-eager]
-        [--disable-by-batch-size N] [--cases PABCD] [--shape qwen3-0.6b]
+        [--disable-by-batch-size N] [--cases PABCDE (CPU: PA)] [--shape qwen3-0.6b]
+        [--mtp-shapes qwen3.5-0.8b deepseek-v3-5l]
 
 "verification steps replayed" counts the verification steps that replayed a graph of ``1 + k``
-tokens per row (the others ran eagerly).
+tokens per row (the others ran eagerly); "head steps replayed" the MTP head's steps that
+replayed one of its decode graphs (its catch-ups over a step's accepted tokens run eagerly).
 """
 
 from __future__ import annotations
 
 import argparse
+import gc
 import statistics
 import tempfile
 import time
@@ -61,6 +69,19 @@ SHAPES = {
         "DeepseekV2Config",
         DEEPSEEK_SHAPES["v2-lite"][1],
         "DeepseekV2ForCausalLM",
+    ),
+}
+# case E's shapes, each with one MTP layer
+MTP_SHAPES = {
+    "qwen3.5-0.8b": (
+        "Qwen3_5TextConfig",
+        QWEN3_5_0_8B | {"mtp_num_hidden_layers": 1},
+        "Qwen3_5ForCausalLM",
+    ),
+    "deepseek-v3-5l": (
+        "DeepseekV3Config",
+        DEEPSEEK_SHAPES["v3-5l"][1] | {"num_mtp_layers": 1},
+        "DeepseekV3ForCausalLM",
     ),
 }
 
@@ -106,6 +127,13 @@ def proposer_cost() -> None:
         for i, seq in enumerate(seqs):
             proposer.propose(str(i), seq, 4)
         print(f"| {n} | {(time.perf_counter() - start) / len(seqs) * 1e6:.1f} |")
+
+
+def free_device_memory() -> None:
+    """After an engine is dropped: its reference cycles hold the device memory until
+    collected (the next engine's weights may need it)."""
+    gc.collect()
+    torch.cuda.empty_cache()
 
 
 def decode(llm: LLM, prompts: list[list[int]], params: SamplingParams, batch: int):
@@ -161,10 +189,10 @@ def case_a(args) -> None:
         prompts = edit_prompts(llm)
         decode(llm, prompts[:1], params, 1)  # warm-up
         llm.engine.spec_decode_stats = SpecDecodeStats()
-        steps = count_steps(llm)
+        steps = count_steps(llm.engine.runner)
         rows[name] = (*decode(llm, prompts, params, 1), llm.spec_decode_stats, steps)
         del llm
-        torch.cuda.empty_cache()
+        free_device_memory()
     base_ms, _, base_out, _, _ = rows["plain"]
     print(
         "| decoding | ms / output token | speed-up | mean acceptance length | identical "
@@ -201,20 +229,19 @@ def accept_all(proposals, targets) -> list[list[int]]:
     return [[*p, targets[e - 1]] for p, e in zip(proposals, ends)]
 
 
-def count_steps(llm: LLM) -> Counter:
-    """From now on, counts the verification steps ("verified") and the graph replays by query
-    length (the steps that replay none run eagerly)."""
-    counts, runner = Counter(), llm.engine.runner
-    launch = runner.launch
+def count_steps(runner) -> Counter:
+    """From now on, counts the runner's steps ("steps"), its verification steps ("verified")
+    and its graph replays ("replayed", and by query length); the others run eagerly."""
+    counts, launch = Counter(), runner.launch
 
     def counted_launch(plan, *args):
-        counts.update(["verified"] if plan.verifies else [])
+        counts.update(["steps", "verified"] if plan.verifies else ["steps"])
         return launch(plan, *args)
 
     runner.launch = counted_launch
     if runner.graphs is not None:
         run = runner.graphs.run
-        runner.graphs.run = lambda seq: counts.update([seq.max_query_len]) or run(seq)
+        runner.graphs.run = lambda seq: counts.update([seq.max_query_len, "replayed"]) or run(seq)
     return counts
 
 
@@ -280,39 +307,59 @@ def random_weight_batch_1(args, vocab_size: int) -> tuple[list[list[int]], Sampl
 
 
 def case_b(args) -> None:
+    forced_acceptance(args, SHAPES[args.shape], "ngram", range(1, 8))
+
+
+def case_e(args) -> None:
+    for name in args.mtp_shapes:
+        print(f"{name}\n")
+        forced_acceptance(args, MTP_SHAPES[name], "mtp", range(1, 4))
+        print()
+
+
+def forced_acceptance(args, shape: tuple, method: str, ks) -> None:
+    """Cases B and E: a random-weight ``shape`` (config class, fields, architecture) at batch
+    1, plainly and with every proposal accepted for each k of ``ks``; ``ngram`` proposals are
+    the last token repeated (no proposer cost), ``mtp`` ones the MTP head's."""
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp)
-        config_class, fields, architecture = SHAPES[args.shape]
+        config_class, fields, architecture = shape
         save_config_only(getattr(tf, config_class)(**fields), architecture, path)
         prompt, params, options = random_weight_batch_1(args, fields["vocab_size"])
         llm = LLM(str(path), **options)
         decode(llm, prompt, params, 1)
         plain_ms = decode(llm, prompt, params, 1)[0]
         del llm
+        free_device_memory()
+        head = " | head steps replayed" if method == "mtp" else ""
         print(
             "| k | ms / output token | ms / step | × plain decode step "
-            "| verification steps replayed |"
+            f"| verification steps replayed{head} |"
         )
-        print("| --- | --- | --- | --- | --- |")
-        print(f"| 0 (plain) | {plain_ms:.3f} | {plain_ms:.3f} | 1.00× | - |")
+        print("| --- | --- | --- | --- | --- |" + " --- |" * bool(head))
+        print(f"| 0 (plain) | {plain_ms:.3f} | {plain_ms:.3f} | 1.00× | -{' | -' * bool(head)} |")
         real_accept = model_runner.accept_greedy
         phases = {}
         try:
-            for k in range(1, 8):
+            for k in ks:
                 model_runner.accept_greedy = accept_all
-                spec = {"method": "ngram", "num_speculative_tokens": k}
+                spec = {"method": method, "num_speculative_tokens": k}
                 llm = LLM(str(path), **options, speculative_config=spec)
-                llm.engine.scheduler._proposer = RepeatProposer(k)
+                if method == "ngram":
+                    llm.engine.scheduler._proposer = RepeatProposer(k)
                 decode(llm, prompt, params, 1)
-                steps, phases[k] = count_steps(llm), HostPhases(llm)
+                steps, phases[k] = count_steps(llm.engine.runner), HostPhases(llm)
+                head_steps = count_steps(llm.engine.draft_runner) if head else None
                 ms = decode(llm, prompt, params, 1)[0]
                 step_ms = ms * (k + 1)
                 replayed = f"{steps[k + 1]}/{steps['verified']}"
+                if head_steps is not None:
+                    replayed += f" | {head_steps['replayed']}/{head_steps['steps']}"
                 print(
                     f"| {k} | {ms:.3f} | {step_ms:.3f} | {step_ms / plain_ms:.2f}× | {replayed} |"
                 )
                 del llm
-                torch.cuda.empty_cache()
+                free_device_memory()
         finally:
             model_runner.accept_greedy = real_accept
         print(
@@ -341,7 +388,7 @@ def case_c(args) -> None:
             llm.engine.spec_decode_stats = SpecDecodeStats()
             results[name, batch] = (decode(llm, work, params, batch)[1], llm.spec_decode_stats)
         del llm
-        torch.cuda.empty_cache()
+        free_device_memory()
     for batch in batches:
         (plain, _), (spec, stats) = results["p", batch], results["s", batch]
         print(
@@ -389,7 +436,7 @@ def case_d(args) -> None:
                 same = "-" if forced or draft is None else str(tokens == plain[1])
                 print(f"| {name} | {ms:.3f} | {ms / plain[0]:.2f}× | {acceptance} | {same} |")
                 del llm
-                torch.cuda.empty_cache()
+                free_device_memory()
         finally:
             model_runner.accept_greedy = real_accept
 
@@ -404,11 +451,19 @@ def main() -> None:
         type=int,
         help="speculation's disable_by_batch_size in A and C (default: the config's; 0: never)",
     )
-    parser.add_argument("--cases", default="PABCD")
+    parser.add_argument("--cases", help="of PABCDE (default: all; on the CPU P and A)")
     parser.add_argument("--shape", choices=sorted(SHAPES), default="qwen3-0.6b", help="of B")
+    parser.add_argument(
+        "--mtp-shapes", nargs="+", choices=sorted(MTP_SHAPES), default=list(MTP_SHAPES), help="of E"
+    )
     args = parser.parse_args()
-    cases = (("P", proposer_cost), ("A", case_a), ("B", case_b), ("C", case_c), ("D", case_d))
-    for case, run in cases:
+    on_cuda = torch.cuda.is_available()
+    args.cases = args.cases or ("PABCDE" if on_cuda else "PA")
+    if not on_cuda and set(args.cases) - set("PA"):
+        parser.error("cases B to E need a CUDA device (P and A run on the CPU)")
+    print(f"device: {torch.cuda.get_device_name() if on_cuda else 'CPU'}")
+    cases = {"P": proposer_cost, "A": case_a, "B": case_b, "C": case_c, "D": case_d, "E": case_e}
+    for case, run in cases.items():
         if case in args.cases:
             print(f"\n### {case}\n")
             run() if case == "P" else run(args)

@@ -69,6 +69,12 @@ class EngineConfig:
             SpeculativeConfig.from_dict(self.speculative_config)
         if self.tensor_parallel_size < 1:
             raise ValueError(f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
+        if self.speculative_config is not None and self.tensor_parallel_size > 1:
+            if self.speculative_config["method"] == "mtp":
+                raise ValueError(
+                    "speculative_config: method 'mtp' needs tensor_parallel_size 1 (the MTP head "
+                    f"is not sharded), got tensor_parallel_size={self.tensor_parallel_size}"
+                )
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ValueError(
                 f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, "

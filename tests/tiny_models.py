@@ -52,6 +52,33 @@ BASE = dict(
     pad_token_id=0,
 )
 
+# Shapes the tensor-parallel tests shard ("a rank": of two) and the dummy-weight tests fill.
+# DeepSeek: 4 heads (2 a rank), a dense first layer, then routed and shared experts.
+DEEPSEEK = BASE | dict(
+    num_hidden_layers=2,
+    num_key_value_heads=4,  # HF's MLA: one per query head
+    first_k_dense_replace=1,
+    n_routed_experts=4,
+    num_experts_per_tok=2,
+    moe_intermediate_size=32,
+    n_group=2,
+    topk_group=1,
+    kv_lora_rank=32,
+    qk_rope_head_dim=8,
+    qk_nope_head_dim=16,
+    v_head_dim=12,
+    tie_word_embeddings=False,
+)
+# GDN layers of 2 key heads (one a rank) with 2 value heads each, around gated attention.
+QWEN3_5 = BASE | dict(
+    layer_types=["linear_attention", "full_attention", "linear_attention"],
+    head_dim=16,
+    linear_num_key_heads=2,
+    linear_num_value_heads=4,
+    linear_key_head_dim=16,
+    linear_value_head_dim=8,
+)
+
 
 def tiny_config(family: str):
     """A small random config of each supported family, exercising its special features."""

@@ -33,6 +33,7 @@ from tiny_models import (
     hf_on_saved_weights,
     hf_on_weights,
     save_random_model,
+    save_truncated_draft,
     write_fp8_checkpoint,
 )
 
@@ -296,5 +297,24 @@ def test_two_ranks_with_speculation_equal_hf(saved, family, accepts):
         stats = llm.spec_decode_stats
         assert (stats.num_accepted_tokens > 0) == accepts
         assert stats.num_accepted_tokens < stats.num_draft_tokens  # refused: rolled back
+    finally:
+        llm.engine.shutdown()
+
+
+def test_a_draft_model_beside_two_ranks_equals_hf(saved, tmp_path):
+    """A one-device draft model (``method: "draft_model"``) proposing for a two-rank target:
+    the target's verification steps and rollback run on both ranks, the draft on rank 0 only,
+    with its own prefix cache and the target's preemptions."""
+    path = saved("llama")
+    hf = tf.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    draft = save_truncated_draft(path, tmp_path / "draft")
+    spec = {"method": "draft_model", "model": str(draft), "num_speculative_tokens": 3}
+    llm = LLM(str(path), tensor_parallel_size=2, speculative_config=spec, **ENGINE)
+    try:
+        assert tokens(llm) == hf_greedy(hf, PROMPTS, MAX_NEW)
+        engine, stats = llm.engine, llm.spec_decode_stats
+        assert 0 < stats.num_accepted_tokens < stats.num_draft_tokens  # some refused
+        assert engine.scheduler.num_preemptions > 0
+        assert engine.model_proposer.kv_cache.prefix_cache_hits > 0
     finally:
         llm.engine.shutdown()

@@ -5,35 +5,9 @@ from __future__ import annotations
 
 import transformers as tf
 
-from tiny_models import BASE
+from tiny_models import BASE, DEEPSEEK, QWEN3_5
 
 SLIDING, FULL = "sliding_attention", "full_attention"
-LINEAR = "linear_attention"
-# DeepSeek: 4 heads (2 a rank), a dense first layer, then routed and shared experts.
-DEEPSEEK = BASE | dict(
-    num_hidden_layers=2,
-    num_key_value_heads=4,  # HF's MLA: one per query head
-    first_k_dense_replace=1,
-    n_routed_experts=4,
-    num_experts_per_tok=2,
-    moe_intermediate_size=32,
-    n_group=2,
-    topk_group=1,
-    kv_lora_rank=32,
-    qk_rope_head_dim=8,
-    qk_nope_head_dim=16,
-    v_head_dim=12,
-    tie_word_embeddings=False,
-)
-# GDN layers of 2 key heads (one a rank) with 2 value heads each, around gated attention.
-QWEN3_5 = BASE | dict(
-    layer_types=[LINEAR, FULL, LINEAR],
-    head_dim=16,
-    linear_num_key_heads=2,
-    linear_num_value_heads=4,
-    linear_key_head_dim=16,
-    linear_value_head_dim=8,
-)
 QWEN3_5_EXPERTS = dict(
     num_experts=4,
     num_experts_per_tok=2,

@@ -73,6 +73,13 @@ def test_bad_configurations_name_the_field(options, named):
     assert named in str(e.value)
 
 
+def test_mtp_beside_tensor_parallelism_is_refused_naming_both_fields():
+    """(A draft model beside a sharded target runs: tests/distributed.)"""
+    with pytest.raises(ValueError, match=r"method 'mtp' needs tensor_parallel_size 1.* got "):
+        EngineConfig(speculative_config=MTP, tensor_parallel_size=2)
+    assert EngineConfig(speculative_config=DRAFT, tensor_parallel_size=2).speculative.model == "d"
+
+
 def test_cli_flag_on_every_command():
     parser = build_parser()
     flag = '{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 4}'
