@@ -250,6 +250,8 @@ def hf_generate_ms(model, prompt: list[int], out_len: int) -> float:
     """Batch-1 decode ms per token through HF's plain ``generate`` (for models its continuous
     batching does not take): ``out_len`` new tokens less one, over ``out_len - 1``."""
     ids = torch.tensor([prompt], device=model.device)
+    if "paged" in (model.config._attn_implementation or ""):
+        model.set_attn_implementation("sdpa")  # HF's continuous batching left its paged form
 
     def timed(new: int) -> float:
         torch.cuda.synchronize()

@@ -25,6 +25,7 @@ class LayerKernels:
     gemv_serves: Callable[..., bool] | None = None  # gemv.serves
     fused_experts: Callable[..., Any] | None = None  # moe.fused_experts
     route_topk: Callable[..., Any] | None = None  # moe_route.route_topk (a Routing's rule)
+    router_logits: Callable[..., Any] | None = None  # moe_route.router_logits (fp32 routers)
     fp8_mm: Callable[..., Any] | None = None  # heron.layers.fp8.scaled_mm (FP8 weights, many rows)
 
 

@@ -1,10 +1,13 @@
 """MLA's fused pre-attention kernel: RoPE on the query's rotary part and on the shared key,
-and the latent cache write, in one launch per layer and step.
+the latent's RMSNorm (``kv_a_layernorm``) and the latent cache write, in one launch per layer
+and step.
 
 * ``q``: ``[T, H, nope + rope]``, rotated in place (its rotary part leaves in rotate-half order:
   the first half the pairs' first outputs; with ``interleaved`` it enters as DeepSeek's pairs
   ``(2i, 2i + 1)``, else in rotate-half order).
-* ``latent``: ``[T, L]`` (the normed latent), ``k_rope``: ``[T, rope]`` (entering as ``q``'s).
+* ``latent``: ``[T, L]``, normed here with ``norm_weight`` (HF Llama's RMSNorm form, as
+  ``heron.kernels.rmsnorm``) or stored as it is without; ``k_rope``: ``[T, rope]`` (entering as
+  ``q``'s).
 * ``cache``: ``[blocks, block_size, L + rope]``; token ``t`` goes to flat slot ``slots[t]`` as
   ``[latent, rotated key]``.
 * ``cos``, ``sin``: fp32 ``[max_positions, rope / 2]`` (``RotaryEmbedding``'s tables).
@@ -18,6 +21,8 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+
+from heron.kernels.rmsnorm import rms_inv, rms_scale
 
 
 @triton.jit
@@ -37,6 +42,8 @@ def _mla_rope_write_kernel(
     cos_ptr,
     sin_ptr,
     cache_ptr,
+    norm_w_ptr,
+    eps,
     num_heads,
     stride_qt,
     stride_qh,
@@ -50,6 +57,7 @@ def _mla_rope_write_kernel(
     BLOCK_HALF: tl.constexpr,
     BLOCK_L: tl.constexpr,
     INTERLEAVED: tl.constexpr,
+    HAS_NORM: tl.constexpr,
 ):
     t = tl.program_id(0)
     position = tl.load(positions_ptr + t).to(tl.int64)
@@ -73,8 +81,13 @@ def _mla_rope_write_kernel(
     entry = cache_ptr + slot * (LORA + 2 * HALF)
     dtype = cache_ptr.dtype.element_ty
     offs_l = tl.arange(0, BLOCK_L)
-    latent = tl.load(latent_ptr + t * stride_lt + offs_l, mask=offs_l < LORA)
-    tl.store(entry + offs_l, latent.to(dtype), mask=offs_l < LORA)
+    l_mask = offs_l < LORA
+    latent = tl.load(latent_ptr + t * stride_lt + offs_l[None, :], mask=l_mask[None, :], other=0.0)
+    if HAS_NORM:
+        x = latent.to(tl.float32)
+        w = tl.load(norm_w_ptr + offs_l, mask=l_mask, other=0.0).to(tl.float32)
+        latent = rms_scale(x, rms_inv(x, LORA, eps), w, latent_ptr.dtype.element_ty, False)
+    tl.store(entry + offs_l[None, :], latent.to(dtype), mask=l_mask[None, :])
     tl.store(entry + LORA + offs_i, k1.to(dtype), mask=i_mask)
     tl.store(entry + LORA + HALF + offs_i, k2.to(dtype), mask=i_mask)
 
@@ -90,9 +103,11 @@ def mla_rope_latent_write(
     cache: torch.Tensor,
     nope_dim: int,
     interleaved: bool,
+    norm_weight: torch.Tensor | None = None,
+    eps: float = 0.0,
 ) -> None:
-    """Rotate ``q``'s rotary part in place and store ``[latent, rotated k_rope]`` at the slots
-    (shapes in the module docstring)."""
+    """Rotate ``q``'s rotary part in place and store ``[latent (normed with norm_weight and
+    eps if given), rotated k_rope]`` at the slots (shapes in the module docstring)."""
     tokens, num_heads, head_dim = q.shape
     lora, rope = latent.shape[-1], k_rope.shape[-1]
     assert head_dim == nope_dim + rope and rope % 2 == 0 and cos.shape[-1] == rope // 2
@@ -110,6 +125,8 @@ def mla_rope_latent_write(
         cos,
         sin,
         cache,
+        cache if norm_weight is None else norm_weight,  # not read without a norm
+        eps,
         num_heads,
         q.stride(0),
         q.stride(1),
@@ -123,5 +140,6 @@ def mla_rope_latent_write(
         BLOCK_HALF=triton.next_power_of_2(rope // 2),
         BLOCK_L=triton.next_power_of_2(lora),
         INTERLEAVED=interleaved,
+        HAS_NORM=norm_weight is not None,
         enable_fp_fusion=False,
     )

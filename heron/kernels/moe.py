@@ -29,8 +29,10 @@ routing, so there is no host sync and the whole call can be captured in a CUDA g
    pairs side by side, read from wherever the layout keeps them. The result ``h`` [rows, I]
    stays in the sorted row order.
 3. ``_down_kernel``: the same grouped GEMM on ``h`` and the down weights, times the pair's
-   routing weight; each row is stored (fp32) at its pair's place in ``[T * k, hidden]``, and the
-   ``k`` slots of each token are summed afterwards (deterministic: no atomics).
+   routing weight; each row is stored (fp32) at its pair's place in ``[T * k, hidden]``.
+4. ``_combine_kernel`` sums each token's ``k`` slots in a fixed order (deterministic: no
+   atomics), adds the shared expert's output where the block has one (times the sigmoid of
+   its gate, Qwen's), and rounds once to ``x``'s dtype.
 
 Programs whose row block lies past the used ones return at once; padding rows are computed (on
 zeros) but never stored by the second kernel. Accumulation is fp32 throughout.
@@ -287,6 +289,72 @@ def _down_kernel(
     tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=valid[:, None] & n_mask[None, :])
 
 
+@triton.jit
+def _combine_kernel(
+    slots_ptr,  # [T * k, hidden] fp32
+    add_ptr,  # [T, hidden]
+    gate_ptr,  # [T, 1]
+    out_ptr,  # [T, hidden]
+    hidden,
+    stride_add,
+    stride_gate,
+    stride_out,
+    TOP_K: tl.constexpr,
+    HAS_ADD: tl.constexpr,
+    HAS_GATE: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    """``out[t] = sum_j slots[t * k + j] (+ add[t] (* sigmoid(gate[t])))``, summed in fp32."""
+    t = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = cols < hidden
+    acc = tl.zeros((BLOCK,), dtype=tl.float32)
+    for j in tl.static_range(TOP_K):
+        acc += tl.load(slots_ptr + (t * TOP_K + j) * hidden + cols, mask=mask, other=0.0)
+    if HAS_ADD:
+        shared = tl.load(add_ptr + t * stride_add + cols, mask=mask, other=0.0).to(tl.float32)
+        if HAS_GATE:
+            shared *= tl.sigmoid(tl.load(gate_ptr + t * stride_gate).to(tl.float32))
+        acc += shared
+    tl.store(out_ptr + t * stride_out + cols, acc.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def combine_slots(
+    per_slot: torch.Tensor,
+    top_k: int,
+    dtype: torch.dtype,
+    add: torch.Tensor | None = None,
+    add_gate: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """``[T * k, hidden]`` fp32 slots -> ``[T, hidden]`` in ``dtype``: each token's ``k`` slots
+    summed, plus ``add`` [T, hidden] (scaled by ``sigmoid(add_gate)`` [T, 1] if given)."""
+    hidden = per_slot.shape[1]
+    num_tokens = per_slot.shape[0] // top_k
+    if add is not None and (add.shape != (num_tokens, hidden) or add.stride(1) != 1):
+        raise ValueError(f"combine_slots: add {tuple(add.shape)} is not [{num_tokens}, {hidden}]")
+    if add_gate is not None and (add is None or add_gate.shape != (num_tokens, 1)):
+        raise ValueError("combine_slots: add_gate must be [T, 1] beside an add")
+    out = torch.empty(num_tokens, hidden, dtype=dtype, device=per_slot.device)
+    block = min(1024, triton.next_power_of_2(hidden))
+    if num_tokens:
+        _combine_kernel[(num_tokens, triton.cdiv(hidden, block))](
+            per_slot,
+            per_slot if add is None else add,  # not read without an add
+            per_slot if add_gate is None else add_gate,
+            out,
+            hidden,
+            0 if add is None else add.stride(0),
+            0 if add_gate is None else add_gate.stride(0),
+            out.stride(0),
+            TOP_K=top_k,
+            HAS_ADD=add is not None,
+            HAS_GATE=add_gate is not None,
+            BLOCK=block,
+            num_warps=4,
+        )
+    return out
+
+
 def default_blocks(num_pairs: int, num_experts: int) -> tuple[int, int, int]:
     """``(BLOCK_M, BLOCK_N, BLOCK_K)`` by the mean number of pairs per expert: small row blocks
     while few tokens reach each expert (decode), larger ones for prefill."""
@@ -316,9 +384,12 @@ def fused_experts(
     down_scale: torch.Tensor | None = None,
     scale_block: tuple[int, int] | None = None,
     blocks: tuple[int, int, int] | None = None,
+    add: torch.Tensor | None = None,
+    add_gate: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The experts on ``x`` [T, hidden]: the sum over each token's experts ``indices`` [T, k]
-    of ``weights`` [T, k] times the expert's gated MLP; returns [T, hidden].
+    of ``weights`` [T, k] times the expert's gated MLP, plus ``add`` [T, hidden] (a shared
+    expert's output, scaled by ``sigmoid(add_gate)`` [T, 1] if given); returns [T, hidden].
 
     ``activation`` is one of ``ACTIVATIONS`` (``alpha`` and ``limit`` are the clamped one's).
     With ``output_major`` the weights are ``gate_up`` [E, 2I, hidden] and ``down`` [E, hidden,
@@ -357,6 +428,8 @@ def fused_experts(
         x = x.contiguous()
     if num_tokens == 0:
         return torch.zeros_like(x)
+    if add_gate is not None and add is None:
+        raise ValueError("fused_experts: add_gate needs an add")
     num_pairs = num_tokens * top_k
     block_m, block_n, block_k = blocks or default_blocks(num_pairs, num_experts)
     scale_bn, scale_bk = scale_block or (1, 1)
@@ -420,7 +493,7 @@ def fused_experts(
         EVEN_K=inter % block_k == 0,
         **common,
     )
-    return per_slot.view(num_tokens, top_k, hidden).sum(dim=1).to(x.dtype)
+    return combine_slots(per_slot, top_k, x.dtype, add, add_gate)
 
 
 def _check_weights(

@@ -1,4 +1,5 @@
-"""A router's rule in one Triton launch: each token's top-k experts and their weights.
+"""A router's rule in one Triton launch: each token's top-k experts and their weights; and the
+fp32 router product of DeepSeek's routers in one launch for decode-sized batches.
 
 ``heron.layers.routing.Routing.select`` spells the rules in PyTorch (softmax, top-k, gathers,
 group masks, renormalisation: eight to fifteen small kernels per MoE layer, which at decode cost
@@ -10,11 +11,75 @@ scores summed), ``top_k`` rounds of arg-max (the lowest index among equals), the
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 import triton
 import triton.language as tl
 
 SCORINGS = {"softmax": 0, "softmax_of_topk": 1, "sigmoid": 2}
 MAX_EXPERTS = 1024
+#: Past this many tokens the router product is a GEMM's work: cuBLAS takes it.
+ROUTER_KERNEL_MAX_TOKENS = 64
+
+
+@triton.jit
+def _router_logits_kernel(
+    x_ptr,  # [T, hidden], any float dtype
+    w_ptr,  # [E, hidden] fp32
+    b_ptr,  # [E] fp32
+    out_ptr,  # [T, E] fp32
+    hidden,
+    num_experts,
+    stride_x,
+    HAS_BIAS: tl.constexpr,
+    BLOCK_E: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    t = tl.program_id(0).to(tl.int64)
+    experts = tl.program_id(1) * BLOCK_E + tl.arange(0, BLOCK_E)
+    e_mask = experts < num_experts
+    acc = tl.zeros([BLOCK_E, BLOCK_K], dtype=tl.float32)
+    for k0 in range(0, hidden, BLOCK_K):
+        ks = k0 + tl.arange(0, BLOCK_K)
+        k_mask = ks < hidden
+        x = tl.load(x_ptr + t * stride_x + ks, mask=k_mask, other=0.0).to(tl.float32)
+        w_ptrs = w_ptr + experts[:, None].to(tl.int64) * hidden + ks[None, :]
+        w = tl.load(w_ptrs, mask=e_mask[:, None] & k_mask[None, :], other=0.0)
+        acc += w * x[None, :]
+    logits = tl.sum(acc, axis=1)
+    if HAS_BIAS:
+        logits += tl.load(b_ptr + experts, mask=e_mask, other=0.0)
+    tl.store(out_ptr + t * num_experts + experts, logits, mask=e_mask)
+
+
+def router_logits(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
+) -> torch.Tensor:
+    """``F.linear(x.float(), weight, bias)`` for an fp32 router ``weight`` [E, hidden] (HF
+    DeepSeek's product): one launch up to ``ROUTER_KERNEL_MAX_TOKENS`` rows, where the cast
+    and cuBLAS's split product take three; cuBLAS past it."""
+    num_tokens, hidden = x.shape
+    if weight.dtype != torch.float32 or (bias is not None and bias.dtype != torch.float32):
+        raise ValueError("router_logits: the router weight and bias must be fp32")
+    if num_tokens > ROUTER_KERNEL_MAX_TOKENS or x.stride(1) != 1 or not weight.is_contiguous():
+        return F.linear(x.float(), weight, bias)
+    num_experts = weight.shape[0]
+    out = torch.empty(num_tokens, num_experts, dtype=torch.float32, device=x.device)
+    block_e = 2 if num_tokens <= 16 else 8  # enough programs to spread a few rows' reads
+    if num_tokens:
+        _router_logits_kernel[(num_tokens, triton.cdiv(num_experts, block_e))](
+            x,
+            weight,
+            weight if bias is None else bias,  # not read without a bias
+            out,
+            hidden,
+            num_experts,
+            x.stride(0),
+            HAS_BIAS=bias is not None,
+            BLOCK_E=block_e,
+            BLOCK_K=min(512, triton.next_power_of_2(hidden)),
+            num_warps=4,
+        )
+    return out
 
 
 @triton.jit

@@ -63,8 +63,10 @@ def clamped_swiglu(gate_up: torch.Tensor, alpha: float, limit: float) -> torch.T
 
 
 class ExpertBank(nn.Module):
-    """``num_experts`` gated MLPs; ``forward(x, weights, indices)`` sums each token's experts
-    ``indices`` [T, k] weighted by ``weights`` [T, k].
+    """``num_experts`` gated MLPs; ``forward(x, weights, indices, add, add_gate)`` sums each
+    token's experts ``indices`` [T, k] weighted by ``weights`` [T, k], plus ``add`` (a shared
+    expert's output; times ``sigmoid(add_gate)`` if given), which the fused kernels add in
+    the same launch as the sum.
 
     A subclass creates the stacked parameters ``gate_up_proj`` and ``down_proj`` (and any
     biases), says how the fused kernels read them (the class attributes below, see
@@ -107,11 +109,21 @@ class ExpertBank(nn.Module):
         )
 
     def forward(
-        self, x: torch.Tensor, weights: torch.Tensor, indices: torch.Tensor
+        self,
+        x: torch.Tensor,
+        weights: torch.Tensor,
+        indices: torch.Tensor,
+        add: torch.Tensor | None = None,
+        add_gate: torch.Tensor | None = None,
     ) -> torch.Tensor:
         if self.fused is not None:
-            return self.fused(x, weights, indices, **self.fused_layout())
-        return self.forward_sparse(x, weights, indices)
+            return self.fused(
+                x, weights, indices, **self.fused_layout(), add=add, add_gate=add_gate
+            )
+        out = self.forward_sparse(x, weights, indices)
+        if add is None:
+            return out
+        return out + (add if add_gate is None else torch.sigmoid(add_gate) * add)
 
     def forward_sparse(
         self, x: torch.Tensor, weights: torch.Tensor, indices: torch.Tensor
@@ -456,12 +468,12 @@ class SparseMoE(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x: [tokens, hidden] -> [tokens, hidden]."""
-        out = self.experts(x, *self.gate(x))
+        shared = gate = None
         if self.shared_expert is not None:
             shared = self.shared_expert(x)
             if self.shared_expert_gate is not None:
-                shared = torch.sigmoid(self.shared_expert_gate(x)) * shared
-            out = out + shared
+                gate = self.shared_expert_gate(x)
+        out = self.experts(x, *self.gate(x), shared, gate)
         # Tensor-parallel, each rank's experts (and shared expert) hold part of the features:
         # one all-reduce sums both (the replicated gate scales each rank's part alike).
         return out if self.experts.tp is None else self.experts.tp.all_reduce(out)

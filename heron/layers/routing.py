@@ -176,7 +176,9 @@ class TopKRouter(Linear):
         )
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        if self.routing.fp32_logits:
+        if self.routing.fp32_logits and self.kernels.router_logits is not None:
+            logits = self.kernels.router_logits(x, self.weight, self.bias)
+        elif self.routing.fp32_logits:
             logits = F.linear(x.float(), self.weight, self.bias)
         else:
             logits = super().forward(x)

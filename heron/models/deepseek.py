@@ -2,8 +2,8 @@
 
 The attention layer projects the query (directly, or through the low-rank ``q_a_proj`` ->
 ``q_a_layernorm`` -> ``q_b_proj``) and the compressed latent plus shared rotary key
-(``kv_a_proj_with_mqa``, the latent normed by ``kv_a_layernorm``), and hands both to the
-latent attention operator, which owns the latent cache and reads ``kv_b_proj``.
+(``kv_a_proj_with_mqa``), and hands both to the latent attention operator, which owns the
+latent cache and reads ``kv_b_proj`` and the latent's norm ``kv_a_layernorm``.
 """
 
 from __future__ import annotations
@@ -99,7 +99,9 @@ class DeepseekAttention(nn.Module):
             v_head_dim=v_dim,
             scale=mla_softmax_scale(config),
         )
-        self.attn = make_mla(f"{prefix}.attn", spec, runtime, rotary, self.kv_b_proj)
+        self.attn = make_mla(
+            f"{prefix}.attn", spec, runtime, rotary, self.kv_b_proj, self.kv_a_layernorm
+        )
         self._split = [lora, rope]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -108,7 +110,7 @@ class DeepseekAttention(nn.Module):
         else:
             q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
         latent, k_rope = self.kv_a_proj_with_mqa(x).split(self._split, dim=-1)
-        return self.o_proj(self.attn(q, self.kv_a_layernorm(latent.contiguous()), k_rope))
+        return self.o_proj(self.attn(q, latent, k_rope))  # the operator norms the latent
 
 
 class DeepseekDecoderLayer(PreNormDecoderLayer):

@@ -76,6 +76,7 @@ def _triton_layer_kernels() -> LayerKernels:
         gemv_serves=gemv.serves,
         fused_experts=moe.fused_experts,
         route_topk=moe_route.route_topk,
+        router_logits=moe_route.router_logits,
         fp8_mm=partial(fp8.scaled_mm, quantize_rows=fp8_quant.quantize_rows),
     )
 
@@ -160,6 +161,7 @@ def make_mla(
     runtime: OperatorRuntime,
     rotary: nn.Module,
     kv_b_proj: nn.Module,
+    latent_norm: nn.Module,
 ) -> MLAOperator:
     """The latent attention operator for one layer, of the runtime's attention backend."""
     backend = runtime.attention_backend
@@ -175,4 +177,5 @@ def make_mla(
         rotary,
         kv_b_proj,
         build_context=runtime.build_context,
+        latent_norm=latent_norm,
     )

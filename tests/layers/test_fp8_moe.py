@@ -213,7 +213,11 @@ def fp8_moe_launches() -> None:
 
 def test_fp8_moe_launches_lower_for_hopper():
     """Triton's compiler accepts both expert kernels over FP8 weights, each scale layout."""
-    kernels = ("heron.kernels.moe:_gate_up_kernel", "heron.kernels.moe:_down_kernel")
+    kernels = (
+        "heron.kernels.moe:_gate_up_kernel",
+        "heron.kernels.moe:_down_kernel",
+        "heron.kernels.moe:_combine_kernel",
+    )
     # The alignment launches on the way, so it is recorded (and lowered) too.
     align = "heron.kernels.moe_align:_align_kernel"
     assert check_lowering("layers.test_fp8_moe:fp8_moe_launches", *kernels, align) >= 4

@@ -8,7 +8,7 @@ import pytest
 import torch
 from triton_lowering import check_lowering
 
-from heron.kernels.moe_route import route_topk
+from heron.kernels.moe_route import ROUTER_KERNEL_MAX_TOKENS, route_topk, router_logits
 from heron.layers.routing import Routing
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -49,13 +49,36 @@ def test_route_topk_refuses_what_it_cannot_split():
         )  # fmt: skip
 
 
+@pytest.mark.parametrize("with_bias", [False, True])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_router_logits_equal_the_fp32_product(dtype, with_bias):
+    """HF DeepSeek's router product (``F.linear`` on the input cast to fp32), experts and a
+    hidden size that do not fill the kernel's tiles."""
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(3, 200, generator=g).to(dtype).to(DEVICE)
+    weight = torch.randn(13, 200, generator=g).to(DEVICE)
+    bias = torch.randn(13, generator=g).to(DEVICE) if with_bias else None
+    want = torch.nn.functional.linear(
+        x.double(), weight.double(), None if bias is None else bias.double()
+    )
+    torch.testing.assert_close(router_logits(x, weight, bias).double(), want, rtol=1e-5, atol=1e-5)
+    many = x.new_zeros(ROUTER_KERNEL_MAX_TOKENS + 1, 200)  # cuBLAS's size
+    assert router_logits(many, weight, bias).shape == (ROUTER_KERNEL_MAX_TOKENS + 1, 13)
+
+
 def route_launches() -> None:
-    """DeepSeek-V3's grouped sigmoid rule and gpt-oss's, for the lowering test."""
+    """DeepSeek-V3's grouped sigmoid rule and gpt-oss's, and DeepSeek-V3's fp32 router
+    product at its size, for the lowering test."""
     for num_experts, routing in (ROUTINGS["deepseek-v3"], ROUTINGS["gpt-oss"]):
         bias = torch.zeros(num_experts) if routing.scoring == "sigmoid" else None
         route_topk(torch.zeros(4, num_experts, dtype=torch.bfloat16), bias, **routing.rule())
+    for tokens in (1, 64):
+        router_logits(torch.zeros(tokens, 7168, dtype=torch.bfloat16), torch.zeros(256, 7168))
 
 
 def test_route_launches_lower_for_hopper():
-    kernel = "heron.kernels.moe_route:_route_kernel"
-    assert check_lowering("layers.test_moe_route:route_launches", kernel) == 2
+    kernels = (
+        "heron.kernels.moe_route:_route_kernel",
+        "heron.kernels.moe_route:_router_logits_kernel",
+    )
+    assert check_lowering("layers.test_moe_route:route_launches", *kernels) == 4

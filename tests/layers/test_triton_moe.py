@@ -181,6 +181,23 @@ def test_fp16_strided_input(bank):
     assert rel_err(got, want) < 5e-3
 
 
+@pytest.mark.parametrize("gated", [False, True])
+def test_shared_expert_output_is_added_with_the_sum(gated):
+    """``add`` (a shared expert's output, Qwen's scaled by the sigmoid of its gate) joins the
+    sum of the routed experts in the same launch, as the module's torch path adds it."""
+    experts = make_experts(4, 32, 16, torch.float32, kind="swiglu")
+    g = torch.Generator(DEVICE).manual_seed(3)
+    x = torch.randn(5, 32, generator=g, device=DEVICE)
+    shared = torch.randn(5, 32, generator=g, device=DEVICE)
+    gate = torch.randn(5, 1, generator=g, device=DEVICE) if gated else None
+    weights, indices = route(5, 4, 2, "random")
+    want = experts(x, weights, indices, shared, gate)  # the torch path
+    routed = experts.forward_sparse(x, weights, indices)
+    torch.testing.assert_close(want, routed + (shared if gate is None else gate.sigmoid() * shared))
+    got = fused_experts(x, weights, indices, **experts.fused_layout(), add=shared, add_gate=gate)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
 def test_no_tokens():
     experts = make_experts(4, 32, 16, torch.float32)
     weights, indices = route(0, 4, 2, "random")
@@ -312,16 +329,21 @@ def moe_launches() -> None:
             g = torch.Generator().manual_seed(0)
             indices = torch.randint(0, experts.num_experts, (tokens, top_k), generator=g)
             x, weights = torch.empty(tokens, hidden, dtype=bf16), torch.empty(tokens, top_k)
-            fused_experts(x, weights.to(bf16), indices, **experts.fused_layout())
+            shared = torch.empty(tokens, hidden, dtype=bf16)  # a shared expert, gated or not
+            gate = torch.empty(tokens, 1, dtype=bf16) if tokens == 4 else None
+            layout = experts.fused_layout()
+            fused_experts(x, weights.to(bf16), indices, **layout, add=shared, add_gate=gate)
+            fused_experts(x, weights.to(bf16), indices, **layout)
 
 
 def test_moe_launches_lower_for_hopper():
-    """Triton's compiler accepts both expert kernels' launch variants and the one-program
-    alignment at gpt-oss-20b's and Qwen3-30B-A3B's sizes (which the interpreter alone would
-    not prove)."""
+    """Triton's compiler accepts both expert kernels' launch variants, the combine's and the
+    one-program alignment at gpt-oss-20b's and Qwen3-30B-A3B's sizes (which the interpreter
+    alone would not prove)."""
     assert check_lowering(
         "layers.test_triton_moe:moe_launches",
         "heron.kernels.moe:_gate_up_kernel",
         "heron.kernels.moe:_down_kernel",
+        "heron.kernels.moe:_combine_kernel",
         "heron.kernels.moe_align:_align_kernel",
     )

@@ -10,6 +10,7 @@ import torch
 from torch import nn
 
 from heron.cache.spec import LatentAttentionSpec
+from heron.layers.norm import RMSNorm
 from heron.metadata import MetadataOperator, ModelBuildContext, StepMetadataError
 from heron.ops.attention.paged import PagedAttentionBuilder, PagedAttentionView
 
@@ -44,9 +45,11 @@ class MLAOperator(MetadataOperator):
     """Latent attention from the layer's query and latent to its per-head values.
 
     ``forward(q, kv_latent, k_rope)`` takes the query ``[tokens, heads * (nope + rope)]``, the
-    normalised latent ``[tokens, kv_lora_rank]`` and the shared rotary key ``[tokens, rope]``
-    (before RoPE). It applies RoPE at the view's positions, stores ``[latent, roped key]`` at
-    the view's slots, then:
+    latent ``[tokens, kv_lora_rank]`` (rows may be strided) and the shared rotary key
+    ``[tokens, rope]`` (before RoPE). It applies RoPE at the view's positions, norms the latent
+    with ``latent_norm`` (the model's ``kv_a_layernorm``; none: it enters normed), stores
+    ``[latent, roped key]`` at the view's slots (the cache is the only reader of the normed
+    latent, so a backend may norm it in the same launch), then:
 
     - extend (prefill, chunks, prefix hits): here, decompresses every cached latent of the
       request through ``kv_b_proj`` into per-head keys and values and attends causally, one
@@ -55,7 +58,8 @@ class MLAOperator(MetadataOperator):
       latent space), attends over the cached entries directly (:meth:`attend_latent`: one
       latent "KV head" shared by every query head), and applies the value part ``W_UV`` after.
 
-    The model owns ``kv_b_proj`` (its checkpoint weight); the operator only reads it.
+    The model owns ``kv_b_proj`` and ``latent_norm`` (checkpoint weights); the operator only
+    reads them.
     """
 
     def __init__(
@@ -67,11 +71,13 @@ class MLAOperator(MetadataOperator):
         rotary: nn.Module,
         kv_b_proj: nn.Module,
         build_context: ModelBuildContext | None = None,
+        latent_norm: RMSNorm | None = None,
     ) -> None:
         super().__init__(layer_name, build_context)
         self.spec = spec
         self.rotary = rotary
         self.kv_b_proj = kv_b_proj
+        self.latent_norm = latent_norm
         self._cache_spec = LatentAttentionSpec(
             block_size, torch.get_default_dtype(), spec.kv_lora_rank, spec.rope_dim
         )
@@ -119,6 +125,8 @@ class MLAOperator(MetadataOperator):
         """RoPE on ``q [tokens, heads, nope + rope]`` and the shared key, ``[latent, roped key]``
         into the cache at the view's slots; returns the roped query."""
         tokens = q.shape[0]
+        if self.latent_norm is not None:
+            kv_latent = self.latent_norm(kv_latent)
         q_nope, q_rope = q.split([self.spec.nope_dim, self.spec.rope_dim], dim=-1)
         q_rope, k_rope = self.rotary(view.positions[:tokens], q_rope, k_rope.view(tokens, 1, -1))
         entry = torch.cat([kv_latent, k_rope.view(tokens, -1)], dim=-1)

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 
 import torch
 
+from heron.kernels.mla_absorb import ABSORB_KERNEL_MAX_TOKENS, mla_absorb_query
 from heron.kernels.mla_decode import (
     MLADecodePlan,
     choose_max_splits,
@@ -17,6 +18,7 @@ from heron.kernels.mla_decode import (
 from heron.kernels.mla_extend import mla_extend_attention
 from heron.kernels.mla_rope import mla_rope_latent_write
 from heron.kernels.pdl import multiprocessor_count
+from heron.layers.norm import RMSNorm
 from heron.layers.rotary import MLARotary
 from heron.metadata import GraphSupport, SequenceMetadata, StepMetadataError
 from heron.ops.attention.paged import PagedAttentionView, PagedGraphBuffers
@@ -154,8 +156,9 @@ class TritonMLABuilder(LatentAttentionBuilder):
 
 
 class TritonMLA(MLAOperator):
-    """Latent attention with Triton kernels: RoPE and the latent write fused in one launch
-    (for an ``MLARotary``; any other rotary runs the base class's torch path), and the MLA
+    """Latent attention with Triton kernels: RoPE, the latent's norm and write fused in one
+    launch (for an ``MLARotary`` and a Llama-form norm; otherwise the base class's torch path
+    runs), the query's absorption in one launch at decode's few tokens, and the MLA
     decode and extend kernels over the latent cache, both with the weights absorbed (see
     ``heron.kernels.mla_extend`` for why extend is too). No launch uses programmatic
     dependent launch: the attention is preceded by the query absorption, not by the kernel
@@ -171,7 +174,9 @@ class TritonMLA(MLAOperator):
         k_rope: torch.Tensor,
         view: PagedAttentionView,
     ) -> torch.Tensor:
-        if not isinstance(self.rotary, MLARotary):
+        norm = self.latent_norm
+        fused_norm = norm is not None and type(norm) is RMSNorm  # HF Llama's form
+        if not isinstance(self.rotary, MLARotary) or (norm is not None and not fused_norm):
             return super().rope_and_store(q, kv_latent, k_rope, view)
         q, tokens = q.contiguous(), q.shape[0]  # rotated in place: a copy if it is a view
         table = self.rotary.rotary
@@ -186,8 +191,15 @@ class TritonMLA(MLAOperator):
             self.kv_cache,
             self.spec.nope_dim,
             self.rotary.interleaved,
+            norm.weight if fused_norm else None,
+            norm.eps if fused_norm else 0.0,
         )
         return q
+
+    def absorb_query(self, q_nope: torch.Tensor, q_rope: torch.Tensor) -> torch.Tensor:
+        if q_nope.shape[0] > ABSORB_KERNEL_MAX_TOKENS:
+            return super().absorb_query(q_nope, q_rope)
+        return mla_absorb_query(q_nope, q_rope, self._kv_b_heads()[0])
 
     def decodes(self, view: PagedAttentionView) -> bool:
         # verification steps as well: the builder gave their views a decode workspace
