@@ -9,7 +9,8 @@ In PyTorch that is about fifteen small kernels (counts, cumulative sums, a stabl
 scatters, a search), which at decode, a few pairs per layer, cost more than the experts' GEMMs.
 Up to ``ONE_PROGRAM_PAIRS`` pairs a single Triton program does it all: counts from one-hot
 comparisons with the experts, each pair's place from the counts before it, then each block's
-expert.
+expert. One token (batch-1 decode) needs none of that: its ``k`` pairs go to distinct experts
+(a router's top-k), so each pair is a block of its own, in slot order.
 """
 
 from __future__ import annotations
@@ -36,7 +37,16 @@ def _align_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_E: tl.constexpr,
     BLOCK_P: tl.constexpr,
+    ONE_TOKEN: tl.constexpr,
 ):
+    if ONE_TOKEN:  # pair p is block p (a layout valid for any indices: blocks need no order)
+        rows = tl.arange(0, BLOCK_P)
+        pair_rows = tl.where(rows % BLOCK_M == 0, rows // BLOCK_M, num_pairs)
+        tl.store(sorted_ptr + rows, pair_rows, mask=rows < max_rows)
+        pairs = rows < num_pairs
+        tl.store(block_expert_ptr + rows, tl.load(ids_ptr + rows, mask=pairs), mask=pairs)
+        tl.store(num_blocks_ptr, num_pairs)
+        return
     experts = tl.arange(0, BLOCK_E)
     offs = tl.arange(0, BLOCK_P)
     counts = tl.zeros([BLOCK_E], dtype=tl.int32)
@@ -90,6 +100,7 @@ def align_by_expert(
     block_expert = torch.empty(max_rows // block_m, dtype=torch.int32, device=flat.device)
     num_blocks = torch.empty(1, dtype=torch.int32, device=flat.device)
     block_e = triton.next_power_of_2(num_experts)
+    one_token = indices.shape[0] == 1
     _align_kernel[(1,)](
         flat,
         sorted_ids,
@@ -100,7 +111,8 @@ def align_by_expert(
         max_rows,
         BLOCK_M=block_m,
         BLOCK_E=block_e,
-        BLOCK_P=max(16, _TILE // block_e),
+        BLOCK_P=triton.next_power_of_2(max_rows) if one_token else max(16, _TILE // block_e),
+        ONE_TOKEN=one_token,
     )
     return sorted_ids, block_expert, num_blocks
 

@@ -117,9 +117,21 @@ def test_align_by_expert(align_path):
     assert sorted(sorted_ids[sorted_ids < num_pairs].tolist()) == list(range(num_pairs))
 
 
+def test_one_token_gets_a_block_per_pair():
+    """Batch-1 decode: each of the token's pairs is a block of its own, whatever the experts."""
+    block_m = 16
+    for row in ([5, 1, 60, 2, 33, 0], [3, 3]):  # (duplicates too: still a valid layout)
+        indices = torch.tensor([row], device=DEVICE)
+        sorted_ids, block_expert, num_blocks = align_by_expert(indices, 64, block_m)
+        k = len(row)
+        assert num_blocks.tolist() == [k] and block_expert.tolist() == row
+        rows = sorted_ids.view(k, block_m).cpu()
+        assert rows[:, 0].tolist() == list(range(k)) and (rows[:, 1:] == k).all()
+
+
 @pytest.mark.parametrize(
     "num_tokens,top_k,num_experts,block_m",
-    [(1, 6, 64, 16), (7, 2, 5, 16), (40, 6, 160, 32), (100, 2, 3, 64)],  # one tile, several
+    [(2, 6, 64, 16), (7, 2, 5, 16), (40, 6, 160, 32), (100, 2, 3, 64)],  # one tile, several
 )
 def test_one_program_alignment_equals_torch(num_tokens, top_k, num_experts, block_m):
     """Random routings, experts not a power of two, pairs over several of the kernel's tiles."""
@@ -325,7 +337,7 @@ def moe_launches() -> None:
     clamped = ClampedSwiGLUExperts(32, 2880, 2880, LIMIT).to(bf16)
     swiglu = SwiGLUExperts(128, 2048, 768).to(bf16)
     for experts, top_k, hidden in ((clamped, 4, 2880), (swiglu, 8, 2048)):
-        for tokens in (4, 4096):
+        for tokens in (1, 4, 4096):
             g = torch.Generator().manual_seed(0)
             indices = torch.randint(0, experts.num_experts, (tokens, top_k), generator=g)
             x, weights = torch.empty(tokens, hidden, dtype=bf16), torch.empty(tokens, top_k)
