@@ -99,20 +99,30 @@ def _fused_decode_kernel(
     BLOCK_V: tl.constexpr,
     USE_PDL: tl.constexpr,
 ):
-    wait_for_previous_kernel(USE_PDL)
     row = tl.program_id(0)
     key_head = tl.program_id(1)
+    per_key: tl.constexpr = NUM_VALUE_HEADS // NUM_KEY_HEADS
     ks, vs = tl.arange(0, BLOCK_K), tl.arange(0, BLOCK_V)
     k_mask, v_mask = ks < KEY_DIM, vs < VALUE_DIM
     tile_mask = k_mask[:, None] & v_mask[None, :]
     within = ks[:, None] * VALUE_DIM + vs[None, :]
+    # Before the wait (as the decode attention loads cached keys): the slots and has_state
+    # were copied before the step's kernels, and only this layer's kernel writes its states
+    # (in earlier steps), so no running kernel writes what is loaded here: the first value
+    # head's state, the largest load, overlaps the previous kernel's end.
     slot = tl.load(slots_ptr + row * stride_slots).to(tl.int64)
     keep = tl.load(has_state_ptr + row) != 0
     conv_slot = conv_state_ptr + slot * stride_conv_slot
     state_slot = state_ptr + slot * stride_state_slot
+    first_state = tl.load(
+        state_slot + key_head * per_key * KEY_DIM * VALUE_DIM + within,
+        mask=tile_mask & keep,
+        other=0.0,
+    )
+    norm_weight = tl.load(norm_weight_ptr + vs, mask=v_mask, other=0.0).to(tl.float32)
+    wait_for_previous_kernel(USE_PDL)
     conv_kept = conv_kept_ptr + row.to(tl.int64) * stride_conv_kept_row
     state_kept = state_kept_ptr + row.to(tl.int64) * stride_state_kept_row
-    norm_weight = tl.load(norm_weight_ptr + vs, mask=v_mask, other=0.0).to(tl.float32)
     q_cols = key_head * KEY_DIM + ks
     dtype = x_ptr.dtype.element_ty
     for t in tl.static_range(QUERY_LEN):
@@ -140,15 +150,18 @@ def _fused_decode_kernel(
             k_mask, k_mask & keep_t, stride_conv_c, stride_weight_c, stride_weight_w, WIDTH,
         )  # fmt: skip
         q, k = l2_normed_qk(q, k, KEY_DIM)
-        for j in tl.static_range(NUM_VALUE_HEADS // NUM_KEY_HEADS):
-            head = key_head * (NUM_VALUE_HEADS // NUM_KEY_HEADS) + j
+        for j in tl.static_range(per_key):
+            head = key_head * per_key + j
             v_cols = 2 * NUM_KEY_HEADS * KEY_DIM + head * VALUE_DIM + vs
             v = _conv_channels(
                 x_row, conv_src, conv_dst, conv_weight_ptr, v_cols, v_mask, v_mask & keep_t,
                 stride_conv_c, stride_weight_c, stride_weight_w, WIDTH,
             )  # fmt: skip
             head_tile = head * KEY_DIM * VALUE_DIM + within
-            s = tl.load(state_src + head_tile, mask=tile_mask & keep_t, other=0.0)
+            if t == 0 and j == 0:
+                s = first_state
+            else:
+                s = tl.load(state_src + head_tile, mask=tile_mask & keep_t, other=0.0)
             a = tl.load(a_ptr + token * stride_ab + head).to(tl.float32)
             b = tl.load(b_ptr + token * stride_ab + head).to(tl.float32)
             a_log = tl.load(a_log_ptr + head).to(tl.float32)
