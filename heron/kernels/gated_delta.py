@@ -12,6 +12,8 @@ inputs: a verification step's last token and its proposals) run as ``q`` decode 
 program, in the same two launches: the state after each token but the last goes to ``kept[n]``,
 rounded to the state's dtype as a decode step stores it, and the last one to the slot. The
 recurrent state stays in registers between tokens; the conv state is re-read from ``kept``.
+
+``gated_delta_fused`` runs both with the layer's gated norm in one launch, from the helpers here.
 """
 
 from __future__ import annotations
