@@ -17,6 +17,7 @@ from ops.test_gated_delta_builder import step
 
 from heron.layers.norm import GatedRMSNorm
 from heron.metadata import GraphSupport, ModelBuildContext, StepMetadataError, StepMetaPlan
+from heron.ops.linear_attention import triton_operator
 from heron.ops.linear_attention.operator import GatedDeltaNet, GatedDeltaNetSpec
 from heron.ops.linear_attention.triton_operator import TritonGatedDeltaNet
 
@@ -123,17 +124,20 @@ def test_verification_equals_decoding_token_by_token_and_rolls_back():
     torch.testing.assert_close(tri.conv_state[4], states[1][0][2])
 
 
-@pytest.mark.parametrize("fused", [False, True])
-def test_graph_buffers_pad_onto_the_null_slot_and_leave_other_slots_alone(fused):
-    """The two decode kernels, or (given the layer's norm) the one fused launch, which then
-    returns the norm of the same outputs."""
+@pytest.mark.parametrize("normed, fused", [(False, False), (True, False), (True, True)])
+def test_graph_buffers_pad_onto_the_null_slot_and_leave_other_slots_alone(
+    normed, fused, monkeypatch
+):
+    """The two decode kernels, then (given the layer's norm) the norm's, or with the switch on
+    the one fused launch: the norm of the same outputs."""
+    monkeypatch.setattr(triton_operator, "FUSED_DECODE", fused)
     ref, tri = operators()
+    assert tri._fuses_norm == fused
     x, a, b = inputs(4)
-    gate, norm = gated_norm(4) if fused else (None, None)
+    gate, norm = gated_norm(4) if normed else (None, None)
     real = slice(0, 3 * Q)
     want, _ = decode_one_by_one(ref, x[real], a[real], b[real])
-    if fused:
-        assert tri._fuses_norm
+    if normed:
         want = norm(want.flatten(0, 1), gate[real].view(3 * Q, 4, -1)).view(want.shape)
     builder = tri.metadata_builder()
     buffers = builder.make_graph_buffers(4, DEVICE, max_query_len=Q)

@@ -4,6 +4,7 @@ prefill of ``fla_prefill``."""
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 from typing import Any
 
@@ -18,8 +19,8 @@ from heron.ops.linear_attention.operator import GatedDeltaNet
 
 #: Whether decode and uniform verification steps given the layer's norm run the one fused
 #: launch of ``gated_delta_fused`` (where its state tile fits) instead of the two decode kernels
-#: and the norm's.
-FUSED_DECODE = True
+#: and the norm's; ``HERON_GDN_FUSED=0`` turns it off (to compare the two).
+FUSED_DECODE = os.environ.get("HERON_GDN_FUSED", "1") != "0"
 
 
 class TritonGatedDeltaNet(GatedDeltaNet):
