@@ -24,22 +24,26 @@ import triton.language as tl
 
 
 @triton.jit
-def conv_token(x, src, dst, weight, stride_weight_w, mask, load_mask, WIDTH: tl.constexpr):
-    """One token of the causal conv on some channels: ``x`` their fp32 inputs, ``src`` / ``dst``
-    pointers to their conv states' oldest entries (read under ``load_mask``, zeros elsewhere;
-    the shifted state written to ``dst``, which may be ``src``), ``weight`` to their first
-    taps. Returns SiLU(conv) in fp32."""
+def conv_silu(x, src, weight, stride_weight_w, mask, load_mask, WIDTH: tl.constexpr):
+    """SiLU of one token's causal conv on some channels, in fp32, with loads only (a kernel can
+    issue them before any store): ``x`` their fp32 inputs, ``src`` pointers to their conv
+    states' oldest entries (read under ``load_mask``, zeros elsewhere), ``weight`` to their
+    first taps."""
     acc = x * tl.load(weight + (WIDTH - 1) * stride_weight_w, mask=mask).to(tl.float32)
-    # The state's entries, oldest first; after the step each moves one place towards the
-    # front and x becomes the newest.
     for i in tl.static_range(WIDTH - 1):
-        s = tl.load(src + i, mask=load_mask, other=0.0)
-        w = tl.load(weight + i * stride_weight_w, mask=mask)
-        acc += s.to(tl.float32) * w.to(tl.float32)
-        if i > 0:
-            tl.store(dst + i - 1, s, mask=mask)
-    tl.store(dst + WIDTH - 2, x.to(dst.dtype.element_ty), mask=mask)
+        s = tl.load(src + i, mask=load_mask, other=0.0).to(tl.float32)
+        acc += s * tl.load(weight + i * stride_weight_w, mask=mask).to(tl.float32)
     return acc / (1.0 + tl.exp(-acc))
+
+
+@triton.jit
+def shift_conv_state(x, src, dst, mask, load_mask, WIDTH: tl.constexpr):
+    """The conv state after the token (arguments as :func:`conv_silu`'s) to ``dst``, which may
+    be ``src``: each entry moves one place towards the front (re-read, as a cache hit) and x
+    becomes the newest."""
+    for i in tl.static_range(1, WIDTH - 1):
+        tl.store(dst + i - 1, tl.load(src + i, mask=load_mask, other=0.0), mask=mask)
+    tl.store(dst + WIDTH - 2, x.to(dst.dtype.element_ty), mask=mask)
 
 
 @triton.jit
@@ -103,7 +107,8 @@ def _conv_update_kernel(
         token = row * QUERY_LEN + t
         x = tl.load(x_ptr + token * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
         weight = weight_ptr + cols * stride_weight_c
-        out = conv_token(x, src, dst, weight, stride_weight_w, mask, load_mask, WIDTH)
+        out = conv_silu(x, src, weight, stride_weight_w, mask, load_mask, WIDTH)
+        shift_conv_state(x, src, dst, mask, load_mask, WIDTH)
         tl.store(out_ptr + token * stride_out + cols, out.to(out_ptr.dtype.element_ty), mask=mask)
 
 

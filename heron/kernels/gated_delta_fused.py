@@ -26,9 +26,10 @@ import triton.language as tl
 from heron.kernels.gated_delta import (
     check_conv_state,
     check_recurrent_state,
-    conv_token,
+    conv_silu,
     delta_rule_token,
     l2_normed_qk,
+    shift_conv_state,
 )
 from heron.kernels.pdl import pdl_launch, wait_for_previous_kernel
 from heron.kernels.rmsnorm import gated_rms_scale
@@ -38,24 +39,37 @@ MAX_STATE_TILE = 128 * 128
 
 
 @triton.jit
-def _conv_channels(
-    x_row, src, dst, weight_ptr, cols, mask, load_mask, stride_conv_c, stride_weight_c,
-    stride_weight_w, WIDTH: tl.constexpr,
+def _conv_of(
+    x_row, src, weight_ptr, cols, mask, load_mask, stride_conv_c, stride_weight_c,
+    stride_weight_w, dtype: tl.constexpr, WIDTH: tl.constexpr,
 ):  # fmt: skip
-    """The conv output of one token's channels ``cols``, rounded to the activation dtype as the
-    unfused conv stores it, in fp32; their conv states shifted from ``src`` to ``dst``."""
-    x = tl.load(x_row + cols, mask=mask, other=0.0)
-    out = conv_token(
-        x.to(tl.float32),
-        src + cols * stride_conv_c,
-        dst + cols * stride_conv_c,
-        weight_ptr + cols * stride_weight_c,
-        stride_weight_w,
-        mask,
-        load_mask,
-        WIDTH,
-    )
-    return out.to(x.dtype).to(tl.float32)
+    """Channels ``cols``' fp32 inputs of one token (from ``x_row``) and their conv output
+    (:func:`conv_silu` from the conv states ``src``), rounded to the activation dtype as the
+    unfused conv stores it, in fp32."""
+    x = tl.load(x_row + cols, mask=mask, other=0.0).to(tl.float32)
+    weight = weight_ptr + cols * stride_weight_c
+    out = conv_silu(x, src + cols * stride_conv_c, weight, stride_weight_w, mask, load_mask, WIDTH)
+    return x, out.to(dtype).to(tl.float32)
+
+
+@triton.jit
+def _value_head_inputs(
+    x_row, conv_src, conv_weight_ptr, v_cols, v_mask, load_mask, gate_row, a_row, b_row,
+    a_log_ptr, dt_bias_ptr, head, vs, stride_conv_c, stride_weight_c, stride_weight_w,
+    dtype: tl.constexpr, VALUE_DIM: tl.constexpr, WIDTH: tl.constexpr,
+):  # fmt: skip
+    """What one value head's step loads besides its state: its v channels' inputs and conv
+    output (:func:`_conv_of`), a, b, A_log, dt_bias (fp32 scalars) and its gate (fp32 [V])."""
+    x, v = _conv_of(
+        x_row, conv_src, conv_weight_ptr, v_cols, v_mask, load_mask, stride_conv_c,
+        stride_weight_c, stride_weight_w, dtype, WIDTH,
+    )  # fmt: skip
+    a = tl.load(a_row + head).to(tl.float32)
+    b = tl.load(b_row + head).to(tl.float32)
+    a_log = tl.load(a_log_ptr + head).to(tl.float32)
+    dt_bias = tl.load(dt_bias_ptr + head).to(tl.float32)
+    gate = tl.load(gate_row + head * VALUE_DIM + vs, mask=v_mask, other=0.0).to(tl.float32)
+    return x, v, a, b, a_log, dt_bias, gate
 
 
 @triton.jit
@@ -141,39 +155,48 @@ def _fused_decode_kernel(
             state_dst = state_kept + t * stride_state_kept_token
         token = row * QUERY_LEN + t
         x_row = x_ptr + token * stride_x
-        q = _conv_channels(
-            x_row, conv_src, conv_dst, conv_weight_ptr, q_cols, k_mask, k_mask & keep_t,
-            stride_conv_c, stride_weight_c, stride_weight_w, WIDTH,
+        a_row, b_row = a_ptr + token * stride_ab, b_ptr + token * stride_ab
+        gate_row = gate_ptr + token * stride_gate
+        # The token's loads first (the first value head's with its key head's), then its maths
+        # and stores: a load after a store would wait for its latency there.
+        k_cols = q_cols + NUM_KEY_HEADS * KEY_DIM
+        q_x, q = _conv_of(
+            x_row, conv_src, conv_weight_ptr, q_cols, k_mask, k_mask & keep_t, stride_conv_c,
+            stride_weight_c, stride_weight_w, dtype, WIDTH,
         )  # fmt: skip
-        k = _conv_channels(
-            x_row, conv_src, conv_dst, conv_weight_ptr, q_cols + NUM_KEY_HEADS * KEY_DIM,
-            k_mask, k_mask & keep_t, stride_conv_c, stride_weight_c, stride_weight_w, WIDTH,
+        k_x, k = _conv_of(
+            x_row, conv_src, conv_weight_ptr, k_cols, k_mask, k_mask & keep_t, stride_conv_c,
+            stride_weight_c, stride_weight_w, dtype, WIDTH,
         )  # fmt: skip
-        q, k = l2_normed_qk(q, k, KEY_DIM)
         for j in tl.static_range(per_key):
             head = key_head * per_key + j
             v_cols = 2 * NUM_KEY_HEADS * KEY_DIM + head * VALUE_DIM + vs
-            v = _conv_channels(
-                x_row, conv_src, conv_dst, conv_weight_ptr, v_cols, v_mask, v_mask & keep_t,
-                stride_conv_c, stride_weight_c, stride_weight_w, WIDTH,
-            )  # fmt: skip
             head_tile = head * KEY_DIM * VALUE_DIM + within
+            v_x, v, a, b, a_log, dt_bias, gate = _value_head_inputs(
+                x_row, conv_src, conv_weight_ptr, v_cols, v_mask, v_mask & keep_t, gate_row,
+                a_row, b_row, a_log_ptr, dt_bias_ptr, head, vs, stride_conv_c, stride_weight_c,
+                stride_weight_w, dtype, VALUE_DIM, WIDTH,
+            )  # fmt: skip
             if t == 0 and j == 0:
                 s = first_state
             else:
                 s = tl.load(state_src + head_tile, mask=tile_mask & keep_t, other=0.0)
-            a = tl.load(a_ptr + token * stride_ab + head).to(tl.float32)
-            b = tl.load(b_ptr + token * stride_ab + head).to(tl.float32)
-            a_log = tl.load(a_log_ptr + head).to(tl.float32)
-            dt_bias = tl.load(dt_bias_ptr + head).to(tl.float32)
+            if j == 0:
+                q, k = l2_normed_qk(q, k, KEY_DIM)
             s, out = delta_rule_token(s.to(tl.float32), q, k, v, a, b, a_log, dt_bias)
             tl.store(state_dst + head_tile, s.to(state_ptr.dtype.element_ty), mask=tile_mask)
-            gate_cols = token * stride_gate + head * VALUE_DIM + vs
-            g = tl.load(gate_ptr + gate_cols, mask=v_mask, other=0.0).to(tl.float32)
             out = out.to(dtype).to(tl.float32)  # the rule's output in the activation dtype
-            normed = gated_rms_scale(out[None, :], g[None, :], norm_weight, VALUE_DIM, eps, dtype)
+            normed = gated_rms_scale(
+                out[None, :], gate[None, :], norm_weight, VALUE_DIM, eps, dtype
+            )
             out_cols = (token * NUM_VALUE_HEADS + head) * VALUE_DIM + vs[None, :]
             tl.store(out_ptr + out_cols, normed.to(dtype), mask=v_mask[None, :])
+            v_src, v_dst = conv_src + v_cols * stride_conv_c, conv_dst + v_cols * stride_conv_c
+            shift_conv_state(v_x, v_src, v_dst, v_mask, v_mask & keep_t, WIDTH)
+        q_src, q_dst = conv_src + q_cols * stride_conv_c, conv_dst + q_cols * stride_conv_c
+        shift_conv_state(q_x, q_src, q_dst, k_mask, k_mask & keep_t, WIDTH)
+        k_src, k_dst = conv_src + k_cols * stride_conv_c, conv_dst + k_cols * stride_conv_c
+        shift_conv_state(k_x, k_src, k_dst, k_mask, k_mask & keep_t, WIDTH)
 
 
 def fused_decode_applies(key_dim: int, value_dim: int) -> bool:
