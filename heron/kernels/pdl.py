@@ -9,9 +9,11 @@ path.
 
 Every participating kernel calls :func:`wait_for_previous_kernel` first, before it reads or
 writes anything, so each kernel still does all its work after the one before it completed (the
-order is exactly the stream's). Kernels do not, as a rule, signal their dependents early
-(``griddepcontrol.launch_dependents``): that makes the next kernel's programs resident while the
-current one runs, crowding its multiprocessors, and was measured slower. The exceptions call
+order is exactly the stream's), except loads of memory no running kernel writes (the decode
+attention's cached keys, the fused GDN decode's recurrent state). Kernels do not, as a rule,
+signal their dependents early (``griddepcontrol.launch_dependents``): that makes the next
+kernel's programs resident while the current one runs, crowding its multiprocessors, and was
+measured slower. The exceptions call
 :func:`start_next_kernel`: the qk-norm/RoPE/
 KV-write kernel on every decode step, before the decode attention (which loads cached keys
 before its wait); and, where their launch fits one wave (:func:`fits_one_wave`), so that the

@@ -171,6 +171,16 @@ def rms_norm(
 
 
 @triton.jit
+def gated_rms_scale(x, g, w, n_cols, eps, dtype: tl.constexpr):
+    """The gated RMSNorm of fp32 tiles ``x`` and gate ``g`` [rows, cols] (``x`` holding values
+    of ``dtype``, zeros past ``n_cols``) with the fp32 weight ``w`` [cols], in fp32 before its
+    final rounding: the weighted norm is rounded to ``dtype`` (PyTorch multiplies two such
+    tensors), then scaled by ``silu(g)`` in fp32."""
+    normed = rms_scale(x, rms_inv(x, n_cols, eps), w, dtype, False).to(dtype).to(tl.float32)
+    return normed * (g * tl.sigmoid(g))
+
+
+@triton.jit
 def _gated_rms_norm_kernel(
     x_ptr,
     gate_ptr,
@@ -204,12 +214,8 @@ def _gated_rms_norm_kernel(
         other=0.0,
     ).to(tl.float32)
     dtype = x_ptr.dtype.element_ty
-    xf = x.to(tl.float32)
     w = tl.load(w_ptr + cols, mask=cols < n_cols, other=0.0).to(tl.float32)
-    # The weighted norm is rounded to x's dtype (PyTorch multiplies two such tensors), then
-    # scaled by silu(gate) in fp32.
-    normed = rms_scale(xf, rms_inv(xf, n_cols, eps), w, dtype, False).to(dtype).to(tl.float32)
-    out = normed * (g * tl.sigmoid(g))
+    out = gated_rms_scale(x.to(tl.float32), g, w, n_cols, eps, dtype)
     rows64 = tl.cast(rows, tl.int64)[:, None]
     tl.store(out_ptr + rows64 * n_cols + cols[None, :], out.to(dtype), mask=mask)
 

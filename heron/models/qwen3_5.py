@@ -238,8 +238,7 @@ class GatedDeltaNetMixer(nn.Module):
         spec = self.spec
         heads, value_size = spec.num_value_heads, spec.num_value_heads * spec.value_dim
         qkv, z, b, a = self.in_proj(x).split([spec.conv_dim, value_size, heads, heads], dim=-1)
-        out = self.gdn(qkv, a, b)  # [tokens, heads, value_dim]
-        out = self.norm(out, z.reshape(out.shape))
+        out = self.gdn(qkv, a, b, z, self.norm)  # normed: [tokens, heads, value_dim]
         return self.out_proj(out.reshape(x.shape[0], value_size))
 
 

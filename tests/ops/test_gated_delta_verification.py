@@ -15,7 +15,9 @@ import pytest
 import torch
 from ops.test_gated_delta_builder import step
 
+from heron.layers.norm import GatedRMSNorm
 from heron.metadata import GraphSupport, ModelBuildContext, StepMetadataError, StepMetaPlan
+from heron.ops.linear_attention import triton_operator
 from heron.ops.linear_attention.operator import GatedDeltaNet, GatedDeltaNetSpec
 from heron.ops.linear_attention.triton_operator import TritonGatedDeltaNet
 
@@ -90,6 +92,15 @@ def decode_one_by_one(ref: GatedDeltaNet, x, a, b):
     return torch.stack(outs, 1), states
 
 
+def gated_norm(rows: int):
+    """The layer's gated norm (random weight) and a gate ``z`` for ``rows`` rows of Q tokens."""
+    gen = torch.Generator().manual_seed(2)
+    norm = GatedRMSNorm(SPEC.value_dim).to(DEVICE)
+    norm.weight.data.normal_(generator=gen)
+    gate = torch.randn(rows * Q, SPEC.num_value_heads * SPEC.value_dim, generator=gen)
+    return gate.to(DEVICE), norm
+
+
 def test_verification_equals_decoding_token_by_token_and_rolls_back():
     ref, tri = operators()
     assert tri.metadata_builder().graph_support is GraphSupport.UNIFORM
@@ -113,11 +124,21 @@ def test_verification_equals_decoding_token_by_token_and_rolls_back():
     torch.testing.assert_close(tri.conv_state[4], states[1][0][2])
 
 
-def test_graph_buffers_pad_onto_the_null_slot_and_leave_other_slots_alone():
+@pytest.mark.parametrize("normed, fused", [(False, False), (True, False), (True, True)])
+def test_graph_buffers_pad_onto_the_null_slot_and_leave_other_slots_alone(
+    normed, fused, monkeypatch
+):
+    """The two decode kernels, then (given the layer's norm) the norm's, or with the switch on
+    the one fused launch: the norm of the same outputs."""
+    monkeypatch.setattr(triton_operator, "FUSED_DECODE", fused)
     ref, tri = operators()
+    assert tri._fuses_norm == fused
     x, a, b = inputs(4)
+    gate, norm = gated_norm(4) if normed else (None, None)
     real = slice(0, 3 * Q)
     want, _ = decode_one_by_one(ref, x[real], a[real], b[real])
+    if normed:
+        want = norm(want.flatten(0, 1), gate[real].view(3 * Q, 4, -1)).view(want.shape)
     builder = tri.metadata_builder()
     buffers = builder.make_graph_buffers(4, DEVICE, max_query_len=Q)
     seq = verification_step()
@@ -127,7 +148,7 @@ def test_graph_buffers_pad_onto_the_null_slot_and_leave_other_slots_alone():
     assert tri.view.query_start_loc.tolist() == [0, 3, 6, 9, 12]
     untouched = [2, 5]
     before = tri.recurrent_state[untouched].clone(), tri.conv_state[untouched].clone()
-    got = tri(x, a, b).view(4, Q, 4, SPEC.value_dim)
+    got = tri(x, a, b, gate, norm).view(4, Q, 4, SPEC.value_dim)
     torch.testing.assert_close(got[:3], want, rtol=1e-5, atol=1e-5)
     assert torch.equal(tri.recurrent_state[untouched], before[0])
     assert torch.equal(tri.conv_state[untouched], before[1])
@@ -144,13 +165,16 @@ def test_a_verification_step_needs_reserved_buffers():
 
 
 @pytest.mark.gpu
-def test_replayed_verification_graph_equals_eager():
+@pytest.mark.parametrize("fused", [False, True])
+def test_replayed_verification_graph_equals_eager(fused):
+    """The two decode kernels, or (given the layer's norm) the fused launch."""
     _, eager = operators()
     _, graphed = operators()
     x, a, b = inputs(4)
+    gate, norm = gated_norm(4) if fused else (None, None)
     real = slice(0, 3 * Q)
     eager.group.view = eager.metadata_builder().build(verification_step())
-    want = eager(x[real], a[real], b[real])
+    want = eager(x[real], a[real], b[real], None if gate is None else gate[real], norm)
 
     builder = graphed.metadata_builder()
     buffers = builder.make_graph_buffers(4, DEVICE, max_query_len=Q)
@@ -158,11 +182,11 @@ def test_replayed_verification_graph_equals_eager():
     builder.fill(dummy, buffers, 4)
     graphed.group.view = builder.graph_view(dummy, buffers, 4)
     held = graphed.conv_state[1:].clone(), graphed.recurrent_state[1:].clone()
-    graphed(x, a, b)  # warm-up
+    graphed(x, a, b, gate, norm)  # warm-up
     builder.before_capture(buffers)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        captured = graphed(x, a, b)
+        captured = graphed(x, a, b, gate, norm)
     torch.cuda.synchronize()
     assert torch.equal(graphed.conv_state[1:], held[0])
     assert torch.equal(graphed.recurrent_state[1:], held[1])

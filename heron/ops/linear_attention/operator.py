@@ -10,6 +10,7 @@ import torch
 import torch.nn.functional as F
 
 from heron.cache.recurrent import RecurrentStateSpec
+from heron.layers.norm import GatedRMSNorm
 from heron.metadata import MetadataOperator, ModelBuildContext, StepMetadataError
 from heron.ops.linear_attention.builder import GatedDeltaNetBuilder, GatedDeltaNetView
 from heron.ops.linear_attention.reference import (
@@ -105,9 +106,23 @@ class GatedDeltaNet(MetadataOperator):
     def metadata_builder(self) -> GatedDeltaNetBuilder:
         return self._builder
 
-    def forward(self, mixed_qkv: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self,
+        mixed_qkv: torch.Tensor,
+        a: torch.Tensor,
+        b: torch.Tensor,
+        gate: torch.Tensor | None = None,
+        norm: GatedRMSNorm | None = None,
+    ) -> torch.Tensor:
         """mixed_qkv: [tokens, conv_dim]; a, b: [tokens, value_heads] -> [tokens, value_heads,
-        value_dim] in ``mixed_qkv``'s dtype."""
+        value_dim] in ``mixed_qkv``'s dtype; with the layer's ``norm`` and its ``gate`` (``z``,
+        [tokens, value_heads * value_dim]), the gated norm of that output (which a backend may
+        fuse into its kernels)."""
+        out = self._rule(mixed_qkv, a, b)
+        return out if norm is None else norm(out, gate.reshape(out.shape))
+
+    def _rule(self, mixed_qkv: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        """The rule's output of :meth:`forward`, before the norm."""
         if self.conv_state is None:
             raise StepMetadataError(f"layer {self.layer_name!r} has no state cache bound")
         view = self.view

@@ -4,18 +4,31 @@ prefill of ``fla_prefill``."""
 
 from __future__ import annotations
 
+import os
+from collections.abc import Callable
+from typing import Any
+
 import torch
 
-from heron.kernels.gated_delta import causal_conv1d_update, gated_delta_decode
+from heron.kernels.gated_delta import gdn_decode
+from heron.kernels.gated_delta_fused import fused_decode_applies, fused_gdn_decode
+from heron.layers.norm import GatedRMSNorm
 from heron.ops.linear_attention.builder import GatedDeltaNetView, UniformGatedDeltaNetBuilder
 from heron.ops.linear_attention.fla_prefill import FLA_CHUNK_SIZE, chunked_prefill, load_chunk_rule
 from heron.ops.linear_attention.operator import GatedDeltaNet
 
+#: Whether decode and uniform verification steps given the layer's norm run the one fused
+#: launch of ``gated_delta_fused`` (where its state tile fits) instead of the two decode kernels
+#: and the norm's; ``HERON_GDN_FUSED=0`` turns it off (to compare the two).
+FUSED_DECODE = os.environ.get("HERON_GDN_FUSED", "1") != "0"
+
 
 class TritonGatedDeltaNet(GatedDeltaNet):
-    """Decode steps in two launches that read and write each row's slot in place (no gather or
-    scatter of states). A uniform verification step runs its ``q`` tokens per row through the
-    same two launches (row ``i`` of the step is verifying row ``i``), which write the states
+    """Decode steps in launches that read and write each row's slot in place (no gather or
+    scatter of states): given the layer's norm, one that fuses it
+    (:func:`~heron.kernels.gated_delta_fused.fused_gdn_decode`), otherwise the conv's and the
+    rule's. A uniform verification step runs its ``q`` tokens per row through the
+    same launches (row ``i`` of the step is verifying row ``i``), which write the states
     after each token but the last into the reserved verification buffers: device metadata
     only, so its graphs are captured; padded graph rows run on the null slot. Prefill and extend
     steps run the whole packed batch through
@@ -28,26 +41,64 @@ class TritonGatedDeltaNet(GatedDeltaNet):
 
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
+        self._fuses_norm = FUSED_DECODE and fused_decode_applies(
+            self.spec.key_dim, self.spec.value_dim
+        )
         self._chunk_rule = None
         if self.conv_weight.is_cuda:  # built under the platform's device
             self._chunk_rule = load_chunk_rule()
             if self._chunk_rule is not None:
                 self._builder = self.builder_class(self.backend, FLA_CHUNK_SIZE)
 
-    def forward(self, mixed_qkv: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-        view = self.view
+    def forward(
+        self,
+        mixed_qkv: torch.Tensor,
+        a: torch.Tensor,
+        b: torch.Tensor,
+        gate: torch.Tensor | None = None,
+        norm: GatedRMSNorm | None = None,
+    ) -> torch.Tensor:
+        if norm is None or not self._fuses_norm or not self._in_place:
+            return super().forward(mixed_qkv, a, b, gate, norm)
+        return self._run_in_place(
+            fused_gdn_decode, x=mixed_qkv, gate=gate, a=a, b=b, norm_weight=norm.weight,
+            eps=norm.eps,
+        )  # fmt: skip
+
+    def _rule(self, mixed_qkv: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        if not self._in_place:
+            return super()._rule(mixed_qkv, a, b)
+        return self._run_in_place(gdn_decode, x=mixed_qkv, a=a, b=b)
+
+    @property
+    def _in_place(self) -> bool:
+        """Whether this step runs on the in-place decode kernels (decode, uniform verification)."""
+        return self.view.verifies_uniformly or self.view.is_decode
+
+    def _run_in_place(self, kernel: Callable[..., torch.Tensor], **inputs: Any) -> torch.Tensor:
+        """``kernel`` (``gdn_decode`` or ``fused_gdn_decode``) on the step's ``inputs``, in place
+        in the rows' slots: of a decode step, or of a uniform verification step with the buffers
+        for the states after each token of a row but the last (its rows' slots noted for
+        :meth:`keep_verified_states`)."""
+        view, kept = self.view, None
+        n = inputs["x"].shape[0]
         if view.verifies_uniformly:
-            n = view.num_reqs
-            q = mixed_qkv.shape[0] // n
+            q, n = n // view.num_reqs, view.num_reqs
             self._check_verified(n, q - 1)
             self._verified_slots[:n].copy_(view.state_slots[:n])
             kept = (self._verified_conv[:n, : q - 1], self._verified_states[:n, : q - 1])
-            out = self._decode_in_place(mixed_qkv, a, b, view, n, kept)
-        elif view.is_decode:
-            out = self._decode_in_place(mixed_qkv, a, b, view, mixed_qkv.shape[0])
-        else:
-            return super().forward(mixed_qkv, a, b)
-        return out
+        return kernel(
+            conv_weight=self.conv_weight[:, 0],
+            A_log=self.A_log,
+            dt_bias=self.dt_bias,
+            conv_state=self.conv_state,
+            state=self.recurrent_state,
+            slots=view.state_slots[:n],
+            has_state=view.has_initial_state[:n],
+            num_key_heads=self.spec.num_key_heads,
+            kept=kept,
+            **inputs,
+        )
 
     def _extend(
         self, x: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, view: GatedDeltaNetView
@@ -65,34 +116,4 @@ class TritonGatedDeltaNet(GatedDeltaNet):
             self.recurrent_state,
             self.spec.num_key_heads,
             view,
-        )
-
-    def _decode_in_place(
-        self,
-        x: torch.Tensor,
-        a: torch.Tensor,
-        b: torch.Tensor,
-        view: GatedDeltaNetView,
-        n: int,
-        kept: tuple[torch.Tensor, torch.Tensor] | None = None,
-    ) -> torch.Tensor:
-        """The ``n`` rows' tokens (one each, or ``q`` with ``kept``: the buffers for the conv
-        and recurrent states after each token but the last) in place in their slots."""
-        slots, has_state = view.state_slots[:n], view.has_initial_state[:n]
-        conv_kept, state_kept = kept if kept is not None else (None, None)
-        conv_out = causal_conv1d_update(
-            x, self.conv_state, self.conv_weight[:, 0], slots, has_state, conv_kept
-        )
-        return gated_delta_decode(
-            conv_out,
-            a,
-            b,
-            self.A_log,
-            self.dt_bias,
-            self.recurrent_state,
-            slots,
-            has_state,
-            self.spec.num_key_heads,
-            state_kept,
-            x.dtype,
         )
