@@ -220,7 +220,7 @@ def fused_gdn_decode(
     has_state: torch.Tensor,
     num_key_heads: int,
     kept: tuple[torch.Tensor, torch.Tensor] | None = None,
-    num_warps: int = 8,
+    num_warps: int = 4,
 ) -> torch.Tensor:
     """``causal_conv1d_update``, ``gated_delta_decode`` and ``gated_rms_norm`` in one launch:
     x [N, conv_dim] (before the conv), gate (z) [N, Hv * V], a, b [N, Hv]; the conv state and

@@ -19,6 +19,7 @@ from execution.view_replay import replay_views
 from heron import LLM, SamplingParams
 from heron.cache.recurrent import RecurrentStateSpec
 from heron.cache.spec import FullAttentionSpec
+from heron.ops.linear_attention import triton_operator
 from heron.ops.linear_attention.operator import GatedDeltaNet
 
 from tiny_models import BASE, greedy_tokens, hf_greedy, hf_prompt_logprobs, make_tokenizer
@@ -190,12 +191,17 @@ def test_plan_shows_the_attention_and_the_gdn_group(qwen3_5_case, capsys):
     )
 
 
-def test_triton_operators_equal_hf(qwen3_5_case):
-    """The CUDA default operators (Triton attention, Heron's GDN decode kernels) run by Triton's
-    interpreter on the CPU; decode steps continue from the states the prompts left (few,
-    short requests: the interpreter is slow)."""
+@pytest.mark.parametrize("fused", [False, True])
+def test_triton_operators_equal_hf(qwen3_5_case, fused, monkeypatch):
+    """The CUDA default operators (Triton attention, Heron's GDN decode kernels: the conv's,
+    the rule's and the norm's launches, or the fused one) run by Triton's interpreter on the
+    CPU; decode steps continue from the states the prompts left (few, short requests: the
+    interpreter is slow)."""
     path, _, refs = qwen3_5_case
+    monkeypatch.setattr(triton_operator, "FUSED_MAX_VALUE_HEADS_PER_KEY", 2 if fused else 1)
     llm = LLM(path, attention_backend="triton", max_model_len=128)
+    gdn = [m for m in llm.engine.runner.model.modules() if isinstance(m, GatedDeltaNet)]
+    assert {m._fuses_norm for m in gdn} == {fused}
     plan = llm.engine.runner.plan
     assert {g.builder.backend for g in plan.groups} == {"triton"}
     short = SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True)

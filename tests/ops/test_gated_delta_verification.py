@@ -95,8 +95,9 @@ def decode_one_by_one(ref: GatedDeltaNet, x, a, b):
 def gated_norm(rows: int):
     """The layer's gated norm (random weight) and a gate ``z`` for ``rows`` rows of Q tokens."""
     gen = torch.Generator().manual_seed(2)
-    norm = GatedRMSNorm(SPEC.value_dim).to(DEVICE)
+    norm = GatedRMSNorm(SPEC.value_dim)
     norm.weight.data.normal_(generator=gen)
+    norm = norm.to(DEVICE)
     gate = torch.randn(rows * Q, SPEC.num_value_heads * SPEC.value_dim, generator=gen)
     return gate.to(DEVICE), norm
 
@@ -131,6 +132,7 @@ def test_graph_buffers_pad_onto_the_null_slot_and_leave_other_slots_alone(
     """The two decode kernels, then (given the layer's norm) the norm's, or with the switch on
     the one fused launch: the norm of the same outputs."""
     monkeypatch.setattr(triton_operator, "FUSED_DECODE", fused)
+    monkeypatch.setattr(triton_operator, "FUSED_MAX_VALUE_HEADS_PER_KEY", 2)  # SPEC's
     ref, tri = operators()
     assert tri._fuses_norm == fused
     x, a, b = inputs(4)
@@ -166,10 +168,12 @@ def test_a_verification_step_needs_reserved_buffers():
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("fused", [False, True])
-def test_replayed_verification_graph_equals_eager(fused):
+def test_replayed_verification_graph_equals_eager(fused, monkeypatch):
     """The two decode kernels, or (given the layer's norm) the fused launch."""
+    monkeypatch.setattr(triton_operator, "FUSED_MAX_VALUE_HEADS_PER_KEY", 2)  # SPEC's
     _, eager = operators()
     _, graphed = operators()
+    assert graphed._fuses_norm
     x, a, b = inputs(4)
     gate, norm = gated_norm(4) if fused else (None, None)
     real = slice(0, 3 * Q)

@@ -21,6 +21,9 @@ from heron.ops.linear_attention.operator import GatedDeltaNet
 #: launch of ``gated_delta_fused`` (where its state tile fits) instead of the two decode kernels
 #: and the norm's; ``HERON_GDN_FUSED=0`` turns it off (to compare the two).
 FUSED_DECODE = os.environ.get("HERON_GDN_FUSED", "1") != "0"
+#: The most value heads per key head that take the fused launch: one program runs a key head's
+#: value heads one after another, and with two it is slower at batch 1 than the unfused ones.
+FUSED_MAX_VALUE_HEADS_PER_KEY = 1
 
 
 class TritonGatedDeltaNet(GatedDeltaNet):
@@ -41,8 +44,12 @@ class TritonGatedDeltaNet(GatedDeltaNet):
 
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
-        self._fuses_norm = FUSED_DECODE and fused_decode_applies(
-            self.spec.key_dim, self.spec.value_dim
+        spec = self.spec
+        per_key = spec.num_value_heads // spec.num_key_heads
+        self._fuses_norm = (
+            FUSED_DECODE
+            and per_key <= FUSED_MAX_VALUE_HEADS_PER_KEY
+            and fused_decode_applies(spec.key_dim, spec.value_dim)
         )
         self._chunk_rule = None
         if self.conv_weight.is_cuda:  # built under the platform's device
