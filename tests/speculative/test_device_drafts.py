@@ -78,10 +78,12 @@ def test_the_target_launches_before_the_drafts_are_read(models, monkeypatch, cap
 
 def runs_both_ways(models, params, monkeypatch, **options) -> list[tuple]:
     """(outputs, proposals, accepted) with the proposals kept on the device, then read on the
-    host before each verification."""
+    host before each verification; each verification is read before the next pass (the host's
+    proposals are verified so: tests/speculative/test_async_verification.py compares the
+    passes run past a verification)."""
     runs = []
     for on_device in (True, False):
-        llm = draft_llm(models, seed=5, **options)
+        llm = draft_llm(models, seed=5, async_scheduling=False, **options)
         scheduler = llm.engine.scheduler
         config = replace(scheduler.config, drafts_on_device=on_device)
         monkeypatch.setattr(scheduler, "config", config)

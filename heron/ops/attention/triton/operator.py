@@ -65,6 +65,8 @@ class TritonAttentionBuilder(PagedAttentionBuilder):
     # Uniform steps of several tokens per row (verification) replay too: the extend kernel
     # reads only device metadata, and its grid (rows, query length) is the graph's.
     graph_support = GraphSupport.UNIFORM
+    # (its split counts take the step's longest context as a bound only)
+    lengths_on_device = True
 
     def __init__(self, spec: AttentionSpec, block_size: int, max_model_len: int) -> None:
         super().__init__("triton", block_size, spec.sliding_window, max_model_len)
