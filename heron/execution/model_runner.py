@@ -77,12 +77,13 @@ class LaunchedStep:
         # overwrite them).
         self.hidden_states = hidden_states
         self._copied: torch.cuda.Event | None = None
-        if emitted is not None:
-            both = torch.cat([emitted.tokens.flatten(), rollback.num_rejected.to(torch.int64)])
-            self._host_ids = both.to("cpu", non_blocking=True)
-        elif token_ids is not None:
-            self._host_ids = token_ids.to("cpu", non_blocking=True)  # pinned when on CUDA
-            if token_ids.is_cuda:
+        if token_ids is not None:
+            read = token_ids
+            if emitted is not None:  # (each row's emitted tokens, then its refused count)
+                rejected = rollback.num_rejected.to(torch.int64)
+                read = torch.cat([emitted.tokens.flatten(), rejected])
+            self._host_ids = read.to("cpu", non_blocking=True)  # pinned when on CUDA
+            if read.is_cuda:
                 self._copied = torch.cuda.Event()
                 self._copied.record()
         self._read = False
