@@ -14,15 +14,14 @@ import logging
 from dataclasses import replace
 
 import pytest
+from test_device_drafts import CUDA_OPTIONS, PROMPTS, draft_llm, graph_replays
 
 from heron import LLM, SamplingParams
-from heron.execution.cuda_graph import CudaGraphRunner
 from heron.execution.model_runner import LaunchedStep, ModelRunner
 
 from tiny_models import save_tiny_model, save_truncated_draft
 
-PROMPTS = [[5, 6, 7, 8, 9] * 4, [3, 4, 3, 4, 3, 4, 3], list(range(10, 40))]
-K = 3
+K = 3  # (the drafts' num_speculative_tokens)
 AHEAD = "as if it accepted every proposal"
 
 
@@ -30,12 +29,6 @@ AHEAD = "as if it accepted every proposal"
 def models(tiny_model_dir, tmp_path_factory):
     target = tiny_model_dir("llama")
     return str(target), str(save_truncated_draft(target, tmp_path_factory.mktemp("draft")))
-
-
-def draft_llm(models, **options) -> LLM:
-    target, draft = models
-    spec = {"method": "draft_model", "model": draft, "num_speculative_tokens": K}
-    return LLM(target, speculative_config=spec, **options)
 
 
 def outputs(llm: LLM, params) -> list[tuple[list[int], str, str]]:
@@ -184,17 +177,9 @@ def test_on_cuda_with_graphs_asynchronous_verification_equals_synchronous(models
     verification or reading it first: the same tokens (the same steps verify the same
     accepted prefixes)."""
     params = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
-    options = dict(device="cuda", dtype="bfloat16", max_model_len=128, cuda_graph_max_bs=8)
-    replays = []
-    run = CudaGraphRunner.run
-
-    def counted(graphs, seq):
-        replays.append(seq.max_query_len)
-        return run(graphs, seq)
-
-    monkeypatch.setattr(CudaGraphRunner, "run", counted)
-    sync = outputs(draft_llm(models, async_scheduling=False, **options), params)
-    llm = draft_llm(models, **options)
+    replays = graph_replays(monkeypatch)
+    sync = outputs(draft_llm(models, async_scheduling=False, **CUDA_OPTIONS), params)
+    llm = draft_llm(models, **CUDA_OPTIONS)
     assert llm.engine.runner.async_verification
     assert outputs(llm, params) == sync
     assert 1 in replays and 1 + K in replays
