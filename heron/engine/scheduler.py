@@ -5,14 +5,16 @@ from __future__ import annotations
 import time
 from collections import deque
 from dataclasses import dataclass, field
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
 from heron.cache.coordinator import KVCacheCoordinator
 from heron.engine.request import Request, RequestStatus
-from heron.execution.model_runner import LaunchedStep
 from heron.execution.sampler import on_device
 from heron.execution.step_plan import DeviceDrafts, EntryCopies, NewRequest, SentTables, StepPlan
 from heron.speculative import ModelProposer, NgramProposer, SpeculativeConfig
+
+if TYPE_CHECKING:
+    from heron.execution.model_runner import LaunchedStep
 
 
 @dataclass(frozen=True)

@@ -412,7 +412,8 @@ class ModelRunner:
         token is its greedy one after its last accepted token (its last, less its refusals)."""
         if len(plan.device_inputs) != len(plan.request_ids):
             raise ValueError("a step that ingests verified blocks takes no other rows")
-        argmax = logits[step.sample_rows].argmax(dim=-1) if greedy_ids is None else greedy_ids
+        rows = step.sample_rows
+        argmax = logits[rows].argmax(dim=-1) if greedy_ids is None else greedy_ids[rows]
         last = to_device([end - 1 for end in accumulate(plan.num_new)], self.device)
         index = last if rejected is None else last - rejected
         return LaunchedStep(step.sample_states, token_ids=argmax[index])
