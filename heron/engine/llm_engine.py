@@ -259,9 +259,10 @@ class LLMEngine:
                 else 0,
             )
             if self.draft_runner is not None:
-                self.draft_runner.capture_graphs(
-                    min(max_batch, speculative.disable_by_batch_size or max_batch)
-                )
+                draft_batch = min(max_batch, speculative.disable_by_batch_size or max_batch)
+                # (a draft run past a verification ingests blocks of 1 + k tokens a row)
+                ingest = 1 if self.verification_blocks else 1 + speculative.num_speculative_tokens
+                self.draft_runner.capture_graphs(draft_batch, ingest, draft_batch)
         self.kv_cache = KVCacheCoordinator(
             self.runner.cache_specs, num_blocks, config.enable_prefix_caching
         )

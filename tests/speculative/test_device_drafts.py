@@ -80,13 +80,13 @@ def test_the_target_launches_before_the_drafts_are_read(models, monkeypatch, cap
 CUDA_OPTIONS = dict(device="cuda", dtype="bfloat16", max_model_len=128, cuda_graph_max_bs=8)
 
 
-def graph_replays(monkeypatch) -> list[int]:
-    """The query length of every graph replay from now on."""
+def graph_replays(monkeypatch) -> list[tuple[CudaGraphRunner, int]]:
+    """The graphs and query length of every graph replay from now on."""
     replays = []
     run = CudaGraphRunner.run
 
     def counted(graphs, seq):
-        replays.append(seq.max_query_len)
+        replays.append((graphs, seq.max_query_len))
         return run(graphs, seq)
 
     monkeypatch.setattr(CudaGraphRunner, "run", counted)
@@ -140,7 +140,8 @@ def test_with_graphs_on_cuda_proposals_on_the_device_verify_as_on_the_host(model
     replays = graph_replays(monkeypatch)
     (device, *_), (host, *_) = runs_both_ways(models, params, monkeypatch, **CUDA_OPTIONS)
     assert device == host
-    assert 1 in replays and 4 in replays  # draft decode and verification (1 + k) graphs
+    # draft decode and verification (1 + k) graphs
+    assert {q for _, q in replays} >= {1, 4}
 
 
 def test_uniform_steps_get_k_proposals_to_a_requests_end(models, monkeypatch):
