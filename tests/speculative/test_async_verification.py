@@ -117,6 +117,33 @@ def test_an_abort_while_a_verification_is_on_the_device(models):
     assert_pools_empty(llm)
 
 
+def test_a_request_sampled_on_the_host_has_each_verification_read_first(models, monkeypatch):
+    """A request with logprobs is sampled on the host (it verifies nothing): while it runs,
+    its steps are read in the step that launches them, the others' proposals still verified
+    beside it."""
+    target, _ = models
+    params = [
+        SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=logprobs)
+        for logprobs in (None, 2, None)
+    ]
+    want = LLM(target).generate(PROMPTS, params, use_tqdm=False)
+    llm = draft_llm(models)
+    runner, ready = llm.engine.runner, []
+    launch = runner.launch
+
+    def launched(plan, *args):
+        step = launch(plan, *args)
+        ready.append(step.is_ready)
+        return step
+
+    monkeypatch.setattr(runner, "launch", launched)
+    got = llm.generate(PROMPTS, params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in want]
+    assert len(got[1].outputs[0].logprobs) == 12 and all(ready)
+    assert llm.spec_decode_stats.num_drafts > 0
+    assert_pools_empty(llm)
+
+
 def test_seeded_sampling_equals_the_synchronous_verification(models, monkeypatch):
     """A seeded request draws a fixed amount per verified position: with every row verifying
     ``K`` proposals (uniform steps, what verification graphs replay) both ways verify the same
