@@ -235,12 +235,12 @@ class LLMEngine:
             self.draft_runner = load_mtp_runner(self.runner, backend, self.max_num_batched_tokens)
             self.runner.keep_hidden_states = True
         # Why steps are not scheduled past a verification on the device (None: they are).
-        self.verification_blocks = (
+        self.sync_verification_reason = (
             None
             if speculative is None
             else _runs_past_verification(config, self.runner, self.draft_runner)
         )
-        if speculative is not None and self.verification_blocks is None:
+        if speculative is not None and self.sync_verification_reason is None:
             self.runner.async_verification = True
         self.spec_decode_stats = SpecDecodeStats()
         # before the KV cache is sized, which leaves this out of its budget
@@ -261,7 +261,9 @@ class LLMEngine:
             if self.draft_runner is not None:
                 draft_batch = min(max_batch, speculative.disable_by_batch_size or max_batch)
                 # (a draft run past a verification ingests blocks of 1 + k tokens a row)
-                ingest = 1 if self.verification_blocks else 1 + speculative.num_speculative_tokens
+                ingest = (
+                    1 if self.sync_verification_reason else 1 + speculative.num_speculative_tokens
+                )
                 self.draft_runner.capture_graphs(draft_batch, ingest, draft_batch)
         self.kv_cache = KVCacheCoordinator(
             self.runner.cache_specs, num_blocks, config.enable_prefix_caching
@@ -310,7 +312,7 @@ class LLMEngine:
         if speculative is not None:
             logger.info(
                 "speculative decoding: %s",
-                _describe(speculative, self.scheduler.config, self.verification_blocks),
+                _describe(speculative, self.scheduler.config, self.sync_verification_reason),
             )
         caches = [("", self.kv_cache)]
         if self.model_proposer is not None:
