@@ -16,10 +16,12 @@ cases P and A on the CPU where torch sees no GPU (fp32 there).
   D  batch 1, the random-weight Qwen3-0.6B shape with a draft model (``method:
      "draft_model"``, k = ``--k``): a 2-layer draft of the same shape otherwise, with forced
      acceptance (what the draft's k passes and the verification cost per output token; again
-     with the proposals read on the host before the verification step is launched, as
-     before they stayed on the device), and the target as its own draft (every greedy
-     proposal accepted but at near-ties: mean acceptance length, and how many outputs equal
-     plain decoding's)
+     with each verification read before the next pass is scheduled, as without asynchronous
+     verification, and with the proposals read on the host before the verification step is
+     launched, as before they stayed on the device), the 2-layer draft's own (random)
+     acceptance, and the target as its own draft (every greedy proposal accepted but at
+     near-ties: mean acceptance length, and how many outputs equal plain decoding's); the
+     last two also each verification read before the next pass
   E  batch 1, MTP (``method: "mtp"``) on random-weight shapes with one MTP layer
      (``--mtp-shapes``: Qwen3.5-0.8B's, DeepSeek-V3's 5-layer one), forced acceptance: as B
      for k = 1..3, the head's k passes per step included (the host's "schedule" phase holds
@@ -56,6 +58,7 @@ import transformers as tf
 import heron.execution.model_runner as model_runner
 from heron import LLM, SamplingParams
 from heron.speculative import NgramProposer, SpecDecodeStats
+from heron.speculative.verification import accepted_block
 
 from deepseek_decode import SHAPES as DEEPSEEK_SHAPES
 from gpu_decode import QWEN3_0_6B, save_config_only
@@ -227,6 +230,11 @@ def accept_all(proposals, targets) -> list[list[int]]:
     runner's host-side greedy acceptance, so forcing adds no device work and no sync)."""
     ends = list(accumulate(1 + len(p) for p in proposals))
     return [[*p, targets[e - 1]] for p, e in zip(proposals, ends)]
+
+
+def accept_all_on_device(accepted, chosen, proposals):
+    """``accept_all`` for a verification left on the device (asynchronous verification)."""
+    return accepted_block(proposals.flat >= 0, chosen, proposals)
 
 
 def count_steps(runner) -> Counter:
@@ -404,12 +412,23 @@ def case_d(args) -> None:
         draft_shape = QWEN3_0_6B | {"num_hidden_layers": 2}
         save_config_only(tf.Qwen3Config(**draft_shape), "Qwen3ForCausalLM", small)
         prompt, params, options = random_weight_batch_1(args, QWEN3_0_6B["vocab_size"])
-        # (name, draft, forced acceptance, proposals left on the device)
+        # (name, draft, forced acceptance, proposals left on the device, async verification)
+        sync = "each verification read before the next pass"
         runs = (
-            ("plain", None, False, True),
-            ("2-layer draft, forced acceptance", small, True, True),
-            ("2-layer draft, forced acceptance, proposals read on the host", small, True, False),
-            ("target as draft", target, False, True),
+            ("plain", None, False, True, True),
+            ("2-layer draft, forced acceptance", small, True, True, True),
+            (f"2-layer draft, forced acceptance, {sync}", small, True, True, False),
+            (
+                "2-layer draft, forced acceptance, proposals read on the host",
+                small,
+                True,
+                False,
+                False,
+            ),
+            ("2-layer draft", small, False, True, True),
+            (f"2-layer draft, {sync}", small, False, True, False),
+            ("target as draft", target, False, True, True),
+            (f"target as draft, {sync}", target, False, True, False),
         )
         print(
             f"| k = {args.k} | ms / output token | × plain | mean acceptance length "
@@ -417,14 +436,16 @@ def case_d(args) -> None:
         )
         print("| --- | --- | --- | --- | --- |")
         real_accept, plain = model_runner.accept_greedy, None
+        real_block = model_runner.accepted_block
         try:
-            for name, draft, forced, on_device in runs:
+            for name, draft, forced, on_device, ahead in runs:
                 spec = None
                 if draft is not None:
                     spec = {"method": "draft_model", "model": str(draft)}
                     spec["num_speculative_tokens"] = args.k
                 model_runner.accept_greedy = accept_all if forced else real_accept
-                llm = LLM(str(target), **options, speculative_config=spec)
+                model_runner.accepted_block = accept_all_on_device if forced else real_block
+                llm = LLM(str(target), **options, speculative_config=spec, async_scheduling=ahead)
                 scheduler = llm.engine.scheduler
                 scheduler.config = replace(scheduler.config, drafts_on_device=on_device)
                 decode(llm, prompt, params, 1)  # warm-up
@@ -439,6 +460,7 @@ def case_d(args) -> None:
                 free_device_memory()
         finally:
             model_runner.accept_greedy = real_accept
+            model_runner.accepted_block = real_block
 
 
 def main() -> None:

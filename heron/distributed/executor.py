@@ -31,7 +31,7 @@ from heron.distributed.parallel import SINGLE, TensorParallel
 from heron.distributed.rendezvous import Rendezvous, join, min_over_ranks
 from heron.execution.cuda_graph import CudaGraphRunner
 from heron.execution.model_runner import LaunchedStep, ModelRunner
-from heron.execution.step_plan import StepPlan
+from heron.execution.step_plan import DeviceDrafts, StepPlan
 from heron.metadata import StepMetaPlan
 from heron.platforms import Platform
 
@@ -145,7 +145,16 @@ class TensorParallelRunner:
         with self._call("capture_graphs", max_batch, verify_query_len, verify_max_batch):
             self.local.capture_graphs(max_batch, verify_query_len, verify_max_batch)
 
-    def launch(self, plan: StepPlan, previous: LaunchedStep | None = None) -> LaunchedStep:
+    def launch(
+        self,
+        plan: StepPlan,
+        previous: LaunchedStep | None = None,
+        drafts: DeviceDrafts | None = None,
+    ) -> LaunchedStep:
+        """``ModelRunner.launch`` on every rank; ``drafts`` must be None (the scheduler gives
+        a tensor-parallel target its proposals in the plan, which the workers receive)."""
+        if drafts is not None:
+            raise ValueError("a tensor-parallel target takes its proposals in the plan")
         with self._call("launch", plan, previous is not None):
             return self.local.launch(plan, previous)
 

@@ -11,7 +11,7 @@ from transformers import AutoTokenizer
 
 from heron.cache.coordinator import KVCacheCoordinator
 from heron.cache.recurrent import RecurrentStateSpec
-from heron.cache.spec import PagedSpec
+from heron.cache.spec import FullAttentionSpec, PagedSpec
 from heron.config import (
     DEFAULT_HOST_KV_CACHE_BYTES,
     TOKENIZER_FILES,
@@ -25,6 +25,7 @@ from heron.engine.request import FinishReason, Request, RequestStatus
 from heron.engine.scheduler import Scheduler, SchedulerConfig
 from heron.engine.stopping import check_stop
 from heron.execution.model_runner import LaunchedStep, ModelRunner
+from heron.execution.sampler import on_device
 from heron.execution.step_plan import StepOutput
 from heron.loader.resolve import resolve_model_path
 from heron.outputs import CompletionOutput, Logprob, PrefixView, RequestOutput
@@ -51,21 +52,57 @@ VERIFY_GRAPH_MAX_BS = 64
 _GRAMMAR_WAIT_S = 0.02
 
 
-def _describe(speculative: SpeculativeConfig, scheduler: SchedulerConfig) -> str:
-    """How proposals reach the verification step, and when scheduling overlaps the device."""
+def _describe(speculative: SpeculativeConfig, scheduler: SchedulerConfig, ahead: str | None) -> str:
+    """How proposals reach the verification step, and when scheduling overlaps the device
+    (``ahead``: None where the next step is scheduled past a verification still on the
+    device, else why not)."""
     if speculative.method == "ngram":
         where = "looked up on the host in the accepted tokens"
     elif scheduler.drafts_on_device:
         where = "kept on the device up to the verification step"
     else:
         where = "read on the host (a tensor-parallel target)"
+    head = f"{speculative.method}, {speculative.num_speculative_tokens} proposals per step, {where}"
+    if ahead is None:
+        return (
+            f"{head}; the next step and its proposals are scheduled while a verification step "
+            "runs, as if it accepted every proposal, and moved back on the device by its "
+            "refusals (asynchronous verification)"
+        )
     limit = speculative.disable_by_batch_size
     return (
-        f"{speculative.method}, {speculative.num_speculative_tokens} proposals per step, "
-        f"{where}; each verification step is read before the next proposals, so scheduling "
-        f"overlaps the device only while speculation is off "
+        f"{head}; each verification step is read before the next proposals ({ahead}), so "
+        "scheduling overlaps the device only while speculation is off "
         f"({f'more than {limit} requests' if limit else 'never'})"
     )
+
+
+def _runs_past_verification(
+    config: EngineConfig, runner: object, draft_runner: ModelRunner | None
+) -> str | None:
+    """None where steps may be scheduled past a verification still on the device: a draft
+    model beside a single-rank target, asynchronous scheduling on, and every operator of both
+    reading lengths on the device only over full-attention caches (a row is then moved back on
+    the device: positions, slots, KV lengths); else why not."""
+    method = config.speculative.method
+    if method != "draft_model":
+        return (
+            "n-gram proposals need the accepted tokens on the host"
+            if method == "ngram"
+            else f"{method} proposals are not made past an unread verification"
+        )
+    if not config.async_scheduling:
+        return "async_scheduling is off"
+    if not isinstance(runner, ModelRunner):
+        return "a tensor-parallel target"
+    for name, r in (("the target", runner), ("the draft", draft_runner)):
+        for spec in r.cache_specs:
+            if type(spec) is not FullAttentionSpec:
+                return f"{name}'s cache {spec.describe()} is laid out from host lengths"
+        for group in r.plan.groups:
+            if not group.builder.lengths_on_device:
+                return f"{name}'s {group.builder.describe()} reads host lengths"
+    return None
 
 
 @dataclass(frozen=True)
@@ -75,6 +112,13 @@ class _Launched:
     launched: LaunchedStep
     sample_requests: list[Request]
     num_proposed: list[int] | None = None  # per sampled row, in a verification step
+
+    @property
+    def num_pending(self) -> list[int]:
+        """The tokens each sampled row may add (all its proposals accepted, and one more)."""
+        if self.num_proposed is None:
+            return [1] * len(self.sample_requests)
+        return [1 + n for n in self.num_proposed]
 
 
 @dataclass(eq=False)
@@ -190,6 +234,14 @@ class LLMEngine:
         elif method == "mtp":
             self.draft_runner = load_mtp_runner(self.runner, backend, self.max_num_batched_tokens)
             self.runner.keep_hidden_states = True
+        # Why steps are not scheduled past a verification on the device (None: they are).
+        self.sync_verification_reason = (
+            None
+            if speculative is None
+            else _runs_past_verification(config, self.runner, self.draft_runner)
+        )
+        if speculative is not None and self.sync_verification_reason is None:
+            self.runner.async_verification = True
         self.spec_decode_stats = SpecDecodeStats()
         # before the KV cache is sized, which leaves this out of its budget
         self.verification_bytes = self._reserve_verification()
@@ -207,9 +259,12 @@ class LLMEngine:
                 else 0,
             )
             if self.draft_runner is not None:
-                self.draft_runner.capture_graphs(
-                    min(max_batch, speculative.disable_by_batch_size or max_batch)
+                draft_batch = min(max_batch, speculative.disable_by_batch_size or max_batch)
+                # (a draft run past a verification ingests blocks of 1 + k tokens a row)
+                ingest = (
+                    1 if self.sync_verification_reason else 1 + speculative.num_speculative_tokens
                 )
+                self.draft_runner.capture_graphs(draft_batch, ingest, draft_batch)
         self.kv_cache = KVCacheCoordinator(
             self.runner.cache_specs, num_blocks, config.enable_prefix_caching
         )
@@ -255,7 +310,10 @@ class LLMEngine:
             scheme.describe() if scheme else "unquantised weights",
         )
         if speculative is not None:
-            logger.info("speculative decoding: %s", _describe(speculative, self.scheduler.config))
+            logger.info(
+                "speculative decoding: %s",
+                _describe(speculative, self.scheduler.config, self.sync_verification_reason),
+            )
         caches = [("", self.kv_cache)]
         if self.model_proposer is not None:
             caches.append(("draft ", self.model_proposer.kv_cache))
@@ -452,17 +510,21 @@ class LLMEngine:
         work (scheduling, inputs, detokenisation, stop checks) overlaps the device's. A step
         that samples grammar rows reads the previous step before it is launched (only its
         scheduling overlaps), since each grammar must see its last token before the next mask.
-        With speculative decoding a verification step is read at once, and a step in flight is
-        read before scheduling whenever this pass would make proposals (they start from the
-        last token): scheduling stays asynchronous where speculation is off by batch size.
+        With speculative decoding a step in flight is read before scheduling whenever this
+        pass would make proposals (they start from the last token), unless it is a verification
+        left on the device (a draft model's, where every operator reads lengths on the device):
+        the pass then runs past it as if it accepted every proposal, the runner moves the rows
+        back by its refusals on the device, and reading it rolls the host back
+        (:meth:`_read_verified`).
         """
         previous, self._in_flight = self._in_flight, None
         touched: dict[str, ParentRequest] = {}
-        if previous is not None and self.scheduler.proposes:
+        if previous is not None and not self._runs_past(previous.launched):
             # Proposals start from the last token: read it before scheduling.
             self._read(previous, touched)
             previous = None
-        schedule = self.scheduler.schedule()
+        verifying = previous.launched if previous and previous.launched.rollback else None
+        schedule = self.scheduler.schedule(verifying)
         plan = schedule.plan
         launched = None
         if plan.request_ids or plan.finished_ids or plan.preempted_ids:
@@ -476,10 +538,7 @@ class LLMEngine:
                     previous = None
                 plan = replace(plan, token_bitmask=self._token_bitmask(sample_requests))
             previous_step = previous.launched if previous else None
-            if schedule.drafts is None:
-                step = self.runner.launch(plan, previous_step)
-            else:
-                step = self.runner.launch(plan, previous_step, schedule.drafts)
+            step = self.runner.launch(plan, previous_step, schedule.drafts)
             if step.hidden_states is not None and self.scheduler.proposes:
                 # (while the batch is too large to propose, the head is not fed)
                 self.model_proposer.take_hidden_states(
@@ -493,8 +552,8 @@ class LLMEngine:
                 else None,
             )
             self.scheduler.finish_step(schedule)
-            for request in launched.sample_requests:
-                request.num_pending_tokens += 1
+            for request, n in zip(launched.sample_requests, launched.num_pending):
+                request.num_pending_tokens += n
         if previous is not None:
             self._read(previous, touched)
         if launched is not None:
@@ -519,6 +578,15 @@ class LLMEngine:
                 outputs.append(parent.output())
         return outputs
 
+    def _runs_past(self, launched: LaunchedStep) -> bool:
+        """Whether the next step may be scheduled before ``launched`` is read: while nothing is
+        proposed (its pending tokens are fed on the device), or past a verification left on
+        the device while every running request samples on the device (none waits for its
+        tokens on the host: grammar, penalties, logprobs, ``min_tokens``)."""
+        if launched.rollback is None:
+            return not self.scheduler.proposes
+        return all(r.grammar is None and on_device(r) for r in self.scheduler.running)
+
     def _token_bitmask(self, sample_requests: list[Request]) -> torch.Tensor:
         """The sampled rows' grammar masks; a request that finished when the previous step was
         read (its token will be dropped) is left free."""
@@ -530,8 +598,8 @@ class LLMEngine:
         result = launched.launched.result()
         now = time.monotonic()
         requests = launched.sample_requests
-        for request in requests:
-            request.num_pending_tokens -= 1
+        for request, n in zip(requests, launched.num_pending):
+            request.num_pending_tokens -= n
         if result.prompt_logprobs:
             by_id = {r.request_id: r for r in self.scheduler.running}
             for request_id, lps in result.prompt_logprobs.items():
@@ -558,14 +626,16 @@ class LLMEngine:
     ) -> None:
         """A verification step's tokens: refused proposals are rolled back first (so a request
         that finishes on one of its tokens frees only what it holds), then each row's tokens
-        are appended until one ends the request."""
+        are appended until one ends the request. A request that finished since (its tokens
+        are dropped) or was preempted (its blocks are gone) is not rolled back."""
         rows = zip(
             launched.sample_requests, result.row_token_ids(), result.logprobs, launched.num_proposed
         )
         for request, tokens, logprob, num_proposed in rows:
-            if num_proposed:
+            if num_proposed and request.status is not RequestStatus.FINISHED:
                 self.spec_decode_stats.record(num_proposed, len(tokens) - 1)
-                self.scheduler.reject(request, num_proposed - (len(tokens) - 1))
+                if request.status is RequestStatus.RUNNING:
+                    self.scheduler.reject(request, num_proposed - (len(tokens) - 1))
             for token_id in tokens:
                 if request.status is RequestStatus.FINISHED:
                     break  # the tokens after the one that ended it are dropped

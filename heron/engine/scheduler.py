@@ -5,13 +5,16 @@ from __future__ import annotations
 import time
 from collections import deque
 from dataclasses import dataclass, field
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
 from heron.cache.coordinator import KVCacheCoordinator
 from heron.engine.request import Request, RequestStatus
 from heron.execution.sampler import on_device
 from heron.execution.step_plan import DeviceDrafts, EntryCopies, NewRequest, SentTables, StepPlan
 from heron.speculative import ModelProposer, NgramProposer, SpeculativeConfig
+
+if TYPE_CHECKING:
+    from heron.execution.model_runner import LaunchedStep
 
 
 @dataclass(frozen=True)
@@ -94,13 +97,16 @@ class Scheduler:
     def add(self, request: Request) -> None:
         self.waiting.append(request)
 
-    def schedule(self) -> SchedulerOutput:
+    def schedule(self, verifying: LaunchedStep | None = None) -> SchedulerOutput:
+        """``verifying``: the verification step still on the device that this pass runs past,
+        as if it accepted every proposal (the pending tokens count so); its requests may
+        propose again, from its emitted tokens."""
         out = SchedulerOutput()
         budget = self.config.max_num_batched_tokens
 
         running, allocate_slots = self.running, self.kv_cache.allocate_slots
         max_model_len = self.config.max_model_len
-        proposals = self._proposals(budget) if self._proposer is not None else {}
+        proposals = self._proposals(budget, verifying) if self._proposer is not None else {}
         if isinstance(proposals, DeviceDrafts):  # (their counts; the tokens stay on the device)
             out.drafts, counts = proposals, dict(zip(proposals.request_ids, proposals.counts))
         else:
@@ -174,7 +180,9 @@ class Scheduler:
         """Whether this pass would make proposals (speculation on, the batch small enough)."""
         return self._proposer is not None and len(self.running) <= self._propose_up_to
 
-    def _proposals(self, budget: int) -> dict[str, list[int]] | DeviceDrafts:
+    def _proposals(
+        self, budget: int, verifying: LaunchedStep | None
+    ) -> dict[str, list[int]] | DeviceDrafts:
         """Each running request's proposals (none while more requests run than
         ``disable_by_batch_size``), padded to ``num_speculative_tokens`` with uniform steps;
         a model proposer's stay on the device where the runner takes them so (it proposes
@@ -182,13 +190,18 @@ class Scheduler:
         non-uniform)."""
         if not self.proposes:
             return {}
+        verified = {} if verifying is None else verifying.rows
         proposing, rooms, limits = [], [], []
         k = self._proposer.num_tokens
         uniform = len(self.running) <= self.config.uniform_proposals_up_to
         on_device = self.config.drafts_on_device and isinstance(self._proposer, ModelProposer)
+        max_model_len = self.config.max_model_len
         for request in self.running:
-            if request.num_tokens - request.num_computed_tokens == 1:
-                room = self._verification_room(request, budget - 1)
+            # (a request whose pending tokens may end it is not scheduled: see schedule)
+            if request.num_tokens - request.num_computed_tokens == 1 and not (
+                request.pending_tokens_end_it(max_model_len)
+            ):
+                room = self._verification_room(request, budget - 1, verified)
                 if room > 0:
                     proposing.append(request)
                     rooms.append(room)
@@ -196,7 +209,7 @@ class Scheduler:
                         limits.append(min(k, room))
                     else:
                         limits.append(min(k, self._proposal_limit(request, room)))
-        made = self._propose(proposing, limits)
+        made = self._propose(proposing, limits, verifying)
         if on_device:
             return made
         # (request, the tokens its step may verify, its proposals)
@@ -211,7 +224,7 @@ class Scheduler:
         return {request.request_id: proposed for request, _, proposed in rows}
 
     def _propose(
-        self, requests: list[Request], limits: list[int]
+        self, requests: list[Request], limits: list[int], verifying: LaunchedStep | None
     ) -> list[list[int]] | DeviceDrafts:
         """At most ``limits[i]`` proposals for ``requests[i]``: a model proposer's in one call
         (kept on the device where the runner takes them so)."""
@@ -223,7 +236,9 @@ class Scheduler:
             ]
         # (a model runs only for rows that may get a proposal)
         wanted = [i for i, limit in enumerate(limits) if limit > 0]
-        drafts = proposer.propose([requests[i] for i in wanted], [limits[i] for i in wanted])
+        drafts = proposer.propose(
+            [requests[i] for i in wanted], [limits[i] for i in wanted], verifying
+        )
         if self.config.drafts_on_device:
             return drafts
         out: list[list[int]] = [[] for _ in requests]
@@ -231,21 +246,25 @@ class Scheduler:
             out[i] = proposed
         return out
 
-    def _verification_room(self, request: Request, budget: int) -> int:
+    def _verification_room(self, request: Request, budget: int, verified: dict[str, int]) -> int:
         """How many tokens after its last one a decode step may compute for the request: none
         for a row the verifier cannot sample (logprobs, penalties, an unmet ``min_tokens``, a
-        grammar) or whose last token is still being sampled; never past the context or the
-        step's token budget."""
-        if request.num_pending_tokens or request.grammar is not None or not on_device(request):
+        grammar) or whose last token is still being sampled (except by the verification this
+        pass runs past, whose emitted tokens a model proposer takes on the device: requests in
+        ``verified``); never past the context or the step's token budget."""
+        pending = request.num_pending_tokens and request.request_id not in verified
+        if pending or request.grammar is not None or not on_device(request):
             return 0
         return min(budget, self.config.max_model_len - request.num_tokens - 1)
 
     def _proposal_limit(self, request: Request, room: int) -> int:
-        """How many of those tokens may be proposals: none past ``max_tokens``."""
+        """How many of those tokens may be proposals: none past ``max_tokens`` (counting the
+        pending tokens as if all were accepted)."""
         max_tokens = request.sampling_params.max_tokens
         if max_tokens is None:
             return room
-        return min(room, max_tokens - request.num_output_tokens - 1)
+        num_output = request.num_output_tokens + request.num_pending_tokens
+        return min(room, max_tokens - num_output - 1)
 
     def reject(self, request: Request, num_rejected: int) -> None:
         """The step computed ``num_rejected`` proposed tokens that were refused: the request's

@@ -11,6 +11,7 @@ import torch
 from torch import nn
 
 from heron.cache.layout import CacheLayout
+from heron.cache.paged_parts import PagedParts
 from heron.cache.recurrent import RecurrentStateSpec
 from heron.cache.spec import CacheSpec
 from heron.config import ModelConfig
@@ -19,7 +20,7 @@ from heron.execution.cuda_graph import CudaGraphRunner
 from heron.execution.request_state import RequestState
 from heron.execution.sampler import Sampler, on_device, prompt_logprobs, to_device
 from heron.execution.step_inputs import BlockTableRows, PreparedStep, StepInputBuilder
-from heron.execution.step_plan import DeviceDrafts, StepOutput, StepPlan
+from heron.execution.step_plan import DeviceDrafts, Rollback, StepOutput, StepPlan
 from heron.metadata import (
     GraphSupport,
     MetadataOperator,
@@ -31,7 +32,13 @@ from heron.metadata import (
 from heron.models.build import build_model
 from heron.outputs import Logprob
 from heron.platforms import Platform
-from heron.speculative.verification import DraftRows, accept_greedy, verify
+from heron.speculative.verification import (
+    DraftRows,
+    accept_greedy,
+    accepted_block,
+    verify,
+    verify_on_device,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -45,6 +52,11 @@ class LaunchedStep:
     waiting, so the host can schedule and prepare the next step while this one runs; the next
     step takes its pending input tokens straight from ``token_ids``. Any other step is read on
     the spot (``is_ready``).
+
+    A verification step left on the device (``ModelRunner.async_verification``) also keeps
+    each row's emitted tokens (``emitted``: its accepted proposals and the token after them,
+    ``token_ids`` being that last one) and its refused count (``rollback``), for the next
+    step to be corrected by on the device and a draft to ingest.
     """
 
     def __init__(
@@ -53,9 +65,12 @@ class LaunchedStep:
         token_ids: torch.Tensor | None = None,
         result: StepOutput | None = None,
         hidden_states: torch.Tensor | None = None,
+        emitted: DeviceDrafts | None = None,
+        rollback: Rollback | None = None,
     ) -> None:
         self.sample_states = sample_states
         self.token_ids = token_ids
+        self.emitted, self.rollback = emitted, rollback
         self._result = result
         # The model's last hidden states of every token the step computed, in the plan's row
         # order, where the runner keeps them (an MTP head reads them; the next step may
@@ -63,8 +78,12 @@ class LaunchedStep:
         self.hidden_states = hidden_states
         self._copied: torch.cuda.Event | None = None
         if token_ids is not None:
-            self._host_ids = token_ids.to("cpu", non_blocking=True)  # pinned when on CUDA
-            if token_ids.is_cuda:
+            read = token_ids
+            if emitted is not None:  # (each row's emitted tokens, then its refused count)
+                rejected = rollback.num_rejected.to(torch.int64)
+                read = torch.cat([emitted.tokens.flatten(), rejected])
+            self._host_ids = read.to("cpu", non_blocking=True)  # pinned when on CUDA
+            if read.is_cuda:
                 self._copied = torch.cuda.Event()
                 self._copied.record()
         self._read = False
@@ -90,7 +109,10 @@ class LaunchedStep:
                 self._copied.synchronize()
             ids = self._host_ids.tolist()
             request_ids = [s.request_id for s in self.sample_states]
-            self._result = StepOutput(request_ids, ids, [None] * len(ids))
+            if self.emitted is None:
+                self._result = StepOutput(request_ids, ids, [None] * len(ids))
+            else:
+                self._result = self._verified_output(request_ids, ids)
         if not self._read:
             self._read = True
             if self._result.num_accepted:
@@ -100,6 +122,15 @@ class LaunchedStep:
                 for state, token_id in zip(self.sample_states, self._result.token_ids):
                     state.all_token_ids.append(token_id)
         return self._result
+
+    def _verified_output(self, request_ids: list[str], ids: list[int]) -> StepOutput:
+        """The output of a verification left on the device, from its one download (each row's
+        emitted tokens, then each row's refused count)."""
+        counts, width = self.emitted.counts, self.emitted.tokens.shape[1]
+        rejected = ids[len(counts) * width :]
+        accepted = [n - 1 - r for n, r in zip(counts, rejected)]
+        tokens = [t for i, a in enumerate(accepted) for t in ids[i * width : i * width + 1 + a]]
+        return StepOutput(request_ids, tokens, [None] * len(counts), {}, accepted)
 
 
 class ModelRunner:
@@ -145,6 +176,9 @@ class ModelRunner:
         self._coverage_checked = False
         # Whether each LaunchedStep carries the step's hidden states (for an MTP head).
         self.keep_hidden_states = False
+        # Whether a verification step whose rows all sample on the device is left there (read
+        # later; the engine sets it where every operator reads lengths only on the device).
+        self.async_verification = False
 
     @property
     def cache_specs(self) -> list[CacheSpec]:
@@ -268,10 +302,17 @@ class ModelRunner:
         plan: StepPlan,
         previous: LaunchedStep | None = None,
         drafts: DeviceDrafts | None = None,
+        rollback: Rollback | None = None,
     ) -> LaunchedStep:
         """Queue the step's forward pass and sampling; ``previous`` is the step still in flight
         whose sampled tokens are this step's pending inputs, ``drafts`` the proposals on the
-        device that the plan's ``device_drafts`` verify."""
+        device that the plan's ``device_drafts`` verify (or its ``device_inputs`` ingest).
+
+        ``rollback`` (by default ``previous``'s, a verification left on the device) holds the
+        refusals of a verification that this step was scheduled past as if it accepted every
+        proposal: each row of its requests is moved back by its refused count on the device
+        (positions, slots, KV lengths) before the forward pass; a ``device_inputs`` row takes
+        instead its token after the accepted ones."""
         if not self._coverage_checked:
             # Operators added after the build (or outside its scope) must fail loudly, not run
             # on stale metadata.
@@ -286,6 +327,11 @@ class ModelRunner:
             self._fill_pending_tokens(seq.token_ids, step.pending_sources, previous.token_ids)
         if step.draft_sources:
             self._fill_draft_tokens(seq.token_ids, step.draft_sources, drafts)
+        if rollback is None and previous is not None:
+            rollback = previous.rollback
+        rejected = None if rollback is None else _rejected_per_row(plan.request_ids, rollback)
+        if rejected is not None and not plan.device_inputs:
+            self._move_back(plan, seq, rejected)
         for copies in plan.copies_before:
             self.cache.copy_entries(copies.group, copies.sources, copies.destinations)
         greedy_ids = None  # each row's greedy token, where the step drew them already
@@ -303,11 +349,21 @@ class ModelRunner:
         for copies in plan.copies_after:
             self.cache.copy_entries(copies.group, copies.sources, copies.destinations)
         kept = hidden if self.keep_hidden_states else None
+        states, bitmask = step.sample_states, plan.token_bitmask
+        if plan.device_inputs:
+            return self._ingested(plan, step, logits, greedy_ids, rejected)
         if plan.verifies:
+            if (
+                self.async_verification
+                and not plan.draft_token_ids
+                and not step.prompt_rows
+                and bitmask is None
+                and all(map(on_device, states))
+            ):
+                return self._verified_on_device(plan, step, logits, greedy_ids, drafts)
             output = self._verified(plan, step, logits, greedy_ids, drafts)
             self._keep_accepted_states(plan, step.sample_states, output)
             return LaunchedStep(step.sample_states, result=output, hidden_states=kept)
-        states, bitmask = step.sample_states, plan.token_bitmask
         if states and not step.prompt_rows and all(map(on_device, states)):
             if greedy_ids is not None and all(s.sampling_params.plain_argmax for s in states):
                 token_ids = greedy_ids[step.sample_rows]
@@ -323,6 +379,102 @@ class ModelRunner:
         request_ids = [s.request_id for s in states]
         output = StepOutput(request_ids, token_ids, logprobs, _prompt_logprobs(step, logits))
         return LaunchedStep(states, result=output, hidden_states=kept)
+
+    def _move_back(self, plan: StepPlan, seq: SequenceMetadata, rejected: torch.Tensor) -> None:
+        """Row ``i``'s positions and KV length go back by ``rejected[i]``, and its tokens'
+        slots follow their positions (every cache group a full-attention one: each row's table
+        starts at its first block; the engine runs ahead only then)."""
+        rows = torch.arange(seq.num_reqs, device=self.device)
+        repeats = to_device(plan.num_new, self.device)
+        token_rows = torch.repeat_interleave(rows, repeats, output_size=seq.num_tokens)
+        positions = seq.positions
+        positions.sub_(rejected[token_rows])
+        seq.kv_lens.sub_(rejected)
+        bs = seq.block_size
+        blocks, offsets = (positions // bs).long(), positions % bs
+        for parts in seq.group_parts:
+            if not isinstance(parts, PagedParts):
+                raise StepMetadataError(
+                    f"a step run ahead of a verification has {type(parts).__name__}, whose "
+                    "rows cannot be moved back on the device"
+                )
+            parts.slot_mapping.copy_(parts.block_tables[token_rows, blocks] * bs + offsets)
+
+    def _ingested(
+        self,
+        plan: StepPlan,
+        step: PreparedStep,
+        logits: torch.Tensor,
+        greedy_ids: torch.Tensor | None,
+        rejected: torch.Tensor | None,
+    ) -> LaunchedStep:
+        """A draft's step over verified blocks (``device_inputs`` rows only, greedy): each row's
+        token is its greedy one after its last accepted token (its last, less its refusals)."""
+        if len(plan.device_inputs) != len(plan.request_ids):
+            raise ValueError("a step that ingests verified blocks takes no other rows")
+        rows = step.sample_rows
+        argmax = logits[rows].argmax(dim=-1) if greedy_ids is None else greedy_ids[rows]
+        last = to_device([end - 1 for end in accumulate(plan.num_new)], self.device)
+        index = last if rejected is None else last - rejected
+        return LaunchedStep(step.sample_states, token_ids=argmax[index])
+
+    def _verified_on_device(
+        self,
+        plan: StepPlan,
+        step: PreparedStep,
+        logits: torch.Tensor,
+        greedy_ids: torch.Tensor | None,
+        drafts: DeviceDrafts,
+    ) -> LaunchedStep:
+        """:meth:`_verified` with nothing read: each row's emitted tokens and refused count
+        stay on the device (``LaunchedStep.emitted``, ``rollback``), the same draws as there."""
+        states = step.sample_states
+        counts = [plan.num_proposed(s.request_id) for s in states]
+        rows = logits[step.sample_rows]
+        if all(s.sampling_params.plain_argmax for s in states):
+            argmax = rows.argmax(dim=-1) if greedy_ids is None else greedy_ids[step.sample_rows]
+            proposals = self._draft_rows(drafts, states, counts)
+            tokens, accepted = accepted_block(argmax == proposals.flat, argmax, proposals)
+        else:
+            tokens, accepted = self._verified_rows(states, counts, rows, drafts)
+        request_ids = [s.request_id for s in states]
+        rejected = (to_device(counts, self.device) - accepted).int()
+        return LaunchedStep(
+            states,
+            token_ids=tokens.gather(1, accepted.long().unsqueeze(1)).squeeze(1),
+            emitted=DeviceDrafts(request_ids, [1 + n for n in counts], tokens),
+            rollback=Rollback(request_ids, rejected),
+        )
+
+    def _verified_rows(
+        self,
+        states: list[RequestState],
+        counts: list[int],
+        rows: torch.Tensor,
+        drafts: DeviceDrafts,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Rows with proposals verified, then the others sampled (as :meth:`_verified` does,
+        so the draws are the same), into one ``[rows, 1 + max count]`` block of emitted
+        tokens and the accepted counts."""
+        starts = [0, *accumulate(1 + n for n in counts)]
+        verified = [i for i, n in enumerate(counts) if n]
+        plain = [i for i, n in enumerate(counts) if not n]
+        tokens = torch.zeros((len(states), 1 + max(counts)), dtype=torch.int64, device=self.device)
+        accepted = torch.zeros(len(states), dtype=torch.int64, device=self.device)
+        if verified:
+            index = [r for i in verified for r in range(starts[i], starts[i + 1])]
+            verified_states = [states[i] for i in verified]
+            proposals = self._draft_rows(drafts, verified_states, [counts[i] for i in verified])
+            block, num = verify_on_device(rows[index], verified_states, proposals, self.generator)
+            at = to_device(verified, self.device)
+            tokens[at, : block.shape[1]] = block
+            accepted[at] = num.long()
+        if plain:
+            sampled = self.sampler.sample_on_device(
+                rows[[starts[i] for i in plain]], [states[i] for i in plain], self.generator
+            )
+            tokens[to_device(plain, self.device), 0] = sampled.long()
+        return tokens, accepted
 
     def _verified(
         self,
@@ -436,12 +588,27 @@ class ModelRunner:
         width = tokens.shape[1] + 1
         ended = torch.cat([tokens, tokens.new_full((tokens.shape[0], 1), -1)], dim=1).flatten()
         row_of = drafts.rows
+        # (a row without proposals needs only a -1: any row's last column)
         index = [
-            row_of[state.request_id] * width + j
+            (row_of[state.request_id] if n else 0) * width + j
             for state, n in zip(states, counts)
             for j in (*range(n), width - 1)
         ]
         return DraftRows(counts, ended[to_device(index, self.device)])
+
+
+def _rejected_per_row(request_ids: list[str], rollback: Rollback) -> torch.Tensor | None:
+    """Each row's refused count in ``rollback`` (0 for a request it lacks), on the device;
+    None where it has none of the rows."""
+    rows = rollback.rows
+    index = [rows.get(request_id, -1) for request_id in request_ids]
+    if max(index) < 0:
+        return None
+    if index == list(range(len(rollback.request_ids))):
+        return rollback.num_rejected
+    rejected = rollback.num_rejected
+    padded = torch.cat([rejected, rejected.new_zeros(1)])
+    return padded[to_device([i if i >= 0 else len(rejected) for i in index], rejected.device)]
 
 
 def _prompt_logprobs(step: PreparedStep, logits: torch.Tensor) -> dict[str, list[Logprob]]:

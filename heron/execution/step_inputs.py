@@ -76,7 +76,8 @@ class StepInputBuilder:
         Each cache group's kind lays out and fills its own parts (``CacheSpec.step_parts``).
         A decode token that is still pending (sampled by the previous step, not yet read) is
         left as 0 and listed in ``pending_sources`` with its row in ``pending_rows``, for the
-        runner to fill on the device; so are proposals on the device (``draft_sources``).
+        runner to fill on the device; so are proposals on the device (``draft_sources``), and
+        a ``device_inputs`` row's tokens.
         """
         request_ids = plan.request_ids
         bs = self.block_size
@@ -87,6 +88,7 @@ class StepInputBuilder:
         pending_sources: list[tuple[int, int]] = []
         draft_sources: list[tuple[int, str, int]] = []
         drafts, device_drafts = plan.draft_token_ids, plan.device_drafts
+        device_inputs = plan.device_inputs
         num_tokens = 0
         for request_id, c, n, samples in zip(
             request_ids, plan.num_computed, plan.num_new, plan.samples
@@ -95,8 +97,19 @@ class StepInputBuilder:
             tokens = state.all_token_ids
             proposed = drafts.get(request_id) if drafts else None
             on_device = device_drafts.get(request_id) if device_drafts else None
+            if device_inputs and request_id in device_inputs:  # all from the device, sampled
+                draft_sources.append((num_tokens, request_id, n))
+                token_ids += [0] * n
+                sample_states.append(state)
+                sample_rows += range(num_tokens, num_tokens + n)
+                num_tokens += n
+                continue
             if proposed or on_device:  # the last token, then the proposals: all are sampled
-                token_ids += tokens[c:]
+                if c >= len(tokens):  # still being sampled (verified) by the previous step
+                    pending_sources.append((num_tokens, pending_rows[request_id]))
+                    token_ids.append(0)
+                else:
+                    token_ids += tokens[c:]
                 if proposed:
                     token_ids += proposed
                 else:

@@ -107,6 +107,10 @@ class StepPlan:
     copies_after: list[EntryCopies] = field(default_factory=list)
     draft_token_ids: dict[str, list[int]] = field(default_factory=dict)  # proposals to verify
     device_drafts: dict[str, int] = field(default_factory=dict)  # how many, left on the device
+    # A draft's rows that ingest a verified block: all ``num_new`` tokens are the first that
+    # many of the request's row of the launch's DeviceDrafts, each is sampled, and the row's
+    # token is the one sampled after its last accepted token (the launch's Rollback says which).
+    device_inputs: dict[str, int] = field(default_factory=dict)
     # Rows with a grammar: each sampled row's allowed tokens (xgrammar's packed int32 mask, in
     # host memory, one row per sampled row in order; other rows allow everything).
     token_bitmask: torch.Tensor | None = None
@@ -141,6 +145,21 @@ class DeviceDrafts:
     def to_lists(self) -> list[list[int]]:
         """Each request's proposals on the host (one download)."""
         return [row[:n] for row, n in zip(self.tokens.tolist(), self.counts)]
+
+
+@dataclass(frozen=True)
+class Rollback:
+    """How many proposed tokens each request's verification step refused, on the device,
+    before the host knows: a step scheduled as if all were accepted has the rows of these
+    requests moved back by that many positions on the device (positions, slots, KV
+    lengths) before its forward pass."""
+
+    request_ids: list[str]
+    num_rejected: torch.Tensor  # [rows] int32 on the device
+
+    @property
+    def rows(self) -> dict[str, int]:
+        return {request_id: i for i, request_id in enumerate(self.request_ids)}
 
 
 @dataclass(frozen=True)

@@ -39,6 +39,10 @@ class MetadataBuilder(ABC):
     """
 
     graph_support: GraphSupport = GraphSupport.NEVER
+    # Whether its operators read the step's positions, slots and lengths only as the device
+    # tensors of SequenceMetadata (never its host copies): the runner may then move a row back
+    # on the device before the forward pass (a step scheduled past an unread verification).
+    lengths_on_device: bool = False
 
     @property
     @abstractmethod

@@ -15,7 +15,7 @@ from heron.config import ModelConfig, lacks_tokenizer
 from heron.distributed.executor import RunnerArgs, make_model_runner
 from heron.execution.model_runner import LaunchedStep, ModelRunner
 from heron.execution.sampler import to_device
-from heron.execution.step_plan import DeviceDrafts, NewRequest, SentTables, StepPlan
+from heron.execution.step_plan import DeviceDrafts, NewRequest, Rollback, SentTables, StepPlan
 from heron.loader.resolve import resolve_model_path
 from heron.platforms import Platform
 from heron.sampling_params import SamplingParams
@@ -115,7 +115,13 @@ class _DraftSequence:
     are hashed; ``num_synced`` tokens are known to be accepted ones (those of the last pass's
     catch-up), the rest of ``num_computed_tokens`` are draft tokens of that pass."""
 
-    __slots__ = ("request_id", "all_token_ids", "num_computed_tokens", "num_synced")
+    __slots__ = (
+        "request_id",
+        "all_token_ids",
+        "num_computed_tokens",
+        "num_synced",
+        "ingested",
+    )
     wants_prompt_logprobs = False
     shift = 0  # the request's tokens this sequence's first one comes after
 
@@ -124,6 +130,9 @@ class _DraftSequence:
         self.all_token_ids = request.all_token_ids
         self.num_computed_tokens = 0
         self.num_synced = 0
+        # The verification step whose block of this request (its row there) the last pass
+        # ingested after ``num_synced``, and the block's tokens; None: it ingested none.
+        self.ingested: tuple[LaunchedStep, int, int] | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -143,6 +152,13 @@ class DraftModelProposer(ModelProposer):
     reads its steps at the start of the next pass. It keeps each request's tokens (its
     proposals after the accepted ones); the next pass keeps the prefix they share with the
     request's, frees the blocks past it, and writes the request's tokens in.
+
+    A pass may run while the target's verification of the last proposals is still on the
+    device (``verifying``): a request with a row there ingests that row's emitted block, one
+    step over all its positions from the device (the accepted tokens and the one after them;
+    a refused position is overwritten by a later step), takes its first proposal at the
+    accepted index, and its decode steps are moved back by the refusals on the device. The
+    next pass then keeps the block's accepted tokens, as the request has them by then.
     """
 
     # Whether a pass ends with a decode step of its last proposal (a subclass whose drafted
@@ -165,24 +181,36 @@ class DraftModelProposer(ModelProposer):
         self._forgotten: list[str] = []  # for the next plan's finished_ids
         self._unread: list[LaunchedStep] = []  # the last pass's steps
 
-    def propose(self, requests: Sequence[Request], limits: Sequence[int]) -> DeviceDrafts:
+    def propose(
+        self,
+        requests: Sequence[Request],
+        limits: Sequence[int],
+        verifying: LaunchedStep | None = None,
+    ) -> DeviceDrafts:
         for step in self._unread:
             step.result()  # (the target's verification, read since, waited for them)
         self._unread = []
+        block = None if verifying is None else verifying.emitted
+        block_rows = {} if block is None else block.rows
         rows: list[tuple[int, _DraftSequence, int]] = []  # (index, sequence, limit)
+        ingesting: dict[str, int] = {}  # request id -> the tokens of its verified block
         new_requests = []
         for i, (request, limit) in enumerate(zip(requests, limits)):
+            row = block_rows.get(request.request_id)
+            ingest = 0 if row is None else block.counts[row]
             seq = self._sequences.get(request.request_id)
             if seq is None:
                 seq = self._new_sequence(request)
                 hits, num_hit = self.kv_cache.get_computed_blocks(seq)
             else:
-                self._sync(seq)
+                self._sync(seq, bool(ingest))
                 hits, num_hit = (), 0
             steps = limit - 1 + self.caches_last_proposal  # decode steps after the catch-up
-            num_new = seq.num_tokens - seq.num_computed_tokens - num_hit + steps
+            num_new = seq.num_tokens - seq.num_computed_tokens - num_hit + ingest + steps
             if not self.kv_cache.allocate_slots(seq, num_new, hits):
                 continue  # no room in the draft's pool: no proposals this pass
+            if ingest:
+                ingesting[request.request_id] = ingest
             if request.request_id not in self._sequences:
                 self._sequences[request.request_id] = seq
                 seq.num_computed_tokens = num_hit
@@ -207,8 +235,15 @@ class DraftModelProposer(ModelProposer):
         )
         if not rows:
             return drafts
-        first = self._first_plan(new_requests)
-        launched = self._catch_up([seq for _, seq, _ in rows], first, drafts)
+        plan = self._first_plan(new_requests)
+        sequences = [seq for _, seq, _ in rows]
+        launched = self._catch_up(sequences, plan, drafts, ingesting)
+        rollback = None
+        if ingesting:
+            rollback = verifying.rollback
+            plan = StepPlan() if launched else plan
+            launched.append(self._ingest(sequences, ingesting, plan, verifying))
+            _gather(drafts, launched[-1], 0)
         extra = self.caches_last_proposal
         for s in range(1, max(limit for _, _, limit in rows) + extra):
             decoding = [seq for _, seq, limit in rows if limit - 1 + extra >= s]
@@ -218,7 +253,8 @@ class DraftModelProposer(ModelProposer):
                 num_new=[1] * len(decoding),
                 samples=[True] * len(decoding),
             )
-            launched.append(self._launch(plan, launched[-1]))
+            # (each row's input is its previous proposal, from the catch-up or the ingest)
+            launched.append(self._launch(plan, _ProposalColumn(drafts, s - 1), rollback))
             _gather(drafts, launched[-1], s)
             for seq in decoding:
                 seq.num_computed_tokens += 1
@@ -229,9 +265,39 @@ class DraftModelProposer(ModelProposer):
     def _new_sequence(self, request: Request) -> _DraftSequence:
         return _DraftSequence(request)
 
-    def _launch(self, plan: StepPlan, previous: LaunchedStep | None = None) -> LaunchedStep:
+    def _launch(
+        self,
+        plan: StepPlan,
+        previous: LaunchedStep | _ProposalColumn | None = None,
+        rollback: Rollback | None = None,
+    ) -> LaunchedStep:
         """One step of the draft's runner (a subclass adds its inputs)."""
-        return self.runner.launch(plan, previous)
+        return self.runner.launch(plan, previous, None, rollback)
+
+    def _ingest(
+        self,
+        sequences: list[_DraftSequence],
+        ingesting: dict[str, int],
+        plan: StepPlan,
+        verifying: LaunchedStep,
+    ) -> LaunchedStep:
+        """One step over the verified blocks of the ``ingesting`` sequences, each at the
+        sequence's end (the catch-up brought it to the request's last read token); a row's
+        token is the first proposal after its accepted tokens."""
+        block, rows = verifying.emitted, verifying.rows
+        for seq in sequences:
+            count = ingesting.get(seq.request_id)
+            if count is None:
+                continue
+            plan.request_ids.append(seq.request_id)
+            plan.num_computed.append(seq.num_computed_tokens)
+            plan.num_new.append(count)
+            plan.samples.append(True)
+            plan.device_inputs[seq.request_id] = count
+            seq.num_synced = seq.num_computed_tokens
+            seq.ingested = (verifying, rows[seq.request_id], count)
+            seq.num_computed_tokens += count
+        return self.runner.launch(plan, None, block, verifying.rollback)
 
     def _end_pass(self, sequences: list[_DraftSequence]) -> None:
         """After a pass's proposals were read (a subclass may cut its caches back)."""
@@ -250,13 +316,18 @@ class DraftModelProposer(ModelProposer):
         return plan
 
     def _catch_up(
-        self, sequences: list[_DraftSequence], plan: StepPlan, drafts: DeviceDrafts
+        self,
+        sequences: list[_DraftSequence],
+        plan: StepPlan,
+        drafts: DeviceDrafts,
+        ingesting: dict[str, int],
     ) -> list[LaunchedStep]:
         """Steps computing each sequence's missing tokens, within the token budget (the one
-        that ends a sequence's gives its first proposal); every step but the last is read at
-        once (the decode steps take their tokens from the last)."""
+        that ends a sequence's gives its first proposal, unless it then ingests a verified
+        block); every step but the last is read at once (the decode steps take their tokens
+        from the last)."""
         launched = []
-        pending = list(sequences)
+        pending = [seq for seq in sequences if seq.num_tokens > seq.num_computed_tokens]
         while pending:
             budget = self.max_num_batched_tokens
             for seq in pending:
@@ -267,7 +338,7 @@ class DraftModelProposer(ModelProposer):
                 plan.request_ids.append(seq.request_id)
                 plan.num_computed.append(seq.num_computed_tokens)
                 plan.num_new.append(num_new)
-                plan.samples.append(num_new == remaining)
+                plan.samples.append(num_new == remaining and seq.request_id not in ingesting)
                 budget -= num_new
             for seq, num_new in zip(pending, plan.num_new):
                 seq.num_computed_tokens += num_new
@@ -280,20 +351,39 @@ class DraftModelProposer(ModelProposer):
                 plan = StepPlan()
         return launched
 
-    def _sync(self, seq: _DraftSequence) -> None:
+    def _sync(self, seq: _DraftSequence, ingests: bool) -> None:
         """Keep the draft tokens of the last pass that the request accepted (refused or
-        unverified ones go, with their blocks), then give the runner the request's tokens."""
+        unverified ones go, with their blocks), then give the runner the request's tokens.
+        Unless this pass ingests a verified block, the last token is computed again (its
+        logits give the first proposal)."""
         drafted = self.runner.requests[seq.request_id].all_token_ids
         tokens = seq.all_token_ids
-        # (the last token is always computed again: its logits give the first proposal)
-        end = min(seq.num_computed_tokens, len(tokens) - 1)
-        valid = min(seq.num_synced, end)
+        valid = seq.num_synced
+        if seq.ingested is not None:
+            self._place_proposals(seq, drafted)
+            valid = seq.num_synced
+        end = min(seq.num_computed_tokens, len(tokens))
+        valid = min(valid, end)
         while valid < end and drafted[valid] == tokens[valid]:
             valid += 1
+        if not ingests:
+            valid = min(valid, len(tokens) - 1)
         if valid < seq.num_computed_tokens:
             self._truncate(seq, valid)
         seq.num_synced = valid
         drafted[valid:] = tokens[valid:]
+
+    def _place_proposals(self, seq: _DraftSequence, drafted: list[int]) -> None:
+        """After a pass that ingested a verified block (read since): the block's accepted
+        tokens and the one after them are the request's, the draft's proposals follow them,
+        and its computed tokens lose the block's refused ones (its steps were moved back)."""
+        verifying, row, count = seq.ingested
+        seq.ingested = None
+        accepted = verifying.result().num_accepted[row]
+        start = seq.num_synced
+        drafted[:] = seq.all_token_ids[: start + accepted + 1] + drafted[start:]
+        seq.num_synced = start + accepted + 1
+        seq.num_computed_tokens -= count - 1 - accepted
 
     def _truncate(self, seq: _DraftSequence, num_tokens: int) -> None:
         self.kv_cache.truncate(seq, num_tokens)
@@ -301,8 +391,11 @@ class DraftModelProposer(ModelProposer):
         self._sent.shrink(seq.request_id, self.kv_cache.block_tables(seq.request_id))
 
     def reject(self, request: Request) -> None:
+        # (a pass run past the verification is rolled back by the next: _place_proposals)
         seq = self._sequences.get(request.request_id)
-        if seq is not None and seq.num_computed_tokens > request.num_computed_tokens:
+        if seq is None or seq.ingested is not None:
+            return
+        if seq.num_computed_tokens > request.num_computed_tokens:
             self._truncate(seq, request.num_computed_tokens)
 
     def forget(self, request_id: str) -> None:
@@ -314,6 +407,18 @@ class DraftModelProposer(ModelProposer):
         self.kv_cache.free(seq)
         self._sent.forget(request_id)
         self._forgotten.append(request_id)
+
+
+class _ProposalColumn:
+    """Proposal ``column`` of a pass's rows, as the pending input of its next decode step
+    (what ``ModelRunner.launch`` reads of a previous step: each request's row and the
+    tokens)."""
+
+    rollback = None
+
+    def __init__(self, drafts: DeviceDrafts, column: int) -> None:
+        self.rows = drafts.rows
+        self.token_ids = drafts.tokens[:, column]
 
 
 def _gather(drafts: DeviceDrafts, step: LaunchedStep, column: int) -> None:

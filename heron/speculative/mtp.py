@@ -112,13 +112,14 @@ class MTPProposer(DraftModelProposer):
     def _new_sequence(self, request: Request) -> _HeadSequence:
         return _HeadSequence(request)
 
-    def _sync(self, seq: _HeadSequence) -> None:
+    def _sync(self, seq: _HeadSequence, ingests: bool) -> None:
         seq.all_token_ids = seq.request_tokens[1:]
         self.runner.requests[seq.request_id].all_token_ids = list(seq.all_token_ids)
 
-    def _launch(self, plan: StepPlan, previous: LaunchedStep | None = None) -> LaunchedStep:
+    def _launch(self, plan: StepPlan, previous=None, rollback=None) -> LaunchedStep:
         """Stage the step's hidden states (a catch-up's from the target, a decode step's from
-        the head's last outputs), then launch it."""
+        the head's last outputs), then launch it (never past a verification: no
+        ``rollback``)."""
         if previous is None:
             rows = map(self._target_rows, plan.request_ids, plan.num_computed, plan.num_new)
         else:

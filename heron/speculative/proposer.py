@@ -11,6 +11,7 @@ if TYPE_CHECKING:
     import torch
 
     from heron.engine.request import Request
+    from heron.execution.model_runner import LaunchedStep
     from heron.execution.step_plan import DeviceDrafts
 
 
@@ -32,10 +33,17 @@ class ModelProposer(ABC):
     wants_hidden_states: bool = False
 
     @abstractmethod
-    def propose(self, requests: Sequence[Request], limits: Sequence[int]) -> DeviceDrafts:
+    def propose(
+        self,
+        requests: Sequence[Request],
+        limits: Sequence[int],
+        verifying: LaunchedStep | None = None,
+    ) -> DeviceDrafts:
         """At most ``limits[i]`` (each at most ``num_tokens``) tokens to follow
         ``requests[i]``'s last token, in order, left on the device (row ``i`` of the
-        result)."""
+        result). With ``verifying`` (the target's verification still on the device; a draft
+        model's only), a request with a row there proposes after that row's emitted tokens,
+        which the host has not read."""
 
     @abstractmethod
     def reject(self, request: Request) -> None:

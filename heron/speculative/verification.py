@@ -58,22 +58,86 @@ def verify(
     download as the verdicts.
     """
     on_device = isinstance(proposals, DraftRows)
-    counts = [1 + n for n in proposals.counts] if on_device else [1 + len(p) for p in proposals]
-    starts = [0, *accumulate(counts)]
-    rows = [s for s, n in zip(states, counts) for _ in range(n)]
-    logits = logits.to(torch.float32, copy=True)
-    apply_logit_bias(logits, rows)
-    greedy = [r.sampling_params.greedy for r in rows]
-    if all(greedy):  # the host compares: no upload of the proposals
+    counts = proposals.counts if on_device else [len(p) for p in proposals]
+    logits, rows, starts = _biased(logits, states, counts)
+    if all(r.sampling_params.greedy for r in rows):  # the host compares: no upload of the proposals
         if on_device:
             return accept_greedy(*proposals.download_with(logits.argmax(dim=-1)))
         return accept_greedy(proposals, logits.argmax(dim=-1).tolist())
-    device = logits.device
-    # The token each row verifies (the proposal after it); -1 on each request's last row.
     if on_device:
         proposed = proposals.flat
     else:
-        proposed = to_device([t for p in proposals for t in (*p, -1)], device)
+        proposed = to_device([t for p in proposals for t in (*p, -1)], logits.device)
+    accepted, chosen = _verdicts(logits, rows, proposed, states, starts, generator)
+    accepted, chosen, proposed = torch.stack([accepted.long(), chosen, proposed]).tolist()
+    out = []
+    for start, end in zip(starts, starts[1:]):
+        p = proposed[start : end - 1]
+        n = 0
+        while n < len(p) and accepted[start + n]:
+            n += 1
+        out.append([*p[:n], chosen[start + n]])
+    return out
+
+
+def verify_on_device(
+    logits: torch.Tensor,
+    states: Sequence[RequestState],
+    proposals: DraftRows,
+    generator: torch.Generator | None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`verify` with nothing read: each request's emitted tokens as a row of ``[rows,
+    1 + max count]`` (valid up to its accepted count, inclusive) and its accepted counts, on
+    the device. The same draws as :func:`verify`, so seeded requests get the same tokens."""
+    logits, rows, starts = _biased(logits, states, proposals.counts)
+    if all(r.sampling_params.greedy for r in rows):
+        chosen = logits.argmax(dim=-1)
+        return accepted_block(chosen == proposals.flat, chosen, proposals)
+    accepted, chosen = _verdicts(logits, rows, proposals.flat, states, starts, generator)
+    return accepted_block(accepted, chosen, proposals)
+
+
+def _biased(
+    logits: torch.Tensor, states: Sequence[RequestState], counts: Sequence[int]
+) -> tuple[torch.Tensor, list[RequestState], list[int]]:
+    """The rows' logits in fp32 with each request's logit bias, each row's request (``1 +
+    counts[i]`` consecutive rows of ``states[i]``) and each request's first row."""
+    rows = [s for s, n in zip(states, counts) for _ in range(1 + n)]
+    logits = logits.to(torch.float32, copy=True)
+    apply_logit_bias(logits, rows)
+    return logits, rows, [0, *accumulate(1 + n for n in counts)]
+
+
+def accepted_block(
+    accepted: torch.Tensor, chosen: torch.Tensor, proposals: DraftRows
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """From per-position verdicts in the flat layout of :class:`DraftRows` (``accepted``: the
+    position's proposal is taken; ``chosen``: the token drawn there otherwise), each row's
+    emitted tokens ``[rows, 1 + max count]`` and accepted counts, on the device."""
+    counts = proposals.counts
+    width = 1 + max(counts)
+    starts = accumulate((1 + n for n in counts), initial=0)
+    index = [start + min(j, n) for start, n in zip(starts, counts) for j in range(width)]
+    index = to_device(index, accepted.device).view(len(counts), width)
+    num_accepted = accepted[index].int().cumprod(dim=1).sum(dim=1)
+    tokens = torch.where(accepted, proposals.flat, chosen)[index]
+    return tokens, num_accepted
+
+
+def _verdicts(
+    logits: torch.Tensor,
+    rows: Sequence[RequestState],
+    proposed: torch.Tensor,
+    states: Sequence[RequestState],
+    starts: Sequence[int],
+    generator: torch.Generator | None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per position (``rows[i]``'s, biased ``logits[i]``, verifying ``proposed[i]``, -1 on a
+    request's last position): whether its proposal is accepted, and the token chosen there
+    otherwise (greedy rows: the argmax; sampled: a draw from ``p`` without the proposal, or
+    from ``p`` on the last position)."""
+    device = logits.device
+    greedy = [r.sampling_params.greedy for r in rows]
     has_proposal = proposed >= 0
     safe = proposed.clamp(min=0).unsqueeze(1)
     targets = logits.argmax(dim=-1)
@@ -88,16 +152,7 @@ def verify(
     drawn = residual.div_(noise).argmax(dim=-1)
     is_greedy = to_device(greedy, device)
     accepted = torch.where(is_greedy, (targets == proposed) & has_proposal, accepted)
-    chosen = torch.where(is_greedy, targets, drawn)
-    accepted, chosen, proposed = torch.stack([accepted.long(), chosen, proposed]).tolist()
-    out = []
-    for start, end in zip(starts, starts[1:]):
-        p = proposed[start : end - 1]
-        n = 0
-        while n < len(p) and accepted[start + n]:
-            n += 1
-        out.append([*p[:n], chosen[start + n]])
-    return out
+    return accepted, torch.where(is_greedy, targets, drawn)
 
 
 def accept_greedy(proposals: Sequence[Sequence[int]], targets: Sequence[int]) -> list[list[int]]:

@@ -83,10 +83,10 @@ def test_tokens_stay_on_device_between_steps(engines):
     launched = []
     launch = engine.runner.launch
 
-    def spy(plan, previous=None):
+    def spy(plan, previous=None, drafts=None):
         if plan.request_ids:
             launched.append(list(zip(plan.request_ids, plan.num_new)))
-        return launch(plan, previous)
+        return launch(plan, previous, drafts)
 
     engine.runner.launch = spy
     try:

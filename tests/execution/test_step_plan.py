@@ -18,8 +18,8 @@ def test_a_runner_runs_from_pickled_plans_alone(tiny_model_dir):
     plans, outputs = [], []
     launch = engine.runner.launch
 
-    def record(plan, previous=None):
-        launched = launch(plan, previous)
+    def record(plan, previous=None, drafts=None):
+        launched = launch(plan, previous, drafts)
         plans.append(pickle.dumps(plan))
         outputs.append(launched.result())
         return launched

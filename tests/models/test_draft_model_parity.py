@@ -65,14 +65,25 @@ def assert_draft_pool_empty(llm: LLM) -> None:
     assert not proposer._sequences
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen3"])
-def test_greedy_with_a_draft_model_equals_greedy_without(family, tmp_path, monkeypatch):
+@pytest.mark.parametrize(
+    ("family", "async_scheduling"),
+    [("llama", True), ("qwen3", True), ("llama", False)],
+    ids=["llama", "qwen3", "llama-each-verification-read-first"],
+)
+def test_greedy_with_a_draft_model_equals_greedy_without(
+    family, async_scheduling, tmp_path, monkeypatch
+):
+    """With asynchronous verification (the default here: every step scheduled past the
+    verification before it), and with each verification read before the next pass."""
     path = str(save_tiny_model(family, tmp_path / "target"))
     draft = save_truncated_draft(path, tmp_path / "draft")
     options = dict(OPTIONS, num_kv_blocks=40)
     plain = LLM(path, **options)
     want = [o.outputs[0].token_ids for o in plain.generate(PROMPTS, GREEDY, use_tqdm=False)]
-    llm = LLM(path, **options, speculative_config=draft_config(draft))
+    llm = LLM(
+        path, **options, speculative_config=draft_config(draft), async_scheduling=async_scheduling
+    )
+    assert llm.engine.runner.async_verification == async_scheduling
     check_runner_tables(llm, monkeypatch)
     check_draft_cache(llm, monkeypatch)
     assert_equal_up_to_exact_ties(path, generate_checked(llm, PROMPTS, GREEDY), want)

@@ -185,7 +185,7 @@ def test_head_equals_hf_composition(family, tmp_path):
 
     # the target's hidden states, kept only when asked for
     launch, kept = runner.launch, []
-    runner.launch = lambda plan, previous=None: kept.append(launch(plan, previous)) or kept[-1]
+    runner.launch = lambda *args: kept.append(launch(*args)) or kept[-1]
     llm.generate([prompt], SamplingParams(max_tokens=1), use_tqdm=False)
     assert kept[0].hidden_states is None
     runner.keep_hidden_states = True

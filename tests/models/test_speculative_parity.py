@@ -180,10 +180,10 @@ def test_uniform_proposals_keep_parity(tmp_path, monkeypatch):
     runner, uniform = llm.engine.runner, []
     launch = runner.launch
 
-    def counted(plan, previous=None):
+    def counted(plan, previous=None, drafts=None):
         if plan.draft_token_ids:
             uniform.append(len(set(plan.num_new)) == 1 and len(plan.num_new) > 1)
-        return launch(plan, previous)
+        return launch(plan, previous, drafts)
 
     monkeypatch.setattr(runner, "launch", counted)
     assert_equal_up_to_exact_ties(path, generate_checked(llm, PROMPTS, GREEDY), want)

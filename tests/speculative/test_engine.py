@@ -120,10 +120,10 @@ def test_uniform_steps_keep_their_query_length_to_max_tokens(llama, monkeypatch)
     query_lens = set()
     launch = runner.launch
 
-    def recorded(plan, previous=None):
+    def recorded(plan, previous=None, drafts=None):
         if plan.draft_token_ids:
             query_lens.update(plan.num_new)
-        return launch(plan, previous)
+        return launch(plan, previous, drafts)
 
     monkeypatch.setattr(runner, "launch", recorded)
     for max_tokens in (2, 5, 7, 11):

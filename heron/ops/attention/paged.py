@@ -103,9 +103,17 @@ class PagedAttentionBuilder(MetadataBuilder):
     graph_support = GraphSupport.DECODE_ONLY
 
     def __init__(
-        self, backend: str, block_size: int, sliding_window: int | None, max_model_len: int
+        self,
+        backend: str,
+        block_size: int,
+        sliding_window: int | None,
+        max_model_len: int,
+        lengths_on_device: bool = False,
     ) -> None:
+        """``lengths_on_device``: the backend's operators read no host copy of the KV
+        lengths (``MetadataBuilder.lengths_on_device``)."""
         self.backend = backend
+        self.lengths_on_device = lengths_on_device
         self.block_size = block_size
         self.sliding_window = sliding_window
         self.max_blocks_per_seq = -(-max_model_len // block_size)

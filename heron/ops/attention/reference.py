@@ -21,7 +21,11 @@ class ReferenceAttention(AttentionOperator):
     def make_builder(
         self, spec: AttentionSpec, block_size: int, max_model_len: int
     ) -> PagedAttentionBuilder:
-        return PagedAttentionBuilder("reference", block_size, spec.sliding_window, max_model_len)
+        # (extend reads the KV lengths from the device, the query lengths, which a row moved
+        # back keeps, from the host)
+        return PagedAttentionBuilder(
+            "reference", block_size, spec.sliding_window, max_model_len, lengths_on_device=True
+        )
 
     def prepare_qkv(self, qkv: torch.Tensor, view: PagedAttentionView) -> torch.Tensor:
         q, k, v = self.split_qkv(qkv)
@@ -89,11 +93,12 @@ class ReferenceAttention(AttentionOperator):
         spec = self.spec
         plain = spec.logit_softcap is None and self.sinks is None
         out = torch.empty_like(q)
-        table_starts = view.table_starts.tolist()  # slices below need host ints
+        # Slices below need host ints: the device's lengths (a step may have been moved back
+        # there), read once.
+        table_starts, kv_lens = torch.stack([view.table_starts, view.kv_lens]).tolist()
         for i in range(view.num_reqs):
             q_start, q_len = int(view.query_start_host[i]), int(view.query_lens_host[i])
-            kv_len = int(view.kv_lens_host[i])
-            bs, first = view.block_size, table_starts[i]
+            kv_len, bs, first = kv_lens[i], view.block_size, table_starts[i]
             k, v = self._gather(view.block_tables[i, : -(-kv_len // bs) - first])
             k, v = k[: kv_len - first * bs], v[: kv_len - first * bs]
             q_pos = torch.arange(kv_len - q_len, kv_len, device=q.device)[:, None]

@@ -67,7 +67,11 @@ class TritonAttentionBuilder(PagedAttentionBuilder):
     graph_support = GraphSupport.UNIFORM
 
     def __init__(self, spec: AttentionSpec, block_size: int, max_model_len: int) -> None:
-        super().__init__("triton", block_size, spec.sliding_window, max_model_len)
+        # (its kernels read lengths on the device; split counts take the step's longest
+        # context as a bound only)
+        super().__init__(
+            "triton", block_size, spec.sliding_window, max_model_len, lengths_on_device=True
+        )
         self.spec = spec
         self.max_model_len = max_model_len
         self._eager_tickets: torch.Tensor | None = None
