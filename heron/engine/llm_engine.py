@@ -81,7 +81,8 @@ def _runs_past_verification(
     config: EngineConfig, runner: object, draft_runner: ModelRunner | None
 ) -> str | None:
     """None where steps may be scheduled past a verification still on the device: a draft
-    model beside a single-rank target, asynchronous scheduling on, and every operator of both
+    model asked to (``async_verification``) beside a single-rank target, asynchronous
+    scheduling on, and every operator of both
     reading lengths on the device only over full-attention caches (a row is then moved back on
     the device: positions, slots, KV lengths); else why not."""
     method = config.speculative.method
@@ -91,6 +92,8 @@ def _runs_past_verification(
             if method == "ngram"
             else f"{method} proposals are not made past an unread verification"
         )
+    if not config.speculative.async_verification:
+        return "speculative_config's async_verification is off"
     if not config.async_scheduling:
         return "async_scheduling is off"
     if not isinstance(runner, ModelRunner):

@@ -10,7 +10,7 @@ METHODS = ("ngram", "draft_model", "mtp")
 # Fields that only one method reads: refused by name for the others.
 METHOD_FIELDS = {
     "ngram": ("prompt_lookup_min", "prompt_lookup_max"),
-    "draft_model": ("model", "draft_tensor_parallel_size"),
+    "draft_model": ("model", "draft_tensor_parallel_size", "async_verification"),
 }
 
 
@@ -24,7 +24,10 @@ class SpeculativeConfig:
 
     ``draft_model``: a smaller model with the target's tokenizer (``model``, a path or hub
     name) proposes its greedy continuation; it runs on the target's first device
-    (``draft_tensor_parallel_size`` 1).
+    (``draft_tensor_parallel_size`` 1). With ``async_verification`` the next step is scheduled
+    and launched before a verification is read (rows moved back on the device by their refused
+    proposals); off by default, because on the H200 it has so far been slower than reading
+    each verification first where a small draft's proposals are accepted (BENCHMARKS.md).
 
     ``mtp``: the checkpoint's multi-token-prediction head (DeepSeek-V3, Qwen3.5, Qwen3-Next)
     proposes from the target's hidden states, applied again to its own output for each
@@ -41,6 +44,7 @@ class SpeculativeConfig:
     disable_by_batch_size: int | None = 8
     model: str | None = None
     draft_tensor_parallel_size: int = 1
+    async_verification: bool = False
 
     @classmethod
     def from_dict(cls, options: Mapping[str, Any]) -> SpeculativeConfig:
@@ -82,6 +86,11 @@ class SpeculativeConfig:
                 raise ValueError(
                     "speculative_config: draft_tensor_parallel_size must be 1 (the draft runs "
                     f"on one device), got {size!r}"
+                )
+            if not isinstance(options.get("async_verification", False), bool):
+                raise ValueError(
+                    "speculative_config: async_verification must be true or false, got "
+                    f"{options['async_verification']!r}"
                 )
         values = dict(options)
         for name in (

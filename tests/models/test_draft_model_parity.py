@@ -28,7 +28,12 @@ GREEDY = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
 
 
 def draft_config(path) -> dict:
-    return {"method": "draft_model", "model": str(path), "num_speculative_tokens": K}
+    return {
+        "method": "draft_model",
+        "model": str(path),
+        "num_speculative_tokens": K,
+        "async_verification": True,
+    }
 
 
 def check_draft_cache(llm: LLM, monkeypatch) -> None:

@@ -192,6 +192,7 @@ def test_host_lengths_and_ngram_keep_verification_synchronous(models, tmp_path, 
     windowed = save_tiny_model("mistral", tmp_path / "mistral")
     draft = save_truncated_draft(windowed, tmp_path / "draft")
     spec = {"method": "draft_model", "model": str(draft), "num_speculative_tokens": K}
+    spec["async_verification"] = True  # refused here for the window, not by default
     assert not LLM(str(windowed), speculative_config=spec).engine.runner.async_verification
     assert "the target's cache sliding window" in caplog.text
     ngram = {"method": "ngram", "num_speculative_tokens": K}
@@ -221,3 +222,11 @@ def test_on_cuda_with_graphs_asynchronous_verification_equals_synchronous(models
     draft, target = engine.draft_runner.graphs, engine.runner.graphs
     assert {(draft, 1), (draft, 1 + K), (target, 1 + K)} <= set(replays)
     assert_pools_empty(llm)
+
+
+def test_asynchronous_verification_is_asked_for(models):
+    """Off unless ``speculative_config`` asks: each verification is then read first, and the
+    reason names the field."""
+    llm = draft_llm(models, async_verification=False)
+    assert not llm.engine.runner.async_verification
+    assert "async_verification" in llm.engine.sync_verification_reason

@@ -65,6 +65,8 @@ def test_vllm_spelling_is_accepted():
         (DRAFT | {"draft_tensor_parallel_size": True}, "draft_tensor_parallel_size must be 1"),
         (MTP | {"prompt_lookup_max": 2}, "prompt_lookup_max applies to method 'ngram', not 'mtp'"),
         (MTP | {"model": "d"}, "model applies to method 'draft_model', not 'mtp'"),
+        (DRAFT | {"async_verification": "yes"}, "async_verification must be true or false"),
+        (MTP | {"async_verification": True}, "async_verification applies to method 'draft"),
     ],
 )
 def test_bad_configurations_name_the_field(options, named):

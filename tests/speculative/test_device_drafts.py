@@ -26,10 +26,12 @@ def models(tiny_model_dir, tmp_path_factory):
     return str(target), str(save_truncated_draft(target, tmp_path_factory.mktemp("draft")))
 
 
-def draft_llm(models, **options) -> LLM:
+def draft_llm(models, async_verification=True, **options) -> LLM:
     target, draft = models
     spec = {"method": "draft_model", "model": draft, "num_speculative_tokens": 3}
-    return LLM(target, speculative_config=spec, **options)
+    return LLM(
+        target, speculative_config=spec | {"async_verification": async_verification}, **options
+    )
 
 
 def test_the_target_launches_before_the_drafts_are_read(models, monkeypatch, caplog):
