@@ -208,9 +208,9 @@ def test_grammar_steps_launch_once_the_previous_step_is_read(llm, monkeypatch):
     monkeypatch.setattr(
         engine.runner,
         "launch",
-        lambda plan, previous: (
+        lambda plan, previous, *rest: (
             launches.append((plan.token_bitmask is not None, bool(previous)))
-            or launch(plan, previous)
+            or launch(plan, previous, *rest)
         ),
     )
     constraint = StructuredOutputsParams(regex="[a-z]{6}")
