@@ -96,14 +96,16 @@ class MTPProposer(DraftModelProposer):
     ) -> _HeadBlocks | None:
         """The catch-ups of the pass that take the uniform form: a known request's missing
         tokens (at most ``1 + k``: those its last verification emitted) padded to ``1 + k``,
-        where its context has room for them, as a verified block the pass ingests (never run
-        past a verification: the head's hidden states come from the host's positions)."""
+        where its context has room for them and the step stays within the token budget, as a
+        verified block the pass ingests (never run past a verification: the head's hidden
+        states come from the host's positions)."""
         width = 1 + self.num_tokens
         max_len = self.runner.model_config.max_model_len
+        max_rows = self.max_num_batched_tokens // width
         request_ids, rows = [], []
         for request in requests:
             seq = self._sequences.get(request.request_id)
-            if seq is None:
+            if seq is None or len(rows) == max_rows:
                 continue
             missing = request.all_token_ids[1 + seq.num_computed_tokens :]
             if 0 < len(missing) <= width and seq.num_computed_tokens + width <= max_len:
