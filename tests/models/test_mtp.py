@@ -296,6 +296,37 @@ def test_steady_state_head_steps_replay_graphs(family, tmp_path):
         assert kv.num_free_blocks == kv.num_blocks - 1
 
 
+def test_eager_catch_ups_where_the_uniform_one_does_not_fit(tmp_path, monkeypatch):
+    """A 4-token budget: one uniform catch-up of ``1 + k`` fits a step, another row with
+    tokens to catch up does so eagerly, and a request proposed for but not scheduled (the
+    budget spent) computes its last position again. Greedy output is plain decoding's (up to
+    exact ties), and both pools get every block back."""
+    save_with_mtp("qwen3_5", tmp_path, predictive=True)
+    path = str(tmp_path)
+    options = dict(max_model_len=96, block_size=4, max_num_batched_tokens=4)
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    prompts = [[3], [7], [11]]  # (all three prefilled in the first step)
+    want = greedy_tokens(LLM(path, **options), prompts, params)
+    llm = LLM(path, **options, speculative_config=SPECULATION)
+    proposer, behind = llm.engine.model_proposer, []  # (uniform, head tokens not computed)
+    sync = proposer._sync
+
+    def counted(seq, ingests):
+        behind.append((ingests, len(seq.request_tokens) - 1 - seq.num_computed_tokens))
+        sync(seq, ingests)
+
+    monkeypatch.setattr(proposer, "_sync", counted)
+    assert_equal_up_to_exact_ties(path, greedy_tokens(llm, prompts, params), want)
+    assert (True, 1) in behind and (True, 3) in behind  # refused proposals, accepted ones
+    assert (False, 1) in behind  # past the budget
+    assert (False, 0) in behind  # not scheduled since its last pass
+    assert all(0 <= n <= 1 + SPECULATION["num_speculative_tokens"] for _, n in behind)
+    assert llm.spec_decode_stats.num_accepted_tokens > 0
+    for kv in (llm.engine.kv_cache, llm.engine.model_proposer.kv_cache):
+        kv.check_invariants()
+        assert kv.num_free_blocks == kv.num_blocks - 1
+
+
 def test_fp8_head_keeps_eh_proj_in_full_precision(tmp_path):
     """Under an FP8 scheme DeepSeek's head quantises its layer's projections, not ``eh_proj``
     (unquantised in DeepSeek-V3's FP8 checkpoints)."""
