@@ -72,8 +72,8 @@ class MTPProposer(DraftModelProposer):
     verification step emitted, at most ``1 + k``: that catch-up is a uniform step of ``1 + k``
     positions a row (the draft's ingest of a verified block: the step's graphs replay it),
     the positions after the emitted tokens computed from whatever is there and never kept,
-    the first proposal taken at the row's last emitted token. A row with more to catch up (a
-    new request, a prefix hit) catches up eagerly, as a draft does.
+    the first proposal taken at the row's last emitted token. Any other row (a new request, a
+    prefix hit, more to catch up, past the token budget) catches up eagerly, as a draft does.
     """
 
     wants_hidden_states = True
