@@ -25,7 +25,7 @@ cases P and A on the CPU where torch sees no GPU (fp32 there).
   E  batch 1, MTP (``method: "mtp"``) on random-weight shapes with one MTP layer
      (``--mtp-shapes``: Qwen3.5-0.8B's, DeepSeek-V3's 5-layer one), forced acceptance: as B
      for k = 1..3, the head's k passes per step included (the host's "schedule" phase holds
-     them), and how many of the head's steps replayed its decode graphs
+     them), and how many of the head's steps replayed its graphs
 
 ms per output token is wall time of the requests' decoding (first token to last) over their
 output tokens. Prints markdown tables.
@@ -36,7 +36,8 @@ output tokens. Prints markdown tables.
 
 "verification steps replayed" counts the verification steps that replayed a graph of ``1 + k``
 tokens per row (the others ran eagerly); "head steps replayed" the MTP head's steps that
-replayed one of its decode graphs (its catch-ups over a step's accepted tokens run eagerly).
+replayed one of its graphs (its decode steps, and its uniform catch-ups of ``1 + k`` positions
+after each verification; a request's first catch-up, over its prompt, runs eagerly).
 """
 
 from __future__ import annotations

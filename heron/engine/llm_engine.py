@@ -263,11 +263,14 @@ class LLMEngine:
             )
             if self.draft_runner is not None:
                 draft_batch = min(max_batch, speculative.disable_by_batch_size or max_batch)
-                # (a draft run past a verification ingests blocks of 1 + k tokens a row)
-                ingest = (
-                    1 if self.sync_verification_reason else 1 + speculative.num_speculative_tokens
+                # (a draft run past a verification ingests blocks of 1 + k tokens a row, and
+                # so does an MTP head catching up after each verification)
+                ingests = method == "mtp" or self.sync_verification_reason is None
+                self.draft_runner.capture_graphs(
+                    draft_batch,
+                    1 + speculative.num_speculative_tokens if ingests else 1,
+                    min(draft_batch, VERIFY_GRAPH_MAX_BS),
                 )
-                self.draft_runner.capture_graphs(draft_batch, ingest, draft_batch)
         self.kv_cache = KVCacheCoordinator(
             self.runner.cache_specs, num_blocks, config.enable_prefix_caching
         )

@@ -351,7 +351,7 @@ class ModelRunner:
         kept = hidden if self.keep_hidden_states else None
         states, bitmask = step.sample_states, plan.token_bitmask
         if plan.device_inputs:
-            return self._ingested(plan, step, logits, greedy_ids, rejected)
+            return self._ingested(plan, step, logits, greedy_ids, rejected, kept)
         if plan.verifies:
             if (
                 self.async_verification
@@ -407,6 +407,7 @@ class ModelRunner:
         logits: torch.Tensor,
         greedy_ids: torch.Tensor | None,
         rejected: torch.Tensor | None,
+        hidden_states: torch.Tensor | None,
     ) -> LaunchedStep:
         """A draft's step over verified blocks (``device_inputs`` rows only, greedy): each row's
         token is its greedy one after its last accepted token (its last, less its refusals)."""
@@ -416,7 +417,9 @@ class ModelRunner:
         argmax = logits[rows].argmax(dim=-1) if greedy_ids is None else greedy_ids[rows]
         last = to_device([end - 1 for end in accumulate(plan.num_new)], self.device)
         index = last if rejected is None else last - rejected
-        return LaunchedStep(step.sample_states, token_ids=argmax[index])
+        return LaunchedStep(
+            step.sample_states, token_ids=argmax[index], hidden_states=hidden_states
+        )
 
     def _verified_on_device(
         self,

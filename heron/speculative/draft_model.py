@@ -190,6 +190,7 @@ class DraftModelProposer(ModelProposer):
         for step in self._unread:
             step.result()  # (the target's verification, read since, waited for them)
         self._unread = []
+        verifying = self._blocks_to_ingest(requests, verifying)
         block = None if verifying is None else verifying.emitted
         block_rows = {} if block is None else block.rows
         rows: list[tuple[int, _DraftSequence, int]] = []  # (index, sequence, limit)
@@ -262,6 +263,13 @@ class DraftModelProposer(ModelProposer):
         self._end_pass([seq for _, seq, _ in rows])
         return drafts
 
+    def _blocks_to_ingest(
+        self, requests: Sequence[Request], verifying: LaunchedStep | None
+    ) -> LaunchedStep | None:
+        """Whose emitted blocks the pass ingests: the verification it runs past (a subclass
+        may make blocks of its own)."""
+        return verifying
+
     def _new_sequence(self, request: Request) -> _DraftSequence:
         return _DraftSequence(request)
 
@@ -270,9 +278,11 @@ class DraftModelProposer(ModelProposer):
         plan: StepPlan,
         previous: LaunchedStep | _ProposalColumn | None = None,
         rollback: Rollback | None = None,
+        block: DeviceDrafts | None = None,
     ) -> LaunchedStep:
-        """One step of the draft's runner (a subclass adds its inputs)."""
-        return self.runner.launch(plan, previous, None, rollback)
+        """One step of the draft's runner (a subclass adds its inputs); ``block``: the
+        verified blocks its ``device_inputs`` rows ingest."""
+        return self.runner.launch(plan, previous, block, rollback)
 
     def _ingest(
         self,
@@ -284,7 +294,7 @@ class DraftModelProposer(ModelProposer):
         """One step over the verified blocks of the ``ingesting`` sequences, each at the
         sequence's end (the catch-up brought it to the request's last read token); a row's
         token is the first proposal after its accepted tokens."""
-        block, rows = verifying.emitted, verifying.rows
+        rows = verifying.rows
         for seq in sequences:
             count = ingesting.get(seq.request_id)
             if count is None:
@@ -294,10 +304,18 @@ class DraftModelProposer(ModelProposer):
             plan.num_new.append(count)
             plan.samples.append(True)
             plan.device_inputs[seq.request_id] = count
-            seq.num_synced = seq.num_computed_tokens
-            seq.ingested = (verifying, rows[seq.request_id], count)
-            seq.num_computed_tokens += count
-        return self.runner.launch(plan, None, block, verifying.rollback)
+            self._took_block(seq, verifying, rows[seq.request_id], count)
+        return self._launch(plan, None, verifying.rollback, verifying.emitted)
+
+    def _took_block(
+        self, seq: _DraftSequence, verifying: LaunchedStep, row: int, count: int
+    ) -> None:
+        """``seq`` ingests the ``count`` tokens of ``verifying``'s row ``row``, whose accepted
+        ones the host learns when the verification is read (``_place_proposals``): until then
+        the sequence counts them all as computed."""
+        seq.num_synced = seq.num_computed_tokens
+        seq.ingested = (verifying, row, count)
+        seq.num_computed_tokens += count
 
     def _end_pass(self, sequences: list[_DraftSequence]) -> None:
         """After a pass's proposals were read (a subclass may cut its caches back)."""

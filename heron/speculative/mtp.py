@@ -11,7 +11,7 @@ import torch
 from heron.cache.coordinator import KVCacheCoordinator
 from heron.execution.model_runner import LaunchedStep, ModelRunner
 from heron.execution.sampler import to_device
-from heron.execution.step_plan import StepPlan
+from heron.execution.step_plan import DeviceDrafts, Rollback, StepPlan
 from heron.models.build import build_mtp
 from heron.speculative.draft_model import DraftModelProposer, _DraftSequence
 
@@ -67,10 +67,13 @@ class MTPProposer(DraftModelProposer):
     row for each decode step. Positions the target never computed (its prefix-cache hits
     beyond the head's) get zero hidden states: a weaker proposal there, never a wrong output.
 
-    The target's hidden rows are kept per request from the first position the head has not
-    computed. The head holds accepted positions only: after each pass it goes back to the
-    position before the last token (whose output starts the next pass), so a refusal costs it
-    nothing.
+    The head holds accepted positions only: after each pass it goes back to its synced ones,
+    so a refusal costs it nothing. A request's next catch-up is then the tokens its last
+    verification step emitted, at most ``1 + k``: that catch-up is a uniform step of ``1 + k``
+    positions a row (the draft's ingest of a verified block: the step's graphs replay it),
+    the positions after the emitted tokens computed from whatever is there and never kept,
+    the first proposal taken at the row's last emitted token. Any other row (a new request, a
+    prefix hit, more to catch up, past the token budget) catches up eagerly, as a draft does.
     """
 
     wants_hidden_states = True
@@ -87,6 +90,35 @@ class MTPProposer(DraftModelProposer):
         self.head: MultiTokenPredictor = runner.model
         self._hidden: dict[str, tuple[int, torch.Tensor]] = {}  # request -> (position, rows)
         self._outputs: dict[str, torch.Tensor] = {}  # request -> the head's last output row
+
+    def _blocks_to_ingest(
+        self, requests: Sequence[Request], verifying: LaunchedStep | None
+    ) -> _HeadBlocks | None:
+        """The catch-ups of the pass that take the uniform form: a known request's missing
+        tokens (at most ``1 + k``: those its last verification emitted) padded to ``1 + k``,
+        where its context has room for them and the step stays within the token budget, as a
+        verified block the pass ingests (never run past a verification: the head's hidden
+        states come from the host's positions)."""
+        width = 1 + self.num_tokens
+        max_len = self.runner.model_config.max_model_len
+        max_rows = self.max_num_batched_tokens // width
+        request_ids, rows = [], []
+        for request in requests:
+            seq = self._sequences.get(request.request_id)
+            if seq is None or len(rows) == max_rows:
+                continue
+            missing = request.all_token_ids[1 + seq.num_computed_tokens :]
+            if 0 < len(missing) <= width and seq.num_computed_tokens + width <= max_len:
+                request_ids.append(request.request_id)
+                pad = width - len(missing)
+                rows.append([*missing, *missing[-1:] * pad, pad])  # (then its refused count)
+        if not request_ids:
+            return None
+        uploaded = to_device(rows, self.runner.device)
+        return _HeadBlocks(
+            DeviceDrafts(request_ids, [width] * len(rows), uploaded[:, :width]),
+            Rollback(request_ids, uploaded[:, width].int()),
+        )
 
     def take_hidden_states(
         self,
@@ -113,42 +145,67 @@ class MTPProposer(DraftModelProposer):
         return _HeadSequence(request)
 
     def _sync(self, seq: _HeadSequence, ingests: bool) -> None:
-        seq.all_token_ids = seq.request_tokens[1:]
-        self.runner.requests[seq.request_id].all_token_ids = list(seq.all_token_ids)
+        """The request's tokens, less those of a uniform catch-up (the block it ingests holds
+        them); otherwise at least the last is computed again (its output gives the first
+        proposal)."""
+        tokens = seq.request_tokens[1:]
+        if ingests:
+            tokens = tokens[: seq.num_computed_tokens]
+        seq.all_token_ids = tokens
+        if not ingests and seq.num_computed_tokens >= len(tokens):
+            self._truncate(seq, len(tokens) - 1)
+        self.runner.requests[seq.request_id].all_token_ids = list(tokens)
 
-    def _launch(self, plan: StepPlan, previous=None, rollback=None) -> LaunchedStep:
+    def _took_block(self, seq: _HeadSequence, verifying, row: int, count: int) -> None:
+        """A uniform catch-up's known tokens are the request's (the host has them)."""
+        seq.num_computed_tokens = seq.num_synced = len(seq.request_tokens) - 1
+
+    def _launch(self, plan: StepPlan, previous=None, rollback=None, block=None) -> LaunchedStep:
         """Stage the step's hidden states (a catch-up's from the target, a decode step's from
-        the head's last outputs), then launch it (never past a verification: no
-        ``rollback``)."""
+        the head's last outputs), then launch it; its decode steps are at their true
+        positions (the host knows every catch-up's tokens): only a uniform catch-up takes its
+        block's refusals (the padding), which say where each row's proposal is."""
         if previous is None:
             rows = map(self._target_rows, plan.request_ids, plan.num_computed, plan.num_new)
         else:
             rows = (self._outputs[request_id] for request_id in plan.request_ids)
         self.head.stage_hidden(torch.cat(list(rows)))
-        launched = self.runner.launch(plan, previous)
-        self._outputs.update(_sampled_rows(plan, launched.hidden_states))
+        launched = self.runner.launch(
+            plan, previous, block, rollback if block is not None else None
+        )
+        padding = {}
+        if block is not None:
+            known = self._sequences
+            padding = {
+                r: n - (len(known[r].request_tokens) - 1 - c)
+                for r, c, n in zip(plan.request_ids, plan.num_computed, plan.num_new)
+            }
+        self._outputs.update(_sampled_rows(plan, launched.hidden_states, padding))
         return launched
 
     def _end_pass(self, sequences: list[_HeadSequence]) -> None:
-        """Back to the position before the last token: its output starts the next pass."""
+        """Back to the synced positions (accepted ones); the target's hidden rows from the
+        last of them on are kept (the next pass starts after it, or recomputes it)."""
         self._outputs.clear()
         for seq in sequences:
-            self._truncate(seq, seq.num_synced - 1)
-            seq.num_synced = seq.num_computed_tokens
+            seq.all_token_ids = seq.request_tokens[1:]
+            self._truncate(seq, seq.num_synced)
+            first, held = self._hidden.get(seq.request_id, (0, None))
+            if held is not None:
+                keep = max(seq.num_synced - 1 - first, 0)
+                self._hidden[seq.request_id] = (first + keep, held[keep:])
 
     def _target_rows(self, request_id: str, start: int, n: int) -> torch.Tensor:
         """The target's hidden rows of positions ``[start, start + n)`` (zeros where it
-        computed none); the rows before ``start + n - 1`` are dropped."""
+        computed none)."""
         first, held = self._hidden.get(request_id, (start, self.head.zero_hidden(0)))
         lo, hi = start - first, start + n - first
         if lo >= 0 and hi <= len(held):
-            rows = held[lo:hi]
-        else:
-            rows = self.head.zero_hidden(n)
-            src_lo, src_hi = max(lo, 0), min(hi, len(held))
-            if src_lo < src_hi:
-                rows[src_lo - lo : src_hi - lo] = held[src_lo:src_hi]
-        self._hidden[request_id] = (start + n - 1, held[max(hi - 1, 0) :])
+            return held[lo:hi]
+        rows = self.head.zero_hidden(n)
+        src_lo, src_hi = max(lo, 0), min(hi, len(held))
+        if src_lo < src_hi:
+            rows[src_lo - lo : src_hi - lo] = held[src_lo:src_hi]
         return rows
 
     def forget(self, request_id: str) -> None:
@@ -156,14 +213,25 @@ class MTPProposer(DraftModelProposer):
         super().forget(request_id)
 
 
-def _sampled_rows(plan: StepPlan, hidden: torch.Tensor) -> dict[str, torch.Tensor]:
-    """Each sampling request's hidden state at its last row of ``plan`` (gathered: the rows
-    outlive a graph's next replay)."""
+class _HeadBlocks:
+    """A pass's uniform catch-ups, in the form of a verification's emitted blocks that a draft
+    ingests: each row's tokens (``emitted``) and its padding past them (``rollback``)."""
+
+    def __init__(self, emitted: DeviceDrafts, rollback: Rollback) -> None:
+        self.emitted, self.rollback = emitted, rollback
+        self.rows = emitted.rows
+
+
+def _sampled_rows(
+    plan: StepPlan, hidden: torch.Tensor, padding: dict[str, int]
+) -> dict[str, torch.Tensor]:
+    """Each sampling request's hidden state at its last row of ``plan`` before its
+    ``padding`` (gathered: the rows outlive a graph's next replay)."""
     ends, offset = {}, 0
     for request_id, n, samples in zip(plan.request_ids, plan.num_new, plan.samples):
         offset += n
         if samples:
-            ends[request_id] = offset - 1
+            ends[request_id] = offset - 1 - padding.get(request_id, 0)
     if not ends:
         return {}
     index = to_device(list(ends.values()), hidden.device)

@@ -49,19 +49,23 @@ class ViewReplay(CudaGraphRunner):
 
 def replay_views(llm, max_batch: int = 2) -> ViewReplay:
     """Make ``llm``'s engine replay (emulated) decode and verification graphs up to
-    ``max_batch`` rows, with proposals padded to ``k`` as real verification graphs have them."""
+    ``max_batch`` rows, with proposals padded to ``k`` as real verification graphs have them;
+    a model proposer's runner (a draft's, an MTP head's) replays its decode graphs and those
+    of its ``1 + k``-token catch-ups (``ViewReplay.replayed`` of the returned target's and of
+    ``draft_runner.graphs``)."""
     engine = llm.engine
-    runner, spec = engine.runner, engine.config.speculative
-    graphs = ViewReplay(
-        runner.model,
-        runner.plan,
-        runner.device,
-        max_batch,
-        {1 + spec.num_speculative_tokens: max_batch},
-    )
+    spec = engine.config.speculative
+    graphs = _replay_views(engine.runner, max_batch, 1 + spec.num_speculative_tokens)
+    if engine.draft_runner is not None:
+        _replay_views(engine.draft_runner, max_batch, 1 + spec.num_speculative_tokens)
+    scheduler = engine.scheduler
+    scheduler.config = replace(scheduler.config, uniform_proposals_up_to=max_batch)
+    return graphs
+
+
+def _replay_views(runner, max_batch: int, query_len: int) -> ViewReplay:
+    graphs = ViewReplay(runner.model, runner.plan, runner.device, max_batch, {query_len: max_batch})
     graphs.replayed = []
     graphs.capture(runner.block_size, runner.inputs.parts)
     runner.graphs = graphs
-    scheduler = engine.scheduler
-    scheduler.config = replace(scheduler.config, uniform_proposals_up_to=max_batch)
     return graphs

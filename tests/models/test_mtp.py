@@ -18,6 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 import transformers as tf
+from execution.view_replay import replay_views
 from safetensors.torch import load_file, save_file
 from test_deepseek import randomize as randomize_deepseek
 from test_deepseek import v3_config
@@ -235,6 +236,97 @@ def test_greedy_with_mtp_equals_greedy_without(family, tmp_path, monkeypatch):
     assert 0 < stats.num_accepted_tokens < stats.num_draft_tokens
 
 
+def spy_head_steps(llm: LLM) -> list[tuple[StepPlan, int | None]]:
+    """From now on, each of the MTP head's steps: its plan, and the query length of the graph
+    it replayed (None: it ran eagerly)."""
+    head = llm.engine.draft_runner
+    steps, replayed = [], []
+    run, launch = head.graphs.run, head.launch
+    head.graphs.run = lambda seq: replayed.append(seq.max_query_len) or run(seq)
+
+    def counted(plan, *args):
+        before = len(replayed)
+        step = launch(plan, *args)
+        steps.append((plan, replayed[-1] if len(replayed) > before else None))
+        return step
+
+    head.launch = counted
+    return steps
+
+
+def assert_steady_state_replays(steps: list[tuple[StepPlan, int | None]], num_requests: int):
+    """Every head step replayed a graph but a request's first catch-up (over its prompt), and
+    the uniform catch-ups replayed those of ``1 + k`` tokens a row; returns how many ran."""
+    seen, eager, catch_ups = set(), 0, 0
+    for plan, query_len in steps:
+        first_pass = not seen.issuperset(plan.request_ids)
+        seen.update(plan.request_ids)
+        if plan.device_inputs:
+            catch_ups += 1
+            assert query_len == 1 + SPECULATION["num_speculative_tokens"], plan
+        elif query_len is None:
+            eager += 1
+            assert first_pass, plan
+    assert eager <= num_requests
+    return catch_ups
+
+
+@pytest.mark.parametrize("family", ["deepseek_v3", "qwen3_5"])
+def test_steady_state_head_steps_replay_graphs(family, tmp_path):
+    """Graphs as they replay (emulated on the CPU, ``execution.view_replay``) on the Triton
+    operators: after a request's first pass, its head catches up on each verification in one
+    uniform step of ``1 + k`` positions a row, and every head step of those passes (catch-up
+    and decode steps) replays a graph; greedy output is plain decoding's, and both pools get
+    every block back."""
+    save_with_mtp(family, tmp_path, predictive=True)
+    path = str(tmp_path)
+    options = dict(attention_backend="triton", max_model_len=96, block_size=4)
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    prompts = PROMPTS[2:4]
+    want = greedy_tokens(LLM(path, **options), prompts, params)
+    llm = LLM(path, **options, speculative_config=SPECULATION)
+    replay_views(llm)
+    steps = spy_head_steps(llm)
+    assert_equal_up_to_exact_ties(path, greedy_tokens(llm, prompts, params), want)
+    assert assert_steady_state_replays(steps, len(prompts)) >= 2
+    stats = llm.spec_decode_stats
+    assert 0 < stats.num_accepted_tokens < stats.num_draft_tokens, stats
+    for kv in (llm.engine.kv_cache, llm.engine.model_proposer.kv_cache):
+        kv.check_invariants()
+        assert kv.num_free_blocks == kv.num_blocks - 1
+
+
+def test_eager_catch_ups_where_the_uniform_one_does_not_fit(tmp_path, monkeypatch):
+    """A 4-token budget: one uniform catch-up of ``1 + k`` fits a step, another row with
+    tokens to catch up does so eagerly, and a request proposed for but not scheduled (the
+    budget spent) computes its last position again. Greedy output is plain decoding's (up to
+    exact ties), and both pools get every block back."""
+    save_with_mtp("qwen3_5", tmp_path, predictive=True)
+    path = str(tmp_path)
+    options = dict(max_model_len=96, block_size=4, max_num_batched_tokens=4)
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    prompts = [[3], [7], [11]]  # (all three prefilled in the first step)
+    want = greedy_tokens(LLM(path, **options), prompts, params)
+    llm = LLM(path, **options, speculative_config=SPECULATION)
+    proposer, behind = llm.engine.model_proposer, []  # (uniform, head tokens not computed)
+    sync = proposer._sync
+
+    def counted(seq, ingests):
+        behind.append((ingests, len(seq.request_tokens) - 1 - seq.num_computed_tokens))
+        sync(seq, ingests)
+
+    monkeypatch.setattr(proposer, "_sync", counted)
+    assert_equal_up_to_exact_ties(path, greedy_tokens(llm, prompts, params), want)
+    assert (True, 1) in behind and (True, 3) in behind  # refused proposals, accepted ones
+    assert (False, 1) in behind  # past the budget
+    assert (False, 0) in behind  # not scheduled since its last pass
+    assert all(0 <= n <= 1 + SPECULATION["num_speculative_tokens"] for _, n in behind)
+    assert llm.spec_decode_stats.num_accepted_tokens > 0
+    for kv in (llm.engine.kv_cache, llm.engine.model_proposer.kv_cache):
+        kv.check_invariants()
+        assert kv.num_free_blocks == kv.num_blocks - 1
+
+
 def test_fp8_head_keeps_eh_proj_in_full_precision(tmp_path):
     """Under an FP8 scheme DeepSeek's head quantises its layer's projections, not ``eh_proj``
     (unquantised in DeepSeek-V3's FP8 checkpoints)."""
@@ -270,21 +362,19 @@ def test_checkpoint_without_mtp_is_refused(tmp_path, tiny_model_dir):
 @pytest.mark.gpu
 @pytest.mark.parametrize("family", ["deepseek_v3", "qwen3_5"])
 def test_bf16_with_graphs_on_cuda_follows_plain_decoding(family, tmp_path):
-    """bf16 on the GPU, the head's decode steps replayed from its own graphs: where a request's
-    tokens first leave plain greedy decoding's, both tokens are in HF's fp32 top-5 there
-    (DESIGN's near-tie rule); prints how many outputs are identical."""
+    """bf16 on the GPU, the head's steps replayed from its own graphs (all but each request's
+    first catch-up): where a request's tokens first leave plain greedy decoding's, both tokens
+    are in HF's fp32 top-5 there (DESIGN's near-tie rule); prints how many outputs are
+    identical."""
     target, _ = save_with_mtp(family, tmp_path, predictive=True)
     path = str(tmp_path)
     options = dict(device="cuda", dtype="bfloat16", max_model_len=128, num_kv_blocks=64)
     want = greedy_tokens(LLM(path, cuda_graph_max_bs=8, **options), PROMPTS, GREEDY)
     llm = LLM(path, cuda_graph_max_bs=8, speculative_config=SPECULATION, **options)
-    head = llm.engine.model_proposer.runner
-    assert head.graphs is not None
-    replayed = []
-    run = head.graphs.run
-    head.graphs.run = lambda seq: replayed.append(seq.num_reqs) or run(seq)
+    assert llm.engine.draft_runner.graphs is not None
+    steps = spy_head_steps(llm)
     got = greedy_tokens(llm, PROMPTS, GREEDY)
-    assert replayed
+    assert assert_steady_state_replays(steps, len(PROMPTS)) > 0
     identical = sum(a == b for a, b in zip(got, want))
     stats = llm.engine.spec_decode_stats
     print(f"{family}: {identical}/{len(PROMPTS)} identical, {stats}")
