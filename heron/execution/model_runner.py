@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import gc
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from itertools import accumulate
 
 import torch
@@ -459,13 +459,10 @@ class ModelRunner:
         """Rows with proposals verified, then the others sampled (as :meth:`_verified` does,
         so the draws are the same), into one ``[rows, 1 + max count]`` block of emitted
         tokens and the accepted counts."""
-        starts = [0, *accumulate(1 + n for n in counts)]
-        verified = [i for i, n in enumerate(counts) if n]
-        plain = [i for i, n in enumerate(counts) if not n]
+        starts, verified, index, plain = _verification_rows(counts)
         tokens = torch.zeros((len(states), 1 + max(counts)), dtype=torch.int64, device=self.device)
         accepted = torch.zeros(len(states), dtype=torch.int64, device=self.device)
         if verified:
-            index = [r for i in verified for r in range(starts[i], starts[i + 1])]
             verified_states = [states[i] for i in verified]
             proposals = self._draft_rows(drafts, verified_states, [counts[i] for i in verified])
             block, num = verify_on_device(rows[index], verified_states, proposals, self.generator)
@@ -493,12 +490,10 @@ class ModelRunner:
         download (the proposals too where they are on the device), nothing uploaded."""
         states = step.sample_states
         counts = [plan.num_proposed(s.request_id) for s in states]
-        starts = [0, *accumulate(1 + n for n in counts)]
+        starts, verified, index, plain = _verification_rows(counts)
         rows = logits[step.sample_rows]
         tokens: list[list[int]] = [[] for _ in states]
         logprobs: list[Logprob | None] = [None] * len(states)
-        verified = [i for i, n in enumerate(counts) if n]
-        index = [r for i in verified for r in range(starts[i], starts[i + 1])]
         verified_states = [states[i] for i in verified]
         if plan.draft_token_ids:
             proposals = [plan.draft_token_ids[s.request_id] for s in verified_states]
@@ -515,7 +510,6 @@ class ModelRunner:
             emitted = verify(rows[index], verified_states, proposals, self.generator)
         for i, row_tokens in zip(verified, emitted):
             tokens[i] = row_tokens
-        plain = [i for i, n in enumerate(counts) if not n]
         if plain:
             bitmask = plan.token_bitmask
             sampled = self.sampler(
@@ -598,6 +592,16 @@ class ModelRunner:
             for j in (*range(n), width - 1)
         ]
         return DraftRows(counts, ended[to_device(index, self.device)])
+
+
+def _verification_rows(counts: Sequence[int]) -> tuple[list[int], list[int], list[int], list[int]]:
+    """For the sampled rows of a verification step with ``counts[i]`` proposals each: each
+    row's first logits row, the rows that verify, their logits rows, and the rows sampled
+    plainly (no proposals)."""
+    starts = [0, *accumulate(1 + n for n in counts)]
+    verified = [i for i, n in enumerate(counts) if n]
+    index = [r for i in verified for r in range(starts[i], starts[i + 1])]
+    return starts, verified, index, [i for i, n in enumerate(counts) if not n]
 
 
 def _rejected_per_row(request_ids: list[str], rollback: Rollback) -> torch.Tensor | None:

@@ -428,8 +428,6 @@ def fused_experts(
         x = x.contiguous()
     if num_tokens == 0:
         return torch.zeros_like(x)
-    if add_gate is not None and add is None:
-        raise ValueError("fused_experts: add_gate needs an add")
     num_pairs = num_tokens * top_k
     block_m, block_n, block_k = blocks or default_blocks(num_pairs, num_experts)
     scale_bn, scale_bk = scale_block or (1, 1)
