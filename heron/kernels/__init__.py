@@ -8,10 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, NamedTuple
-
-if TYPE_CHECKING:
-    import torch
+from typing import Any
 
 
 @dataclass(frozen=True)
@@ -30,21 +27,6 @@ class LayerKernels:
     route_topk: Callable[..., Any] | None = None  # moe_route.route_topk (a Routing's rule)
     router_logits: Callable[..., Any] | None = None  # moe_route.router_logits (fp32 routers)
     fp8_mm: Callable[..., Any] | None = None  # heron.layers.fp8.scaled_mm (FP8 weights, many rows)
-    gemv_norm_rows: int = 0  # up to how many rows the GEMV takes a NormPrologue (gemv.NORM_MAX_M)
-
-
-class NormPrologue(NamedTuple):
-    """An RMS norm of ``x (+ residual)`` that the GEMV applies as it loads ``x``, with
-    ``heron.kernels.rmsnorm.rms_norm``'s arguments: one program writes ``x + residual``
-    (rounded to ``x``'s dtype) to ``residual_out``, a tensor apart from ``residual``, which
-    the other programs still read."""
-
-    weight: torch.Tensor
-    eps: float
-    weight_offset: float
-    scale_in_fp32: bool
-    residual: torch.Tensor | None
-    residual_out: torch.Tensor | None
 
 
 #: Plain PyTorch everywhere: the CPU's choice and every layer's default.

@@ -31,19 +31,14 @@ import torch
 import triton
 import triton.language as tl
 
-from heron.kernels import NormPrologue
 from heron.kernels.activation import ACTIVATIONS, gated, gated_activation
 from heron.kernels.pdl import multiprocessor_count, pdl_launch, wait_for_previous_kernel
-from heron.kernels.rmsnorm import rms_inv_of_sum, rms_scale
 
 #: The largest row count the kernel is meant for; bigger inputs are done ``MAX_M`` rows at a time.
 MAX_M = 64
 #: Up to this many rows the configuration rule serves any shape; past it, only shapes with a
 #: measured entry (where the kernel beat cuBLAS on an H200) take the kernel (see ``serves``).
 RULE_MAX_M = 16
-#: Up to this many rows a norm before the product can be its prologue (``NormPrologue``):
-#: every program recomputes the rows' statistics, which pays only while the rows are few.
-NORM_MAX_M = 4
 
 
 @triton.jit
@@ -93,17 +88,6 @@ def _accumulate_scaled(acc, w, x, s, USE_DOT: tl.constexpr, DOT_PREC: tl.constex
 
 
 @triton.jit
-def _norm_input(x_ptrs, r_ptrs, mask, HAS_RES: tl.constexpr):
-    """A chunk of what the norm normalises: ``x + r`` rounded to ``x``'s dtype, as the
-    unfused residual add stores it, or ``x``."""
-    x = tl.load(x_ptrs, mask=mask, other=0.0)
-    if HAS_RES:
-        r = tl.load(r_ptrs, mask=mask, other=0.0)
-        x = (x.to(tl.float32) + r.to(tl.float32)).to(x_ptrs.dtype.element_ty)
-    return x
-
-
-@triton.jit
 def _gemv_kernel(
     x_ptr,
     w_ptr,
@@ -112,18 +96,13 @@ def _gemv_kernel(
     y_ptr,
     part_ptr,
     cnt_ptr,
-    r_ptr,
-    nw_ptr,
-    ro_ptr,
     M,
     N,
     K,
     stride_xm,
     stride_ym,
-    stride_rm,
     k_per_split,
     stride_sn,
-    eps,
     ACT: tl.constexpr,  # 0: x as given; else x = act(x[:, :K]) * x[:, K:] (ACTIVATIONS)
     # 0: y = x @ w.T; else w is [2N, K], [gate; up], and y = act(x @ gate.T) * (x @ up.T)
     GATED_OUT: tl.constexpr,
@@ -133,12 +112,6 @@ def _gemv_kernel(
     SCALE: tl.constexpr,
     SCALE_BN: tl.constexpr,
     SCALE_BK: tl.constexpr,
-    # x is replaced by the RMS norm of x (+ r, written to ro by one program) with weight nw
-    # (+ NORM_OFFSET), scaled in fp32 with NORM_FP32 (``rms_scale``)
-    NORM: tl.constexpr,
-    HAS_RES: tl.constexpr,
-    NORM_OFFSET: tl.constexpr,
-    NORM_FP32: tl.constexpr,
     HAS_SPLIT: tl.constexpr,
     EVEN_N: tl.constexpr,
     EVEN_K: tl.constexpr,
@@ -169,20 +142,6 @@ def _gemv_kernel(
     else:
         acc = tl.zeros([M_PAD, BLOCK_N], dtype=tl.float32)
     acc_up = tl.zeros_like(acc)  # with GATED_OUT: the up rows' products
-    r_ptrs = r_ptr + offs_m[:, None] * stride_rm + offs_k[None, :]
-    if NORM:
-        # Every program needs the rows' whole statistics: a first pass over all of K.
-        sum_sq = tl.zeros([M_PAD], dtype=tl.float32)
-        writes = (pid_n == 0) & (pid_k == 0)
-        for k in tl.range(0, K, BLOCK_K):
-            mask = m_mask[:, None] & ((k + offs_k) < K)[None, :]
-            s = _norm_input(x_ptrs + k, r_ptrs + k, mask, HAS_RES)
-            if HAS_RES:
-                ro_ptrs = ro_ptr + offs_m[:, None] * K + (k + offs_k)[None, :]
-                tl.store(ro_ptrs, s, mask=mask & writes)
-            sf = s.to(tl.float32)
-            sum_sq += tl.sum(sf * sf, axis=1)
-        inv = rms_inv_of_sum(sum_sq, K, eps)
     for k in tl.range(k_start, k_end, BLOCK_K, num_stages=NUM_STAGES):
         k_mask = (k + offs_k) < k_end
         if EVEN_K:
@@ -190,13 +149,7 @@ def _gemv_kernel(
         else:
             x_mask = m_mask[:, None] & k_mask[None, :]
         w = _load_tile(w_ptrs + k, n_mask, k_mask, EVEN_N, EVEN_K).to(x_ptr.dtype.element_ty)
-        if NORM:
-            s = _norm_input(x_ptrs + k, r_ptrs + k, x_mask, HAS_RES).to(tl.float32)
-            nw = tl.load(nw_ptr + k + offs_k, mask=k_mask, other=0.0).to(tl.float32)
-            x = rms_scale(s, inv, nw + NORM_OFFSET, x_ptr.dtype.element_ty, NORM_FP32)
-            x = x.to(x_ptr.dtype.element_ty)
-        else:
-            x = tl.load(x_ptrs + k, mask=x_mask, other=0.0)
+        x = tl.load(x_ptrs + k, mask=x_mask, other=0.0)
         if ACT != 0:
             # Rounded to the input dtype, as an unfused activation kernel would store it.
             up = tl.load(x_ptrs + K + k, mask=x_mask, other=0.0)
@@ -455,7 +408,6 @@ def _launch(
     gated_out: int = 0,
     w_scale: torch.Tensor | None = None,
     w_block: tuple[int, int] | None = None,
-    norm: NormPrologue | None = None,
 ) -> None:
     M = x.shape[0]
     N, K = weight.shape
@@ -473,7 +425,6 @@ def _launch(
         cnt = _counters(x.device, n_blocks)
     else:
         part = cnt = out
-    residual = norm.residual if norm is not None and norm.residual is not None else x
     _gemv_kernel[(n_blocks, split)](
         x,
         weight,
@@ -482,28 +433,19 @@ def _launch(
         out,
         part,
         cnt,
-        residual,
-        norm.weight if norm is not None else weight,
-        norm.residual_out if norm is not None and norm.residual is not None else x,
         M,
         N,
         K,
         x.stride(0),
         out.stride(0),
-        residual.stride(0),
         k_per_split,
         w_scale.stride(0) if w_block else 0,
-        norm.eps if norm is not None else 0.0,
         ACT=act,
         GATED_OUT=gated_out,
         HAS_BIAS=bias is not None,
         SCALE=0 if w_scale is None else 2 if w_block else 1,
         SCALE_BN=w_block[0] if w_block else 1,
         SCALE_BK=w_block[1] if w_block else 1,
-        NORM=norm is not None,
-        HAS_RES=norm is not None and norm.residual is not None,
-        NORM_OFFSET=float(norm.weight_offset) if norm is not None else 0.0,
-        NORM_FP32=bool(norm.scale_in_fp32) if norm is not None else False,
         HAS_SPLIT=split > 1,
         EVEN_N=N % cfg.block_n == 0,
         EVEN_K=K % k_per_split == 0,
@@ -536,7 +478,6 @@ def linear_small_m(
     gated_out: str | None = None,
     w_scale: torch.Tensor | None = None,
     w_block: tuple[int, int] | None = None,
-    norm: NormPrologue | None = None,
 ) -> torch.Tensor:
     """``x @ weight.T (+ bias)`` for few rows of ``x`` [M, K]; ``weight`` is [N, K] row-major.
 
@@ -547,9 +488,7 @@ def linear_small_m(
     the activation in the epilogue of a gated MLP's gate_up projection, rounded as the unfused
     product and activation would round. With ``w_scale`` the weight is FP8 E4M3 and stands for
     ``weight * w_scale``: fp32 ``[N]`` per output row (applied in the epilogue), or, with
-    ``w_block = (bn, bk)`` (powers of two), ``[ceil(N / bn), ceil(K / bk)]`` per block. With
-    ``norm`` (up to ``NORM_MAX_M`` rows, no ``act``) the product is over the norm of ``x``
-    (plus its residual), which is never stored. Accumulates in fp32 and returns ``x.dtype`` (bf16,
+    ``w_block = (bn, bk)`` (powers of two), ``[ceil(N / bn), ceil(K / bk)]`` per block. Accumulates in fp32 and returns ``x.dtype`` (bf16,
     fp16 or fp32). Rows of ``x`` and ``out`` may be strided (unit last stride). Meant for
     ``M <= MAX_M``; larger ``M`` runs ``MAX_M`` rows per launch. No host sync: capturable in a
     CUDA graph once each shape has run eagerly.
@@ -560,8 +499,6 @@ def linear_small_m(
     if bias is not None and bias.dtype != x.dtype:
         raise ValueError("linear_small_m: x and bias must share a dtype")
     _check_weight(x, weight, w_scale, w_block)
-    if norm is not None:
-        _check_norm(x, norm, act)
     if x.stride(1) != 1:
         x = x.contiguous()
     if not weight.is_contiguous():
@@ -599,24 +536,8 @@ def linear_small_m(
             ACTIVATIONS[gated_out] if gated_out else 0,
             w_scale,
             w_block,
-            norm,
         )
     return out
-
-
-def _check_norm(x: torch.Tensor, norm: NormPrologue, act: str | None) -> None:
-    r, r_out = norm.residual, norm.residual_out
-    if act is not None or x.shape[0] > NORM_MAX_M or norm.weight.shape != (x.shape[1],):
-        raise ValueError(f"linear_small_m: a norm prologue over {tuple(x.shape)} rows")
-    if r is not None and (
-        r_out is None
-        or r.shape != x.shape
-        or r_out.shape != x.shape
-        or r.stride(1) != 1
-        or not r_out.is_contiguous()
-        or r_out.data_ptr() in (r.data_ptr(), x.data_ptr())
-    ):
-        raise ValueError("linear_small_m: the residual and its own output must be x's shape")
 
 
 def _check_weight(

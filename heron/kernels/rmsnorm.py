@@ -27,13 +27,7 @@ def rms_inv(x, n_cols, eps):
 
     Columns past ``n_cols`` must hold zeros so that they add nothing to the sum.
     """
-    return rms_inv_of_sum(tl.sum(x * x, axis=1), n_cols, eps)
-
-
-@triton.jit
-def rms_inv_of_sum(sum_sq, n_cols, eps):
-    """``rms_inv`` from the rows' sums of squares (a caller that sums a row in chunks)."""
-    return tl.math.rsqrt(sum_sq / n_cols + eps)
+    return tl.math.rsqrt(tl.sum(x * x, axis=1) / n_cols + eps)
 
 
 @triton.jit

@@ -11,7 +11,6 @@ They only take effect inside a tensor-parallel build scope of more than one rank
 from __future__ import annotations
 
 import math
-from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -27,7 +26,6 @@ from heron.layers.fp8 import (
     scale_shape,
     scaled_mm_reference,
 )
-from heron.layers.norm import RMSNorm, norm_with_residual
 
 
 class Linear(nn.Module):
@@ -114,20 +112,7 @@ class Linear(nn.Module):
         """Whether this layer's product with ``x``'s rows runs as the GEMV."""
         return takes_gemv(self.kernels, x, self.weight)
 
-    def forward_normed(
-        self, x: torch.Tensor, residual: torch.Tensor | None, norm: RMSNorm
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(self(h), r)`` for ``h, r = norm(x, residual)`` (``norm(x), x`` without a
-        residual). Where the product runs as the GEMV over rows the norm can fuse, the residual
-        add and the norm are its prologue: one kernel, and the normed rows are never stored."""
-        prologue = norm.prologue(x, residual) if self.takes_gemv(x) else None
-        if prologue is None:
-            h, residual = norm_with_residual(norm, x, residual)
-            return self(h), residual
-        y = self._reduced(self._gemv(x, norm=prologue))
-        return y, x if residual is None else prologue.residual_out
-
-    def _gemv(self, x: torch.Tensor, **fused: Any) -> torch.Tensor:
+    def _gemv(self, x: torch.Tensor, **fused: str) -> torch.Tensor:
         if self.weight_scale is None:
             return self.kernels.gemv(x, self.weight, self.bias, **fused)
         return self.kernels.gemv(

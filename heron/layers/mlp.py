@@ -8,7 +8,6 @@ from torch import nn
 from heron.kernels import TORCH_KERNELS, LayerKernels
 from heron.layers.activation import GatedActivation
 from heron.layers.linear import Linear, PackedLinear
-from heron.layers.norm import RMSNorm, norm_with_residual
 
 
 class GatedMLP(nn.Module):
@@ -39,17 +38,6 @@ class GatedMLP(nn.Module):
             intermediate_size, hidden_size, bias, kernels, "row", reduce_output=reduce_output
         )
         self.act = act(kernels)
-
-    def forward_normed(
-        self, x: torch.Tensor, residual: torch.Tensor | None, norm: RMSNorm
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(self(h), r)`` for ``h, r = norm(x, residual)``: with few rows, the norm is the
-        gate_up projection's prologue and the activation the down projection's."""
-        if self.down_proj.takes_gemv(x):
-            gate_up, residual = self.gate_up_proj.forward_normed(x, residual, norm)
-            return self.down_proj.forward_gated(gate_up, self.act), residual
-        h, residual = norm_with_residual(norm, x, residual)
-        return self(h), residual
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.down_proj.takes_gemv(x):  # it applies the activation as it loads its input

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from heron.kernels import TORCH_KERNELS, LayerKernels, NormPrologue
+from heron.kernels import TORCH_KERNELS, LayerKernels
 
 
 class RMSNorm(nn.Module):
@@ -25,19 +25,6 @@ class RMSNorm(nn.Module):
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(hidden_size), requires_grad=False)
         self.kernel = kernels.rms_norm
-        self.prologue_rows = kernels.gemv_norm_rows
-
-    def prologue(self, x: torch.Tensor, residual: torch.Tensor | None) -> NormPrologue | None:
-        """This norm (of ``x + residual``, or of ``x``) as the prologue of a GEMV over ``x``,
-        where the kernel set fuses one for ``x``'s rows and dtype; else None."""
-        if x.dim() != 2 or x.shape[0] > self.prologue_rows:
-            return None
-        if not self.scale_in_fp32 and self.weight.dtype != x.dtype:
-            return None  # the unfused output's dtype would be the promoted one
-        residual_out = None if residual is None else torch.empty_like(residual)
-        return NormPrologue(
-            self.weight, self.eps, self.weight_offset, self.scale_in_fp32, residual, residual_out
-        )
 
     def forward(
         self,
@@ -124,20 +111,6 @@ class GatedRMSNorm(nn.Module):
             return self.kernel(x, gate, self.weight, self.eps)
         out = self.weight * _normalize(x, self.eps).to(x.dtype)
         return (out * torch.nn.functional.silu(gate.float())).to(x.dtype)
-
-
-def norm_with_residual(
-    norm: RMSNorm,
-    x: torch.Tensor,
-    residual: torch.Tensor | None,
-    prenorm: RMSNorm | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """A layer's input norm, fusing the previous layer's residual add (``norm(x)``, or
-    ``(norm(x + residual), x + residual)``) and its ``output_norm`` (``prenorm``) if it left
-    one; the first layer's input becomes the residual."""
-    if residual is None:
-        return norm(x), x
-    return norm(x, residual, prenorm)
 
 
 def _normalize(x: torch.Tensor, eps: float) -> torch.Tensor:

@@ -17,7 +17,6 @@ from transformers import PretrainedConfig
 from heron.kernels import LayerKernels
 from heron.layers.embedding import LMHead, VocabEmbedding
 from heron.layers.linear import Linear, PackedLinear
-from heron.layers.norm import RMSNorm, norm_with_residual
 from heron.layers.rotary import QKTransform, RotaryEmbedding
 from heron.ops.attention.base import AttentionSpec
 from heron.ops.selector import OperatorRuntime, make_attention
@@ -67,6 +66,20 @@ def sliding_windows(config: PretrainedConfig) -> tuple[int | None, ...]:
     return (window,) * config.num_hidden_layers
 
 
+def norm_with_residual(
+    norm: nn.Module,
+    x: torch.Tensor,
+    residual: torch.Tensor | None,
+    prenorm: nn.Module | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """A layer's input norm, fusing the previous layer's residual add (``norm(x)``, or
+    ``(norm(x + residual), x + residual)``) and its ``output_norm`` (``prenorm``) if it left
+    one; the first layer's input becomes the residual."""
+    if residual is None:
+        return norm(x), x
+    return norm(x, residual, prenorm)
+
+
 def head_parallel_qkv(
     hidden_size: int,
     spec: AttentionSpec,
@@ -96,43 +109,7 @@ def head_parallel_qkv(
     return qkv_proj, local
 
 
-def after_norm(
-    module: nn.Module,
-    norm: RMSNorm,
-    x: torch.Tensor,
-    residual: torch.Tensor | None,
-    prenorm: RMSNorm | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(module(h), r)`` for ``h, r = norm_with_residual(norm, x, residual, prenorm)``; a
-    module that can fuse the norm into its first projection (``forward_normed``) does."""
-    fused = getattr(module, "forward_normed", None)
-    if fused is None or prenorm is not None:
-        h, residual = norm_with_residual(norm, x, residual, prenorm)
-        return module(h), residual
-    return fused(x, residual, norm)
-
-
-class InputProjected:
-    """A block whose input meets one projection first (``input_proj``), the rest
-    (``from_projection``) reading only its output: that projection can fuse the norm before
-    the block (``Linear.forward_normed``)."""
-
-    input_proj: Linear
-
-    def from_projection(self, y: torch.Tensor) -> torch.Tensor:
-        raise NotImplementedError
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.from_projection(self.input_proj(x))
-
-    def forward_normed(
-        self, x: torch.Tensor, residual: torch.Tensor | None, norm: RMSNorm
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        y, residual = self.input_proj.forward_normed(x, residual, norm)
-        return self.from_projection(y), residual
-
-
-class PackedAttention(InputProjected, nn.Module):
+class PackedAttention(nn.Module):
     """Packed qkv projection -> the layer's attention operator -> output projection.
 
     The operator applies the optional per-head qk-norm and RoPE itself and owns the KV cache,
@@ -172,12 +149,8 @@ class PackedAttention(InputProjected, nn.Module):
         """This rank's heads of the sinks."""
         return loaded.narrow(0, self.first_head, self.attn.spec.num_heads)
 
-    @property
-    def input_proj(self) -> Linear:
-        return self.qkv_proj
-
-    def from_projection(self, qkv: torch.Tensor) -> torch.Tensor:
-        return self.o_proj(self.attn(qkv))
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.o_proj(self.attn(self.qkv_proj(x)))
 
 
 class PreNormDecoderLayer(nn.Module):
@@ -192,8 +165,10 @@ class PreNormDecoderLayer(nn.Module):
     def forward(
         self, x: torch.Tensor, residual: torch.Tensor | None, prenorm: nn.Module | None = None
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        x, residual = after_norm(self.self_attn, self.input_layernorm, x, residual, prenorm)
-        return after_norm(self.mlp, self.post_attention_layernorm, x, residual)
+        x, residual = norm_with_residual(self.input_layernorm, x, residual, prenorm)
+        x = self.self_attn(x)
+        x, residual = self.post_attention_layernorm(x, residual)
+        return self.mlp(x), residual
 
 
 class DecoderModel(nn.Module):

@@ -30,11 +30,10 @@ from heron.models.common import (
     PACKED_MODULES,
     DecoderForCausalLM,
     DecoderModel,
-    InputProjected,
-    after_norm,
     attention_spec,
     head_dim_of,
     head_parallel_qkv,
+    norm_with_residual,
 )
 from heron.models.mtp import MultiTokenPredictor, num_mtp_layers
 from heron.models.qwen_moe import is_sparse_layer
@@ -66,7 +65,7 @@ def gated_delta_net_spec(config: PretrainedConfig) -> GatedDeltaNetSpec:
     )
 
 
-class GatedAttention(InputProjected, nn.Module):
+class GatedAttention(nn.Module):
     """Paged attention whose output is multiplied by ``sigmoid(gate)``; ``q_proj`` yields, per
     head, the query then the gate (both ``head_dim`` wide). Tensor-parallel by heads as the
     dense families' attention."""
@@ -91,12 +90,9 @@ class GatedAttention(InputProjected, nn.Module):
         transform = QKTransform(rotary, self.q_norm, self.k_norm)
         self.attn = make_attention(f"{prefix}.attn", spec, runtime, transform)
 
-    @property
-    def input_proj(self) -> Linear:
-        return self.qkv_proj
-
-    def from_projection(self, qkv: torch.Tensor) -> torch.Tensor:
-        tokens, q_size = qkv.shape[0], self.num_heads * self.head_dim
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        tokens, q_size = x.shape[0], self.num_heads * self.head_dim
+        qkv = self.qkv_proj(x)
         q_gate, kv = qkv[:, : 2 * q_size], qkv[:, 2 * q_size :]
         q, gate = q_gate.view(tokens, self.num_heads, 2 * self.head_dim).chunk(2, dim=-1)
         # Strided views as they come: one copy packs [q|k|v], the gate is read where it lies.
@@ -197,7 +193,7 @@ class ConvWeights(nn.Module):
 InProjFactory = Callable[[int, GatedDeltaNetSpec, LayerKernels], KeyHeadParallel]
 
 
-class GatedDeltaNetMixer(InputProjected, nn.Module):
+class GatedDeltaNetMixer(nn.Module):
     """The linear-attention block: the packed input projection (``[qkv | z | b | a]`` after
     loading), the GDN operator, the gated norm with ``z`` and ``out_proj``.
 
@@ -238,16 +234,12 @@ class GatedDeltaNetMixer(InputProjected, nn.Module):
         """This rank's value heads of ``A_log`` and ``dt_bias``."""
         return loaded.narrow(0, self.first_value_head, self.spec.num_value_heads)
 
-    @property
-    def input_proj(self) -> Linear:
-        return self.in_proj
-
-    def from_projection(self, projected: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
         spec = self.spec
         heads, value_size = spec.num_value_heads, spec.num_value_heads * spec.value_dim
-        qkv, z, b, a = projected.split([spec.conv_dim, value_size, heads, heads], dim=-1)
+        qkv, z, b, a = self.in_proj(x).split([spec.conv_dim, value_size, heads, heads], dim=-1)
         out = self.gdn(qkv, a, b, z, self.norm)  # normed: [tokens, heads, value_dim]
-        return self.out_proj(out.reshape(projected.shape[0], value_size))
+        return self.out_proj(out.reshape(x.shape[0], value_size))
 
 
 class Qwen3_5DecoderLayer(nn.Module):
@@ -283,8 +275,9 @@ class Qwen3_5DecoderLayer(nn.Module):
     def forward(
         self, x: torch.Tensor, residual: torch.Tensor | None, prenorm: nn.Module | None = None
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        x, residual = after_norm(self.mixer, self.input_layernorm, x, residual, prenorm)
-        return after_norm(self.mlp, self.post_attention_layernorm, x, residual)
+        x, residual = norm_with_residual(self.input_layernorm, x, residual, prenorm)
+        x, residual = self.post_attention_layernorm(self.mixer(x), residual)
+        return self.mlp(x), residual
 
 
 def dense_mlp(config: PretrainedConfig, layer_idx: int, kernels: LayerKernels) -> nn.Module:

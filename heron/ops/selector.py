@@ -74,7 +74,6 @@ def _triton_layer_kernels() -> LayerKernels:
         gated_activation=activation.gated_activation,
         gemv=gemv.linear_small_m,
         gemv_serves=gemv.serves,
-        gemv_norm_rows=gemv.NORM_MAX_M,
         fused_experts=moe.fused_experts,
         route_topk=moe_route.route_topk,
         router_logits=moe_route.router_logits,

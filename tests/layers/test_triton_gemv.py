@@ -10,11 +10,9 @@ import torch
 import torch.nn.functional as F
 from triton_lowering import check_lowering
 
-from heron.kernels import NormPrologue
 from heron.kernels import gemv as triton_gemv
 from heron.kernels.gemv import ACTIVATIONS, MAX_M, GemvConfig, _launch, linear_small_m
 from heron.layers.activation import GeluTanhAndMul, SiluAndMul
-from heron.layers.norm import GemmaRMSNorm, RMSNorm
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 # Every device's measured configurations, and the H200's (which the rule's shapes are held to).
@@ -235,43 +233,6 @@ def test_gated_activation_in_the_epilogue(act, dtype):
         linear_small_m(x, w[1:].contiguous(), gated_out=act)  # gate and up: an even count
 
 
-def _prologue(norm, residual):
-    return NormPrologue(
-        norm.weight,
-        norm.eps,
-        norm.weight_offset,
-        norm.scale_in_fp32,
-        residual,
-        None if residual is None else torch.empty_like(residual),
-    )
-
-
-@pytest.mark.parametrize("form", [RMSNorm, GemmaRMSNorm])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-def test_norm_prologue_matches_the_norm_module(form, dtype):
-    """The product over ``norm(x + residual)`` (and over ``norm(x)``) equals the torch norm
-    module followed by the product, with the summed residual written once, through the rule's
-    configuration and forced split-K ones (every split recomputes the statistics)."""
-    for m, n, k in [(1, 64, 128), (3, 96, 320)]:
-        x, w, b = _inputs(m, n, k, dtype, strided=True, bias=True)
-        residual = _inputs(m, 1, k, dtype, strided=False, bias=False)[0] * 2
-        norm = form(k, 1e-5).to(dtype).to(DEVICE)
-        norm.weight.normal_(generator=torch.Generator().manual_seed(k))
-        normed, summed = norm(x, residual.clone())
-        for r in (residual, None):
-            ref = _reference(normed if r is not None else norm(x), w, b)
-            prologue = _prologue(norm, r)
-            assert _rel_err(linear_small_m(x, w, b, norm=prologue), ref) < TOL[dtype]
-            if r is not None:
-                assert torch.equal(prologue.residual_out, summed)
-            for cfg in (FORCED[0], FORCED[1]):
-                out = torch.empty(m, n, dtype=dtype, device=DEVICE)
-                _launch(x, w, b, out, cfg, norm=_prologue(norm, r))
-                assert _rel_err(out, ref) < TOL[dtype]
-    with pytest.raises(ValueError, match="own output"):
-        linear_small_m(x, w, norm=prologue._replace(residual=residual, residual_out=residual))
-
-
 # bf16 decode shapes of a Qwen3-0.6B-class model: qkv, o, gate_up, down, lm_head.
 SHAPES = [(1024, 4096), (2048, 1024), (1024, 6144), (3072, 1024), (1024, 151936)]
 
@@ -340,8 +301,7 @@ def test_gpu_cuda_graph_replay(k, n):
 
 def gemv_launches() -> None:
     """Every measured configuration, with and without a gated input or output, and the rule's gated
-    configurations for some shapes without entries; norm prologues (both forms, with and
-    without a residual, with a gated output) at the decode shapes (for the lowering test)."""
+    configurations for some shapes without entries (for the lowering test)."""
     from heron.kernels import gemv as g
 
     g._TUNED[torch.device("cpu")] = TUNED  # the recorded launches are CPU tensors
@@ -357,12 +317,6 @@ def gemv_launches() -> None:
     for (n, k), m in itertools.product([(3584, 18944), (2048, 8192), (64, 320)], (1, 3, 16)):
         x = torch.empty(m, 2 * k, dtype=torch.bfloat16)
         g.linear_small_m(x, torch.empty(n, k, dtype=torch.bfloat16), act="silu")
-    for (k, n), m, form in itertools.product(SHAPES[:3], (1, 4), (RMSNorm, GemmaRMSNorm)):
-        x = torch.empty(m, k, dtype=torch.bfloat16)
-        norm = form(k).to(torch.bfloat16)
-        for r in (x.clone(), None):
-            w = torch.empty(n, k, dtype=torch.bfloat16)
-            g.linear_small_m(x, w, norm=_prologue(norm, r), gated_out="silu" if r is None else None)
 
 
 def test_every_measured_configuration_lowers_for_hopper():
