@@ -19,8 +19,10 @@ from tiny_models import save_tiny_model
 # (they would take its kernels, which need a GPU); set before anything imports transformers.
 sys.modules["fla"] = None
 
-# Keep CPU tests deterministic and fast on small machines.
-torch.set_num_threads(min(4, os.cpu_count() or 1))
+# Keep CPU tests deterministic and fast on small machines: the cores shared among the xdist
+# workers, since more threads than cores make torch's thread pools spin against each other.
+_WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+torch.set_num_threads(max(1, min(4, (os.cpu_count() or 1) // _WORKERS)))
 
 
 @pytest.fixture(scope="session")
