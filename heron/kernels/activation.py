@@ -1,4 +1,5 @@
-"""Gated activations in Triton: ``act(gate) * up`` (SiLU or GELU-tanh) over ``[gate | up]``.
+"""Gated activations in Triton: ``act(gate) * up`` (SiLU, GELU-tanh or a sigmoid gate) over
+``[gate | up]``.
 
 Numerics follow ``heron.layers.activation``: the activation is rounded to the input dtype before
 its product with ``up``, as PyTorch's ``act(gate) * up`` in that dtype rounds it.
@@ -14,16 +15,19 @@ from heron.kernels.pdl import pdl_launch, wait_for_previous_kernel
 from heron.kernels.rmsnorm import check_rows
 
 #: Gated activations the kernels apply to ``[gate | up]``: ``act(gate) * up``.
-ACTIVATIONS = {"silu": 1, "gelu_tanh": 2}
+ACTIVATIONS = {"silu": 1, "gelu_tanh": 2, "sigmoid": 3}
 
 
 @triton.jit
 def gated(gate, up, ACT: tl.constexpr, dtype: tl.constexpr):
-    """``act(gate) * up`` in fp32 (SiLU, or GELU's tanh approximation), with the activation
-    rounded to ``dtype`` first, as PyTorch's ``act(gate) * up`` in ``dtype`` rounds it."""
+    """``act(gate) * up`` in fp32 (SiLU, GELU's tanh approximation, or the sigmoid), with the
+    activation rounded to ``dtype`` first, as PyTorch's ``act(gate) * up`` in ``dtype`` rounds
+    it."""
     g = gate.to(tl.float32)
     if ACT == 1:
         a = g / (1.0 + tl.exp(-g))
+    elif ACT == 3:
+        a = tl.sigmoid(g)
     else:
         # 0.5 * g * (1 + tanh(z)) with tanh(z) = 2 * sigmoid(2z) - 1
         z = 0.7978845608028654 * (g + 0.044715 * g * g * g)

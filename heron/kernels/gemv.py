@@ -96,14 +96,16 @@ def _gemv_kernel(
     y_ptr,
     part_ptr,
     cnt_ptr,
+    u_ptr,
     M,
     N,
     K,
     stride_xm,
+    stride_um,
     stride_ym,
     k_per_split,
     stride_sn,
-    ACT: tl.constexpr,  # 0: x as given; else x = act(x[:, :K]) * x[:, K:] (ACTIVATIONS)
+    ACT: tl.constexpr,  # 0: x as given; else x = act(x) * u (ACTIVATIONS), u often x[:, K:]
     # 0: y = x @ w.T; else w is [2N, K], [gate; up], and y = act(x @ gate.T) * (x @ up.T)
     GATED_OUT: tl.constexpr,
     HAS_BIAS: tl.constexpr,
@@ -137,6 +139,7 @@ def _gemv_kernel(
     # int64 row offsets: N * K can pass 2**31 for a large vocabulary times a wide hidden size.
     w_ptrs = w_ptr + tl.cast(offs_n, tl.int64)[:, None] * K + offs_k[None, :]
     x_ptrs = x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :]
+    u_ptrs = u_ptr + offs_m[:, None] * stride_um + offs_k[None, :]
     if USE_DOT:
         acc = tl.zeros([BLOCK_N, M_PAD], dtype=tl.float32)
     else:
@@ -152,7 +155,7 @@ def _gemv_kernel(
         x = tl.load(x_ptrs + k, mask=x_mask, other=0.0)
         if ACT != 0:
             # Rounded to the input dtype, as an unfused activation kernel would store it.
-            up = tl.load(x_ptrs + K + k, mask=x_mask, other=0.0)
+            up = tl.load(u_ptrs + k, mask=x_mask, other=0.0)
             x = gated(x, up, ACT, x_ptr.dtype.element_ty).to(x_ptr.dtype.element_ty)
         if SCALE == 2:
             s_ptrs = s_ptr + (offs_n // SCALE_BN) * stride_sn + k // SCALE_BK
@@ -408,6 +411,7 @@ def _launch(
     gated_out: int = 0,
     w_scale: torch.Tensor | None = None,
     w_block: tuple[int, int] | None = None,
+    up: torch.Tensor | None = None,
 ) -> None:
     M = x.shape[0]
     N, K = weight.shape
@@ -425,6 +429,8 @@ def _launch(
         cnt = _counters(x.device, n_blocks)
     else:
         part = cnt = out
+    if up is None:  # a gated input lies in x as [gate | up]
+        up = x[:, K:] if act else x
     _gemv_kernel[(n_blocks, split)](
         x,
         weight,
@@ -433,10 +439,12 @@ def _launch(
         out,
         part,
         cnt,
+        up,
         M,
         N,
         K,
         x.stride(0),
+        up.stride(0),
         out.stride(0),
         k_per_split,
         w_scale.stride(0) if w_block else 0,
@@ -478,12 +486,13 @@ def linear_small_m(
     gated_out: str | None = None,
     w_scale: torch.Tensor | None = None,
     w_block: tuple[int, int] | None = None,
+    up: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """``x @ weight.T (+ bias)`` for few rows of ``x`` [M, K]; ``weight`` is [N, K] row-major.
 
     With ``act`` (a key of ``ACTIVATIONS``) ``x`` is ``[M, 2K]`` laid out as ``[gate | up]`` and
     the product is ``(act(gate) * up) @ weight.T``: a gated MLP's activation fused into its down
-    projection. With ``gated_out`` (a key of ``ACTIVATIONS``) ``weight`` (and ``bias``) stack
+    projection; given ``up`` [M, K] apart, ``x`` [M, K] is the gate alone. With ``gated_out`` (a key of ``ACTIVATIONS``) ``weight`` (and ``bias``) stack
     ``[gate; up]``, ``2N`` rows, and the result is ``act(x @ gate.T) * (x @ up.T)`` [M, N]:
     the activation in the epilogue of a gated MLP's gate_up projection, rounded as the unfused
     product and activation would round. With ``w_scale`` the weight is FP8 E4M3 and stands for
@@ -493,9 +502,12 @@ def linear_small_m(
     ``M <= MAX_M``; larger ``M`` runs ``MAX_M`` rows per launch. No host sync: capturable in a
     CUDA graph once each shape has run eagerly.
     """
-    width = weight.shape[1] * (2 if act is not None else 1) if weight.dim() == 2 else -1
+    packed = act is not None and up is None
+    width = weight.shape[1] * (2 if packed else 1) if weight.dim() == 2 else -1
     if x.dim() != 2 or x.shape[1] != width or (gated_out and (act or weight.shape[0] % 2)):
         raise ValueError(f"linear_small_m: shapes {tuple(x.shape)} x {tuple(weight.shape)}")
+    if up is not None and (act is None or up.shape != x.shape or up.stride(1) != 1):
+        raise ValueError(f"linear_small_m: up {tuple(up.shape)} must be the gate's shape")
     if bias is not None and bias.dtype != x.dtype:
         raise ValueError("linear_small_m: x and bias must share a dtype")
     _check_weight(x, weight, w_scale, w_block)
@@ -536,6 +548,7 @@ def linear_small_m(
             ACTIVATIONS[gated_out] if gated_out else 0,
             w_scale,
             w_block,
+            up[rows] if up is not None else None,
         )
     return out
 

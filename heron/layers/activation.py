@@ -51,3 +51,13 @@ class GeluTanhAndMul(GatedActivation):
     @staticmethod
     def reference(gate: torch.Tensor) -> torch.Tensor:
         return F.gelu(gate, approximate="tanh")
+
+
+class SigmoidAndMul(GatedActivation):
+    """``sigmoid(gate) * up`` (the output gate of Qwen3.5's attention)."""
+
+    fused_name = "sigmoid"
+
+    @staticmethod
+    def reference(gate: torch.Tensor) -> torch.Tensor:
+        return torch.sigmoid(gate)

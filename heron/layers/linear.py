@@ -11,6 +11,7 @@ They only take effect inside a tensor-parallel build scope of more than one rank
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -108,25 +109,45 @@ class Linear(nn.Module):
         q, scale = quantize(self.weight.data, block)
         self.weight, self.weight_scale, self.weight_block = _frozen(q), _frozen(scale), block
 
+    def reorder_rows(self, order: torch.Tensor) -> None:
+        """Put the loaded output rows in ``order`` (weight, bias and FP8 scales alike); per
+        block scales need ``order`` to move whole blocks."""
+        self.weight.data = self.weight.data[order]
+        if self.bias is not None:
+            self.bias.data = self.bias.data[order]
+        if self.weight_scale is None:
+            return
+        if self.weight_block is None:
+            self.weight_scale.data = self.weight_scale.data[order]
+            return
+        rows = self.weight_block[0]
+        blocks = order[::rows] // rows
+        whole = (blocks[:, None] * rows + torch.arange(rows, device=order.device)).flatten()
+        if order.numel() % rows or not torch.equal(whole, order):
+            raise ValueError(f"a row order that splits the {rows}-row blocks of FP8 scales")
+        self.weight_scale.data = self.weight_scale.data[blocks]
+
     def takes_gemv(self, x: torch.Tensor) -> bool:
         """Whether this layer's product with ``x``'s rows runs as the GEMV."""
         return takes_gemv(self.kernels, x, self.weight)
 
-    def _gemv(self, x: torch.Tensor, **fused: str) -> torch.Tensor:
+    def _gemv(self, x: torch.Tensor, **fused: Any) -> torch.Tensor:
         if self.weight_scale is None:
             return self.kernels.gemv(x, self.weight, self.bias, **fused)
         return self.kernels.gemv(
             x, self.weight, self.bias, w_scale=self.weight_scale, w_block=self.weight_block, **fused
         )
 
-    def forward_gated(self, gate_up: torch.Tensor, act: nn.Module) -> torch.Tensor:
-        """``self(act(gate_up))`` for a gated activation over ``[gate | up]``; where the product
-        runs as the GEMV, it applies the activation as it loads its input (one kernel, no
-        intermediate)."""
+    def forward_gated(
+        self, gate_up: torch.Tensor, act: nn.Module, up: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """``self(act(gate_up))`` for a gated activation over ``[gate | up]`` (or, given ``up``
+        apart, ``self(act.reference(gate) * up)``); where the product runs as the GEMV, it
+        applies the activation as it loads its input (one kernel, no intermediate)."""
         fused = getattr(act, "fused_name", None)
         if fused is not None and self.takes_gemv(gate_up):
-            return self._reduced(self._gemv(gate_up, act=fused))
-        return self(act(gate_up))
+            return self._reduced(self._gemv(gate_up, act=fused, up=up))
+        return self(act(gate_up) if up is None else act.reference(gate_up) * up)
 
     def forward_activated(self, x: torch.Tensor, act: nn.Module) -> torch.Tensor:
         """``act(self(x))`` for a gated activation over this layer's ``[gate | up]`` output;

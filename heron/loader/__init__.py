@@ -32,6 +32,9 @@ def load_model(model: nn.Module, model_config: ModelConfig, sharded: bool = Fals
         # A model reading part of the checkpoint (an MTP head) reads only the tensors it takes.
         lazy = sharded or getattr(model, "loads_prefixes_only", False)
         load_weights(model, iterate_weights(model_config.path, lazy=lazy))
+    for module in model.modules():  # layouts of the loaded tensors that differ from the files'
+        if hasattr(module, "finish_loading"):
+            module.finish_loading()
     for layer in linears:
         if layer.keep_dense and as_stored:
             layer.dequantize_fp8(model_config.dtype)

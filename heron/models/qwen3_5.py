@@ -19,7 +19,7 @@ from torch import nn
 from transformers import PretrainedConfig
 
 from heron.kernels import LayerKernels
-from heron.layers.activation import SiluAndMul
+from heron.layers.activation import SigmoidAndMul, SiluAndMul
 from heron.layers.embedding import VocabEmbedding
 from heron.layers.linear import Linear, PackedLinear, Runs, rows_of
 from heron.layers.mlp import GatedMLP
@@ -66,9 +66,10 @@ def gated_delta_net_spec(config: PretrainedConfig) -> GatedDeltaNetSpec:
 
 
 class GatedAttention(nn.Module):
-    """Paged attention whose output is multiplied by ``sigmoid(gate)``; ``q_proj`` yields, per
-    head, the query then the gate (both ``head_dim`` wide). Tensor-parallel by heads as the
-    dense families' attention."""
+    """Paged attention whose output is multiplied by ``sigmoid(gate)``; the checkpoint's
+    ``q_proj`` yields, per head, the query then the gate (both ``head_dim`` wide), reordered
+    after loading (``finish_loading``). Tensor-parallel by heads as the dense families'
+    attention."""
 
     def __init__(
         self,
@@ -83,6 +84,7 @@ class GatedAttention(nn.Module):
         bias = bool(getattr(config, "attention_bias", False))
         self.qkv_proj, spec = head_parallel_qkv(config.hidden_size, spec, bias, kernels, 2)
         self.o_proj = Linear(q_size, config.hidden_size, bias, kernels, parallel="row")
+        self.gate = SigmoidAndMul(kernels)  # of the attention output, in o_proj's GEMV
         self.num_heads, self.head_dim = spec.num_heads, spec.head_dim  # this rank's heads
         # Registered before the operator (which holds them too): checkpoint names self_attn.*.
         self.q_norm = GemmaRMSNorm(spec.head_dim, config.rms_norm_eps)
@@ -90,15 +92,21 @@ class GatedAttention(nn.Module):
         transform = QKTransform(rotary, self.q_norm, self.k_norm)
         self.attn = make_attention(f"{prefix}.attn", spec, runtime, transform)
 
+    def finish_loading(self) -> None:
+        """The packed projection's rows from the checkpoint's per-head ``[query | gate]`` to
+        ``[queries | k | v | gates]``: the operator reads ``[q | k | v]`` and the output
+        projection the gates where the product leaves them, without copies."""
+        h, d = self.num_heads, self.head_dim
+        heads = torch.arange(2 * h * d).view(h, 2, d)
+        kv = torch.arange(2 * h * d, self.qkv_proj.out_features)
+        order = torch.cat([heads[:, 0].flatten(), kv, heads[:, 1].flatten()])
+        self.qkv_proj.reorder_rows(order.to(self.qkv_proj.weight.device))
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        tokens, q_size = x.shape[0], self.num_heads * self.head_dim
-        qkv = self.qkv_proj(x)
-        q_gate, kv = qkv[:, : 2 * q_size], qkv[:, 2 * q_size :]
-        q, gate = q_gate.view(tokens, self.num_heads, 2 * self.head_dim).chunk(2, dim=-1)
-        # Strided views as they come: one copy packs [q|k|v], the gate is read where it lies.
-        qkv = torch.cat([q, kv.view(tokens, -1, self.head_dim)], dim=1).view(tokens, -1)
-        out = self.attn(qkv).view(tokens, self.num_heads, self.head_dim) * torch.sigmoid(gate)
-        return self.o_proj(out.view(tokens, q_size))
+        q_size = self.num_heads * self.head_dim
+        projected = self.qkv_proj(x)
+        qkv, gate = projected[:, :-q_size], projected[:, -q_size:]
+        return self.o_proj.forward_gated(gate, self.gate, up=self.attn(qkv))
 
 
 def qkv_rows(spec: GatedDeltaNetSpec, first: int, count: int) -> Runs:

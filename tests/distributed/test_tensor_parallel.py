@@ -128,15 +128,15 @@ def gather(name: str, a: torch.Tensor, b: torch.Tensor, config) -> torch.Tensor:
         heads = config.linear_num_value_heads // 2
         sizes = [keys, keys, values, values, heads, heads][: 3 if "conv1d" in name else 6]
         return torch.cat([torch.cat(p) for p in zip(a.split(sizes), b.split(sizes))])
-    if "qkv_proj" in name:
-        gated = 2 if hasattr(config, "linear_num_key_heads") else 1  # query and gate per head
-        q = gated * config.num_attention_heads * config.head_dim // 2
-        kv = (a.shape[0] - q) // 2
-        (qa, ka, va), (qb, kb, vb) = a.split([q, kv, kv]), b.split([q, kv, kv])
+    if "qkv_proj" in name:  # [q | k | v], and Qwen3.5's gates after them
+        q = config.num_attention_heads * config.head_dim // 2
+        gates = q if hasattr(config, "linear_num_key_heads") else 0
+        kv = (a.shape[0] - q - gates) // 2
+        (qa, ka, va, ga), (qb, kb, vb, gb) = (t.split([q, kv, kv, gates]) for t in (a, b))
         if config.num_key_value_heads == 1:  # one head, held by both ranks
             assert torch.equal(ka, kb) and torch.equal(va, vb)
-            return torch.cat([qa, qb, ka, va])
-        return torch.cat([qa, qb, ka, kb, va, vb])
+            return torch.cat([qa, qb, ka, va, ga, gb])
+        return torch.cat([qa, qb, ka, kb, va, vb, ga, gb])
     if name.endswith("experts.gate_up_proj") and config.model_type == "gpt_oss":
         return torch.cat([a, b], dim=2)  # gate and up alternate: a rank's run of pairs
     if name.endswith("experts.gate_up_proj_bias"):

@@ -4,6 +4,8 @@ CPU path) against dense fp32 ``F.linear`` on the dequantised weight."""
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -274,3 +276,24 @@ def test_triton_activation_quantisation_rounds_like_torch():
     want_q, want_scale = quantize(x)
     assert torch.equal(q.view(torch.uint8), want_q.view(torch.uint8))
     assert torch.equal(scale, want_scale)
+
+
+@pytest.mark.parametrize("block", [None, (16, 16)])
+def test_reordered_rows_carry_their_scales(block):
+    """A layer's rows put in another order (Qwen3.5's gates after k and v) keep their own
+    scales: the product equals the dequantised weight's rows in that order; an order that
+    splits a block of scales is refused."""
+    layer = Linear(32, 64, bias=True)
+    layer.weight.data, layer.bias.data = (
+        _weight(64, 32, seed=1, device="cpu")[0].float(),
+        torch.randn(64),
+    )
+    layer.quantize_fp8(block)
+    dense = dequantize(layer.weight.data, layer.weight_scale.data, block)
+    bias = layer.bias.data.clone()
+    order = torch.cat([torch.arange(48, 64), torch.arange(0, 48)])
+    layer.reorder_rows(order)
+    x = torch.randn(3, 32)
+    assert torch.allclose(layer(x), F.linear(x, dense[order], bias[order]), atol=1e-5)
+    with pytest.raises(ValueError, match="blocks") if block else contextlib.nullcontext():
+        layer.reorder_rows(torch.arange(64).roll(1))

@@ -32,7 +32,11 @@ def reference_rms_norm(
     return weight * normed.to(s.dtype), s
 
 
-REFERENCE_ACTIVATIONS = {"silu": F.silu, "gelu_tanh": lambda g: F.gelu(g, approximate="tanh")}
+REFERENCE_ACTIVATIONS = {
+    "silu": F.silu,
+    "gelu_tanh": lambda g: F.gelu(g, approximate="tanh"),
+    "sigmoid": torch.sigmoid,
+}
 
 
 def reference_gated(x: torch.Tensor, act: str) -> torch.Tensor:

@@ -4,6 +4,7 @@ CPU), the bf16 decode shapes of a Qwen3-0.6B-class model and CUDA-graph replay o
 from __future__ import annotations
 
 import itertools
+from functools import partial
 
 import pytest
 import torch
@@ -12,7 +13,7 @@ from triton_lowering import check_lowering
 
 from heron.kernels import gemv as triton_gemv
 from heron.kernels.gemv import ACTIVATIONS, MAX_M, GemvConfig, _launch, linear_small_m
-from heron.layers.activation import GeluTanhAndMul, SiluAndMul
+from heron.layers.activation import GeluTanhAndMul, SigmoidAndMul, SiluAndMul
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 # Every device's measured configurations, and the H200's (which the rule's shapes are held to).
@@ -185,16 +186,18 @@ def _gated_reference(gate_up, w, b, act):
 
 def _activation(gate, act, dtype):
     """``act(gate)`` in fp32, rounded to ``dtype`` as PyTorch's activation in ``dtype`` is."""
-    a = F.silu(gate) if act == "silu" else F.gelu(gate, approximate="tanh")
-    return a.to(dtype).float()
+    functions = {"silu": F.silu, "gelu_tanh": partial(F.gelu, approximate="tanh")}
+    return functions.get(act, torch.sigmoid)(gate).to(dtype).float()
 
 
 @pytest.mark.parametrize("act", list(ACTIVATIONS))
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 def test_fused_gated_activation(act, dtype):
     """(act(gate) * up) @ W.T with the activation applied while loading the input, through the
-    plain and the split-K (forced) configurations; the activation modules name their kernel."""
-    assert {SiluAndMul.fused_name, GeluTanhAndMul.fused_name} == set(ACTIVATIONS)
+    plain and the split-K (forced) configurations, with up beside the gate or apart (strided);
+    the activation modules name their kernel."""
+    modules = (SiluAndMul, GeluTanhAndMul, SigmoidAndMul)
+    assert {m.fused_name for m in modules} == set(ACTIVATIONS)
     for m, n, k in [(1, 64, 128), (3, 96, 320)]:
         gate_up, w, b = _inputs(m, n, 2 * k, dtype, strided=False, bias=True)
         w = w[:, :k].contiguous()
@@ -204,6 +207,10 @@ def test_fused_gated_activation(act, dtype):
             out = torch.empty(m, n, dtype=dtype, device=DEVICE)
             _launch(gate_up, w, b, out, cfg, ACTIVATIONS[act])
             assert _rel_err(out, ref) < TOL[dtype]
+        gate, up = gate_up[:, :k], gate_up[:, k:]  # rows strided, as views of one tensor
+        assert _rel_err(linear_small_m(gate, w, b, act=act, up=up), ref) < TOL[dtype]
+    with pytest.raises(ValueError, match="gate's shape"):
+        linear_small_m(gate, w, b, act=act, up=up[:, 1:])
     with pytest.raises(ValueError, match="shapes"):
         linear_small_m(gate_up[:, :k], w, b, act=act)  # the input must hold gate and up
 
