@@ -15,6 +15,7 @@ import torch
 import transformers as tf
 from test_gemma import save_gemma
 from test_gpt_oss import randomize, tiny_config
+from test_qwen3_5 import save_qwen3_5
 
 from heron import LLM, SamplingParams
 from heron.execution import sampler
@@ -56,6 +57,13 @@ def launches(monkeypatch):
 
     triton = selector.layer_kernels("triton")
     entries = ("rms_norm", "gated_activation", "gemv", "fused_experts", "route_topk")
+    gemv = triton.gemv
+
+    def gemv_counting_gates(*args, act=None, **kwargs):
+        counts[f"gemv with {act}"] += 1
+        return gemv(*args, act=act, **kwargs)
+
+    triton = dataclasses.replace(triton, gemv=gemv_counting_gates)
     kernels = dataclasses.replace(triton, **{e: counted(e, getattr(triton, e)) for e in entries})
     monkeypatch.setitem(selector.LAYER_KERNELS, "counted", lambda: kernels)
     monkeypatch.setattr(CpuPlatform, "layer_kernels", lambda self: "counted")
@@ -70,14 +78,18 @@ def _heron_top5(llm: LLM, tokens: list[int]) -> list[int]:
     return list(out.outputs[0].logprobs[0].top)
 
 
-@pytest.mark.parametrize("family", ["qwen3", "gemma2", "gpt_oss"])
+@pytest.mark.parametrize("family", ["qwen3", "gemma2", "gpt_oss", "qwen3_5"])
 def test_cuda_kernel_set_equals_hf(family, tiny_model_dir, tmp_path, launches):
     """Qwen3: qk-norm fused in the KV write, SiLU; Gemma 2: soft-caps, GELU, post-norms fused
-    into the next norm, a sliding and a full group; gpt-oss: sinks, windows, the fused MoE."""
+    into the next norm, a sliding and a full group; gpt-oss: sinks, windows, the fused MoE;
+    Qwen3.5: GDN layers, gated attention reading [q|k|v] in place, its sigmoid gate in
+    o_proj's GEMV."""
     if family == "qwen3":
         path = tiny_model_dir("qwen3")
     elif family == "gemma2":
         path = save_gemma("gemma2", tmp_path)
+    elif family == "qwen3_5":
+        path = save_qwen3_5(tmp_path)
     else:
         path = _save_gpt_oss(tmp_path)
     llm = LLM(
@@ -94,6 +106,7 @@ def test_cuda_kernel_set_equals_hf(family, tiny_model_dir, tmp_path, launches):
 
     expected = {"rms_norm", "gemv", "argmax", "paged_decode_attention", "paged_extend_attention"}
     expected |= {"fused_experts", "route_topk"} if family == "gpt_oss" else {"gated_activation"}
+    expected |= {"gemv with sigmoid"} if family == "qwen3_5" else set()
     assert expected <= {name for name, n in launches.items() if n}, launches
 
     # Eager attention: HF's SDPA path drops Gemma 2's attention soft-cap.
