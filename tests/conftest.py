@@ -51,6 +51,24 @@ def cpu_unless_asked():
         yield
 
 
+@pytest.fixture(scope="session", autouse=True)
+def gpu_shared_by_workers():
+    """xdist workers share one GPU: an engine's KV budget is at most its worker's share of
+    the device (one that took 90% of it would leave the other workers' graph captures and
+    caches none)."""
+    from heron.platforms import CudaPlatform
+
+    real = CudaPlatform.kv_cache_budget
+
+    def shared(self, utilization: float, peak: int) -> int:
+        share = int(torch.cuda.mem_get_info(self.device)[1] * utilization / _WORKERS) - peak
+        return max(0, min(real(self, utilization, peak), share))
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(CudaPlatform, "kv_cache_budget", shared)
+        yield
+
+
 def pytest_collection_modifyitems(config, items):
     """``gpu``-marked tests need CUDA; elsewhere they are reported as skipped, never passed."""
     if torch.cuda.is_available():
