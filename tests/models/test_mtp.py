@@ -271,9 +271,7 @@ def assert_steady_state_replays(steps: list[tuple[StepPlan, int | None]], num_re
     return catch_ups
 
 
-# DeepSeek-V3's head (latent attention, whose operators read host lengths); Qwen3.5's uniform
-# catch-up runs in the test below (the emulation costs CI half a minute a family).
-@pytest.mark.parametrize("family", ["deepseek_v3"])
+@pytest.mark.parametrize("family", ["deepseek_v3", "qwen3_5"])
 def test_steady_state_head_steps_replay_graphs(family, tmp_path):
     """Graphs as they replay (emulated on the CPU, ``execution.view_replay``) on the Triton
     operators: after a request's first pass, its head catches up on each verification in one

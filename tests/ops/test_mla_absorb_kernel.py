@@ -42,9 +42,9 @@ def test_absorption_refuses_mismatched_heads():
 
 
 def absorb_launches() -> None:
-    """DeepSeek-V3's heads at decode, for the lowering test (V2-Lite's differ only in the
-    grid)."""
-    mla_absorb_query(*absorb_inputs(4, 128, 128, 64, 128, 512, torch.bfloat16))
+    """DeepSeek-V2-Lite's and V3's heads at decode, for the lowering test."""
+    for heads in (16, 128):
+        mla_absorb_query(*absorb_inputs(4, heads, 128, 64, 128, 512, torch.bfloat16))
 
 
 def test_absorption_launches_lower_for_hopper():
