@@ -494,9 +494,8 @@ def linear_small_m(
     the product is ``(act(gate) * up) @ weight.T``: a gated MLP's activation fused into its down
     projection; given ``up`` [M, K] apart, ``x`` [M, K] is the gate alone. With ``gated_out``
     (a key of ``ACTIVATIONS``) ``weight`` (and ``bias``) stack ``[gate; up]``, ``2N`` rows, and
-    the result is ``act(x @ gate.T) * (x @ up.T)`` [M, N]:
-    the activation in the epilogue of a gated MLP's gate_up projection, rounded as the unfused
-    product and activation would round. With ``w_scale`` the weight is FP8 E4M3 and stands for
+    the result is ``act(x @ gate.T) * (x @ up.T)`` [M, N]: the activation in the epilogue of a
+    gated MLP's gate_up projection, rounded as the unfused product and activation would round. With ``w_scale`` the weight is FP8 E4M3 and stands for
     ``weight * w_scale``: fp32 ``[N]`` per output row (applied in the epilogue), or, with
     ``w_block = (bn, bk)`` (powers of two), ``[ceil(N / bn), ceil(K / bk)]`` per block. Accumulates in fp32 and returns ``x.dtype`` (bf16,
     fp16 or fp32). Rows of ``x`` and ``out`` may be strided (unit last stride). Meant for

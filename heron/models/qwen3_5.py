@@ -84,7 +84,7 @@ class GatedAttention(nn.Module):
         bias = bool(getattr(config, "attention_bias", False))
         self.qkv_proj, spec = head_parallel_qkv(config.hidden_size, spec, bias, kernels, 2)
         self.o_proj = Linear(q_size, config.hidden_size, bias, kernels, parallel="row")
-        self.gate = SigmoidAndMul(kernels)  # of the attention output, in o_proj's GEMV
+        self.output_gate = SigmoidAndMul(kernels)  # applied in o_proj's GEMV
         self.num_heads, self.head_dim = spec.num_heads, spec.head_dim  # this rank's heads
         # Registered before the operator (which holds them too): checkpoint names self_attn.*.
         self.q_norm = GemmaRMSNorm(spec.head_dim, config.rms_norm_eps)
@@ -96,17 +96,16 @@ class GatedAttention(nn.Module):
         """The packed projection's rows from the checkpoint's per-head ``[query | gate]`` to
         ``[queries | k | v | gates]``: the operator reads ``[q | k | v]`` and the output
         projection the gates where the product leaves them, without copies."""
-        h, d = self.num_heads, self.head_dim
-        heads = torch.arange(2 * h * d).view(h, 2, d)
-        kv = torch.arange(2 * h * d, self.qkv_proj.out_features)
-        order = torch.cat([heads[:, 0].flatten(), kv, heads[:, 1].flatten()])
-        self.qkv_proj.reorder_rows(order.to(self.qkv_proj.weight.device))
+        h, d, device = self.num_heads, self.head_dim, self.qkv_proj.weight.device
+        heads = torch.arange(2 * h * d, device=device).view(h, 2, d)
+        kv = torch.arange(2 * h * d, self.qkv_proj.out_features, device=device)
+        self.qkv_proj.reorder_rows(torch.cat([heads[:, 0].flatten(), kv, heads[:, 1].flatten()]))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         q_size = self.num_heads * self.head_dim
         projected = self.qkv_proj(x)
         qkv, gate = projected[:, :-q_size], projected[:, -q_size:]
-        return self.o_proj.forward_gated(gate, self.gate, up=self.attn(qkv))
+        return self.o_proj.forward_gated(gate, self.output_gate, up=self.attn(qkv))
 
 
 def qkv_rows(spec: GatedDeltaNetSpec, first: int, count: int) -> Runs:
