@@ -13,7 +13,10 @@ partial values a thread of the merging program loads per step.
 
 With ``--batch64``, batch-64 Gemma-3 layers for each forced split count and launch variant.
 
+With ``--kv-cache-dtype fp8`` the cache holds E4M3 (the default sweep only).
+
     python benchmarks/tune_decode_attention.py [--splits | --merge | --batch64]
+        [--kv-cache-dtype fp8]
 """
 
 from __future__ import annotations
@@ -36,6 +39,7 @@ CASES = [
 VARIANTS = list(itertools.product((32, 64, 128), (2, 3), (4, 8)))  # keys, stages, warps
 BLOCK = 16
 COPIES = 5  # block tables per case, over disjoint blocks (see case_inputs)
+KV_DTYPE = torch.bfloat16  # the cache's; --kv-cache-dtype fp8 makes it E4M3
 
 
 def case_inputs(batch, context, heads, kv_heads, head_dim, copies=COPIES):
@@ -47,7 +51,7 @@ def case_inputs(batch, context, heads, kv_heads, head_dim, copies=COPIES):
     num_blocks = copies * batch * blocks_per_req + 1
     cache = torch.randn(
         2, num_blocks, BLOCK, kv_heads, head_dim, dtype=torch.bfloat16, device="cuda"
-    )
+    ).to(KV_DTYPE)
     tables = (torch.randperm(num_blocks - 1, device="cuda") + 1).int()
     tables = tables.view(copies, batch, blocks_per_req).unbind(0)
     q = torch.randn(batch, heads, head_dim, dtype=torch.bfloat16, device="cuda")
@@ -160,7 +164,11 @@ def main() -> None:
                         help="sweep merge load sizes at batch 1")  # fmt: skip
     sweeps.add_argument("--batch64", dest="sweep", action="store_const", const=sweep_batch64,
                         help="sweep splits x variants at batch 64")  # fmt: skip
+    parser.add_argument("--kv-cache-dtype", choices=["auto", "fp8"], default="auto")
     args = parser.parse_args()
+    global KV_DTYPE
+    if args.kv_cache_dtype == "fp8":
+        KV_DTYPE = torch.float8_e4m3fn
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     if args.sweep is not None:
         args.sweep(sms)
@@ -168,7 +176,8 @@ def main() -> None:
     print("| case | today µs (GB/s) | best (keys/tile, stages, warps) µs (GB/s) |")
     print("| --- | --- | --- |")
     for name, batch, context, heads, kv_heads, head_dim, window in CASES:
-        read = batch * min(context, window or context) * 2 * kv_heads * head_dim * 2
+        read = batch * min(context, window or context) * 2 * kv_heads * head_dim
+        read *= KV_DTYPE.itemsize
         shape = (batch, context, heads, kv_heads, head_dim, window, sms)
         today = tune_case(*shape, [None])[0]
         best = min(tune_case(*shape, VARIANTS))
