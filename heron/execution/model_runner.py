@@ -7,6 +7,7 @@ import logging
 from collections.abc import Callable, Sequence
 from itertools import accumulate
 
+import numpy as np
 import torch
 from torch import nn
 
@@ -17,6 +18,12 @@ from heron.cache.spec import CacheSpec
 from heron.config import ModelConfig
 from heron.distributed.parallel import SINGLE, TensorParallel
 from heron.execution.cuda_graph import CudaGraphRunner
+from heron.execution.next_decode import (
+    NextDecode,
+    can_chain_decode_steps,
+    is_plain_decode,
+    next_decode_metadata,
+)
 from heron.execution.request_state import RequestState
 from heron.execution.sampler import Sampler, on_device, prompt_logprobs, to_device
 from heron.execution.step_inputs import BlockTableRows, PreparedStep, StepInputBuilder
@@ -77,6 +84,8 @@ class LaunchedStep:
         # overwrite them).
         self.hidden_states = hidden_states
         self._copied: torch.cuda.Event | None = None
+        # What the decode step after this one needs, where the runner chains them.
+        self.next_decode: NextDecode | None = None
         if token_ids is not None:
             read = token_ids
             if emitted is not None:  # (each row's emitted tokens, then its refused count)
@@ -179,6 +188,11 @@ class ModelRunner:
         # Whether a verification step whose rows all sample on the device is left there (read
         # later; the engine sets it where every operator reads lengths only on the device).
         self.async_verification = False
+        # Whether decode steps keep what the next decode step of their rows needs to be
+        # prepared on the device from them (chain_decode_steps).
+        self.chains_decode_steps = False
+        self._launches = 0
+        self._counting = torch.zeros(0, dtype=torch.int32)  # 0, 1, 2, ... on the device
 
     @property
     def cache_specs(self) -> list[CacheSpec]:
@@ -285,6 +299,12 @@ class ModelRunner:
         self.graphs = CudaGraphRunner(self.model, self.plan, self.device, max_batch, verify_batches)
         self.graphs.capture(self.block_size, self.inputs.parts)
 
+    def chain_decode_steps(self) -> None:
+        """From now on, where every cache allows it (:func:`can_chain_decode_steps`), a decode
+        step launched right after one of the same rows (a proposer's pass) is prepared on the
+        device from it."""
+        self.chains_decode_steps = can_chain_decode_steps(self.cache_specs)
+
     @property
     def verify_graph_max_batch(self) -> int:
         """The largest verification step (in rows) that replays a graph; 0 without such
@@ -318,20 +338,26 @@ class ModelRunner:
             # on stale metadata.
             self.plan.check_coverage(self.model)
             self._coverage_checked = True
-        self._apply(plan)
-        if not plan.request_ids:
-            return LaunchedStep([], result=StepOutput([], [], []))
-        step = self.inputs.prepare(plan, self.requests, previous.rows if previous else None)
+        self._launches += 1
+        rejected = None
+        step = self._next_decode_step(plan, previous, drafts, rollback)
+        if step is None:
+            self._apply(plan)
+            if not plan.request_ids:
+                return LaunchedStep([], result=StepOutput([], [], []))
+            step = self.inputs.prepare(plan, self.requests, previous.rows if previous else None)
+            seq = step.seq
+            if step.pending_sources:
+                self._fill_pending_tokens(seq.token_ids, step.pending_sources, previous.token_ids)
+            if step.draft_sources:
+                self._fill_draft_tokens(seq.token_ids, step.draft_sources, drafts)
+            if rollback is None and previous is not None:
+                rollback = previous.rollback
+            if rollback is not None:
+                rejected = _rejected_per_row(plan.request_ids, rollback)
+            if rejected is not None and not plan.device_inputs:
+                self._move_back(plan, seq, rejected)
         seq = step.seq
-        if step.pending_sources:
-            self._fill_pending_tokens(seq.token_ids, step.pending_sources, previous.token_ids)
-        if step.draft_sources:
-            self._fill_draft_tokens(seq.token_ids, step.draft_sources, drafts)
-        if rollback is None and previous is not None:
-            rollback = previous.rollback
-        rejected = None if rollback is None else _rejected_per_row(plan.request_ids, rollback)
-        if rejected is not None and not plan.device_inputs:
-            self._move_back(plan, seq, rejected)
         for copies in plan.copies_before:
             self.cache.copy_entries(copies.group, copies.sources, copies.destinations)
         greedy_ids = None  # each row's greedy token, where the step drew them already
@@ -371,7 +397,10 @@ class ModelRunner:
                 token_ids = self.sampler.sample_on_device(
                     logits[step.sample_rows], states, self.generator, bitmask
                 )
-            return LaunchedStep(states, token_ids=token_ids, hidden_states=kept)
+            launched = LaunchedStep(states, token_ids=token_ids, hidden_states=kept)
+            if seq.is_decode and len(states) == seq.num_reqs:
+                self._chain(launched, plan, seq)
+            return launched
         token_ids, logprobs = [], []
         if states:
             sampled = self.sampler(logits[step.sample_rows], states, self.generator, bitmask)
@@ -417,9 +446,62 @@ class ModelRunner:
         argmax = logits[rows].argmax(dim=-1) if greedy_ids is None else greedy_ids[rows]
         last = to_device([end - 1 for end in accumulate(plan.num_new)], self.device)
         index = last if rejected is None else last - rejected
-        return LaunchedStep(
+        launched = LaunchedStep(
             step.sample_states, token_ids=argmax[index], hidden_states=hidden_states
         )
+        self._chain(launched, plan, step.seq, rejected)
+        return launched
+
+    def _chain(
+        self,
+        launched: LaunchedStep,
+        plan: StepPlan,
+        seq: SequenceMetadata,
+        rejected: torch.Tensor | None = None,
+    ) -> None:
+        """Where this runner chains decode steps, ``launched`` (a row's token sampled after
+        its last, or after its last but ``rejected[i]``) keeps what the decode step after it
+        needs."""
+        if self.chains_decode_steps:
+            positions = seq.kv_lens if rejected is None else seq.kv_lens - rejected
+            launched.next_decode = NextDecode(
+                plan.request_ids, seq.group_parts, positions, self._launches
+            )
+
+    def _next_decode_step(
+        self,
+        plan: StepPlan,
+        previous: LaunchedStep | None,
+        drafts: DeviceDrafts | None,
+        rollback: Rollback | None,
+    ) -> PreparedStep | None:
+        """``plan``'s step prepared on the device from ``previous``'s (:mod:`next_decode`),
+        where it is the next decode step of the same rows, launched right after it, whose
+        tables hold every row's next token; None otherwise."""
+        after = getattr(previous, "next_decode", None)
+        if (
+            after is None
+            or after.launch != self._launches - 1
+            or drafts is not None
+            or rollback is not None
+            or plan.request_ids != after.request_ids
+            or not is_plain_decode(plan)
+        ):
+            return None
+        kv_lens = np.array(plan.num_computed, dtype=np.int32) + 1
+        tables = self.inputs.tables
+        rows = tables.rows(plan.request_ids)
+        if not tables.covers(rows, -(-kv_lens // self.block_size)):
+            return None
+        n = len(kv_lens)
+        if len(self._counting) <= n:
+            self._counting = torch.arange(2 * n + 1, dtype=torch.int32, device=self.device)
+        seq = next_decode_metadata(
+            after, previous.token_ids, kv_lens, self.block_size, self._counting
+        )
+        tables.wrote(rows, kv_lens)
+        states = previous.sample_states
+        return PreparedStep(seq, states, slice(0, n), [], [], [])
 
     def _verified_on_device(
         self,

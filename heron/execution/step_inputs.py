@@ -277,6 +277,10 @@ class BlockTableRows:
         lengths, written = self._lengths[:, rows], self._written[rows]
         return [GroupTables(self.array[g], lengths[g], written) for g in range(self.num_groups)]
 
+    def covers(self, rows: np.ndarray, num_blocks: np.ndarray) -> bool:
+        """Whether request ``rows[i]``'s table in every group has ``num_blocks[i]`` blocks."""
+        return bool((self._lengths[:, rows] >= num_blocks).all())
+
     def wrote(self, rows: np.ndarray, kv_lens: np.ndarray) -> None:
         """A step was packed: request ``rows[i]``'s caches now hold its first ``kv_lens[i]``
         tokens."""

@@ -180,6 +180,7 @@ class DraftModelProposer(ModelProposer):
         self._sent = SentTables()
         self._forgotten: list[str] = []  # for the next plan's finished_ids
         self._unread: list[LaunchedStep] = []  # the last pass's steps
+        runner.chain_decode_steps()
 
     def propose(
         self,
@@ -254,8 +255,14 @@ class DraftModelProposer(ModelProposer):
                 num_new=[1] * len(decoding),
                 samples=[True] * len(decoding),
             )
-            # (each row's input is its previous proposal, from the catch-up or the ingest)
-            launched.append(self._launch(plan, _ProposalColumn(drafts, s - 1), rollback))
+            # Each row's input is its previous proposal: the last step's own tokens where it
+            # ran exactly these rows (the runner then advances that step on the device, its
+            # rows already moved back), else the column the pass gathered.
+            last = launched[-1].next_decode
+            if last is not None and last.request_ids == plan.request_ids:
+                launched.append(self._launch(plan, launched[-1]))
+            else:
+                launched.append(self._launch(plan, _ProposalColumn(drafts, s - 1), rollback))
             _gather(drafts, launched[-1], s)
             for seq in decoding:
                 seq.num_computed_tokens += 1
@@ -432,7 +439,7 @@ class _ProposalColumn:
     (what ``ModelRunner.launch`` reads of a previous step: each request's row and the
     tokens)."""
 
-    rollback = None
+    rollback = next_decode = None
 
     def __init__(self, drafts: DeviceDrafts, column: int) -> None:
         self.rows = drafts.rows

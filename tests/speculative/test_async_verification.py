@@ -164,7 +164,8 @@ def test_seeded_sampling_equals_the_synchronous_verification(models, monkeypatch
 
 def test_with_triton_attention_greedy_equals_plain(models, monkeypatch):
     """The operator that runs ahead on CUDA (its kernels in Triton's interpreter here): steps
-    moved back on the device, the target's and the draft's."""
+    moved back on the device, the target's, and the draft's decode steps, each prepared on the
+    device from the step before it (the first from the ingest, less the refusals)."""
     target, _ = models
     params = SamplingParams(temperature=0, max_tokens=7, ignore_eos=True)
     prompts = PROMPTS[1:2]
@@ -179,9 +180,20 @@ def test_with_triton_attention_greedy_equals_plain(models, monkeypatch):
         return move_back(runner, *args)
 
     monkeypatch.setattr(ModelRunner, "_move_back", counted)
+    chained = []
+    next_decode_step = ModelRunner._next_decode_step
+
+    def counted_chain(runner, *args):
+        step = next_decode_step(runner, *args)
+        if step is not None:
+            chained.append(runner)
+        return step
+
+    monkeypatch.setattr(ModelRunner, "_next_decode_step", counted_chain)
     got = llm.generate(prompts, params, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in want]
-    assert {llm.engine.runner, llm.engine.draft_runner} <= set(moved)
+    assert llm.engine.runner in moved
+    assert set(chained) == {llm.engine.draft_runner}
     assert_pools_empty(llm)
 
 
