@@ -26,12 +26,16 @@ cases P and A on the CPU where torch sees no GPU (fp32 there).
      (``--mtp-shapes``: Qwen3.5-0.8B's, DeepSeek-V3's 5-layer one), forced acceptance: as B
      for k = 1..3, the head's k passes per step included (the host's "schedule" phase holds
      them), and how many of the head's steps replayed its graphs
+  H  on the CPU (either way): µs of host per pass of a model proposer (MTP at k = 1..3, a
+     2-layer draft at ``--k``) at batch 1, with the models stubbed and graph replays reduced
+     to their host work, its decode steps chained on the device and each prepared on the host
+     (``proposer_host.py``)
 
 ms per output token is wall time of the requests' decoding (first token to last) over their
 output tokens. Prints markdown tables.
 
     python benchmarks/speculative_decode.py [--k 4] [--max-tokens 256] [--enforce-eager]
-        [--disable-by-batch-size N] [--cases PABCDE (CPU: PA)] [--shape qwen3-0.6b]
+        [--disable-by-batch-size N] [--cases PABCDEH (CPU: PAH)] [--shape qwen3-0.6b]
         [--mtp-shapes qwen3.5-0.8b deepseek-v3-5l]
 
 "verification steps replayed" counts the verification steps that replayed a graph of ``1 + k``
@@ -55,6 +59,7 @@ from pathlib import Path
 import numpy as np
 import torch
 import transformers as tf
+from proposer_host import case_h
 
 import heron.execution.model_runner as model_runner
 from heron import LLM, SamplingParams
@@ -474,18 +479,20 @@ def main() -> None:
         type=int,
         help="speculation's disable_by_batch_size in A and C (default: the config's; 0: never)",
     )
-    parser.add_argument("--cases", help="of PABCDE (default: all; on the CPU P and A)")
+    parser.add_argument("--cases", help="of PABCDEH (default: all; on the CPU P, A and H)")
+    parser.add_argument("--host-steps", type=int, default=200, help="engine steps timed in H")
     parser.add_argument("--shape", choices=sorted(SHAPES), default="qwen3-0.6b", help="of B")
     parser.add_argument(
         "--mtp-shapes", nargs="+", choices=sorted(MTP_SHAPES), default=list(MTP_SHAPES), help="of E"
     )
     args = parser.parse_args()
     on_cuda = torch.cuda.is_available()
-    args.cases = args.cases or ("PABCDE" if on_cuda else "PA")
-    if not on_cuda and set(args.cases) - set("PA"):
-        parser.error("cases B to E need a CUDA device (P and A run on the CPU)")
+    args.cases = args.cases or ("PABCDEH" if on_cuda else "PAH")
+    if not on_cuda and set(args.cases) - set("PAH"):
+        parser.error("cases B to E need a CUDA device (P, A and H run on the CPU)")
     print(f"device: {torch.cuda.get_device_name() if on_cuda else 'CPU'}")
     cases = {"P": proposer_cost, "A": case_a, "B": case_b, "C": case_c, "D": case_d, "E": case_e}
+    cases["H"] = case_h
     for case, run in cases.items():
         if case in args.cases:
             print(f"\n### {case}\n")

@@ -19,10 +19,10 @@ from heron.config import ModelConfig
 from heron.distributed.parallel import SINGLE, TensorParallel
 from heron.execution.cuda_graph import CudaGraphRunner
 from heron.execution.next_decode import (
+    DecodeChain,
     NextDecode,
     can_chain_decode_steps,
     is_plain_decode,
-    next_decode_metadata,
 )
 from heron.execution.request_state import RequestState
 from heron.execution.sampler import Sampler, on_device, prompt_logprobs, to_device
@@ -191,6 +191,8 @@ class ModelRunner:
         # Whether decode steps keep what the next decode step of their rows needs to be
         # prepared on the device from them (chain_decode_steps).
         self.chains_decode_steps = False
+        self._chain_length = 1
+        self._chained: tuple[DecodeChain, int] | None = None  # this launch's step of a chain
         self._launches = 0
         self._counting = torch.zeros(0, dtype=torch.int32)  # 0, 1, 2, ... on the device
 
@@ -299,11 +301,12 @@ class ModelRunner:
         self.graphs = CudaGraphRunner(self.model, self.plan, self.device, max_batch, verify_batches)
         self.graphs.capture(self.block_size, self.inputs.parts)
 
-    def chain_decode_steps(self) -> None:
+    def chain_decode_steps(self, length: int) -> None:
         """From now on, where every cache allows it (:func:`can_chain_decode_steps`), a decode
         step launched right after one of the same rows (a proposer's pass) is prepared on the
-        device from it."""
+        device from it, in chains of ``length`` steps computed at once."""
         self.chains_decode_steps = can_chain_decode_steps(self.cache_specs)
+        self._chain_length = length
 
     @property
     def verify_graph_max_batch(self) -> int:
@@ -444,7 +447,11 @@ class ModelRunner:
             raise ValueError("a step that ingests verified blocks takes no other rows")
         rows = step.sample_rows
         argmax = logits[rows].argmax(dim=-1) if greedy_ids is None else greedy_ids[rows]
-        last = to_device([end - 1 for end in accumulate(plan.num_new)], self.device)
+        q = plan.num_new[0]
+        if all(n == q for n in plan.num_new):  # (uniform: no upload)
+            last = torch.arange(q - 1, q * len(plan.num_new), q, device=self.device)
+        else:
+            last = to_device([end - 1 for end in accumulate(plan.num_new)], self.device)
         index = last if rejected is None else last - rejected
         launched = LaunchedStep(
             step.sample_states, token_ids=argmax[index], hidden_states=hidden_states
@@ -462,11 +469,18 @@ class ModelRunner:
         """Where this runner chains decode steps, ``launched`` (a row's token sampled after
         its last, or after its last but ``rejected[i]``) keeps what the decode step after it
         needs."""
-        if self.chains_decode_steps:
-            positions = seq.kv_lens if rejected is None else seq.kv_lens - rejected
+        if not self.chains_decode_steps:
+            return
+        if self._chained is not None:  # a step of a chain: the next one follows in it
+            chain, j = self._chained
             launched.next_decode = NextDecode(
-                plan.request_ids, seq.group_parts, positions, self._launches
+                plan.request_ids, chain.group_parts, chain.kv_lens[j], self._launches, chain, j + 1
             )
+            return
+        positions = seq.kv_lens if rejected is None else seq.kv_lens - rejected
+        launched.next_decode = NextDecode(
+            plan.request_ids, seq.group_parts, positions, self._launches
+        )
 
     def _next_decode_step(
         self,
@@ -477,7 +491,9 @@ class ModelRunner:
     ) -> PreparedStep | None:
         """``plan``'s step prepared on the device from ``previous``'s (:mod:`next_decode`),
         where it is the next decode step of the same rows, launched right after it, whose
-        tables hold every row's next token; None otherwise."""
+        tables hold every row's next token; None otherwise. The first such step after a step
+        prepared on the host starts a chain of ``chain_decode_steps``' steps."""
+        self._chained = None
         after = getattr(previous, "next_decode", None)
         if (
             after is None
@@ -494,14 +510,25 @@ class ModelRunner:
         if not tables.covers(rows, -(-kv_lens // self.block_size)):
             return None
         n = len(kv_lens)
-        if len(self._counting) <= n:
-            self._counting = torch.arange(2 * n + 1, dtype=torch.int32, device=self.device)
-        seq = next_decode_metadata(
-            after, previous.token_ids, kv_lens, self.block_size, self._counting
-        )
+        if len(self._counting) <= max(n, self._chain_length):
+            size = 2 * max(n, self._chain_length) + 1
+            self._counting = torch.arange(size, dtype=torch.int32, device=self.device)
+        chain, j = after.chain, after.index
+        if chain is None or j == len(chain):
+            chain, j = (
+                DecodeChain.start(
+                    after.group_parts,
+                    after.positions,
+                    self._chain_length,
+                    self.block_size,
+                    self._counting,
+                ),
+                0,
+            )
+        self._chained = chain, j
         tables.wrote(rows, kv_lens)
-        states = previous.sample_states
-        return PreparedStep(seq, states, slice(0, n), [], [], [])
+        seq = chain.step(j, previous.token_ids, kv_lens, self._counting)
+        return PreparedStep(seq, previous.sample_states, slice(0, n), [], [], [])
 
     def _verified_on_device(
         self,
@@ -650,6 +677,20 @@ class ModelRunner:
         """``token_ids[offset + j] = drafts.tokens[row, j]`` on the device, ``j < count``, for
         each ``(offset, request_id, count)``, the row being the request's."""
         row_of, width = drafts.rows, drafts.tokens.shape[1]
+        n, lead = len(sources), sources[0][0]
+        q = len(token_ids) // n
+        if (
+            q * n == len(token_ids)
+            and lead + width <= q
+            and all(
+                offset == i * q + lead and row_of[request_id] == i and count == width
+                for i, (offset, request_id, count) in enumerate(sources)
+            )
+        ):
+            # Every row's whole row of drafts at one place in rows of one length (uniform
+            # steps): one copy, no index upload.
+            token_ids.view(n, q)[:, lead : lead + width].copy_(drafts.tokens[:n])
+            return
         pairs = [
             (offset + j, row_of[request_id] * width + j)
             for offset, request_id, count in sources

@@ -2,10 +2,11 @@
 
 A proposer's pass runs decode steps of the same rows back to back, each one position further
 and fed the tokens the step before it sampled. Their metadata differs from that step's only by
-positions, KV lengths and slots, so it is derived on the device from that step's, without
-packing and uploading a batch or applying a plan: the block tables are the ones that step read
-(nothing changed them since), and each row's next position comes from that step's device
-lengths, which already hold any refusals a verification moved its rows back by.
+positions, KV lengths and slots, so it is derived on the device, without packing and uploading
+a batch or applying a plan: the block tables are the ones that step read (nothing changed them
+since), and each row's next position comes from that step's device lengths, which already hold
+any refusals a verification moved its rows back by. A :class:`DecodeChain` computes the
+metadata of several such steps at once (a few launches), so each step of it takes views only.
 """
 
 from __future__ import annotations
@@ -30,18 +31,6 @@ def can_chain_decode_steps(specs: list[CacheSpec]) -> bool:
     )
 
 
-@dataclass(frozen=True)
-class NextDecode:
-    """What the decode step after a launched step needs of it: its rows' requests in order,
-    its cache groups' paged parts on the device, each row's next position on the device, and
-    the runner's count of launches when it was launched (it serves only the very next one)."""
-
-    request_ids: list[str]
-    group_parts: tuple[PagedParts, ...]
-    positions: torch.Tensor  # [rows] int32
-    launch: int
-
-
 def is_plain_decode(plan: StepPlan) -> bool:
     """Every row decodes one sampled token, and the plan changes nothing else."""
     return (
@@ -61,43 +50,82 @@ def is_plain_decode(plan: StepPlan) -> bool:
     )
 
 
-def next_decode_metadata(
-    after: NextDecode,
-    token_ids: torch.Tensor,
-    kv_lens_host: np.ndarray,
-    block_size: int,
-    counting: torch.Tensor,
-) -> SequenceMetadata:
-    """The decode step of ``after``'s rows at their next positions, fed ``token_ids``;
-    ``kv_lens_host``: the host's KV lengths (at most one past each table's allocated
-    blocks); ``counting``: ``0, 1, 2, ...`` on the device, at least one longer than the
-    rows."""
-    n = len(kv_lens_host)
-    positions = after.positions
-    blocks = (positions // block_size).long().unsqueeze(1)
-    offsets = positions % block_size
-    group_parts = tuple(
-        replace(
-            parts,
-            slot_mapping=parts.block_tables.gather(1, blocks).squeeze(1) * block_size + offsets,
+@dataclass(frozen=True)
+class DecodeChain:
+    """The metadata of the next ``len(positions)`` decode steps of some rows, on the device:
+    step ``j`` puts each row at ``positions[j]``, one past step ``j - 1``; slots from the
+    tables of ``group_parts`` (a step past a table's blocks gets a stale slot: the runner
+    chains only steps whose tables hold them)."""
+
+    group_parts: tuple[PagedParts, ...]
+    block_size: int
+    positions: torch.Tensor  # [steps, rows] int32
+    kv_lens: torch.Tensor  # [steps, rows] int32
+    slots: tuple[torch.Tensor, ...]  # per group, [steps, rows] int32
+
+    @classmethod
+    def start(
+        cls,
+        group_parts: tuple[PagedParts, ...],
+        positions: torch.Tensor,
+        num_steps: int,
+        block_size: int,
+        counting: torch.Tensor,
+    ) -> DecodeChain:
+        """``num_steps`` steps from each row's ``positions`` on; ``counting``: ``0, 1, 2, ...``
+        on the device, at least ``num_steps`` long."""
+        steps = positions[None, :] + counting[:num_steps, None]
+        blocks = (steps // block_size).long().T
+        offsets = steps % block_size
+        slots = []
+        for parts in group_parts:
+            tables = parts.block_tables
+            index = blocks.clamp_max(tables.shape[1] - 1)
+            slots.append(torch.add(offsets, tables.gather(1, index).T, alpha=block_size))
+        return cls(group_parts, block_size, steps, steps + 1, tuple(slots))
+
+    def __len__(self) -> int:
+        return len(self.positions)
+
+    def step(
+        self, j: int, token_ids: torch.Tensor, kv_lens_host: np.ndarray, counting: torch.Tensor
+    ) -> SequenceMetadata:
+        """Step ``j``'s metadata, fed ``token_ids``; ``kv_lens_host``: the host's KV lengths;
+        ``counting`` at least one longer than the rows."""
+        n = len(kv_lens_host)
+        group_parts = tuple(
+            replace(parts, slot_mapping=slots[j])
+            for parts, slots in zip(self.group_parts, self.slots)
         )
-        for parts in after.group_parts
-    )
-    ones = np.ones(n, dtype=np.int32)
-    return SequenceMetadata(
-        num_reqs=n,
-        num_tokens=n,
-        max_query_len=1,
-        max_kv_len=int(kv_lens_host.max()),
-        block_size=block_size,
-        is_decode=True,
-        query_lens_host=ones,
-        kv_lens_host=kv_lens_host,
-        query_start_host=np.arange(n + 1, dtype=np.int32),
-        token_ids=token_ids,
-        positions=positions,
-        kv_lens=positions + 1,
-        query_start_loc=counting[: n + 1],
-        logits_indices=counting[:n],
-        group_parts=group_parts,
-    )
+        return SequenceMetadata(
+            num_reqs=n,
+            num_tokens=n,
+            max_query_len=1,
+            max_kv_len=int(kv_lens_host.max()),
+            block_size=self.block_size,
+            is_decode=True,
+            query_lens_host=np.ones(n, dtype=np.int32),
+            kv_lens_host=kv_lens_host,
+            query_start_host=np.arange(n + 1, dtype=np.int32),
+            token_ids=token_ids,
+            positions=self.positions[j],
+            kv_lens=self.kv_lens[j],
+            query_start_loc=counting[: n + 1],
+            logits_indices=counting[:n],
+            group_parts=group_parts,
+        )
+
+
+@dataclass(frozen=True)
+class NextDecode:
+    """What the decode step after a launched step needs of it: its rows' requests in order,
+    its cache groups' paged parts, each row's next position (on the device), the runner's
+    count of launches when it was launched (it serves only the very next one), and, for a
+    step of a chain, the chain and the next step's index in it."""
+
+    request_ids: list[str]
+    group_parts: tuple[PagedParts, ...]
+    positions: torch.Tensor  # [rows] int32
+    launch: int
+    chain: DecodeChain | None = None
+    index: int = 0

@@ -180,7 +180,7 @@ class DraftModelProposer(ModelProposer):
         self._sent = SentTables()
         self._forgotten: list[str] = []  # for the next plan's finished_ids
         self._unread: list[LaunchedStep] = []  # the last pass's steps
-        runner.chain_decode_steps()
+        runner.chain_decode_steps(num_tokens)
 
     def propose(
         self,

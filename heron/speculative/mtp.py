@@ -89,7 +89,10 @@ class MTPProposer(DraftModelProposer):
         super().__init__(runner, kv_cache, num_tokens, max_num_batched_tokens)
         self.head: MultiTokenPredictor = runner.model
         self._hidden: dict[str, tuple[int, torch.Tensor]] = {}  # request -> (position, rows)
-        self._outputs: dict[str, torch.Tensor] = {}  # request -> the head's last output row
+        # request -> the head's last output row (row i of a step's sampled rows), and the last
+        # step's requests and rows (a decode step of the same rows stages them as they are)
+        self._outputs: dict[str, tuple[torch.Tensor, int]] = {}
+        self._last: tuple[list[str], torch.Tensor] = ([], self.head.zero_hidden(0))
 
     def _blocks_to_ingest(
         self, requests: Sequence[Request], verifying: LaunchedStep | None
@@ -167,9 +170,12 @@ class MTPProposer(DraftModelProposer):
         block's refusals (the padding), which say where each row's proposal is."""
         if previous is None:
             rows = map(self._target_rows, plan.request_ids, plan.num_computed, plan.num_new)
+            self.head.stage_hidden(torch.cat(list(rows)))
+        elif plan.request_ids == self._last[0]:
+            self.head.stage_hidden(self._last[1])
         else:
-            rows = (self._outputs[request_id] for request_id in plan.request_ids)
-        self.head.stage_hidden(torch.cat(list(rows)))
+            outputs = (self._outputs[request_id] for request_id in plan.request_ids)
+            self.head.stage_hidden(torch.cat([rows[i : i + 1] for rows, i in outputs]))
         launched = self.runner.launch(
             plan, previous, block, rollback if block is not None else None
         )
@@ -180,13 +186,15 @@ class MTPProposer(DraftModelProposer):
                 r: n - (len(known[r].request_tokens) - 1 - c)
                 for r, c, n in zip(plan.request_ids, plan.num_computed, plan.num_new)
             }
-        self._outputs.update(_sampled_rows(plan, launched.hidden_states, padding))
+        self._last = request_ids, rows = _sampled_rows(plan, launched.hidden_states, padding)
+        self._outputs.update((request_id, (rows, i)) for i, request_id in enumerate(request_ids))
         return launched
 
     def _end_pass(self, sequences: list[_HeadSequence]) -> None:
         """Back to the synced positions (accepted ones); the target's hidden rows from the
         last of them on are kept (the next pass starts after it, or recomputes it)."""
         self._outputs.clear()
+        self._last = ([], self._last[1][:0])
         for seq in sequences:
             seq.all_token_ids = seq.request_tokens[1:]
             self._truncate(seq, seq.num_synced)
@@ -224,15 +232,18 @@ class _HeadBlocks:
 
 def _sampled_rows(
     plan: StepPlan, hidden: torch.Tensor, padding: dict[str, int]
-) -> dict[str, torch.Tensor]:
-    """Each sampling request's hidden state at its last row of ``plan`` before its
-    ``padding`` (gathered: the rows outlive a graph's next replay)."""
+) -> tuple[list[str], torch.Tensor]:
+    """The sampling requests, and the hidden state of each at its last row of ``plan`` before
+    its ``padding``: a decode step's rows as they are (staged before the next replay
+    overwrites them), others gathered (the next step may be another graph's)."""
     ends, offset = {}, 0
     for request_id, n, samples in zip(plan.request_ids, plan.num_new, plan.samples):
         offset += n
         if samples:
             ends[request_id] = offset - 1 - padding.get(request_id, 0)
+    if len(ends) == offset:  # one token a row, each sampled
+        return plan.request_ids, hidden[:offset]
     if not ends:
-        return {}
+        return [], hidden[:0]
     index = to_device(list(ends.values()), hidden.device)
-    return dict(zip(ends, hidden[index].unsqueeze(1)))
+    return list(ends), hidden[index]
