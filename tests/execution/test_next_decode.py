@@ -19,10 +19,15 @@ BLOCK = 4
 PROMPTS = {"a": [5, 9, 13, 2, 7], "b": [11, 3, 8]}
 
 
-def _runner(path, chained: bool, length: int = 2) -> ModelRunner:
-    engine = LLM(str(path), block_size=BLOCK, max_model_len=48, num_kv_blocks=16).engine
-    runner = ModelRunner(engine.model_config, engine.platform, BLOCK, "reference", seed=0)
+def _runner(path, chained: bool, length: int = 2, device: str = "cpu") -> ModelRunner:
+    """A runner of the model; on CUDA (fp32, Triton attention) with its decode graphs."""
+    options = dict(block_size=BLOCK, max_model_len=48, num_kv_blocks=16, device=device)
+    engine = LLM(str(path), **options, enforce_eager=True).engine
+    backend = "triton" if device == "cuda" else "reference"
+    runner = ModelRunner(engine.model_config, engine.platform, BLOCK, backend, seed=0)
     runner.allocate_kv_cache(engine.runner.num_blocks)
+    if device == "cuda":
+        runner.capture_graphs(2)
     if chained:
         runner.chain_decode_steps(length)
     return runner
@@ -56,24 +61,37 @@ def _steps(runner: ModelRunner, num_steps: int) -> list[list[int]]:
     return [step.result().token_ids for step in launched]
 
 
-def test_chained_steps_equal_host_prepared_ones(tiny_model_dir):
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_chained_steps_equal_host_prepared_ones(tiny_model_dir, device):
     """Tokens of chained decode steps (chains of two steps; ``b`` crossing into its second
-    and third blocks) equal those of the same steps prepared on the host; each chained step's
-    metadata is the packed batch the host would build for it."""
+    and third blocks) equal those of the same steps prepared on the host (on CUDA, both
+    replaying decode graphs); each chained step's metadata is the packed batch the host
+    would build for it."""
     path = tiny_model_dir("llama")
-    want = _steps(_runner(path, chained=False), 6)
-    runner = _runner(path, chained=True)
-    built, build_views = [], runner.plan.build_views
-    runner.plan.build_views = lambda seq: built.append(seq) or build_views(seq)
+    want = _steps(_runner(path, chained=False, device=device), 6)
+    runner = _runner(path, chained=True, device=device)
+    built = []  # each decode step's metadata
+
+    def record(seq) -> None:
+        if seq.is_decode:
+            built.append(seq)
+
+    if runner.graphs is None:
+        build_views = runner.plan.build_views
+        runner.plan.build_views = lambda seq: record(seq) or build_views(seq)
+    else:
+        run = runner.graphs.run
+        runner.graphs.run = lambda seq: record(seq) or run(seq)
     chained = []
     next_decode_step = runner._next_decode_step
     runner._next_decode_step = lambda *args: chained.append(next_decode_step(*args)) or chained[-1]
     assert _steps(runner, 6) == want
     assert [step is not None for step in chained] == [False, False] + [True] * 5
+    assert len(built) == 6
     assert built[-1].positions.tolist() == [10, 8]  # (b's step 5 entered its third block)
 
     # Each chained step's metadata against the host's packing of its plan (tokens aside).
-    for step, seq in enumerate(built[2:], start=2):
+    for step, seq in enumerate(built[1:], start=2):
         host = runner.inputs.prepare(_decode(step), runner.requests).seq
         for field in ("positions", "kv_lens", "query_start_loc", "logits_indices"):
             torch.testing.assert_close(getattr(seq, field), getattr(host, field), msg=field)
