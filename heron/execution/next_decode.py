@@ -81,7 +81,8 @@ class DecodeChain:
         for parts in group_parts:
             tables = parts.block_tables
             index = blocks.clamp_max(tables.shape[1] - 1)
-            slots.append(torch.add(offsets, tables.gather(1, index).T, alpha=block_size))
+            slot = torch.add(offsets, tables.gather(1, index).T, alpha=block_size)
+            slots.append(slot.contiguous())  # (rows of it are a step's: kernels read them flat)
         return cls(group_parts, block_size, steps, steps + 1, tuple(slots))
 
     def __len__(self) -> int:

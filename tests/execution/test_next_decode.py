@@ -95,10 +95,12 @@ def test_chained_steps_equal_host_prepared_ones(tiny_model_dir, device):
         host = runner.inputs.prepare(_decode(step), runner.requests).seq
         for field in ("positions", "kv_lens", "query_start_loc", "logits_indices"):
             torch.testing.assert_close(getattr(seq, field), getattr(host, field), msg=field)
+            assert getattr(seq, field).is_contiguous(), field  # (kernels read them flat)
         (parts,), (host_parts,) = seq.group_parts, host.group_parts
         for field in ("slot_mapping", "block_tables", "table_starts"):
             got, expected = getattr(parts, field), getattr(host_parts, field)
             torch.testing.assert_close(got, expected, msg=field)
+        assert parts.slot_mapping.is_contiguous()
         for field in ("query_lens_host", "kv_lens_host", "query_start_host"):
             np.testing.assert_array_equal(getattr(seq, field), getattr(host, field), field)
         assert (seq.max_kv_len, seq.max_query_len) == (host.max_kv_len, 1) and seq.is_decode
