@@ -510,24 +510,22 @@ class ModelRunner:
         if not tables.covers(rows, -(-kv_lens // self.block_size)):
             return None
         n = len(kv_lens)
-        if len(self._counting) <= max(n, self._chain_length):
-            size = 2 * max(n, self._chain_length) + 1
-            self._counting = torch.arange(size, dtype=torch.int32, device=self.device)
         chain, j = after.chain, after.index
-        if chain is None or j == len(chain):
-            chain, j = (
-                DecodeChain.start(
-                    after.group_parts,
-                    after.positions,
-                    self._chain_length,
-                    self.block_size,
-                    self._counting,
-                ),
-                0,
+        if chain is None or j == chain.num_steps:
+            if self._counting.shape[0] <= max(n, self._chain_length):
+                size = 2 * max(n, self._chain_length) + 1
+                self._counting = torch.arange(size, dtype=torch.int32, device=self.device)
+            chain = DecodeChain.start(
+                after.group_parts,
+                after.positions,
+                self._chain_length,
+                self.block_size,
+                self._counting,
             )
+            j = 0
         self._chained = chain, j
         tables.wrote(rows, kv_lens)
-        seq = chain.step(j, previous.token_ids, kv_lens, self._counting)
+        seq = chain.step(j, previous.token_ids, kv_lens)
         return PreparedStep(seq, previous.sample_states, slice(0, n), [], [], [])
 
     def _verified_on_device(

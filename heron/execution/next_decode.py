@@ -52,16 +52,20 @@ def is_plain_decode(plan: StepPlan) -> bool:
 
 @dataclass(frozen=True)
 class DecodeChain:
-    """The metadata of the next ``len(positions)`` decode steps of some rows, on the device:
-    step ``j`` puts each row at ``positions[j]``, one past step ``j - 1``; slots from the
-    tables of ``group_parts`` (a step past a table's blocks gets a stale slot: the runner
-    chains only steps whose tables hold them)."""
+    """The metadata of the next ``num_steps`` decode steps of some rows, on the device: step
+    ``j`` puts each row at ``positions[j]``, one past step ``j - 1``; slots from the tables of
+    ``group_parts`` (a step past a table's blocks gets a stale slot: the runner chains only
+    steps whose tables hold them). What the steps share is made once."""
 
     group_parts: tuple[PagedParts, ...]
     block_size: int
+    num_steps: int
     positions: torch.Tensor  # [steps, rows] int32
     kv_lens: torch.Tensor  # [steps, rows] int32
     slots: tuple[torch.Tensor, ...]  # per group, [steps, rows] int32
+    query_start_loc: torch.Tensor  # 0, 1, ..., rows
+    query_lens_host: np.ndarray
+    query_start_host: np.ndarray
 
     @classmethod
     def start(
@@ -73,7 +77,7 @@ class DecodeChain:
         counting: torch.Tensor,
     ) -> DecodeChain:
         """``num_steps`` steps from each row's ``positions`` on; ``counting``: ``0, 1, 2, ...``
-        on the device, at least ``num_steps`` long."""
+        on the device, longer than ``num_steps`` and the rows."""
         steps = positions[None, :] + counting[:num_steps, None]
         blocks = (steps // block_size).long().T
         offsets = steps % block_size
@@ -83,16 +87,21 @@ class DecodeChain:
             index = blocks.clamp_max(tables.shape[1] - 1)
             slot = torch.add(offsets, tables.gather(1, index).T, alpha=block_size)
             slots.append(slot.contiguous())  # (rows of it are a step's: kernels read them flat)
-        return cls(group_parts, block_size, steps, steps + 1, tuple(slots))
+        n = positions.shape[0]
+        return cls(
+            group_parts,
+            block_size,
+            num_steps,
+            steps,
+            steps + 1,
+            tuple(slots),
+            counting[: n + 1],
+            np.ones(n, dtype=np.int32),
+            np.arange(n + 1, dtype=np.int32),
+        )
 
-    def __len__(self) -> int:
-        return len(self.positions)
-
-    def step(
-        self, j: int, token_ids: torch.Tensor, kv_lens_host: np.ndarray, counting: torch.Tensor
-    ) -> SequenceMetadata:
-        """Step ``j``'s metadata, fed ``token_ids``; ``kv_lens_host``: the host's KV lengths;
-        ``counting`` at least one longer than the rows."""
+    def step(self, j: int, token_ids: torch.Tensor, kv_lens_host: np.ndarray) -> SequenceMetadata:
+        """Step ``j``'s metadata, fed ``token_ids``; ``kv_lens_host``: the host's KV lengths."""
         n = len(kv_lens_host)
         group_parts = tuple(
             replace(parts, slot_mapping=slots[j])
@@ -105,14 +114,14 @@ class DecodeChain:
             max_kv_len=int(kv_lens_host.max()),
             block_size=self.block_size,
             is_decode=True,
-            query_lens_host=np.ones(n, dtype=np.int32),
+            query_lens_host=self.query_lens_host,
             kv_lens_host=kv_lens_host,
-            query_start_host=np.arange(n + 1, dtype=np.int32),
+            query_start_host=self.query_start_host,
             token_ids=token_ids,
             positions=self.positions[j],
             kv_lens=self.kv_lens[j],
-            query_start_loc=counting[: n + 1],
-            logits_indices=counting[:n],
+            query_start_loc=self.query_start_loc,
+            logits_indices=self.query_start_loc[:n],
             group_parts=group_parts,
         )
 
