@@ -186,7 +186,11 @@ class MTPProposer(DraftModelProposer):
                 r: n - (len(known[r].request_tokens) - 1 - c)
                 for r, c, n in zip(plan.request_ids, plan.num_computed, plan.num_new)
             }
-        self._last = request_ids, rows = _sampled_rows(plan, launched.hidden_states, padding)
+        # (a decode step's rows are staged by the next step, before its replay: no gather)
+        request_ids, rows = _sampled_rows(
+            plan, launched.hidden_states, padding, gather=previous is None
+        )
+        self._last = request_ids, rows
         self._outputs.update((request_id, (rows, i)) for i, request_id in enumerate(request_ids))
         return launched
 
@@ -231,17 +235,17 @@ class _HeadBlocks:
 
 
 def _sampled_rows(
-    plan: StepPlan, hidden: torch.Tensor, padding: dict[str, int]
+    plan: StepPlan, hidden: torch.Tensor, padding: dict[str, int], gather: bool
 ) -> tuple[list[str], torch.Tensor]:
     """The sampling requests, and the hidden state of each at its last row of ``plan`` before
-    its ``padding``: a decode step's rows as they are (staged before the next replay
-    overwrites them), others gathered (the next step may be another graph's)."""
+    its ``padding``; ``gather``: copied out (the rows outlive a graph's next replay), else,
+    where every row is one sampled token, the rows as they are."""
     ends, offset = {}, 0
     for request_id, n, samples in zip(plan.request_ids, plan.num_new, plan.samples):
         offset += n
         if samples:
             ends[request_id] = offset - 1 - padding.get(request_id, 0)
-    if len(ends) == offset:  # one token a row, each sampled
+    if not gather and len(ends) == offset:
         return plan.request_ids, hidden[:offset]
     if not ends:
         return [], hidden[:0]
