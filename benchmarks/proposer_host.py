@@ -109,7 +109,7 @@ def _measure(llm: LLM, steps: int) -> dict[bool, tuple[float, float, float, floa
     """Whether decode steps are chained -> (µs of host per pass, per proposer step, per
     engine step, ATen operators per pass, of them views): medians over ``steps`` engine
     steps after a warm-up, the two ways taking turns step by step (so that a busy host slows
-    both alike), then the operators of as many passes each way."""
+    both alike), then the operators of a quarter as many passes each way."""
     engine = llm.engine
     proposer, runner = engine.model_proposer, engine.draft_runner
     passes, launches, counting = [], [0], [None]
