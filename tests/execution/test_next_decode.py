@@ -15,13 +15,14 @@ from heron.execution.model_runner import ModelRunner
 from heron.execution.step_plan import NewRequest, StepPlan, TableUpdate
 from heron.sampling_params import SamplingParams
 
-BLOCK = 4
-PROMPTS = {"a": [5, 9, 13, 2, 7], "b": [11, 3, 8]}
+BLOCK = 16  # (a block size the CUDA kernels take)
+PROMPTS = {"a": [(5 + 7 * i) % 97 for i in range(13)], "b": [(3 + 11 * i) % 89 for i in range(11)]}
 
 
-def _runner(path, chained: bool, length: int = 2, device: str = "cpu") -> ModelRunner:
+def _runner(path, chained: bool, length: int = 3, device: str = "cpu") -> ModelRunner:
     """A runner of the model; on CUDA (fp32, Triton attention) with its decode graphs."""
-    options = dict(block_size=BLOCK, max_model_len=48, num_kv_blocks=16, device=device)
+    options = dict(block_size=BLOCK, max_model_len=48, num_kv_blocks=16, dtype="float32")
+    options["device"] = device
     engine = LLM(str(path), **options, enforce_eager=True).engine
     backend = "triton" if device == "cuda" else "reference"
     runner = ModelRunner(engine.model_config, engine.platform, BLOCK, backend, seed=0)
@@ -55,7 +56,7 @@ def _decode(step: int) -> StepPlan:
 def _steps(runner: ModelRunner, num_steps: int) -> list[list[int]]:
     """The prefill and ``num_steps`` decode steps, each fed the last on the device; the
     tokens of each, read at the end."""
-    launched = [runner.launch(_prefill({"a": [1, 2, 3], "b": [4, 5, 6]}))]
+    launched = [runner.launch(_prefill({"a": [1, 2], "b": [4, 5]}))]
     for step in range(1, num_steps + 1):
         launched.append(runner.launch(_decode(step), launched[-1]))
     return [step.result().token_ids for step in launched]
@@ -63,8 +64,8 @@ def _steps(runner: ModelRunner, num_steps: int) -> list[list[int]]:
 
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
 def test_chained_steps_equal_host_prepared_ones(tiny_model_dir, device):
-    """Tokens of chained decode steps (chains of two steps; ``b`` crossing into its second
-    and third blocks) equal those of the same steps prepared on the host (on CUDA, both
+    """Tokens of chained decode steps (chains of three steps; each row crossing into its
+    second block within one) equal those of the same steps prepared on the host (on CUDA, both
     replaying decode graphs); each chained step's metadata is the packed batch the host
     would build for it."""
     path = tiny_model_dir("llama")
@@ -88,7 +89,7 @@ def test_chained_steps_equal_host_prepared_ones(tiny_model_dir, device):
     assert _steps(runner, 6) == want
     assert [step is not None for step in chained] == [False, False] + [True] * 5
     assert len(built) == 6
-    assert built[-1].positions.tolist() == [10, 8]  # (b's step 5 entered its third block)
+    assert built[-1].positions.tolist() == [18, 16]  # (b's last step in its second block)
 
     # Each chained step's metadata against the host's packing of its plan (tokens aside).
     for step, seq in enumerate(built[1:], start=2):
@@ -111,16 +112,16 @@ def test_steps_that_cannot_chain_are_prepared_on_the_host(tiny_model_dir, case):
     """The decode step after a chainable one, but with a table update, after another launch,
     or with a row whose table lacks its next token's block."""
     runner = _runner(tiny_model_dir("llama"), chained=True)
-    blocks = {"a": [1, 2], "b": [4, 5]} if case == "no block" else {"a": [1, 2, 3], "b": [4, 5]}
+    blocks = {"a": [1], "b": [4, 5]} if case == "no block" else {"a": [1, 2], "b": [4, 5]}
     prefill = runner.launch(_prefill(blocks))
     first = runner.launch(_decode(1), prefill)
-    plan = _decode(2)  # a at position 6, b at 4 (b's second block)
+    plan = _decode(2)  # a at position 14, b at 12
     if case == "table update":
         plan.table_updates.append(TableUpdate("b", 0, 2, [6]))
     elif case == "launch between":
         runner.launch(StepPlan(finished_ids=["gone"]))
     elif case == "no block":
-        plan = StepPlan(list(PROMPTS), [8, 4], [1, 1], [True, True])  # a past its two blocks
+        plan = StepPlan(list(PROMPTS), [16, 12], [1, 1], [True, True])  # a past its block
     assert first.next_decode is not None
     tried = []
     next_decode_step = runner._next_decode_step
