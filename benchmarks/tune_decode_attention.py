@@ -71,7 +71,8 @@ def tune_case(batch, context, heads, kv_heads, head_dim, window, sms, variants, 
         decode._BLOCK_N, decode._launch_shape = defaults
         if variant is not None:
             block_n, stages, warps = variant
-            decode._BLOCK_N, decode._launch_shape = block_n, lambda *_, w=warps, s=stages: (w, s)
+            decode._BLOCK_N = block_n
+            decode._launch_shape = lambda *_, b=block_n, w=warps, s=stages: (b, w, s)
         # Chosen per variant: the count depends on the tile size.
         count = splits or decode.choose_num_splits(batch, kv_heads, context, sms, window)
         ws = {}

@@ -326,6 +326,7 @@ def _decode_kernel(
     DOT_PRECISION: tl.constexpr,
     START_NEXT: tl.constexpr,
     USE_PDL: tl.constexpr,
+    F16_DOT: tl.constexpr,
 ):
     """One program: all GROUP query heads of one KV head, over one split of the KV range; with
     several splits, the last of a (request, KV head)'s programs to finish merges them.
@@ -336,7 +337,8 @@ def _decode_kernel(
     kernel writes them. The newest key and value (position ``kv_len - 1``) are this step's, written by the kernel
     before (which lets this one start early, see ``heron.kernels.pdl.start_next_kernel``): they
     are loaded after the wait. With ``START_NEXT`` (a launch that fits one wave) a program lets
-    the output projection after it start once it has waited."""
+    the output projection after it start once it has waited. With ``F16_DOT`` keys, values
+    and the query are fp16 in the dots (an FP8 cache, see :func:`_f16_dot`)."""
     b = tl.program_id(0)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
@@ -372,6 +374,8 @@ def _decode_kernel(
     newest = valid & (lo + offs_n == last)
     cached = (valid & ~newest)[:, None]
     dt = q_ptr.dtype.element_ty  # an FP8 cache's keys and values are converted to it
+    if F16_DOT:
+        dt = tl.float16
     k = tl.load(k_ptrs, mask=cached, other=0.0).to(dt)
     v = tl.load(k_ptrs + stride_kv, mask=cached, other=0.0).to(dt)
     in_tile = (last >= lo) & (last < lo + BLOCK_N)
@@ -386,7 +390,7 @@ def _decode_kernel(
     v_new = tl.load(last_key + stride_kv, mask=in_tile, other=0.0).to(dt)
     v = tl.where(newest[:, None], v_new[None, :], v)
     q_rows = q_ptr + b.to(tl.int64) * stride_qb + heads[:, None] * stride_qh + offs_d[None, :]
-    q = tl.load(q_rows, mask=head_mask[:, None], other=0.0)
+    q = tl.load(q_rows, mask=head_mask[:, None], other=0.0).to(dt)
 
     m_i = tl.full([BLOCK_H], _NEG_BIG, tl.float32)
     l_i = tl.zeros([BLOCK_H], tl.float32)
@@ -462,12 +466,26 @@ def _decode_kernel(
                 )
 
 
-def _launch_shape(head_dim: int, num_splits: int) -> tuple[int, int]:
-    """``(num_warps, num_stages)`` of the decode kernel. Without splits (large batches) each
-    program walks a whole context, and a third pipeline stage keeps more tiles in flight, which
-    measured faster on large batches (``benchmarks/tune_decode_attention.py``).
-    Split programs walk a few tiles each and keep two stages."""
-    return (4 if head_dim <= 128 else 8), (3 if num_splits == 1 else 2)
+def _launch_shape(head_dim: int, num_splits: int, fp8: bool) -> tuple[int, int, int]:
+    """``(keys per tile, num_warps, num_stages)`` of the decode kernel, as measured fastest
+    (``benchmarks/tune_decode_attention.py``). Split programs walk a few tiles each and keep
+    two stages at ``_BLOCK_N`` keys (so ``choose_num_splits`` counts the tiles they walk).
+    Without splits (large batches) a program walks a whole context: at head_dim 256 a third
+    stage keeps more tiles in flight; at 128 and below two stages are faster, and an FP8 cache
+    (computed in fp16, see :func:`_f16_dot`) takes tiles of 128 keys in three stages."""
+    if head_dim > 128:
+        return _BLOCK_N, 8, 3 if num_splits == 1 else 2
+    if num_splits == 1 and fp8:
+        return 128, 4, 3
+    return _BLOCK_N, 4, 2
+
+
+def _f16_dot(kv_cache: torch.Tensor, q: torch.Tensor) -> bool:
+    """Whether the kernel converts an FP8 cache's tiles (and the query) to fp16 rather than to
+    the query's bf16: E4M3 becomes fp16 in one conversion, bf16 in more, and at head_dim 128
+    and below that conversion bounds the kernel. Every E4M3 value is exact in fp16."""
+    head_dim = q.shape[-1]
+    return kv_cache.dtype == torch.float8_e4m3fn and q.dtype == torch.bfloat16 and head_dim <= 128
 
 
 def choose_num_splits(
@@ -541,7 +559,9 @@ def paged_decode_attention(
         return out
     group = num_heads // num_kv_heads
     qk_scale, softcap_log2 = score_constants(scale * k_scale, softcap)
-    num_warps, num_stages = _launch_shape(head_dim, num_splits)
+    block_n, num_warps, num_stages = _launch_shape(
+        head_dim, num_splits, kv_cache.dtype == torch.float8_e4m3fn
+    )
     merge_h = triton.next_power_of_2(group)
     if num_splits > 1:
         if partial_out is None:
@@ -601,7 +621,7 @@ def paged_decode_attention(
         v_scale,
         GROUP=group,
         BLOCK_H=max(16, triton.next_power_of_2(group)),
-        BLOCK_N=_BLOCK_N,
+        BLOCK_N=block_n,
         HEAD_DIM=head_dim,
         BLOCK_SIZE=block_size,
         NUM_SPLITS=num_splits,
@@ -615,6 +635,7 @@ def paged_decode_attention(
         START_NEXT=fits_one_wave(q.device, batch * num_kv_heads * num_splits),
         num_warps=num_warps,
         num_stages=num_stages,
+        F16_DOT=_f16_dot(kv_cache, q),
         **pdl_launch(q.device),
     )
     return out

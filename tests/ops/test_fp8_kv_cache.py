@@ -107,7 +107,11 @@ def test_fused_rope_write_stores_scaled_e4m3():
     assert torch.equal(cache[1].float(), to_fp8(want[1] / V_SCALE).float())
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize(
+    "dtype",
+    # bf16 queries read an FP8 cache in fp16 (the interpreter's bf16 arithmetic is wrong)
+    [torch.float32, torch.float16, pytest.param(torch.bfloat16, marks=pytest.mark.gpu)],
+)
 @pytest.mark.parametrize("window,splits", [(None, 1), (None, 3), (20, 2)])
 def test_decode_reads_the_fp8_cache(dtype, window, splits):
     kv_lens, heads, kv_heads, bs = [37, 5, 64], 4, 2, 16
@@ -120,7 +124,8 @@ def test_decode_reads_the_fp8_cache(dtype, window, splits):
         q, cache, tables, starts, lens, D**-0.5, window, out, splits,
         k_scale=K_SCALE, v_scale=V_SCALE,
     )  # fmt: skip
-    assert_close(out, decode_reference(q, ks, vs, window, D**-0.5), 2e-3)
+    tol = 2e-2 if dtype == torch.bfloat16 else 2e-3  # bf16 outputs: 8 bits of mantissa
+    assert_close(out, decode_reference(q, ks, vs, window, D**-0.5), tol)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
