@@ -448,10 +448,12 @@ def case_d(args) -> None:
                 spec = None
                 if draft is not None:
                     spec = {"method": "draft_model", "model": str(draft)}
-                    spec["num_speculative_tokens"] = args.k
+                    spec |= {"num_speculative_tokens": args.k, "async_verification": ahead}
                 model_runner.accept_greedy = accept_all if forced else real_accept
                 model_runner.accepted_block = accept_all_on_device if forced else real_block
-                llm = LLM(str(target), **options, speculative_config=spec, async_scheduling=ahead)
+                llm = LLM(str(target), **options, speculative_config=spec)
+                if draft is not None:
+                    assert llm.engine.runner.async_verification == ahead, name
                 scheduler = llm.engine.scheduler
                 scheduler.config = replace(scheduler.config, drafts_on_device=on_device)
                 decode(llm, prompt, params, 1)  # warm-up
