@@ -3,14 +3,19 @@ Qwen3-0.6B-shaped model of ``gpu_decode.py`` (or the Gemma-3-1B, Qwen3.5-0.8B or
 DeepSeek-V2-Lite shape of ``gemma_decode.py``, ``qwen3_5_decode.py``, ``deepseek_decode.py``;
 dummy weights), per kernel and as a timeline (busy and idle), at batch 1 and 64.
 
-    python benchmarks/profile_decode.py [--model gemma3|qwen3_5|deepseek] [--context 4096]
-        [--enforce-eager] [--steps 20] [--phases | --host] [--quantization fp8]
-        [--kv-cache-dtype fp8]
+With ``--speculative-config`` the steps are verification steps and their proposer's passes
+(the random weights' proposals are refused, which changes no step's shape); ``qwen3_5_mtp``
+and ``deepseek_v3_mtp`` are case E's shapes of ``speculative_decode.py``, with one MTP layer.
+
+    python benchmarks/profile_decode.py [--model gemma3|qwen3_5|deepseek|qwen3_5_mtp|...]
+        [--context 4096] [--enforce-eager] [--steps 20] [--phases | --host]
+        [--quantization fp8] [--kv-cache-dtype fp8] [--speculative-config JSON]
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import tempfile
 from functools import partial
 from pathlib import Path
@@ -37,11 +42,22 @@ def build_deepseek(path: Path, load_format: str) -> None:
     gpu_decode.save_config_only(config, f"{family}ForCausalLM", path)
 
 
+def build_mtp(shape: str, path: Path, load_format: str) -> None:
+    """One of case E's shapes (``speculative_decode.MTP_SHAPES``), as a config only."""
+    import speculative_decode
+    import transformers as tf
+
+    config_class, fields, architecture = speculative_decode.MTP_SHAPES[shape]
+    gpu_decode.save_config_only(getattr(tf, config_class)(**fields), architecture, path)
+
+
 MODELS = {
     "qwen3": gpu_decode.build_model,
     "gemma3": gemma_decode.build_model,
     "qwen3_5": partial(qwen3_5_decode.build_model, "0.8b"),
     "deepseek": build_deepseek,
+    "qwen3_5_mtp": partial(build_mtp, "qwen3.5-0.8b"),
+    "deepseek_v3_mtp": partial(build_mtp, "deepseek-v3-5l"),
 }
 
 
@@ -97,7 +113,7 @@ def profile_batch(llm: LLM, batch: int, context: int, steps: int) -> None:
         per_call.setdefault(e["name"], []).append(e["dur"])
     ranked = sorted(per_call.items(), key=lambda item: -sum(item[1]))
     total = sum(e["dur"] for e in device) / steps
-    print(f"\n### batch {batch}, context {context}: GPU time per decode step {total:.0f} µs")
+    print(f"\n### batch {batch}, context {context}: GPU time per engine step {total:.0f} µs")
     print("| kernel | µs/step | calls/step | µs per call (min / median / max) | share |")
     print("| --- | --- | --- | --- | --- |")
     for name, times in ranked[:20]:
@@ -143,7 +159,7 @@ def phase_times(llm: LLM, batch: int, context: int, steps: int) -> None:
         "- sampled tokens (wait, copy)": (model_runner.LaunchedStep, "result"),
         "- detokenize": (llm_engine.IncrementalDetokenizer, "append"),
         "- stop checks": (llm_engine, "check_stop"),
-        "outputs": (llm_engine._Parent, "output"),
+        "outputs": (llm_engine.ParentRequest, "output"),
     }
 
     def timed(name, fn):
@@ -155,6 +171,7 @@ def phase_times(llm: LLM, batch: int, context: int, steps: int) -> None:
 
         return wrapper
 
+    patched = {name: part for name, part in patched.items() if part[0] is not None}  # eager
     saved = {name: getattr(owner, attr) for name, (owner, attr) in patched.items()}
     for name, (owner, attr) in patched.items():
         setattr(owner, attr, timed(name, saved[name]))
@@ -169,7 +186,7 @@ def phase_times(llm: LLM, batch: int, context: int, steps: int) -> None:
             setattr(owner, attr, saved[name])
     drop(llm, ids)
     step = statistics.median(total) * 1e6
-    print(f"\n### batch {batch}, context {context}: host µs per decode step (median of {steps})")
+    print(f"\n### batch {batch}, context {context}: host µs per engine step (median of {steps})")
     print("| phase | µs |\n| --- | --- |")
     for name, times in phases.items():
         print(f"| {name} | {statistics.median(times) * 1e6 * len(times) / steps:.0f} |")
@@ -202,6 +219,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--phases", action="store_true", help="host phase timings instead")
     parser.add_argument("--host", action="store_true", help="cProfile of the host instead")
+    parser.add_argument("--speculative-config", type=json.loads, default=None)
     gpu_decode.add_fp8_args(parser)
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
@@ -213,6 +231,7 @@ def main() -> None:
             kv_cache_dtype=args.kv_cache_dtype,
             enforce_eager=args.enforce_eager,
             cuda_graph_max_bs=max(args.batches),
+            speculative_config=args.speculative_config,
             # Room for the measured steps after the longest chunked-prefill stagger.
             max_model_len=max(4096, args.context + 4 * args.steps + 256),
         )
