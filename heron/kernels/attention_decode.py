@@ -483,7 +483,8 @@ def _launch_shape(head_dim: int, num_splits: int, fp8: bool) -> tuple[int, int, 
 def _f16_dot(kv_cache: torch.Tensor, q: torch.Tensor) -> bool:
     """Whether the kernel converts an FP8 cache's tiles (and the query) to fp16 rather than to
     the query's bf16: E4M3 becomes fp16 in one conversion, bf16 in more, and at head_dim 128
-    and below that conversion bounds the kernel. Every E4M3 value is exact in fp16."""
+    and below that conversion bounds the kernel. Every E4M3 value is exact in fp16; a query
+    entry past fp16's range (65,504) would overflow, far beyond what attention layers make."""
     head_dim = q.shape[-1]
     return kv_cache.dtype == torch.float8_e4m3fn and q.dtype == torch.bfloat16 and head_dim <= 128
 
