@@ -24,7 +24,7 @@ cases P and A on the CPU where torch sees no GPU (fp32 there).
      last two also each verification read before the next pass
   E  batch 1, MTP (``method: "mtp"``) on random-weight shapes with one MTP layer
      (``--mtp-shapes``: Qwen3.5-0.8B's, DeepSeek-V3's 5-layer one), forced acceptance: as B
-     for k = 1..3, the head's k passes per step included (the host's "schedule" phase holds
+     for k = 1..3 (``--mtp-ks``), the head's k passes per step included (the host's "schedule" phase holds
      them), and how many of the head's steps replayed its graphs
   H  on the CPU (either way): µs of host per pass of a model proposer (MTP at k = 1..3, a
      2-layer draft at ``--k``) at batch 1, with the models stubbed and graph replays reduced
@@ -36,7 +36,7 @@ output tokens. Prints markdown tables.
 
     python benchmarks/speculative_decode.py [--k 4] [--max-tokens 256] [--enforce-eager]
         [--disable-by-batch-size N] [--cases PABCDEH (CPU: PAH)] [--shape qwen3-0.6b]
-        [--mtp-shapes qwen3.5-0.8b deepseek-v3-5l]
+        [--mtp-shapes qwen3.5-0.8b deepseek-v3-5l] [--mtp-ks 1 2 3]
 
 "verification steps replayed" counts the verification steps that replayed a graph of ``1 + k``
 tokens per row (the others ran eagerly); "head steps replayed" the MTP head's steps that
@@ -327,7 +327,7 @@ def case_b(args) -> None:
 def case_e(args) -> None:
     for name in args.mtp_shapes:
         print(f"{name}\n")
-        forced_acceptance(args, MTP_SHAPES[name], "mtp", range(1, 4))
+        forced_acceptance(args, MTP_SHAPES[name], "mtp", args.mtp_ks)
         print()
 
 
@@ -487,6 +487,7 @@ def main() -> None:
     parser.add_argument(
         "--mtp-shapes", nargs="+", choices=sorted(MTP_SHAPES), default=list(MTP_SHAPES), help="of E"
     )
+    parser.add_argument("--mtp-ks", type=int, nargs="+", default=[1, 2, 3], help="k of E")
     args = parser.parse_args()
     on_cuda = torch.cuda.is_available()
     args.cases = args.cases or ("PABCDEH" if on_cuda else "PAH")
