@@ -480,13 +480,12 @@ def _launch_shape(head_dim: int, num_splits: int, fp8: bool) -> tuple[int, int, 
     return _BLOCK_N, 4, 2
 
 
-def _f16_dot(kv_cache: torch.Tensor, q: torch.Tensor) -> bool:
+def _f16_dot(fp8: bool, q: torch.Tensor) -> bool:
     """Whether the kernel converts an FP8 cache's tiles (and the query) to fp16 rather than to
     the query's bf16: E4M3 becomes fp16 in one conversion, bf16 in more, and at head_dim 128
     and below that conversion bounds the kernel. Every E4M3 value is exact in fp16; a query
     entry past fp16's range (65,504) would overflow, far beyond what attention layers make."""
-    head_dim = q.shape[-1]
-    return kv_cache.dtype == torch.float8_e4m3fn and q.dtype == torch.bfloat16 and head_dim <= 128
+    return fp8 and q.dtype == torch.bfloat16 and q.shape[-1] <= 128
 
 
 def choose_num_splits(
@@ -560,9 +559,8 @@ def paged_decode_attention(
         return out
     group = num_heads // num_kv_heads
     qk_scale, softcap_log2 = score_constants(scale * k_scale, softcap)
-    block_n, num_warps, num_stages = _launch_shape(
-        head_dim, num_splits, kv_cache.dtype == torch.float8_e4m3fn
-    )
+    fp8 = kv_cache.dtype == torch.float8_e4m3fn
+    block_n, num_warps, num_stages = _launch_shape(head_dim, num_splits, fp8)
     merge_h = triton.next_power_of_2(group)
     if num_splits > 1:
         if partial_out is None:
@@ -636,7 +634,7 @@ def paged_decode_attention(
         START_NEXT=fits_one_wave(q.device, batch * num_kv_heads * num_splits),
         num_warps=num_warps,
         num_stages=num_stages,
-        F16_DOT=_f16_dot(kv_cache, q),
+        F16_DOT=_f16_dot(fp8, q),
         **pdl_launch(q.device),
     )
     return out
