@@ -171,7 +171,8 @@ def phase_times(llm: LLM, batch: int, context: int, steps: int) -> None:
 
         return wrapper
 
-    patched = {name: part for name, part in patched.items() if part[0] is not None}  # eager
+    # (an eager run has no graph runner to time)
+    patched = {name: part for name, part in patched.items() if part[0] is not None}
     saved = {name: getattr(owner, attr) for name, (owner, attr) in patched.items()}
     for name, (owner, attr) in patched.items():
         setattr(owner, attr, timed(name, saved[name]))

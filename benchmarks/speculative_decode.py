@@ -24,8 +24,8 @@ cases P and A on the CPU where torch sees no GPU (fp32 there).
      last two also each verification read before the next pass
   E  batch 1, MTP (``method: "mtp"``) on random-weight shapes with one MTP layer
      (``--mtp-shapes``: Qwen3.5-0.8B's, DeepSeek-V3's 5-layer one), forced acceptance: as B
-     for k = 1..3 (``--mtp-ks``), the head's k passes per step included (the host's "schedule" phase holds
-     them), and how many of the head's steps replayed its graphs
+     for k = 1..3 (``--mtp-ks``), the head's k passes per step included (the host's
+     "schedule" phase holds them), and how many of the head's steps replayed its graphs
   H  on the CPU (either way): µs of host per pass of a model proposer (MTP at k = 1..3, a
      2-layer draft at ``--k``) at batch 1, with the models stubbed and graph replays reduced
      to their host work, its decode steps chained on the device and each prepared on the host
