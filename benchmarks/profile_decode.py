@@ -8,7 +8,7 @@ With ``--speculative-config`` the steps are verification steps and their propose
 and ``deepseek_v3_mtp`` are case E's shapes of ``speculative_decode.py``, with one MTP layer.
 
     python benchmarks/profile_decode.py [--model gemma3|qwen3_5|deepseek|qwen3_5_mtp|...]
-        [--context 4096] [--enforce-eager] [--steps 20] [--phases | --host]
+        [--context 4096] [--enforce-eager] [--steps 20] [--phases | --host | --all]
         [--quantization fp8] [--kv-cache-dtype fp8] [--speculative-config JSON]
 """
 
@@ -220,6 +220,9 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--phases", action="store_true", help="host phase timings instead")
     parser.add_argument("--host", action="store_true", help="cProfile of the host instead")
+    parser.add_argument(
+        "--all", action="store_true", help="all three, on one engine (one build, one graph capture)"
+    )
     parser.add_argument("--speculative-config", type=json.loads, default=None)
     gpu_decode.add_fp8_args(parser)
     args = parser.parse_args()
@@ -236,9 +239,15 @@ def main() -> None:
             # Room for the measured steps after the longest chunked-prefill stagger.
             max_model_len=max(4096, args.context + 4 * args.steps + 256),
         )
+        if args.all:
+            measures = [profile_batch, phase_times, host_profile]
+        else:
+            measures = [
+                phase_times if args.phases else host_profile if args.host else profile_batch
+            ]
         for batch in args.batches:
-            measure = phase_times if args.phases else host_profile if args.host else profile_batch
-            measure(llm, batch, args.context, args.steps)
+            for measure in measures:
+                measure(llm, batch, args.context, args.steps)
 
 
 if __name__ == "__main__":

@@ -654,8 +654,9 @@ class ModelRunner:
                 row = rows[request_id]
                 self.inputs.tables.holds(request_id, plan.num_computed[row] + 1 + accepted)
         if refused:
+            rows, at = to_device([refused, positions], self.device)
             for owner in self._recurrent_owners:
-                owner.keep_verified_states(refused, positions)
+                owner.keep_verified_states(rows, at)
 
     def _fill_pending_tokens(
         self, token_ids: torch.Tensor, sources: list[tuple[int, int]], sampled: torch.Tensor

@@ -119,7 +119,9 @@ def test_verification_equals_decoding_token_by_token_and_rolls_back():
         torch.testing.assert_close(tri._verified_conv[:3, t], states[t][0])
         torch.testing.assert_close(tri._verified_states[:3, t], states[t][1], rtol=1e-5, atol=1e-5)
     # Row 0 accepted no proposal, row 2 one: their slots go back to those tokens' states.
-    tri.keep_verified_states([0, 2], [0, 1])
+    tri.keep_verified_states(
+        torch.tensor([0, 2], device=DEVICE), torch.tensor([0, 1], device=DEVICE)
+    )
     torch.testing.assert_close(tri.recurrent_state[3], states[0][1][0], rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(tri.recurrent_state[4], states[1][1][2], rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(tri.conv_state[4], states[1][0][2])

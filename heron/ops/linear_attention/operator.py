@@ -247,12 +247,11 @@ class GatedDeltaNet(MetadataOperator):
         self.recurrent_state[slot] = state[0]
         return torch.cat(outs)
 
-    def keep_verified_states(self, rows: list[int], positions: list[int]) -> None:
+    def keep_verified_states(self, rows: torch.Tensor, positions: torch.Tensor) -> None:
         """After a verification step: the slot of verifying row ``rows[i]`` (its place among
         the step's verifying rows) goes back to the state its token ``positions[i]`` left (its
-        last token and the proposals accepted after it)."""
-        index = torch.tensor(rows, dtype=torch.int64, device=self.conv_state.device)
-        at = torch.tensor(positions, dtype=torch.int64, device=self.conv_state.device)
-        slots = self._verified_slots[index]
-        self.conv_state.index_copy_(0, slots, self._verified_conv[index, at])
-        self.recurrent_state.index_copy_(0, slots, self._verified_states[index, at])
+        last token and the proposals accepted after it). Both are int64 device tensors,
+        uploaded once for every layer."""
+        slots = self._verified_slots[rows]
+        self.conv_state.index_copy_(0, slots, self._verified_conv[rows, positions])
+        self.recurrent_state.index_copy_(0, slots, self._verified_states[rows, positions])
