@@ -1,31 +1,32 @@
 """What a batch-invariant mode would cost on the GPU: the same numerics for a token whether it
-is decoded alone or verified in a block of ``1 + k`` (speculative decoding), at batch 1, on the
-Qwen3-0.6B shape.
+is decoded alone or verified in a block of ``1 + k`` (speculative decoding), on the Qwen3-0.6B
+shape.
 
-A decode step and a verification step of one row reduce in different orders in two places
-today; everything else (norms, RoPE, the KV write, sampling) works row by row:
+A decode step and a verification step of one row reduce in different orders in two places;
+everything else (norms, RoPE, the KV write, sampling) works row by row:
 
 - the GEMV picks its launch configuration (K tile, split-K, dot or broadcast form) per row
   count padded to a power of two, so a row alone and the same row among ``1 + k`` are summed
   differently;
-- attention runs a decode row through the split-KV decode kernel (as many splits as fill the
-  GPU at that batch) and a verification row through the extend kernel (one program per 64
-  queries and head, over the whole context).
+- attention splits a row's keys by a count chosen to fill the GPU (``choose_num_splits``), of
+  a decode step's rows or of a verification step's tokens (the decode kernel runs uniform
+  steps of up to 8 tokens a row, a program per token; before that, the extend kernel did).
 
 A batch-invariant mode would give each weight shape one GEMV configuration of the dot form for
 every row count up to 16 (the dot pads rows to 16, so a row's sums do not depend on the other
-rows; here the configuration of 16 rows), and run verification rows through the decode kernel
-as ``1 + k`` rows of consecutive lengths, every row split every ``--split-keys`` keys. This
-times both ways, per product and per attention layer (CUDA-graph replays, weights and KV cold
-in HBM), and prints µs per step.
+rows; here the configuration of 16 rows), and split every row's keys every ``--split-keys``
+keys. This times both ways, per product (batch 1) and per attention layer (``--batches``), in
+CUDA-graph replays with weights and KV cold in HBM, and prints µs per step; the attention
+table also times verification on the extend kernel.
 
-    python benchmarks/batch_invariance.py [--k 4] [--contexts 256 1024 4096]
+    python benchmarks/batch_invariance.py [--k 4] [--contexts 256 1024 4096] [--batches 1 8]
         [--split-keys 64 128 256]
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
 
 import torch
 import triton
@@ -63,68 +64,72 @@ def gemv_rows(k: int) -> list[tuple[str, int, list[float]]]:
     return rows
 
 
-def decode_us(q, cache, tables, lens, splits: int) -> float:
-    """µs of one decode-kernel launch over ``q``'s rows at ``splits`` splits."""
-    batch = q.shape[0]
+def decode_us(q, cache, tables, lens, splits: int, queries: int = 1) -> float:
+    """µs of one decode-kernel launch over ``q``'s rows (``queries`` tokens a request) at
+    ``splits`` splits."""
+    rows = q.shape[0]
     ws = {}
     if splits > 1:
         ws = dict(
-            partial_out=torch.empty(batch, HEADS, splits, HEAD_DIM, device="cuda"),
-            partial_lse=torch.empty(batch, HEADS, splits, device="cuda"),
+            partial_out=torch.empty(rows, HEADS, splits, HEAD_DIM, device="cuda"),
+            partial_lse=torch.empty(rows, HEADS, splits, device="cuda"),
             tickets=torch.zeros(
-                decode.tickets_needed(batch, KV_HEADS, splits), dtype=torch.int32, device="cuda"
+                decode.tickets_needed(rows, KV_HEADS, splits), dtype=torch.int32, device="cuda"
             ),
         )
     starts, out = torch.zeros_like(lens), torch.empty_like(q)
 
     def call(table):
         decode.paged_decode_attention(
-            q, cache, table, starts, lens, HEAD_DIM**-0.5, None, out, splits, **ws
-        )
+            q, cache, table, starts, lens, HEAD_DIM**-0.5, None, out, splits, **ws,
+            queries_per_row=queries,
+        )  # fmt: skip
 
     return time_us(call, tables)
 
 
-def extend_us(q, cache, tables, kv_len: int) -> float:
-    """µs of one extend-kernel launch: ``q``'s rows as one request's newest tokens."""
-    starts = torch.zeros(1, dtype=torch.int32, device="cuda")
-    query_start = torch.tensor([0, q.shape[0]], dtype=torch.int32, device="cuda")
-    lens = torch.tensor([kv_len], dtype=torch.int32, device="cuda")
+def extend_us(q, cache, tables, lens, queries: int) -> float:
+    """µs of one extend-kernel launch: ``queries`` newest tokens of each request."""
+    starts = torch.zeros_like(lens)
+    query_start = torch.arange(lens.shape[0] + 1, dtype=torch.int32, device="cuda") * queries
     out = torch.empty_like(q)
 
     def call(table):
         paged_extend_attention(
-            q, cache, table, starts, query_start, lens, q.shape[0], HEAD_DIM**-0.5, None, out
+            q, cache, table, starts, query_start, lens, queries, HEAD_DIM**-0.5, None, out
         )
 
     return time_us(call, tables)
 
 
-def attention_rows(k: int, contexts: list[int], split_keys: list[int]) -> list[tuple]:
-    """Per context: µs of one layer's decode today (and its splits), verification today, and
-    per fixed split size the decode and the verification through the decode kernel."""
+def attention_rows(k: int, batches: list[int], contexts: list[int], split_keys: list[int]):
+    """Per batch and context, µs of one layer: decode (and its splits), verification on the
+    extend kernel and on the decode kernel (and its splits), and per fixed split size the
+    decode and the verification on the decode kernel."""
     sms = multiprocessor_count(torch.device("cuda"))
     rows = []
-    for context in contexts:
-        total = context + 1 + k  # the verification's last position sees them all
-        q, cache, tables, _ = case_inputs(1, total, HEADS, KV_HEADS, HEAD_DIM)
-        one = torch.tensor([context + 1], dtype=torch.int32, device="cuda")
-        splits = decode.choose_num_splits(1, KV_HEADS, context + 1, sms)
-        today = decode_us(q, cache, tables, one, splits)
-        block_q = torch.randn(1 + k, HEADS, HEAD_DIM, device="cuda", dtype=torch.bfloat16)
-        verify_today = extend_us(block_q, cache, tables, total)
-        block_tables = [t.expand(1 + k, -1).contiguous() for t in tables]
-        block_lens = torch.arange(context + 1, total + 1, dtype=torch.int32, device="cuda")
-        fixed = []
-        for keys in split_keys:
-            fixed.append(
-                (
-                    keys,
-                    decode_us(q, cache, tables, one, triton.cdiv(context + 1, keys)),
-                    decode_us(block_q, cache, block_tables, block_lens, triton.cdiv(total, keys)),
-                )
+    for batch, context in itertools.product(batches, contexts):
+        total = context + 1 + k  # a verification's last token sees them all
+        q, cache, tables, _ = case_inputs(batch, total, HEADS, KV_HEADS, HEAD_DIM)
+        one = torch.full((batch,), context + 1, dtype=torch.int32, device="cuda")
+        block_q = torch.randn(batch * (1 + k), HEADS, HEAD_DIM, device="cuda", dtype=q.dtype)
+        block = torch.full((batch,), total, dtype=torch.int32, device="cuda")
+        splits = decode.choose_num_splits(batch, KV_HEADS, context + 1, sms)
+        verify_splits = decode.choose_num_splits(batch * (1 + k), KV_HEADS, total, sms)
+        today = (
+            decode_us(q, cache, tables, one, splits),
+            extend_us(block_q, cache, tables, block, 1 + k),
+            decode_us(block_q, cache, tables, block, verify_splits, 1 + k),
+        )
+        fixed = [
+            (
+                keys,
+                decode_us(q, cache, tables, one, triton.cdiv(context + 1, keys)),
+                decode_us(block_q, cache, tables, block, triton.cdiv(total, keys), 1 + k),
             )
-        rows.append((context, splits, today, verify_today, fixed))
+            for keys in split_keys
+        ]
+        rows.append((batch, context, splits, verify_splits, today, fixed))
         del cache
         torch.cuda.empty_cache()
     return rows
@@ -134,6 +139,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--k", type=int, default=4, help="proposals a verification step checks")
     parser.add_argument("--contexts", type=int, nargs="+", default=[256, 1024, 4096])
+    parser.add_argument("--batches", type=int, nargs="+", default=[1, 8], help="of attention")
     parser.add_argument("--split-keys", type=int, nargs="+", default=[64, 128, 256])
     args = parser.parse_args()
     k = args.k
@@ -150,21 +156,21 @@ def main() -> None:
         f" | {sums[2]:.0f} / {sums[3]:.0f} (+{sums[3] - sums[2]:.0f}) |"
     )
 
-    print(f"\n### Attention, batch 1, k = {k}: µs per layer\n")
+    print(f"\n### Attention, k = {k}: µs per layer\n")
     print(
-        "| context | decode today (splits) | verification today (extend kernel) | "
-        "keys per split | decode invariant | verification invariant (decode kernel) | "
-        f"per step ({LAYERS} layers): decode, verification |"
+        "| batch | context | decode (splits) | verification: extend kernel / decode kernel "
+        "(splits) | keys per split | invariant decode | invariant verification | "
+        f"invariant against decode kernels, per step ({LAYERS} layers): decode, verification |"
     )
-    print("| --- | --- | --- | --- | --- | --- | --- |")
-    for context, splits, today, verify_today, fixed in attention_rows(
-        k, args.contexts, args.split_keys
-    ):
-        for keys, dec, ver in fixed:
+    print("| --- | --- | --- | --- | --- | --- | --- | --- |")
+    rows = attention_rows(k, args.batches, args.contexts, args.split_keys)
+    for batch, context, splits, verify_splits, today, fixed in rows:
+        dec, ext, ver = today
+        for keys, inv_dec, inv_ver in fixed:
             print(
-                f"| {context} | {today:.1f} ({splits}) | {verify_today:.1f} | {keys} | "
-                f"{dec:.1f} | {ver:.1f} | {LAYERS * (dec - today):+.0f}, "
-                f"{LAYERS * (ver - verify_today):+.0f} |"
+                f"| {batch} | {context} | {dec:.1f} ({splits}) | {ext:.1f} / {ver:.1f} "
+                f"({verify_splits}) | {keys} | {inv_dec:.1f} | {inv_ver:.1f} | "
+                f"{LAYERS * (inv_dec - dec):+.0f}, {LAYERS * (inv_ver - ver):+.0f} |"
             )
 
 

@@ -327,9 +327,12 @@ def _decode_kernel(
     START_NEXT: tl.constexpr,
     USE_PDL: tl.constexpr,
     F16_DOT: tl.constexpr,
+    QUERIES: tl.constexpr,
 ):
     """One program: all GROUP query heads of one KV head, over one split of the KV range; with
-    several splits, the last of a (request, KV head)'s programs to finish merges them.
+    several splits, the last of a (request, KV head)'s programs to finish merges them. With
+    ``QUERIES > 1`` a program's row is one of a verification row's tokens (see
+    :func:`paged_decode_attention`).
 
     Before it waits for the previous kernel, a program loads the keys and values of its first
     tile, all but the newest: the lengths, tables and table starts were copied before the
@@ -338,10 +341,17 @@ def _decode_kernel(
     before (which lets this one start early, see ``heron.kernels.pdl.start_next_kernel``): they
     are loaded after the wait. With ``START_NEXT`` (a launch that fits one wave) a program lets
     the output projection after it start once it has waited. With ``F16_DOT`` keys, values
-    and the query are fp16 in the dots (an FP8 cache, see :func:`_f16_dot`)."""
-    b = tl.program_id(0)
+    and the query are fp16 in the dots (an FP8 cache, see :func:`_f16_dot`). With
+    ``QUERIES > 1`` every token of a row is this step's, so a program loads nothing from the
+    cache before its wait."""
+    b = tl.program_id(0)  # the query row; with QUERIES > 1 token b % QUERIES of request r
+    r = b // QUERIES
     kvh = tl.program_id(1)
     split = tl.program_id(2)
+    if QUERIES > 1:
+        wait_for_previous_kernel(USE_PDL)
+        if START_NEXT:
+            start_next_kernel(USE_PDL)
 
     offs_h = tl.arange(0, BLOCK_H)
     offs_d = tl.arange(0, HEAD_DIM)
@@ -349,7 +359,9 @@ def _decode_kernel(
     head_mask = offs_h < GROUP
     heads = kvh * GROUP + offs_h
 
-    kv_len = tl.load(kv_lens_ptr + b)
+    kv_len = tl.load(kv_lens_ptr + r)
+    if QUERIES > 1:  # the token sees the keys up to its own (a padded row's none)
+        kv_len = tl.maximum(kv_len - (QUERIES - 1 - b % QUERIES), 0)
     if USE_WINDOW:
         first = tl.maximum(kv_len - window, 0)
     else:
@@ -365,8 +377,8 @@ def _decode_kernel(
     busy = tl.cdiv(kv_len - first, tl.maximum(per_split, 1))  # splits with keys; 0 if padded
 
     # A windowed row starts at the window (the row's table start, see the module docstring).
-    table_start = tl.load(table_starts_ptr + b)
-    table_row = block_tables_ptr + b.to(tl.int64) * stride_btb - table_start
+    table_start = tl.load(table_starts_ptr + r)
+    table_row = block_tables_ptr + r.to(tl.int64) * stride_btb - table_start
     kv_head = kv_ptr + kvh.to(tl.int64) * stride_kvh
     k_ptrs, valid = _tile(table_row, kv_head, lo, kv_len, offs_n, offs_d,
                           stride_blk, stride_slot, BLOCK_SIZE)  # fmt: skip
@@ -382,9 +394,10 @@ def _decode_kernel(
     last_block = tl.load(table_row + last // BLOCK_SIZE, mask=in_tile, other=0).to(tl.int64)
     last_key = kv_head + last_block * stride_blk + (last % BLOCK_SIZE) * stride_slot + offs_d
 
-    wait_for_previous_kernel(USE_PDL)
-    if START_NEXT:  # the output projection is scheduled now, on the idle multiprocessors
-        start_next_kernel(USE_PDL)
+    if QUERIES == 1:
+        wait_for_previous_kernel(USE_PDL)
+        if START_NEXT:  # the output projection is scheduled now, on the idle multiprocessors
+            start_next_kernel(USE_PDL)
     k_new = tl.load(last_key, mask=in_tile, other=0.0).to(dt)
     k = tl.where(newest[:, None], k_new[None, :], k)
     v_new = tl.load(last_key + stride_kv, mask=in_tile, other=0.0).to(dt)
@@ -531,6 +544,7 @@ def paged_decode_attention(
     sinks: torch.Tensor | None = None,
     k_scale: float = 1.0,
     v_scale: float = 1.0,
+    queries_per_row: int = 1,
 ) -> torch.Tensor:
     """Attention of one new token per request over its paged history; writes and returns ``out``.
 
@@ -544,6 +558,12 @@ def paged_decode_attention(
     None they are allocated here (the tickets zeroed: a memset per call); pass persistent ones,
     tickets zeroed once, for CUDA graphs and on hot paths. One launch at a time per workspace.
     An FP8 (E4M3) cache holds ``K / k_scale`` and ``V / v_scale``.
+
+    ``queries_per_row = Q > 1`` serves a uniform verification step: ``q`` and ``out`` hold
+    ``Q`` consecutive new tokens of each request (``[requests * Q, H, D]``, and the
+    workspace as many rows), the tables, starts and lengths one row per request, and token
+    ``i`` of a request sees the keys up to its own position ``kv_len - Q + i``. Each token then
+    runs exactly as when it is decoded alone at the same split count.
     """
     batch, num_heads, head_dim = q.shape
     _, _, block_size, num_kv_heads, cache_head_dim = kv_cache.shape
@@ -551,6 +571,7 @@ def paged_decode_attention(
     assert head_dim in (16, 32, 64, 128, 256), f"unsupported head_dim {head_dim}"
     assert block_size & (block_size - 1) == 0, "block_size must be a power of two"
     assert num_heads % num_kv_heads == 0 and num_splits >= 1
+    assert batch == kv_lens.shape[0] * queries_per_row, "queries_per_row tokens per length"
     assert q.stride(-1) == 1 and out.stride(-1) == 1 and kv_cache.stride(-1) == 1
     assert sinks is None or (sinks.shape == (num_heads,) and sinks.stride(0) == 1)
     assert softcap is None or softcap > 0
@@ -635,6 +656,7 @@ def paged_decode_attention(
         num_warps=num_warps,
         num_stages=num_stages,
         F16_DOT=_f16_dot(fp8, q),
+        QUERIES=queries_per_row,
         **pdl_launch(q.device),
     )
     return out

@@ -1,7 +1,9 @@
 """Verification steps through graph buffers: ``q`` new tokens per row (the last token and the
 proposals after it) filled into the Triton builder's buffers, padded to a larger batch, then the
-extend kernel over the buffers' view (what a replayed verification graph runs) against dense
-fp32 attention; padded rows attend to nothing. Tiny shapes under the Triton interpreter."""
+kernels over the buffers' view (what a replayed verification graph runs) against dense fp32
+attention: the extend kernel, and the decode kernel with a program per token, which the
+operator runs for such steps; padded rows attend to nothing. Tiny shapes under the Triton
+interpreter."""
 
 from __future__ import annotations
 
@@ -19,10 +21,11 @@ from test_triton_attention_kernels import (
 )
 
 from heron.cache.paged_parts import paged_layout
+from heron.kernels.attention_decode import paged_decode_attention
 from heron.kernels.attention_extend import paged_extend_attention
 from heron.metadata import GraphSupport, SequenceMetadata, StepBatch, StepMetadataError
 from heron.ops.attention.base import AttentionSpec
-from heron.ops.attention.triton.operator import TritonAttentionBuilder
+from heron.ops.attention.triton.operator import MAX_DECODE_QUERIES, TritonAttentionBuilder
 
 pytestmark = pytest.mark.filterwarnings("ignore:Conversion of an array with ndim > 0")
 
@@ -73,6 +76,58 @@ def test_verification_step_through_graph_buffers_matches_dense(window, sinks):
         ref = dense_attention(q[rows], k, v, window, spec.scale, sinks=sink_logits)
         assert_close(out[rows], ref, 1e-4)
     assert not out[len(kv_lens) * q_len :].any(), "padded rows attend to nothing"
+
+
+@pytest.mark.parametrize(
+    "kv_heads, kv_lens, batch, window, sinks",
+    [
+        (2, [13, 5], 4, None, False),  # padded rows, one split (8 rows fill the 4 "SMs")
+        (2, [13, 5], 4, 6, True),
+        (1, [150], 1, None, False),  # three rows of one KV head: split over the keys
+        (1, [150], 1, 70, True),
+    ],
+)
+def test_uniform_step_through_the_decode_kernel_matches_dense(
+    kv_heads, kv_lens, batch, window, sinks
+):
+    """The decode kernel, each of a row's ``q`` tokens a query row of its own that sees the
+    keys up to its position, in the workspace the builder gives uniform steps (graph buffers,
+    and eager), against dense attention."""
+    heads, block_size, q_len = 4, 4, 3
+    spec = AttentionSpec(heads, kv_heads, HEAD_DIM, HEAD_DIM**-0.5, window, has_sinks=sinks)
+    builder = TritonAttentionBuilder(spec, block_size, max_model_len=256)
+    buffers = builder.make_graph_buffers(batch, DEVICE, max_query_len=q_len)
+    cache, tables, ks, vs = make_paged_cache(
+        kv_lens, block_size, kv_heads, HEAD_DIM, torch.float32, DEVICE
+    )
+    seq = uniform_step(kv_lens, q_len, tables, block_size, window)
+    builder.fill(seq, buffers, batch)
+    q = strided_q(batch * q_len, heads, HEAD_DIM, torch.float32, DEVICE, seed=5)
+    sink_logits = make_sinks(heads, torch.float32, DEVICE) if sinks else None
+    for view in (builder.graph_view(seq, buffers, batch), builder.build(seq)):
+        ws = view.workspace
+        assert ws.queries_per_row == q_len
+        assert (ws.num_splits > 1) == (len(kv_lens) == 1)
+        rows = view.num_reqs * q_len
+        out = torch.full_like(q[:rows], float("nan"))
+        paged_decode_attention(
+            q[:rows], cache, view.block_tables, view.table_starts, view.kv_lens, spec.scale,
+            window, out, ws.num_splits, ws.partial_out, ws.partial_lse, ws.tickets,
+            sinks=sink_logits, queries_per_row=q_len,
+        )  # fmt: skip
+        for r, (k, v) in enumerate(zip(ks, vs)):
+            tokens = slice(r * q_len, (r + 1) * q_len)
+            ref = dense_attention(q[tokens], k, v, window, spec.scale, sinks=sink_logits)
+            assert_close(out[tokens], ref, 1e-4)
+        assert not out[len(kv_lens) * q_len :].any(), "padded rows attend to nothing"
+
+
+def test_longer_uniform_steps_stay_on_the_extend_kernel():
+    spec = AttentionSpec(2, 1, HEAD_DIM, HEAD_DIM**-0.5, None)
+    builder = TritonAttentionBuilder(spec, 4, max_model_len=64)
+    q_len = MAX_DECODE_QUERIES + 1
+    cache, tables, _, _ = make_paged_cache([20], 4, 1, HEAD_DIM, torch.float32, DEVICE)
+    assert builder.build(uniform_step([20], q_len, tables, 4, None)).workspace is None
 
 
 def test_graph_buffers_refuse_steps_that_are_not_uniform():

@@ -23,19 +23,37 @@ from heron.metadata import GraphSupport, SequenceMetadata
 from heron.ops.attention.base import AttentionOperator, AttentionSpec
 from heron.ops.attention.paged import PagedAttentionBuilder, PagedAttentionView, PagedGraphBuffers
 
+#: The longest uniform query (tokens per row) the decode kernel runs, a program per token: a
+#: verification step of up to 7 proposals. At batch 1 the extend kernel has a program per head
+#: for the whole context, several times slower (``benchmarks/batch_invariance.py``).
+MAX_DECODE_QUERIES = 8
+
 
 @dataclass(frozen=True)
 class DecodeWorkspace:
-    """Split-KV partitioning of a decode step and the buffers its merge needs (None with one
-    split). The tickets are all zero between launches: each launch leaves them so."""
+    """Split-KV partitioning of a step the decode kernel runs and the buffers its merge needs
+    (None with one split): one query token per row, or ``queries_per_row`` of a uniform step.
+    The tickets are all zero between launches: each launch leaves them so."""
 
     num_splits: int
-    partial_out: torch.Tensor | None  # [reqs, heads, splits, head_dim] fp32
-    partial_lse: torch.Tensor | None  # [reqs, heads, splits] fp32
-    tickets: torch.Tensor | None  # int32, tickets_needed(reqs, kv_heads, num_splits)
+    partial_out: torch.Tensor | None  # [rows, heads, splits, head_dim] fp32
+    partial_lse: torch.Tensor | None  # [rows, heads, splits] fp32
+    tickets: torch.Tensor | None  # int32, tickets_needed(rows, kv_heads, num_splits)
+    queries_per_row: int = 1
 
 
 _SINGLE_SPLIT = DecodeWorkspace(1, None, None, None)
+
+
+def decode_queries(seq: SequenceMetadata) -> int | None:
+    """Query tokens per row when the decode kernel runs the step: 1 for decode, ``q`` for a
+    uniform step of up to ``MAX_DECODE_QUERIES`` new tokens a row (verification, a draft's
+    ingest), whose tokens it runs as rows of their own; None for the extend kernel."""
+    if seq.is_decode:
+        return 1
+    q = seq.max_query_len
+    uniform = seq.num_tokens == seq.num_reqs * q
+    return q if uniform and q <= MAX_DECODE_QUERIES else None
 
 
 @dataclass(frozen=True)
@@ -92,22 +110,24 @@ class TritonAttentionBuilder(PagedAttentionBuilder):
 
     def _workspace(
         self,
-        batch: int,
+        rows: int,
         splits: int,
-        out: torch.Tensor,
-        lse: torch.Tensor,
+        out: torch.Tensor | None,
+        lse: torch.Tensor | None,
         tickets: torch.Tensor | None,
+        queries: int,
     ) -> DecodeWorkspace:
-        """Views of the flat ``out``/``lse``/``tickets`` buffers for ``batch`` requests and
-        ``splits``."""
+        """Views of the flat ``out``/``lse``/``tickets`` buffers (unused with one split) for
+        ``rows`` query tokens, ``queries`` a request, and ``splits``."""
         if splits == 1:
-            return _SINGLE_SPLIT
+            return DecodeWorkspace(1, None, None, None, queries)
         h, d = self.spec.num_heads, self.spec.head_dim
         return DecodeWorkspace(
             splits,
-            out[: batch * h * splits * d].view(batch, h, splits, d),
-            lse[: batch * h * splits].view(batch, h, splits),
-            tickets[: tickets_needed(batch, self.spec.num_kv_heads, splits)],
+            out[: rows * h * splits * d].view(rows, h, splits, d),
+            lse[: rows * h * splits].view(rows, h, splits),
+            tickets[: tickets_needed(rows, self.spec.num_kv_heads, splits)],
+            queries,
         )
 
     def _tickets(self, batch: int, splits: int, device: torch.device) -> torch.Tensor:
@@ -122,29 +142,32 @@ class TritonAttentionBuilder(PagedAttentionBuilder):
 
     def build(self, seq: SequenceMetadata) -> PagedAttentionView:
         view = super().build(seq)
-        if not seq.is_decode:
+        queries = decode_queries(seq)
+        if queries is None:
             return view
         device = seq.kv_lens.device
-        splits = self._splits(seq.num_reqs, seq.max_kv_len, device)
-        if splits == 1:
-            return dataclasses.replace(view, workspace=_SINGLE_SPLIT)
-        rows = seq.num_reqs * self.spec.num_heads * splits
-        out = torch.empty(rows * self.spec.head_dim, dtype=torch.float32, device=device)
-        lse = torch.empty(rows, dtype=torch.float32, device=device)
-        tickets = self._tickets(seq.num_reqs, splits, device)
-        workspace = self._workspace(seq.num_reqs, splits, out, lse, tickets)
+        splits = self._splits(seq.num_tokens, seq.max_kv_len, device)
+        out = lse = tickets = None
+        if splits > 1:
+            partials = seq.num_tokens * self.spec.num_heads * splits
+            out = torch.empty(partials * self.spec.head_dim, dtype=torch.float32, device=device)
+            lse = torch.empty(partials, dtype=torch.float32, device=device)
+            tickets = self._tickets(seq.num_tokens, splits, device)
+        workspace = self._workspace(seq.num_tokens, splits, out, lse, tickets, queries)
         return dataclasses.replace(view, workspace=workspace)
 
     def make_graph_buffers(
         self, max_batch: int, device: torch.device, max_query_len: int = 1
     ) -> TritonGraphBuffers:
-        # Fewer requests leave more of the GPU to each one, so small batches split the most;
-        # the workspace holds the largest requests * splits of any batch up to max_batch.
-        splits = [self._splits(b, self.max_model_len, device) for b in range(1, max_batch + 1)]
-        per_head = max((b * s for b, s in enumerate(splits, 1) if s > 1), default=0)
+        # Fewer query rows leave more of the GPU to each one, so small batches split the
+        # most; the workspace holds the largest rows * splits of any batch up to max_batch
+        # (rows: its tokens, for uniform steps of up to max_query_len tokens a request).
+        max_rows = max_batch * min(max_query_len, MAX_DECODE_QUERIES)
+        splits = [self._splits(t, self.max_model_len, device) for t in range(1, max_rows + 1)]
+        per_head = max((t * s for t, s in enumerate(splits, 1) if s > 1), default=0)
         rows = per_head * self.spec.num_heads
         kv_heads = self.spec.num_kv_heads
-        tickets = max(tickets_needed(b, kv_heads, s) for b, s in enumerate(splits, 1))
+        tickets = max(tickets_needed(t, kv_heads, s) for t, s in enumerate(splits, 1))
         return TritonGraphBuffers(
             paged=super().make_graph_buffers(max_batch, device, max_query_len),
             partial_out=torch.empty(rows * self.spec.head_dim, dtype=torch.float32, device=device),
@@ -159,9 +182,13 @@ class TritonAttentionBuilder(PagedAttentionBuilder):
         self, seq: SequenceMetadata, buffers: TritonGraphBuffers, batch: int
     ) -> PagedAttentionView:
         view = super().graph_view(seq, buffers.paged, batch)
-        splits = self._splits(batch, self.max_model_len, seq.kv_lens.device)
+        queries = decode_queries(seq)
+        if queries is None:
+            return view
+        rows = batch * queries
+        splits = self._splits(rows, self.max_model_len, seq.kv_lens.device)
         workspace = self._workspace(
-            batch, splits, buffers.partial_out, buffers.partial_lse, buffers.tickets
+            rows, splits, buffers.partial_out, buffers.partial_lse, buffers.tickets, queries
         )
         return dataclasses.replace(view, workspace=workspace)
 
@@ -255,9 +282,12 @@ class TritonAttention(AttentionOperator):
             sinks=self.sinks,
             k_scale=self.k_scale,
             v_scale=self.v_scale,
+            queries_per_row=ws.queries_per_row,
         )
 
     def forward_extend(self, q: torch.Tensor, view: PagedAttentionView) -> torch.Tensor:
+        if view.workspace is not None:  # a uniform step of few tokens a row (decode_queries)
+            return self.forward_decode(q, view)
         return paged_extend_attention(
             q,
             self.kv_cache,
