@@ -171,10 +171,12 @@ class ModelRunner:
             ]
         )
         self._bind_cache_groups()
-        # Operators whose state a refused proposal cannot be cut out of: they keep each
-        # verified token's state (``keep_verified_states``).
+        # Operators whose state a refused proposal cannot be cut out of, with their cache
+        # groups: they keep each verified token's state (``verified_state_copies``).
         self._recurrent_owners = [
-            o for o in self.cache.owners if isinstance(o.cache_spec, RecurrentStateSpec)
+            (o, g)
+            for o, g in zip(self.cache.owners, self.cache.owner_groups)
+            if isinstance(o.cache_spec, RecurrentStateSpec)
         ]
         self.sampler = Sampler()
         self.generator = torch.Generator(self.device).manual_seed(seed)
@@ -231,7 +233,7 @@ class ModelRunner:
         before sizing the KV cache: on CUDA the profiled peak then includes them."""
         return sum(
             owner.reserve_verification(max_rows, num_proposals, self.device)
-            for owner in self._recurrent_owners
+            for owner, _ in self._recurrent_owners
         )
 
     def kv_cache_budget(self, utilization: float, num_tokens: int) -> int:
@@ -644,19 +646,17 @@ class ModelRunner:
         rows = {request_id: i for i, request_id in enumerate(plan.request_ids)}
         # each verifying row's place among the step's verifying rows (in row order)
         verifying = {r: j for j, r in enumerate(filter(plan.num_proposed, plan.request_ids))}
-        refused, positions = [], []
+        tables, copies = self.inputs.tables, []
         for state, accepted in zip(states, output.num_accepted):
             request_id = state.request_id
-            num_proposed = plan.num_proposed(request_id)
-            if accepted < num_proposed:
-                refused.append(verifying[request_id])
-                positions.append(accepted)
+            if accepted < plan.num_proposed(request_id):
                 row = rows[request_id]
-                self.inputs.tables.holds(request_id, plan.num_computed[row] + 1 + accepted)
-        if refused:
-            rows, at = to_device([refused, positions], self.device)
-            for owner in self._recurrent_owners:
-                owner.keep_verified_states(rows, at)
+                tables.holds(request_id, plan.num_computed[row] + 1 + accepted)
+                for owner, g in self._recurrent_owners:
+                    slot = tables.first_block(request_id, g)
+                    copies += owner.verified_state_copies(slot, verifying[request_id], accepted)
+        if copies:
+            torch._foreach_copy_(*map(list, zip(*copies)))
 
     def _fill_pending_tokens(
         self, token_ids: torch.Tensor, sources: list[tuple[int, int]], sampled: torch.Tensor

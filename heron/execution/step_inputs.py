@@ -286,6 +286,10 @@ class BlockTableRows:
         tokens."""
         self._written[rows] = kv_lens
 
+    def first_block(self, request_id: str, group: int) -> int:
+        """Request ``request_id``'s first table entry in ``group``: a recurrent group's slot."""
+        return int(self.array[group, self._row_of[request_id], 0])
+
     def holds(self, request_id: str, num_tokens: int) -> None:
         """Request ``request_id``'s caches hold its first ``num_tokens`` tokens already (a
         prefix hit, restored before its first step)."""

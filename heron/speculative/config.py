@@ -24,10 +24,10 @@ class SpeculativeConfig:
 
     ``draft_model``: a smaller model with the target's tokenizer (``model``, a path or hub
     name) proposes its greedy continuation; it runs on the target's first device
-    (``draft_tensor_parallel_size`` 1). With ``async_verification`` the next step is scheduled
-    and launched before a verification is read (rows moved back on the device by their refused
-    proposals); off by default, because on the H200 it has so far been slower than reading
-    each verification first where a small draft's proposals are accepted (BENCHMARKS.md).
+    (``draft_tensor_parallel_size`` 1). With ``async_verification`` (the default) the next
+    step is scheduled and launched before a verification is read (rows moved back on the
+    device by their refused proposals) where the caches allow it; on the H200 that is faster
+    than reading each verification first (BENCHMARKS.md).
 
     ``mtp``: the checkpoint's multi-token-prediction head (DeepSeek-V3, Qwen3.5, Qwen3-Next)
     proposes from the target's hidden states, applied again to its own output for each
@@ -44,7 +44,7 @@ class SpeculativeConfig:
     disable_by_batch_size: int | None = 8
     model: str | None = None
     draft_tensor_parallel_size: int = 1
-    async_verification: bool = False
+    async_verification: bool = True
 
     @classmethod
     def from_dict(cls, options: Mapping[str, Any]) -> SpeculativeConfig:

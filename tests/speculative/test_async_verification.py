@@ -203,8 +203,8 @@ def test_host_lengths_and_ngram_keep_verification_synchronous(models, tmp_path, 
     caplog.set_level(logging.INFO, logger="heron.engine.llm_engine")
     windowed = save_tiny_model("mistral", tmp_path / "mistral")
     draft = save_truncated_draft(windowed, tmp_path / "draft")
+    # (async_verification is on by default: refused here for the window)
     spec = {"method": "draft_model", "model": str(draft), "num_speculative_tokens": K}
-    spec["async_verification"] = True  # refused here for the window, not by default
     assert not LLM(str(windowed), speculative_config=spec).engine.runner.async_verification
     assert "the target's cache sliding window" in caplog.text
     ngram = {"method": "ngram", "num_speculative_tokens": K}

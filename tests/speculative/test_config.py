@@ -30,6 +30,7 @@ def test_vllm_spelling_is_accepted():
         assert EngineConfig(speculative_config=options).speculative == SpeculativeConfig(
             "draft_model", 3, model="d"
         )
+    assert EngineConfig(speculative_config=DRAFT).speculative.async_verification  # the default
 
 
 @pytest.mark.parametrize(

@@ -89,12 +89,11 @@ class GatedDeltaNet(MetadataOperator):
         self.conv_state: torch.Tensor | None = None  # [slots, conv_dim, kernel - 1]
         self.recurrent_state: torch.Tensor | None = None  # [slots, heads, key_dim, value_dim]
         # A verification step's states after each token of a verifying row but its last, by
-        # the row's place among the step's verifying rows: [rows, proposals, *state shape], and
-        # each such row's slot, kept until the step's tokens are accepted. Reserved once
-        # (reserve_verification), so graphs capture them and the memory budget counts them.
+        # the row's place among the step's verifying rows: [rows, proposals, *state shape],
+        # kept until the step's tokens are accepted. Reserved once (reserve_verification), so
+        # graphs capture them and the memory budget counts them.
         self._verified_conv: torch.Tensor | None = None
         self._verified_states: torch.Tensor | None = None
-        self._verified_slots: torch.Tensor | None = None
 
     @property
     def cache_spec(self) -> RecurrentStateSpec:
@@ -179,7 +178,6 @@ class GatedDeltaNet(MetadataOperator):
             rows = slice(int(starts[i]), int(starts[i + 1]))
             slot, keep = view.state_slots[i].long(), view.has_initial_state[i]
             if proposed is not None and proposed[i]:
-                self._verified_slots[verifying] = slot
                 out[rows] = self._verify_row(x[rows], g[rows], beta[rows], slot, keep, verifying)
                 verifying += 1
                 continue
@@ -200,8 +198,7 @@ class GatedDeltaNet(MetadataOperator):
         conv, state = spec.allocate(max_rows * num_proposals, device)
         self._verified_conv = conv.unflatten(0, (max_rows, num_proposals))
         self._verified_states = state.unflatten(0, (max_rows, num_proposals))
-        self._verified_slots = torch.zeros(max_rows, dtype=torch.int64, device=device)
-        return max_rows * num_proposals * spec.bytes_per_block + self._verified_slots.nbytes
+        return max_rows * num_proposals * spec.bytes_per_block
 
     def _check_verified(self, num_rows: int, num_proposed: int) -> None:
         held = self._verified_states
@@ -247,11 +244,14 @@ class GatedDeltaNet(MetadataOperator):
         self.recurrent_state[slot] = state[0]
         return torch.cat(outs)
 
-    def keep_verified_states(self, rows: torch.Tensor, positions: torch.Tensor) -> None:
-        """After a verification step: the slot of verifying row ``rows[i]`` (its place among
-        the step's verifying rows) goes back to the state its token ``positions[i]`` left (its
-        last token and the proposals accepted after it). Both are int64 device tensors,
-        uploaded once for every layer."""
-        slots = self._verified_slots[rows]
-        self.conv_state.index_copy_(0, slots, self._verified_conv[rows, positions])
-        self.recurrent_state.index_copy_(0, slots, self._verified_states[rows, positions])
+    def verified_state_copies(
+        self, slot: int, row: int, position: int
+    ) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """``(destination, source)`` views that put back into ``slot``, after a verification
+        step, the state its verifying row ``row`` (its place among the step's verifying rows)
+        reached at token ``position`` (its last token and the proposals accepted after it).
+        The runner copies every layer's at once (one launch per dtype)."""
+        return [
+            (self.conv_state[slot], self._verified_conv[row, position]),
+            (self.recurrent_state[slot], self._verified_states[row, position]),
+        ]

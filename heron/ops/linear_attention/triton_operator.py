@@ -92,7 +92,6 @@ class TritonGatedDeltaNet(GatedDeltaNet):
         if view.verifies_uniformly:
             q, n = n // view.num_reqs, view.num_reqs
             self._check_verified(n, q - 1)
-            self._verified_slots[:n].copy_(view.state_slots[:n])
             kept = (self._verified_conv[:n, : q - 1], self._verified_states[:n, : q - 1])
         return kernel(
             conv_weight=self.conv_weight[:, 0],
