@@ -30,7 +30,7 @@ import itertools
 
 import torch
 import triton
-from tune_decode_attention import case_inputs
+from tune_decode_attention import case_inputs, split_workspace
 from tune_gemv import SHAPES, time_us, triton_us
 
 from heron.kernels import attention_decode as decode
@@ -67,16 +67,7 @@ def gemv_rows(k: int) -> list[tuple[str, int, list[float]]]:
 def decode_us(q, cache, tables, lens, splits: int, queries: int = 1) -> float:
     """µs of one decode-kernel launch over ``q``'s rows (``queries`` tokens a request) at
     ``splits`` splits."""
-    rows = q.shape[0]
-    ws = {}
-    if splits > 1:
-        ws = dict(
-            partial_out=torch.empty(rows, HEADS, splits, HEAD_DIM, device="cuda"),
-            partial_lse=torch.empty(rows, HEADS, splits, device="cuda"),
-            tickets=torch.zeros(
-                decode.tickets_needed(rows, KV_HEADS, splits), dtype=torch.int32, device="cuda"
-            ),
-        )
+    ws = split_workspace(q.shape[0], HEADS, KV_HEADS, HEAD_DIM, splits)
     starts, out = torch.zeros_like(lens), torch.empty_like(q)
 
     def call(table):

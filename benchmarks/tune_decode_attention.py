@@ -59,6 +59,19 @@ def case_inputs(batch, context, heads, kv_heads, head_dim, copies=COPIES):
     return q, cache, tables, lens
 
 
+def split_workspace(rows: int, heads: int, kv_heads: int, head_dim: int, splits: int) -> dict:
+    """The decode kernel's split workspace (none with one split), tickets zeroed."""
+    if splits == 1:
+        return {}
+    return dict(
+        partial_out=torch.empty(rows, heads, splits, head_dim, device="cuda"),
+        partial_lse=torch.empty(rows, heads, splits, device="cuda"),
+        tickets=torch.zeros(
+            decode.tickets_needed(rows, kv_heads, splits), dtype=torch.int32, device="cuda"
+        ),
+    )
+
+
 def tune_case(batch, context, heads, kv_heads, head_dim, window, sms, variants, splits=None):
     """[(µs, variant)] for each variant of one case (inf where it does not compile); ``splits``
     forces the split count. The module's launch defaults are back in place afterwards."""
@@ -75,15 +88,7 @@ def tune_case(batch, context, heads, kv_heads, head_dim, window, sms, variants, 
             decode._launch_shape = lambda *_, b=block_n, w=warps, s=stages: (b, w, s)
         # Chosen per variant: the count depends on the tile size.
         count = splits or decode.choose_num_splits(batch, kv_heads, context, sms, window)
-        ws = {}
-        if count > 1:
-            ws = dict(
-                partial_out=torch.empty(batch, heads, count, head_dim, device="cuda"),
-                partial_lse=torch.empty(batch, heads, count, device="cuda"),
-                tickets=torch.zeros(
-                    decode.tickets_needed(batch, kv_heads, count), dtype=torch.int32, device="cuda"
-                ),
-            )
+        ws = split_workspace(batch, heads, kv_heads, head_dim, count)
 
         def call(table, count=count, ws=ws):
             decode.paged_decode_attention(

@@ -47,6 +47,15 @@ def uniform_step(
     return SequenceMetadata.from_step_batch(step, DEVICE)
 
 
+def assert_rows_match_dense(out, q, ks, vs, q_len, window, scale, sinks) -> None:
+    """Request ``r``'s ``q_len`` tokens (rows ``r * q_len`` on) against dense fp32 attention;
+    the padded rows after the requests' attend to nothing."""
+    for r, (k, v) in enumerate(zip(ks, vs)):
+        rows = slice(r * q_len, (r + 1) * q_len)
+        assert_close(out[rows], dense_attention(q[rows], k, v, window, scale, sinks=sinks), 1e-4)
+    assert not out[len(ks) * q_len :].any(), "padded rows attend to nothing"
+
+
 @pytest.mark.parametrize("window, sinks", [(None, False), (6, True)])
 def test_verification_step_through_graph_buffers_matches_dense(window, sinks):
     heads, kv_heads, block_size, q_len, batch = 4, 2, 4, 3, 4
@@ -71,11 +80,7 @@ def test_verification_step_through_graph_buffers_matches_dense(window, sinks):
         q, cache, view.block_tables, view.table_starts, view.query_start_loc, view.kv_lens,
         view.max_query_len, spec.scale, window, out, sinks=sink_logits,
     )  # fmt: skip
-    for r, (k, v) in enumerate(zip(ks, vs)):
-        rows = slice(r * q_len, (r + 1) * q_len)
-        ref = dense_attention(q[rows], k, v, window, spec.scale, sinks=sink_logits)
-        assert_close(out[rows], ref, 1e-4)
-    assert not out[len(kv_lens) * q_len :].any(), "padded rows attend to nothing"
+    assert_rows_match_dense(out, q, ks, vs, q_len, window, spec.scale, sink_logits)
 
 
 @pytest.mark.parametrize(
@@ -115,11 +120,7 @@ def test_uniform_step_through_the_decode_kernel_matches_dense(
             window, out, ws.num_splits, ws.partial_out, ws.partial_lse, ws.tickets,
             sinks=sink_logits, queries_per_row=q_len,
         )  # fmt: skip
-        for r, (k, v) in enumerate(zip(ks, vs)):
-            tokens = slice(r * q_len, (r + 1) * q_len)
-            ref = dense_attention(q[tokens], k, v, window, spec.scale, sinks=sink_logits)
-            assert_close(out[tokens], ref, 1e-4)
-        assert not out[len(kv_lens) * q_len :].any(), "padded rows attend to nothing"
+        assert_rows_match_dense(out, q[:rows], ks, vs, q_len, window, spec.scale, sink_logits)
 
 
 def test_longer_uniform_steps_stay_on_the_extend_kernel():
