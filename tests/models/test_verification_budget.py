@@ -16,13 +16,13 @@ SPECULATION = {"method": "ngram", "num_speculative_tokens": K}
 
 def verification_bytes(rows: int, k: int = K) -> int:
     """Per GDN layer and verifying row: ``k`` conv states ([conv_dim, kernel - 1], fp32 here)
-    and ``k`` recurrent states ([value heads, key dim, value dim], fp32), and its slot (int64)."""
+    and ``k`` recurrent states ([value heads, key dim, value dim], fp32)."""
     c = qwen3_5_config()
     conv_dim = 2 * c.linear_num_key_heads * c.linear_key_head_dim
     conv_dim += c.linear_num_value_heads * c.linear_value_head_dim
     conv = conv_dim * (c.linear_conv_kernel_dim - 1) * 4
     state = c.linear_num_value_heads * c.linear_key_head_dim * c.linear_value_head_dim * 4
-    return LAYER_TYPES.count(LINEAR) * rows * (k * (conv + state) + 8)
+    return LAYER_TYPES.count(LINEAR) * rows * k * (conv + state)
 
 
 def test_host_budget_shrinks_by_the_verification_buffers(tmp_path):
