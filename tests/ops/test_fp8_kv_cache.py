@@ -150,6 +150,29 @@ def test_extend_reads_the_fp8_cache(dtype):
     assert_close(out, ref, 2e-3)
 
 
+@pytest.mark.parametrize(
+    "dtype", [torch.float32, torch.float16, pytest.param(torch.bfloat16, marks=pytest.mark.gpu)]
+)
+def test_uniform_steps_read_the_fp8_cache_on_the_decode_kernel(dtype):
+    """A verification step's tokens as query rows of the decode kernel (three a request, each
+    seeing the keys up to its own), split over the keys as the builder may split them."""
+    kv_lens, q_len, heads, kv_heads, bs = [40, 300], 3, 4, 2, 16
+    cache, tables, ks, vs = fp8_paged_cache(kv_lens, bs, kv_heads)
+    tables, starts = window_rows(tables, kv_lens, [q_len] * len(kv_lens), None, bs)
+    q = strided_q(len(kv_lens) * q_len, heads, D, dtype, DEVICE, seed=3)
+    lens = torch.tensor(kv_lens, dtype=torch.int32, device=DEVICE)
+    tol = 2e-2 if dtype == torch.bfloat16 else 2e-3
+    for splits in (1, 3):
+        out = torch.full_like(q, float("nan"))
+        paged_decode_attention(
+            q, cache, tables, starts, lens, D**-0.5, None, out, splits,
+            k_scale=K_SCALE, v_scale=V_SCALE, queries_per_row=q_len,
+        )  # fmt: skip
+        for r, (k, v) in enumerate(zip(ks, vs)):
+            rows = slice(r * q_len, (r + 1) * q_len)
+            assert_close(out[rows], dense_attention(q[rows], k, v, None, D**-0.5), tol)
+
+
 class Fp8Harness(PagedHarness):
     """The reference operator's harness over an FP8 cache: keys and values on the grid of
     both scales (magnitudes from 0.25, so no scaled value is subnormal), so the dequantised

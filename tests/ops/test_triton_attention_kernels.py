@@ -638,8 +638,8 @@ FEATURE_SETS = [(None, None, False), (512, None, False), (None, 50.0, False), (1
 
 
 def attention_launches() -> None:
-    """bf16 decode (one and several splits) and extend launches of every layer shape with
-    every feature set."""
+    """bf16 decode (one and several splits; a uniform step's tokens as rows) and extend
+    launches of every layer shape with every feature set."""
     bf16 = torch.bfloat16
     for (heads, kv_heads, head_dim), (window, softcap, sinks) in itertools.product(
         LAYER_SHAPES, FEATURE_SETS
@@ -655,6 +655,11 @@ def attention_launches() -> None:
                 q, cache, tables, table_starts, lens, 0.1, window, torch.empty_like(q), splits,
                 **features,
             )  # fmt: skip
+        block = torch.empty(4, heads, head_dim, dtype=bf16)  # two tokens of each of two rows
+        paged_decode_attention(
+            block, cache, tables, table_starts, lens, 0.1, window, torch.empty_like(block), 16,
+            **features, queries_per_row=2,
+        )  # fmt: skip
         starts = torch.tensor([0, 1, 2], dtype=torch.int32)
         paged_extend_attention(
             q, cache, tables, table_starts, starts, lens, 1, 0.1, window, torch.empty_like(q),
