@@ -250,7 +250,7 @@ class GatedDeltaNet(MetadataOperator):
         """``(destination, source)`` views that put back into ``slot``, after a verification
         step, the state its verifying row ``row`` (its place among the step's verifying rows)
         reached at token ``position`` (its last token and the proposals accepted after it).
-        The runner copies every layer's at once (one launch per dtype)."""
+        The runner copies every layer's in one ``torch._foreach_copy_`` call."""
         return [
             (self.conv_state[slot], self._verified_conv[row, position]),
             (self.recurrent_state[slot], self._verified_states[row, position]),
