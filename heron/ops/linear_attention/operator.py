@@ -222,7 +222,7 @@ class GatedDeltaNet(MetadataOperator):
         rounding of the states as :meth:`_decode`, so an accepted token's state is the one plain
         decoding reaches); the states after each token but the last go to ``row`` of the
         verification states (its place among the step's verifying rows), for
-        :meth:`keep_verified_states`, the last to its slot."""
+        :meth:`verified_state_copies`, the last to its slot."""
         weight = self.conv_weight[:, 0]
         conv_state = torch.where(keep, self.conv_state[slot], 0)[None]
         state = torch.where(keep, self.recurrent_state[slot], 0)[None]

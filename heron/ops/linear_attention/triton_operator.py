@@ -85,8 +85,8 @@ class TritonGatedDeltaNet(GatedDeltaNet):
     def _run_in_place(self, kernel: Callable[..., torch.Tensor], **inputs: Any) -> torch.Tensor:
         """``kernel`` (``gdn_decode`` or ``fused_gdn_decode``) on the step's ``inputs``, in place
         in the rows' slots: of a decode step, or of a uniform verification step with the buffers
-        for the states after each token of a row but the last (its rows' slots noted for
-        :meth:`keep_verified_states`)."""
+        for the states after each token of a row but the last (for
+        :meth:`verified_state_copies`)."""
         view, kept = self.view, None
         n = inputs["x"].shape[0]
         if view.verifies_uniformly:
