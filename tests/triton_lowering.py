@@ -96,8 +96,9 @@ def _lower(fn, args: tuple, kwargs: dict) -> None:
     names = fn.arg_names
     constexprs = {name: kwargs[name] for name in names[len(args) :]}
     constexprs.update({n: None for n, a in zip(names, args) if a is None})
-    if "USE_PDL" in constexprs:
-        constexprs["USE_PDL"] = True  # as on an H200
+    for flag in ("USE_PDL", "FP8_CVT"):  # as on an H200
+        if flag in constexprs:
+            constexprs[flag] = True
     types = {n: _signature_type(a) for n, a in zip(names, args)}
     types.update(dict.fromkeys(constexprs, "constexpr"))
     attrs = {(i,): [["tt.divisibility", 16]] for i, a in enumerate(args) if _divisible_by_16(a)}

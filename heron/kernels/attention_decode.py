@@ -44,6 +44,8 @@ with the host and can be captured in a CUDA graph and replayed with new lengths 
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
@@ -266,6 +268,25 @@ def _tile(table_row, kv_head, start, kv_len, offs_n, offs_d, stride_blk, stride_
 
 
 @triton.jit
+def _value_tile(x, dt, BY_PTX: tl.constexpr):
+    """A value tile ``x`` converted to the dots' type ``dt``. With ``BY_PTX`` (E4M3 to fp16),
+    by inline PTX that Triton cannot move: it would otherwise convert after the layout change
+    into the dot's operand, which for values (keys along the dot's reduction, strided in
+    memory) reads shared memory a byte at a time, where fp16 is transposed by ``ldmatrix``."""
+    if BY_PTX:
+        return tl.inline_asm_elementwise(
+            "{ .reg .b16 lo, hi; mov.b32 {lo, hi}, $2; "
+            "cvt.rn.f16x2.e4m3x2 $0, lo; cvt.rn.f16x2.e4m3x2 $1, hi; }",
+            "=r,=r,r",
+            [x.to(tl.uint8, bitcast=True)],
+            dtype=tl.float16,
+            is_pure=False,
+            pack=4,
+        )
+    return x.to(dt)
+
+
+@triton.jit
 def _softmax_step(q, k, valid, m_i, l_i, qk_scale, softcap, HAS_SOFTCAP: tl.constexpr,
                   DOT_PRECISION: tl.constexpr):  # fmt: skip
     """Folds a tile's scores into the online softmax (running max ``m_i``, normaliser ``l_i``):
@@ -328,6 +349,7 @@ def _decode_kernel(
     USE_PDL: tl.constexpr,
     F16_DOT: tl.constexpr,
     QUERIES: tl.constexpr,
+    FP8_CVT: tl.constexpr,
 ):
     """One program: all GROUP query heads of one KV head, over one split of the KV range; with
     several splits, the last of a (request, KV head)'s programs to finish merges them. With
@@ -341,7 +363,8 @@ def _decode_kernel(
     before (which lets this one start early, see ``heron.kernels.pdl.start_next_kernel``): they
     are loaded after the wait. With ``START_NEXT`` (a launch that fits one wave) a program lets
     the output projection after it start once it has waited. With ``F16_DOT`` keys, values
-    and the query are fp16 in the dots (an FP8 cache, see :func:`_f16_dot`). With
+    and the query are fp16 in the dots (an FP8 cache, see :func:`_f16_dot`), and with
+    ``FP8_CVT`` too (:func:`fp8_conversions`) value tiles are converted by inline PTX. With
     ``QUERIES > 1`` every token of a row is this step's, so a program loads nothing from the
     cache before its wait."""
     b = tl.program_id(0)  # the query row; with QUERIES > 1 token b % QUERIES of request r
@@ -389,7 +412,7 @@ def _decode_kernel(
     if F16_DOT:
         dt = tl.float16
     k = tl.load(k_ptrs, mask=cached, other=0.0).to(dt)
-    v = tl.load(k_ptrs + stride_kv, mask=cached, other=0.0).to(dt)
+    v = _value_tile(tl.load(k_ptrs + stride_kv, mask=cached, other=0.0), dt, F16_DOT and FP8_CVT)
     in_tile = (last >= lo) & (last < lo + BLOCK_N)
     last_block = tl.load(table_row + last // BLOCK_SIZE, mask=in_tile, other=0).to(tl.int64)
     last_key = kv_head + last_block * stride_blk + (last % BLOCK_SIZE) * stride_slot + offs_d
@@ -418,7 +441,9 @@ def _decode_kernel(
         p, alpha, m_i, l_i = _softmax_step(q, k, valid, m_i, l_i, qk_scale, softcap,
                                            HAS_SOFTCAP, DOT_PRECISION)  # fmt: skip
         # V is loaded only now, after the softmax, so K and V tiles are not live together.
-        v = tl.load(k_ptrs + stride_kv, mask=valid[:, None], other=0.0).to(dt)
+        v = _value_tile(
+            tl.load(k_ptrs + stride_kv, mask=valid[:, None], other=0.0), dt, F16_DOT and FP8_CVT
+        )
         acc = acc * alpha[:, None] + tl.dot(p.to(dt), v, input_precision=DOT_PRECISION)
     acc *= v_scale
 
@@ -479,17 +504,15 @@ def _decode_kernel(
                 )
 
 
-def _launch_shape(head_dim: int, num_splits: int, fp8: bool) -> tuple[int, int, int]:
+def _launch_shape(head_dim: int, num_splits: int) -> tuple[int, int, int]:
     """``(keys per tile, num_warps, num_stages)`` of the decode kernel, as measured fastest
     (``benchmarks/tune_decode_attention.py``). Split programs walk a few tiles each and keep
     two stages at ``_BLOCK_N`` keys (so ``choose_num_splits`` counts the tiles they walk).
     Without splits (large batches) a program walks a whole context: at head_dim 256 a third
-    stage keeps more tiles in flight; at 128 and below two stages are faster, and an FP8 cache
-    (computed in fp16, see :func:`_f16_dot`) takes tiles of 128 keys in three stages."""
+    stage keeps more tiles in flight; at 128 and below two stages are faster, over a model-dtype
+    or an FP8 cache alike."""
     if head_dim > 128:
         return _BLOCK_N, 8, 3 if num_splits == 1 else 2
-    if num_splits == 1 and fp8:
-        return 128, 4, 3
     return _BLOCK_N, 4, 2
 
 
@@ -499,6 +522,13 @@ def _f16_dot(fp8: bool, q: torch.Tensor) -> bool:
     and below that conversion bounds the kernel. Every E4M3 value is exact in fp16; a query
     entry past fp16's range (65,504) would overflow, far beyond what attention layers make."""
     return fp8 and q.dtype == torch.bfloat16 and q.shape[-1] <= 128
+
+
+@functools.cache
+def fp8_conversions(device: torch.device) -> bool:
+    """Whether ``device`` converts E4M3 in hardware (CUDA compute capability 8.9 and newer),
+    which the kernel then asks for by inline PTX (see :func:`_value_tile`)."""
+    return device.type == "cuda" and torch.cuda.get_device_capability(device) >= (8, 9)
 
 
 def choose_num_splits(
@@ -581,7 +611,7 @@ def paged_decode_attention(
     group = num_heads // num_kv_heads
     qk_scale, softcap_log2 = score_constants(scale * k_scale, softcap)
     fp8 = kv_cache.dtype == torch.float8_e4m3fn
-    block_n, num_warps, num_stages = _launch_shape(head_dim, num_splits, fp8)
+    block_n, num_warps, num_stages = _launch_shape(head_dim, num_splits)
     merge_h = triton.next_power_of_2(group)
     if num_splits > 1:
         if partial_out is None:
@@ -656,6 +686,7 @@ def paged_decode_attention(
         num_warps=num_warps,
         num_stages=num_stages,
         F16_DOT=_f16_dot(fp8, q),
+        FP8_CVT=fp8_conversions(q.device),
         QUERIES=queries_per_row,
         **pdl_launch(q.device),
     )
