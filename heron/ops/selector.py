@@ -163,7 +163,13 @@ def make_mla(
     kv_b_proj: nn.Module,
     latent_norm: nn.Module,
 ) -> MLAOperator:
-    """The latent attention operator for one layer, of the runtime's attention backend."""
+    """The latent attention operator for one layer, of the runtime's attention backend.
+    Latent caches are held in the model's dtype only: an FP8 KV cache is refused by name."""
+    if runtime.kv_cache_dtype is not None:
+        raise ValueError(
+            f"kv_cache_dtype='fp8' is not supported for latent attention (MLA, layer "
+            f"{layer_name}): its cache stays in the model's dtype; use kv_cache_dtype='auto'"
+        )
     backend = runtime.attention_backend
     if backend not in MLA_BACKENDS:
         raise ValueError(

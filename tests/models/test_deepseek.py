@@ -189,6 +189,13 @@ def test_plan_shows_the_latent_group_and_cache_group(deepseek_v3, capsys):
     assert "latent attention: 16-token blocks, latent 32 + rope 8" in capsys.readouterr().out
 
 
+def test_fp8_kv_cache_is_refused_by_name(deepseek_v3):
+    """Latent caches have no FP8 form: the switch is refused, not ignored."""
+    path, _, _ = deepseek_v3
+    with pytest.raises(ValueError, match="kv_cache_dtype='fp8' is not supported for latent"):
+        LLM(str(path), max_model_len=128, kv_cache_dtype="fp8")
+
+
 def test_greedy_batch_equals_hf(deepseek):
     path, _, refs = deepseek
     llm = LLM(str(path), max_model_len=128, enable_prefix_caching=False)
