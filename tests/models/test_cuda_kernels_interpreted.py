@@ -28,7 +28,9 @@ from heron.platforms import CpuPlatform
 
 from tiny_models import make_tokenizer
 
-PROMPTS = [list(range(10, 50)) + [7, 8, 9], [3, 4]]  # a chunked prefill and a short one
+# A short prompt and a chunked one: the second step decodes the first before the second's
+# last chunk (a mixed step whose leading one-token row takes the decode kernel).
+PROMPTS = [[3, 4], list(range(10, 50)) + [7, 8, 9]]
 NEW = 4
 
 

@@ -1,9 +1,13 @@
-"""Verification steps through graph buffers: ``q`` new tokens per row (the last token and the
+"""Steps the Triton attention operator runs beyond plain decode, against dense fp32 attention,
+tiny shapes under the Triton interpreter.
+
+Verification steps through graph buffers: ``q`` new tokens per row (the last token and the
 proposals after it) filled into the Triton builder's buffers, padded to a larger batch, then the
-kernels over the buffers' view (what a replayed verification graph runs) against dense fp32
-attention: the extend kernel, and the decode kernel with a program per token, which the
-operator runs for such steps; padded rows attend to nothing. Tiny shapes under the Triton
-interpreter."""
+kernels over the buffers' view (what a replayed verification graph runs): the extend kernel,
+and the decode kernel with a program per token, which the operator runs for such steps; padded
+rows attend to nothing. And mixed steps: the running requests' one-token rows first, then
+prefill chunks; the leading one-token rows go to the decode kernel, the rest to the extend
+kernel, into one output."""
 
 from __future__ import annotations
 
@@ -23,9 +27,20 @@ from test_triton_attention_kernels import (
 from heron.cache.paged_parts import paged_layout
 from heron.kernels.attention_decode import paged_decode_attention
 from heron.kernels.attention_extend import paged_extend_attention
-from heron.metadata import GraphSupport, SequenceMetadata, StepBatch, StepMetadataError
+from heron.metadata import (
+    GraphSupport,
+    ModelBuildContext,
+    SequenceMetadata,
+    StepBatch,
+    StepMetadataError,
+)
 from heron.ops.attention.base import AttentionSpec
-from heron.ops.attention.triton.operator import MAX_DECODE_QUERIES, TritonAttentionBuilder
+from heron.ops.attention.triton.operator import (
+    MAX_DECODE_QUERIES,
+    LeadingDecodeRows,
+    TritonAttention,
+    TritonAttentionBuilder,
+)
 
 pytestmark = pytest.mark.filterwarnings("ignore:Conversion of an array with ndim > 0")
 
@@ -34,15 +49,22 @@ def uniform_step(
     kv_lens: list[int], q: int, tables: torch.Tensor, block_size: int, window: int | None
 ) -> SequenceMetadata:
     """``q`` new tokens per request, at the end of each one's (already written) keys."""
-    n = len(kv_lens)
-    tables, starts = window_rows(tables, kv_lens, [q] * n, window, block_size)
-    step = StepBatch(n, n * q, n * q, block_size, [paged_layout(n, n * q, tables.shape[1])])
-    step.query_lens[:] = q
+    return paged_step(kv_lens, [q] * len(kv_lens), tables, block_size, window)
+
+
+def paged_step(
+    kv_lens: list[int], q_lens: list[int], tables: torch.Tensor, block_size: int, window
+) -> SequenceMetadata:
+    """Request ``r``'s ``q_lens[r]`` new tokens at the end of its (already written) keys."""
+    n, tokens = len(kv_lens), sum(q_lens)
+    tables, starts = window_rows(tables, kv_lens, q_lens, window, block_size)
+    step = StepBatch(n, tokens, tokens, block_size, [paged_layout(n, tokens, tables.shape[1])])
+    step.query_lens[:] = q_lens
     step.kv_lens[:] = kv_lens
-    step.positions[:] = [p for length in kv_lens for p in range(length - q, length)]
+    step.positions[:] = [p for k, q in zip(kv_lens, q_lens) for p in range(k - q, k)]
     step.group_parts[0]["block_tables"][:] = tables.cpu().numpy()
     step.group_parts[0]["table_starts"][:] = starts.cpu().numpy()
-    step.logits_indices[:] = range(n * q)
+    step.logits_indices[:] = range(tokens)
     step.finish()
     return SequenceMetadata.from_step_batch(step, DEVICE)
 
@@ -144,3 +166,39 @@ def test_graph_buffers_refuse_steps_that_are_not_uniform():
     mixed.finish()
     with pytest.raises(StepMetadataError, match="same query length"):
         builder.fill(SequenceMetadata.from_step_batch(mixed, DEVICE), buffers, 4)
+
+
+@pytest.mark.parametrize(
+    "kv_heads, kv_lens, q_lens, decode_rows, window, sinks",
+    [
+        (2, [13, 9, 20, 6], [1, 1, 7, 6], 2, None, False),
+        (2, [13, 9, 20, 6], [1, 1, 7, 6], 2, 5, True),
+        (1, [150, 30], [1, 12], 1, None, False),  # one row of one KV head: split keys
+        (2, [20, 13, 9], [7, 1, 1], 0, None, False),  # a prefill first: all on extend
+    ],
+)
+def test_mixed_step_matches_dense(kv_heads, kv_lens, q_lens, decode_rows, window, sinks):
+    heads, block_size = 4, 4
+    spec = AttentionSpec(heads, kv_heads, HEAD_DIM, HEAD_DIM**-0.5, window, has_sinks=sinks)
+    sink_logits = make_sinks(heads, torch.float32, DEVICE) if sinks else None
+    op = TritonAttention(
+        "layer", spec, block_size, 256, build_context=ModelBuildContext(), sinks=sink_logits
+    )
+    cache, tables, ks, vs = make_paged_cache(
+        kv_lens, block_size, kv_heads, HEAD_DIM, torch.float32, DEVICE
+    )
+    op.bind_cache(cache)
+    view = op.metadata_builder().build(paged_step(kv_lens, q_lens, tables, block_size, window))
+    ws = view.workspace
+    assert (ws.rows if isinstance(ws, LeadingDecodeRows) else 0) == decode_rows
+    if decode_rows and kv_heads == 1:
+        assert ws.decode.num_splits > 1
+    q = strided_q(sum(q_lens), heads, HEAD_DIM, torch.float32, DEVICE, seed=7)
+    out = op.forward_extend(q, view)
+    first = 0
+    for k, v, n in zip(ks, vs, q_lens):
+        rows = slice(first, first + n)
+        assert_close(
+            out[rows], dense_attention(q[rows], k, v, window, spec.scale, sinks=sink_logits), 1e-4
+        )
+        first += n

@@ -6,6 +6,7 @@ import dataclasses
 from collections.abc import Hashable
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 import triton
 from torch import nn
@@ -43,6 +44,17 @@ class DecodeWorkspace:
 
 
 _SINGLE_SPLIT = DecodeWorkspace(1, None, None, None)
+
+
+@dataclass(frozen=True)
+class LeadingDecodeRows:
+    """A mixed step's first ``rows`` requests, which have one new token each (the running
+    requests' decodes before the prefills), for the decode kernel: the extend kernel would give
+    each a program per query head and a 64-query tile in a grid as long as the step's longest
+    query, where the decode kernel gives it a program per KV head."""
+
+    rows: int
+    decode: DecodeWorkspace
 
 
 def decode_queries(seq: SequenceMetadata) -> int | None:
@@ -143,18 +155,28 @@ class TritonAttentionBuilder(PagedAttentionBuilder):
     def build(self, seq: SequenceMetadata) -> PagedAttentionView:
         view = super().build(seq)
         queries = decode_queries(seq)
-        if queries is None:
+        if queries is not None:
+            workspace = self._eager_workspace(seq.num_tokens, seq.max_kv_len, queries, seq)
+            return dataclasses.replace(view, workspace=workspace)
+        rows = int(np.argmax(seq.query_lens_host != 1))  # (some row has more than one)
+        if rows == 0:
             return view
+        workspace = self._eager_workspace(rows, int(seq.kv_lens_host[:rows].max()), 1, seq)
+        return dataclasses.replace(view, workspace=LeadingDecodeRows(rows, workspace))
+
+    def _eager_workspace(
+        self, rows: int, max_kv_len: int, queries: int, seq: SequenceMetadata
+    ) -> DecodeWorkspace:
+        """A decode workspace of ``rows`` query tokens for an eager step."""
         device = seq.kv_lens.device
-        splits = self._splits(seq.num_tokens, seq.max_kv_len, device)
+        splits = self._splits(rows, max_kv_len, device)
         out = lse = tickets = None
         if splits > 1:
-            partials = seq.num_tokens * self.spec.num_heads * splits
+            partials = rows * self.spec.num_heads * splits
             out = torch.empty(partials * self.spec.head_dim, dtype=torch.float32, device=device)
             lse = torch.empty(partials, dtype=torch.float32, device=device)
-            tickets = self._tickets(seq.num_tokens, splits, device)
-        workspace = self._workspace(seq.num_tokens, splits, out, lse, tickets, queries)
-        return dataclasses.replace(view, workspace=workspace)
+            tickets = self._tickets(rows, splits, device)
+        return self._workspace(rows, splits, out, lse, tickets, queries)
 
     def make_graph_buffers(
         self, max_batch: int, device: torch.device, max_query_len: int = 1
@@ -264,16 +286,58 @@ class TritonAttention(AttentionOperator):
 
     def forward_decode(self, q: torch.Tensor, view: PagedAttentionView) -> torch.Tensor:
         # A view without a workspace (the compatibility fallback's) runs one split.
-        ws: DecodeWorkspace = view.workspace or _SINGLE_SPLIT
+        ws = view.workspace or _SINGLE_SPLIT
+        return self._decode(q, view.block_tables, view.table_starts, view.kv_lens, view, ws)
+
+    def forward_extend(self, q: torch.Tensor, view: PagedAttentionView) -> torch.Tensor:
+        ws = view.workspace
+        if isinstance(ws, DecodeWorkspace):  # a uniform step of few tokens a row
+            return self.forward_decode(q, view)
+        out = torch.empty_like(q)
+        first = 0 if ws is None else ws.rows  # the leading one-token rows: the decode kernel's
+        if first:
+            tables, starts, lens = view.block_tables, view.table_starts, view.kv_lens
+            self._decode(
+                q[:first], tables[:first], starts[:first], lens[:first], view, ws.decode,
+                out[:first],
+            )  # fmt: skip
+        return paged_extend_attention(
+            q,
+            self.kv_cache,
+            view.block_tables[first:],
+            view.table_starts[first:],
+            view.query_start_loc[first:],
+            view.kv_lens[first:],
+            view.max_query_len,
+            self.spec.scale,
+            view.sliding_window,
+            out,
+            softcap=self.spec.logit_softcap,
+            sinks=self.sinks,
+            k_scale=self.k_scale,
+            v_scale=self.v_scale,
+        )
+
+    def _decode(
+        self,
+        q: torch.Tensor,
+        tables: torch.Tensor,
+        starts: torch.Tensor,
+        lens: torch.Tensor,
+        view: PagedAttentionView,
+        ws: DecodeWorkspace,
+        out: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """The decode kernel over the requests of ``tables``, ``starts`` and ``lens``."""
         return paged_decode_attention(
             q,
             self.kv_cache,
-            view.block_tables,
-            view.table_starts,
-            view.kv_lens,
+            tables,
+            starts,
+            lens,
             self.spec.scale,
             view.sliding_window,
-            torch.empty_like(q),
+            torch.empty_like(q) if out is None else out,
             ws.num_splits,
             ws.partial_out,
             ws.partial_lse,
@@ -283,24 +347,4 @@ class TritonAttention(AttentionOperator):
             k_scale=self.k_scale,
             v_scale=self.v_scale,
             queries_per_row=ws.queries_per_row,
-        )
-
-    def forward_extend(self, q: torch.Tensor, view: PagedAttentionView) -> torch.Tensor:
-        if view.workspace is not None:  # a uniform step of few tokens a row (decode_queries)
-            return self.forward_decode(q, view)
-        return paged_extend_attention(
-            q,
-            self.kv_cache,
-            view.block_tables,
-            view.table_starts,
-            view.query_start_loc,
-            view.kv_lens,
-            view.max_query_len,
-            self.spec.scale,
-            view.sliding_window,
-            torch.empty_like(q),
-            softcap=self.spec.logit_softcap,
-            sinks=self.sinks,
-            k_scale=self.k_scale,
-            v_scale=self.v_scale,
         )
