@@ -639,7 +639,8 @@ FEATURE_SETS = [(None, None, False), (512, None, False), (None, 50.0, False), (1
 
 def attention_launches() -> None:
     """bf16 decode (one and several splits; a uniform step's tokens as rows) and extend
-    launches of every layer shape with every feature set."""
+    (also over a mixed step's sliced per-request tensors) launches of every layer shape with
+    every feature set."""
     bf16 = torch.bfloat16
     for (heads, kv_heads, head_dim), (window, softcap, sinks) in itertools.product(
         LAYER_SHAPES, FEATURE_SETS
@@ -664,6 +665,14 @@ def attention_launches() -> None:
         paged_extend_attention(
             q, cache, tables, table_starts, starts, lens, 1, 0.1, window, torch.empty_like(q),
             **features,
+        )  # fmt: skip
+        # A mixed step's extend launch: its per-request tensors start past a decode row, off
+        # the 16-byte alignment the launcher specialises on.
+        wide = torch.zeros(3, 5, dtype=torch.int32)
+        three = torch.ones(3, dtype=torch.int32)
+        paged_extend_attention(
+            q, cache, wide[1:], three[1:], torch.arange(4, dtype=torch.int32)[1:], three[1:],
+            1, 0.1, window, torch.empty_like(q), **features,
         )  # fmt: skip
 
 
