@@ -13,7 +13,7 @@ B and C are measured as the caller sees them: per request (time of last token - 
 token) / (tokens - 1), averaged over requests. Prints a markdown table.
 
     python benchmarks/gpu_decode.py [--skip-hf] [--hf-requests 32] [--load-format dummy]
-        [--quantization fp8] [--kv-cache-dtype fp8] [--tensor-parallel-size 2]
+        [--quantization fp8] [--kv-cache-dtype fp8] [--tensor-parallel-size 2] [--breakdown]
 
 ``--load-format dummy`` writes only config.json and the tokenizer: Heron makes random weights
 on the GPU, and HF its own random init. ``--quantization fp8`` (FP8 linear weights) and
@@ -26,6 +26,7 @@ counted).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import random
 import statistics
 import tempfile
@@ -274,11 +275,12 @@ def throughput_workload(
     return prompts, [o for _, o in lens]
 
 
-def workload_a(llm: LLM, vocab_size: int = 150000) -> float:
+def workload_a(llm: LLM, vocab_size: int = 150000, breakdown: bool = False) -> float:
     """Output tokens/s of workload A (256 requests, in/out uniform in [100, 1024]), after a
     warm-up of the same kind (other prompts, so no prefix-cache hits, and short outputs), so
     that Triton compiles the kernel variants its step shapes need before A is timed (on a
-    fresh machine that compilation otherwise falls inside A)."""
+    fresh machine that compilation otherwise falls inside A). ``breakdown`` prints where A's
+    time went (:func:`print_steps`)."""
     warm_prompts, warm_outs = throughput_workload(256, 1, vocab_size)
     warm = [
         SamplingParams(temperature=0, max_tokens=min(o, 32), ignore_eos=True) for o in warm_outs
@@ -286,10 +288,51 @@ def workload_a(llm: LLM, vocab_size: int = 150000) -> float:
     llm.generate(warm_prompts, warm, use_tqdm=False)
     prompts, out_lens = throughput_workload(256, 0, vocab_size)
     params = [SamplingParams(temperature=0, max_tokens=o, ignore_eos=True) for o in out_lens]
-    start = time.perf_counter()
-    outs = llm.generate(prompts, params, use_tqdm=False)
-    wall = time.perf_counter() - start
-    return sum(len(o.outputs[0].token_ids) for o in outs) / wall
+    with recorded_steps(llm.engine) if breakdown else contextlib.nullcontext() as steps:
+        start = time.perf_counter()
+        outs = llm.generate(prompts, params, use_tqdm=False)
+        end = time.perf_counter()
+    if breakdown:
+        print_steps(steps, end)
+    return sum(len(o.outputs[0].token_ids) for o in outs) / (end - start)
+
+
+@contextlib.contextmanager
+def recorded_steps(engine):
+    """The steps the engine schedules meanwhile, as (time, requests, tokens)."""
+    steps, schedule = [], engine.scheduler.schedule
+
+    def recording(*args, **kwargs):
+        out = schedule(*args, **kwargs)
+        tokens = sum(s.num_new_tokens for s in out.scheduled)
+        steps.append((time.perf_counter(), len(out.scheduled), tokens))
+        return out
+
+    engine.scheduler.schedule = recording
+    try:
+        yield steps
+    finally:
+        del engine.scheduler.schedule  # (the class's method again)
+
+
+def print_steps(steps: list[tuple[float, int, int]], end: float) -> None:
+    """A table of the steps by kind (a prefill step has more tokens than requests) and by
+    requests, 32 a bucket: count, seconds, ms per step, tokens. A step lasts until the next one
+    is scheduled: with asynchronous scheduling and the GPU the bound, its GPU time."""
+    buckets: dict[tuple[str, int], list[float]] = {}
+    for (t, rows, tokens), following in zip(steps, [s[0] for s in steps[1:]] + [end]):
+        kind = "prefill" if tokens > rows else "decode"
+        entry = buckets.setdefault((kind, min(rows // 32 * 32, 256)), [0, 0.0, 0])
+        entry[0] += 1
+        entry[1] += following - t
+        entry[2] += tokens
+    print("| steps | count | seconds | ms per step | tokens |")
+    print("| --- | --- | --- | --- | --- |")
+    for (kind, rows), (count, seconds, tokens) in sorted(buckets.items()):
+        print(
+            f"| {kind}, {rows}+ requests | {count} | {seconds:.3f} | "
+            f"{seconds / count * 1e3:.2f} | {tokens:,} |"
+        )
 
 
 def main() -> None:
@@ -299,6 +342,7 @@ def main() -> None:
     parser.add_argument("--enforce-eager", action="store_true")
     parser.add_argument("--load-format", choices=["auto", "dummy"], default="auto")
     parser.add_argument("--tensor-parallel-size", "-tp", type=int, default=1)
+    parser.add_argument("--breakdown", action="store_true", help="where A's time goes, by step")
     add_fp8_args(parser)
     args = parser.parse_args()
 
@@ -316,7 +360,7 @@ def main() -> None:
             kv_cache_dtype=args.kv_cache_dtype,
             tensor_parallel_size=args.tensor_parallel_size,
         )
-        a = workload_a(llm)
+        a = workload_a(llm, breakdown=args.breakdown)
         b_ms, _ = heron_decode_ms(llm, [[7] * 128], 256)
         c_ms, c_tps = heron_decode_ms(llm, [[7 + i] * 128 for i in range(64)], 256)
         graphs = llm.engine.runner.graphs
