@@ -12,10 +12,12 @@ step in which the GPU waits for the host (see ``gpu_decode.heron_host_idle``).
 
     python benchmarks/gemma_decode.py [--skip-hf] [--new-tokens 64] [--cases 4096x8 ...]
         [--load-format dummy] [--quantization fp8] [--kv-cache-dtype fp8]
+        [--tensor-parallel-size 2]
 
 ``--cases`` replaces the (context x batch) cases; the idle share is measured when 4096x64 is
 among them. ``--load-format dummy`` is as in ``gpu_decode.py`` (no checkpoint is written), and
-so are the FP8 switches (Heron only; the floors count their bytes).
+so are the FP8 switches (Heron only; the floors count their bytes) and
+``--tensor-parallel-size`` (the floors are one GPU's share; its one KV head is on every GPU).
 """
 
 from __future__ import annotations
@@ -76,7 +78,10 @@ def floor_ms(
     layer_types: list[str],
     weight_bytes: int = 2,
     kv_bytes: int = 2,
+    tp: int = 1,
 ) -> float:
+    """Per-step lower bound of one GPU of ``tp``: its share of the weights, and of the KV heads
+    (each rank holds the one KV head whole)."""
     c = GEMMA3_1B
     d, h, kv, hd = (
         c["hidden_size"],
@@ -90,7 +95,8 @@ def floor_ms(
         min(context, c["sliding_window"]) if t == "sliding_attention" else context
         for t in layer_types
     )
-    return (weights + batch * read * 2 * kv * hd * kv_bytes) / bandwidth * 1e3
+    kv_share = max(kv // tp, 1)
+    return (weights / tp + batch * read * 2 * kv_share * hd * kv_bytes) / bandwidth * 1e3
 
 
 def main() -> None:
@@ -104,8 +110,10 @@ def main() -> None:
         "--cases", nargs="+", default=[f"{c}x{b}" for c, b in CASES], help="CONTEXTxBATCH"
     )
     parser.add_argument("--load-format", choices=["auto", "dummy"], default="auto")
+    parser.add_argument("--tensor-parallel-size", "-tp", type=int, default=1)
     add_fp8_args(parser)
     args = parser.parse_args()
+    tp = args.tensor_parallel_size
     cases = [tuple(map(int, case.split("x"))) for case in args.cases]
     bandwidth = copy_bandwidth()
     new = args.new_tokens
@@ -119,6 +127,7 @@ def main() -> None:
             load_format=args.load_format,
             quantization=args.quantization,
             kv_cache_dtype=args.kv_cache_dtype,
+            tensor_parallel_size=tp,
         )
         layer_types = llm.engine.model_config.hf_config.layer_types
         prompts = lambda context, batch: [[3 + i] * context for i in range(batch)]
@@ -140,10 +149,10 @@ def main() -> None:
                 for c, b in cases
             ]
     sizes = element_bytes(args)
-    floors = [floor_ms(b, c + new // 2, bandwidth, layer_types, *sizes) for c, b in cases]
+    floors = [floor_ms(b, c + new // 2, bandwidth, layer_types, *sizes, tp) for c, b in cases]
     print(
-        f"Heron weights {args.quantization or 'bf16'}, KV cache {args.kv_cache_dtype}; "
-        f"copy bandwidth {bandwidth / 1e12:.2f} TB/s"
+        f"Heron weights {args.quantization or 'bf16'}, KV cache {args.kv_cache_dtype}, "
+        f"tensor parallel {tp} (floors per GPU); copy bandwidth {bandwidth / 1e12:.2f} TB/s"
     )
     print_case_table(cases, floors, results)
     if idle is not None:

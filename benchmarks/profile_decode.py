@@ -3,13 +3,15 @@ Qwen3-0.6B-shaped model of ``gpu_decode.py`` (or the Gemma-3-1B, Qwen3.5-0.8B or
 DeepSeek-V2-Lite shape of ``gemma_decode.py``, ``qwen3_5_decode.py``, ``deepseek_decode.py``;
 dummy weights), per kernel and as a timeline (busy and idle), at batch 1 and 64.
 
-With ``--speculative-config`` the steps are verification steps and their proposer's passes
+With ``--tensor-parallel-size N`` the profile is rank 0's (the engine's process), its
+all-reduces among the kernels. With ``--speculative-config`` the steps are verification steps and their proposer's passes
 (the random weights' proposals are refused, which changes no step's shape); ``qwen3_5_mtp``
 and ``deepseek_v3_mtp`` are case E's shapes of ``speculative_decode.py``, with one MTP layer.
 
     python benchmarks/profile_decode.py [--model gemma3|qwen3_5|deepseek|qwen3_5_mtp|...]
         [--context 4096] [--enforce-eager] [--steps 20] [--phases | --host | --all]
         [--quantization fp8] [--kv-cache-dtype fp8] [--speculative-config JSON]
+        [--tensor-parallel-size 2]
 """
 
 from __future__ import annotations
@@ -224,6 +226,7 @@ def main() -> None:
         "--all", action="store_true", help="all three, on one engine (one build, one graph capture)"
     )
     parser.add_argument("--speculative-config", type=json.loads, default=None)
+    parser.add_argument("--tensor-parallel-size", "-tp", type=int, default=1)
     gpu_decode.add_fp8_args(parser)
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
@@ -236,6 +239,7 @@ def main() -> None:
             enforce_eager=args.enforce_eager,
             cuda_graph_max_bs=max(args.batches),
             speculative_config=args.speculative_config,
+            tensor_parallel_size=args.tensor_parallel_size,
             # Room for the measured steps after the longest chunked-prefill stagger.
             max_model_len=max(4096, args.context + 4 * args.steps + 256),
         )
