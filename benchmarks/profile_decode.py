@@ -4,9 +4,10 @@ DeepSeek-V2-Lite shape of ``gemma_decode.py``, ``qwen3_5_decode.py``, ``deepseek
 dummy weights), per kernel and as a timeline (busy and idle), at batch 1 and 64.
 
 With ``--tensor-parallel-size N`` the profile is rank 0's (the engine's process), its
-all-reduces among the kernels. With ``--speculative-config`` the steps are verification steps and their proposer's passes
-(the random weights' proposals are refused, which changes no step's shape); ``qwen3_5_mtp``
-and ``deepseek_v3_mtp`` are case E's shapes of ``speculative_decode.py``, with one MTP layer.
+all-reduces among the kernels. With ``--speculative-config`` the steps are verification steps
+and their proposer's passes (the random weights' proposals are refused, which changes no
+step's shape); ``qwen3_5_mtp`` and ``deepseek_v3_mtp`` are case E's shapes of
+``speculative_decode.py``, with one MTP layer.
 
     python benchmarks/profile_decode.py [--model gemma3|qwen3_5|deepseek|qwen3_5_mtp|...]
         [--context 4096] [--enforce-eager] [--steps 20] [--phases | --host | --all]

@@ -154,21 +154,21 @@ class TritonAttentionBuilder(PagedAttentionBuilder):
 
     def build(self, seq: SequenceMetadata) -> PagedAttentionView:
         view = super().build(seq)
+        device = seq.kv_lens.device
         queries = decode_queries(seq)
         if queries is not None:
-            workspace = self._eager_workspace(seq.num_tokens, seq.max_kv_len, queries, seq)
+            workspace = self._eager_workspace(seq.num_tokens, seq.max_kv_len, queries, device)
             return dataclasses.replace(view, workspace=workspace)
         rows = int(np.argmax(seq.query_lens_host != 1))  # (some row has more than one)
         if rows == 0:
             return view
-        workspace = self._eager_workspace(rows, int(seq.kv_lens_host[:rows].max()), 1, seq)
+        workspace = self._eager_workspace(rows, int(seq.kv_lens_host[:rows].max()), 1, device)
         return dataclasses.replace(view, workspace=LeadingDecodeRows(rows, workspace))
 
     def _eager_workspace(
-        self, rows: int, max_kv_len: int, queries: int, seq: SequenceMetadata
+        self, rows: int, max_kv_len: int, queries: int, device: torch.device
     ) -> DecodeWorkspace:
         """A decode workspace of ``rows`` query tokens for an eager step."""
-        device = seq.kv_lens.device
         splits = self._splits(rows, max_kv_len, device)
         out = lse = tickets = None
         if splits > 1:
@@ -286,8 +286,7 @@ class TritonAttention(AttentionOperator):
 
     def forward_decode(self, q: torch.Tensor, view: PagedAttentionView) -> torch.Tensor:
         # A view without a workspace (the compatibility fallback's) runs one split.
-        ws = view.workspace or _SINGLE_SPLIT
-        return self._decode(q, view.block_tables, view.table_starts, view.kv_lens, view, ws)
+        return self._decode(q, torch.empty_like(q), view, view.workspace or _SINGLE_SPLIT)
 
     def forward_extend(self, q: torch.Tensor, view: PagedAttentionView) -> torch.Tensor:
         ws = view.workspace
@@ -296,11 +295,7 @@ class TritonAttention(AttentionOperator):
         out = torch.empty_like(q)
         first = 0 if ws is None else ws.rows  # the leading one-token rows: the decode kernel's
         if first:
-            tables, starts, lens = view.block_tables, view.table_starts, view.kv_lens
-            self._decode(
-                q[:first], tables[:first], starts[:first], lens[:first], view, ws.decode,
-                out[:first],
-            )  # fmt: skip
+            self._decode(q[:first], out[:first], view, ws.decode, rows=first)
         return paged_extend_attention(
             q,
             self.kv_cache,
@@ -321,14 +316,15 @@ class TritonAttention(AttentionOperator):
     def _decode(
         self,
         q: torch.Tensor,
-        tables: torch.Tensor,
-        starts: torch.Tensor,
-        lens: torch.Tensor,
+        out: torch.Tensor,
         view: PagedAttentionView,
         ws: DecodeWorkspace,
-        out: torch.Tensor | None = None,
+        rows: int | None = None,
     ) -> torch.Tensor:
-        """The decode kernel over the requests of ``tables``, ``starts`` and ``lens``."""
+        """The decode kernel over the view's requests (its first ``rows``, if given)."""
+        tables, starts, lens = view.block_tables, view.table_starts, view.kv_lens
+        if rows is not None:
+            tables, starts, lens = tables[:rows], starts[:rows], lens[:rows]
         return paged_decode_attention(
             q,
             self.kv_cache,
@@ -337,7 +333,7 @@ class TritonAttention(AttentionOperator):
             lens,
             self.spec.scale,
             view.sliding_window,
-            torch.empty_like(q) if out is None else out,
+            out,
             ws.num_splits,
             ws.partial_out,
             ws.partial_lse,
