@@ -69,6 +69,15 @@ def gpu_shared_by_workers():
         yield
 
 
+def pytest_report_header(config):
+    if torch.cuda.is_available():
+        return (
+            "CUDA found, so Triton's interpreter is off: the tests that run Triton kernels on the "
+            "CPU fail here. Run `-m gpu` on this machine, the rest on a CPU-only one."
+        )
+    return None
+
+
 def pytest_collection_modifyitems(config, items):
     """``gpu``-marked tests need CUDA; elsewhere they are reported as skipped, never passed."""
     if torch.cuda.is_available():

@@ -35,6 +35,7 @@ from heron.metadata import (
     StepMetadataError,
 )
 from heron.ops.attention.base import AttentionSpec
+from heron.ops.attention.triton import operator as operator_module
 from heron.ops.attention.triton.operator import (
     MAX_DECODE_QUERIES,
     LeadingDecodeRows,
@@ -108,18 +109,20 @@ def test_verification_step_through_graph_buffers_matches_dense(window, sinks):
 @pytest.mark.parametrize(
     "kv_heads, kv_lens, batch, window, sinks",
     [
-        (2, [13, 5], 4, None, False),  # padded rows, one split (8 rows fill the 4 "SMs")
+        (2, [13, 5], 4, None, False),  # padded rows, one split (8 rows fill 4 SMs)
         (2, [13, 5], 4, 6, True),
         (1, [150], 1, None, False),  # three rows of one KV head: split over the keys
         (1, [150], 1, 70, True),
     ],
 )
 def test_uniform_step_through_the_decode_kernel_matches_dense(
-    kv_heads, kv_lens, batch, window, sinks
+    kv_heads, kv_lens, batch, window, sinks, monkeypatch
 ):
     """The decode kernel, each of a row's ``q`` tokens a query row of its own that sees the
     keys up to its position, in the workspace the builder gives uniform steps (graph buffers,
-    and eager), against dense attention."""
+    and eager), against dense attention. The builder sees 4 multiprocessors on any device,
+    so that each case splits as on the interpreter."""
+    monkeypatch.setattr(operator_module, "multiprocessor_count", lambda device: 4)
     heads, block_size, q_len = 4, 4, 3
     spec = AttentionSpec(heads, kv_heads, HEAD_DIM, HEAD_DIM**-0.5, window, has_sinks=sinks)
     builder = TritonAttentionBuilder(spec, block_size, max_model_len=256)
