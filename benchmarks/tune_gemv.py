@@ -5,10 +5,10 @@ For each linear of the model (``N x K`` weights, bf16) and each row count, times
 weight to overflow the L2 cache) and prints the winner next to the configuration
 ``heron.kernels.gemv`` picks today and to cuBLAS (what linears use where ``gemv.serves`` says
 no), in µs and TB/s. ``--write`` stores the winners in the tuned table
-(``heron/kernels/configs/gemv.json``) under this GPU's name; a winner that is slower than cuBLAS
-is stored too (past 16 rows an entry makes the linear take the kernel: check the table printed
-first). ``--fp8`` does the same over FP8 weights (per-channel scales), against the FP8 tensor
-cores, and stores under ``<GPU name> fp8``. Kernels are compiled first by worker processes in
+(``heron/kernels/configs/gemv.json``) under this GPU's name; past ``gemv.RULE_MAX_M`` rows an
+entry makes the linear take the kernel, so there only winners faster than the vendor's product
+are stored. ``--fp8`` does the same over FP8 weights (per-channel scales), against the FP8
+tensor cores, and stores under ``<GPU name> fp8``. Kernels are compiled first by worker processes in
 parallel (Triton's on-disk cache hands them to the timing pass).
 
     python benchmarks/tune_gemv.py --model gemma3 [--rows 1 2 4 8 16] [--workers 12]
@@ -197,7 +197,8 @@ def main() -> None:
             f" | {tuple(best)} {t_best:.1f} {nbytes / t_best / 1e6:.2f}"
             f" | {t_vendor:.1f} {nbytes / t_vendor / 1e6:.2f} |"
         )
-        tuned[(g._m_pad(m), n, k)] = best
+        if m <= g.RULE_MAX_M or t_best < t_vendor:
+            tuned[(g._m_pad(m), n, k)] = best
         del ws
         torch.cuda.empty_cache()
     device = torch.cuda.get_device_name(0) + (g.FP8_TABLE if args.fp8 else "")
