@@ -18,10 +18,13 @@ copy bandwidth, where the experts read per MoE layer are those the step's routin
 workload A of ``gpu_decode.py`` (256 requests, in/out uniform in [100, 1024]) unless
 ``--skip-throughput``. ``--quantization fp8`` (FP8 projections and experts; ``kv_b_proj``,
 which the latent operator absorbs, stays bf16) applies to Heron only; the floor counts its
-bytes (one per FP8 element; routers and the LM head stay bf16).
+bytes (one per FP8 element; routers and the LM head stay bf16). With
+``--tensor-parallel-size`` Heron's floors are one GPU's share (the latent cache is whole on
+each).
 
     python benchmarks/deepseek_decode.py [--shape v2-lite] [--skip-hf] [--skip-throughput]
         [--new-tokens 64] [--cases 4096x1 4096x64] [--quantization fp8]
+        [--tensor-parallel-size 2]
 """
 
 from __future__ import annotations
@@ -43,7 +46,7 @@ from gpu_decode import (
     save_config_only,
     workload_a,
 )
-from moe_decode import touched_experts
+from moe_decode import count_touched_experts
 
 COMMON = dict(
     kv_lora_rank=512,
@@ -107,26 +110,31 @@ def floor_ms(
     experts_read: float,
     bandwidth: float,
     weight_bytes: int = 2,
+    tp: int = 1,
 ) -> float:
-    """Per-step lower bound: attention, dense and shared MLPs, routers, ``experts_read`` routed
-    experts per MoE layer, the LM head (not the embedding rows), and every request's bf16
-    latent cache (``kv_lora_rank + rope`` values per token per layer), at full bandwidth;
-    ``weight_bytes`` per element of the projections and experts (``kv_b_proj``, routers and the
-    LM head are bf16)."""
+    """Per-step lower bound of one GPU of ``tp``: attention, dense and shared MLPs, routers,
+    ``experts_read`` routed experts per MoE layer, the LM head (not the embedding rows), and
+    every request's bf16 latent cache (``kv_lora_rank + rope`` values per token per layer), at
+    full bandwidth; ``weight_bytes`` per element of the projections and experts (``kv_b_proj``,
+    routers and the LM head are bf16). A rank holds its share of the heads, the experts'
+    widths and the vocabulary, and the whole of ``q_a_proj``, ``kv_a_proj_with_mqa``, the
+    routers and the latent cache."""
     d, h, lora, rope = c["hidden_size"], c["num_attention_heads"], c["kv_lora_rank"], 64
     nope, v, q_lora = c["qk_nope_head_dim"], c["v_head_dim"], c["q_lora_rank"]
-    q = d * h * (nope + rope) if q_lora is None else d * q_lora + q_lora * h * (nope + rope)
+    q_a = 0 if q_lora is None else d * q_lora
+    q = d * h * (nope + rope) if q_lora is None else q_lora * h * (nope + rope)
     kv_b = lora * h * (nope + v)
-    attention = q + d * (lora + rope) + h * v * d
     layers, dense = c["num_hidden_layers"], c["first_k_dense_replace"]
     expert = 3 * d * c["moe_intermediate_size"]
     experts = (experts_read + c["n_shared_experts"]) * expert
     mlps = dense * 3 * d * c["intermediate_size"] + (layers - dense) * experts
     routers = (layers - dense) * c["n_routed_experts"] * d
-    weights = weight_bytes * (layers * attention + mlps)
-    weights += 2 * (layers * kv_b + routers + c["vocab_size"] * d)
+    sharded = weight_bytes * (layers * (q + h * v * d) + mlps) + 2 * (
+        layers * kv_b + c["vocab_size"] * d
+    )
+    replicated = weight_bytes * layers * (q_a + d * (lora + rope)) + 2 * routers
     latent = batch * context * layers * (lora + rope) * 2
-    return (weights + latent) / bandwidth * 1e3
+    return (sharded / tp + replicated + latent) / bandwidth * 1e3
 
 
 def main() -> None:
@@ -139,14 +147,16 @@ def main() -> None:
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--cases", nargs="+", help="CONTEXTxBATCH, e.g. 4096x64")
     parser.add_argument("--quantization", choices=["fp8"], default=None)
+    parser.add_argument("--tensor-parallel-size", "-tp", type=int, default=1)
     args = parser.parse_args()
+    tp = args.tensor_parallel_size
     cases = [tuple(map(int, c.split("x"))) for c in args.cases] if args.cases else CASES
     family, shape = SHAPES[args.shape]
     bandwidth = copy_bandwidth()
     weight_bytes = 1 if args.quantization else 2
     print(
         f"copy bandwidth {bandwidth / 1e12:.2f} TB/s; shape {args.shape}; Heron weights "
-        f"{args.quantization or 'bf16'}"
+        f"{args.quantization or 'bf16'}, tensor parallel {tp} (floors per GPU)"
     )
     touched: dict[int, float] = {}
 
@@ -158,7 +168,7 @@ def main() -> None:
         # Rows as they come: Heron's stand even if the HF baseline fails.
         floor = floor_ms(
             shape, batch, context + args.new_tokens // 2, touched[batch], bandwidth,
-            weight_bytes if name == "Heron" else 2,
+            weight_bytes if name == "Heron" else 2, tp if name == "Heron" else 1,
         )  # fmt: skip
         print(
             f"| {name} | {context} | {batch} | {ms:.3f} | {touched[batch]:.1f} | {floor:.3f} | "
@@ -174,16 +184,20 @@ def main() -> None:
         graph_batch = max(batches)
         if not args.skip_throughput:
             longest, graph_batch = max(longest, WORKLOAD_A_LEN), max(graph_batch, WORKLOAD_A_BATCH)
-        llm = LLM(
+        make_llm = lambda **eager: LLM(
             str(path),
             load_format="dummy",
             max_model_len=longest,
             cuda_graph_max_bs=graph_batch,
             quantization=args.quantization,
+            tensor_parallel_size=tp,
+            **eager,
         )
+        counts = count_touched_experts(make_llm, batches)
+        touched.update((b, statistics.mean(c)) for b, c in counts.items())
+        llm = make_llm()
         for b in batches:  # compiles the kernel variants each batch's steps need
             heron_decode_ms(llm, [[3 + i] * 256 for i in range(b)], 8)
-            touched[b] = statistics.mean(touched_experts(llm, b))
         header()
         for context, batch in cases:
             prompts = [[(7 + i + j) % 100000 + 2 for j in range(context)] for i in range(batch)]
@@ -193,6 +207,7 @@ def main() -> None:
             print(
                 f"\nHeron, workload A (256 requests, in/out uniform in [100, 1024]): {tps:,.0f} tok/s"
             )
+        llm.engine.shutdown()
         del llm
         torch.cuda.empty_cache()
         if args.skip_hf or args.shape != "v2-lite":

@@ -17,7 +17,8 @@ step in which the GPU waits for the host (see ``gpu_decode.heron_host_idle``).
 ``--cases`` replaces the (context x batch) cases; the idle share is measured when 4096x64 is
 among them. ``--load-format dummy`` is as in ``gpu_decode.py`` (no checkpoint is written), and
 so are the FP8 switches (Heron only; the floors count their bytes) and
-``--tensor-parallel-size`` (the floors are one GPU's share; its one KV head is on every GPU).
+``--tensor-parallel-size`` (the floors are one GPU's share; its one KV head is on every GPU;
+HF, on one GPU, is not run).
 """
 
 from __future__ import annotations
@@ -142,7 +143,7 @@ def main() -> None:
         idle = heron_host_idle(llm, prompts(4096, 64), new)[1] if (4096, 64) in cases else None
         del llm
         torch.cuda.empty_cache()
-        if not args.skip_hf:
+        if not args.skip_hf and tp == 1:  # the floors are per GPU
             hf = hf_model(path, args.load_format)
             results["HF transformers CB"] = [
                 hf_decode_ms(hf, prompts(c, b), new)[0] if b <= args.hf_max_batch else float("nan")

@@ -20,7 +20,7 @@ on the GPU, and HF its own random init. ``--quantization fp8`` (FP8 linear weigh
 ``--kv-cache-dtype fp8`` apply to Heron only; the floors count their bytes (one per FP8
 element; the tied embedding / LM head stays bf16). ``--tensor-parallel-size N`` splits Heron's
 model over N GPUs; the floors are then one GPU's share (the bytes over N, collectives not
-counted).
+counted), and HF, on one GPU, is not run.
 """
 
 from __future__ import annotations
@@ -370,7 +370,7 @@ def main() -> None:
         del llm
         torch.cuda.empty_cache()
 
-        if not args.skip_hf:
+        if not args.skip_hf and args.tensor_parallel_size == 1:  # its floors are per GPU
             model = hf_model(path, args.load_format)
             n = args.hf_requests
             prompts, out_lens = throughput_workload(256)  # A's first n requests

@@ -5,9 +5,9 @@ block of 128 experts of width 768 with top-8 routing (``norm_topk_prob``), vocab
 untied. Weights are ``load_format="dummy"`` (nothing is written but config.json). For batch 1
 and batch 64 (128-token prompts): decode ms per step, measured as in ``gpu_decode.py``, and its
 multiple of the bandwidth floor, (weight bytes the step must read + KV bytes) / measured copy
-bandwidth, where the experts read are those the step's routing touches: counted in a separate
-eager run with hooks on the routers, and printed (distinct experts per MoE layer per decode
-step). ``--hf`` adds HF transformers' continuous batching on the same config (its own random
+bandwidth, where the experts read are those the step's routing touches: counted on an eager
+engine of their own with hooks on the routers, and printed (distinct experts per MoE layer per
+decode step). ``--hf`` adds HF transformers' continuous batching on the same config (its own random
 init; slow: its experts loop on the host). ``--quantization fp8`` (FP8 attention projections
 and experts) and ``--kv-cache-dtype fp8`` apply to Heron only; the floor counts their bytes
 (one per FP8 element; routers and the LM head stay bf16).
@@ -19,13 +19,16 @@ and experts) and ``--kv-cache-dtype fp8`` apply to Heron only; the floor counts 
 from __future__ import annotations
 
 import argparse
+import gc
 import statistics
 import tempfile
+from collections.abc import Callable, Iterable
 from pathlib import Path
 
 import torch
 
 from heron import LLM, SamplingParams
+from heron.distributed.executor import TensorParallelRunner
 from heron.layers.routing import TopKRouter
 
 from gpu_decode import (
@@ -66,25 +69,43 @@ def prompts(batch: int) -> list[list[int]]:
 
 def touched_experts(llm: LLM, batch: int, steps: int = 8) -> list[int]:
     """Distinct experts of each MoE layer in each step over exactly ``batch`` tokens (the
-    decode steps), from hooks on the routers in an eager run (replayed graphs skip hooks)."""
+    decode steps), from hooks on rank 0's routers (every rank routes alike). The engine must
+    run eagerly: replayed graphs skip hooks."""
     runner = llm.engine.runner
+    if runner.graphs is not None:
+        raise ValueError("count experts on an engine built with enforce_eager=True")
     counts: list[int] = []
 
     def hook(module, inputs, output):
         if output[1].shape[0] == batch:
             counts.append(output[1].unique().numel())
 
-    routers = [m for m in runner.model.modules() if isinstance(m, TopKRouter)]
-    handles = [r.register_forward_hook(hook) for r in routers]
-    graphs, runner.graphs = runner.graphs, None
+    model = runner.local.model if isinstance(runner, TensorParallelRunner) else runner.model
+    handles = [m.register_forward_hook(hook) for m in model.modules() if isinstance(m, TopKRouter)]
     try:
         params = SamplingParams(temperature=0, max_tokens=steps, ignore_eos=True)
         llm.generate(prompts(batch), params, use_tqdm=False)
     finally:
-        runner.graphs = graphs
         for h in handles:
             h.remove()
     return counts
+
+
+def count_touched_experts(
+    make_llm: Callable[..., LLM], batches: Iterable[int]
+) -> dict[int, list[int]]:
+    """:func:`touched_experts` of each batch, on an engine ``make_llm(enforce_eager=True)``
+    built for the count and shut down, its memory freed, before the caller builds the timed
+    one (a tensor-parallel engine has one at a time, and its workers replay their own
+    graphs)."""
+    llm = make_llm(enforce_eager=True)
+    try:
+        return {b: touched_experts(llm, b) for b in batches}
+    finally:
+        llm.engine.shutdown()
+        del llm
+        gc.collect()
+        torch.cuda.empty_cache()
 
 
 def floor_ms(
@@ -124,19 +145,21 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp)
         save_config_only(tf.Qwen3MoeConfig(**QWEN3_30B_A3B), "Qwen3MoeForCausalLM", path)
-        llm = LLM(
+        make_llm = lambda **eager: LLM(
             str(path),
             load_format="dummy",
             max_model_len=PROMPT_LEN + new + 16,
             cuda_graph_max_bs=max(batches),
             quantization=args.quantization,
             kv_cache_dtype=args.kv_cache_dtype,
+            **eager,
         )
+        touched = count_touched_experts(make_llm, batches)
+        llm = make_llm()
         warm = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
         for b in batches:  # compiles the kernel variants each batch's steps need
             llm.generate(prompts(b), warm, use_tqdm=False)
         rows["Heron"] = [heron_decode_ms(llm, prompts(b), new)[0] for b in batches]
-        touched = {b: touched_experts(llm, b) for b in batches}
         del llm
         torch.cuda.empty_cache()
         if args.hf:

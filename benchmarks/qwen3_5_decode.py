@@ -15,10 +15,13 @@ Measures decode ms per step at batch 1 and batch 64 with 4k-token prompts (as in
 multiple of the bandwidth floor: (weight bytes, with the experts the step's routing touches,
 counted as in ``moe_decode.py`` + KV bytes read by the full layers + recurrent and conv state
 bytes read and written by the GDN layers) / measured copy bandwidth; then throughput on
-workload A of ``gpu_decode.py`` (256 requests, in/out uniform in [100, 1024]).
+workload A of ``gpu_decode.py`` (256 requests, in/out uniform in [100, 1024]). With
+``--tensor-parallel-size`` the floors are one GPU's share (routers whole on each), and HF, on
+one GPU, is not run.
 
     python benchmarks/qwen3_5_decode.py [--shape 0.8b] [--skip-hf] [--new-tokens 64]
         [--cases 4096x1 ...] [--skip-throughput] [--load-format dummy] [--no-prefix-caching]
+        [--tensor-parallel-size 2]
 
 HF transformers uses fla-core's kernels where it is installed.
 """
@@ -46,7 +49,7 @@ from gpu_decode import (
     save_random_checkpoint,
     throughput_workload,
 )
-from moe_decode import touched_experts
+from moe_decode import count_touched_experts
 
 QWEN3_5_0_8B = dict(
     hidden_size=1024,
@@ -99,9 +102,12 @@ def build_model(shape: str, path: Path, load_format: str) -> None:
     save_random_checkpoint(model, path)
 
 
-def floor_ms(c: dict, batch: int, context: int, experts_read: float, bandwidth: float) -> float:
-    """Per-step lower bound in bf16; an MoE layer reads its router, its shared expert and
-    ``experts_read`` routed experts."""
+def floor_ms(
+    c: dict, batch: int, context: int, experts_read: float, bandwidth: float, tp: int = 1
+) -> float:
+    """Per-step lower bound of one GPU of ``tp`` in bf16; an MoE layer reads its router, its
+    shared expert and ``experts_read`` routed experts. A rank holds its share of every head,
+    width and the vocabulary (a KV head at least), and the whole routers."""
     d, h, kv, hd = (
         c["hidden_size"],
         c["num_attention_heads"],
@@ -113,18 +119,21 @@ def floor_ms(c: dict, batch: int, context: int, experts_read: float, bandwidth: 
     conv_dim = 2 * hk * dk + hv * dv
     num_full = c["num_hidden_layers"] // 4
     num_gdn = c["num_hidden_layers"] - num_full
+    routers = 0
     if "num_experts" in c:
         expert = 3 * d * c["moe_intermediate_size"]
         shared = 3 * d * c["shared_expert_intermediate_size"] + d
-        mlp = c["num_experts"] * d + experts_read * expert + shared
+        mlp = experts_read * expert + shared
+        routers = c["num_hidden_layers"] * c["num_experts"] * d
     else:
         mlp = 3 * d * c["intermediate_size"]
     full = d * (2 * h + 2 * kv) * hd + h * hd * d + mlp  # q_proj carries the gate
     gdn = d * (conv_dim + hv * dv + 2 * hv) + conv_dim * c["linear_conv_kernel_dim"] + hv * dv * d
-    weights = 2 * (num_full * full + num_gdn * (gdn + mlp) + c["vocab_size"] * d)
-    kv_bytes = batch * context * num_full * 2 * kv * hd * 2
+    weights = 2 * (num_full * full + num_gdn * (gdn + mlp) + c["vocab_size"] * d) / tp
+    weights += 2 * routers
+    kv_bytes = batch * context * num_full * 2 * max(kv // tp, 1) * hd * 2
     # Read and written every step: the fp32 recurrent state and the bf16 conv state.
-    state = num_gdn * (hv * dk * dv * 4 + conv_dim * (c["linear_conv_kernel_dim"] - 1) * 2)
+    state = num_gdn * (hv * dk * dv * 4 + conv_dim * (c["linear_conv_kernel_dim"] - 1) * 2) / tp
     return (weights + kv_bytes + 2 * batch * state) / bandwidth * 1e3
 
 
@@ -143,7 +152,9 @@ def main() -> None:
         action="store_true",
         help="the cost of state checkpoints: compare workload A with and without",
     )
+    parser.add_argument("--tensor-parallel-size", "-tp", type=int, default=1)
     args = parser.parse_args()
+    tp = args.tensor_parallel_size
     cases = [tuple(map(int, case.split("x"))) for case in args.cases]
     bandwidth = copy_bandwidth()
     new = args.new_tokens
@@ -153,19 +164,23 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp)
         build_model(args.shape, path, args.load_format)
-        llm = LLM(
+        make_llm = lambda **eager: LLM(
             str(path),
             max_model_len=max([c for c, _ in cases] + [2048]) + new + 16,
             load_format=args.load_format,
             enable_prefix_caching=not args.no_prefix_caching,
+            tensor_parallel_size=tp,
+            **eager,
         )
-        warm = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
-        for c, b in cases:
-            llm.generate(prompts(c, b), warm, use_tqdm=False)
         fields = SHAPES[args.shape][1]
         touched = dict.fromkeys((b for _, b in cases), 0)  # (a dense MLP reads no experts)
         if "num_experts" in fields:
-            touched = {b: statistics.mean(touched_experts(llm, b)) for b in touched}
+            counts = count_touched_experts(make_llm, touched)
+            touched = {b: statistics.mean(c) for b, c in counts.items()}
+        llm = make_llm()
+        warm = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+        for c, b in cases:
+            llm.generate(prompts(c, b), warm, use_tqdm=False)
         results["Heron"] = [heron_decode_ms(llm, prompts(c, b), new)[0] for c, b in cases]
         if not args.skip_throughput:
             work, out_lens = throughput_workload(256)
@@ -176,9 +191,10 @@ def main() -> None:
             outs = llm.generate(work, params, use_tqdm=False)
             tokens = sum(len(o.outputs[0].token_ids) for o in outs)
             throughput["Heron"] = tokens / (time.perf_counter() - start)
+        llm.engine.shutdown()
         del llm
         torch.cuda.empty_cache()
-        if not args.skip_hf and args.shape == "0.8b":
+        if not args.skip_hf and args.shape == "0.8b" and tp == 1:  # the floors are per GPU
             hf = hf_model(path, args.load_format)
             try:
                 results["HF transformers CB"] = [
@@ -189,9 +205,10 @@ def main() -> None:
                 results["HF transformers (generate)"] = [
                     hf_generate_ms(hf, prompts(c, b)[0], new) if b == 1 else None for c, b in cases
                 ]
-    floors = [floor_ms(fields, b, c + new // 2, touched[b], bandwidth) for c, b in cases]
+    floors = [floor_ms(fields, b, c + new // 2, touched[b], bandwidth, tp) for c, b in cases]
     print(
-        f"copy bandwidth {bandwidth / 1e12:.2f} TB/s; shape {args.shape}"
+        f"copy bandwidth {bandwidth / 1e12:.2f} TB/s; shape {args.shape}; tensor parallel {tp}"
+        " (floors per GPU)"
         + (f"; experts touched per layer {touched}" if "num_experts" in fields else "")
     )
     print_case_table(cases, floors, results)
