@@ -1,5 +1,5 @@
 """Where a decode step's GPU time goes: torch.profiler over decode steps of the
-Qwen3-0.6B-shaped model of ``gpu_decode.py`` (or the Gemma-3-1B, Qwen3.5-0.8B or
+Qwen3-0.6B-shaped model of ``gpu_decode.py`` (or the Gemma-3-1B, Qwen3.5-0.8B or -35B-A3B or
 DeepSeek-V2-Lite shape of ``gemma_decode.py``, ``qwen3_5_decode.py``, ``deepseek_decode.py``;
 dummy weights), per kernel and as a timeline (busy and idle), at batch 1 and 64.
 
@@ -58,6 +58,7 @@ MODELS = {
     "qwen3": gpu_decode.build_model,
     "gemma3": gemma_decode.build_model,
     "qwen3_5": partial(qwen3_5_decode.build_model, "0.8b"),
+    "qwen3_5_35b_a3b": partial(qwen3_5_decode.build_model, "35b-a3b"),
     "deepseek": build_deepseek,
     "qwen3_5_mtp": partial(build_mtp, "qwen3.5-0.8b"),
     "deepseek_v3_mtp": partial(build_mtp, "deepseek-v3-5l"),
