@@ -7,10 +7,10 @@ and batch 64 (128-token prompts): decode ms per step, measured as in ``gpu_decod
 multiple of the bandwidth floor, (weight bytes the step must read + KV bytes) / measured copy
 bandwidth, where the experts read are those the step's routing touches: counted on an eager
 engine of their own with hooks on the routers, and printed (distinct experts per MoE layer per
-decode step). ``--hf`` adds HF transformers' continuous batching on the same config (its own random
-init; slow: its experts loop on the host). ``--quantization fp8`` (FP8 attention projections
-and experts) and ``--kv-cache-dtype fp8`` apply to Heron only; the floor counts their bytes
-(one per FP8 element; routers and the LM head stay bf16).
+decode step). ``--hf`` adds HF transformers' continuous batching on the same config (its own
+random init; slow: its experts loop on the host). ``--quantization fp8`` (FP8 attention
+projections and experts) and ``--kv-cache-dtype fp8`` apply to Heron only; the floor counts
+their bytes (one per FP8 element; routers and the LM head stay bf16).
 
     python benchmarks/moe_decode.py [--new-tokens 128] [--batches 1 64] [--hf]
         [--quantization fp8] [--kv-cache-dtype fp8]
