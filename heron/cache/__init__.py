@@ -3,9 +3,15 @@
 from heron.cache.block_pool import NULL_BLOCK_ID, BlockPool, hash_block_tokens
 from heron.cache.coordinator import GroupUsage, KVCacheCoordinator
 from heron.cache.manager import AllocationHeadroom, AllocationPlan, CacheManager
-from heron.cache.paged import PagedCacheManager, PagedPlan
+from heron.cache.paged import (
+    FullAttentionSpec,
+    LatentAttentionSpec,
+    PagedCacheManager,
+    PagedPlan,
+    SlidingWindowSpec,
+)
 from heron.cache.recurrent import RecurrentStateManager, RecurrentStateSpec
-from heron.cache.spec import CacheSpec, FullAttentionSpec, LatentAttentionSpec, SlidingWindowSpec
+from heron.cache.spec import CacheSpec
 
 __all__ = [
     "NULL_BLOCK_ID",

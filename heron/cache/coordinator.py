@@ -8,13 +8,13 @@ from typing import TYPE_CHECKING, NamedTuple
 from heron.cache.manager import (
     NO_HEADROOM,
     AllocationHeadroom,
+    CachedSequence,
     CacheManager,
     within_headroom,
 )
 
 if TYPE_CHECKING:
     from heron.cache.spec import CacheSpec
-    from heron.engine.request import Request
 
 
 class GroupUsage(NamedTuple):
@@ -100,7 +100,7 @@ class KVCacheCoordinator:
             for i, g in enumerate(self.groups)
         ]
 
-    def get_computed_blocks(self, request: Request) -> tuple[tuple[list[int], ...], int]:
+    def get_computed_blocks(self, request: CachedSequence) -> tuple[tuple[list[int], ...], int]:
         """Per group, the cached blocks of the longest prefix that every group holds.
 
         Only blocks lying entirely within the first ``num_tokens - 1`` tokens can hit, so at
@@ -138,7 +138,7 @@ class KVCacheCoordinator:
         self.prefix_cache_hits += num_hit_tokens
         return tuple(chain[:num_hit] for chain in chains), num_hit_tokens
 
-    def chunk_end(self, request: Request, start: int, num_new_tokens: int) -> int:
+    def chunk_end(self, request: CachedSequence, start: int, num_new_tokens: int) -> int:
         """How many of ``num_new_tokens`` tokens from ``start`` a step should compute: a group
         may cut a prefill chunk where it keeps a prefix checkpoint."""
         end = start + num_new_tokens
@@ -151,7 +151,7 @@ class KVCacheCoordinator:
 
     def allocate_slots(
         self,
-        request: Request,
+        request: CachedSequence,
         num_new_tokens: int,
         new_computed_blocks: Sequence[Sequence[int]] = (),
     ) -> bool:
@@ -201,7 +201,7 @@ class KVCacheCoordinator:
             min(limit.tokens for limit in limits), min(limit.known for limit in limits)
         )
 
-    def free(self, request: Request) -> None:
+    def free(self, request: CachedSequence) -> None:
         """Drop the request's blocks in every group (finished, aborted or preempted); unknown
         requests are a no-op. Call it after advancing ``num_computed_tokens`` for the last
         step, or the blocks that step filled are not kept in the prefix cache."""
@@ -210,7 +210,7 @@ class KVCacheCoordinator:
         for group in self.groups:
             group.free(request)
 
-    def truncate(self, request: Request, num_tokens: int) -> None:
+    def truncate(self, request: CachedSequence, num_tokens: int) -> None:
         """Every group gives back what the request holds past its first ``num_tokens`` tokens
         (refused proposals); its headroom shrinks with its tables and the tables count as
         changed for the next plan."""

@@ -13,8 +13,24 @@ from typing import TYPE_CHECKING, NamedTuple, Protocol
 
 if TYPE_CHECKING:
     from heron.cache.block_pool import BlockPool
-    from heron.cache.spec import CacheSpec
-    from heron.engine.request import Request
+
+
+class CachedSequence(Protocol):
+    """What the cache reads of a request: its id, its tokens and how many are computed. The
+    engine's ``Request`` is one; the cache never imports it."""
+
+    request_id: str
+    all_token_ids: list[int]
+    num_computed_tokens: int
+
+    @property
+    def num_prompt_tokens(self) -> int: ...
+
+    @property
+    def num_tokens(self) -> int: ...
+
+    @property
+    def wants_prompt_logprobs(self) -> bool: ...
 
 
 class AllocationHeadroom(NamedTuple):
@@ -29,7 +45,9 @@ NO_HEADROOM = AllocationHeadroom(-1, -1)
 """The headroom of a request holding nothing."""
 
 
-def within_headroom(request: Request, num_new_tokens: int, headroom: AllocationHeadroom) -> bool:
+def within_headroom(
+    request: CachedSequence, num_new_tokens: int, headroom: AllocationHeadroom
+) -> bool:
     """Whether a step of ``num_new_tokens`` (at least one, no hits) needs no allocation."""
     covered = request.num_computed_tokens + num_new_tokens
     tokens, known = headroom
@@ -57,7 +75,6 @@ class CacheManager(ABC):
     :meth:`find_cached_chain`, given only on a request's first allocation.
     """
 
-    spec: CacheSpec
     num_blocks: int
     """Pool size, null entry included."""
 
@@ -72,7 +89,9 @@ class CacheManager(ABC):
         return (self.num_blocks - 1 - self.num_free_blocks) / (self.num_blocks - 1)
 
     @abstractmethod
-    def find_cached_chain(self, request: Request, hashes: list[int] | None = None) -> list[int]:
+    def find_cached_chain(
+        self, request: CachedSequence, hashes: list[int] | None = None
+    ) -> list[int]:
         """The cached blocks heading ``request``'s first ``num_tokens - 1`` tokens (no counting).
 
         ``hashes`` carries the chain hashes between groups of one block size: the ones given
@@ -80,10 +99,10 @@ class CacheManager(ABC):
         """
 
     @abstractmethod
-    def check_hits(self, request: Request, hits: Sequence[int]) -> None:
+    def check_hits(self, request: CachedSequence, hits: Sequence[int]) -> None:
         """Raise ``ValueError`` if ``hits`` are not acceptable for ``request`` now."""
 
-    def chunk_end(self, request: Request, start: int, end: int) -> int:
+    def chunk_end(self, request: CachedSequence, start: int, end: int) -> int:
         """Where a step computing tokens ``start:end`` should end (``end`` unless the group
         keeps something at a point before it)."""
         return end
@@ -94,13 +113,15 @@ class CacheManager(ABC):
         return [], []
 
     @abstractmethod
-    def plan(self, request: Request, num_new_tokens: int, hits: Sequence[int]) -> AllocationPlan:
+    def plan(
+        self, request: CachedSequence, num_new_tokens: int, hits: Sequence[int]
+    ) -> AllocationPlan:
         """What a step of ``num_new_tokens`` after ``hits`` needs (changes nothing)."""
 
     @abstractmethod
     def commit(
         self,
-        request: Request,
+        request: CachedSequence,
         num_new_tokens: int,
         hits: Sequence[int],
         plan: AllocationPlan,
@@ -127,14 +148,14 @@ class CacheManager(ABC):
         """The requests holding entries."""
 
     @abstractmethod
-    def free(self, request: Request) -> None:
+    def free(self, request: CachedSequence) -> None:
         """Drop everything the request holds; unknown requests are a no-op."""
 
-    def truncate(self, request: Request, num_tokens: int) -> None:
+    def truncate(self, request: CachedSequence, num_tokens: int) -> None:
         """Give back what the request holds past its first ``num_tokens`` tokens (tokens a
         verification step computed and refused). A kind whose entries cannot be cut back says
         so here; the engine refuses speculative decoding for it up front."""
-        raise NotImplementedError(f"{self.spec.describe()}: entries cannot be cut back")
+        raise NotImplementedError(f"{type(self).__name__}: entries cannot be cut back")
 
     @abstractmethod
     def reset_prefix_cache(self) -> bool:
@@ -146,7 +167,11 @@ class CacheManager(ABC):
 
 
 def refuse_late_hits(
-    request: Request, held: Collection[str], pool: BlockPool, needed: Sequence[int], entry: str
+    request: CachedSequence,
+    held: Collection[str],
+    pool: BlockPool,
+    needed: Sequence[int],
+    entry: str,
 ) -> None:
     """A manager's :meth:`CacheManager.check_hits`: hits are refused past the request's first
     allocation (``held``: the requests holding entries), or once an entry of ``needed`` (the

@@ -1,6 +1,6 @@
-"""The manager of a paged cache group (full attention, a sliding window or MLA's latent):
-per-request block tables over one :class:`~heron.cache.block_pool.BlockPool`, prefix caching
-of full blocks."""
+"""The paged cache kind (full attention, a sliding window or MLA's latent): its specs, and the
+manager of a paged group: per-request block tables over one
+:class:`~heron.cache.block_pool.BlockPool`, prefix caching of full blocks."""
 
 from __future__ import annotations
 
@@ -8,12 +8,130 @@ from collections.abc import Collection, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, NamedTuple
 
+import numpy as np
+
 from heron.cache.block_pool import NULL_BLOCK_ID, ROOT_HASH, BlockPool, hash_block_tokens
-from heron.cache.manager import NO_HEADROOM, AllocationHeadroom, CacheManager, refuse_late_hits
-from heron.cache.spec import CacheSpec, SlidingWindowSpec
+from heron.cache.manager import (
+    NO_HEADROOM,
+    AllocationHeadroom,
+    CachedSequence,
+    CacheManager,
+    refuse_late_hits,
+)
+from heron.cache.paged_parts import PagedStepParts
+from heron.cache.spec import CacheSpec
 
 if TYPE_CHECKING:
-    from heron.engine.request import Request
+    from heron.metadata.parts import StepParts
+
+
+def paged_table_width(max_model_len: int, block_size: int, sliding_window: int | None) -> int:
+    """Widest table row a decode step reads: every block of the context, or with a window the
+    blocks from the window's first key to the newest token."""
+    width = -(-max_model_len // block_size)
+    if sliding_window is None:
+        return width
+    return min(width, -(-(sliding_window - 1) // block_size) + 1)
+
+
+@dataclass(frozen=True)
+class PagedSpec(CacheSpec):
+    """A kind whose every token keeps its entry in paged blocks for the whole sequence, served
+    by the paged manager (prefix caching included); subclasses give the entry's shape."""
+
+    def blocks_per_seq(self, max_model_len: int, max_num_batched_tokens: int) -> int:
+        return -(-max_model_len // self.block_size)
+
+    def first_table_block(self, context: int | np.ndarray) -> int | np.ndarray:
+        """Index, in a request's table, of the first block a step at ``context`` reads."""
+        return 0
+
+    def step_parts(self) -> StepParts:
+        return PagedStepParts(self)
+
+    def make_manager(
+        self, num_blocks: int, enable_prefix_caching: bool, chain_block_size: int
+    ) -> CacheManager:
+        return PagedCacheManager(self, num_blocks, enable_prefix_caching)
+
+
+@dataclass(frozen=True)
+class FullAttentionSpec(PagedSpec):
+    """Paged K and V of every token: ``[2, blocks, block_size, kv_heads, head_dim]``."""
+
+    num_kv_heads: int
+    head_dim: int
+
+    @property
+    def bytes_per_block(self) -> int:
+        return 2 * self.block_size * self.num_kv_heads * self.head_dim * self._element_size()
+
+    def tensor_shape(self, num_blocks: int) -> tuple[int, ...]:
+        return (2, num_blocks, self.block_size, self.num_kv_heads, self.head_dim)
+
+    def describe(self) -> str:
+        return (
+            f"full attention: {self.block_size}-token blocks, {self.num_kv_heads} KV heads of "
+            f"{self.head_dim}, {str(self.dtype).removeprefix('torch.')}"
+        )
+
+
+@dataclass(frozen=True)
+class SlidingWindowSpec(FullAttentionSpec):
+    """Paged K and V of the last ``sliding_window`` tokens; older blocks are released.
+
+    A query at position ``p`` sees keys ``j`` with ``p - sliding_window < j <= p``.
+    """
+
+    sliding_window: int
+
+    def __post_init__(self) -> None:
+        if self.sliding_window < 1:
+            raise ValueError(f"sliding_window must be >= 1, got {self.sliding_window}")
+
+    def blocks_per_seq(self, max_model_len: int, max_num_batched_tokens: int) -> int:
+        # A step of n tokens keeps keys from W before its first one (one more than it reads).
+        live = -(-(self.sliding_window + max_num_batched_tokens) // self.block_size) + 1
+        return min(super().blocks_per_seq(max_model_len, max_num_batched_tokens), live)
+
+    def first_table_block(self, context: int | np.ndarray) -> int | np.ndarray:
+        """The block of the first key that a token at position ``context`` sees: the one rule
+        by which a windowed row starts at the window (and, at ``context - 1``, the first block
+        a step keeps: the key before the first one it reads)."""
+        if isinstance(context, int):  # the managers' per-request calls: no numpy dispatch
+            return max(context - self.sliding_window + 1, 0) // self.block_size
+        return np.maximum(context - self.sliding_window + 1, 0) // self.block_size
+
+    def describe(self) -> str:
+        return f"sliding window {self.sliding_window}, " + super().describe()
+
+
+@dataclass(frozen=True)
+class LatentAttentionSpec(PagedSpec):
+    """Paged multi-head latent attention (DeepSeek's MLA): per token one entry of the
+    compressed KV latent and the shared rotary key, ``[blocks, block_size, kv_lora_rank +
+    rope_dim]``. Every query head reads the same entry, so it is one "KV head" wide; blocks are
+    paged and prefix-cached as full attention's are."""
+
+    kv_lora_rank: int
+    rope_dim: int
+
+    @property
+    def entry_size(self) -> int:
+        return self.kv_lora_rank + self.rope_dim
+
+    @property
+    def bytes_per_block(self) -> int:
+        return self.block_size * self.entry_size * self._element_size()
+
+    def tensor_shape(self, num_blocks: int) -> tuple[int, ...]:
+        return (num_blocks, self.block_size, self.entry_size)
+
+    def describe(self) -> str:
+        return (
+            f"latent attention: {self.block_size}-token blocks, latent {self.kv_lora_rank} + "
+            f"rope {self.rope_dim}, {str(self.dtype).removeprefix('torch.')}"
+        )
 
 
 @dataclass(slots=True)
@@ -87,7 +205,9 @@ class PagedCacheManager(CacheManager):
     def num_free_blocks(self) -> int:
         return self._pool.num_free
 
-    def find_cached_chain(self, request: Request, hashes: list[int] | None = None) -> list[int]:
+    def find_cached_chain(
+        self, request: CachedSequence, hashes: list[int] | None = None
+    ) -> list[int]:
         """The whole chain must be present, also in a sliding-window group (blocks freed because
         they slid out of a window stay cached until evicted, and count)."""
         num_tokens = len(request.all_token_ids)
@@ -109,11 +229,11 @@ class PagedCacheManager(CacheManager):
             block_ids.append(block_id)
         return block_ids
 
-    def check_hits(self, request: Request, hits: Sequence[int]) -> None:
+    def check_hits(self, request: CachedSequence, hits: Sequence[int]) -> None:
         if hits:
             refuse_late_hits(request, self._requests, self._pool, hits, "a computed block")
 
-    def plan(self, request: Request, num_new_tokens: int, hits: Sequence[int]) -> PagedPlan:
+    def plan(self, request: CachedSequence, num_new_tokens: int, hits: Sequence[int]) -> PagedPlan:
         """Hits on blocks in the free queue count as needed (taking them makes them
         unallocatable); blocks released because they slid out of the window count as freed."""
         state = self._requests.get(request.request_id)
@@ -133,7 +253,7 @@ class PagedCacheManager(CacheManager):
 
     def commit(
         self,
-        request: Request,
+        request: CachedSequence,
         num_new_tokens: int,
         hits: Sequence[int],
         plan: PagedPlan,
@@ -199,7 +319,7 @@ class PagedCacheManager(CacheManager):
     def request_ids(self) -> Collection[str]:
         return self._requests.keys()
 
-    def free(self, request: Request) -> None:
+    def free(self, request: CachedSequence) -> None:
         """Blocks reaching ref 0 join the free queue tail in reverse table order, so a
         sequence's tail blocks are evicted before its head (a later hit needs the head).
         Registered blocks stay findable until evicted, except blocks past
@@ -220,7 +340,7 @@ class PagedCacheManager(CacheManager):
                 pool.uncache(state.block_ids[i])
         pool.release(reversed(state.block_ids[state.num_released :]))
 
-    def truncate(self, request: Request, num_tokens: int) -> None:
+    def truncate(self, request: CachedSequence, num_tokens: int) -> None:
         """Blocks past the one holding token ``num_tokens - 1`` go to the free queue's head:
         they were taken for refused proposals, so they hold nothing anyone looks up (a block
         is registered only once its tokens are known, which refused ones never were)."""
@@ -273,7 +393,7 @@ class PagedCacheManager(CacheManager):
         return sum(1 for b in block_ids if ref_cnt[b] == 0)
 
     def _register_full_blocks(
-        self, request: Request, state: _RequestBlocks, num_full: int, chain: Sequence[int]
+        self, request: CachedSequence, state: _RequestBlocks, num_full: int, chain: Sequence[int]
     ) -> None:
         """Hash and register the request's full blocks ``len(state.block_hashes)..num_full-1``,
         taking the hashes ``chain`` already has."""

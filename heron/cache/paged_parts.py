@@ -6,15 +6,18 @@ from __future__ import annotations
 import functools
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import numpy as np
 import torch
 
 from heron.metadata.parts import GroupLayout, GroupTables, Part, StepParts, StepRows
 
-if TYPE_CHECKING:
-    from heron.cache.spec import PagedSpec
+
+class TableStarts(Protocol):
+    """What the parts read of a paged spec: where a row's table starts."""
+
+    def first_table_block(self, context: int | np.ndarray) -> int | np.ndarray: ...
 
 
 @dataclass(frozen=True)
@@ -44,7 +47,7 @@ class PagedStepParts(StepParts):
     windowed row holds only the blocks its step can read, and the group's table width is its
     own rows' widest."""
 
-    def __init__(self, spec: PagedSpec) -> None:
+    def __init__(self, spec: TableStarts) -> None:
         self.spec = spec
 
     def layout(

@@ -12,18 +12,21 @@ from __future__ import annotations
 import sys
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, NamedTuple
+from typing import NamedTuple
 
 import numpy as np
 import torch
 
 from heron.cache.block_pool import BlockPool
-from heron.cache.manager import NO_HEADROOM, AllocationHeadroom, CacheManager, refuse_late_hits
+from heron.cache.manager import (
+    NO_HEADROOM,
+    AllocationHeadroom,
+    CachedSequence,
+    CacheManager,
+    refuse_late_hits,
+)
 from heron.cache.recurrent_parts import RecurrentStepParts
 from heron.cache.spec import CacheSpec
-
-if TYPE_CHECKING:
-    from heron.engine.request import Request
 
 NULL_SLOT = 0
 
@@ -146,7 +149,9 @@ class RecurrentStateManager(CacheManager):
     def num_free_blocks(self) -> int:
         return self._pool.num_free
 
-    def find_cached_chain(self, request: Request, hashes: list[int] | None = None) -> list[int]:
+    def find_cached_chain(
+        self, request: CachedSequence, hashes: list[int] | None = None
+    ) -> list[int]:
         """The longest prefix of ``hashes`` (the chain's, as far as the other groups hold it)
         ending at a checkpoint: null entries, then the checkpoint."""
         if not hashes:
@@ -158,12 +163,12 @@ class RecurrentStateManager(CacheManager):
                 return [NULL_SLOT] * (i - 1) + [checkpoint]
         return []
 
-    def check_hits(self, request: Request, hits: Sequence[int]) -> None:
+    def check_hits(self, request: CachedSequence, hits: Sequence[int]) -> None:
         # Only the last hit is a slot (a checkpoint); the null slots before it hold nothing.
         if hits:
             refuse_late_hits(request, self._requests, self._pool, hits[-1:], "a state checkpoint")
 
-    def chunk_end(self, request: Request, start: int, end: int) -> int:
+    def chunk_end(self, request: CachedSequence, start: int, end: int) -> int:
         """The last checkpoint boundary inside the prompt in ``(start, end)``, else ``end``:
         a prefill chunk cut there leaves a state to save, for later prompts sharing it."""
         if not self.enable_prefix_caching:
@@ -172,12 +177,12 @@ class RecurrentStateManager(CacheManager):
         boundary = min(end, request.num_prompt_tokens) // bs * bs
         return boundary if start < boundary < end else end
 
-    def plan(self, request: Request, num_new_tokens: int, hits: Sequence[int]) -> SlotPlan:
+    def plan(self, request: CachedSequence, num_new_tokens: int, hits: Sequence[int]) -> SlotPlan:
         return SlotPlan(0 if request.request_id in self._requests else 1)
 
     def commit(
         self,
-        request: Request,
+        request: CachedSequence,
         num_new_tokens: int,
         hits: Sequence[int],
         plan: SlotPlan,
@@ -205,7 +210,7 @@ class RecurrentStateManager(CacheManager):
         following = (end // bs + 1) * bs
         state.next_checkpoint = following if following <= request.num_prompt_tokens else sys.maxsize
 
-    def _take_slot(self, request: Request, checkpoint: int | None) -> _RequestSlot:
+    def _take_slot(self, request: CachedSequence, checkpoint: int | None) -> _RequestSlot:
         """The request's slot, filled from ``checkpoint`` (its hit) before its first step. The
         checkpoint is kept from being handed out as the slot while another entry is free, and
         moves to the queue's tail (the most recently used); else it becomes the slot itself,
@@ -241,7 +246,7 @@ class RecurrentStateManager(CacheManager):
             return NO_HEADROOM
         return AllocationHeadroom(state.next_checkpoint - 1, sys.maxsize)
 
-    def truncate(self, request: Request, num_tokens: int) -> None:
+    def truncate(self, request: CachedSequence, num_tokens: int) -> None:
         """Nothing to give back: the slot stays, and the runner puts back the state the
         accepted tokens left (proposals come after the prompt, where no checkpoint is saved)."""
 
@@ -254,7 +259,7 @@ class RecurrentStateManager(CacheManager):
     def request_ids(self) -> Collection[str]:
         return self._requests.keys()
 
-    def free(self, request: Request) -> None:
+    def free(self, request: CachedSequence) -> None:
         """A save the request's step of this pass planned is dropped with its slot (freed in
         the same pass, the slot may serve another request before the step ends)."""
         state = self._requests.pop(request.request_id, None)

@@ -1,3 +1,3 @@
 """Tensor parallelism over ``torch.distributed``: the group a model shards over and its
-collectives (``parallel``), the rendezvous of the ranks (``rendezvous``), the rank-0 runner
+collectives are ``heron.parallel``), the rendezvous of the ranks (``rendezvous``), the rank-0 runner
 that drives the workers (``executor``) and the workers' loop (``worker``)."""

@@ -27,12 +27,12 @@ import torch.distributed as dist
 from heron.cache.layout import CacheLayout
 from heron.cache.spec import CacheSpec
 from heron.config import ModelConfig
-from heron.distributed.parallel import SINGLE, TensorParallel
 from heron.distributed.rendezvous import Rendezvous, join, min_over_ranks
 from heron.execution.cuda_graph import CudaGraphRunner
 from heron.execution.model_runner import LaunchedStep, ModelRunner
 from heron.execution.step_plan import DeviceDrafts, StepPlan
 from heron.metadata import StepMetaPlan
+from heron.parallel import SINGLE, TensorParallel
 from heron.platforms import Platform
 
 # How long rank 0 waits for a worker whose collective failed to exit (to name its exit code),

@@ -17,7 +17,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from heron.distributed.parallel import TensorParallel
+from heron.parallel import TensorParallel
 
 # How long the ranks wait for each other to join, and for a collective of the model.
 JOIN_TIMEOUT = timedelta(minutes=10)

@@ -10,13 +10,14 @@ from typing import TYPE_CHECKING
 from transformers import AutoTokenizer
 
 from heron.cache.coordinator import KVCacheCoordinator
+from heron.cache.paged import FullAttentionSpec, PagedSpec
 from heron.cache.recurrent import RecurrentStateSpec
-from heron.cache.spec import FullAttentionSpec, PagedSpec
 from heron.config import (
     DEFAULT_HOST_KV_CACHE_BYTES,
     TOKENIZER_FILES,
     EngineConfig,
     ModelConfig,
+    SpeculativeConfig,
     lacks_tokenizer,
 )
 from heron.distributed.executor import RunnerArgs, make_model_runner
@@ -31,7 +32,7 @@ from heron.loader.resolve import resolve_model_path
 from heron.outputs import CompletionOutput, Logprob, PrefixView, RequestOutput
 from heron.platforms import platform_for, resolve_device
 from heron.sampling_params import SamplingParams
-from heron.speculative import SpecDecodeStats, SpeculativeConfig
+from heron.speculative import SpecDecodeStats
 from heron.speculative.draft_model import DraftModelProposer, load_draft_runner, split_kv_budget
 from heron.speculative.mtp import MTPProposer, load_mtp_runner
 

@@ -8,10 +8,11 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, NamedTuple
 
 from heron.cache.coordinator import KVCacheCoordinator
+from heron.config import SpeculativeConfig
 from heron.engine.request import Request, RequestStatus
 from heron.execution.sampler import on_device
 from heron.execution.step_plan import DeviceDrafts, EntryCopies, NewRequest, SentTables, StepPlan
-from heron.speculative import ModelProposer, NgramProposer, SpeculativeConfig
+from heron.speculative import ModelProposer, NgramProposer
 
 if TYPE_CHECKING:
     from heron.execution.model_runner import LaunchedStep

@@ -16,7 +16,6 @@ from heron.cache.paged_parts import PagedParts
 from heron.cache.recurrent import RecurrentStateSpec
 from heron.cache.spec import CacheSpec
 from heron.config import ModelConfig
-from heron.distributed.parallel import SINGLE, TensorParallel
 from heron.execution.cuda_graph import CudaGraphRunner
 from heron.execution.next_decode import (
     DecodeChain,
@@ -38,6 +37,7 @@ from heron.metadata import (
 )
 from heron.models.build import build_model
 from heron.outputs import Logprob
+from heron.parallel import SINGLE, TensorParallel
 from heron.platforms import Platform
 from heron.speculative.verification import (
     DraftRows,

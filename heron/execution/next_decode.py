@@ -16,8 +16,9 @@ from dataclasses import dataclass, replace
 import numpy as np
 import torch
 
+from heron.cache.paged import PagedSpec
 from heron.cache.paged_parts import PagedParts
-from heron.cache.spec import CacheSpec, PagedSpec
+from heron.cache.spec import CacheSpec
 from heron.execution.step_plan import StepPlan
 from heron.metadata import SequenceMetadata
 

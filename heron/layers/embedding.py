@@ -7,9 +7,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from heron.distributed.parallel import current_tensor_parallel
 from heron.kernels import TORCH_KERNELS, LayerKernels
 from heron.layers.linear import linear
+from heron.parallel import current_tensor_parallel
 
 
 class VocabRows(nn.Module):

@@ -17,7 +17,6 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from heron.distributed.parallel import current_tensor_parallel
 from heron.kernels import TORCH_KERNELS, LayerKernels
 from heron.layers.fp8 import (
     FP8,
@@ -27,6 +26,7 @@ from heron.layers.fp8 import (
     scale_shape,
     scaled_mm_reference,
 )
+from heron.parallel import current_tensor_parallel
 
 
 class Linear(nn.Module):

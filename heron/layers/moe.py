@@ -30,13 +30,13 @@ import torch.nn.functional as F
 from torch import nn
 from transformers import PretrainedConfig
 
-from heron.distributed.parallel import current_tensor_parallel
 from heron.kernels import TORCH_KERNELS, LayerKernels
 from heron.layers.activation import SiluAndMul
 from heron.layers.fp8 import FP8, channel_scales, dequantize, quantize, scale_shape
 from heron.layers.linear import Linear, whole_blocks
 from heron.layers.mlp import GatedMLP
 from heron.layers.routing import Routing, TopKRouter
+from heron.parallel import current_tensor_parallel
 
 #: An FP8 stack's scales are the parameter of its name plus this (``gate_up_proj_scale``).
 SCALE_SUFFIX = "_scale"

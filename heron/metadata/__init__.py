@@ -2,9 +2,9 @@
 
 from heron.metadata.builder import GraphSupport, MetadataBuilder
 from heron.metadata.errors import StepMetadataError
-from heron.metadata.operator import MetadataOperator
-from heron.metadata.plan import MetadataGroup, StepMetaPlan
-from heron.metadata.scope import ModelBuildContext, current_build_context
+from heron.metadata.group import MetadataGroup
+from heron.metadata.operator import MetadataOperator, ModelBuildContext, current_build_context
+from heron.metadata.plan import StepMetaPlan
 from heron.metadata.sequence import SequenceMetadata, StepBatch
 
 __all__ = [

@@ -10,13 +10,13 @@ import torch
 from torch import nn
 
 from heron.config import ModelConfig
-from heron.distributed.parallel import SINGLE, TensorParallel, tensor_parallel_scope
 from heron.loader import load_model
 from heron.metadata import MetadataBuilder, MetadataOperator, StepMetadataError, StepMetaPlan
 from heron.models.registry import model_class, mtp_class
 from heron.ops.attention.base import AttentionOperator
 from heron.ops.attention.paged import PagedAttentionBuilder
 from heron.ops.selector import OperatorRuntime, layer_kernels
+from heron.parallel import SINGLE, TensorParallel, tensor_parallel_scope
 from heron.platforms import Platform
 
 if TYPE_CHECKING:

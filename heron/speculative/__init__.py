@@ -1,8 +1,7 @@
 """Speculative decoding: proposals of the next tokens, verified by the target model in one step."""
 
-from heron.speculative.config import SpeculativeConfig
 from heron.speculative.ngram import NgramProposer
 from heron.speculative.proposer import ModelProposer
 from heron.speculative.stats import SpecDecodeStats
 
-__all__ = ["ModelProposer", "NgramProposer", "SpecDecodeStats", "SpeculativeConfig"]
+__all__ = ["ModelProposer", "NgramProposer", "SpecDecodeStats"]

@@ -10,8 +10,8 @@ import torch
 
 from heron.cache.coordinator import KVCacheCoordinator
 from heron.cache.layout import CacheLayout
-from heron.cache.spec import PagedSpec
-from heron.config import ModelConfig, lacks_tokenizer
+from heron.cache.paged import PagedSpec
+from heron.config import ModelConfig, SpeculativeConfig, lacks_tokenizer
 from heron.distributed.executor import RunnerArgs, make_model_runner
 from heron.execution.model_runner import LaunchedStep, ModelRunner
 from heron.execution.sampler import to_device
@@ -19,7 +19,6 @@ from heron.execution.step_plan import DeviceDrafts, NewRequest, Rollback, SentTa
 from heron.loader.resolve import resolve_model_path
 from heron.platforms import Platform
 from heron.sampling_params import SamplingParams
-from heron.speculative.config import SpeculativeConfig
 from heron.speculative.proposer import ModelProposer
 
 if TYPE_CHECKING:

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from heron.cache.spec import SlidingWindowSpec, paged_table_width
+from heron.cache.paged import SlidingWindowSpec, paged_table_width
 
 
 @pytest.mark.parametrize("window,block_size", [(1, 4), (5, 4), (8, 4), (9, 4), (64, 16)])

@@ -18,13 +18,13 @@ from tp_models import tiny_config
 from heron import LLM, SamplingParams
 from heron.config import ModelConfig
 from heron.distributed.executor import WorkerDiedError
-from heron.distributed.parallel import TensorParallel, tensor_parallel_scope
 from heron.distributed.rendezvous import Rendezvous
 from heron.layers.activation import SiluAndMul
 from heron.layers.mlp import GatedMLP
 from heron.layers.moe import SparseMoE, SwiGLUExperts
 from heron.layers.routing import Routing, TopKRouter
 from heron.models.build import build_model
+from heron.parallel import TensorParallel, tensor_parallel_scope
 from heron.platforms import CpuPlatform
 
 from tiny_models import (

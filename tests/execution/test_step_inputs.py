@@ -9,10 +9,10 @@ import random
 import pytest
 import torch
 
+from heron.cache.paged import FullAttentionSpec, SlidingWindowSpec
 from heron.cache.paged_parts import PagedParts
 from heron.cache.recurrent import RecurrentStateSpec
 from heron.cache.recurrent_parts import RecurrentParts
-from heron.cache.spec import FullAttentionSpec, SlidingWindowSpec
 from heron.execution.request_state import RequestState
 from heron.execution.step_inputs import StepInputBuilder
 from heron.execution.step_plan import NewRequest, SentTables, StepPlan

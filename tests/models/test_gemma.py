@@ -13,7 +13,7 @@ import torch
 import transformers as tf
 
 from heron import LLM, SamplingParams
-from heron.cache.spec import SlidingWindowSpec
+from heron.cache.paged import SlidingWindowSpec
 from heron.layers.norm import GemmaRMSNorm
 from heron.metadata import StepMetaPlan
 

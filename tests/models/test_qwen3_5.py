@@ -17,8 +17,8 @@ import transformers as tf
 from execution.view_replay import replay_views
 
 from heron import LLM, SamplingParams
+from heron.cache.paged import FullAttentionSpec
 from heron.cache.recurrent import RecurrentStateSpec
-from heron.cache.spec import FullAttentionSpec
 from heron.ops.linear_attention import triton_operator
 from heron.ops.linear_attention.operator import GatedDeltaNet
 

@@ -5,8 +5,7 @@ import pytest
 
 from heron import LLM
 from heron.cli import build_parser, engine_config, main
-from heron.config import EngineConfig
-from heron.speculative import SpeculativeConfig
+from heron.config import EngineConfig, SpeculativeConfig
 
 from tiny_models import make_tokenizer, save_random_model, save_tiny_model, tiny_config
 

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
-from heron.cache.spec import FullAttentionSpec, SlidingWindowSpec
+from heron.cache.paged import FullAttentionSpec, SlidingWindowSpec
 from heron.layers.rotary import QKTransform
 from heron.metadata import MetadataBuilder, MetadataOperator, ModelBuildContext, StepMetadataError
 

@@ -9,8 +9,8 @@ from typing import Any
 import numpy as np
 import torch
 
+from heron.cache.paged import paged_table_width
 from heron.cache.paged_parts import PagedParts
-from heron.cache.spec import paged_table_width
 from heron.metadata import GraphSupport, MetadataBuilder, SequenceMetadata, StepMetadataError
 
 

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from heron.cache.spec import LatentAttentionSpec
+from heron.cache.paged import LatentAttentionSpec
 from heron.layers.norm import RMSNorm
 from heron.metadata import MetadataOperator, ModelBuildContext, StepMetadataError
 from heron.ops.attention.paged import PagedAttentionBuilder, PagedAttentionView
