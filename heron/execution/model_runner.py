@@ -9,7 +9,6 @@ from itertools import accumulate
 
 import numpy as np
 import torch
-from torch import nn
 
 from heron.cache.layout import CacheLayout
 from heron.cache.paged_parts import PagedParts
@@ -33,9 +32,8 @@ from heron.metadata import (
     SequenceMetadata,
     StepBatch,
     StepMetadataError,
-    StepMetaPlan,
 )
-from heron.models.build import build_model
+from heron.models.build import BuiltModel, build_model
 from heron.outputs import Logprob
 from heron.parallel import SINGLE, TensorParallel
 from heron.platforms import Platform
@@ -153,16 +151,16 @@ class ModelRunner:
         attention_backend: str,
         seed: int,
         tp: TensorParallel = SINGLE,
-        build: Callable[..., nn.Module] = build_model,
+        build: Callable[..., BuiltModel] = build_model,
     ) -> None:
         """Under ``tp`` the runner holds this rank's shard of the model and of the caches.
-        ``build`` makes the model (``build_model``'s arguments; an MTP head's is another)."""
+        ``build`` makes the model and its plan (``build_model``'s arguments; an MTP head's is
+        another)."""
         self.model_config = model_config
         self.platform = platform
         self.device = platform.device
         self.block_size = block_size
-        self.plan: StepMetaPlan | None = None
-        self.model = build(model_config, platform, self, attention_backend, block_size, tp)
+        self.model, self.plan = build(model_config, platform, attention_backend, block_size, tp)
         self.cache = CacheLayout(
             [
                 m

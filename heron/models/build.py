@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING
+from typing import NamedTuple
 
 import torch
 from torch import nn
@@ -19,10 +19,14 @@ from heron.ops.selector import OperatorRuntime, layer_kernels
 from heron.parallel import SINGLE, TensorParallel, tensor_parallel_scope
 from heron.platforms import Platform
 
-if TYPE_CHECKING:
-    from heron.execution.model_runner import ModelRunner
-
 logger = logging.getLogger(__name__)
+
+
+class BuiltModel(NamedTuple):
+    """A built, loaded model and the metadata plan of its operators."""
+
+    model: nn.Module
+    plan: StepMetaPlan
 
 
 def compatibility_builder(
@@ -54,37 +58,30 @@ def compatibility_builder(
 def build_model(
     model_config: ModelConfig,
     platform: Platform,
-    target: ModelRunner,
     attention_backend: str,
     block_size: int,
     tp: TensorParallel = SINGLE,
-) -> nn.Module:
-    """Build, load and plan the model (this rank's shard of it, under ``tp``); attach the plan
-    to ``target`` only if all succeeded."""
-    target.plan = None
+) -> BuiltModel:
+    """Build, load and plan the model (this rank's shard of it, under ``tp``)."""
     cls = model_class(model_config.architecture)
     construct = lambda runtime: cls(model_config.hf_config, runtime)
-    return _build(construct, model_config, platform, target, attention_backend, block_size, tp)
+    return _build(construct, model_config, platform, attention_backend, block_size, tp)
 
 
 def build_mtp(
     model: nn.Module,
     model_config: ModelConfig,
     platform: Platform,
-    target: ModelRunner,
     attention_backend: str,
     block_size: int,
-) -> nn.Module:
+) -> BuiltModel:
     """The multi-token-prediction head of the built target ``model``, loaded from the target's
-    checkpoint, in a build scope of its own: its operators form their own plan (attached to
-    ``target``) and cache groups."""
-    target.plan = None
+    checkpoint, in a build scope of its own: its operators form their own plan and cache
+    groups."""
     cls = mtp_class(model_config.architecture)
     construct = lambda runtime: cls(model, runtime)
     try:
-        return _build(
-            construct, model_config, platform, target, attention_backend, block_size, SINGLE
-        )
+        return _build(construct, model_config, platform, attention_backend, block_size, SINGLE)
     except ValueError as e:
         raise ValueError(f"speculative method 'mtp': {e}") from e
 
@@ -93,11 +90,10 @@ def _build(
     construct: Callable[[OperatorRuntime], nn.Module],
     model_config: ModelConfig,
     platform: Platform,
-    target: ModelRunner,
     attention_backend: str,
     block_size: int,
     tp: TensorParallel,
-) -> nn.Module:
+) -> BuiltModel:
     previous_dtype = torch.get_default_dtype()
     torch.set_default_dtype(model_config.dtype)
     try:
@@ -132,5 +128,4 @@ def _build(
     plan = StepMetaPlan.from_operators(operators, fallback, fallback_reason=reason)
     if plan.fallback_reason:
         logger.warning("metadata plan uses the compatibility fallback: %s", plan.fallback_reason)
-    target.plan = plan
-    return model
+    return BuiltModel(model, plan)

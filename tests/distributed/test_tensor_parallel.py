@@ -7,7 +7,6 @@ import os
 import subprocess
 import sys
 import threading
-import types
 from pathlib import Path
 
 import pytest
@@ -107,8 +106,7 @@ def build(path: Path, tp: TensorParallel | None = None) -> torch.nn.Module:
     """A model (or one rank's shard of it) built and loaded in this process, no group needed."""
     cpu = torch.device("cpu")
     config = ModelConfig.from_path(path, "float32", cpu, ENGINE["max_model_len"])
-    target = types.SimpleNamespace(plan=None)
-    return build_model(config, CpuPlatform(cpu), target, "reference", 16, tp or TensorParallel())
+    return build_model(config, CpuPlatform(cpu), "reference", 16, tp or TensorParallel()).model
 
 
 def gather(name: str, a: torch.Tensor, b: torch.Tensor, config) -> torch.Tensor:

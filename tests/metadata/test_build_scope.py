@@ -1,5 +1,5 @@
-"""The model-build scope: registration rules, worker threads, build_model leaves no stale plan,
-and the no-op platform that runs every operator on the compatibility fallback."""
+"""The model-build scope: registration rules, worker threads, build_model returns its plan
+beside the model (a build that raises returns none, and holds no runner to leave one in), and the no-op platform that runs every operator on the compatibility fallback."""
 
 from __future__ import annotations
 
@@ -7,7 +7,6 @@ import json
 import logging
 import shutil
 from concurrent.futures import ThreadPoolExecutor
-from types import SimpleNamespace
 
 import pytest
 import torch
@@ -119,59 +118,46 @@ def _model_config(path) -> ModelConfig:
     return ModelConfig.from_path(path, "float32", CPU, 64)
 
 
-@pytest.fixture
-def stale_target():
-    """A runner-like target that still holds the plan of an earlier build."""
-    return SimpleNamespace(plan=StepMetaPlan([]))
-
-
-def test_successful_build_attaches_a_covering_plan(tiny_model_dir, stale_target):
-    old = stale_target.plan
-    model = build_model(
-        _model_config(tiny_model_dir("llama")), CpuPlatform(CPU), stale_target, "reference", 16
+def test_successful_build_returns_a_covering_plan(tiny_model_dir):
+    model, plan = build_model(
+        _model_config(tiny_model_dir("llama")), CpuPlatform(CPU), "reference", 16
     )
-    plan = stale_target.plan
-    assert plan is not None and plan is not old
+    assert plan is not None
     assert plan.fallback_reason is None and len(plan.groups) == 1
     assert plan.groups[0].layers == [f"model.layers.{i}.self_attn.attn" for i in range(3)]
     plan.check_coverage(model)
 
 
-def test_broken_checkpoint_leaves_no_plan(tiny_model_dir, tmp_path, stale_target):
+def test_broken_checkpoint_leaves_no_plan(tiny_model_dir, tmp_path):
     path = _copy_model(tiny_model_dir("llama"), tmp_path / "broken")
     tensors = load_file(path / "model.safetensors")
     dropped = "model.layers.1.mlp.down_proj.weight"
     del tensors[dropped]
     save_file(tensors, path / "model.safetensors", metadata={"format": "pt"})
     with pytest.raises(ValueError, match=r"model\.layers\.1\.mlp\.down_proj\.weight"):
-        build_model(_model_config(path), CpuPlatform(CPU), stale_target, "reference", 16)
-    assert stale_target.plan is None
+        build_model(_model_config(path), CpuPlatform(CPU), "reference", 16)
 
 
-def test_failure_while_constructing_operators_leaves_no_plan(tiny_model_dir, stale_target):
+def test_failure_while_constructing_operators_leaves_no_plan(tiny_model_dir):
     config = _model_config(tiny_model_dir("llama"))
     with pytest.raises(ValueError, match="unknown attention backend"):
-        build_model(config, CpuPlatform(CPU), stale_target, "no-such-backend", 16)
-    assert stale_target.plan is None
+        build_model(config, CpuPlatform(CPU), "no-such-backend", 16)
     # ... and the failed build's scope did not leak into this thread.
     with pytest.raises(StepMetadataError):
         make_attention("after.failure")
 
 
-def test_unsupported_architecture_lists_supported_and_leaves_no_plan(
-    tiny_model_dir, tmp_path, stale_target
-):
+def test_unsupported_architecture_lists_supported_and_leaves_no_plan(tiny_model_dir, tmp_path):
     path = _copy_model(tiny_model_dir("llama"), tmp_path / "alien")
     config_file = path / "config.json"
     config = json.loads(config_file.read_text())
     config["architectures"] = ["AlienForCausalLM"]
     config_file.write_text(json.dumps(config))
     with pytest.raises(ValueError, match="AlienForCausalLM") as info:
-        build_model(_model_config(path), CpuPlatform(CPU), stale_target, "reference", 16)
+        build_model(_model_config(path), CpuPlatform(CPU), "reference", 16)
     message = str(info.value)
     for supported in ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM"):
         assert supported in message
-    assert stale_target.plan is None
 
 
 # --------------------------------------------------------------------------- no-op platform
