@@ -11,6 +11,7 @@ import torch
 from transformers import AutoConfig, GenerationConfig, PretrainedConfig
 
 from heron.layers.fp8 import FP8, QUANTIZATIONS, Fp8Scheme, fp8_scheme
+from heron.ops.selector import check_backend
 
 _DTYPES = {
     "float32": torch.float32,
@@ -174,8 +175,14 @@ class EngineConfig:
     tensor_parallel_size: int = 1  # ranks one model is split over (one process each)
 
     def __post_init__(self) -> None:
-        if self.speculative_config is not None:
-            SpeculativeConfig.from_dict(self.speculative_config)
+        # Parsed once here (not a field: the options stay the user's).
+        self._speculative = (
+            None
+            if self.speculative_config is None
+            else SpeculativeConfig.from_dict(self.speculative_config)
+        )
+        if self.attention_backend is not None:
+            check_backend(self.attention_backend)
         if self.tensor_parallel_size < 1:
             raise ValueError(f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
         if self.speculative_config is not None and self.tensor_parallel_size > 1:
@@ -224,9 +231,7 @@ class EngineConfig:
     @property
     def speculative(self) -> SpeculativeConfig | None:
         """The checked ``speculative_config``, or None without one."""
-        if self.speculative_config is None:
-            return None
-        return SpeculativeConfig.from_dict(self.speculative_config)
+        return self._speculative
 
 
 @dataclass(frozen=True)

@@ -41,12 +41,12 @@ def tiny_model_dir(tmp_path_factory):
 @pytest.fixture(scope="session", autouse=True)
 def cpu_unless_asked():
     """Tests run on the CPU even on a GPU machine; ``gpu`` tests name their device."""
-    import heron.engine.llm_engine as llm_engine
+    import heron.engine.resolved_config as resolved_config
 
-    real = llm_engine.resolve_device
+    real = resolved_config.resolve_device
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(
-            llm_engine, "resolve_device", lambda d: real("cpu" if d in (None, "auto") else d)
+            resolved_config, "resolve_device", lambda d: real("cpu" if d in (None, "auto") else d)
         )
         yield
 

@@ -7,34 +7,18 @@ import time
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING
 
-from transformers import AutoTokenizer
-
-from heron.cache.coordinator import KVCacheCoordinator
-from heron.cache.paged import FullAttentionSpec, PagedSpec
-from heron.cache.recurrent import RecurrentStateSpec
-from heron.config import (
-    DEFAULT_HOST_KV_CACHE_BYTES,
-    TOKENIZER_FILES,
-    EngineConfig,
-    ModelConfig,
-    SpeculativeConfig,
-    lacks_tokenizer,
-)
-from heron.distributed.executor import RunnerArgs, make_model_runner
+from heron.config import EngineConfig
+from heron.engine.builder import build_engine
 from heron.engine.detokenizer import IncrementalDetokenizer
 from heron.engine.request import FinishReason, Request, RequestStatus
-from heron.engine.scheduler import Scheduler, SchedulerConfig
+from heron.engine.resolved_config import resolve
 from heron.engine.stopping import check_stop
-from heron.execution.model_runner import LaunchedStep, ModelRunner
+from heron.execution.model_runner import LaunchedStep
 from heron.execution.sampler import on_device
 from heron.execution.step_plan import StepOutput
-from heron.loader.resolve import resolve_model_path
 from heron.outputs import CompletionOutput, Logprob, PrefixView, RequestOutput
-from heron.platforms import platform_for, resolve_device
 from heron.sampling_params import SamplingParams
 from heron.speculative import SpecDecodeStats
-from heron.speculative.draft_model import DraftModelProposer, load_draft_runner, split_kv_budget
-from heron.speculative.mtp import MTPProposer, load_mtp_runner
 
 if TYPE_CHECKING:
     import torch
@@ -43,70 +27,8 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-# With chunked prefill a step never exceeds this many tokens unless the user says otherwise.
-DEFAULT_MAX_NUM_BATCHED_TOKENS = {"cuda": 8192}
-FALLBACK_MAX_NUM_BATCHED_TOKENS = 2048
-# Verification graphs keep 1 + k logits rows per request each: captured up to this batch
-# (or disable_by_batch_size), larger verification steps run eagerly.
-VERIFY_GRAPH_MAX_BS = 64
 # How long an idle step waits for a grammar being compiled before it looks at its commands.
 _GRAMMAR_WAIT_S = 0.02
-
-
-def _describe(speculative: SpeculativeConfig, scheduler: SchedulerConfig, ahead: str | None) -> str:
-    """How proposals reach the verification step, and when scheduling overlaps the device
-    (``ahead``: None where the next step is scheduled past a verification still on the
-    device, else why not)."""
-    if speculative.method == "ngram":
-        where = "looked up on the host in the accepted tokens"
-    elif scheduler.drafts_on_device:
-        where = "kept on the device up to the verification step"
-    else:
-        where = "read on the host (a tensor-parallel target)"
-    head = f"{speculative.method}, {speculative.num_speculative_tokens} proposals per step, {where}"
-    if ahead is None:
-        return (
-            f"{head}; the next step and its proposals are scheduled while a verification step "
-            "runs, as if it accepted every proposal, and moved back on the device by its "
-            "refusals (asynchronous verification)"
-        )
-    limit = speculative.disable_by_batch_size
-    return (
-        f"{head}; each verification step is read before the next proposals ({ahead}), so "
-        "scheduling overlaps the device only while speculation is off "
-        f"({f'more than {limit} requests' if limit else 'never'})"
-    )
-
-
-def _runs_past_verification(
-    config: EngineConfig, runner: object, draft_runner: ModelRunner | None
-) -> str | None:
-    """None where steps may be scheduled past a verification still on the device: a draft
-    model asked to (``async_verification``) beside a single-rank target, asynchronous
-    scheduling on, and every operator of both
-    reading lengths on the device only over full-attention caches (a row is then moved back on
-    the device: positions, slots, KV lengths); else why not."""
-    method = config.speculative.method
-    if method != "draft_model":
-        return (
-            "n-gram proposals need the accepted tokens on the host"
-            if method == "ngram"
-            else f"{method} proposals are not made past an unread verification"
-        )
-    if not config.speculative.async_verification:
-        return "speculative_config's async_verification is off"
-    if not config.async_scheduling:
-        return "async_scheduling is off"
-    if not isinstance(runner, ModelRunner):
-        return "a tensor-parallel target"
-    for name, r in (("the target", runner), ("the draft", draft_runner)):
-        for spec in r.cache_specs:
-            if type(spec) is not FullAttentionSpec:
-                return f"{name}'s cache {spec.describe()} is laid out from host lengths"
-        for group in r.plan.groups:
-            if not group.builder.lengths_on_device:
-                return f"{name}'s {group.builder.describe()} reads host lengths"
-    return None
 
 
 @dataclass(frozen=True)
@@ -176,223 +98,27 @@ class LLMEngine:
     def __init__(self, config: EngineConfig, detokenize: bool = True) -> None:
         """Without ``detokenize`` outputs have no text and stop strings are not looked for:
         the caller (the server's front process) does both."""
+        self.resolved = resolve(config)
         self.config = config
         self.detokenize = detokenize
-        device = resolve_device(config.device)
-        self.platform = platform_for(device)
-        path = resolve_model_path(config.model, config.revision)
-        self.model_config = ModelConfig.from_path(
-            path,
-            config.dtype,
-            device,
-            config.max_model_len,
-            config.load_format,
-            config.seed,
-            config.quantization,
-            config.kv_cache_dtype,
-        )
-        tokenizer = config.tokenizer or path
-        if lacks_tokenizer(tokenizer):
-            # transformers would build an empty tokenizer from the config alone.
-            raise ValueError(
-                f"{tokenizer} has no tokenizer files (none of {', '.join(TOKENIZER_FILES)}); "
-                "pass --tokenizer DIR"
-            )
-        self.tokenizer = AutoTokenizer.from_pretrained(tokenizer)
-        self.block_size = config.block_size or self.platform.default_block_size
-        backend = config.attention_backend or self.platform.default_attention_backend()
-        try:
-            self.runner = make_model_runner(
-                config.tensor_parallel_size,
-                RunnerArgs(self.model_config, self.block_size, backend, config.seed),
-                self.platform,
-            )
-        except ValueError as e:
-            # Name what the user gave: a GGUF file's weights are read from its converted copy.
-            raise ValueError(f"{config.model or path}: {e}") from e
-        self.max_num_batched_tokens = config.max_num_batched_tokens or (
-            DEFAULT_MAX_NUM_BATCHED_TOKENS.get(device.type, FALLBACK_MAX_NUM_BATCHED_TOKENS)
-        )
-        speculative = config.speculative
-        if speculative is not None:
-            for spec in self.runner.cache_specs:
-                if not isinstance(spec, (PagedSpec, RecurrentStateSpec)):
-                    raise ValueError(
-                        f"speculative_config: the cache kind {spec.describe()} cannot roll back "
-                        "refused proposals (paged attention caches and recurrent states can)"
-                    )
-        method = speculative.method if speculative is not None else None
-        # The runner of the model a proposer runs (its share of the KV budget, its graphs).
-        self.draft_runner = None
-        if method == "draft_model":
-            self.draft_runner = load_draft_runner(
-                speculative,
-                self.model_config,
-                self.tokenizer,
-                self.platform,
-                self.block_size,
-                backend,
-                config.dtype,
-                config.kv_cache_dtype,
-            )
-        elif method == "mtp":
-            self.draft_runner = load_mtp_runner(self.runner, backend, self.max_num_batched_tokens)
-            self.runner.keep_hidden_states = True
-        # Why steps are not scheduled past a verification on the device (None: they are).
-        self.sync_verification_reason = (
-            None
-            if speculative is None
-            else _runs_past_verification(config, self.runner, self.draft_runner)
-        )
-        if speculative is not None and self.sync_verification_reason is None:
-            self.runner.async_verification = True
+        self.platform = self.resolved.platform
+        self.model_config = self.resolved.model
+        self.max_num_batched_tokens = self.resolved.max_num_batched_tokens
+        self.block_size = self.resolved.block_size
+        parts = build_engine(self.resolved)
+        self.tokenizer = parts.tokenizer
+        self.runner, self.draft_runner = parts.runner, parts.draft_runner
+        self.kv_cache, self.scheduler = parts.kv_cache, parts.scheduler
+        self.model_proposer = parts.model_proposer
+        self.verification_bytes = parts.verification_bytes
+        self.sync_verification_reason = parts.sync_verification_reason
         self.spec_decode_stats = SpecDecodeStats()
-        # before the KV cache is sized, which leaves this out of its budget
-        self.verification_bytes = self._reserve_verification()
-        num_blocks, draft_blocks = self._num_kv_blocks()
-        self.runner.allocate_kv_cache(num_blocks)
-        if self.draft_runner is not None:
-            self.draft_runner.allocate_kv_cache(draft_blocks)
-        if device.type == "cuda" and not config.enforce_eager:
-            max_batch = min(config.cuda_graph_max_bs, config.max_num_seqs)
-            self.runner.capture_graphs(
-                max_batch,
-                1 + speculative.num_speculative_tokens if speculative else 1,
-                min(max_batch, speculative.disable_by_batch_size or VERIFY_GRAPH_MAX_BS)
-                if speculative
-                else 0,
-            )
-            if self.draft_runner is not None:
-                draft_batch = min(max_batch, speculative.disable_by_batch_size or max_batch)
-                # (a draft run past a verification ingests blocks of 1 + k tokens a row, and
-                # so does an MTP head catching up after each verification)
-                ingests = method == "mtp" or self.sync_verification_reason is None
-                self.draft_runner.capture_graphs(
-                    draft_batch,
-                    1 + speculative.num_speculative_tokens if ingests else 1,
-                    min(draft_batch, VERIFY_GRAPH_MAX_BS),
-                )
-        self.kv_cache = KVCacheCoordinator(
-            self.runner.cache_specs, num_blocks, config.enable_prefix_caching
-        )
-        proposer_class = MTPProposer if method == "mtp" else DraftModelProposer
-        self.model_proposer = (
-            None
-            if self.draft_runner is None
-            else proposer_class(
-                self.draft_runner,
-                KVCacheCoordinator(
-                    self.draft_runner.cache_specs, draft_blocks, config.enable_prefix_caching
-                ),
-                speculative.num_speculative_tokens,
-                self.max_num_batched_tokens,
-            )
-        )
-        max_len = self.model_config.max_model_len
-        self.scheduler = Scheduler(
-            SchedulerConfig(
-                max_num_seqs=config.max_num_seqs,
-                max_num_batched_tokens=self.max_num_batched_tokens,
-                max_model_len=max_len,
-                speculative=speculative,
-                uniform_proposals_up_to=self.runner.verify_graph_max_batch,
-                drafts_on_device=isinstance(self.runner, ModelRunner),
-            ),
-            self.kv_cache,
-            self.model_proposer,
-        )
         self._parents: dict[str, ParentRequest] = {}
         self._in_flight: _Launched | None = None  # launched, its tokens not read yet
         self._grammars: GrammarCompiler | None = None  # made for the first structured request
         self.eos_token_ids = self.model_config.eos_token_ids | (
             {self.tokenizer.eos_token_id} if self.tokenizer.eos_token_id is not None else set()
         )
-        scheme = self.model_config.quantization
-        logger.info(
-            "model %s (%s), dtype %s, device %s, %s",
-            path,
-            self.model_config.architecture,
-            self.model_config.dtype,
-            device,
-            scheme.describe() if scheme else "unquantised weights",
-        )
-        if speculative is not None:
-            logger.info(
-                "speculative decoding: %s",
-                _describe(speculative, self.scheduler.config, self.sync_verification_reason),
-            )
-        caches = [("", self.kv_cache)]
-        if self.model_proposer is not None:
-            caches.append(("draft ", self.model_proposer.kv_cache))
-        for name, kv in caches:
-            for group in kv.group_usage():
-                logger.info(
-                    "%scache group %d (%s): %d blocks (%d tokens)",
-                    name,
-                    group.group,
-                    group.spec.describe(),
-                    group.num_blocks - 1,
-                    (group.num_blocks - 1) * group.spec.block_size,
-                )
-
-    def _reserve_verification(self) -> int:
-        """Reserve what verification steps keep beside the caches, for as many verifying rows
-        as may run (proposals stop past ``disable_by_batch_size`` running requests); its bytes."""
-        speculative, max_seqs = self.config.speculative, self.config.max_num_seqs
-        if speculative is None:
-            return 0
-        rows = min(max_seqs, speculative.disable_by_batch_size or max_seqs)
-        return self.runner.reserve_verification(rows, speculative.num_speculative_tokens)
-
-    def _kv_cache_budget(self) -> int:
-        """Bytes for the KV caches (the target's and a draft model's): measured on CUDA after a
-        profiled forward of each runner (whose peak holds the weights and every reserved
-        buffer; the smaller budget counts), a fixed host budget less the reserved buffers
-        elsewhere."""
-        if self.platform.device.type == "cuda":
-            max_len, max_tokens = self.model_config.max_model_len, self.max_num_batched_tokens
-            return min(
-                runner.kv_cache_budget(self.config.gpu_memory_utilization, min(max_tokens, max_len))
-                for runner in filter(None, (self.runner, self.draft_runner))
-            )
-        return DEFAULT_HOST_KV_CACHE_BYTES - self.verification_bytes
-
-    def _num_kv_blocks(self) -> tuple[list[int], list[int] | None]:
-        """Pool size (null block included) of each cache group of the target and of the draft
-        model (None without one): the budget, split between the two so both hold the same
-        number of max-length sequences, then by each cache layout (every group fits the same
-        number of them); or an explicit ``num_kv_blocks`` for every group."""
-        layouts = [self.runner.cache]
-        if self.draft_runner is not None:
-            layouts.append(self.draft_runner.cache)
-        max_len, max_tokens = self.model_config.max_model_len, self.max_num_batched_tokens
-        on_cuda = self.platform.device.type == "cuda"
-        if self.config.num_kv_blocks is not None:
-            sizes = [[self.config.num_kv_blocks] * layout.num_groups for layout in layouts]
-        else:
-            budget = self._kv_cache_budget()
-            budgets = [budget]
-            if self.draft_runner is not None:
-                budgets = split_kv_budget(budget, *layouts, max_len, max_tokens)
-                logger.info(
-                    "KV cache budget %.3f GiB: %.3f GiB for the target, %.3f GiB for the draft",
-                    *(b / 2**30 for b in (budget, *budgets)),
-                )
-            sizes = [
-                layout.split_budget(
-                    b,
-                    max_len,
-                    max_tokens,
-                    # the host budget is a default, not what is free: no more than the sequences use
-                    None if on_cuda else self.config.max_num_seqs,
-                    max_running=self.config.max_num_seqs,
-                    state_checkpoints=self.config.enable_prefix_caching,
-                )
-                for layout, b in zip(layouts, budgets)
-            ]
-        for layout, num_blocks in zip(layouts, sizes):
-            layout.check_fits(num_blocks, max_len, max_tokens)
-        return sizes[0], sizes[1] if self.draft_runner is not None else None
 
     def shutdown(self) -> None:
         """Stop what runs beside this process: the tensor-parallel workers, if any."""

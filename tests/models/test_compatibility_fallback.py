@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 from test_gemma import save_gemma
 
-import heron.engine.llm_engine as llm_engine
+import heron.engine.resolved_config as resolved_config
 from heron import LLM, SamplingParams
 from heron.metadata import StepMetadataError
 from heron.platforms import Platform
@@ -26,7 +26,7 @@ def test_triton_operator_runs_on_the_fallback(tiny_model_dir, monkeypatch):
     and gives the tokens it gives with its own builder (Mistral: one window for every layer)."""
     path = str(tiny_model_dir("mistral"))
     expected = _tokens(LLM(path, attention_backend="triton", **OPTIONS))
-    monkeypatch.setattr(llm_engine, "platform_for", lambda device: Platform(device))
+    monkeypatch.setattr(resolved_config, "platform_for", lambda device: Platform(device))
     llm = LLM(path, attention_backend="triton", **OPTIONS)
     (group,) = llm.engine.runner.plan.groups
     assert group.is_fallback
@@ -37,6 +37,6 @@ def test_fallback_refuses_layers_whose_window_differs(tmp_path, monkeypatch):
     """Gemma 2 alternates sliding and full layers: one model-wide window is wrong for half of
     them, so the plan refuses the fallback, naming a layer and why."""
     path = str(save_gemma("gemma2", tmp_path))
-    monkeypatch.setattr(llm_engine, "platform_for", lambda device: Platform(device))
+    monkeypatch.setattr(resolved_config, "platform_for", lambda device: Platform(device))
     with pytest.raises(StepMetadataError, match=r"layers\.1\.self_attn.*compatibility fallback"):
         LLM(path, **OPTIONS)

@@ -293,7 +293,7 @@ def _full_and_sliding(specs) -> tuple[int, int]:
 
 
 def test_kv_budget_fits_the_same_number_of_sequences_in_every_group(gemma_dir, monkeypatch):
-    import heron.engine.llm_engine as llm_engine
+    import heron.engine.builder as builder
 
     path = gemma_dir("gemma2")  # 2 sliding (window 8) and 2 full layers, 2 KV heads of 16
     bs, chunk, max_len = 4, 16, 256
@@ -301,7 +301,7 @@ def test_kv_budget_fits_the_same_number_of_sequences_in_every_group(gemma_dir, m
     b_full, b_sliding = max_len // bs, -(-(8 + chunk) // bs) + 1
     sequences = 3
     budget = sequences * (b_full + b_sliding) * per_block + 2 * per_block
-    monkeypatch.setattr(llm_engine, "DEFAULT_HOST_KV_CACHE_BYTES", budget)
+    monkeypatch.setattr(builder, "DEFAULT_HOST_KV_CACHE_BYTES", budget)
     llm = LLM(
         str(path),
         max_model_len=max_len,

@@ -9,6 +9,7 @@ import pytest
 from test_qwen3_5 import LAYER_TYPES, LINEAR, qwen3_5_config, save_qwen3_5
 
 from heron import LLM
+from heron.engine.builder import kv_cache_budget
 
 K = 3
 SPECULATION = {"method": "ngram", "num_speculative_tokens": K}
@@ -25,6 +26,11 @@ def verification_bytes(rows: int, k: int = K) -> int:
     return LAYER_TYPES.count(LINEAR) * rows * k * (conv + state)
 
 
+def budget(engine) -> int:
+    runners = [r for r in (engine.runner, engine.draft_runner) if r is not None]
+    return kv_cache_budget(engine.resolved, runners, engine.verification_bytes)
+
+
 def test_host_budget_shrinks_by_the_verification_buffers(tmp_path):
     path = str(save_qwen3_5(tmp_path))
     plain = LLM(path, max_model_len=128).engine
@@ -35,7 +41,7 @@ def test_host_budget_shrinks_by_the_verification_buffers(tmp_path):
             path, max_model_len=128, max_num_seqs=max_num_seqs, speculative_config=SPECULATION
         ).engine
         assert engine.verification_bytes == verification_bytes(rows)
-        assert plain._kv_cache_budget() - engine._kv_cache_budget() == verification_bytes(rows)
+        assert budget(plain) - budget(engine) == verification_bytes(rows)
 
 
 @pytest.mark.gpu

@@ -46,7 +46,7 @@ def assert_pools_empty(llm: LLM) -> None:
 
 
 def test_the_next_step_is_launched_before_a_verification_is_read(models, monkeypatch, caplog):
-    caplog.set_level(logging.INFO, logger="heron.engine.llm_engine")
+    caplog.set_level(logging.INFO, logger="heron.engine.builder")
     llm = draft_llm(models)
     assert AHEAD in caplog.text and llm.engine.runner.async_verification
     runner, events = llm.engine.runner, []
@@ -200,7 +200,7 @@ def test_with_triton_attention_greedy_equals_plain(models, monkeypatch):
 def test_host_lengths_and_ngram_keep_verification_synchronous(models, tmp_path, caplog):
     """A sliding window's tables start where the host's context says; n-gram proposals need
     the accepted tokens on the host: each verification is read before the next pass."""
-    caplog.set_level(logging.INFO, logger="heron.engine.llm_engine")
+    caplog.set_level(logging.INFO, logger="heron.engine.builder")
     windowed = save_tiny_model("mistral", tmp_path / "mistral")
     draft = save_truncated_draft(windowed, tmp_path / "draft")
     # (async_verification is on by default: refused here for the window)

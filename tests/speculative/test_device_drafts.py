@@ -35,7 +35,7 @@ def draft_llm(models, async_verification=True, **options) -> LLM:
 
 
 def test_the_target_launches_before_the_drafts_are_read(models, monkeypatch, caplog):
-    caplog.set_level(logging.INFO, logger="heron.engine.llm_engine")
+    caplog.set_level(logging.INFO, logger="heron.engine.builder")
     llm = draft_llm(models)
     assert "kept on the device up to the verification step" in caplog.text
     engine = llm.engine

@@ -4,12 +4,12 @@ prefill of ``fla_prefill``."""
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable
 from typing import Any
 
 import torch
 
+from heron import envs
 from heron.kernels.gated_delta import gdn_decode
 from heron.kernels.gated_delta_fused import fused_decode_applies, fused_gdn_decode
 from heron.layers.norm import GatedRMSNorm
@@ -20,7 +20,7 @@ from heron.ops.linear_attention.operator import GatedDeltaNet
 #: Whether decode and uniform verification steps given the layer's norm run the one fused
 #: launch of ``gated_delta_fused`` (where its state tile fits) instead of the two decode kernels
 #: and the norm's; ``HERON_GDN_FUSED=0`` turns it off (to compare the two).
-FUSED_DECODE = os.environ.get("HERON_GDN_FUSED", "1") != "0"
+FUSED_DECODE = envs.gdn_fused_decode()
 #: The most value heads per key head that take the fused launch: one program runs a key head's
 #: value heads one after another, and with two it is slower at batch 1 than the unfused ones.
 FUSED_MAX_VALUE_HEADS_PER_KEY = 1

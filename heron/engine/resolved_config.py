@@ -1,0 +1,78 @@
+"""The engine's options with every ``auto`` settled: resolved once, before anything is built,
+and read (frozen) by the builder, the runner and the scheduler."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from heron.config import TOKENIZER_FILES, EngineConfig, ModelConfig, SpeculativeConfig
+from heron.config import lacks_tokenizer as _lacks_tokenizer
+from heron.loader.resolve import resolve_model_path
+from heron.platforms import Platform, platform_for, resolve_device
+
+# With chunked prefill a step never exceeds this many tokens unless the user says otherwise.
+DEFAULT_MAX_NUM_BATCHED_TOKENS = {"cuda": 8192}
+FALLBACK_MAX_NUM_BATCHED_TOKENS = 2048
+
+
+@dataclass(frozen=True)
+class ResolvedConfig:
+    """``options`` as the user gave them (checked on construction), and what they resolve to."""
+
+    options: EngineConfig
+    model_path: Path  # the local HF directory (a GGUF file's converted copy, a Hub download)
+    model: ModelConfig
+    tokenizer: str | Path
+    device: torch.device
+    platform: Platform
+    block_size: int
+    attention_backend: str
+    max_num_batched_tokens: int
+    speculative: SpeculativeConfig | None
+    cuda_graphs: bool  # decode steps replay captured graphs
+
+    @property
+    def max_graph_batch(self) -> int:
+        return min(self.options.cuda_graph_max_bs, self.options.max_num_seqs)
+
+
+def resolve(options: EngineConfig) -> ResolvedConfig:
+    """Settle every ``auto`` (device, dtype, block size, backend, step budget, the model's
+    path); raises ``ValueError`` naming what the model or the machine cannot take."""
+    device = resolve_device(options.device)
+    platform = platform_for(device)
+    path = resolve_model_path(options.model, options.revision)
+    model = ModelConfig.from_path(
+        path,
+        options.dtype,
+        device,
+        options.max_model_len,
+        options.load_format,
+        options.seed,
+        options.quantization,
+        options.kv_cache_dtype,
+    )
+    tokenizer = options.tokenizer or path
+    if _lacks_tokenizer(tokenizer):
+        # transformers would build an empty tokenizer from the config alone.
+        raise ValueError(
+            f"{tokenizer} has no tokenizer files (none of {', '.join(TOKENIZER_FILES)}); "
+            "pass --tokenizer DIR"
+        )
+    return ResolvedConfig(
+        options=options,
+        model_path=path,
+        model=model,
+        tokenizer=tokenizer,
+        device=device,
+        platform=platform,
+        block_size=options.block_size or platform.default_block_size,
+        attention_backend=options.attention_backend or platform.default_attention_backend(),
+        max_num_batched_tokens=options.max_num_batched_tokens
+        or DEFAULT_MAX_NUM_BATCHED_TOKENS.get(device.type, FALLBACK_MAX_NUM_BATCHED_TOKENS),
+        speculative=options.speculative,
+        cuda_graphs=device.type == "cuda" and not options.enforce_eager,
+    )

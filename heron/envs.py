@@ -1,0 +1,34 @@
+"""Every environment variable Heron reads, in one place (each is documented in the README).
+
+Read when asked, not at import, so a test or a launcher that sets one first is seen.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+
+def cache_dir() -> Path:
+    """``HERON_CACHE_DIR``: where converted GGUF models are kept; else
+    ``$XDG_CACHE_HOME/heron``, else ``~/.cache/heron``."""
+    if root := os.environ.get("HERON_CACHE_DIR"):
+        return Path(root).expanduser()
+    xdg = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(xdg).expanduser() / "heron"
+
+
+def _switch(name: str) -> bool:
+    """An on-by-default switch: any value but ``0`` leaves it on."""
+    return os.environ.get(name, "1") != "0"
+
+
+def pdl() -> bool:
+    """``HERON_PDL=0``: no programmatic dependent launch on Hopper and newer (to compare)."""
+    return _switch("HERON_PDL")
+
+
+def gdn_fused_decode() -> bool:
+    """``HERON_GDN_FUSED=0``: gated-delta-rule decode in two kernels and a norm instead of
+    one fused launch (to compare)."""
+    return _switch("HERON_GDN_FUSED")
