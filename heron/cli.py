@@ -6,7 +6,7 @@ import argparse
 import json
 import logging
 import sys
-from dataclasses import fields
+from dataclasses import asdict, fields
 
 from heron import __version__
 from heron.config import EngineConfig
@@ -111,7 +111,7 @@ def sampling_params(args: argparse.Namespace) -> SamplingParams:
 def cmd_generate(args: argparse.Namespace) -> int:
     from heron.llm import LLM
 
-    llm = LLM(**vars(engine_config(args)))
+    llm = LLM(**asdict(engine_config(args)))
     prompts = args.prompt or [sys.stdin.read()]
     for output in llm.generate(prompts, sampling_params(args), use_tqdm=len(prompts) > 1):
         if output.error:
@@ -139,7 +139,7 @@ def _ended_at_once(sample: CompletionOutput) -> bool:
 def cmd_chat(args: argparse.Namespace) -> int:
     from heron.llm import LLM
 
-    llm = LLM(**vars(engine_config(args)))
+    llm = LLM(**asdict(engine_config(args)))
     params = sampling_params(args)
     messages: list[dict[str, str]] = []
     if args.system:
