@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import logging
+
 from torch import nn
 
 from heron.models.deepseek import DeepseekForCausalLM, DeepseekMTP
@@ -17,6 +19,8 @@ from heron.models.qwen3_5 import (
     Qwen3NextForCausalLM,
 )
 from heron.models.qwen_moe import QwenMoeForCausalLM
+
+logger = logging.getLogger(__name__)
 
 MODEL_REGISTRY: dict[str, type[nn.Module]] = {
     "DeepseekV2ForCausalLM": DeepseekForCausalLM,
@@ -43,6 +47,25 @@ MTP_CLASSES: dict[type[nn.Module], type[nn.Module]] = {
     DeepseekForCausalLM: DeepseekMTP,
     Qwen3_5ForCausalLM: Qwen3_5MTP,
 }
+
+
+def register_model(architecture: str, cls: type[nn.Module]) -> None:
+    """Serve checkpoints whose ``architectures`` names ``architecture`` with ``cls``, a model
+    defined outside Heron (as vLLM's ``ModelRegistry.register_model``).
+
+    ``cls(hf_config, runtime)`` builds the model inside the build scope (its metadata operators
+    register there), ``forward(token_ids)`` returns hidden states and ``compute_logits(hidden)``
+    the logits. An operator that declares no metadata builder runs on the compatibility
+    fallback, which says so in ``heron plan`` and the start-up log.
+    """
+    if not isinstance(cls, type) or not issubclass(cls, nn.Module):
+        raise TypeError(f"register_model: {cls!r} is not an nn.Module class")
+    previous = MODEL_REGISTRY.get(architecture)
+    if previous is not None and previous is not cls:
+        logger.warning(
+            "architecture %s: %s replaces %s", architecture, cls.__qualname__, previous.__qualname__
+        )
+    MODEL_REGISTRY[architecture] = cls
 
 
 def model_class(architecture: str) -> type[nn.Module]:

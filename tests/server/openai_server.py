@@ -195,11 +195,13 @@ def kill_core_during_a_stream(client: openai.OpenAI, core_pid: int) -> None:
     death, and so does a new request, with 503."""
     chunks = running_stream(client)
     os.kill(core_pid, signal.SIGKILL)
-    killed = time.monotonic()
+    received = 0
+    # The stream fails on the core's death (a client timeout would raise APITimeoutError,
+    # whose message differs), long before its 450 tokens could have been produced.
     with pytest.raises(openai.APIError, match="engine core process died"):
         for _ in chunks:
-            pass
-    assert time.monotonic() - killed < 5  # at once, not when some timeout runs out
+            received += 1
+    assert received < 449
     with pytest.raises(openai.InternalServerError, match="engine core process died") as e:
         client.completions.create(model=MODEL_NAME, prompt="Paris", max_tokens=2)
     assert e.value.status_code == 503
