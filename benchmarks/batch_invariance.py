@@ -30,16 +30,15 @@ import itertools
 
 import torch
 import triton
-from tune_decode_attention import case_inputs, split_workspace
-from tune_gemv import SHAPES, time_us, triton_us
 
+from heron.bench.kernel import COLD_BYTES, GEMV_SHAPES, attention_inputs, gemv_us, split_workspace
+from heron.bench.measure import device_time_us
 from heron.kernels import attention_decode as decode
 from heron.kernels import gemv as g
 from heron.kernels.attention_extend import paged_extend_attention
 from heron.kernels.pdl import multiprocessor_count
 
 LAYERS, HEADS, KV_HEADS, HEAD_DIM = 28, 16, 8, 128  # Qwen3-0.6B
-COLD_BYTES = 256 << 20  # weight copies per timed product: past the L2
 
 
 def gemv_rows(k: int) -> list[tuple[str, int, list[float]]]:
@@ -47,7 +46,7 @@ def gemv_rows(k: int) -> list[tuple[str, int, list[float]]]:
     invariant, verification today, verification invariant)."""
     device = torch.device("cuda")
     rows = []
-    for name, n, kk, act in SHAPES["qwen3"]:
+    for name, n, kk, act in GEMV_SHAPES["qwen3-0.6b"]:
         copies = max(1, -(-COLD_BYTES // (n * kk * 2)))
         ws = [torch.randn(n, kk, device=device, dtype=torch.bfloat16) * 0.02 for _ in range(copies)]
         invariant = g._config(16, n, kk, 2, device, act is not None)
@@ -57,7 +56,7 @@ def gemv_rows(k: int) -> list[tuple[str, int, list[float]]]:
             x = torch.randn(m, 2 * kk if act else kk, device=device, dtype=torch.bfloat16)
             out = torch.empty(m, n, device=device, dtype=torch.bfloat16)
             today = g._config(g._m_pad(m), n, kk, 2, device, act is not None)
-            times += [triton_us(act, today, x, ws, out), triton_us(act, invariant, x, ws, out)]
+            times += [gemv_us(act, today, x, ws, out), gemv_us(act, invariant, x, ws, out)]
         rows.append((f"{name} {n}x{kk}", 1 if name == "lm_head" else LAYERS, times))
         del ws
         torch.cuda.empty_cache()
@@ -76,7 +75,7 @@ def decode_us(q, cache, tables, lens, splits: int, queries: int = 1) -> float:
             queries_per_row=queries,
         )  # fmt: skip
 
-    return time_us(call, tables)
+    return device_time_us(call, tables)
 
 
 def extend_us(q, cache, tables, lens, queries: int) -> float:
@@ -90,7 +89,7 @@ def extend_us(q, cache, tables, lens, queries: int) -> float:
             q, cache, table, starts, query_start, lens, queries, HEAD_DIM**-0.5, None, out
         )
 
-    return time_us(call, tables)
+    return device_time_us(call, tables)
 
 
 def attention_rows(k: int, batches: list[int], contexts: list[int], split_keys: list[int]):
@@ -101,7 +100,7 @@ def attention_rows(k: int, batches: list[int], contexts: list[int], split_keys: 
     rows = []
     for batch, context in itertools.product(batches, contexts):
         total = context + 1 + k  # a verification's last token sees them all
-        q, cache, tables, _ = case_inputs(batch, total, HEADS, KV_HEADS, HEAD_DIM)
+        q, cache, tables, _ = attention_inputs(batch, total, HEADS, KV_HEADS, HEAD_DIM)
         one = torch.full((batch,), context + 1, dtype=torch.int32, device="cuda")
         block_q = torch.randn(batch * (1 + k), HEADS, HEAD_DIM, device="cuda", dtype=q.dtype)
         block = torch.full((batch,), total, dtype=torch.int32, device="cuda")

@@ -13,8 +13,9 @@ from __future__ import annotations
 import argparse
 
 import torch
-from tune_gemv import time_us
 
+from heron.bench.kernel import COLD_BYTES
+from heron.bench.measure import device_time_us
 from heron.kernels.fp8_quant import quantize_rows
 from heron.layers.fp8 import quantize, scaled_mm
 from heron.layers.linear import Linear
@@ -39,12 +40,12 @@ def row_times(x: torch.Tensor, bf16: list[Linear], fp8: list[Linear]) -> list[fl
         x, lin.weight, lin.weight_scale, quantize_rows=quantize_rows
     )
     return [
-        time_us(lambda lin: lin(x), bf16),
-        time_us(lambda lin: lin(x), fp8),
-        time_us(lambda lin: scaled_mm(x, lin.weight, lin.weight_scale), fp8),
-        time_us(mm_triton_q, fp8),
-        time_us(lambda _: quantize(x), fp8),
-        time_us(lambda _: quantize_rows(x), fp8),
+        device_time_us(lambda lin: lin(x), bf16),
+        device_time_us(lambda lin: lin(x), fp8),
+        device_time_us(lambda lin: scaled_mm(x, lin.weight, lin.weight_scale), fp8),
+        device_time_us(mm_triton_q, fp8),
+        device_time_us(lambda _: quantize(x), fp8),
+        device_time_us(lambda _: quantize_rows(x), fp8),
     ]
 
 
@@ -57,7 +58,7 @@ def main() -> None:
     for name, n, k in SHAPES:
         # Enough copies of each layer to overflow the L2 cache: every call reads its weight
         # from HBM, as a decode step does.
-        copies = max(1, -(-(256 << 20) // (n * k * 2)))
+        copies = max(1, -(-COLD_BYTES // (n * k * 2)))
         bf16 = [layer(n, k, False) for _ in range(copies)]
         fp8 = [layer(n, k, True) for _ in range(copies)]
         for m in args.rows:

@@ -25,8 +25,9 @@ import argparse
 import itertools
 
 import torch
-from tune_gemv import time_us
 
+from heron.bench.kernel import attention_inputs, split_workspace
+from heron.bench.measure import device_time_us
 from heron.kernels import attention_decode as decode
 
 # (name, batch, context, heads, KV heads, head_dim, window)
@@ -37,45 +38,13 @@ CASES = [
     ("gemma3 b1 ctx16384 full", 1, 16384, 4, 1, 256, None),
 ]
 VARIANTS = list(itertools.product((32, 64, 128), (2, 3), (4, 8)))  # keys, stages, warps
-BLOCK = 16
-COPIES = 5  # block tables per case, over disjoint blocks (see case_inputs)
 KV_DTYPE = torch.bfloat16  # the cache's; --kv-cache-dtype fp8 makes it E4M3
-
-
-def case_inputs(batch, context, heads, kv_heads, head_dim, copies=COPIES):
-    """Query, cache, ``copies`` block tables over disjoint blocks, lengths. Each timed call
-    reads its own table's blocks, so no call finds the K/V of the one before in L2 (a
-    512-token window of 64 requests, 35 MB, or a 16 k context, 16 MB, would otherwise stay
-    there, as they do not in a model step, where the weights pass through L2 in between)."""
-    blocks_per_req = -(-context // BLOCK)
-    num_blocks = copies * batch * blocks_per_req + 1
-    cache = torch.randn(
-        2, num_blocks, BLOCK, kv_heads, head_dim, dtype=torch.bfloat16, device="cuda"
-    ).to(KV_DTYPE)
-    tables = (torch.randperm(num_blocks - 1, device="cuda") + 1).int()
-    tables = tables.view(copies, batch, blocks_per_req).unbind(0)
-    q = torch.randn(batch, heads, head_dim, dtype=torch.bfloat16, device="cuda")
-    lens = torch.full((batch,), context, dtype=torch.int32, device="cuda")
-    return q, cache, tables, lens
-
-
-def split_workspace(rows: int, heads: int, kv_heads: int, head_dim: int, splits: int) -> dict:
-    """The decode kernel's split workspace (none with one split), tickets zeroed."""
-    if splits == 1:
-        return {}
-    return dict(
-        partial_out=torch.empty(rows, heads, splits, head_dim, device="cuda"),
-        partial_lse=torch.empty(rows, heads, splits, device="cuda"),
-        tickets=torch.zeros(
-            decode.tickets_needed(rows, kv_heads, splits), dtype=torch.int32, device="cuda"
-        ),
-    )
 
 
 def tune_case(batch, context, heads, kv_heads, head_dim, window, sms, variants, splits=None):
     """[(µs, variant)] for each variant of one case (inf where it does not compile); ``splits``
     forces the split count. The module's launch defaults are back in place afterwards."""
-    q, cache, tables, lens = case_inputs(batch, context, heads, kv_heads, head_dim)
+    q, cache, tables, lens = attention_inputs(batch, context, heads, kv_heads, head_dim, KV_DTYPE)
     starts = torch.zeros_like(lens)  # tables hold each request's blocks from its first
     out = torch.empty_like(q)
     results = []
@@ -96,7 +65,7 @@ def tune_case(batch, context, heads, kv_heads, head_dim, window, sms, variants, 
             )
 
         try:
-            results.append((time_us(call, tables), variant))
+            results.append((device_time_us(call, tables), variant))
         except Exception as e:  # out of shared memory / registers
             results.append((float("inf"), variant))
             print(f"  {variant}: {type(e).__name__}")

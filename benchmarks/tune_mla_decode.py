@@ -19,56 +19,12 @@ import dataclasses
 import itertools
 
 import torch
-from tune_gemv import time_us
 
+from heron.bench.kernel import MLA_LORA, MLA_ROPE, mla_inputs, mla_us
 from heron.kernels import mla_decode as mla
 
-LORA, ROPE, BLOCK = 512, 64, 64
-L2_BYTES = 64 << 20  # more than an H200's L2: the copies of the latent cache together exceed it
 TILES = list(itertools.product((16, 32, 64), (4, 8), (1, 2, 3), (16, 32, 64)))
 KEYS_PER_SPLIT = (32, 64, 128, 256, 512)
-
-
-def case_inputs(batch: int, context: int, heads: int):
-    """Absorbed query, cache, block tables over disjoint blocks (enough copies that one call's
-    blocks are out of L2 when it runs again), lengths."""
-    blocks_per_req = -(-context // BLOCK)
-    copies = max(2, -(-L2_BYTES // (batch * context * (LORA + ROPE) * 2)))
-    num_blocks = copies * batch * blocks_per_req + 1
-    cache = torch.randn(num_blocks, BLOCK, LORA + ROPE, dtype=torch.bfloat16, device="cuda")
-    tables = (torch.randperm(num_blocks - 1, device="cuda") + 1).int()
-    tables = tables.view(copies, batch, blocks_per_req).unbind(0)
-    q = torch.randn(batch, heads, LORA + ROPE, dtype=torch.bfloat16, device="cuda")
-    lens = torch.full((batch,), context, dtype=torch.int32, device="cuda")
-    return q, cache, tables, lens
-
-
-def time_launch(launch: mla.MLADecodeLaunch, inputs, sms: int) -> tuple[float, int]:
-    """(µs per call, the launch's split count) of ``launch``; inf where it does not compile
-    or launch. ``mla.LAUNCH`` is back in place afterwards."""
-    q, cache, tables, lens = inputs
-    batch, heads, _ = q.shape
-    default, mla.LAUNCH = mla.LAUNCH, launch
-    try:
-        splits = mla.choose_max_splits(batch, heads, int(lens.max()), sms)
-        plan = mla.MLADecodePlan(torch.empty_like(lens), torch.empty_like(lens))
-        mla.plan_mla_decode(lens, splits, plan)
-        out = torch.empty(batch, heads, LORA, dtype=q.dtype, device="cuda")
-        part_out = torch.empty(batch, heads, splits, LORA, device="cuda")
-        part_lse = torch.empty(batch, heads, splits, device="cuda")
-
-        def call(table):
-            mla.mla_decode_attention(
-                q, cache, table, lens, 0.1, LORA, plan, splits, out, part_out, part_lse
-            )
-
-        try:
-            return time_us(call, tables), splits
-        except Exception as e:  # out of shared memory / registers
-            print(f"  {launch}: {type(e).__name__}")
-            return float("inf"), splits
-    finally:
-        mla.LAUNCH = default
 
 
 def main() -> None:
@@ -78,15 +34,15 @@ def main() -> None:
     parser.add_argument("--context", type=int, default=4096)
     args = parser.parse_args()
     sms = torch.cuda.get_device_properties(0).multi_processor_count
-    inputs = case_inputs(args.batch, args.context, args.heads)
-    read = args.batch * args.context * (LORA + ROPE) * 2
+    inputs = mla_inputs(args.batch, args.context, args.heads)
+    read = args.batch * args.context * (MLA_LORA + MLA_ROPE) * 2
     today = mla.LAUNCH
     print(f"{args.heads} heads, batch {args.batch}, context {args.context}; today: {today}")
     print("| keys/split | keys/tile | warps | stages | heads/program | splits | µs | GB/s |")
     print("| --- | --- | --- | --- | --- | --- | --- | --- |")
 
     def row(launch: mla.MLADecodeLaunch, name: str = "") -> float:
-        us, splits = time_launch(launch, inputs, sms)
+        us, splits = mla_us(launch, inputs, sms)
         print(
             f"| {launch.min_keys_per_split}{name} | {launch.block_n} | "
             f"{launch.num_warps or 'rule'} | {launch.num_stages} | {launch.block_h} | {splits} | "

@@ -1,4 +1,4 @@
-"""Command line: heron generate | chat | plan | serve."""
+"""Command line: heron generate | chat | plan | serve | bench."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ import sys
 from dataclasses import asdict, fields
 
 from heron import __version__
+from heron.bench.cli import add_bench_parser
 from heron.config import EngineConfig
 from heron.outputs import CompletionOutput
 from heron.sampling_params import SamplingParams
@@ -249,6 +250,12 @@ def cmd_serve(args: argparse.Namespace) -> int:
         return 2
 
 
+def cmd_bench(args: argparse.Namespace) -> int:
+    from heron.bench.cli import run
+
+    return run(args, engine_config(args) if hasattr(args, "model") else None, args.argv)
+
+
 def _positive(text: str) -> int:
     value = int(text)
     if value < 1:
@@ -313,6 +320,8 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="let requests bring their own chat_template (a Jinja template the server runs)",
     )
+    bench = sub.add_parser("bench", help="benchmarks: decode, throughput, serve, spec, ...")
+    add_bench_parser(bench, add_engine_args)
     for p in (gen, chat, plan, serve):
         add_engine_args(p)
     for p in (gen, chat):
@@ -321,11 +330,13 @@ def build_parser() -> argparse.ArgumentParser:
     chat.set_defaults(func=cmd_chat)
     plan.set_defaults(func=cmd_plan)
     serve.set_defaults(func=cmd_serve)
+    bench.set_defaults(func=cmd_bench)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    args.argv = sys.argv[1:] if argv is None else argv
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
     try:
         return args.func(args)

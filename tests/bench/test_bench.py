@@ -1,0 +1,87 @@
+"""``heron bench``: the decode benchmark on the CPU and its JSON result, workload A against
+nano-vllm's published totals, the floors' weight bytes against HF's models, and the page
+BENCHMARKS.md is made from the results."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import transformers as tf
+
+from heron.bench.measure import step_bytes
+from heron.bench.shapes import SHAPES
+from heron.bench.throughput import workload
+from heron.cli import main
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_decode_on_the_cpu_writes_its_result(tmp_path, capsys):
+    out = tmp_path / "out.json"
+    argv = ["bench", "decode", "--shape", "qwen3-0.6b", "--batch", "1", "--device", "cpu"]
+    argv += ["--num-layers", "1", "--dtype", "bfloat16", "--output-json", str(out)]
+    assert main(argv) == 0
+    result = json.loads(out.read_text())
+    assert result["command"] == "heron " + " ".join(argv)
+    assert {"commit", "dirty", "date", "device", "versions", "config", "metrics"} <= set(result)
+    assert result["device"].startswith("CPU")
+    assert result["versions"]["torch"] == torch.__version__
+    assert result["config"]["engine"]["device"] == "cpu"
+    assert result["config"]["num_layers"] == 1
+    step, rate = result["metrics"]
+    assert step["name"] == "ms/step, context 16, batch 1" and step["unit"] == "ms"
+    assert step["value"] > 0 and step["floor"] is None  # no bandwidth floor on the CPU
+    assert rate["unit"] == "tok/s" and rate["value"] > 0
+    assert "ms/step, context 16, batch 1" in capsys.readouterr().out
+
+
+def test_workload_a_is_nano_vllms():
+    """nano-vllm's README gives its bench.py workload's totals: 133,966 output tokens (of
+    256 requests) and 142,827 prompt tokens."""
+    prompts, params = workload()
+    assert len(prompts) == 256
+    assert sum(p.max_tokens for p in params) == 133_966
+    assert sum(map(len, prompts)) == 142_827
+    assert all(p.ignore_eos and p.temperature == 0.6 for p in params)
+    assert all(0 <= t <= 10_000 for p in prompts for t in p)
+
+
+@pytest.mark.parametrize("name", sorted(SHAPES))
+def test_floor_weights_are_the_models_matrices(name):
+    """With every expert read and no cache, a step's floor bytes are two per element of the
+    HF model's weight matrices (norms aside), less an untied embedding table (a step reads
+    only its rows)."""
+    shape = SHAPES[name]
+    config = getattr(tf, shape.config_class)(**shape.fields)
+    with torch.device("meta"):
+        model = getattr(tf, shape.architecture)(config)
+    matrices = sum(
+        p.numel() for k, p in model.named_parameters() if p.dim() >= 2 and "norm" not in k
+    )
+    if not shape.fields["tie_word_embeddings"]:
+        matrices -= shape.fields["vocab_size"] * shape.fields["hidden_size"]
+    experts = shape.fields.get("num_experts") or shape.fields.get("n_routed_experts") or 0
+    assert step_bytes(shape, 0, 0, experts_read=experts) == 2 * matrices
+
+
+def test_benchmarks_page_is_generated_from_the_results(tmp_path):
+    results = tmp_path / "results"
+    results.mkdir()
+    metric = {"name": "ms/step, context 128, batch 1", "value": 0.9, "unit": "ms", "floor": 0.3}
+    (results / "a.json").write_text(json.dumps({
+        "bench": "decode", "command": "heron bench decode --shape qwen3-0.6b", "commit": "0123456789abcdef",
+        "dirty": False, "date": "2026-12-02T10:00:00+00:00", "device": "NVIDIA H200",
+        "versions": {}, "config": {}, "metrics": [metric],
+    }))  # fmt: skip
+    page = tmp_path / "BENCHMARKS.md"
+    script = ROOT / "scripts" / "benchmarks_md.py"
+    subprocess.run([sys.executable, script, "--results", results, "--output", page], check=True)
+    text = page.read_text()
+    assert "## heron bench decode" in text
+    row = (
+        "| ms/step, context 128, batch 1 | 0.900 ms | 3.00× | NVIDIA H200 | 2026-12-02 | 0123456 |"
+    )
+    assert row in text and "`heron bench decode --shape qwen3-0.6b`" in text
