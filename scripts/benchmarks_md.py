@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -47,10 +48,18 @@ def bench_of(result: dict) -> str:
     return words[2]
 
 
+def natural(name: str) -> list:
+    """Sort key: numbers by their value (context 4096 before 16384)."""
+    return [int(part) if part.isdigit() else part for part in re.split(r"(\d+)", name)]
+
+
 def value(metric: dict) -> str:
-    v = metric["value"]
-    text = f"{v:,.0f}" if abs(v) >= 1000 else f"{v:.3f}" if abs(v) < 10 else f"{v:.1f}"
-    return f"{text} {metric['unit']}"
+    v, note = metric["value"], metric.get("note")
+    if v == int(v) or abs(v) >= 1000:
+        text = f"{v:,.0f}"
+    else:
+        text = f"{v:.3f}" if abs(v) < 10 else f"{v:.1f}"
+    return f"{text} {metric['unit']}" + (f" ({note})" if note else "")
 
 
 def multiple(metric: dict) -> str:
@@ -63,20 +72,19 @@ def page(results: list[dict]) -> str:
     for result in sorted(results, key=lambda r: r["date"]):
         for metric in result["metrics"]:
             latest[bench_of(result), metric["name"], result["device"]] = (result, metric)
+    benches = {k[0] for k in latest}
     out = [HEADER]
-    benches = sorted(
-        {k[0] for k in latest},
-        key=lambda b: (b not in ORDER, ORDER.index(b) if b in ORDER else 0, b),
-    )
-    for bench in benches:
+    for bench in [b for b in ORDER if b in benches] + sorted(benches - set(ORDER)):
         out.append(f"\n## heron bench {bench}\n")
         out.append("| figure | value | × floor | device | date | commit | command |")
         out.append("| --- | --- | --- | --- | --- | --- | --- |")
-        rows = [v for k, v in latest.items() if k[0] == bench]
-        for result, metric in sorted(
-            rows, key=lambda rm: (rm[0]["file"], rm[0]["metrics"].index(rm[1]))
-        ):
-            commit = (result["commit"] or "unknown")[:7] + ("+" if result.get("dirty") else "")
+        rows = sorted(
+            (v for k, v in latest.items() if k[0] == bench),
+            key=lambda rm: (natural(rm[1]["name"]), rm[0]["device"]),
+        )
+        for result, metric in rows:
+            commit = result["commit"][:7] if result["commit"] else "not recorded"
+            commit += " (uncommitted changes)" if result.get("dirty") else ""
             out.append(
                 f"| {metric['name']} | {value(metric)} | {multiple(metric)} | {result['device']} "
                 f"| {result['date'][:10]} | {commit} | `{result['command']}` |"

@@ -27,8 +27,8 @@ RUNS = {
     "fp8 kv": (None, "fp8"),
     "both": ("fp8", "fp8"),
 }
-# The issue's gates, as multiples of bf16's figure. They are out of E4M3's reach on this model:
-# benchmarks/fp8_error_sources.py rounds each tensor alone, exactly, in fp32 on HF's model. The
+# The accuracy gates, as multiples of bf16's figure. They are out of E4M3's reach on this model:
+# rounding each tensor alone, exactly, in fp32 on HF's model (docs/benchmark-log.md), the
 # weights alone give ~3.9x with per-channel scales (spread over every projection and layer;
 # per-tensor or per-128 scales alike, one scale per 32 weights still ~3.2x), and the prompts'
 # per-token FP8 activations add to that; the KV cache ~2.4x, mostly K, with any per-layer or
@@ -38,7 +38,7 @@ RUNS = {
 GATES = {"fp8 weights": 3.0, "fp8 kv": 2.0}
 BOUNDS = {"fp8 weights": 6.0, "fp8 kv": 4.0, "both": 8.0}
 OUT_OF_REACH = pytest.mark.xfail(
-    reason="the gates are out of E4M3's reach on this model (benchmarks/fp8_error_sources.py)",
+    reason="the gates are out of E4M3's reach on this model (docs/benchmark-log.md)",
     strict=True,
 )
 

@@ -84,20 +84,21 @@ def run(args: argparse.Namespace, config: EngineConfig) -> tuple[dict[str, Any],
         for c, b in cases:
             nbytes = step_bytes(shape, b, c + new / 2, touched[b], weight_bytes, kv_bytes, tp)
             floors[c, b] = nbytes / bandwidth * 1e3
+    on = engines.label(args, config)
     for (c, b), (ms, tps) in timed.items():
-        metrics.append(Metric(f"ms/step, context {c}, batch {b}", ms, "ms", floors[c, b]))
-        metrics.append(Metric(f"output tok/s, context {c}, batch {b}", tps, "tok/s"))
+        metrics.append(Metric(f"{on}, context {c}, batch {b}: ms/step", ms, "ms", floors[c, b]))
+        metrics.append(Metric(f"{on}, context {c}, batch {b}: output tok/s", tps, "tok/s"))
         if touched[b]:
             metrics.append(
-                Metric(f"experts touched per MoE layer, batch {b}", touched[b], "experts")
+                Metric(f"{on}, batch {b}: experts touched per MoE layer", touched[b], "experts")
             )
     if idle is not None:
-        name = f"GPU waiting for the host, context {contexts[0]}, batch {max(args.batch)}"
+        name = f"{on}, context {contexts[0]}, batch {max(args.batch)}: GPU waiting for the host"
         metrics.append(Metric(name, idle * 100, "% of a step"))
     if args.hf:
         if config.tensor_parallel_size != 1 or shape is None:
             raise ValueError("--hf runs a --shape on one GPU (tensor_parallel_size 1)")
-        metrics += hf_metrics(shape, cases, new, floors)
+        metrics += hf_metrics(shape, args.shape or "qwen3-0.6b", cases, new, floors)
     return {
         "shape": args.shape,
         "num_layers": args.num_layers,
@@ -134,7 +135,7 @@ def host_idle(llm: LLM, prompts: list[list[int]], new_tokens: int) -> float:
     return max(0.0, 1 - gpu_ms / step_ms)
 
 
-def hf_metrics(shape, cases, new: int, floors: dict) -> list[Metric]:
+def hf_metrics(shape, name: str, cases, new: int, floors: dict) -> list[Metric]:
     """HF transformers' continuous batching (``generate_batch``) on the same shape (its own
     random init), timed as Heron's; its plain ``generate`` at batch 1 where continuous
     batching does not take the model."""
@@ -152,8 +153,8 @@ def hf_metrics(shape, cases, new: int, floors: dict) -> list[Metric]:
                 if b != 1:
                     raise ValueError(f"HF continuous batching failed at batch {b}: {e}") from e
                 ms = hf_generate_ms(model, prompts(c, 1)[0], new)
-            name = f"HF transformers ms/step, context {c}, batch {b}"
-            out.append(Metric(name, ms, "ms", floors[c, b]))
+            what = f"HF transformers, {name}, context {c}, batch {b}: ms/step"
+            out.append(Metric(what, ms, "ms", floors[c, b]))
     return out
 
 

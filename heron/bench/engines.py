@@ -8,6 +8,7 @@ import dataclasses
 import gc
 import time
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -34,6 +35,23 @@ def resolve_shape(
             raise ValueError("--num-layers shortens a --shape, not a --model")
         return None
     return shape(name, args.num_layers, mtp=getattr(args, "mtp", False))
+
+
+def label(args: Any, config: EngineConfig) -> str:
+    """What a figure was measured on, for its name: the shape or model, and the switches
+    that change its bytes or its path (the rest is in the result's configuration)."""
+    name = args.shape or (Path(config.model).name if config.model else None)
+    if name is None:
+        name = "default model" if getattr(args, "bench_command", "") == "spec" else "qwen3-0.6b"
+    switches = [
+        f"{args.num_layers} layer{'s' * (args.num_layers > 1)}" if args.num_layers else "",
+        "FP8 weights" if config.quantization else "",
+        "FP8 KV cache" if config.kv_cache_dtype == "fp8" else "",
+        f"tensor parallel {config.tensor_parallel_size}" if config.tensor_parallel_size > 1 else "",
+        "eager" if config.enforce_eager else "",
+    ]
+    switches = [s for s in switches if s]
+    return name + (f" ({', '.join(switches)})" if switches else "")
 
 
 @contextlib.contextmanager

@@ -85,10 +85,11 @@ def run(args: argparse.Namespace, config: Any = None) -> tuple[dict[str, Any], l
     engine.shutdown()
     if profiler is not None:
         pstats.Stats(profiler).sort_stats("tottime").print_stats(25)
-    case = f"batch {args.batch}, context {args.context}, blocks of {args.block_size}"
+    case = f"{args.shape}, batch {args.batch}, context {args.context}, blocks of {args.block_size}"
+    case += ", not streamed" if args.no_stream else ""
     metrics = [
-        Metric(f"host µs per engine step (median), {case}", statistics.median(times) * 1e6, "µs"),
-        Metric(f"host µs per engine step (mean), {case}", statistics.mean(times) * 1e6, "µs"),
+        Metric(f"{case}: host µs per engine step (median)", statistics.median(times) * 1e6, "µs"),
+        Metric(f"{case}: host µs per engine step (mean)", statistics.mean(times) * 1e6, "µs"),
     ]
     keys = ("shape", "batch", "context", "block_size", "steps", "no_stream")
     return {k: getattr(args, k) for k in keys}, metrics

@@ -160,11 +160,13 @@ def gemv_metrics(args: argparse.Namespace, bandwidth: float) -> list[Metric]:
             x, ws, out = gemv_tensors(m, n, k, act, max(1, -(-COLD_BYTES // nbytes)), args.fp8)
             today = g._config(g._m_pad(m), n, k, 2, x.device, act is not None, fp8=args.fp8)
             floor = nbytes / bandwidth * 1e6
-            what = f"{name} {n}x{k}, {m} rows"
+            what = f"{name} {n}x{k}, {m} rows" + (", FP8 weights" if args.fp8 else "")
             metrics.append(
-                Metric(f"GEMV {tuple(today)} {what}", gemv_us(act, today, x, ws, out), "µs", floor)
+                Metric(f"{args.shape} GEMV {what}", gemv_us(act, today, x, ws, out), "µs", floor)
             )
-            metrics.append(Metric(f"{vendor} {what}", vendor_us(x, ws, out), "µs", floor))
+            metrics.append(
+                Metric(f"{args.shape} {vendor} {what}", vendor_us(x, ws, out), "µs", floor)
+            )
             del ws
             torch.cuda.empty_cache()
     return metrics
@@ -232,7 +234,8 @@ def attention_metrics(args: argparse.Namespace, bandwidth: float) -> list[Metric
         splits = decode.choose_num_splits(batch, kv_heads, context, sms, window)
         read = batch * min(context, window or context) * 2 * kv_heads * head_dim * kv_dtype.itemsize
         us = attention_us(inputs, head_dim, window, splits)
-        metrics.append(Metric(f"{name}, {splits} splits", us, "µs", read / bandwidth * 1e6))
+        name = f"decode attention {name}" + (", FP8 cache" if args.kv_cache_dtype == "fp8" else "")
+        metrics.append(Metric(name, us, "µs", read / bandwidth * 1e6))
         del inputs
         torch.cuda.empty_cache()
     return metrics
@@ -294,7 +297,7 @@ def mla_metrics(args: argparse.Namespace, bandwidth: float) -> list[Metric]:
         inputs = mla_inputs(batch, args.context, 16)
         us, splits = mla_us(mla.LAUNCH, inputs, sms)
         read = batch * args.context * (MLA_LORA + MLA_ROPE) * 2
-        name = f"MLA decode, 16 heads, batch {batch}, context {args.context}, {splits} splits"
+        name = f"MLA decode, 16 heads, batch {batch}, context {args.context}"
         metrics.append(Metric(name, us, "µs", read / bandwidth * 1e6))
     return metrics
 

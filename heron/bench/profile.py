@@ -58,7 +58,7 @@ def drop(llm: LLM, ids: list[str]) -> None:
         llm.engine.step()
 
 
-def device_profile(llm: LLM, batch: int, context: int, steps: int) -> list[Metric]:
+def device_profile(llm: LLM, on: str, batch: int, context: int, steps: int) -> list[Metric]:
     from torch.profiler import ProfilerActivity, profile
 
     ids = start_decoding(llm, batch, context)
@@ -91,16 +91,16 @@ def device_profile(llm: LLM, batch: int, context: int, steps: int) -> list[Metri
         start, stop = max(e["ts"], end), e["ts"] + e["dur"]
         covered += max(0.0, stop - start)
         end = max(end, stop)
-    case = f"batch {batch}, context {context}"
+    case = f"{on}, batch {batch}, context {context}"
     return [
-        Metric(f"device µs per step (kernels and copies), {case}", total, "µs"),
-        Metric(f"device timeline span per step, {case}", span / steps, "µs"),
-        Metric(f"device busy per step, {case}", covered / steps, "µs"),
-        Metric(f"device gaps per step, {case}", (span - covered) / steps, "µs"),
+        Metric(f"{case}: device µs per step (kernels and copies)", total, "µs"),
+        Metric(f"{case}: device timeline span per step", span / steps, "µs"),
+        Metric(f"{case}: device busy per step", covered / steps, "µs"),
+        Metric(f"{case}: device gaps per step", (span - covered) / steps, "µs"),
     ]
 
 
-def host_profile(llm: LLM, batch: int, context: int, steps: int) -> list[Metric]:
+def host_profile(llm: LLM, on: str, batch: int, context: int, steps: int) -> list[Metric]:
     ids = start_decoding(llm, batch, context)
     profiler = cProfile.Profile()
     profiler.enable()
@@ -130,6 +130,6 @@ def run(args: argparse.Namespace, config: EngineConfig) -> tuple[dict[str, Any],
     metrics: list[Metric] = []
     with engines.open_llm(shape, config, **options) as llm:
         for batch in args.batch:
-            metrics += measure(llm, batch, args.context, args.steps)
+            metrics += measure(llm, engines.label(args, config), batch, args.context, args.steps)
     keys = ("shape", "num_layers", "batch", "context", "steps", "host", "mtp")
     return {k: getattr(args, k) for k in keys}, metrics

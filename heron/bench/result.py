@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import datetime
 import json
+import os
 import platform
 import shlex
 import subprocess
@@ -28,6 +29,7 @@ class Metric:
     value: float
     unit: str
     floor: float | None = None  # the value's bandwidth floor, in its unit
+    note: str | None = None  # what a reader must know to read the value
 
     def describe(self) -> str:
         floor = (
@@ -65,7 +67,7 @@ def device_name(device: str) -> str:
     if device.startswith("cuda") and torch.cuda.is_available():
         count = torch.cuda.device_count()
         return torch.cuda.get_device_name(device) + (f" (of {count})" if count > 1 else "")
-    return f"CPU {platform.machine()} ({platform.processor() or 'unknown'})"
+    return f"CPU {platform.machine()}, {os.cpu_count()} cores"
 
 
 def versions() -> dict[str, str | None]:

@@ -111,27 +111,24 @@ def run(args: argparse.Namespace, config: EngineConfig) -> tuple[dict[str, Any],
                 llm.engine.spec_decode_stats = SpecDecodeStats()
                 ms, tps, outs = timed_decode(llm, batch_work, params, batch)
                 results.setdefault(name, {})[batch] = (ms, tps, outs, llm.spec_decode_stats)
+    how = f"{engines.label(args, config)}, {speculative['method']} k={speculative['num_speculative_tokens']}"
     metrics = []
     for batch in args.batch:
         plain_ms, plain_tps, plain_outs, _ = results["plain"][batch]
         ms, tps, outs, stats = results["speculative"][batch]
+        same = sum(a == b for a, b in zip(outs, plain_outs))
+        on = f"{how}, batch {batch}"
         metrics += [
-            Metric(f"plain ms/output token, batch {batch}", plain_ms, "ms"),
-            Metric(f"speculative ms/output token, batch {batch}", ms, "ms"),
-            Metric(f"speculative speed-up, batch {batch}", plain_ms / ms, "x"),
-            Metric(f"plain output tok/s, batch {batch}", plain_tps, "tok/s"),
-            Metric(f"speculative output tok/s, batch {batch}", tps, "tok/s"),
-            Metric(
-                f"identical outputs, batch {batch}",
-                sum(a == b for a, b in zip(outs, plain_outs)) / len(outs) * 100,
-                "%",
-            ),
+            Metric(f"{on}: plain ms/output token", plain_ms, "ms"),
+            Metric(f"{on}: speculative ms/output token", ms, "ms"),
+            Metric(f"{on}: speed-up", plain_ms / ms, "x"),
+            Metric(f"{on}: plain output tok/s", plain_tps, "tok/s"),
+            Metric(f"{on}: speculative output tok/s", tps, "tok/s"),
+            Metric(f"{on}: outputs identical to plain decoding", same / len(outs) * 100, "%"),
         ]
         if stats.num_drafts:
             metrics.append(
-                Metric(
-                    f"mean acceptance length, batch {batch}", stats.mean_acceptance_length, "tokens"
-                )
+                Metric(f"{on}: mean acceptance length", stats.mean_acceptance_length, "tokens")
             )
     if speculative["method"] == "ngram":
         metrics += ngram_lookup_metrics(speculative)

@@ -75,11 +75,12 @@ def run(args: argparse.Namespace, config: EngineConfig) -> tuple[dict[str, Any],
     total = sum(p.max_tokens for p in params)
     if generated != total:
         raise RuntimeError(f"generated {generated} tokens, not the workload's {total}")
+    on = engines.label(args, config)
     metrics = [
-        Metric("workload A output tok/s", total / seconds, "tok/s"),
-        Metric("workload A seconds", seconds, "s"),
-        Metric("workload A output tokens", total, "tokens"),
-        Metric("workload A prompt tokens", sum(map(len, prompts)), "tokens"),
+        Metric(f"{on}: workload A output tok/s", total / seconds, "tok/s"),
+        Metric(f"{on}: workload A seconds", seconds, "s"),
+        Metric(f"{on}: workload A output tokens", total, "tokens"),
+        Metric(f"{on}: workload A prompt tokens", sum(map(len, prompts)), "tokens"),
     ]
     return {"shape": args.shape, "num_layers": args.num_layers, **vars_of(args)}, metrics
 

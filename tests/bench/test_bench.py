@@ -32,10 +32,11 @@ def test_decode_on_the_cpu_writes_its_result(tmp_path, capsys):
     assert result["config"]["engine"]["device"] == "cpu"
     assert result["config"]["num_layers"] == 1
     step, rate = result["metrics"]
-    assert step["name"] == "ms/step, context 16, batch 1" and step["unit"] == "ms"
+    assert step["name"] == "qwen3-0.6b (1 layer), context 16, batch 1: ms/step"
+    assert step["unit"] == "ms"
     assert step["value"] > 0 and step["floor"] is None  # no bandwidth floor on the CPU
     assert rate["unit"] == "tok/s" and rate["value"] > 0
-    assert "ms/step, context 16, batch 1" in capsys.readouterr().out
+    assert "qwen3-0.6b (1 layer), context 16, batch 1: ms/step" in capsys.readouterr().out
 
 
 def test_workload_a_is_nano_vllms():

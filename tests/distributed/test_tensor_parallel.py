@@ -44,7 +44,7 @@ GREEDY = SamplingParams(temperature=0.0, max_tokens=MAX_NEW, ignore_eos=True)
 # Under pytest-xdist the file must stay on one worker, in order (``--dist loadfile``): a
 # family's shared engine holds the process's distributed group until its last test stops it.
 ENGINE = dict(max_model_len=96, max_num_batched_tokens=16, num_kv_blocks=8)
-# The families the issue names, latent attention (DeepSeek), the gated delta rule (Qwen3.5,
+# The families tensor parallelism serves, latent attention (DeepSeek), the gated delta rule (Qwen3.5,
 # Qwen3-Next) and the MoE layouts.
 FAMILIES = ["llama", "qwen3", "gemma3", "gpt_oss", "qwen3_moe"]
 FAMILIES += ["deepseek_v2", "deepseek_v3", "qwen3_5", "qwen3_5_moe", "qwen3_next"]
