@@ -65,8 +65,11 @@ def run(
 
         device = str(resolve_device(config.device))
         bench_config = {"engine": _plain(vars(config)), **bench_config}
-    elif args.bench_command == "kernel":
-        device = "cuda"
+    elif args.bench_command in ("kernel", "serve"):
+        import torch
+
+        # a server started here runs on this machine's GPU (with --base-url: where it runs)
+        device = "cuda" if torch.cuda.is_available() else "cpu"
     for metric in metrics:
         print(metric.describe())
     if args.output_json:

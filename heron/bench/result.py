@@ -37,7 +37,8 @@ class Metric:
             if self.floor is None
             else f" ({self.value / self.floor:.2f}x floor {self.floor:.3f})"
         )
-        return f"{self.name}: {self.value:,.3f} {self.unit}{floor}"
+        value = f"{self.value:,.0f}" if self.value == int(self.value) else f"{self.value:,.3f}"
+        return f"{self.name}: {value} {self.unit}{floor}"
 
 
 def git_commit() -> tuple[str | None, bool]:

@@ -97,7 +97,7 @@ def run(args: argparse.Namespace, config: EngineConfig) -> tuple[dict[str, Any],
         "speculative": dataclasses.replace(config, speculative_config=speculative),
     }
     params = SamplingParams(temperature=0, max_tokens=args.max_tokens, ignore_eos=shape is not None)
-    options = dict(max_model_len=2048, max_num_seqs=max(args.batch))
+    options = dict(max_model_len=2048)
     results: dict[str, dict[int, tuple]] = {}
     for name, engine_config in configs.items():
         with engines.open_llm(shape, engine_config, **options) as llm:

@@ -39,6 +39,19 @@ def test_decode_on_the_cpu_writes_its_result(tmp_path, capsys):
     assert "qwen3-0.6b (1 layer), context 16, batch 1: ms/step" in capsys.readouterr().out
 
 
+def test_host_step_with_the_model_stubbed(tmp_path):
+    out = tmp_path / "host.json"
+    argv = ["bench", "host", "--batch", "2", "--context", "32", "--steps", "3"]
+    assert main([*argv, "--output-json", str(out)]) == 0
+    result = json.loads(out.read_text())
+    assert result["bench"] == "host" and result["config"]["batch"] == 2
+    median, mean = result["metrics"]
+    case = "gemma-3-1b, batch 2, context 32, blocks of 64"
+    assert median["name"] == f"{case}: host µs per engine step (median)"
+    assert mean["name"] == f"{case}: host µs per engine step (mean)"
+    assert median["value"] > 0 and mean["value"] > 0
+
+
 def test_workload_a_is_nano_vllms():
     """nano-vllm's README gives its bench.py workload's totals: 133,966 output tokens (of
     256 requests) and 142,827 prompt tokens."""
