@@ -63,7 +63,7 @@ def _signature_type(value) -> str:
     if isinstance(value, torch.Tensor):
         return "*" + {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32",
                       torch.float8_e4m3fn: "fp8e4nv", torch.int32: "i32",
-                      torch.int64: "i64", torch.bool: "i1"}[value.dtype]  # fmt: skip
+                      torch.int64: "i64", torch.bool: "i1", torch.uint8: "u8"}[value.dtype]  # fmt: skip
     if isinstance(value, float):
         return "fp32"
     return "i32" if -(2**31) <= value < 2**31 else "i64"

@@ -1,0 +1,191 @@
+"""Linear layers over packed integer weights (W4A16, W8A16): ``y = x @ dequant(w).T (+ bias)``.
+
+The weight stays packed in memory (``heron.layers.wna16``'s layout: int32 words along ``K``,
+scales and uint8 zero points per group of ``GROUP`` input columns); each tile is unpacked and
+scaled in registers, ``(q - z) * s`` in fp32, so a decode step reads a quarter of bf16's
+bytes. Two kernels:
+
+- the GEMV (few rows: decode): one program per ``BLOCK_N`` output features and row of ``x``,
+  a broadcast multiply and sum over ``[BLOCK_N, BLOCK_K]`` tiles, fp32 throughout;
+- the GEMM (prefill): ``[BLOCK_M, BLOCK_N]`` output tiles, the dequantised weight tile rounded
+  to ``x``'s dtype for ``tl.dot`` on the tensor cores, fp32 accumulation.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from heron.kernels.pdl import pdl_launch, wait_for_previous_kernel
+
+#: Up to this many rows a product takes the GEMV; more take the GEMM.
+GEMV_MAX_M = 8
+
+
+@triton.jit
+def _dequant_tile(
+    qw_ptr,
+    s_ptr,
+    z_ptr,
+    offs_n,
+    offs_k,
+    mask,
+    stride_qn,
+    stride_sn,
+    BITS: tl.constexpr,
+    GROUP: tl.constexpr,
+    HAS_ZEROS: tl.constexpr,
+):
+    """The fp32 weight tile ``[BLOCK_N, BLOCK_K]`` at rows ``offs_n``, columns ``offs_k``."""
+    PACK: tl.constexpr = 32 // BITS
+    rows = tl.cast(offs_n, tl.int64)[:, None]
+    words = tl.load(qw_ptr + rows * stride_qn + (offs_k // PACK)[None, :], mask=mask, other=0)
+    q = (words >> ((offs_k % PACK) * BITS)[None, :]) & ((1 << BITS) - 1)
+    group = (offs_k // GROUP)[None, :]
+    s = tl.load(s_ptr + rows * stride_sn + group, mask=mask, other=0.0).to(tl.float32)
+    if HAS_ZEROS:
+        z = tl.load(z_ptr + rows * stride_sn + group, mask=mask, other=0).to(tl.int32)
+    else:
+        z = 1 << (BITS - 1)
+    return (q - z).to(tl.float32) * s
+
+
+@triton.jit
+def _wna16_gemv_kernel(
+    x_ptr,
+    qw_ptr,
+    s_ptr,
+    z_ptr,
+    b_ptr,
+    y_ptr,
+    N,
+    K,
+    stride_xm,
+    stride_ym,
+    stride_qn,
+    stride_sn,
+    BITS: tl.constexpr,
+    GROUP: tl.constexpr,
+    HAS_ZEROS: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    USE_PDL: tl.constexpr,
+):
+    wait_for_previous_kernel(USE_PDL)
+    pid_n = tl.program_id(0)
+    m = tl.program_id(1)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_mask = offs_n < N
+    acc = tl.zeros([BLOCK_N], dtype=tl.float32)
+    for k in range(0, K, BLOCK_K):
+        offs_k = k + tl.arange(0, BLOCK_K)
+        k_mask = offs_k < K
+        w = _dequant_tile(
+            qw_ptr, s_ptr, z_ptr, offs_n, offs_k, n_mask[:, None] & k_mask[None, :],
+            stride_qn, stride_sn, BITS, GROUP, HAS_ZEROS,
+        )  # fmt: skip
+        x = tl.load(x_ptr + m * stride_xm + offs_k, mask=k_mask, other=0.0).to(tl.float32)
+        acc += tl.sum(w * x[None, :], axis=1)
+    if HAS_BIAS:
+        acc += tl.load(b_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)
+    tl.store(y_ptr + m * stride_ym + offs_n, acc.to(y_ptr.dtype.element_ty), mask=n_mask)
+
+
+@triton.jit
+def _wna16_gemm_kernel(
+    x_ptr,
+    qw_ptr,
+    s_ptr,
+    z_ptr,
+    b_ptr,
+    y_ptr,
+    M,
+    N,
+    K,
+    stride_xm,
+    stride_ym,
+    stride_qn,
+    stride_sn,
+    BITS: tl.constexpr,
+    GROUP: tl.constexpr,
+    HAS_ZEROS: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    DOT_PREC: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    USE_PDL: tl.constexpr,
+):
+    wait_for_previous_kernel(USE_PDL)
+    offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    m_mask = offs_m < M
+    n_mask = offs_n < N
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    x_rows = x_ptr + tl.cast(offs_m, tl.int64)[:, None] * stride_xm
+    for k in range(0, K, BLOCK_K):
+        offs_k = k + tl.arange(0, BLOCK_K)
+        k_mask = offs_k < K
+        x = tl.load(x_rows + offs_k[None, :], mask=m_mask[:, None] & k_mask[None, :], other=0.0)
+        w = _dequant_tile(
+            qw_ptr, s_ptr, z_ptr, offs_n, offs_k, n_mask[:, None] & k_mask[None, :],
+            stride_qn, stride_sn, BITS, GROUP, HAS_ZEROS,
+        )  # fmt: skip
+        acc = tl.dot(x, tl.trans(w.to(x.dtype)), acc=acc, input_precision=DOT_PREC)
+    if HAS_BIAS:
+        acc += tl.load(b_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
+    y_ptrs = y_ptr + tl.cast(offs_m, tl.int64)[:, None] * stride_ym + offs_n[None, :]
+    tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=m_mask[:, None] & n_mask[None, :])
+
+
+def _block(size: int, largest: int, smallest: int = 16) -> int:
+    """A power-of-two tile side: ``largest``, or less for a smaller ``size``."""
+    return max(smallest, min(largest, triton.next_power_of_2(size)))
+
+
+def wna16_linear(
+    x: torch.Tensor,
+    qweight: torch.Tensor,
+    scales: torch.Tensor,
+    qzeros: torch.Tensor | None,
+    bits: int,
+    group_size: int | None,
+    bias: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """``x [M, K] @ W.T (+ bias)`` for the packed ``W [N, K]`` (``qweight`` int32
+    ``[N, K * bits / 32]``, ``scales`` ``[N, G]``, ``qzeros`` uint8 ``[N, G]`` or None for
+    symmetric weights; ``group_size`` None: one group a row). Returns ``x.dtype``."""
+    M, K = x.shape
+    N = qweight.shape[0]
+    if qweight.dtype != torch.int32 or qweight.shape[1] * (32 // bits) != K:
+        raise ValueError(f"wna16_linear: x {tuple(x.shape)}, qweight {tuple(qweight.shape)}")
+    group = group_size or K
+    if scales.shape != (N, -(-K // group)) or (qzeros is not None and qzeros.shape != scales.shape):
+        raise ValueError(f"wna16_linear: scales {tuple(scales.shape)} for {N}x{K} in {group}s")
+    if not (qweight.is_contiguous() and scales.is_contiguous()):
+        raise ValueError("wna16_linear: qweight and scales must be contiguous")
+    if x.stride(1) != 1:
+        x = x.contiguous()
+    out = torch.empty((M, N), dtype=x.dtype, device=x.device)
+    if M == 0:
+        return out
+    common = (N, K, x.stride(0), out.stride(0), qweight.stride(0), scales.stride(0))
+    args = (x, qweight, scales, qzeros if qzeros is not None else scales, bias if bias is not None else scales, out)
+    flags = dict(BITS=bits, GROUP=group, HAS_ZEROS=qzeros is not None, HAS_BIAS=bias is not None)
+    if M <= GEMV_MAX_M:
+        block_n, block_k = _block(N, 64), _block(K, 128)
+        _wna16_gemv_kernel[(triton.cdiv(N, block_n), M)](
+            *args, *common, **flags, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=4,
+            **pdl_launch(x.device),
+        )  # fmt: skip
+        return out
+    block_m, block_n, block_k = _block(M, 64), _block(N, 64), _block(K, 64)
+    _wna16_gemm_kernel[(triton.cdiv(M, block_m), triton.cdiv(N, block_n))](
+        *args, M, *common, **flags,
+        DOT_PREC="ieee" if x.dtype == torch.float32 else "tf32",
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=4, num_stages=3,
+        **pdl_launch(x.device),
+    )  # fmt: skip
+    return out

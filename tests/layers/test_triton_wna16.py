@@ -1,0 +1,74 @@
+"""The packed-integer-weight kernels under the interpreter against dequantise-then-matmul in
+fp32 (GEMV and GEMM, 4 and 8 bits, groups and channels, zero points or symmetric, ragged
+shapes), and their lowering for sm_90."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from triton_lowering import check_lowering
+
+from heron.kernels.wna16 import GEMV_MAX_M, wna16_linear
+from heron.layers.wna16 import dequantize, quantize
+
+TOL = {torch.float32: 1e-5, torch.float16: 2e-3}
+
+
+def _case(m, n, k, bits, group, zeros, dtype, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    qweight, scales, qzeros = quantize(torch.randn(n, k, generator=g), bits, group, zeros)
+    x = torch.randn(m, k, generator=g).to(dtype)
+    bias = torch.randn(n, generator=g).to(dtype)
+    return x, qweight, scales, qzeros, bias
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize(
+    "m, n, k, bits, group, zeros",
+    [
+        (1, 24, 96, 4, 32, True),  # ragged column block, a K tail in the tile
+        (3, 64, 128, 4, 64, False),
+        (GEMV_MAX_M, 40, 64, 8, None, True),  # per channel, 8 bits
+        (GEMV_MAX_M + 1, 48, 160, 4, 32, True),  # the GEMM: ragged rows and columns
+        (20, 32, 256, 8, 128, False),
+        (17, 16, 72, 4, None, True),  # K of no power of two, per channel
+    ],
+)
+def test_matches_dequantised_fp32_matmul(dtype, m, n, k, bits, group, zeros):
+    x, qweight, scales, qzeros, bias = _case(m, n, k, bits, group, zeros, dtype)
+    w = dequantize(qweight, scales, qzeros, bits, group)
+    for b in (None, bias):
+        y = wna16_linear(x, qweight, scales, qzeros, bits, group, b)
+        ref = F.linear(x.float(), w, None if b is None else b.float())
+        assert y.dtype == dtype and y.shape == (m, n)
+        err = ((y.float() - ref).abs().max() / ref.abs().max()).item()
+        assert err < TOL[dtype], err
+
+
+def test_bad_shapes_are_refused():
+    x, qweight, scales, qzeros, _ = _case(2, 16, 64, 4, 32, True, torch.float32)
+    with pytest.raises(ValueError, match="qweight"):
+        wna16_linear(x[:, :32], qweight, scales, qzeros, 4, 32)
+    with pytest.raises(ValueError, match="scales"):
+        wna16_linear(x, qweight, scales[:, :1], qzeros, 4, 32)
+
+
+def wna16_launches() -> None:
+    """Decode and prefill launches of the 8B shapes in bf16 (for the lowering test)."""
+    for n, k in [(6144, 4096), (4096, 12288)]:
+        for bits, group, zeros in [(4, 128, True), (4, 32, False), (8, 128, False)]:
+            qweight = torch.empty(n, k * bits // 32, dtype=torch.int32)
+            scales = torch.empty(n, k // group, dtype=torch.float16)
+            qzeros = torch.empty(n, k // group, dtype=torch.uint8) if zeros else None
+            for m in (1, 64):
+                x = torch.empty(m, k, dtype=torch.bfloat16)
+                wna16_linear(x, qweight, scales, qzeros, bits, group)
+
+
+def test_kernels_lower_for_sm90():
+    assert check_lowering(
+        "layers.test_triton_wna16:wna16_launches",
+        "heron.kernels.wna16:_wna16_gemv_kernel",
+        "heron.kernels.wna16:_wna16_gemm_kernel",
+    )
