@@ -10,7 +10,8 @@ from typing import Any
 import torch
 from transformers import AutoConfig, GenerationConfig, PretrainedConfig
 
-from heron.layers.fp8 import FP8, QUANTIZATIONS, Fp8Scheme, fp8_scheme
+from heron.layers.fp8 import FP8, QUANTIZATIONS
+from heron.layers.quantization import WeightScheme, weight_scheme
 from heron.ops.selector import check_backend
 
 _DTYPES = {
@@ -245,7 +246,7 @@ class ModelConfig:
     eos_token_ids: frozenset[int] = field(default_factory=frozenset)
     load_format: str = "auto"  # see LOAD_FORMATS
     seed: int = 0  # of the dummy weights
-    quantization: Fp8Scheme | None = None  # how linear layers hold FP8 weights; None: they don't
+    quantization: WeightScheme | None = None  # how linear layers hold weights; None: dense
     kv_cache_dtype: torch.dtype | None = None  # None: the model's dtype
 
     @property
@@ -280,7 +281,7 @@ class ModelConfig:
             eos_token_ids=_eos_token_ids(path, hf_config),
             load_format=load_format,
             seed=seed,
-            quantization=fp8_scheme(hf_config, quantization),
+            quantization=weight_scheme(hf_config, quantization),
             kv_cache_dtype=FP8 if kv_cache_dtype == "fp8" else None,
         )
 

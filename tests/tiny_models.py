@@ -183,6 +183,17 @@ def greedy_tokens(llm, prompts: list[list[int]], params) -> list[list[int]]:
     return [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
 
 
+def check_greedy_and_logprobs(llm, hf, prompts: list[list[int]], params) -> None:
+    """Heron's greedy tokens for ``prompts`` are HF's, and its prompt logprobs of the first
+    prompt HF's to 1e-4 (the weights' formats dequantise to the same fp32 figures)."""
+    from heron import SamplingParams
+
+    assert greedy_tokens(llm, prompts, params) == hf_greedy(hf, prompts, params.max_tokens)
+    out = llm.generate(prompts[0], SamplingParams(max_tokens=1, prompt_logprobs=1), use_tqdm=False)
+    got = torch.tensor([lp.logprob for lp in out[0].prompt_logprobs[1:]])
+    torch.testing.assert_close(got, hf_prompt_logprobs(hf, prompts[0]), atol=1e-4, rtol=1e-4)
+
+
 def hf_prompt_logprobs(hf, prompt: list[int]) -> torch.Tensor:
     """HF transformers' log-probability of each prompt token after the ones before it."""
     with torch.no_grad():

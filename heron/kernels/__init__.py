@@ -27,6 +27,7 @@ class LayerKernels:
     route_topk: Callable[..., Any] | None = None  # moe_route.route_topk (a Routing's rule)
     router_logits: Callable[..., Any] | None = None  # moe_route.router_logits (fp32 routers)
     fp8_mm: Callable[..., Any] | None = None  # heron.layers.fp8.scaled_mm (FP8 weights, many rows)
+    wna16_mm: Callable[..., Any] | None = None  # wna16.wna16_linear (packed integer weights)
 
 
 #: Plain PyTorch everywhere: the CPU's choice and every layer's default.

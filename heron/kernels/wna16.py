@@ -172,7 +172,14 @@ def wna16_linear(
     if M == 0:
         return out
     common = (N, K, x.stride(0), out.stride(0), qweight.stride(0), scales.stride(0))
-    args = (x, qweight, scales, qzeros if qzeros is not None else scales, bias if bias is not None else scales, out)
+    args = (
+        x,
+        qweight,
+        scales,
+        qzeros if qzeros is not None else scales,
+        bias if bias is not None else scales,
+        out,
+    )
     flags = dict(BITS=bits, GROUP=group, HAS_ZEROS=qzeros is not None, HAS_BIAS=bias is not None)
     if M <= GEMV_MAX_M:
         block_n, block_k = _block(N, 64), _block(K, 128)

@@ -46,6 +46,10 @@ class Fp8Scheme:
     block: tuple[int, int] | None = None
     skip: tuple[str, ...] = ()
 
+    def skips(self, name: str) -> bool:
+        """Whether module ``name`` (a checkpoint name) stays in full precision."""
+        return any(f in name for f in self.skip)
+
     def describe(self) -> str:
         layout = f"{self.block[0]}x{self.block[1]} block scales" if self.block else "channel scales"
         source = "from the checkpoint" if self.from_checkpoint else "quantised at load"
@@ -64,7 +68,7 @@ def fp8_scheme(hf_config: PretrainedConfig, quantization: str | None) -> Fp8Sche
     if qc.get("quant_method") != "fp8":
         raise ValueError(
             f"checkpoint quantization {qc.get('quant_method')!r} is not supported; "
-            "Heron loads quant_method 'fp8' checkpoints"
+            "Heron loads quant_method 'fp8', 'awq', 'gptq' and 'compressed-tensors' checkpoints"
         )
     unknown = sorted(set(qc) - _CHECKPOINT_KEYS)
     if unknown:

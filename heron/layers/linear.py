@@ -26,6 +26,17 @@ from heron.layers.fp8 import (
     scale_shape,
     scaled_mm_reference,
 )
+from heron.layers.wna16 import (
+    WNA16Scheme,
+    act_order,
+    column_part,
+    group_width,
+    pack,
+    unpack,
+    wna16_forward,
+)
+from heron.layers.wna16 import dequantize as dequantize_wna16
+from heron.layers.wna16 import quantize as quantize_wna16
 from heron.parallel import current_tensor_parallel
 
 
@@ -35,6 +46,8 @@ class Linear(nn.Module):
 
     After :meth:`hold_fp8` or :meth:`quantize_fp8` the weight is FP8 E4M3 with fp32
     ``weight_scale`` (per output channel, or per ``weight_block`` tile): see :func:`fp8_linear`.
+    After :meth:`hold_wna16` or :meth:`quantize_wna16` it holds packed integer weights instead
+    (``qweight``, ``scales``, ``qzeros``; see ``heron.layers.wna16``) and no ``weight``.
     """
 
     def __init__(
@@ -73,9 +86,16 @@ class Linear(nn.Module):
         # An operator reads the weight as a matrix (MLA's kv_b_proj): under an FP8 scheme it
         # stays in full precision, dequantised after loading from an FP8 checkpoint.
         self.keep_dense = False
+        self.wna16: WNA16Scheme | None = None
+        for name in ("qweight", "scales", "qzeros", "g_idx"):  # packed integer weights
+            self.register_parameter(name, None)
+        self.perm: torch.Tensor | None = None  # act-order: the input columns' order
+        self.g_idx_loaded = False  # a packed layer's shards each bring the same g_idx
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.weight_scale is not None:
+        if self.wna16 is not None:
+            y = wna16_forward(x, *self._packed(), self.perm, self.wna16, self.bias, self.kernels)
+        elif self.weight_scale is not None:
             y = fp8_linear(
                 x, self.weight, self.weight_scale, self.weight_block, self.bias, self.kernels
             )
@@ -109,9 +129,68 @@ class Linear(nn.Module):
         q, scale = quantize(self.weight.data, block)
         self.weight, self.weight_scale, self.weight_block = _frozen(q), _frozen(scale), block
 
+    def hold_wna16(self, scheme: WNA16Scheme) -> None:
+        """Empty packed weight, scales, zero points (and ``g_idx``) for a checkpoint in
+        ``scheme`` to fill. With ``g_idx`` the scales hold every group of the checkpoint's
+        input columns until :meth:`finish_wna16` picks this layer's."""
+        n, k = self.out_features, self.in_features
+        if k % scheme.pack:
+            raise ValueError(f"{k} input features do not fill {scheme.bits}-bit words")
+        full_k = k * (self.tp.size if self.parallel == "row" and scheme.act_order else 1)
+        groups = -(-full_k // group_width(scheme.group_size, full_k))
+        device = self.weight.device
+        self.register_parameter("weight", None)
+        self.qweight = _frozen(torch.empty(n, k // scheme.pack, dtype=torch.int32, device=device))
+        self.scales = _frozen(torch.empty(n, groups, dtype=scheme.scale_dtype, device=device))
+        zeros = torch.empty(n, groups, dtype=torch.uint8, device=device)
+        self.qzeros = _frozen(zeros) if scheme.zero_points else None
+        g_idx = torch.empty(k, dtype=torch.int32, device=device)
+        self.g_idx = _frozen(g_idx) if scheme.act_order else None
+        self.wna16 = scheme
+
+    def finish_wna16(self, dtype: torch.dtype) -> None:
+        """After loading: the act-order layout from ``g_idx`` (columns sorted by group, this
+        layer's groups of scales and zero points), or the full-precision weight where an
+        operator reads it as a matrix (``keep_dense``)."""
+        scheme = self.wna16
+        if self.g_idx is not None:
+            what = f"a {self.in_features}-column linear layer"
+            perm, groups = act_order(self.g_idx.data, scheme.group_size, what)
+            self.scales = _frozen(self.scales.data[:, groups].contiguous())
+            if self.qzeros is not None:
+                self.qzeros = _frozen(self.qzeros.data[:, groups].contiguous())
+            if perm is not None:
+                self.perm = perm
+                reordered = unpack(self.qweight.data, scheme.bits)[:, perm]
+                self.qweight = _frozen(pack(reordered, scheme.bits))
+            self.g_idx = None
+        if self.keep_dense:
+            w = dequantize_wna16(*self._packed(), scheme.bits, scheme.group_size)
+            if self.perm is not None:
+                w = w[:, torch.argsort(self.perm)]
+            self.weight = _frozen(w.to(dtype))
+            self.qweight = self.scales = self.qzeros = self.wna16 = self.perm = None
+
+    def _packed(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """``(qweight, scales, qzeros)`` of packed integer weights."""
+        return self.qweight, self.scales, self.qzeros
+
+    def quantize_wna16(self, scheme: WNA16Scheme) -> None:
+        """Replace the loaded full-precision weight by its round-to-nearest quantisation in
+        ``scheme`` (dummy weights of a quantised checkpoint's shape)."""
+        qweight, scales, qzeros = quantize_wna16(
+            self.weight.data, scheme.bits, scheme.group_size, scheme.zero_points
+        )
+        self.register_parameter("weight", None)
+        self.qweight, self.qzeros = _frozen(qweight), qzeros if qzeros is None else _frozen(qzeros)
+        self.scales = _frozen(scales.to(scheme.scale_dtype))
+        self.wna16 = scheme
+
     def reorder_rows(self, order: torch.Tensor) -> None:
         """Put the loaded output rows in ``order`` (weight, bias and FP8 scales alike); per
         block scales need ``order`` to move whole blocks."""
+        if self.wna16 is not None:
+            raise ValueError("a row order of packed integer weights is not supported")
         self.weight.data = self.weight.data[order]
         if self.bias is not None:
             self.bias.data = self.bias.data[order]
@@ -128,8 +207,9 @@ class Linear(nn.Module):
         self.weight_scale.data = self.weight_scale.data[blocks]
 
     def takes_gemv(self, x: torch.Tensor) -> bool:
-        """Whether this layer's product with ``x``'s rows runs as the GEMV."""
-        return takes_gemv(self.kernels, x, self.weight)
+        """Whether this layer's product with ``x``'s rows runs as the GEMV (packed integer
+        weights take their own kernels, unfused)."""
+        return self.wna16 is None and takes_gemv(self.kernels, x, self.weight)
 
     def _gemv(self, x: torch.Tensor, **fused: Any) -> torch.Tensor:
         if self.weight_scale is None:
@@ -163,12 +243,21 @@ class Linear(nn.Module):
     ) -> torch.Tensor | tuple[torch.Tensor, ...]:
         """The part of checkpoint tensor ``loaded`` (for parameter ``name``) this rank holds;
         only narrowed, so a lazily read checkpoint tensor reads just that part (runs of rows
-        that do not join up come as a tuple)."""
+        that do not join up come as a tuple). Packed integer tensors are read whole and put in
+        the layer's layout first."""
+        loaded = self._converted(name, loaded)
         if self.parallel == "row":
             return self._part(name, loaded, None, (self.col_start, self.in_features))
         if self.parallel == "column":
             return self._part(name, loaded, ((self.row_start, self.out_features),), None)
         return loaded
+
+    def _converted(self, name: str, loaded: torch.Tensor) -> torch.Tensor:
+        """A packed integer checkpoint tensor in the layer's layout (read whole, if lazily
+        read: the layout differs from the file's); others as they are."""
+        if self.wna16 is None or name == "bias":
+            return loaded
+        return self.wna16.convert(name, loaded.load() if hasattr(loaded, "load") else loaded)
 
     def _part(
         self,
@@ -179,7 +268,13 @@ class Linear(nn.Module):
     ) -> torch.Tensor | tuple[torch.Tensor, ...]:
         """The output ``rows`` (runs) and input ``cols`` of the weight that this rank holds, of
         ``loaded`` (the weight, bias or FP8 scales: a per-tensor scale whole, per-channel
-        scales by rows, block scales by the blocks of those rows and columns, each whole)."""
+        scales by rows, block scales by the blocks of those rows and columns, each whole;
+        packed integer tensors converted first, then cut in their units)."""
+        if self.wna16 is not None and name != "bias":
+            if cols is not None:
+                k = self.in_features * self.tp.size
+                loaded = column_part(self.wna16, name, loaded, cols, k)
+            return loaded if rows is None or name == "g_idx" else rows_of(loaded, rows)
         if name == "weight_scale":
             if math.prod(loaded.shape) == 1 or (rows is None and self.weight_block is None):
                 return loaded
@@ -203,8 +298,14 @@ class Linear(nn.Module):
         self._load_rows(param, loaded, 0, self.out_features)
 
     def _load_rows(self, param: nn.Parameter, loaded: torch.Tensor, start: int, size: int) -> None:
-        """Fill output rows ``[start, start + size)`` of ``param`` (the weight, bias or scales)."""
-        if param is not self.weight_scale:
+        """Fill output rows ``[start, start + size)`` of ``param`` (the weight, bias or scales;
+        act-order ``g_idx``, one for every shard, whole)."""
+        if param is self.g_idx:
+            if self.g_idx_loaded and not torch.equal(param.data, loaded.to(param.dtype)):
+                raise ValueError("g_idx differs from the first shard's (one input order a layer)")
+            _copy_checked(param.data, loaded, param)
+            self.g_idx_loaded = True
+        elif param is not self.weight_scale:
             _copy_checked(param.data.narrow(0, start, size), loaded, param)
         elif self.weight_block is None:  # per channel; a per-tensor scale repeats
             _copy_checked(param.data.narrow(0, start, size), channel_scales(loaded, size), param)
@@ -263,6 +364,7 @@ class PackedLinear(Linear):
     def checkpoint_part(
         self, name: str, loaded: torch.Tensor, shard: str | None
     ) -> torch.Tensor | tuple[torch.Tensor, ...]:
+        loaded = self._converted(name, loaded)
         if self.parallel is None or shard not in self.shard_offsets:
             return loaded
         return self._part(name, loaded, self.shard_rows(shard), None)

@@ -24,6 +24,8 @@ from dataclasses import dataclass
 import torch
 from transformers import PretrainedConfig
 
+from heron.kernels import LayerKernels
+
 #: AutoAWQ's GEMM packing puts column ``8c + AWQ_ORDER[i]`` in nibble ``i`` of word ``c``.
 AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)
 _AWQ_UNDO = (0, 4, 1, 5, 2, 6, 3, 7)  # nibble of column 8c + j
@@ -43,7 +45,7 @@ _IGNORED = {
 }  # fmt: skip
 _CT_KEYS = {"quant_method", "format", "config_groups", "ignore", "kv_cache_scheme"}
 _CT_KEYS |= {"quantization_status", "global_compression_ratio", "sparsity_config", "version"}
-_CT_KEYS |= {"transform_config"}
+_CT_KEYS |= {"transform_config", "moe_sparsity_config"}
 _CT_WEIGHT_KEYS = {"num_bits", "type", "symmetric", "strategy", "group_size", "actorder"}
 _CT_WEIGHT_KEYS |= {"dynamic", "observer", "observer_kwargs", "block_structure"}
 _CT_WEIGHT_KEYS |= {"scale_dtype", "zp_dtype"}
@@ -195,11 +197,11 @@ def _compressed_tensors(qc: dict, hf_config: PretrainedConfig) -> WNA16Scheme:
     groups = qc.get("config_groups") or {}
     if len(groups) != 1:
         raise ValueError(f"{what}: {len(groups)} config_groups; one is supported")
-    (name, group), = groups.items()
+    ((name, group),) = groups.items()
     fmt = group.get("format") or fmt
     if fmt != "pack-quantized":
         raise ValueError(f"{what}: format {fmt!r} is not supported (pack-quantized)")
-    for field in ("kv_cache_scheme", "sparsity_config", "transform_config"):
+    for field in ("kv_cache_scheme", "sparsity_config", "transform_config", "moe_sparsity_config"):
         if qc.get(field):
             raise ValueError(f"{what}: {field} is not supported")
     for field in ("input_activations", "output_activations"):
@@ -234,7 +236,9 @@ def _compressed_tensors(qc: dict, hf_config: PretrainedConfig) -> WNA16Scheme:
         size,
         zero_points=not w.get("symmetric", True),
         act_order=actorder in ("group", "dynamic"),  # g_idx stored as weight_g_idx
-        scale_dtype=dtype if dtype in (torch.float16, torch.bfloat16) else torch.bfloat16,
+        scale_dtype=dtype
+        if isinstance(dtype, torch.dtype) and dtype.is_floating_point
+        else torch.bfloat16,
         skip=tuple(i for i in ignore if not i.startswith("re:")),
         skip_patterns=tuple(i[3:] for i in ignore if i.startswith("re:")),
     )
@@ -329,3 +333,48 @@ def act_order(
         )
     identity = torch.equal(perm, torch.arange(k, device=perm.device))
     return (None if identity else perm), groups
+
+
+def column_part(
+    scheme: WNA16Scheme, name: str, converted: torch.Tensor, cols: tuple[int, int], k: int
+) -> torch.Tensor:
+    """The input columns ``cols`` (a rank's ``(start, length)`` of the checkpoint's ``k``) of a
+    converted tensor: words of ``qweight``, whole groups of ``scales`` and ``qzeros`` (all of
+    them where ``g_idx`` picks them, or per channel), entries of ``g_idx``. A split inside a
+    word or group is an error naming the tensor."""
+    start, length = cols
+    if name == "qweight":
+        unit, what = scheme.pack, f"{scheme.bits}-bit words"
+    elif name in ("scales", "qzeros") and scheme.group_size and not scheme.act_order:
+        unit, what = scheme.group_size, f"{scheme.group_size}-column groups"
+    elif name == "g_idx":
+        return converted.narrow(0, start, length)
+    else:
+        return converted
+    if start % unit or (length % unit and start + length != k):
+        raise ValueError(
+            f"{name}: tensor parallelism gives each rank {length} of its {k} input columns, "
+            f"which splits its {what}"
+        )
+    return converted.narrow(1, start // unit, -(-length // unit))
+
+
+def wna16_forward(
+    x: torch.Tensor,
+    qweight: torch.Tensor,
+    scales: torch.Tensor,
+    qzeros: torch.Tensor | None,
+    perm: torch.Tensor | None,
+    scheme: WNA16Scheme,
+    bias: torch.Tensor | None,
+    kernels: LayerKernels,
+) -> torch.Tensor:
+    """``x W^T (+ b)`` for a packed weight: the kernel set's ``wna16_mm`` (dequantising in
+    registers), else the weight dequantised in fp32 for this product (the CPU's reference).
+    Act-order weights take ``x``'s columns in ``perm``'s order."""
+    if perm is not None:
+        x = x.index_select(-1, perm)
+    if kernels.wna16_mm is not None and x.dim() == 2:
+        return kernels.wna16_mm(x, qweight, scales, qzeros, scheme.bits, scheme.group_size, bias)
+    w = dequantize(qweight, scales, qzeros, scheme.bits, scheme.group_size)
+    return torch.nn.functional.linear(x, w.to(x.dtype), bias)

@@ -5,6 +5,7 @@ from __future__ import annotations
 from torch import nn
 
 from heron.config import ModelConfig
+from heron.layers.wna16 import WNA16Scheme
 from heron.loader.dummy import initialize_dummy_weights
 from heron.loader.fp8 import fp8_expert_banks, fp8_linears
 from heron.loader.safetensors import iterate_weights
@@ -14,18 +15,25 @@ from heron.loader.weights import load_weights
 def load_model(model: nn.Module, model_config: ModelConfig, sharded: bool = False) -> None:
     """Fill ``model``; under an FP8 scheme its linear layers and SwiGLU experts end up holding
     FP8 weights: read as stored from an FP8 checkpoint, else quantised from the loaded (or
-    dummy) weights (but those an operator reads as matrices, ``Linear.keep_dense``).
+    dummy) weights (but those an operator reads as matrices, ``Linear.keep_dense``). Under an
+    integer scheme (AWQ, GPTQ, compressed-tensors) linear layers hold the packed weights as
+    stored, or dummy weights quantised to the scheme.
     A ``sharded`` (tensor-parallel) model reads only its own parts of the checkpoint."""
     scheme = model_config.quantization
+    packed = isinstance(scheme, WNA16Scheme)
     linears = fp8_linears(model, scheme) if scheme is not None else []
     banks = fp8_expert_banks(model, scheme) if scheme is not None else []
-    as_stored = (
-        scheme is not None and scheme.from_checkpoint and model_config.load_format != "dummy"
-    )
+    if packed and banks:
+        raise ValueError(
+            f"{scheme.format} checkpoints of MoE experts are not supported "
+            f"({type(banks[0]).__name__} in {type(model).__name__})"
+        )
+    dummy = model_config.load_format == "dummy"
+    as_stored = scheme is not None and (packed or scheme.from_checkpoint) and not dummy
     if as_stored:
         for layer in [*linears, *banks]:
-            layer.hold_fp8(scheme.block)
-    if model_config.load_format == "dummy":
+            layer.hold_wna16(scheme) if packed else layer.hold_fp8(scheme.block)
+    if dummy:
         std = getattr(model_config.hf_config, "initializer_range", None) or 0.02
         initialize_dummy_weights(model, std, model_config.seed)
     else:
@@ -36,7 +44,11 @@ def load_model(model: nn.Module, model_config: ModelConfig, sharded: bool = Fals
         if hasattr(module, "finish_loading"):
             module.finish_loading()
     for layer in linears:
-        if layer.keep_dense and as_stored:
+        if packed and as_stored:
+            layer.finish_wna16(model_config.dtype)
+        elif packed and not layer.keep_dense:
+            layer.quantize_wna16(scheme)
+        elif layer.keep_dense and as_stored:
             layer.dequantize_fp8(model_config.dtype)
         elif not layer.keep_dense and not as_stored:
             layer.quantize_fp8(scheme.block)

@@ -1,16 +1,17 @@
-"""Which of a model's layers hold FP8 weights under an :class:`~heron.layers.fp8.Fp8Scheme`."""
+"""Which of a model's layers hold quantised weights under a scheme (FP8, or packed integer
+weights): the scheme's ``skips`` and the model's ``full_precision_modules`` stay dense."""
 
 from __future__ import annotations
 
 from torch import nn
 
-from heron.layers.fp8 import Fp8Scheme
 from heron.layers.linear import Linear
 from heron.layers.moe import SwiGLUExperts
+from heron.layers.quantization import WeightScheme
 from heron.layers.routing import TopKRouter
 
 
-def fp8_linears(model: nn.Module, scheme: Fp8Scheme) -> list[Linear]:
+def fp8_linears(model: nn.Module, scheme: WeightScheme) -> list[Linear]:
     """Every :class:`Linear` of ``model`` except MoE routers (tiny, and their logits pick the
     experts) and the modules the scheme skips. Embeddings and the LM head are not ``Linear``
     and stay in full precision.
@@ -34,7 +35,7 @@ def fp8_linears(model: nn.Module, scheme: Fp8Scheme) -> list[Linear]:
     return out
 
 
-def fp8_expert_banks(model: nn.Module, scheme: Fp8Scheme) -> list[SwiGLUExperts]:
+def fp8_expert_banks(model: nn.Module, scheme: WeightScheme) -> list[SwiGLUExperts]:
     """Every bank of SwiGLU experts of ``model`` (gpt-oss's input-major clamped experts stay in
     full precision) but those the scheme skips, matched as :func:`fp8_linears` matches: by the
     bank's name or an expert's checkpoint names (``experts.0.down_proj``), all or none."""
@@ -47,14 +48,14 @@ def fp8_expert_banks(model: nn.Module, scheme: Fp8Scheme) -> list[SwiGLUExperts]
     return out
 
 
-def _skipped(model: nn.Module, scheme: Fp8Scheme, name: str, sources: list[str]) -> bool:
+def _skipped(model: nn.Module, scheme: WeightScheme, name: str, sources: list[str]) -> bool:
     """Whether module ``name``, which holds checkpoint modules ``sources`` in one format,
     stays in full precision; raises if the scheme skips some of them only."""
-    skip = scheme.skip + tuple(getattr(model, "full_precision_modules", ()))
-    skipped = [any(f in source for f in skip) for source in sources]
+    own = tuple(getattr(model, "full_precision_modules", ()))
+    skipped = [scheme.skips(source) or any(f in source for f in own) for source in sources]
     if any(skipped) and not all(skipped):
         raise ValueError(
-            f"{name}: the FP8 scheme skips some of the checkpoint matrices it packs "
+            f"{name}: the quantisation scheme skips some of the checkpoint matrices it packs "
             f"({', '.join(s for s, k in zip(sources, skipped, strict=True) if k)}), not all"
         )
     return all(skipped)

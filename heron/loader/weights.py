@@ -23,6 +23,15 @@ _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 _SCALE_INV = ".weight_scale_inv"
 # A static FP8 checkpoint's activation scales: Heron scales activations per token instead.
 _INPUT_SCALE = ".input_scale"
+# compressed-tensors' names of packed integer weights, and the layer's (AWQ's and GPTQ's). Its
+# weight_shape restates the layer's shape (a wrong one shows in weight_packed's).
+_PACKED_NAMES = {
+    "weight_packed": "qweight",
+    "weight_scale": "scales",
+    "weight_zero_point": "qzeros",
+    "weight_g_idx": "g_idx",
+}
+_PACKED_SHAPE = ".weight_shape"
 # What one expert's tensor fills in its bank: the stack itself, its scales, or (unused) the
 # input scale of a static FP8 checkpoint.
 _EXPERT_TENSORS = {"weight": "", "weight_scale": SCALE_SUFFIX, "input_scale": _INPUT_SCALE}
@@ -78,6 +87,11 @@ def load_weights(
         if name.endswith(_SCALE_INV):
             name = name.removesuffix(_SCALE_INV) + ".weight_scale"
         target, shard = _target([renames.get(p, p) for p in name.split(".")], packed, banks)
+        owner, _, leaf = target.rpartition(".")
+        if f"{owner}.qweight" in params:  # packed integer weights
+            if target.endswith(_PACKED_SHAPE):
+                continue
+            target = f"{owner}.{_PACKED_NAMES.get(leaf, leaf)}"
         if target.endswith(_INPUT_SCALE) and _scales_weights(target, params):
             unused_input_scales += 1
             continue

@@ -87,7 +87,7 @@ def _operator_class(kind: str, name: str) -> type:
 
 def _triton_layer_kernels() -> LayerKernels:
     # Imported on demand, as the Triton attention operator is.
-    from heron.kernels import activation, fp8_quant, gemv, moe, moe_route, rmsnorm
+    from heron.kernels import activation, fp8_quant, gemv, moe, moe_route, rmsnorm, wna16
     from heron.layers import fp8
 
     return LayerKernels(
@@ -101,6 +101,7 @@ def _triton_layer_kernels() -> LayerKernels:
         route_topk=moe_route.route_topk,
         router_logits=moe_route.router_logits,
         fp8_mm=partial(fp8.scaled_mm, quantize_rows=fp8_quant.quantize_rows),
+        wna16_mm=wna16.wna16_linear,
     )
 
 

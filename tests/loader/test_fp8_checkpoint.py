@@ -19,6 +19,7 @@ from heron.layers.linear import Linear
 
 from tiny_models import (
     FP8_PROJECTIONS,
+    check_greedy_and_logprobs,
     greedy_tokens,
     hf_greedy,
     hf_on_weights,
@@ -35,11 +36,7 @@ def _fp8_layers(llm: LLM) -> list[Linear]:
 
 
 def _check_parity(llm: LLM, hf) -> None:
-    assert greedy_tokens(llm, PROMPTS, GREEDY) == hf_greedy(hf, PROMPTS, GREEDY.max_tokens)
-    prompt = PROMPTS[0]
-    out = llm.generate(prompt, SamplingParams(max_tokens=1, prompt_logprobs=1), use_tqdm=False)
-    got = torch.tensor([lp.logprob for lp in out[0].prompt_logprobs[1:]])
-    torch.testing.assert_close(got, hf_prompt_logprobs(hf, prompt), atol=1e-4, rtol=1e-4)
+    check_greedy_and_logprobs(llm, hf, PROMPTS, GREEDY)
 
 
 def test_quantised_at_load_equals_hf_on_the_dequantised_weights(tiny_model_dir):
@@ -85,7 +82,7 @@ def test_invalid_quantization_settings_are_named(tiny_model_dir, tmp_path):
     shutil.copytree(tiny_model_dir("llama"), path)
     config = json.loads((path / "config.json").read_text())
     for qc, message in [
-        ({"quant_method": "awq"}, "checkpoint quantization 'awq' is not supported"),
+        ({"quant_method": "hqq"}, "checkpoint quantization 'hqq' is not supported"),
         ({"quant_method": "fp8", "kv_cache_scheme": {}}, "unsupported fields kv_cache_scheme"),
         ({"quant_method": "fp8", "weight_block_size": [128, 96]}, "not two powers of two"),
         ({"quant_method": "fp8", "modules_to_not_convert": ["q_proj"]}, "skips some of"),
