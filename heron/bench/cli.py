@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import importlib
 from collections.abc import Callable
+from dataclasses import asdict
 
 from heron.config import EngineConfig
 
@@ -64,7 +65,7 @@ def run(
         from heron.platforms import resolve_device
 
         device = str(resolve_device(config.device))
-        bench_config = {"engine": _plain(vars(config)), **bench_config}
+        bench_config = {"engine": _plain(asdict(config)), **bench_config}
     elif args.bench_command in ("kernel", "serve"):
         import torch
 
