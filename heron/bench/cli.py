@@ -31,6 +31,10 @@ def add_bench_parser(
     for name, (module, help_text, builds_engine) in SUBCOMMANDS.items():
         p = sub.add_parser(name, help=help_text, description=_doc(module))
         p.add_argument("--output-json", metavar="PATH", help="write the result here as JSON")
+        p.add_argument(
+            "--commit", default=None,
+            help="the source tree's commit, where git cannot tell (a copy without .git)",
+        )  # fmt: skip
         if builds_engine:
             p.add_argument(
                 "--shape", choices=sorted(SHAPES), default=None,
@@ -75,7 +79,8 @@ def run(
         print(metric.describe())
     if args.output_json:
         result.write(
-            args.output_json, result.result(args.bench_command, device, bench_config, metrics, argv)
+            args.output_json,
+            result.result(args.bench_command, device, bench_config, metrics, argv, args.commit),
         )
     return 0
 

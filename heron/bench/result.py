@@ -95,8 +95,10 @@ def result(
     config: dict[str, Any],
     metrics: list[Metric],
     argv: list[str] | None = None,
+    commit: str | None = None,
 ) -> dict[str, Any]:
-    commit, dirty = git_commit()
+    """The result; ``commit`` where git cannot tell the source tree's (else it is asked)."""
+    commit, dirty = (commit, None) if commit else git_commit()
     return {
         "bench": bench,
         "command": command_line(argv),

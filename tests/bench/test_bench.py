@@ -42,9 +42,10 @@ def test_decode_on_the_cpu_writes_its_result(tmp_path, capsys):
 def test_host_step_with_the_model_stubbed(tmp_path):
     out = tmp_path / "host.json"
     argv = ["bench", "host", "--batch", "2", "--context", "32", "--steps", "3"]
-    assert main([*argv, "--output-json", str(out)]) == 0
+    assert main([*argv, "--commit", "0123abc", "--output-json", str(out)]) == 0
     result = json.loads(out.read_text())
     assert result["bench"] == "host" and result["config"]["batch"] == 2
+    assert result["commit"] == "0123abc"  # as given: a copy of a tree may have no .git
     median, mean = result["metrics"]
     case = "gemma-3-1b, batch 2, context 32, blocks of 64"
     assert median["name"] == f"{case}: host µs per engine step (median)"
