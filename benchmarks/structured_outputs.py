@@ -15,9 +15,9 @@ On the default model (or ``--model``), prints a markdown table of:
 from __future__ import annotations
 
 import argparse
-import time
 
 from heron import LLM, SamplingParams
+from heron.bench.throughput import timed_generate
 from heron.structured import StructuredOutputsParams
 
 SCHEMA = {
@@ -36,13 +36,6 @@ SCHEMA = {
     "required": ["name", "age", "city", "hobbies", "address"],
 }
 PROMPT = "Write a JSON record of a fictional person with name, age, city, hobbies and address:"
-
-
-def timed(llm: LLM, prompts: list[str], params: list[SamplingParams]) -> tuple[float, int]:
-    start = time.perf_counter()
-    outputs = llm.generate(prompts, params, use_tqdm=False)
-    seconds = time.perf_counter() - start
-    return seconds, sum(len(s.token_ids) for o in outputs for s in o.outputs)
 
 
 def main() -> None:
@@ -64,13 +57,15 @@ def main() -> None:
 
     rows = ["| measure | value |", "|---|---|"]
     for label in ("compile, first (ms)", "compile, cached (ms)"):
-        seconds, _ = timed(llm, [PROMPT], [params(True, 0, max_tokens=1)])
+        seconds, _ = timed_generate(llm, [PROMPT], [params(True, 0, max_tokens=1)])
         rows.append(f"| {label} | {seconds * 1e3:.1f} |")
-    timed(llm, [PROMPT] * 8, [params(False, i) for i in range(8)])  # warm-up
+    timed_generate(llm, [PROMPT] * 8, [params(False, i) for i in range(8)])  # warm-up
     prompts = [PROMPT] * args.batch
     for label, grammar_rows in (("free", 0), ("all rows JSON", args.batch), ("half JSON", None)):
         count = args.batch // 2 if grammar_rows is None else grammar_rows
-        seconds, tokens = timed(llm, prompts, [params(i < count, i) for i in range(args.batch)])
+        seconds, tokens = timed_generate(
+            llm, prompts, [params(i < count, i) for i in range(args.batch)]
+        )
         rows.append(f"| decode {label}, batch {args.batch} (tok/s) | {tokens / seconds:.0f} |")
     print("\n".join(rows))
 
