@@ -171,12 +171,13 @@ def cmd_chat(args: argparse.Namespace) -> int:
 
 def cmd_plan(args: argparse.Namespace) -> int:
     from heron.engine.llm_engine import LLMEngine
+    from heron.layers.quantization import describe_weights
 
     engine = LLMEngine(engine_config(args))
     runner = engine.runner
     plan = runner.plan.describe()
     scheme = engine.model_config.quantization
-    plan["weights"] = scheme.describe() if scheme else "unquantised"
+    plan["weights"] = describe_weights(scheme, getattr(runner, "model", None))
     plan["cache_groups"] = [
         {
             "group": u.group,

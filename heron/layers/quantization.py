@@ -3,6 +3,7 @@ transformers reads it, or the user's ``quantization``."""
 
 from __future__ import annotations
 
+from torch import nn
 from transformers import PretrainedConfig
 
 from heron.layers.fp8 import Fp8Scheme, fp8_scheme
@@ -26,3 +27,16 @@ def weight_scheme(hf_config: PretrainedConfig, quantization: str | None) -> Weig
             f"(quant_method {method!r}); leave quantization unset to load it as stored"
         )
     return wna16_scheme(qc, hf_config)
+
+
+def describe_weights(scheme: WeightScheme | None, model: nn.Module | None) -> str:
+    """The weights' format and, given the built ``model``, the bytes its first decoder layer's
+    weights take in memory (packed ones as held, with their scales and zero points)."""
+    text = scheme.describe() if scheme is not None else "unquantised weights"
+    layer = next(
+        (m for n, m in (model.named_modules() if model else ()) if n.endswith("layers.0")), None
+    )
+    if layer is None:
+        return text
+    nbytes = sum(p.numel() * p.element_size() for p in layer.parameters())
+    return f"{text}; {nbytes / 2**20:.2f} MiB of weights a decoder layer (layer 0)"

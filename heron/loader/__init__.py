@@ -2,14 +2,19 @@
 
 from __future__ import annotations
 
+import logging
+
 from torch import nn
 
 from heron.config import ModelConfig
+from heron.layers.quantization import describe_weights
 from heron.layers.wna16 import WNA16Scheme
 from heron.loader.dummy import initialize_dummy_weights
 from heron.loader.fp8 import fp8_expert_banks, fp8_linears
 from heron.loader.safetensors import iterate_weights
 from heron.loader.weights import load_weights
+
+logger = logging.getLogger(__name__)
 
 
 def load_model(model: nn.Module, model_config: ModelConfig, sharded: bool = False) -> None:
@@ -55,3 +60,4 @@ def load_model(model: nn.Module, model_config: ModelConfig, sharded: bool = Fals
     if not as_stored:
         for bank in banks:
             bank.quantize_fp8(scheme.block)
+    logger.info("weights: %s", describe_weights(scheme, model))

@@ -228,6 +228,24 @@ def test_triton_kernels_through_the_model_equal_hf(wide_models, tmp_path, monkey
     assert max(calls) > 8 and min(calls) == 1  # both kernels ran
 
 
+def test_plan_names_the_format_and_bytes_a_layer(wide_models, tmp_path, capsys):
+    """One decoder layer of the AWQ model: 4 bits a weight, fp16 scales and uint8 zero points
+    a group of 32, and the layer's two norms in fp32."""
+    from heron.cli import main
+
+    write_checkpoint(wide_models["llama"], tmp_path / "q", "awq", group_size=32)
+    assert main(["plan", "--model", str(tmp_path / "q")]) == 0
+    text = capsys.readouterr().out
+    d, ff, kv = SHAPE["hidden_size"], SHAPE["intermediate_size"], 2 * 32  # 2 KV heads of 32
+    weights = d * (d + 2 * kv) + d * d + 3 * d * ff
+    packed = weights / 2 + weights // 32 * 3
+    mib = (packed + 2 * d * 4) / 2**20
+    assert (
+        "weights: awq int4 weights (W4A16), groups of 32, zero points, held packed "
+        f"(0.594 bytes a weight at K=4096); {mib:.2f} MiB of weights a decoder layer" in text
+    )
+
+
 def test_unsupported_checkpoints_are_refused_by_name(wide_models, tmp_path):
     path = tmp_path / "m"
     write_checkpoint(wide_models["llama"], path, "awq", group_size=32)
