@@ -111,6 +111,8 @@ def test_plan_shows_fp8_weights_and_cache(tiny_model_dir, capsys):
     assert "\ncache group 0: full attention" in text and "float8_e4m3fn;" in text
     assert main(["plan", "--model", model, "--json"]) == 0
     weights = json.loads(capsys.readouterr().out)["weights"]
-    assert weights.startswith("unquantised weights; ") and "MiB of weights a decoder layer" in weights
+    assert (
+        weights.startswith("unquantised weights; ") and "MiB of weights a decoder layer" in weights
+    )
     assert main(["plan", "--model", model, "--kv-cache-dtype", "e5m2"]) == 2
     assert "kv_cache_dtype must be one of auto, fp8, got 'e5m2'" in capsys.readouterr().err

@@ -148,14 +148,13 @@ class Linear(nn.Module):
         self.g_idx = _frozen(g_idx) if scheme.act_order else None
         self.wna16 = scheme
 
-    def finish_wna16(self, dtype: torch.dtype) -> None:
+    def finish_wna16(self, dtype: torch.dtype, name: str) -> None:
         """After loading: the act-order layout from ``g_idx`` (columns sorted by group, this
         layer's groups of scales and zero points), or the full-precision weight where an
         operator reads it as a matrix (``keep_dense``)."""
         scheme = self.wna16
         if self.g_idx is not None:
-            what = f"a {self.in_features}-column linear layer"
-            perm, groups = act_order(self.g_idx.data, scheme.group_size, what)
+            perm, groups = act_order(self.g_idx.data, scheme.group_size, name)
             self.scales = _frozen(self.scales.data[:, groups].contiguous())
             if self.qzeros is not None:
                 self.qzeros = _frozen(self.qzeros.data[:, groups].contiguous())

@@ -48,9 +48,10 @@ def load_model(model: nn.Module, model_config: ModelConfig, sharded: bool = Fals
     for module in model.modules():  # layouts of the loaded tensors that differ from the files'
         if hasattr(module, "finish_loading"):
             module.finish_loading()
+    names = {m: n for n, m in model.named_modules()}
     for layer in linears:
         if packed and as_stored:
-            layer.finish_wna16(model_config.dtype)
+            layer.finish_wna16(model_config.dtype, names[layer])
         elif packed and not layer.keep_dense:
             layer.quantize_wna16(scheme)
         elif layer.keep_dense and as_stored:

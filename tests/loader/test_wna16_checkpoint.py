@@ -1,22 +1,15 @@
-"""Packed integer checkpoints (W4A16, W8A16) as they are published, end to end on the CPU.
-
-The checkpoints are written here from random weights: AWQ (GEMM) and GPTQ packed as AutoAWQ's
-``WQLinear_GEMM.from_linear`` and AutoGPTQ's ``QuantLinear.pack`` document it (numpy words,
-AWQ's interleaved nibble order, GPTQ's zeros less one and ``g_idx``), compressed-tensors by
-its own library's compressor. HF transformers runs the same weights dequantised in fp32 (by
-the formula of each format, or the compressed-tensors library's decompressor) as a plain
-checkpoint, and Heron must generate its greedy tokens and prompt logprobs."""
+"""Packed integer checkpoints (W4A16, W8A16) as they are published, end to end on the CPU:
+Heron on the packed checkpoint must generate the greedy tokens and prompt logprobs of HF
+transformers on the same weights dequantised in fp32 (``wna16_checkpoints``)."""
 
 from __future__ import annotations
 
 import json
-import shutil
 
-import numpy as np
 import pytest
 import torch
 import transformers as tf
-from safetensors.torch import load_file, save_file
+from wna16_checkpoints import SHAPE, write_checkpoint
 
 from heron import LLM, SamplingParams
 from heron.kernels import TORCH_KERNELS
@@ -26,8 +19,6 @@ from heron.ops import selector
 from heron.platforms import CpuPlatform
 
 from tiny_models import (
-    BASE,
-    FP8_PROJECTIONS,
     check_greedy_and_logprobs,
     greedy_tokens,
     hf_greedy,
@@ -37,9 +28,6 @@ from tiny_models import (
 
 PROMPTS = [list(range(10, 40)), [5, 6, 7, 8, 9]]
 GREEDY = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
-# Wide enough for groups of 128 along every input (hidden 128, intermediate 256).
-SHAPE = BASE | dict(hidden_size=128, intermediate_size=256, num_hidden_layers=2)
-AWQ_ORDER = [0, 2, 4, 6, 1, 3, 5, 7]
 
 
 @pytest.fixture(scope="module")
@@ -50,126 +38,6 @@ def wide_models(tmp_path_factory):
         "llama": save_random_model(tf.LlamaConfig(**SHAPE), root / "llama"),
         "qwen3": save_random_model(tf.Qwen3Config(**SHAPE, head_dim=32), root / "qwen3"),
     }
-
-
-def _quantise(w: torch.Tensor, bits: int, group: int, sym: bool, perm: torch.Tensor | None):
-    """Round-to-nearest ``(q [N, K], scales [G, N] fp16, zeros [G, N], g_idx [K])`` with groups
-    of ``group`` columns taken in ``perm``'s order (act-order), and the dequantised weight."""
-    n, k = w.shape
-    perm = torch.arange(k) if perm is None else perm
-    g_idx = torch.empty(k, dtype=torch.int32)
-    g_idx[perm] = (torch.arange(k) // group).to(torch.int32)
-    grouped = w[:, perm].view(n, k // group, group)
-    top = (1 << bits) - 1
-    if sym:
-        scale = (grouped.abs().amax(-1) / (top // 2)).half()
-        zero = torch.full(scale.shape, (top + 1) // 2)
-    else:
-        lo, hi = grouped.amin(-1), grouped.amax(-1)
-        scale = ((hi - lo) / top).half()
-        zero = (-lo / scale.float()).round().clamp(0, top).long()
-    s, z = scale.float()[:, g_idx], zero[:, g_idx]  # [N, K], each column's group's
-    q = (w / s + z).round().clamp(0, top).long()
-    return q, scale.t(), zero.t(), g_idx, (q - z) * s
-
-
-def _words(values: np.ndarray, bits: int, order: list[int] | None = None) -> np.ndarray:
-    """``values`` [R, C] packed along C into uint32 words, value ``i`` of each word in bits
-    ``[bits * i, bits * (i + 1))``, word ``c`` holding columns ``c * p + order[i]``."""
-    p = 32 // bits
-    order = order or list(range(p))
-    out = np.zeros((values.shape[0], values.shape[1] // p), dtype=np.uint32)
-    for i in range(p):
-        out |= values[:, order[i] :: p].astype(np.uint32) << np.uint32(bits * i)
-    return out
-
-
-def _int32(words: np.ndarray) -> torch.Tensor:
-    return torch.from_numpy(np.ascontiguousarray(words).view(np.int32))
-
-
-def _awq(w, group):
-    q, scales, zeros, _, deq = _quantise(w, 4, group, sym=False, perm=None)
-    tensors = {  # [K, N / 8] and [G, N / 8]: packed along the output features
-        "qweight": _int32(_words(q.t().numpy(), 4, AWQ_ORDER)),
-        "qzeros": _int32(_words(zeros.numpy(), 4, AWQ_ORDER)),
-        "scales": scales,
-    }
-    return tensors, deq
-
-
-def _gptq(w, bits, group, sym, desc_act):
-    k = w.shape[1]
-    perm = torch.randperm(k, generator=torch.Generator().manual_seed(k)) if desc_act else None
-    q, scales, zeros, g_idx, deq = _quantise(w, bits, group, sym, perm)
-    tensors = {  # qweight [K * bits / 32, N]: packed along the input features
-        "qweight": _int32(_words(q.numpy(), bits).T),
-        "qzeros": _int32(_words((zeros - 1).numpy() & ((1 << bits) - 1), bits)),
-        "scales": scales,
-        "g_idx": g_idx,
-    }
-    return tensors, deq
-
-
-def _compressed(w, group, sym):
-    from compressed_tensors.compressors.pack_quantized.base import PackedQuantizationCompressor
-    from compressed_tensors.quantization import QuantizationArgs, QuantizationScheme
-    from compressed_tensors.quantization.utils import calculate_qparams
-
-    strategy = "group" if group else "channel"
-    args = QuantizationArgs(
-        num_bits=4, type="int", symmetric=sym, strategy=strategy, group_size=group
-    )
-    scheme = QuantizationScheme(targets=["Linear"], weights=args)
-    grouped = w.view(w.shape[0], -1, group or w.shape[1])
-    scale, zero = calculate_qparams(grouped.amin(-1), grouped.amax(-1), args)
-    state = {"weight": w, "weight_scale": scale, "weight_zero_point": zero}
-    tensors = PackedQuantizationCompressor.compress(state, scheme)
-    deq = PackedQuantizationCompressor.decompress(tensors, scheme)["weight"]
-    config = {"config_groups": {"group_0": scheme.model_dump(mode="json")}}
-    return tensors, deq, config
-
-
-def write_checkpoint(src, dst, fmt: str, **opts) -> dict[str, torch.Tensor]:
-    """``src`` re-saved with its projections in ``fmt``; returns the dequantised weights HF
-    runs, by checkpoint name."""
-    shutil.copytree(src, dst)
-    tensors = load_file(dst / "model.safetensors")
-    dequantised = {}
-    ct_config = None
-    for name in [n for n in tensors if n.split(".")[-2] in FP8_PROJECTIONS]:
-        w, module = tensors.pop(name), name.removesuffix(".weight")
-        if fmt == "awq":
-            packed, deq = _awq(w, opts["group_size"])
-        elif fmt == "gptq":
-            packed, deq = _gptq(w, opts["bits"], opts["group_size"], opts["sym"], opts["desc_act"])
-        else:
-            packed, deq, ct_config = _compressed(w, opts["group_size"], opts["sym"])
-        tensors |= {f"{module}.{leaf}": t.contiguous() for leaf, t in packed.items()}
-        dequantised[name] = deq.float()
-    save_file(tensors, dst / "model.safetensors")
-    config = json.loads((dst / "config.json").read_text())
-    config["quantization_config"] = {
-        "awq": lambda: (
-            {"quant_method": "awq", "bits": 4, "zero_point": True, "version": "gemm"}
-            | {"group_size": opts["group_size"], "modules_to_not_convert": None}
-        ),
-        "gptq": lambda: (
-            {"quant_method": "gptq", "checkpoint_format": "gptq", "damp_percent": 0.01}
-            | {k: opts[k] for k in ("bits", "group_size", "sym", "desc_act")}
-        ),
-        "compressed-tensors": lambda: (
-            ct_config
-            | {
-                "quant_method": "compressed-tensors",
-                "format": "pack-quantized",
-                "ignore": ["lm_head"],
-            }
-            | {"quantization_status": "compressed", "kv_cache_scheme": None}
-        ),
-    }[fmt]()
-    (dst / "config.json").write_text(json.dumps(config))
-    return dequantised
 
 
 def _check_parity(llm: LLM, hf) -> None:
@@ -224,7 +92,11 @@ def test_triton_kernels_through_the_model_equal_hf(wide_models, tmp_path, monkey
     weights = write_checkpoint(src, tmp_path / "q", "gptq", **opts)
     llm = LLM(str(tmp_path / "q"), max_model_len=128, enable_prefix_caching=False)
     hf = hf_on_weights(src, weights)
-    assert greedy_tokens(llm, PROMPTS[:1], GREEDY) == hf_greedy(hf, PROMPTS[:1], GREEDY.max_tokens)
+    prompts, params = (
+        [list(range(10, 22))],
+        SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True),
+    )
+    assert greedy_tokens(llm, prompts, params) == hf_greedy(hf, prompts, params.max_tokens)
     assert max(calls) > 8 and min(calls) == 1  # both kernels ran
 
 

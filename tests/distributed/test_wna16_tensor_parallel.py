@@ -1,0 +1,70 @@
+"""Packed integer checkpoints over two ranks (gloo): weights, scales and zero points cut along
+their words and groups, against HF on the dequantised weights; a cut inside a group refused."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+import transformers as tf
+from wna16_checkpoints import SHAPE, write_checkpoint
+
+from heron import LLM, SamplingParams
+from heron.config import ModelConfig
+from heron.models.build import build_model
+from heron.parallel import TensorParallel
+from heron.platforms import CpuPlatform
+
+from tiny_models import greedy_tokens, hf_greedy, hf_on_weights, save_random_model
+
+PROMPTS = [list(range(10, 40)), [5, 6, 7, 8, 9]]
+GREEDY = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def llama(tmp_path_factory):
+    return save_random_model(tf.LlamaConfig(**SHAPE), tmp_path_factory.mktemp("llama"))
+
+
+@pytest.fixture(autouse=True)
+def one_thread_per_worker(monkeypatch):
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+
+
+def _rank0(path: Path) -> torch.nn.Module:
+    cpu = torch.device("cpu")
+    config = ModelConfig.from_path(path, "float32", cpu, 96)
+    return build_model(config, CpuPlatform(cpu), "reference", 16, TensorParallel(0, 2)).model
+
+
+@pytest.mark.parametrize(
+    "fmt, opts",
+    [
+        ("awq", dict(group_size=32)),
+        ("gptq", dict(bits=4, group_size=64, sym=False, desc_act=False)),
+    ],
+)
+def test_two_ranks_equal_hf(fmt, opts, llama, tmp_path):
+    """Each rank: half the query heads, one of the 2 KV heads, half of gate/up's rows, half
+    of o's 128 and down's 256 input columns (whole groups of scales and zero points)."""
+    weights = write_checkpoint(llama, tmp_path / "q", fmt, **opts)
+    llm = LLM(str(tmp_path / "q"), tensor_parallel_size=2, max_model_len=96)
+    try:
+        hf = hf_on_weights(llama, weights)
+        assert greedy_tokens(llm, PROMPTS, GREEDY) == hf_greedy(hf, PROMPTS, GREEDY.max_tokens)
+    finally:
+        llm.engine.shutdown()
+
+
+def test_a_rank_boundary_inside_a_group_is_refused_naming_the_tensor(llama, tmp_path):
+    """Groups of 128 over o_proj's 128 input columns, 64 a rank; act-order groups scattered
+    over all of them."""
+    write_checkpoint(llama, tmp_path / "awq", "awq", group_size=128)
+    message = r"o_proj\.(qzeros|scales)'.* 64 of its 128 input columns, which splits its 128-col"
+    with pytest.raises(ValueError, match=message):
+        _rank0(tmp_path / "awq")
+    opts = dict(bits=4, group_size=32, sym=True, desc_act=True)
+    write_checkpoint(llama, tmp_path / "gptq", "gptq", **opts)
+    with pytest.raises(ValueError, match=r"self_attn\.o_proj: its g_idx does not put whole"):
+        _rank0(tmp_path / "gptq")
