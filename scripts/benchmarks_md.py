@@ -62,6 +62,12 @@ def value(metric: dict) -> str:
     return f"{text} {metric['unit']}" + (f" ({note})" if note else "")
 
 
+def versions(result: dict) -> str:
+    """torch and triton, the versions that move the figures most (the rest is in the file)."""
+    v = result.get("versions", {})
+    return ", ".join(f"{name} {v[name]}" for name in ("torch", "triton") if v.get(name)) or "-"
+
+
 def multiple(metric: dict) -> str:
     floor = metric.get("floor")
     return "-" if not floor else f"{metric['value'] / floor:.2f}×"
@@ -76,8 +82,8 @@ def page(results: list[dict]) -> str:
     out = [HEADER]
     for bench in [b for b in ORDER if b in benches] + sorted(benches - set(ORDER)):
         out.append(f"\n## heron bench {bench}\n")
-        out.append("| figure | value | × floor | device | date | commit | command |")
-        out.append("| --- | --- | --- | --- | --- | --- | --- |")
+        out.append("| figure | value | × floor | device | versions | date | commit | command |")
+        out.append("| --- | --- | --- | --- | --- | --- | --- | --- |")
         rows = sorted(
             (v for k, v in latest.items() if k[0] == bench),
             key=lambda rm: (natural(rm[1]["name"]), rm[0]["device"]),
@@ -87,7 +93,7 @@ def page(results: list[dict]) -> str:
             commit += " (uncommitted changes)" if result.get("dirty") else ""
             out.append(
                 f"| {metric['name']} | {value(metric)} | {multiple(metric)} | {result['device']} "
-                f"| {result['date'][:10]} | {commit} | `{result['command']}` |"
+                f"| {versions(result)} | {result['date'][:10]} | {commit} | `{result['command']}` |"
             )
     return "\n".join(out) + "\n"
 

@@ -21,7 +21,13 @@ import torch
 
 from heron import LLM
 from heron.bench import engines
-from heron.bench.measure import copy_bandwidth, has_experts, steady_decode_ms, step_bytes
+from heron.bench.measure import (
+    copy_bandwidth,
+    has_experts,
+    median_of,
+    steady_decode_ms,
+    step_bytes,
+)
 from heron.bench.result import Metric
 from heron.bench.shapes import dummy_checkpoint
 from heron.config import EngineConfig
@@ -47,6 +53,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="also the share of a step the GPU waits for the host (CUDA graphs)",
     )  # fmt: skip
     parser.add_argument("--hf", action="store_true", help="also HF transformers (one GPU)")
+    parser.add_argument(
+        "--repeats", type=int, default=1, help="timed runs of every case, in turn; the median"
+    )
 
 
 def prompts(context: int, batch: int) -> list[list[int]]:
@@ -71,7 +80,10 @@ def run(args: argparse.Namespace, config: EngineConfig) -> tuple[dict[str, Any],
     with engines.open_llm(shape, config, **options) as llm:
         for c, b in cases:
             llm.generate(prompts(c, b), engines.greedy(4), use_tqdm=False)
-        timed = {(c, b): engines.timed_decode(llm, prompts(c, b), new) for c, b in cases}
+        runs: dict[tuple[int, int], list[tuple[float, float]]] = {case: [] for case in cases}
+        for _ in range(args.repeats):
+            for c, b in cases:
+                runs[c, b].append(engines.timed_decode(llm, prompts(c, b), new))
         idle = (
             host_idle(llm, prompts(contexts[0], max(args.batch)), new) if args.host_idle else None
         )
@@ -85,9 +97,12 @@ def run(args: argparse.Namespace, config: EngineConfig) -> tuple[dict[str, Any],
             nbytes = step_bytes(shape, b, c + new / 2, touched[b], weight_bytes, kv_bytes, tp)
             floors[c, b] = nbytes / bandwidth * 1e3
     on = engines.label(args, config)
-    for (c, b), (ms, tps) in timed.items():
-        metrics.append(Metric(f"{on}, context {c}, batch {b}: ms/step", ms, "ms", floors[c, b]))
-        metrics.append(Metric(f"{on}, context {c}, batch {b}: output tok/s", tps, "tok/s"))
+    for (c, b), results in runs.items():
+        ms, ms_spread = median_of([ms for ms, _ in results])
+        tps, tps_spread = median_of([tps for _, tps in results])
+        case = f"{on}, context {c}, batch {b}"
+        metrics.append(Metric(f"{case}: ms/step", ms, "ms", floors[c, b], ms_spread))
+        metrics.append(Metric(f"{case}: output tok/s", tps, "tok/s", note=tps_spread))
         if touched[b]:
             metrics.append(
                 Metric(f"{on}, batch {b}: experts touched per MoE layer", touched[b], "experts")
@@ -104,6 +119,7 @@ def run(args: argparse.Namespace, config: EngineConfig) -> tuple[dict[str, Any],
         "num_layers": args.num_layers,
         "cases": cases,
         "new_tokens": new,
+        "repeats": args.repeats,
     }, metrics
 
 

@@ -79,6 +79,13 @@ def steady_decode_ms(token_times: list[list[float]]) -> float:
     return statistics.mean(per_step) * 1e3
 
 
+def median_of(runs: list[float]) -> tuple[float, str | None]:
+    """The median of repeated runs, and their spread as a note (None for one run)."""
+    if len(runs) == 1:
+        return runs[0], None
+    return statistics.median(runs), f"median of {len(runs)} runs, {min(runs):.4g}–{max(runs):.4g}"
+
+
 def percentiles(values: list[float]) -> tuple[float, float, float]:
     """p50, p90, p99 (the value itself for fewer than two)."""
     if len(values) < 2:

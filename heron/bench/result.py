@@ -38,7 +38,8 @@ class Metric:
             else f" ({self.value / self.floor:.2f}x floor {self.floor:.3f})"
         )
         value = f"{self.value:,.0f}" if self.value == int(self.value) else f"{self.value:,.3f}"
-        return f"{self.name}: {value} {self.unit}{floor}"
+        note = "" if self.note is None else f"; {self.note}"
+        return f"{self.name}: {value} {self.unit}{floor}{note}"
 
 
 def git_commit() -> tuple[str | None, bool]:
