@@ -25,7 +25,7 @@ def add_bench_parser(
     parser: argparse.ArgumentParser, add_engine_args: Callable[[argparse.ArgumentParser], None]
 ) -> None:
     """``parser``'s subcommands, those that build an engine with ``add_engine_args``' flags."""
-    from heron.bench.shapes import SHAPES
+    from heron.bench.shapes import SHAPES, WEIGHT_FORMATS
 
     sub = parser.add_subparsers(dest="bench_command", required=True, metavar="SUBCOMMAND")
     for name, (module, help_text, builds_engine) in SUBCOMMANDS.items():
@@ -43,6 +43,11 @@ def add_bench_parser(
             p.add_argument(
                 "--num-layers", type=int, default=None,
                 help="the shape with this many decoder layers (a short model for the CPU)",
+            )  # fmt: skip
+            p.add_argument(
+                "--weight-format", choices=sorted(WEIGHT_FORMATS), default=None,
+                help="the --shape's weights packed as this checkpoint format's int4 (W4A16, "
+                "groups of 128)",
             )  # fmt: skip
             add_engine_args(p)
         _module(module).add_arguments(p)

@@ -31,6 +31,7 @@ from heron.bench.measure import (
 from heron.bench.result import Metric
 from heron.bench.shapes import dummy_checkpoint
 from heron.config import EngineConfig
+from heron.layers.wna16 import wna16_scheme
 from heron.platforms import resolve_device
 
 # Short defaults where there is no GPU: the CPU runs the same code, a few steps of it.
@@ -91,6 +92,9 @@ def run(args: argparse.Namespace, config: EngineConfig) -> tuple[dict[str, Any],
     if on_gpu and shape is not None:
         bandwidth = copy_bandwidth(device)
         weight_bytes = 1 if config.quantization else 2
+        if shape.fields.get("quantization_config"):  # --weight-format: with scales and zeros
+            scheme = wna16_scheme(shape.fields["quantization_config"], None)
+            weight_bytes = scheme.bytes_per_weight(shape.fields["hidden_size"])
         kv_bytes = 1 if config.kv_cache_dtype == "fp8" else 2
         tp = config.tensor_parallel_size
         for c, b in cases:
@@ -111,8 +115,11 @@ def run(args: argparse.Namespace, config: EngineConfig) -> tuple[dict[str, Any],
         name = f"{on}, context {contexts[0]}, batch {max(args.batch)}: GPU waiting for the host"
         metrics.append(Metric(name, idle * 100, "% of a step"))
     if args.hf:
-        if config.tensor_parallel_size != 1 or shape is None:
-            raise ValueError("--hf runs a --shape on one GPU (tensor_parallel_size 1)")
+        if config.tensor_parallel_size != 1 or shape is None or args.weight_format:
+            raise ValueError(
+                "--hf runs a --shape on one GPU (tensor_parallel_size 1), in bf16 (no "
+                "--weight-format)"
+            )
         metrics += hf_metrics(shape, args.shape or "qwen3-0.6b", cases, new, floors)
     return {
         "shape": args.shape,

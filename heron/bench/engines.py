@@ -30,11 +30,15 @@ def resolve_shape(
             f"give --shape or --model, not both (--shape {args.shape}, --model {config.model})"
         )
     name = args.shape or (None if config.model is not None else default)
+    if name is None and getattr(args, "weight_format", None):
+        raise ValueError("--weight-format packs a --shape's random weights, not a --model's")
     if name is None:
         if args.num_layers is not None:
             raise ValueError("--num-layers shortens a --shape, not a --model")
         return None
-    return shape(name, args.num_layers, mtp=getattr(args, "mtp", False))
+    return shape(
+        name, args.num_layers, getattr(args, "mtp", False), getattr(args, "weight_format", None)
+    )
 
 
 def label(args: Any, config: EngineConfig) -> str:
@@ -46,6 +50,7 @@ def label(args: Any, config: EngineConfig) -> str:
     switches = [
         f"{args.num_layers} layer{'s' * (args.num_layers > 1)}" if args.num_layers else "",
         "FP8 weights" if config.quantization else "",
+        f"{args.weight_format} W4A16 weights" if getattr(args, "weight_format", None) else "",
         "FP8 KV cache" if config.kv_cache_dtype == "fp8" else "",
         f"tensor parallel {config.tensor_parallel_size}" if config.tensor_parallel_size > 1 else "",
         "eager" if config.enforce_eager else "",

@@ -23,6 +23,13 @@ QWEN3_0_6B = dict(
     rms_norm_eps=1e-6,
     rope_theta=1_000_000.0,
 )
+QWEN3_8B = QWEN3_0_6B | dict(
+    hidden_size=4096,
+    num_hidden_layers=36,
+    num_attention_heads=32,
+    intermediate_size=12288,
+    tie_word_embeddings=False,
+)
 GEMMA3_1B = dict(  # five 512-token sliding-window layers, then one full layer, repeating
     hidden_size=1152,
     num_hidden_layers=26,
@@ -144,6 +151,7 @@ class Shape:
 
 SHAPES = {
     "qwen3-0.6b": Shape("Qwen3Config", "Qwen3ForCausalLM", "dense", QWEN3_0_6B),
+    "qwen3-8b": Shape("Qwen3Config", "Qwen3ForCausalLM", "dense", QWEN3_8B),
     "gemma-3-1b": Shape("Gemma3TextConfig", "Gemma3ForCausalLM", "dense", GEMMA3_1B),
     "qwen3-30b-a3b": Shape("Qwen3MoeConfig", "Qwen3MoeForCausalLM", "moe", QWEN3_30B_A3B),
     "qwen3.5-0.8b": Shape("Qwen3_5TextConfig", "Qwen3_5ForCausalLM", "hybrid", QWEN3_5_0_8B),
@@ -157,9 +165,37 @@ SHAPES = {
 MTP_FIELD = {"Qwen3_5TextConfig": "mtp_num_hidden_layers", "DeepseekV3Config": "num_mtp_layers"}
 
 
-def shape(name: str, num_layers: int | None = None, mtp: bool = False) -> Shape:
+# A checkpoint's quantization_config per ``--weight-format``: int4 weights in groups of 128 as
+# the usual AWQ, GPTQ and llm-compressor W4A16 releases store them (dummy weights quantised).
+WEIGHT_FORMATS = {
+    "awq": {"quant_method": "awq", "bits": 4, "group_size": 128, "zero_point": True},
+    "gptq": {"quant_method": "gptq", "bits": 4, "group_size": 128, "sym": True, "desc_act": False},
+    "compressed-tensors": {
+        "quant_method": "compressed-tensors",
+        "format": "pack-quantized",
+        "config_groups": {
+            "group_0": {
+                "targets": ["Linear"],
+                "weights": {"num_bits": 4, "type": "int", "symmetric": True},
+            }
+        },
+    },
+}
+WEIGHT_FORMATS["compressed-tensors"]["config_groups"]["group_0"]["weights"] |= {
+    "strategy": "group",
+    "group_size": 128,
+}
+
+
+def shape(
+    name: str,
+    num_layers: int | None = None,
+    mtp: bool = False,
+    weight_format: str | None = None,
+) -> Shape:
     """The shape called ``name``, with ``num_layers`` decoder layers if given (a short model
-    for the CPU) and one MTP layer with ``mtp``."""
+    for the CPU), one MTP layer with ``mtp``, and its weights in ``weight_format`` (a key of
+    ``WEIGHT_FORMATS``) if given."""
     if name not in SHAPES:
         raise ValueError(f"shape must be one of {', '.join(SHAPES)}, got {name!r}")
     out = SHAPES[name]
@@ -174,6 +210,12 @@ def shape(name: str, num_layers: int | None = None, mtp: bool = False) -> Shape:
                 + ", ".join(n for n, s in SHAPES.items() if s.config_class in MTP_FIELD)
             )
         out = out.with_fields(**{MTP_FIELD[out.config_class]: 1})
+    if weight_format is not None:
+        if weight_format not in WEIGHT_FORMATS:
+            raise ValueError(
+                f"weight_format must be one of {', '.join(WEIGHT_FORMATS)}, got {weight_format!r}"
+            )
+        out = out.with_fields(quantization_config=WEIGHT_FORMATS[weight_format])
     return out
 
 

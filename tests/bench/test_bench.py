@@ -39,6 +39,18 @@ def test_decode_on_the_cpu_writes_its_result(tmp_path, capsys):
     assert "qwen3-0.6b (1 layer), context 16, batch 1: ms/step" in capsys.readouterr().out
 
 
+def test_decode_of_packed_int4_weights(capsys):
+    """A one-layer shape's dummy weights quantised to AWQ's W4A16 layout: every projection
+    packed, and the figure says so."""
+    argv = ["bench", "decode", "--shape", "qwen3-0.6b", "--num-layers", "1", "--batch", "2"]
+    argv += ["--device", "cpu", "--dtype", "bfloat16", "--weight-format", "awq"]
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    assert "qwen3-0.6b (1 layer, awq W4A16 weights), context 16, batch 2: ms/step" in out
+    assert main(["bench", "decode", "--model", "x", "--weight-format", "gptq"]) == 2
+    assert "--weight-format packs a --shape's random weights" in capsys.readouterr().err
+
+
 def test_host_step_with_the_model_stubbed(tmp_path):
     out = tmp_path / "host.json"
     argv = ["bench", "host", "--batch", "2", "--context", "32", "--steps", "3"]
