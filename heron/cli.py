@@ -222,7 +222,7 @@ def _json_fields(spec: object) -> dict[str, object]:
 def cmd_serve(args: argparse.Namespace) -> int:
     from heron.engine.core_client import EngineStartupError
     from heron.server.chat_output import ChatOutputConfig
-    from heron.server.serve import serve
+    from heron.server.front import ServeOptions
 
     if args.model_tag is not None:
         if args.model is not None and args.model != args.model_tag:
@@ -230,22 +230,30 @@ def cmd_serve(args: argparse.Namespace) -> int:
                 f"the model is given twice: {args.model_tag!r} and --model {args.model!r}"
             )
         args.model = args.model_tag
-    chat_output = ChatOutputConfig(
-        args.reasoning_parser, args.tool_call_parser, args.enable_auto_tool_choice
+    logging.getLogger("heron").setLevel(min(logging.INFO, logging.getLogger().level))
+    config = engine_config(args)
+    options = ServeOptions(
+        args.host,
+        args.port,
+        args.api_key,
+        args.served_model_name,
+        config.model,
+        args.log_level,
+        args.max_request_body_bytes,
+        args.trust_request_chat_template,
+        ChatOutputConfig(
+            args.reasoning_parser, args.tool_call_parser, args.enable_auto_tool_choice
+        ),
     )
     try:
-        return serve(
-            engine_config(args),
-            host=args.host,
-            port=args.port,
-            api_key=args.api_key,
-            served_model_name=args.served_model_name,
-            log_level=args.log_level,
-            max_request_body_bytes=args.max_request_body_bytes,
-            trust_request_chat_template=args.trust_request_chat_template,
-            chat_output=chat_output,
-            api_server_count=args.api_server_count,
-        )
+        if args.api_server_count > 1:
+            # That many front processes on one port, and a launcher (this process).
+            from heron.server.api_servers import serve_with_api_servers
+
+            return serve_with_api_servers(config, options, args.api_server_count)
+        from heron.server.front import serve
+
+        return serve(config, options)
     except EngineStartupError as e:
         print(f"heron: error: the engine could not start: {e}", file=sys.stderr)
         return 2

@@ -2,17 +2,19 @@
 
 from __future__ import annotations
 
-import inspect
 import itertools
 import logging
 import time
+import weakref
 from collections.abc import Sequence
 from typing import Any
 
 from tqdm import tqdm
 
+from heron.chat_template import Conversation, apply_chat_template
 from heron.config import EngineConfig
 from heron.engine.llm_engine import LLMEngine
+from heron.engine.output_processor import OutputProcessor
 from heron.outputs import RequestOutput
 from heron.sampling_params import SamplingParams
 from heron.speculative import SpecDecodeStats
@@ -20,7 +22,6 @@ from heron.speculative import SpecDecodeStats
 logger = logging.getLogger(__name__)
 
 Prompt = str | list[int]
-Conversation = list[dict[str, Any]]
 
 
 class LLM:
@@ -31,9 +32,32 @@ class LLM:
     """
 
     def __init__(self, model: str | None = None, **engine_options: Any) -> None:
-        self.engine = LLMEngine(EngineConfig(model=model, **engine_options))
-        self.tokenizer = self.engine.tokenizer
+        engine = LLMEngine(EngineConfig(model=model, **engine_options))
+        self._engine: LLMEngine | None = engine
+        self.tokenizer = engine.tokenizer
+        self._outputs = OutputProcessor(engine.tokenizer, engine.eos_token_ids)
         self._ids = itertools.count()
+        # An LLM dropped without shutdown() stops its engine's workers and leaves the process
+        # group then (or at exit), and holds nothing alive meanwhile but the engine itself.
+        self._finalizer = weakref.finalize(self, engine.shutdown)
+
+    @property
+    def engine(self) -> LLMEngine:
+        if self._engine is None:
+            raise RuntimeError("this LLM was shut down")
+        return self._engine
+
+    def shutdown(self) -> None:
+        """Stop the engine: its tensor-parallel workers exit and its process group is left,
+        so another tensor-parallel LLM may start in this process. Idempotent."""
+        self._finalizer()
+        self._engine = None
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.shutdown()
 
     @property
     def spec_decode_stats(self) -> SpecDecodeStats:
@@ -67,7 +91,7 @@ class LLM:
             request_id = str(next(self._ids))
             order.append(request_id)
             try:
-                self.engine.add_request(request_id, prompt, p, stream=False)
+                self.add_request(request_id, prompt, p, stream=False)
             except ValueError as e:
                 logger.warning("request %s rejected: %s", request_id, e)
                 text, ids = (prompt, []) if isinstance(prompt, str) else (None, list(prompt))
@@ -84,41 +108,56 @@ class LLM:
     ) -> list[RequestOutput]:
         """Apply the model's chat template to each conversation, then generate."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
-        prompts = [self.apply_chat_template(c, add_generation_prompt) for c in conversations]
+        prompts = [
+            self.apply_chat_template(c, add_generation_prompt=add_generation_prompt)
+            for c in conversations
+        ]
         return self.generate(prompts, sampling_params, use_tqdm)
 
-    def apply_chat_template(
+    def apply_chat_template(self, conversation: Conversation, **options: Any) -> list[int]:
+        """Token ids of ``conversation`` through this model's chat template; ``options`` are
+        :func:`heron.chat_template.apply_chat_template`'s (``add_generation_prompt``, ``tools``,
+        ``chat_template``, ``template_kwargs``)."""
+        return apply_chat_template(self.tokenizer, conversation, **options)
+
+    # ------------------------------------------------------- one step at a time
+
+    def add_request(
         self,
-        conversation: Conversation,
-        add_generation_prompt: bool = True,
-        tools: list[dict[str, Any]] | None = None,
-        chat_template: str | None = None,
-        template_kwargs: dict[str, Any] | None = None,
-    ) -> list[int]:
-        """Token ids of ``conversation`` through ``chat_template`` (a Jinja template) or, by
-        default, the tokenizer's own; ``tools`` (OpenAI's tool definitions) go to the template,
-        which decides how the model sees them; ``template_kwargs`` are more variables of the
-        template (``enable_thinking`` of Qwen3's, say)."""
-        if chat_template is None and not getattr(self.tokenizer, "chat_template", None):
-            raise ValueError("this model's tokenizer has no chat template")
-        taken = set(template_kwargs or ()) & set(
-            inspect.signature(self.tokenizer.apply_chat_template).parameters
-        )
-        if taken:
-            raise ValueError(
-                f"chat_template_kwargs may not set {', '.join(sorted(taken))}: "
-                "those are arguments of the template call, not template variables"
-            )
-        text = self.tokenizer.apply_chat_template(
-            conversation,
-            tools=tools,
-            tokenize=False,
-            add_generation_prompt=add_generation_prompt,
-            chat_template=chat_template,
-            **(template_kwargs or {}),
-        )
-        # The template already wrote any BOS token; do not add a second one.
-        return self.tokenizer.encode(text, add_special_tokens=False)
+        request_id: str,
+        prompt: Prompt,
+        params: SamplingParams | None = None,
+        stream: bool = True,
+    ) -> None:
+        """Queue a request; raise ``ValueError`` (and queue nothing) if it is invalid. With
+        ``stream`` :meth:`step` returns its output whenever it advances, else only once
+        finished."""
+        if isinstance(prompt, str):
+            text, token_ids = prompt, self.tokenizer.encode(prompt)
+        else:
+            text, token_ids = None, list(prompt)
+        params = params or SamplingParams()
+        self.engine.add_request(request_id, token_ids, params)
+        self._outputs.add_request(request_id, text, token_ids, params, stream)
+
+    def step(self) -> list[RequestOutput]:
+        """Run one engine step; the outputs of the requests it advanced."""
+        engine = self.engine
+        processed = self._outputs.process(engine.step())
+        for abort in processed.aborts:  # samples a stop string ended
+            engine.abort_request(abort.request_id, abort.sample_index)
+        return processed.outputs
+
+    def abort_request(self, request_id: str) -> RequestOutput | None:
+        """Stop a request now; its final output (None for an unknown or finished id)."""
+        delta = self.engine.abort_request(request_id)
+        if delta is None:
+            return None
+        outputs = self._outputs.process([delta]).outputs
+        return outputs[0] if outputs else None
+
+    def has_unfinished_requests(self) -> bool:
+        return self.engine.has_unfinished_requests()
 
     def _run(self, results: dict[str, RequestOutput], show_progress: bool) -> None:
         engine = self.engine
@@ -126,7 +165,7 @@ class LLM:
         start, tokens = time.perf_counter(), 0
         with bar:
             while engine.has_unfinished_requests():
-                for output in engine.step():
+                for output in self.step():
                     if output.finished:
                         results[output.request_id] = output
                         tokens += sum(len(c.token_ids) for c in output.outputs)

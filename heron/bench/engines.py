@@ -91,15 +91,14 @@ def greedy(max_tokens: int) -> SamplingParams:
 def timed_decode(llm: LLM, prompts: list[list[int]], new_tokens: int) -> tuple[float, float]:
     """(ms per decode step while all requests decode, output tokens/s) of ``prompts`` each
     generating ``new_tokens`` greedily, with per-token times as the caller of
-    ``LLMEngine.step`` sees them (a step's outputs are on the host when it returns)."""
-    engine = llm.engine
+    ``LLM.step`` sees them (a step's outputs are on the host when it returns)."""
     for i, prompt in enumerate(prompts):
-        engine.add_request(f"bench-{i}", prompt, greedy(new_tokens))
+        llm.add_request(f"bench-{i}", prompt, greedy(new_tokens))
     times: dict[str, list[float]] = {}
     seen: dict[str, int] = {}
     start = time.perf_counter()
-    while engine.has_unfinished_requests():
-        outputs = engine.step()
+    while llm.has_unfinished_requests():
+        outputs = llm.step()
         now = time.perf_counter()
         for o in outputs:
             n = len(o.outputs[0].token_ids)

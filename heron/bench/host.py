@@ -66,23 +66,22 @@ def stubbed_engine(name: str, max_model_len: int, block_size: int) -> LLM:
 
 def run(args: argparse.Namespace, config: Any = None) -> tuple[dict[str, Any], list[Metric]]:
     llm = stubbed_engine(args.shape, args.context + args.steps + 64, args.block_size)
-    engine = llm.engine
     params = SamplingParams(temperature=0, max_tokens=args.steps + 40, ignore_eos=True)
     for i in range(args.batch):
-        engine.add_request(f"r{i}", [3 + i] * args.context, params, stream=not args.no_stream)
+        llm.add_request(f"r{i}", [3 + i] * args.context, params, stream=not args.no_stream)
     for _ in range(10):
-        engine.step()
+        llm.step()
     profiler = cProfile.Profile() if args.profile else None
     times = []
     for _ in range(args.steps):
         start = time.perf_counter()
         if profiler is not None:
             profiler.enable()
-        engine.step()
+        llm.step()
         if profiler is not None:
             profiler.disable()
         times.append(time.perf_counter() - start)
-    engine.shutdown()
+    llm.shutdown()
     if profiler is not None:
         pstats.Stats(profiler).sort_stats("tottime").print_stats(25)
     case = f"{args.shape}, batch {args.batch}, context {args.context}, blocks of {args.block_size}"

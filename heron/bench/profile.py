@@ -39,23 +39,22 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def start_decoding(llm: LLM, batch: int, context: int) -> list[str]:
     """Add ``batch`` requests and step until all of them decode; they generate up to the
     model's length, so none finishes while a measurement runs (:func:`drop` ends them)."""
-    engine = llm.engine
     params = SamplingParams(temperature=0, max_tokens=None, ignore_eos=True)
     ids = [f"profile{batch}-{i}" for i in range(batch)]
     for i, request_id in enumerate(ids):
-        engine.add_request(request_id, [3 + i] * context, params)
+        llm.add_request(request_id, [3 + i] * context, params)
     tokens: dict[str, int] = {}
     while len(tokens) < batch or min(tokens.values()) < 3:
-        for out in engine.step():
+        for out in llm.step():
             tokens[out.request_id] = len(out.outputs[0].token_ids)
     return ids
 
 
 def drop(llm: LLM, ids: list[str]) -> None:
     for request_id in ids:
-        llm.engine.abort_request(request_id)
-    while llm.engine.has_unfinished_requests():
-        llm.engine.step()
+        llm.abort_request(request_id)
+    while llm.has_unfinished_requests():
+        llm.step()
 
 
 def device_profile(llm: LLM, on: str, batch: int, context: int, steps: int) -> list[Metric]:
@@ -64,7 +63,7 @@ def device_profile(llm: LLM, on: str, batch: int, context: int, steps: int) -> l
     ids = start_decoding(llm, batch, context)
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         for _ in range(steps):
-            llm.engine.step()
+            llm.step()
         torch.cuda.synchronize()
     drop(llm, ids)
     with tempfile.NamedTemporaryFile(suffix=".json") as trace:
@@ -105,7 +104,7 @@ def host_profile(llm: LLM, on: str, batch: int, context: int, steps: int) -> lis
     profiler = cProfile.Profile()
     profiler.enable()
     for _ in range(steps):
-        llm.engine.step()
+        llm.step()
     profiler.disable()
     drop(llm, ids)
     print(f"\nbatch {batch}, context {context}: host functions by own time ({steps} steps)")

@@ -67,16 +67,16 @@ def prompts(llm: LLM, random_tokens: bool, vocab_size: int) -> list[list[int]]:
 def timed_decode(llm: LLM, prompts: list[list[int]], params: SamplingParams, batch: int):
     """(ms per output token, output tokens/s, outputs): ``batch`` requests at a time, each
     timed from its first token to its last."""
-    engine, per_token, outputs, tokens = llm.engine, [], [], 0
+    per_token, outputs, tokens = [], [], 0
     start_all = time.perf_counter()
     for first in range(0, len(prompts), batch):
         group = prompts[first : first + batch]
         for i, prompt in enumerate(group):
-            engine.add_request(str(first + i), prompt, params)
+            llm.add_request(str(first + i), prompt, params)
         times: dict[str, list[float]] = {}
         done: dict[str, list[int]] = {}
-        while engine.has_unfinished_requests():
-            for out in engine.step():
+        while llm.has_unfinished_requests():
+            for out in llm.step():
                 times.setdefault(out.request_id, []).append(time.perf_counter())
                 if out.finished:
                     done[out.request_id] = list(out.outputs[0].token_ids)

@@ -11,15 +11,15 @@ states never diverge and nothing flows back but rank 0's result.
 
 from __future__ import annotations
 
-import atexit
 import contextlib
 import json
 import os
 import subprocess
 import sys
 import time
+import weakref
 from collections.abc import Iterator
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 
 import torch
 import torch.distributed as dist
@@ -78,13 +78,11 @@ class TensorParallelRunner:
         if dist.is_initialized():
             raise ValueError(
                 "this process already belongs to a torch.distributed group (another "
-                "tensor-parallel engine?); shut that engine down first (LLMEngine.shutdown)"
+                "tensor-parallel engine?); shut that engine down first (LLM.shutdown, or drop it)"
             )
         rv = Rendezvous.from_env()
         _check_devices(platform, size, rv)
-        self._workers: dict[int, subprocess.Popen] = {}
-        self._dead: WorkerDiedError | None = None
-        self._closed = False
+        self._ranks = _Ranks()
         if rv is None:
             rv = Rendezvous.on_this_host(size)
             for rank in range(1, size):
@@ -101,9 +99,15 @@ class TensorParallelRunner:
                 dist.broadcast_object_list([args], src=0, group=self.control)
             self.local = args.build(platform, self.tp)
         except BaseException:
-            self._stop_workers(kill=True)
+            self._ranks.stop_workers(kill=True)
             raise
-        atexit.register(self.shutdown)
+        self._ranks.control = self.control
+        # Not an atexit hook holding the runner: a dropped runner releases the ranks at once.
+        self._release = weakref.finalize(self, self._ranks.release)
+
+    @property
+    def _workers(self) -> dict[int, subprocess.Popen]:
+        return self._ranks.workers
 
     # What the engine and the CLI read of the runner: rank 0's.
     @property
@@ -159,23 +163,15 @@ class TensorParallelRunner:
             return self.local.launch(plan, previous)
 
     def shutdown(self) -> None:
-        """Tell the workers to exit and wait for them (killed if they do not)."""
-        if self._closed:
-            return
-        self._closed = True
-        atexit.unregister(self.shutdown)
-        if self._dead is None:
-            with contextlib.suppress(RuntimeError):
-                dist.broadcast_object_list([("shutdown", ())], src=0, group=self.control)
-        self._stop_workers(kill=False)
-        dist.destroy_process_group()
+        """Release the ranks (:meth:`_Ranks.release`) now; once only."""
+        self._release()
 
     @contextlib.contextmanager
     def _call(self, name: str, *args: object) -> Iterator[None]:
         """Send call ``name`` to the workers, then run rank 0's part in the ``with`` body."""
-        if self._dead is not None:
-            raise self._dead
-        if self._closed:
+        if self._ranks.dead is not None:
+            raise self._ranks.dead
+        if not self._release.alive:
             raise RuntimeError("the tensor-parallel runner was shut down")
         self._check_workers()
         with self._guarded():
@@ -197,8 +193,8 @@ class TensorParallelRunner:
                     break
                 time.sleep(0.05)
             if not self._workers:  # launched by torchrun: no process here to look at
-                self._dead = WorkerDiedError(f"a tensor-parallel rank failed: {e}")
-                raise self._dead from e
+                self._ranks.dead = WorkerDiedError(f"a tensor-parallel rank failed: {e}")
+                raise self._ranks.dead from e
             raise
 
     def _check_workers(self, cause: BaseException | None = None) -> None:
@@ -206,15 +202,35 @@ class TensorParallelRunner:
         for rank, proc in self._workers.items():
             code = proc.poll()
             if code is not None:
-                self._dead = WorkerDiedError(
+                self._ranks.dead = WorkerDiedError(
                     f"tensor-parallel worker rank {rank} exited with code {code}; "
                     "the engine stopped"
                 )
-                self._stop_workers(kill=True)
-                raise self._dead from cause
+                self._ranks.stop_workers(kill=True)
+                raise self._ranks.dead from cause
 
-    def _stop_workers(self, kill: bool) -> None:
-        for proc in self._workers.values():
+
+@dataclass(eq=False)
+class _Ranks:
+    """What rank 0 holds beyond its own process: the workers it started and the process
+    group. Kept apart from the runner, so that a weak finalizer releases them when the runner
+    is dropped without holding the runner alive (or at exit)."""
+
+    workers: dict[int, subprocess.Popen] = field(default_factory=dict)
+    control: dist.ProcessGroup | None = None
+    dead: WorkerDiedError | None = None
+
+    def release(self) -> None:
+        """Tell the workers to exit and wait for them (killed if they do not); leave the
+        process group, so that another tensor-parallel engine may form one."""
+        if self.dead is None:
+            with contextlib.suppress(RuntimeError):
+                dist.broadcast_object_list([("shutdown", ())], src=0, group=self.control)
+        self.stop_workers(kill=False)
+        dist.destroy_process_group()
+
+    def stop_workers(self, kill: bool) -> None:
+        for proc in self.workers.values():
             if kill and proc.poll() is None:
                 proc.kill()
             try:

@@ -1,9 +1,10 @@
 """EngineCoreClient: the HTTP front's handle on the engine core process.
 
 It starts the core (:mod:`heron.engine.core_process`), sends it token ids and sampling
-parameters, and turns the token deltas the core streams back into :class:`RequestOutput`s:
-detokenisation and stop strings happen here, in the front, so the core's step loop never shares
-a GIL with them. A stop string the front matches aborts that sample in the core.
+parameters, and turns the token deltas the core streams back into :class:`RequestOutput`s
+through the :class:`OutputProcessor` the offline API uses too: detokenisation and stop strings
+happen here, in the front, so the core's step loop never shares a GIL with them. A stop string
+the front matches aborts that sample in the core. Nothing here imports model code.
 
 One thread reads the core's messages (it waits in ZMQ, without the GIL) and hands each batch
 to the event loop; it also watches the core process, so a core that dies fails every request
@@ -17,9 +18,7 @@ import asyncio
 import logging
 import os
 import threading
-import time
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass
 
 import msgspec
 import zmq
@@ -27,8 +26,6 @@ from transformers import AutoTokenizer
 
 from heron.config import EngineConfig
 from heron.engine.core_launch import CoreProcess, WatchedCore, front_endpoints, remove_sockets
-from heron.engine.detokenizer import IncrementalDetokenizer
-from heron.engine.llm_engine import ParentRequest
 from heron.engine.messages import (
     AbortRequest,
     AddRequest,
@@ -38,13 +35,12 @@ from heron.engine.messages import (
     FrontMessage,
     Ready,
     Rejected,
-    RequestDelta,
     Shutdown,
     StartupFailed,
     StepFailed,
     StepOutputs,
 )
-from heron.engine.request import FinishReason, Request
+from heron.engine.output_processor import OutputProcessor
 from heron.outputs import RequestOutput
 from heron.sampling_params import SamplingParams
 
@@ -65,15 +61,6 @@ class StepError(RuntimeError):
 
 class EngineStartupError(RuntimeError):
     """The engine core could not start (a bad model path, too little memory, ...)."""
-
-
-@dataclass(eq=False)
-class _Stream:
-    """One request as the front tracks it: its samples' tokens and text, and its consumer."""
-
-    parent: ParentRequest
-    queue: asyncio.Queue[RequestOutput | BaseException]
-    first_scheduled_time: float | None = None
 
 
 class EngineCoreClient:
@@ -117,7 +104,8 @@ class EngineCoreClient:
         self._send_lock = threading.RLock()  # a signal handler may send inside a send
         self._encoder = msgspec.msgpack.Encoder()
         self._decoder = msgspec.msgpack.Decoder(CoreMessage)
-        self._streams: dict[str, _Stream] = {}  # touched on the event loop only
+        # Both touched on the event loop only: each request's consumer, and its outputs.
+        self._streams: dict[str, asyncio.Queue[RequestOutput | BaseException]] = {}
         self._loop: asyncio.AbstractEventLoop | None = None
         self._stopping = False
         self._closed = False
@@ -138,7 +126,7 @@ class EngineCoreClient:
         self.model_path = ready.model_path
         self.description = ready.description
         self.stats: EngineStats = ready.stats  # the newest snapshot the core sent
-        self._eos_token_ids = frozenset(ready.eos_token_ids)
+        self._outputs = OutputProcessor(self.tokenizer, ready.eos_token_ids)
         self._reader = threading.Thread(target=self._read, name="heron-core-reader", daemon=True)
         self._reader.start()
 
@@ -166,19 +154,14 @@ class EngineCoreClient:
         if request_id in self._streams:
             raise ValueError(f"request id {request_id!r} is already in use")
         self._loop = asyncio.get_running_loop()
-        params = params.clone()
-        params.eos_token_ids = self._eos_token_ids
         token_ids = list(prompt_token_ids)
-        children = [Request(request_id, token_ids, params, sample_index=i) for i in range(params.n)]
-        detokenizers = [IncrementalDetokenizer(self.tokenizer, token_ids, params) for _ in children]
-        parent = ParentRequest(request_id, None, token_ids, children, detokenizers, stream=True)
-        stream = _Stream(parent, asyncio.Queue())
-        self._streams[request_id] = stream
+        self._outputs.add_request(request_id, None, token_ids, params)
+        queue = self._streams[request_id] = asyncio.Queue()
         self._send(AddRequest(request_id, token_ids, params, self._endpoints.index))
         finished = False
         try:
             while True:
-                item = await stream.queue.get()
+                item = await queue.get()
                 if isinstance(item, BaseException):
                     finished = True  # the core already dropped the request
                     raise item
@@ -188,7 +171,7 @@ class EngineCoreClient:
                     return
         finally:
             if not finished:
-                self._streams.pop(request_id, None)
+                self._forget(request_id)
                 self.abort(request_id)
 
     def abort(self, request_id: str) -> None:
@@ -217,71 +200,37 @@ class EngineCoreClient:
     def _apply(self, messages: list[CoreMessage]) -> None:
         """Deliver a batch of the core's messages: one output per request however many steps
         the batch holds, so a front that falls behind catches up with fewer, larger chunks."""
-        touched: dict[str, _Stream] = {}
+        deltas = []
         for message in messages:
             if isinstance(message, StepOutputs):
-                for delta in message.deltas:
-                    stream = self._streams.get(delta.request_id)
-                    if stream is not None:  # else aborted or stopped by the front since
-                        self._apply_delta(stream, delta)
-                        touched[delta.request_id] = stream
+                deltas += message.deltas
             elif isinstance(message, Rejected):
                 self._fail(message.request_id, ValueError(message.message))
             elif isinstance(message, StepFailed):
                 for request_id in message.request_ids:
                     self._fail(request_id, StepError(message.message))
-        for request_id, stream in touched.items():
-            if self._streams.get(request_id) is stream:
-                output = stream.parent.output()
-                if output.finished:
-                    del self._streams[request_id]
-                    output.metrics = _timings(stream)
-                stream.queue.put_nowait(output)
+        processed = self._outputs.process(deltas)
+        for abort in processed.aborts:  # samples a stop string ended here
+            self._send(abort)
+        for output in processed.outputs:
+            if output.finished:
+                queue = self._streams.pop(output.request_id)
+            else:
+                queue = self._streams[output.request_id]
+            queue.put_nowait(output)
 
-    def _apply_delta(self, stream: _Stream, delta: RequestDelta) -> None:
-        parent, now = stream.parent, time.monotonic()
-        first = parent.children[0]
-        first.num_cached_tokens = delta.num_cached_tokens
-        if delta.prompt_logprobs is not None:
-            first.prompt_logprobs = delta.prompt_logprobs
-        if delta.first_scheduled_time is not None:
-            stream.first_scheduled_time = delta.first_scheduled_time
-        stopped = []  # samples a stop string ended here that still run in the core
-        for sample in delta.samples:
-            child = parent.children[sample.index]
-            if child.is_finished:
-                continue
-            detokenizer = parent.detokenizers[sample.index]
-            if child.first_token_time is None and sample.token_ids:
-                child.first_token_time = now
-            for i, token_id in enumerate(sample.token_ids):
-                child.append_output_token(token_id)
-                if sample.logprobs is not None:
-                    child.logprobs.append(sample.logprobs[i])
-                stop_string = detokenizer.append(token_id)
-                if stop_string is not None:
-                    child.finish(FinishReason.STOP, stop_string)
-                    if sample.finish_reason is None:
-                        stopped.append(sample.index)
-                    break
-            if not child.is_finished and sample.finish_reason is not None:
-                child.finish(FinishReason(sample.finish_reason), sample.stop_reason)
-            if child.is_finished:
-                detokenizer.finish()
-        if stopped and all(c.is_finished for c in parent.children):
-            stopped = [None]  # the whole request
-        for index in stopped:
-            self._send(AbortRequest(delta.request_id, index))
+    def _forget(self, request_id: str) -> asyncio.Queue | None:
+        self._outputs.abort(request_id)
+        return self._streams.pop(request_id, None)
 
     def _fail(self, request_id: str, error: BaseException) -> None:
-        stream = self._streams.pop(request_id, None)
-        if stream is not None:
-            stream.queue.put_nowait(error)
+        queue = self._forget(request_id)
+        if queue is not None:
+            queue.put_nowait(error)
 
     def _fail_all(self, error: BaseException) -> None:
-        streams, self._streams = self._streams, {}
-        for stream in streams.values():
-            stream.queue.put_nowait(error)
+        for request_id in list(self._streams):
+            self._fail(request_id, error)
 
     # ------------------------------------------------------------ reader thread
 
@@ -389,18 +338,3 @@ class EngineCoreClient:
         self._context.term()
         if self._core_owned():
             remove_sockets(self._endpoints)  # a launcher removes those of its fronts
-
-
-def _timings(stream: _Stream) -> dict[str, float]:
-    """Monotonic timestamps of a finished request, over all its samples."""
-    children = stream.parent.children
-    timings = {
-        "arrival_time": min(c.arrival_time for c in children),
-        "finished_time": time.monotonic(),
-    }
-    first_tokens = [c.first_token_time for c in children if c.first_token_time is not None]
-    if stream.first_scheduled_time is not None:
-        timings["first_scheduled_time"] = stream.first_scheduled_time
-    if first_tokens:
-        timings["first_token_time"] = min(first_tokens)
-    return timings

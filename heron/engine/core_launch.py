@@ -9,6 +9,7 @@ a launcher started only watches the core (:class:`WatchedCore`), through a pidfd
 
 from __future__ import annotations
 
+import gc
 import os
 import select
 import shutil
@@ -20,6 +21,15 @@ import msgspec
 
 from heron.config import EngineConfig
 from heron.engine.messages import CoreArgs, FrontEndpoints
+
+
+def freeze_start_up_heap() -> None:
+    """Move what start-up made (model, tokenizer, graphs, the importers' objects), which lives
+    as long as the process, out of the collector's sight: a full collection then no longer
+    walks it, a pause that a step would wait out (vLLM's engine process does the same). The
+    core and every front call it once started."""
+    gc.collect()
+    gc.freeze()
 
 
 def front_endpoints(count: int) -> list[FrontEndpoints]:

@@ -14,13 +14,12 @@ import logging
 import signal
 import sys
 import time
-from dataclasses import dataclass
 
 import msgspec
 import zmq
 
 from heron.distributed.executor import WorkerDiedError
-from heron.engine.core_launch import remove_sockets
+from heron.engine.core_launch import freeze_start_up_heap, remove_sockets
 from heron.engine.llm_engine import LLMEngine
 from heron.engine.messages import (
     AbortRequest,
@@ -32,14 +31,11 @@ from heron.engine.messages import (
     Ready,
     Rejected,
     RequestDelta,
-    SampleDelta,
     Shutdown,
     StartupFailed,
     StepFailed,
     StepOutputs,
 )
-from heron.engine.request import Request
-from heron.server.serve import freeze_start_up_heap
 
 logger = logging.getLogger(__name__)
 
@@ -49,17 +45,6 @@ STATS_INTERVAL_S = 0.1
 IDLE_POLL_MS = 1000
 # Errors a user can fix (a bad path or value): reported by their message, without a traceback.
 _USER_ERRORS = (ValueError, OSError)
-
-
-@dataclass(eq=False)
-class _Sent:
-    """How much of one request's output its front has been sent."""
-
-    front: int
-    children: list[Request]
-    tokens: list[int]  # per sample
-    finished: list[bool]  # per sample
-    first_sent: bool = False
 
 
 class EngineCore:
@@ -77,7 +62,7 @@ class EngineCore:
         self._poller = zmq.Poller()
         self._poller.register(inbox, zmq.POLLIN)
         self._poller.register(front_fd, zmq.POLLIN)
-        self._live: dict[str, _Sent] = {}
+        self._live: dict[str, int] = {}  # request id: the index of the front that sent it
         self._deltas: list[list[RequestDelta]] = [[] for _ in outboxes]  # per front
         self._stats: EngineStats | None = None
         self._stats_time = 0.0
@@ -120,80 +105,45 @@ class EngineCore:
         return True
 
     def _abort(self, request_id: str, sample_index: int | None = None) -> None:
-        output = self.engine.abort_request(request_id, sample_index)
-        if output is not None:
-            self._collect(request_id, output.finished)
+        delta = self.engine.abort_request(request_id, sample_index)
+        if delta is not None:
+            self._queue(delta)
 
     def _add(self, message: AddRequest) -> None:
         request_id = message.request_id
         try:
-            # Outputs of finished requests only: deltas are read off the samples themselves.
-            self.engine.add_request(
-                request_id, message.prompt_token_ids, message.params, stream=False
-            )
+            self.engine.add_request(request_id, message.prompt_token_ids, message.params)
         except ValueError as e:
             self.send(Rejected(request_id, str(e)), message.front)
             return
-        children = self.engine.samples(request_id)
-        self._live[request_id] = _Sent(
-            message.front, children, [0] * len(children), [False] * len(children)
-        )
+        self._live[request_id] = message.front
 
     def _step(self) -> None:
         try:
-            finished = {output.request_id for output in self.engine.step()}
+            deltas = self.engine.step()
         except Exception as e:
             # The step may have left these requests half-updated; aborting them frees their
             # blocks and keeps the engine usable for the next requests.
             logger.exception("engine step failed; aborting %d requests", len(self._live))
             by_front: dict[int, list[str]] = {}
-            for request_id, sent in self._live.items():
+            for request_id, front in self._live.items():
                 self.engine.abort_request(request_id)
-                by_front.setdefault(sent.front, []).append(request_id)
+                by_front.setdefault(front, []).append(request_id)
             self._live.clear()
             for front, request_ids in by_front.items():
                 self.send(StepFailed(request_ids, f"the model step failed: {e!r}"), front)
             if isinstance(e, WorkerDiedError):
                 raise  # no later step can run: the core exits, the fronts report it dead
             return
-        for request_id in list(self._live):
-            self._collect(request_id, request_id in finished)
+        for delta in deltas:
+            self._queue(delta)
 
-    def _collect(self, request_id: str, finished: bool) -> None:
-        """Queue what the request's samples gained since its front was last sent a delta."""
-        sent = self._live.get(request_id)
-        if sent is None:
-            return
-        samples = []
-        for index, child in enumerate(sent.children):
-            start, end = sent.tokens[index], len(child.output_token_ids)
-            reason = child.finish_reason
-            if end == start and (reason is None or sent.finished[index]):
-                continue
-            sent.tokens[index], sent.finished[index] = end, reason is not None
-            wants_logprobs = child.sampling_params.logprobs is not None
-            samples.append(
-                SampleDelta(
-                    index,
-                    child.output_token_ids[start:end],
-                    child.logprobs[start:end] if wants_logprobs else None,
-                    None if reason is None else reason.value,
-                    child.stop_reason,  # a stop token: stop strings are the front's
-                )
-            )
-        if not samples and not finished:
-            return
-        first = sent.children[0]
-        delta = RequestDelta(request_id, samples, finished, first.num_cached_tokens)
-        if not sent.first_sent:
-            sent.first_sent = True
-            if first.wants_prompt_logprobs:
-                delta.prompt_logprobs = list(first.prompt_logprobs)
-            scheduled = [c.first_scheduled_time for c in sent.children]
-            delta.first_scheduled_time = min((t for t in scheduled if t is not None), default=None)
-        if finished:
-            del self._live[request_id]
-        self._deltas[sent.front].append(delta)
+    def _queue(self, delta: RequestDelta) -> None:
+        """Queue a delta for the front that sent its request."""
+        front = self._live[delta.request_id]
+        if delta.finished:
+            del self._live[delta.request_id]
+        self._deltas[front].append(delta)
 
     def _publish(self) -> None:
         """Send each front its queued deltas, with the engine's stats (to every front) when
@@ -249,7 +199,7 @@ def run_engine_core(args: CoreArgs) -> int:
 def _start(args: CoreArgs, inbox: zmq.Socket, outboxes: list[zmq.Socket]) -> EngineCore | None:
     encoder = msgspec.msgpack.Encoder()
     try:
-        engine = LLMEngine(args.config, detokenize=False)
+        engine = LLMEngine(args.config)
     except Exception as e:
         if not isinstance(e, _USER_ERRORS):
             logger.exception("the engine core failed to start")

@@ -4,19 +4,19 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
 from heron.config import EngineConfig
 from heron.engine.builder import build_engine
-from heron.engine.detokenizer import IncrementalDetokenizer
+from heron.engine.messages import RequestDelta, SampleDelta
 from heron.engine.request import FinishReason, Request, RequestStatus
 from heron.engine.resolved_config import resolve
 from heron.engine.stopping import check_stop
 from heron.execution.model_runner import LaunchedStep
 from heron.execution.sampler import on_device
 from heron.execution.step_plan import StepOutput
-from heron.outputs import CompletionOutput, Logprob, PrefixView, RequestOutput
+from heron.outputs import Logprob
 from heron.sampling_params import SamplingParams
 from heron.speculative import SpecDecodeStats
 
@@ -48,59 +48,20 @@ class _Launched:
 
 
 @dataclass(eq=False)
-class ParentRequest:
-    """A user request and its ``n`` samples (with a detokenizer each, or none: an engine core
-    whose front detokenizes)."""
+class _UserRequest:
+    """A user request's ``n`` samples, and whether its first delta was sent."""
 
     request_id: str
-    prompt: str | None
-    prompt_token_ids: list[int]
     children: list[Request]
-    detokenizers: list[IncrementalDetokenizer]
-    stream: bool  # report every step, or only when finished
-    arrival_time: float = field(default_factory=time.monotonic)
-
-    def output(self) -> RequestOutput:
-        outputs = []
-        all_finished = True
-        for child in self.children:
-            finished = child.status is RequestStatus.FINISHED
-            all_finished &= finished
-            snapshot = list if finished else PrefixView
-            detok = self.detokenizers[child.sample_index] if self.detokenizers else None
-            outputs.append(
-                CompletionOutput(
-                    child.sample_index,
-                    "" if detok is None else detok.text if finished else detok.text_safe_to_stream,
-                    snapshot(child.output_token_ids),
-                    child.finish_reason.value if child.finish_reason else None,
-                    child.stop_reason,
-                    snapshot(child.logprobs)
-                    if child.sampling_params.logprobs is not None
-                    else None,
-                )
-            )
-        first = self.children[0]
-        return RequestOutput(
-            self.request_id,
-            self.prompt,
-            self.prompt_token_ids,
-            outputs,
-            all_finished,
-            list(first.prompt_logprobs) if first.wants_prompt_logprobs else None,
-            first.num_cached_tokens,
-        )
+    reported: bool = False
 
 
 class LLMEngine:
     """Continuous-batching engine over a paged KV cache (synchronous; one ``step`` at a time)."""
 
-    def __init__(self, config: EngineConfig, detokenize: bool = True) -> None:
-        """Without ``detokenize`` outputs have no text and stop strings are not looked for:
-        the caller (the server's front process) does both."""
+    def __init__(self, config: EngineConfig) -> None:
         self.resolved = resolve(config)
         self.config = config
-        self.detokenize = detokenize
         self.platform = self.resolved.platform
         self.model_config = self.resolved.model
         self.max_num_batched_tokens = self.resolved.max_num_batched_tokens
@@ -113,7 +74,7 @@ class LLMEngine:
         self.verification_bytes = parts.verification_bytes
         self.sync_verification_reason = parts.sync_verification_reason
         self.spec_decode_stats = SpecDecodeStats()
-        self._parents: dict[str, ParentRequest] = {}
+        self._parents: dict[str, _UserRequest] = {}
         self._in_flight: _Launched | None = None  # launched, its tokens not read yet
         self._grammars: GrammarCompiler | None = None  # made for the first structured request
         self.eos_token_ids = self.model_config.eos_token_ids | (
@@ -126,28 +87,16 @@ class LLMEngine:
 
     # ----------------------------------------------------------------- requests
 
-    def tokenize_prompt(self, prompt: str | list[int]) -> tuple[str | None, list[int]]:
-        if isinstance(prompt, str):
-            return prompt, self.tokenizer.encode(prompt)
-        return None, list(prompt)
-
     def add_request(
-        self,
-        request_id: str,
-        prompt: str | list[int],
-        params: SamplingParams | None = None,
-        stream: bool = True,
+        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams | None = None
     ) -> None:
-        """Queue a request; raise ``ValueError`` (and queue nothing) if it is invalid.
-
-        With ``stream`` its output is returned by every step that advances it; without, only
-        by the step that finishes it (which saves building outputs nobody reads).
-        """
+        """Queue a request; raise ``ValueError`` (and queue nothing) if it is invalid. Every
+        step that advances it returns its delta."""
         if request_id in self._parents:
             raise ValueError(f"request id {request_id!r} is already in use")
         params = (params or SamplingParams()).clone()
         params.eos_token_ids = frozenset(self.eos_token_ids)
-        text, token_ids = self.tokenize_prompt(prompt)
+        token_ids = list(prompt_token_ids)
         self._validate_prompt(token_ids)
         vocab = self.model_config.vocab_size
         if params.logit_bias and max(params.logit_bias) >= vocab:
@@ -171,14 +120,7 @@ class LLMEngine:
             )
             for child, grammar in zip(children, grammars):
                 child.grammar = grammar
-        detokenizers = [
-            IncrementalDetokenizer(self.tokenizer, token_ids, params)
-            for _ in children
-            if self.detokenize
-        ]
-        self._parents[request_id] = ParentRequest(
-            request_id, text, token_ids, children, detokenizers, stream
-        )
+        self._parents[request_id] = _UserRequest(request_id, children)
         for child in children:
             self.scheduler.add(child)
 
@@ -208,19 +150,21 @@ class LLMEngine:
 
     def abort_request(
         self, request_id: str, sample_index: int | None = None
-    ) -> RequestOutput | None:
+    ) -> RequestDelta | None:
         """Stop a request, or only its sample ``sample_index``, now; the blocks return to the
-        pool. Unknown ids are ignored."""
+        pool. Returns the delta saying so (None for an unknown id)."""
         parent = self._parents.get(request_id)
         if parent is None:
             return None
+        delta = RequestDelta(request_id, [], False, 0)
         for child in parent.children:
             if not child.is_finished and sample_index in (None, child.sample_index):
                 child.finish(FinishReason.ABORT)
                 self.scheduler.remove(child)
-        if all(c.is_finished for c in parent.children):
-            del self._parents[request_id]
-        return parent.output()
+                delta.samples.append(
+                    SampleDelta(child.sample_index, [], None, FinishReason.ABORT.value, None)
+                )
+        return self._complete(parent, delta)
 
     def samples(self, request_id: str) -> list[Request]:
         """The sequences (one per sample) of an unfinished user request."""
@@ -235,12 +179,14 @@ class LLMEngine:
 
     # ----------------------------------------------------------------- the step
 
-    def step(self) -> list[RequestOutput]:
-        """Run one step; return the outputs of every user request it advanced.
+    def step(self) -> list[RequestDelta]:
+        """Run one step; return what it added to every user request it advanced: the new
+        tokens of each sample, and its finish (texts and stop strings are the caller's:
+        :class:`heron.engine.output_processor.OutputProcessor`).
 
         With asynchronous scheduling (the default) a step whose tokens stay on the device is
         read one call later: this call schedules and launches the next step first, so the host's
-        work (scheduling, inputs, detokenisation, stop checks) overlaps the device's. A step
+        work (scheduling, inputs, stop checks, the caller's outputs) overlaps the device's. A step
         that samples grammar rows reads the previous step before it is launched (only its
         scheduling overlaps), since each grammar must see its last token before the next mask.
         With speculative decoding a step in flight is read before scheduling whenever this
@@ -251,7 +197,7 @@ class LLMEngine:
         (:meth:`_read_verified`).
         """
         previous, self._in_flight = self._in_flight, None
-        touched: dict[str, ParentRequest] = {}
+        touched: dict[str, RequestDelta] = {}
         if previous is not None and not self._runs_past(previous.launched):
             # Proposals start from the last token: read it before scheduling.
             self._read(previous, touched)
@@ -299,17 +245,25 @@ class LLMEngine:
             if compiling:
                 self._grammars.wait_for_any(compiling, _GRAMMAR_WAIT_S)
 
-        outputs = []
-        for parent in touched.values():
-            # (the last child first: while a request runs, one look settles it)
-            finished = parent.children[-1].is_finished and all(
-                c.is_finished for c in parent.children
-            )
-            if finished:
-                del self._parents[parent.request_id]
-            if finished or parent.stream:
-                outputs.append(parent.output())
-        return outputs
+        return [self._complete(self._parents[i], delta) for i, delta in touched.items()]
+
+    def _complete(self, parent: _UserRequest, delta: RequestDelta) -> RequestDelta:
+        """Fill in what a delta says of the whole request; forget the request once finished."""
+        first = parent.children[0]
+        # (the last child first: while a request runs, one look settles it)
+        delta.finished = parent.children[-1].is_finished and all(
+            c.is_finished for c in parent.children
+        )
+        delta.num_cached_tokens = first.num_cached_tokens
+        if not parent.reported:
+            parent.reported = True
+            if first.wants_prompt_logprobs:
+                delta.prompt_logprobs = list(first.prompt_logprobs)
+            scheduled = [c.first_scheduled_time for c in parent.children]
+            delta.first_scheduled_time = min((t for t in scheduled if t is not None), default=None)
+        if delta.finished:
+            del self._parents[parent.request_id]
+        return delta
 
     def _runs_past(self, launched: LaunchedStep) -> bool:
         """Whether the next step may be scheduled before ``launched`` is read: while nothing is
@@ -326,7 +280,7 @@ class LLMEngine:
         grammars = [None if r.is_finished else r.grammar for r in sample_requests]
         return self._grammars.token_bitmask(grammars)
 
-    def _read(self, launched: _Launched, touched: dict[str, ParentRequest]) -> None:
+    def _read(self, launched: _Launched, touched: dict[str, RequestDelta]) -> None:
         """Apply a step's sampled tokens (and prompt logprobs) to its requests."""
         result = launched.launched.result()
         now = time.monotonic()
@@ -354,7 +308,7 @@ class LLMEngine:
         self,
         launched: _Launched,
         result: StepOutput,
-        touched: dict[str, ParentRequest],
+        touched: dict[str, RequestDelta],
         now: float,
     ) -> None:
         """A verification step's tokens: refused proposals are rolled back first (so a request
@@ -380,24 +334,37 @@ class LLMEngine:
         token_id: int,
         logprob: Logprob | None,
         now: float,
-        touched: dict[str, ParentRequest],
+        touched: dict[str, RequestDelta],
     ) -> None:
-        """One new token of a running request: output, detokenizer, stop checks, grammar."""
-        parent = self._parents[request.parent_id]
+        """One new token of a running request: its delta, stop checks (stop strings are the
+        caller's), grammar."""
+        sample = self._sample_delta(request, touched)
         request.append_output_token(token_id)
+        sample.token_ids.append(token_id)
         if logprob is not None:
             request.logprobs.append(logprob)
+            sample.logprobs.append(logprob)
         if request.first_token_time is None:
             request.first_token_time = now
-        detokenizer = parent.detokenizers[request.sample_index] if self.detokenize else None
-        stop_string = detokenizer.append(token_id) if detokenizer else None
-        stop = check_stop(request, token_id, stop_string, self.model_config.max_model_len)
+        stop = check_stop(request, token_id, None, self.model_config.max_model_len)
         if request.grammar is not None and not request.grammar.accept(token_id):
             # a grammar that failed to compile, or a token it refuses (logged by accept)
             stop = (FinishReason.ABORT, None)
         if stop is not None:
             request.finish(*stop)
-            if detokenizer:
-                detokenizer.finish()
+            sample.finish_reason, sample.stop_reason = stop[0].value, stop[1]
             self.scheduler.remove(request)
-        touched[parent.request_id] = parent
+
+    @staticmethod
+    def _sample_delta(request: Request, touched: dict[str, RequestDelta]) -> SampleDelta:
+        """This step's delta of ``request``'s sample, made on its first token."""
+        delta = touched.get(request.parent_id)
+        if delta is None:
+            delta = touched[request.parent_id] = RequestDelta(request.parent_id, [], False, 0)
+        for sample in delta.samples:  # (``n`` of them at most)
+            if sample.index == request.sample_index:
+                return sample
+        wants_logprobs = request.sampling_params.logprobs is not None
+        sample = SampleDelta(request.sample_index, [], [] if wants_logprobs else None, None, None)
+        delta.samples.append(sample)
+        return sample

@@ -20,7 +20,7 @@ import msgspec
 
 from heron.engine.core_client import EngineCoreClient, EngineStartupError
 from heron.engine.messages import FrontEndpoints
-from heron.server.serve import ServeOptions, run_front
+from heron.server.front import ServeOptions, run_front
 
 ARGS_VARIABLE = "HERON_API_SERVER_ARGS"
 

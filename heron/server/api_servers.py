@@ -34,7 +34,7 @@ import msgspec
 from heron.config import EngineConfig
 from heron.engine.core_launch import CoreProcess, front_endpoints, remove_sockets
 from heron.server.api_server import ARGS_VARIABLE, ApiServerArgs
-from heron.server.serve import ServeOptions
+from heron.server.front import ServeOptions
 
 logger = logging.getLogger(__name__)
 

@@ -22,9 +22,9 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from heron import __version__
+from heron.chat_template import apply_chat_template
 from heron.engine.core_client import EngineCoreClient, EngineDeadError, StepError
 from heron.engine.request import Logprob
-from heron.llm import LLM
 from heron.outputs import CompletionOutput, RequestOutput
 from heron.sampling_params import SamplingParams
 from heron.server.chat_output import ChatOutputConfig, ChatOutputParser, MessagePiece
@@ -153,9 +153,6 @@ async def _until_disconnect(request: Request, work: Awaitable[T]) -> T:
 class OpenAIServing:
     """State and request handling shared by the endpoints of one app."""
 
-    # The offline API's template handling only needs ``self.tokenizer``; reuse it as is.
-    apply_chat_template = LLM.apply_chat_template
-
     def __init__(
         self,
         engine: EngineCoreClient,
@@ -267,7 +264,8 @@ class OpenAIServing:
             size = math.inf  # its cost is not the input's: never on the event loop
 
         def render() -> list[int]:
-            return self.apply_chat_template(
+            return apply_chat_template(
+                self.tokenizer,
                 conversation,
                 body.add_generation_prompt,
                 tools,

@@ -225,6 +225,24 @@ def test_a_dead_worker_stops_the_engine_naming_its_rank(saved):
     llm.engine.shutdown()
 
 
+def test_a_dropped_llm_leaves_the_process_group_to_the_next(saved):
+    """No shutdown: dropping the last reference stops the workers and leaves the process
+    group (a weak finalizer, not an exit hook holding the engine), so another tensor-parallel
+    LLM starts in this process; ``with`` shuts that one down."""
+    path = str(saved("llama"))
+    llm = LLM(path, tensor_parallel_size=2, **ENGINE)
+    workers = dict(llm.engine.runner._workers)
+    first = tokens(llm)
+    del llm
+    assert {rank: proc.returncode for rank, proc in workers.items()} == {1: 0}
+    assert not torch.distributed.is_initialized()
+    with LLM(path, tensor_parallel_size=2, **ENGINE) as second:
+        assert tokens(second) == first
+        workers = dict(second.engine.runner._workers)
+    assert {rank: proc.returncode for rank, proc in workers.items()} == {1: 0}
+    assert not torch.distributed.is_initialized()
+
+
 def test_ranks_rendezvous_through_torchrun_environment(saved):
     """Two processes started as torchrun starts one rank per host, meeting on 127.0.0.1."""
     path = saved("llama")

@@ -16,16 +16,16 @@ def engines(tiny_model_dir):
     path = str(tiny_model_dir("llama"))
     # A small pool, so that the staggered workload below preempts.
     options = dict(max_model_len=96, num_kv_blocks=24, block_size=8, max_num_batched_tokens=48)
-    return {mode: LLM(path, async_scheduling=mode, **options).engine for mode in (True, False)}
+    return {mode: LLM(path, async_scheduling=mode, **options) for mode in (True, False)}
 
 
-def _staggered(engine, abort_at: dict[int, str]) -> tuple[dict[str, tuple], int]:
+def _staggered(llm, abort_at: dict[int, str]) -> tuple[dict[str, tuple], int]:
     """Requests join, stop (EOS off: stop tokens, max_tokens, max_model_len) and are aborted
     between steps; returns every request's final tokens and reason, and the step count."""
     arrivals = {0: 3, 2: 2, 5: 3, 9: 2}
     finished: dict[str, tuple] = {}
     step, added = 0, 0
-    while step < 12 or engine.has_unfinished_requests():
+    while step < 12 or llm.has_unfinished_requests():
         for _ in range(arrivals.get(step, 0)):
             i = added
             prompt = [(i * 17 + j) % 250 + 3 for j in range(4 + 7 * i)]
@@ -35,12 +35,12 @@ def _staggered(engine, abort_at: dict[int, str]) -> tuple[dict[str, tuple], int]
                 max_tokens=None if i == 4 else 6 + 5 * i,  # request 4 runs into max_model_len
                 stop_token_ids=list(range(i % 5, 300, 7)) if i % 3 == 0 else [],
             )
-            engine.add_request(f"r{i}", prompt, params)
+            llm.add_request(f"r{i}", prompt, params)
             added += 1
         if step in abort_at:
-            out = engine.abort_request(abort_at[step])
+            out = llm.abort_request(abort_at[step])
             finished[out.request_id] = (tuple(out.outputs[0].token_ids), "abort")
-        for out in engine.step():
+        for out in llm.step():
             o = out.outputs[0]
             assert len(o.token_ids) == len(set(range(len(o.token_ids))))  # well-formed snapshot
             if out.finished:
@@ -50,7 +50,8 @@ def _staggered(engine, abort_at: dict[int, str]) -> tuple[dict[str, tuple], int]
     return finished, step
 
 
-def _assert_idle(engine) -> None:
+def _assert_idle(llm) -> None:
+    engine = llm.engine
     engine.kv_cache.check_invariants()
     assert engine.kv_cache.num_free_blocks == engine.kv_cache.num_blocks - 1
     for request in engine.scheduler.running + list(engine.scheduler.waiting):
@@ -70,7 +71,7 @@ def test_async_equals_sync_with_stops_preemption_and_aborts(engines):
     reasons = {reason for _, reason in async_result.values()}
     assert {"length", "stop"} <= reasons
     assert len(async_result["r4"][0]) == 96 - len(range(4 + 7 * 4))  # filled max_model_len
-    assert engines[True].scheduler.num_preemptions > 0
+    assert engines[True].engine.scheduler.num_preemptions > 0
     for engine in engines.values():
         _assert_idle(engine)
 
@@ -78,28 +79,29 @@ def test_async_equals_sync_with_stops_preemption_and_aborts(engines):
 def test_tokens_stay_on_device_between_steps(engines):
     """A plain greedy decode step is left in flight; its tokens become the next step's inputs
     on the device, and a request is never scheduled past its last token."""
-    engine = engines[True]
-    engine.add_request("d", [5, 6, 7, 8], SamplingParams(temperature=0, max_tokens=4))
+    llm = engines[True]
+    llm.add_request("d", [5, 6, 7, 8], SamplingParams(temperature=0, max_tokens=4))
     launched = []
-    launch = engine.runner.launch
+    runner = llm.engine.runner
+    launch = runner.launch
 
     def spy(plan, previous=None, drafts=None):
         if plan.request_ids:
             launched.append(list(zip(plan.request_ids, plan.num_new)))
         return launch(plan, previous, drafts)
 
-    engine.runner.launch = spy
+    runner.launch = spy
     try:
         outputs = []
-        while engine.has_unfinished_requests():
-            outputs += engine.step()
+        while llm.has_unfinished_requests():
+            outputs += llm.step()
     finally:
-        del engine.runner.launch
+        del runner.launch
     # Prefill, then three decode steps whose input token was still pending; the fourth token
     # ends the request, so no fifth step is launched for it.
     assert launched == [[("d", 4)], [("d", 1)], [("d", 1)], [("d", 1)]]
     assert len(outputs[-1].outputs[0].token_ids) == 4 and outputs[-1].finished
-    _assert_idle(engine)
+    _assert_idle(llm)
 
 
 def test_seeded_random_sampling_stays_on_device_and_equals_sync(engines):
@@ -107,22 +109,20 @@ def test_seeded_random_sampling_stays_on_device_and_equals_sync(engines):
     same tokens as the synchronous engine (each request draws from its own seeded generator)."""
     results = []
     for mode in (True, False):
-        engine = engines[mode]
+        llm = engines[mode]
         for i in range(3):
             params = SamplingParams(
                 temperature=0.8, top_p=0.9, seed=11 + i, max_tokens=12, ignore_eos=True
             )
-            engine.add_request(f"t{i}", [9 + i, 10, 11, 12], params)
-        engine.add_request("g", [9, 10], SamplingParams(temperature=0, max_tokens=12))
-        first = engine.step()
+            llm.add_request(f"t{i}", [9 + i, 10, 11, 12], params)
+        llm.add_request("g", [9, 10], SamplingParams(temperature=0, max_tokens=12))
+        first = llm.step()
         assert not first or mode is False  # async: the prefill's tokens are read next call
         outputs = {o.request_id: o.outputs[0].token_ids for o in first if o.finished}
-        while engine.has_unfinished_requests():
-            outputs.update(
-                {o.request_id: o.outputs[0].token_ids for o in engine.step() if o.finished}
-            )
+        while llm.has_unfinished_requests():
+            outputs.update({o.request_id: o.outputs[0].token_ids for o in llm.step() if o.finished})
         results.append(outputs)
-        _assert_idle(engine)
+        _assert_idle(llm)
     assert results[0] == results[1] and len(results[0]) == 4
 
 
@@ -136,10 +136,10 @@ def test_seeded_random_sampling_stays_on_device_and_equals_sync(engines):
     ids=["logprobs", "penalty", "min_tokens"],
 )
 def test_steps_that_need_the_host_are_read_at_once(engines, params):
-    engine = engines[True]
-    engine.add_request("s", [9, 10, 11], params)
-    outputs = engine.step()
+    llm = engines[True]
+    llm.add_request("s", [9, 10, 11], params)
+    outputs = llm.step()
     assert outputs and len(outputs[0].outputs[0].token_ids) == 1  # read in the same call
-    while engine.has_unfinished_requests():
-        engine.step()
-    _assert_idle(engine)
+    while llm.has_unfinished_requests():
+        llm.step()
+    _assert_idle(llm)

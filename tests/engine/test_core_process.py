@@ -23,13 +23,14 @@ from heron.engine.messages import (
     StepFailed,
     StepOutputs,
 )
+from heron.engine.output_processor import OutputProcessor
 from heron.sampling_params import SamplingParams
 
 
 @pytest.fixture(scope="module")
 def engine(tiny_model_dir):
     config = EngineConfig(str(tiny_model_dir("qwen2")), max_model_len=128, num_kv_blocks=40)
-    return LLMEngine(config, detokenize=False)
+    return LLMEngine(config)
 
 
 class Front:
@@ -100,9 +101,12 @@ def test_deltas_add_up_to_the_in_process_output(front, engine):
     assert deltas[0].first_scheduled_time is not None
     logprobs = [lp for d in deltas for s in d.samples for lp in s.logprobs]
     assert deltas[-1].samples[-1].finish_reason == "length"
-    front.close()  # the same engine, stepped directly, as LLM does
-    engine.add_request("b", [5, 6, 7, 8], params, stream=False)
-    (output,) = [o for _ in range(20) for o in engine.step() if o.finished][:1]
+    front.close()  # the same engine, stepped directly, its deltas processed as LLM does
+    processor = OutputProcessor(engine.tokenizer, engine.eos_token_ids)
+    engine.add_request("b", [5, 6, 7, 8], params)
+    processor.add_request("b", None, [5, 6, 7, 8], params, stream=False)
+    outputs = (processor.process(engine.step()).outputs for _ in range(20))
+    (output,) = [o for step in outputs for o in step if o.finished][:1]
     assert _tokens(deltas) == list(output.outputs[0].token_ids)
     assert logprobs == list(output.outputs[0].logprobs)
 

@@ -29,18 +29,17 @@ def _assert_pool_idle(llm: LLM) -> None:
 
 
 def test_no_block_leak_after_finish_and_abort(llm):
-    engine = llm.engine
     params = SamplingParams(temperature=0.8, max_tokens=30, ignore_eos=True, seed=1)
     for i in range(6):
-        engine.add_request(f"leak-{i}", list(range(5, 25 + 7 * i)), params)
+        llm.add_request(f"leak-{i}", list(range(5, 25 + 7 * i)), params)
     for _ in range(5):
-        engine.step()
+        llm.step()
     assert llm.engine.kv_cache.usage > 0
-    engine.abort_request("leak-1")
-    aborted = engine.abort_request("leak-4")
+    llm.abort_request("leak-1")
+    aborted = llm.abort_request("leak-4")
     assert aborted.outputs[0].finish_reason == "abort"
-    while engine.has_unfinished_requests():
-        engine.step()
+    while llm.has_unfinished_requests():
+        llm.step()
     _assert_pool_idle(llm)
 
 
@@ -157,7 +156,7 @@ def test_start_up_heap_is_frozen_out_of_the_collector(llm):
     """The server freezes the engine's start-up objects (model, tokenizer, graphs) into the
     collector's permanent generation, so a full garbage collection while serving does not walk
     them; an engine used offline is left to the caller's collector."""
-    from heron.server.serve import freeze_start_up_heap
+    from heron.engine.core_launch import freeze_start_up_heap
 
     model = llm.engine.runner.model
     freeze_start_up_heap()
@@ -180,24 +179,45 @@ def test_a_deleted_engine_frees_its_model_and_cache(tiny_model_dir):
     assert model() is None and cache() is None
 
 
+def test_shutdown_and_the_context_manager(tiny_model_dir):
+    path = str(tiny_model_dir("qwen2"))
+    with LLM(path, max_model_len=128, num_kv_blocks=40) as llm:
+        (output,) = llm.generate("hello", SamplingParams(max_tokens=3), use_tqdm=False)
+        assert output.finished
+        engine = weakref.ref(llm.engine)
+    with pytest.raises(RuntimeError, match="shut down"):
+        llm.generate("hello", use_tqdm=False)
+    llm.shutdown()  # once is enough; again changes nothing
+    gc.collect()
+    assert engine() is None  # the LLM no longer holds its engine
+
+
 def test_abort_one_sample_and_no_detokenizer(tiny_model_dir):
-    """An engine core's engine: no text, and a stop string the front matched stops one sample."""
+    """The engine returns token deltas, no text: stop strings are its caller's (the output
+    processor's), which stops one sample through ``abort_request``."""
     from heron.config import EngineConfig
     from heron.engine.llm_engine import LLMEngine
+    from heron.engine.messages import SampleDelta
 
     config = EngineConfig(str(tiny_model_dir("qwen2")), max_model_len=128, num_kv_blocks=40)
-    engine = LLMEngine(config, detokenize=False)
+    engine = LLMEngine(config)
     params = SamplingParams(n=2, temperature=0, max_tokens=6, ignore_eos=True, stop=["a"])
     engine.add_request("r", [5, 6, 7], params)
-    engine.step()
-    output = engine.abort_request("r", sample_index=0)
-    assert [c.finish_reason for c in output.outputs] == ["abort", None]
+    deltas = engine.step()
+    aborted = engine.abort_request("r", sample_index=0)
+    assert [(s.index, s.finish_reason) for s in aborted.samples] == [(0, "abort")]
+    assert not aborted.finished  # the second sample runs on
+    deltas.append(aborted)
     while engine.has_unfinished_requests():
-        (output,) = engine.step() or [output]
-    first, second = output.outputs
-    assert (first.finish_reason, second.finish_reason) == ("abort", "length")
-    assert len(second.token_ids) == 6 and len(first.token_ids) < 6
-    assert first.text == second.text == ""  # the caller detokenizes (and matches "a")
+        deltas += engine.step()
+    reasons = {s.index: s.finish_reason for d in deltas for s in d.samples if s.finish_reason}
+    assert reasons == {0: "abort", 1: "length"} and deltas[-1].finished
+
+    def tokens(index: int) -> list[int]:
+        return [t for d in deltas for s in d.samples if s.index == index for t in s.token_ids]
+
+    assert len(tokens(1)) == 6 and len(tokens(0)) < 6
+    assert "text" not in SampleDelta.__struct_fields__  # the caller detokenizes (and matches "a")
     assert engine.kv_cache.num_free_blocks == engine.kv_cache.num_blocks - 1
     assert engine.abort_request("r") is None
 

@@ -24,17 +24,16 @@ def test_buckets():
 
 def _run_staggered(llm: LLM) -> dict[str, list[int]]:
     """Requests join and finish between steps; 64+ decode steps in all."""
-    engine = llm.engine
     results: dict[str, list[int]] = {}
     arrivals = {0: 3, 5: 2, 12: 4, 30: 1}  # step -> number of new requests
     step, added = 0, 0
-    while step < 90 or engine.has_unfinished_requests():
+    while step < 90 or llm.has_unfinished_requests():
         for _ in range(arrivals.get(step, 0)):
             prompt = [(added * 13 + j) % 300 + 1 for j in range(5 + 9 * added)]
             params = SamplingParams(temperature=0, max_tokens=20 + 7 * added, ignore_eos=True)
-            engine.add_request(f"r{added}", prompt, params)
+            llm.add_request(f"r{added}", prompt, params)
             added += 1
-        for out in engine.step():
+        for out in llm.step():
             if out.finished:
                 results[out.request_id] = out.outputs[0].token_ids
         step += 1

@@ -131,15 +131,15 @@ def test_aborted_requests_give_the_draft_blocks_back(tiny_model_dir, tmp_path):
     llm = LLM(str(path), speculative_config=draft_config(draft))
     engine = llm.engine
     for i, prompt in enumerate(PROMPTS):
-        engine.add_request(str(i), prompt, GREEDY)
+        llm.add_request(str(i), prompt, GREEDY)
     while engine.spec_decode_stats.num_drafts < 4:
-        engine.step()
+        llm.step()
     assert engine.model_proposer._sequences  # the draft holds blocks for them
     for i in range(len(PROMPTS)):
-        engine.abort_request(str(i))
+        llm.abort_request(str(i))
     assert_draft_pool_empty(llm)
-    engine.step()  # the draft's runner forgets them with its next plan
-    assert not engine.has_unfinished_requests()
+    llm.step()  # the draft's runner forgets them with its next plan
+    assert not llm.has_unfinished_requests()
 
 
 def test_the_kv_budget_splits_to_as_many_sequences_each(tiny_model_dir, tmp_path):

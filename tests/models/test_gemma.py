@@ -263,11 +263,11 @@ def test_sliding_group_holds_only_the_window(gemma_dir):
     assert sliding.num_blocks < full.num_blocks
     bound = -(-(window + chunk) // bs) + 1
     params = SamplingParams(temperature=0, max_tokens=max_new, ignore_eos=True)
-    engine.add_request("long", prompt, params)
+    llm.add_request("long", prompt, params)
     request = engine.samples("long")[0]
     most_live, tokens = 0, []
-    while engine.has_unfinished_requests():
-        for out in engine.step():
+    while llm.has_unfinished_requests():
+        for out in llm.step():
             tokens = out.outputs[0].token_ids
         kv.check_invariants()
         if request.is_finished:

@@ -126,10 +126,10 @@ def check_runner_tables(llm: LLM, monkeypatch) -> None:
 def generate_checked(llm: LLM, prompts, params) -> list[list[int]]:
     engine = llm.engine
     for i, prompt in enumerate(prompts):
-        engine.add_request(f"{id(prompts)}-{i}", prompt, params, stream=False)
+        llm.add_request(f"{id(prompts)}-{i}", prompt, params, stream=False)
     done = {}
-    while engine.has_unfinished_requests():
-        for output in engine.step():
+    while llm.has_unfinished_requests():
+        for output in llm.step():
             done[output.request_id] = output.outputs[0].token_ids
         check_rollback_invariants(llm)
     assert engine.kv_cache.num_free_blocks == engine.kv_cache.num_blocks - 1  # nothing leaked

@@ -8,7 +8,7 @@ import asyncio
 import httpx
 from starlette.responses import PlainTextResponse
 
-from heron.server.serve import _RefuseWhileStopping
+from heron.server.front import _RefuseWhileStopping
 
 
 def test_requests_after_the_signal_get_503():

@@ -103,14 +103,14 @@ def test_an_abort_while_a_verification_is_on_the_device(models):
     llm = draft_llm(models)
     engine = llm.engine
     for i, prompt in enumerate(PROMPTS):
-        engine.add_request(str(i), prompt, params)
+        llm.add_request(str(i), prompt, params)
     while engine.spec_decode_stats.num_drafts < 3 or engine._in_flight is None:
-        engine.step()
+        llm.step()
     assert engine._in_flight.launched.rollback is not None
-    assert engine.abort_request("1").outputs[0].finish_reason == "abort"
+    assert llm.abort_request("1").outputs[0].finish_reason == "abort"
     done = {}
-    while engine.has_unfinished_requests():
-        for output in engine.step():
+    while llm.has_unfinished_requests():
+        for output in llm.step():
             if output.finished:
                 done[output.request_id] = output.outputs[0].token_ids
     assert done == {"0": want[0], "2": want[2]}

@@ -203,12 +203,11 @@ def test_a_row_the_draft_pool_cannot_hold_is_sampled_beside_verified_rows(models
         return launch(plan, *args)
 
     monkeypatch.setattr(llm.engine.runner, "launch", recorded)
-    engine = llm.engine
     for i, prompt in enumerate(PROMPTS):
-        engine.add_request(str(i), prompt, params)
+        llm.add_request(str(i), prompt, params)
     done = {}
-    while engine.has_unfinished_requests():
-        for output in engine.step():
+    while llm.has_unfinished_requests():
+        for output in llm.step():
             if output.finished:
                 done[output.request_id] = output.outputs[0].token_ids
     assert [done[str(i)] for i in range(len(PROMPTS))] == [o.outputs[0].token_ids for o in plain]

@@ -214,13 +214,13 @@ def test_grammar_steps_launch_once_the_previous_step_is_read(llm, monkeypatch):
         ),
     )
     constraint = StructuredOutputsParams(regex="[a-z]{6}")
-    engine.add_request("g", "x", SamplingParams(max_tokens=8, structured_outputs=constraint))
-    engine.add_request("free", "y", SamplingParams(max_tokens=24, ignore_eos=True))
+    llm.add_request("g", "x", SamplingParams(max_tokens=8, structured_outputs=constraint))
+    llm.add_request("free", "y", SamplingParams(max_tokens=24, ignore_eos=True))
     left_in_flight = []
     texts = {}
-    while engine.has_unfinished_requests():
+    while llm.has_unfinished_requests():
         count = len(launches)
-        texts.update((o.request_id, o.outputs[0].text) for o in engine.step() if o.finished)
+        texts.update((o.request_id, o.outputs[0].text) for o in llm.step() if o.finished)
         if len(launches) > count:
             left_in_flight.append(engine._in_flight is not None)
     assert re.fullmatch("[a-z]{6}", texts["g"]) and len(texts["free"]) > 0
@@ -256,14 +256,14 @@ def test_logit_bias_chooses_within_the_grammar(llm):
 def test_a_grammar_that_fails_to_compile_ends_only_its_request(llm):
     engine = llm.engine
     constrained = StructuredOutputsParams(regex="a+b")
-    engine.add_request("bad", "x", SamplingParams(max_tokens=4, structured_outputs=constrained))
-    engine.add_request("good", "y", SamplingParams(max_tokens=4, ignore_eos=True))
+    llm.add_request("bad", "x", SamplingParams(max_tokens=4, structured_outputs=constrained))
+    llm.add_request("good", "y", SamplingParams(max_tokens=4, ignore_eos=True))
     failed: Future = Future()
     failed.set_exception(MemoryError("no room for the grammar"))
     engine.samples("bad")[0].grammar.compiled = failed
     finished = {}
-    while engine.has_unfinished_requests():
-        finished.update((o.request_id, o) for o in engine.step() if o.finished)
+    while llm.has_unfinished_requests():
+        finished.update((o.request_id, o) for o in llm.step() if o.finished)
     assert finished["bad"].outputs[0].finish_reason == "abort"
     assert len(finished["good"].outputs[0].token_ids) == 4
 

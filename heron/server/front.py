@@ -1,8 +1,9 @@
-"""``heron serve``: build the engine and run the API under uvicorn until SIGTERM / Ctrl-C."""
+"""What one HTTP front runs: the API over its :class:`EngineCoreClient`, under uvicorn, until
+SIGTERM / Ctrl-C. ``heron serve`` runs one (:func:`serve`, which starts the engine core too) or
+several beside a launcher (:mod:`heron.server.api_servers`); the command line chooses."""
 
 from __future__ import annotations
 
-import gc
 import logging
 import signal
 import socket
@@ -15,6 +16,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from heron.config import EngineConfig
 from heron.engine.core_client import EngineCoreClient
+from heron.engine.core_launch import freeze_start_up_heap
 from heron.server.app import build_app, error_response
 from heron.server.chat_output import ChatOutputConfig
 
@@ -73,14 +75,6 @@ class _Server(uvicorn.Server):
         self.engine.shutdown(timeout=0)
 
 
-def freeze_start_up_heap() -> None:
-    """Move what start-up made (model, tokenizer, graphs, the importers' objects), which lives
-    as long as the server, out of the collector's sight: a full collection then no longer walks
-    it, a pause that a step would wait out (vLLM's engine process does the same)."""
-    gc.collect()
-    gc.freeze()
-
-
 @dataclass(frozen=True)
 class ServeOptions:
     """How a front serves its engine: the ``heron serve`` flags other than the engine's."""
@@ -96,38 +90,11 @@ class ServeOptions:
     chat_output: ChatOutputConfig = ChatOutputConfig()
 
 
-def serve(
-    config: EngineConfig,
-    host: str,
-    port: int,
-    api_key: str | None,
-    served_model_name: str | None,
-    log_level: str,
-    max_request_body_bytes: int,
-    trust_request_chat_template: bool,
-    chat_output: ChatOutputConfig | None = None,
-    api_server_count: int = 1,
-) -> int:
-    """Serve until a shutdown signal; returns the exit code. ``api_server_count`` > 1: that many
-    front processes and a launcher (:mod:`heron.server.api_servers`)."""
-    logging.getLogger("heron").setLevel(min(logging.INFO, logging.getLogger().level))
-    options = ServeOptions(
-        host,
-        port,
-        api_key,
-        served_model_name,
-        config.model,
-        log_level,
-        max_request_body_bytes,
-        trust_request_chat_template,
-        chat_output or ChatOutputConfig(),
-    )
-    if api_server_count > 1:
-        from heron.server.api_servers import serve_with_api_servers
-
-        return serve_with_api_servers(config, options, api_server_count)
+def serve(config: EngineConfig, options: ServeOptions) -> int:
+    """One front and the engine core it starts: serve until a shutdown signal; returns the
+    exit code."""
     engine = EngineCoreClient(config, logging.getLevelName(logging.getLogger().level))
-    logger.info("listening on http://%s:%d (OpenAI API under /v1)", host, port)
+    logger.info("listening on http://%s:%d (OpenAI API under /v1)", options.host, options.port)
     return run_front(engine, options)
 
 
