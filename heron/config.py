@@ -12,7 +12,7 @@ from transformers import AutoConfig, GenerationConfig, PretrainedConfig
 
 from heron.layers.fp8 import FP8, QUANTIZATIONS
 from heron.layers.quantization import WeightScheme, weight_scheme
-from heron.ops.selector import check_backend
+from heron.ops.backends import check_backend
 
 _DTYPES = {
     "float32": torch.float32,

@@ -20,6 +20,7 @@ import zmq
 
 from heron.distributed.executor import WorkerDiedError
 from heron.engine.core_launch import freeze_start_up_heap, remove_sockets
+from heron.engine.deltas import RequestDelta
 from heron.engine.llm_engine import LLMEngine
 from heron.engine.messages import (
     AbortRequest,
@@ -30,7 +31,6 @@ from heron.engine.messages import (
     FrontMessage,
     Ready,
     Rejected,
-    RequestDelta,
     Shutdown,
     StartupFailed,
     StepFailed,

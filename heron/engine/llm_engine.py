@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING
 
 from heron.config import EngineConfig
 from heron.engine.builder import build_engine
-from heron.engine.messages import RequestDelta, SampleDelta
+from heron.engine.deltas import RequestDelta, SampleDelta
 from heron.engine.request import FinishReason, Request, RequestStatus
 from heron.engine.resolved_config import resolve
 from heron.engine.stopping import check_stop

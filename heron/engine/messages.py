@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING
 import msgspec
 
 from heron.config import EngineConfig
-from heron.outputs import Logprob
+from heron.engine.deltas import RequestDelta
 from heron.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
@@ -107,26 +107,6 @@ class Ready(msgspec.Struct, tag=True, array_like=True):
 
 class StartupFailed(msgspec.Struct, tag=True, array_like=True):
     message: str
-
-
-class SampleDelta(msgspec.Struct, array_like=True):
-    """One sample's tokens since the last delta, and its finish once finished."""
-
-    index: int
-    token_ids: list[int]
-    logprobs: list[Logprob] | None
-    finish_reason: str | None
-    stop_reason: int | None  # a stop token (stop strings are the front's)
-
-
-class RequestDelta(msgspec.Struct, array_like=True):
-    request_id: str
-    samples: list[SampleDelta]
-    finished: bool
-    num_cached_tokens: int
-    # With the request's first delta:
-    prompt_logprobs: list[Logprob | None] | None = None
-    first_scheduled_time: float | None = None  # monotonic (one clock for every process)
 
 
 class StepOutputs(msgspec.Struct, tag=True, array_like=True):

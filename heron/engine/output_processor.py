@@ -15,8 +15,9 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from heron.engine.deltas import RequestDelta, SampleDelta
 from heron.engine.detokenizer import IncrementalDetokenizer
-from heron.engine.messages import AbortRequest, RequestDelta, SampleDelta
+from heron.engine.messages import AbortRequest
 from heron.outputs import CompletionOutput, Logprob, PrefixView, RequestOutput
 from heron.sampling_params import SamplingParams
 

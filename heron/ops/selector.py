@@ -16,73 +16,11 @@ from heron.layers.rotary import QKTransform
 from heron.metadata import ModelBuildContext
 from heron.ops.attention.base import AttentionOperator, AttentionSpec
 from heron.ops.attention.reference import ReferenceAttention
+from heron.ops.backends import operator_class
 from heron.ops.linear_attention.operator import GatedDeltaNet, GatedDeltaNetSpec
 from heron.ops.mla.base import MLAOperator, MLASpec
-from heron.ops.mla.reference import ReferenceMLA
 
 logger = logging.getLogger(__name__)
-
-
-def _triton_attention() -> type[AttentionOperator]:
-    # Imported on demand: Triton is only needed (and only importable) where it runs.
-    from heron.ops.attention.triton.operator import TritonAttention
-
-    return TritonAttention
-
-
-ATTENTION_BACKENDS: dict[str, Callable[[], type[AttentionOperator]]] = {
-    "reference": lambda: ReferenceAttention,
-    "triton": _triton_attention,
-}
-
-
-def _triton_gated_delta_net() -> type[GatedDeltaNet]:
-    from heron.ops.linear_attention.triton_operator import TritonGatedDeltaNet
-
-    return TritonGatedDeltaNet
-
-
-#: The gated-delta-rule operator of each attention backend.
-GATED_DELTA_NET_BACKENDS: dict[str, Callable[[], type[GatedDeltaNet]]] = {
-    "reference": lambda: GatedDeltaNet,
-    "triton": _triton_gated_delta_net,
-}
-
-
-def _triton_mla() -> type[MLAOperator]:
-    from heron.ops.mla.triton import TritonMLA
-
-    return TritonMLA
-
-
-# Latent attention follows the attention backend's name: one switch picks both families.
-MLA_BACKENDS: dict[str, Callable[[], type[MLAOperator]]] = {
-    "reference": lambda: ReferenceMLA,
-    "triton": _triton_mla,
-}
-
-
-# Each operator kind's implementations, by backend name: one ``attention_backend`` picks all.
-OPERATOR_BACKENDS: dict[str, dict[str, Callable[[], type]]] = {
-    "attention": ATTENTION_BACKENDS,
-    "gated delta rule": GATED_DELTA_NET_BACKENDS,
-    "latent attention": MLA_BACKENDS,
-}
-
-
-def check_backend(name: str) -> None:
-    """Raises ``ValueError`` unless every operator kind has a backend ``name``."""
-    for kind, backends in OPERATOR_BACKENDS.items():
-        if name not in backends:
-            raise ValueError(
-                f"attention_backend {name!r} has no {kind} operator; available: "
-                f"{', '.join(sorted(backends))}"
-            )
-
-
-def _operator_class(kind: str, name: str) -> type:
-    check_backend(name)
-    return OPERATOR_BACKENDS[kind][name]()
 
 
 def _triton_layer_kernels() -> LayerKernels:
@@ -144,7 +82,7 @@ def make_attention(
     reference operator: its own builder puts it in its own metadata group, so the rest of the
     model keeps the fast path.
     """
-    cls = _operator_class("attention", runtime.attention_backend)
+    cls = operator_class("attention", runtime.attention_backend)
     if not cls.covers(spec, qk_transform):
         logger.info("layer %s: its configuration runs on the reference operator", layer_name)
         cls = ReferenceAttention
@@ -170,7 +108,7 @@ def make_gated_delta_net(
 ) -> GatedDeltaNet:
     """The gated-delta-rule operator of the runtime's attention backend, registered in its
     build scope (the layer's module owns the weights it reads)."""
-    cls = _operator_class("gated delta rule", runtime.attention_backend)
+    cls = operator_class("gated delta rule", runtime.attention_backend)
     return cls(layer_name, spec, conv_weight, A_log, dt_bias, runtime.build_context)
 
 
@@ -189,7 +127,7 @@ def make_mla(
             f"kv_cache_dtype='fp8' is not supported for latent attention (MLA, layer "
             f"{layer_name}): its cache stays in the model's dtype; use kv_cache_dtype='auto'"
         )
-    return _operator_class("latent attention", runtime.attention_backend)(
+    return operator_class("latent attention", runtime.attention_backend)(
         layer_name,
         spec,
         runtime.block_size,

@@ -12,13 +12,13 @@ import zmq
 
 from heron.config import EngineConfig
 from heron.engine.core_process import EngineCore
+from heron.engine.deltas import RequestDelta
 from heron.engine.llm_engine import LLMEngine
 from heron.engine.messages import (
     AbortRequest,
     AddRequest,
     CoreMessage,
     Rejected,
-    RequestDelta,
     Shutdown,
     StepFailed,
     StepOutputs,

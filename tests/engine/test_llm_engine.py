@@ -196,8 +196,8 @@ def test_abort_one_sample_and_no_detokenizer(tiny_model_dir):
     """The engine returns token deltas, no text: stop strings are its caller's (the output
     processor's), which stops one sample through ``abort_request``."""
     from heron.config import EngineConfig
+    from heron.engine.deltas import SampleDelta
     from heron.engine.llm_engine import LLMEngine
-    from heron.engine.messages import SampleDelta
 
     config = EngineConfig(str(tiny_model_dir("qwen2")), max_model_len=128, num_kv_blocks=40)
     engine = LLMEngine(config)

@@ -7,12 +7,11 @@ from dataclasses import fields
 import msgspec
 import pytest
 
+from heron.engine.deltas import RequestDelta, SampleDelta
 from heron.engine.messages import (
     AddRequest,
     CoreMessage,
     FrontMessage,
-    RequestDelta,
-    SampleDelta,
     StepOutputs,
 )
 from heron.outputs import Logprob

@@ -17,10 +17,10 @@ def test_an_unknown_backend_is_refused_by_name_before_any_build(backend):
 def test_a_backend_one_operator_kind_lacks_is_refused_naming_the_kind(monkeypatch):
     """A hybrid model's gated-delta-rule layers follow the same switch: a backend with paged
     attention but no such operator is refused up front, not with a KeyError mid-build."""
-    from heron.ops import selector
+    from heron.ops import backends
 
-    attention = {**selector.ATTENTION_BACKENDS, "paged-only": selector.ATTENTION_BACKENDS["triton"]}
-    monkeypatch.setitem(selector.OPERATOR_BACKENDS, "attention", attention)
+    attention = {**backends.ATTENTION_BACKENDS, "paged-only": backends.ATTENTION_BACKENDS["triton"]}
+    monkeypatch.setitem(backends.OPERATOR_BACKENDS, "attention", attention)
     with pytest.raises(ValueError, match="'paged-only' has no gated delta rule operator"):
         EngineConfig(model="/nowhere", attention_backend="paged-only")
 
