@@ -20,11 +20,14 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 from transformers import PretrainedConfig
 
-from heron.kernels import LayerKernels
+if TYPE_CHECKING:
+    # (a type only: EngineConfig reads the formats here, and a server front imports no kernels)
+    from heron.kernels import LayerKernels
 
 #: AutoAWQ's GEMM packing puts column ``8c + AWQ_ORDER[i]`` in nibble ``i`` of word ``c``.
 AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)
