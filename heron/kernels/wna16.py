@@ -29,26 +29,49 @@ def _dequant_tile(
     s_ptr,
     z_ptr,
     offs_n,
-    offs_k,
-    mask,
+    n_mask,
+    k0,
+    K,
     stride_qn,
     stride_sn,
     BITS: tl.constexpr,
     GROUP: tl.constexpr,
     HAS_ZEROS: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
 ):
-    """The fp32 weight tile ``[BLOCK_N, BLOCK_K]`` at rows ``offs_n``, columns ``offs_k``."""
+    """The fp32 weight tile ``[BLOCK_N, BLOCK_K]`` at rows ``offs_n``, columns from ``k0``:
+    whole words loaded (``BLOCK_K / PACK`` a row) and split by shifts, then scaled per group
+    (``GROUP`` divides ``BLOCK_K``, or a tile lies in one group). Columns past ``K`` are not
+    zero: the activations there are."""
     PACK: tl.constexpr = 32 // BITS
     rows = tl.cast(offs_n, tl.int64)[:, None]
-    words = tl.load(qw_ptr + rows * stride_qn + (offs_k // PACK)[None, :], mask=mask, other=0)
-    q = (words >> ((offs_k % PACK) * BITS)[None, :]) & ((1 << BITS) - 1)
-    group = (offs_k // GROUP)[None, :]
-    s = tl.load(s_ptr + rows * stride_sn + group, mask=mask, other=0.0).to(tl.float32)
-    if HAS_ZEROS:
-        z = tl.load(z_ptr + rows * stride_sn + group, mask=mask, other=0).to(tl.int32)
-    else:
-        z = 1 << (BITS - 1)
-    return (q - z).to(tl.float32) * s
+    offs_w = k0 // PACK + tl.arange(0, BLOCK_K // PACK)
+    w_mask = n_mask[:, None] & (offs_w < K // PACK)[None, :]
+    words = tl.load(qw_ptr + rows * stride_qn + offs_w[None, :], mask=w_mask, other=0)
+    shifts = tl.arange(0, PACK) * BITS
+    q = (words[:, :, None] >> shifts[None, None, :]) & ((1 << BITS) - 1)
+    if GROUP < BLOCK_K:  # BLOCK_K / GROUP groups a tile
+        SUB: tl.constexpr = BLOCK_K // GROUP
+        offs_g = k0 // GROUP + tl.arange(0, SUB)
+        g_mask = n_mask[:, None] & (offs_g < tl.cdiv(K, GROUP))[None, :]
+        g_ptrs = rows * stride_sn + offs_g[None, :]
+        s = tl.load(s_ptr + g_ptrs, mask=g_mask, other=0.0).to(tl.float32)
+        if HAS_ZEROS:
+            z = tl.load(z_ptr + g_ptrs, mask=g_mask, other=0).to(tl.int32)
+        else:
+            z = tl.full([BLOCK_N, SUB], 1 << (BITS - 1), tl.int32)
+        q = tl.reshape(q, (BLOCK_N, SUB, GROUP))
+        w = (q - z[:, :, None]).to(tl.float32) * s[:, :, None]
+    else:  # the tile lies in one group
+        g_ptrs = offs_n.to(tl.int64) * stride_sn + k0 // GROUP
+        s = tl.load(s_ptr + g_ptrs, mask=n_mask, other=0.0).to(tl.float32)
+        if HAS_ZEROS:
+            z = tl.load(z_ptr + g_ptrs, mask=n_mask, other=0).to(tl.int32)
+        else:
+            z = tl.full([BLOCK_N], 1 << (BITS - 1), tl.int32)
+        w = (q - z[:, None, None]).to(tl.float32) * s[:, None, None]
+    return tl.reshape(w, (BLOCK_N, BLOCK_K))
 
 
 @triton.jit
@@ -83,8 +106,8 @@ def _wna16_gemv_kernel(
         offs_k = k + tl.arange(0, BLOCK_K)
         k_mask = offs_k < K
         w = _dequant_tile(
-            qw_ptr, s_ptr, z_ptr, offs_n, offs_k, n_mask[:, None] & k_mask[None, :],
-            stride_qn, stride_sn, BITS, GROUP, HAS_ZEROS,
+            qw_ptr, s_ptr, z_ptr, offs_n, n_mask, k, K, stride_qn, stride_sn,
+            BITS, GROUP, HAS_ZEROS, BLOCK_N, BLOCK_K,
         )  # fmt: skip
         x = tl.load(x_ptr + m * stride_xm + offs_k, mask=k_mask, other=0.0).to(tl.float32)
         acc += tl.sum(w * x[None, :], axis=1)
@@ -130,8 +153,8 @@ def _wna16_gemm_kernel(
         k_mask = offs_k < K
         x = tl.load(x_rows + offs_k[None, :], mask=m_mask[:, None] & k_mask[None, :], other=0.0)
         w = _dequant_tile(
-            qw_ptr, s_ptr, z_ptr, offs_n, offs_k, n_mask[:, None] & k_mask[None, :],
-            stride_qn, stride_sn, BITS, GROUP, HAS_ZEROS,
+            qw_ptr, s_ptr, z_ptr, offs_n, n_mask, k, K, stride_qn, stride_sn,
+            BITS, GROUP, HAS_ZEROS, BLOCK_N, BLOCK_K,
         )  # fmt: skip
         acc = tl.dot(x, tl.trans(w.to(x.dtype)), acc=acc, input_precision=DOT_PREC)
     if HAS_BIAS:
@@ -180,15 +203,19 @@ def wna16_linear(
         bias if bias is not None else scales,
         out,
     )
+    block_k = _block(K, 128)
+    # Per channel: one group as wide as a tile at least, so that a tile lies in it.
+    group = group_size or max(K, block_k)
     flags = dict(BITS=bits, GROUP=group, HAS_ZEROS=qzeros is not None, HAS_BIAS=bias is not None)
     if M <= GEMV_MAX_M:
-        block_n, block_k = _block(N, 64), _block(K, 128)
+        # Narrow column blocks: enough programs to keep the loads in flight on many SMs.
+        block_n = _block(N, 16)
         _wna16_gemv_kernel[(triton.cdiv(N, block_n), M)](
             *args, *common, **flags, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=4,
             **pdl_launch(x.device),
         )  # fmt: skip
         return out
-    block_m, block_n, block_k = _block(M, 64), _block(N, 64), _block(K, 64)
+    block_m, block_n = _block(M, 64), _block(N, 64)
     _wna16_gemm_kernel[(triton.cdiv(M, block_m), triton.cdiv(N, block_n))](
         *args, M, *common, **flags,
         DOT_PREC="ieee" if x.dtype == torch.float32 else "tf32",

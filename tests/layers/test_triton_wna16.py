@@ -33,6 +33,8 @@ def _case(m, n, k, bits, group, zeros, dtype, seed=0):
         (GEMV_MAX_M + 1, 48, 160, 4, 32, True),  # the GEMM: ragged rows and columns
         (20, 32, 256, 8, 128, False),
         (17, 16, 72, 4, None, True),  # K of no power of two, per channel
+        (2, 16, 512, 4, 256, False),  # groups wider than a tile
+        (GEMV_MAX_M + 3, 24, 512, 4, 256, True),
     ],
 )
 def test_matches_dequantised_fp32_matmul(dtype, m, n, k, bits, group, zeros):
