@@ -27,6 +27,8 @@ _ENGINE_FLAG_HELP = {
     "max_num_batched_tokens": "token budget of one step (chunked prefill)",
     "block_size": "tokens per KV cache block",
     "enable_prefix_caching": "reuse KV blocks of shared prompt prefixes",
+    "decode_checkpoint_interval": "hybrid models with prefix caching: keep the recurrent state "
+    "of generated tokens every N blocks, beside each request's latest (0: the latest only)",
     "gpu_memory_utilization": "fraction of GPU memory Heron may use",
     "enforce_eager": "never use CUDA graphs",
     "cuda_graph_max_bs": "largest decode batch captured as a CUDA graph",
@@ -184,6 +186,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
             "spec": {"kind": type(u.spec).__name__, **_json_fields(u.spec)},
             "description": u.spec.describe(),
             "num_blocks": u.num_blocks - 1,
+            "pool": engine.kv_cache.groups[u.group].describe_pool(),
             "layers": runner.cache.group_layers(u.group),
         }
         for u in engine.kv_cache.group_usage()
@@ -203,7 +206,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
     print(f"fallback: {plan['fallback_reason'] or 'none'}")
     print(f"weights: {plan['weights']}")
     for cache in plan["cache_groups"]:
-        print(f"cache group {cache['group']}: {cache['description']}; {cache['num_blocks']} blocks")
+        print(f"cache group {cache['group']}: {cache['description']}; {cache['pool']}")
         for layer in cache["layers"]:
             print(f"    {layer}")
     return 0

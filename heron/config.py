@@ -28,6 +28,9 @@ _DTYPES = {
 # VLLM_CPU_KVCACHE_SPACE; capped by what max_num_seqs full-length sequences could use.
 DEFAULT_HOST_KV_CACHE_BYTES = 2 << 30
 
+# Blocks between the kept recurrent-state checkpoints of generated tokens (see EngineConfig).
+DEFAULT_DECODE_CHECKPOINT_INTERVAL = 0
+
 # "auto": the checkpoint's safetensors (or GGUF) weights; "dummy": seeded random weights made on
 # the device from config.json alone, as vLLM's, for benchmarks of shapes with no checkpoint.
 LOAD_FORMATS = ("auto", "dummy")
@@ -161,6 +164,9 @@ class EngineConfig:
     max_num_batched_tokens: int | None = None
     block_size: int | None = None
     enable_prefix_caching: bool = True
+    # With prefix caching, a hybrid model's recurrent state of generated tokens is kept every
+    # this many blocks, beside each request's latest one (0: the latest only)
+    decode_checkpoint_interval: int = DEFAULT_DECODE_CHECKPOINT_INTERVAL
     gpu_memory_utilization: float = 0.9
     enforce_eager: bool = False
     cuda_graph_max_bs: int = 256
@@ -219,6 +225,10 @@ class EngineConfig:
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ValueError(
                 f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}"
+            )
+        if self.decode_checkpoint_interval < 0:
+            raise ValueError(
+                f"decode_checkpoint_interval must be >= 0, got {self.decode_checkpoint_interval}"
             )
         if self.cuda_graph_max_bs < 1:
             raise ValueError(f"cuda_graph_max_bs must be >= 1, got {self.cuda_graph_max_bs}")

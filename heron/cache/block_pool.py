@@ -102,6 +102,12 @@ class BlockPool:
             self.cached[block_hash] = block_id
             self.block_hash[block_id] = block_hash
 
+    def discard(self, block_id: int) -> None:
+        """Drop a free block's hash entry and move it to the queue head: its content is one no
+        one will look up any more."""
+        self.uncache(block_id)
+        self.free_queue.move_to_end(block_id, last=False)
+
     def uncache(self, block_id: int) -> None:
         """Drop ``block_id``'s hash entry, if it has one."""
         h = self.block_hash[block_id]

@@ -10,6 +10,7 @@ from heron.cache.manager import (
     AllocationHeadroom,
     CachedSequence,
     CacheManager,
+    StateCopies,
     within_headroom,
 )
 
@@ -43,7 +44,10 @@ class KVCacheCoordinator:
         specs: Sequence[CacheSpec],
         num_blocks: Sequence[int],
         enable_prefix_caching: bool = True,
+        decode_checkpoint_interval: int = 1,
     ) -> None:
+        """``decode_checkpoint_interval``: a recurrent group keeps the state of generated
+        tokens every this many blocks, beside each request's latest (0: the latest only)."""
         if len(num_blocks) != len(specs) or not specs:
             raise ValueError(
                 f"need one pool size per cache group, got {list(num_blocks)} for "
@@ -59,8 +63,10 @@ class KVCacheCoordinator:
         self.specs = list(specs)
         self.block_size = next(iter(block_sizes), 1)
         self.enable_prefix_caching = enable_prefix_caching
+        # (groups outside the chain key their entries by its hashes: without it, nothing)
+        chained = enable_prefix_caching and bool(block_sizes)
         self.groups: list[CacheManager] = [
-            spec.make_manager(n, enable_prefix_caching, self.block_size)
+            spec.make_manager(n, chained, self.block_size, decode_checkpoint_interval)
             for spec, n in zip(specs, num_blocks)
         ]
         # Groups in the chain first: the others key their entries by its hashes.
@@ -144,9 +150,9 @@ class KVCacheCoordinator:
         end = start + num_new_tokens
         return min(group.chunk_end(request, start, end) for group in self.groups) - start
 
-    def take_state_copies(self) -> list[tuple[list[tuple[int, int]], list[tuple[int, int]]]]:
-        """Per group, this pass's ``(source, destination)`` entry copies to run before the
-        step and after it (state checkpoints); seals the pass for the groups' checkpoints."""
+    def take_state_copies(self) -> list[StateCopies]:
+        """Per group, this pass's entry copies (state checkpoints); seals the pass for the
+        groups' checkpoints."""
         return [group.take_state_copies() for group in self.groups]
 
     def allocate_slots(
@@ -207,8 +213,13 @@ class KVCacheCoordinator:
         step, or the blocks that step filled are not kept in the prefix cache."""
         self._headroom.pop(request.request_id, None)
         self._tables.pop(request.request_id, None)
-        for group in self.groups:
-            group.free(request)
+        chain: Sequence[int] = ()
+        for g in self._chain_first:
+            group = self.groups[g]
+            hashes = group.block_hashes(request.request_id)  # (live: free may complete it)
+            group.free(request, chain)
+            if group.spec.joins_prefix_chain:
+                chain = hashes
 
     def truncate(self, request: CachedSequence, num_tokens: int) -> None:
         """Every group gives back what the request holds past its first ``num_tokens`` tokens

@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, NamedTuple, Protocol
 
 if TYPE_CHECKING:
     from heron.cache.block_pool import BlockPool
+    from heron.cache.spec import CacheSpec
 
 
 class CachedSequence(Protocol):
@@ -58,6 +59,17 @@ def within_headroom(
     )
 
 
+class StateCopies(NamedTuple):
+    """A scheduling pass's copies of one group's entries: ``before`` and ``after`` the step,
+    ``(source, destination)``; ``verified``: ``(request_id, position, destination)``, the state
+    a verification step's row reached after its token ``position`` (not its last), saved once
+    the step has verified that token (a refused one leaves nothing)."""
+
+    before: list[tuple[int, int]]
+    after: list[tuple[int, int]]
+    verified: list[tuple[str, int, int]]
+
+
 class AllocationPlan(Protocol):
     """What a manager decided for one step; the coordinator reads only its cost."""
 
@@ -77,6 +89,7 @@ class CacheManager(ABC):
 
     num_blocks: int
     """Pool size, null entry included."""
+    spec: CacheSpec
 
     @property
     @abstractmethod
@@ -87,6 +100,12 @@ class CacheManager(ABC):
     def usage(self) -> float:
         """Fraction of the usable entries (all but the null one) held by requests."""
         return (self.num_blocks - 1 - self.num_free_blocks) / (self.num_blocks - 1)
+
+    def describe_pool(self) -> str:
+        """The pool's size and what it holds, for the start-up log and ``heron plan``."""
+        return (
+            f"{self.num_blocks - 1} blocks ({(self.num_blocks - 1) * self.spec.block_size} tokens)"
+        )
 
     @abstractmethod
     def find_cached_chain(
@@ -107,10 +126,10 @@ class CacheManager(ABC):
         keeps something at a point before it)."""
         return end
 
-    def take_state_copies(self) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
-        """This scheduling pass's ``(source, destination)`` entry copies to run before the step
-        and after it; called once per pass, when its plan is sealed. None for most kinds."""
-        return [], []
+    def take_state_copies(self) -> StateCopies:
+        """This scheduling pass's entry copies; called once per pass, when its plan is sealed.
+        None for most kinds."""
+        return StateCopies([], [], [])
 
     @abstractmethod
     def plan(
@@ -148,8 +167,9 @@ class CacheManager(ABC):
         """The requests holding entries."""
 
     @abstractmethod
-    def free(self, request: CachedSequence) -> None:
-        """Drop everything the request holds; unknown requests are a no-op."""
+    def free(self, request: CachedSequence, chain: Sequence[int] = ()) -> None:
+        """Drop everything the request holds; unknown requests are a no-op. ``chain``: the
+        request's block hashes as a group of the same block size has them at the end."""
 
     def truncate(self, request: CachedSequence, num_tokens: int) -> None:
         """Give back what the request holds past its first ``num_tokens`` tokens (tokens a

@@ -50,7 +50,11 @@ class PagedSpec(CacheSpec):
         return PagedStepParts(self)
 
     def make_manager(
-        self, num_blocks: int, enable_prefix_caching: bool, chain_block_size: int
+        self,
+        num_blocks: int,
+        enable_prefix_caching: bool,
+        chain_block_size: int,
+        decode_checkpoint_interval: int = 1,
     ) -> CacheManager:
         return PagedCacheManager(self, num_blocks, enable_prefix_caching)
 
@@ -319,12 +323,13 @@ class PagedCacheManager(CacheManager):
     def request_ids(self) -> Collection[str]:
         return self._requests.keys()
 
-    def free(self, request: CachedSequence) -> None:
+    def free(self, request: CachedSequence, chain: Sequence[int] = ()) -> None:
         """Blocks reaching ref 0 join the free queue tail in reverse table order, so a
         sequence's tail blocks are evicted before its head (a later hit needs the head).
         Registered blocks stay findable until evicted, except blocks past
         ``request.num_computed_tokens`` (and past the prefix hits): those were registered for a
-        step that never ran, so hold no valid KV. Call this after advancing
+        step that never ran, so hold no valid KV. Full computed blocks whose last token was
+        still being sampled at their step are registered now. Call this after advancing
         ``num_computed_tokens`` for the last step, or the blocks that step filled are not kept
         in the cache.
         """
@@ -332,6 +337,9 @@ class PagedCacheManager(CacheManager):
         if state is None:
             return
         pool = self._pool
+        num_computed = min(request.num_computed_tokens, len(request.all_token_ids))
+        if self.enable_prefix_caching and num_computed // self.block_size > len(state.block_hashes):
+            self._register_full_blocks(request, state, num_computed // self.block_size, chain)
         num_valid_blocks = max(request.num_computed_tokens // self.block_size, state.num_hit_blocks)
         # Blocks at or past num_valid_blocks were allocated by this request, so any hash they
         # carry is its own registration.

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import sys
 from collections.abc import Collection, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import NamedTuple
 
 import numpy as np
@@ -23,6 +23,7 @@ from heron.cache.manager import (
     AllocationHeadroom,
     CachedSequence,
     CacheManager,
+    StateCopies,
     refuse_late_hits,
 )
 from heron.cache.recurrent_parts import RecurrentStepParts
@@ -82,9 +83,15 @@ class RecurrentStateSpec(CacheSpec):
         )
 
     def make_manager(
-        self, num_blocks: int, enable_prefix_caching: bool, chain_block_size: int
+        self,
+        num_blocks: int,
+        enable_prefix_caching: bool,
+        chain_block_size: int,
+        decode_checkpoint_interval: int = 1,
     ) -> CacheManager:
-        return RecurrentStateManager(self, num_blocks, enable_prefix_caching, chain_block_size)
+        return RecurrentStateManager(
+            self, num_blocks, enable_prefix_caching, chain_block_size, decode_checkpoint_interval
+        )
 
     def describe(self) -> str:
         dtype = lambda d: str(d).removeprefix("torch.")
@@ -106,6 +113,12 @@ class _RequestSlot:
     slot: int
     # The step-end token count of the request's next checkpoint (sys.maxsize: none left).
     next_checkpoint: int
+    # Checkpoints of generated tokens planned while some of their tokens were not known (still
+    # being sampled, or proposals): (boundary, entry), held until the chain has their hash.
+    unconfirmed: list[tuple[int, int]] = field(default_factory=list)
+    # The newest checkpoint of generated tokens off the interval's grid, (boundary, entry):
+    # the next one replaces it.
+    latest: tuple[int, int] | None = None
 
 
 class RecurrentStateManager(CacheManager):
@@ -113,14 +126,24 @@ class RecurrentStateManager(CacheManager):
 
     A request takes one entry as its slot on its first allocation; :meth:`free` returns it.
     With prefix caching, a step that ends on a boundary of the prefix chain's blocks
-    (``chain_block_size`` tokens) inside the prompt also takes an entry to save the slot's state
-    into at step end, registered under the chain hash of the prefix it holds. Such a checkpoint
-    is held until :meth:`take_state_copies` seals the pass (so no request of the same pass can
-    hit a state not saved yet), then joins the free queue's tail: it stays findable until the
-    LRU queue hands it out again, as a slot or a checkpoint (free entries and evictable
-    checkpoints are one budget). A freed slot joins the head: it holds no checkpoint. A hit
-    starts the request from a copy of the checkpoint in its slot. A save is skipped when no
-    entry is free: checkpoints never make a step wait.
+    (``chain_block_size`` tokens) also takes an entry to save the slot's state into at step
+    end, registered under the chain hash of the prefix it holds: inside the prompt where a
+    prefill chunk ends (:meth:`chunk_end` cuts chunks there), and at every boundary of the
+    generated tokens, so the next turn of a conversation resumes after the previous answer.
+    A verification step saves the state its row reached at each boundary among its tokens
+    (:class:`StateCopies`' ``verified``), which the runner writes only for accepted tokens.
+
+    A checkpoint whose tokens are all known is held until :meth:`take_state_copies` seals the
+    pass (so no request of the same pass can hit a state not saved yet); one whose tokens are
+    not (a token still being sampled, proposals) is held by its request until the chain has
+    its hash, i.e. its tokens are known and accepted (:meth:`truncate` drops a refused one).
+    Then it joins the free queue's tail: it stays findable until the LRU queue hands it out
+    again, as a slot or a checkpoint (free entries and evictable checkpoints are one budget).
+    Of the generated tokens' checkpoints, every ``decode_checkpoint_interval``-th block's stays
+    (0: none), the others only until the request's next one replaces them, so the pool holds
+    one per conversation beside the grid. A freed slot joins the head: it holds no checkpoint.
+    A hit starts the request from a copy of the checkpoint in its slot. A save is skipped when
+    no entry is free: checkpoints never make a step wait.
     """
 
     def __init__(
@@ -129,25 +152,44 @@ class RecurrentStateManager(CacheManager):
         num_blocks: int,
         enable_prefix_caching: bool = False,
         chain_block_size: int = 1,
+        decode_checkpoint_interval: int = 1,
     ) -> None:
         if num_blocks < 2:
             raise ValueError(f"num_blocks must be >= 2 (slot 0 is reserved), got {num_blocks}")
+        if decode_checkpoint_interval < 0:
+            raise ValueError(
+                f"decode_checkpoint_interval must be >= 0, got {decode_checkpoint_interval}"
+            )
         self.spec = spec
         self.num_blocks = num_blocks
         self.enable_prefix_caching = enable_prefix_caching
         self.chain_block_size = chain_block_size
+        self.decode_checkpoint_interval = decode_checkpoint_interval
         self._pool = BlockPool(num_blocks)
         self._requests: dict[str, _RequestSlot] = {}
         self._tables: dict[str, list[int]] = {}  # request -> [its slot]
         # This pass's copies: (checkpoint, slot) before the step, (slot, checkpoint) after it,
-        # and the hash each saved checkpoint is registered under once the pass is sealed.
+        # (request, position, checkpoint) after its verification, and the hash each saved
+        # checkpoint of known tokens is registered under once the pass is sealed.
         self._restores: list[tuple[int, int]] = []
         self._saves: list[tuple[int, int]] = []
+        self._verified: list[tuple[str, int, int]] = []
         self._pending: dict[int, int] = {}  # checkpoint -> hash
 
     @property
     def num_free_blocks(self) -> int:
         return self._pool.num_free
+
+    def describe_pool(self) -> str:
+        if not self.enable_prefix_caching:
+            return f"{self.num_blocks - 1} state slots"
+        n = self.decode_checkpoint_interval
+        grid = f"every {n} blocks and " if n else ""
+        return (
+            f"{self.num_blocks - 1} entries of state slots (one per running request) and "
+            "checkpoints of cached prefixes (where prefill chunks end on a block; of generated "
+            f"tokens {grid}each request's latest), checkpoints evicted least recently used first"
+        )
 
     def find_cached_chain(
         self, request: CachedSequence, hashes: list[int] | None = None
@@ -169,12 +211,13 @@ class RecurrentStateManager(CacheManager):
             refuse_late_hits(request, self._requests, self._pool, hits[-1:], "a state checkpoint")
 
     def chunk_end(self, request: CachedSequence, start: int, end: int) -> int:
-        """The last checkpoint boundary inside the prompt in ``(start, end)``, else ``end``:
-        a prefill chunk cut there leaves a state to save, for later prompts sharing it."""
+        """The last checkpoint boundary of the known tokens in ``(start, end)``, else ``end``:
+        a prefill chunk (or a preempted request's recomputation) cut there leaves a state to
+        save, for later prompts sharing it."""
         if not self.enable_prefix_caching:
             return end
         bs = self.chain_block_size
-        boundary = min(end, request.num_prompt_tokens) // bs * bs
+        boundary = min(end, len(request.all_token_ids)) // bs * bs
         return boundary if start < boundary < end else end
 
     def plan(self, request: CachedSequence, num_new_tokens: int, hits: Sequence[int]) -> SlotPlan:
@@ -188,27 +231,106 @@ class RecurrentStateManager(CacheManager):
         plan: SlotPlan,
         chain: Sequence[int] = (),
     ) -> None:
-        pool = self._pool
         state = self._requests.get(request.request_id)
         if state is None:
             state = self._take_slot(request, hits[-1] if hits else None)
         if not self.enable_prefix_caching:
             return
+        if state.unconfirmed:
+            self._confirm(state, chain)
         bs = self.chain_block_size
-        end = request.num_computed_tokens + len(hits) * bs + num_new_tokens
-        if end % bs == 0 and bs <= end <= request.num_prompt_tokens and end // bs <= len(chain):
-            block_hash = chain[end // bs - 1]
-            if (
-                block_hash not in pool.cached
-                and block_hash not in self._pending.values()
-                and pool.num_free
-            ):
-                checkpoint: list[int] = []
-                pool.take(1, checkpoint)
-                self._pending[checkpoint[0]] = block_hash
-                self._saves.append((state.slot, checkpoint[0]))
-        following = (end // bs + 1) * bs
-        state.next_checkpoint = following if following <= request.num_prompt_tokens else sys.maxsize
+        start = request.num_computed_tokens + len(hits) * bs
+        end = start + num_new_tokens
+        if end > request.num_tokens:  # a verification step: its proposals after the tokens
+            boundaries = range(start // bs * bs + bs, end + 1, bs)
+        else:  # inside a chunk only its end (chunk_end cuts chunks at the boundary to keep)
+            boundaries = range(end, end + 1) if end % bs == 0 else range(0)
+        for boundary in boundaries:
+            generated = boundary > request.num_prompt_tokens
+            if generated and boundary != boundaries[-1] and not self._on_grid(boundary):
+                continue  # (a verification across several: the grid's and its last)
+            checkpoint = self._save(request, state, boundary, start, end, chain)
+            if generated and checkpoint is not None:
+                # the request's newest checkpoint of generated tokens replaces its latest
+                if state.latest is not None:
+                    self._drop(state, *state.latest, chain)
+                state.latest = None if self._on_grid(boundary) else (boundary, checkpoint)
+        state.next_checkpoint = (end // bs + 1) * bs
+
+    def _on_grid(self, boundary: int) -> bool:
+        """Whether a checkpoint of generated tokens at ``boundary`` stays when the next comes."""
+        n = self.decode_checkpoint_interval
+        return n > 0 and boundary // self.chain_block_size % n == 0
+
+    def _save(
+        self,
+        request: CachedSequence,
+        state: _RequestSlot,
+        boundary: int,
+        start: int,
+        end: int,
+        chain: Sequence[int],
+    ) -> int | None:
+        """Take an entry for the state after ``boundary`` tokens, saved from the slot after the
+        step (``boundary == end``) or from the verification's row, and registered at the seal
+        where its hash is known, else held as unconfirmed; None (nothing taken) when no entry
+        is free or the prefix is cached already."""
+        pool = self._pool
+        index = boundary // self.chain_block_size
+        known = index <= len(chain)
+        if not pool.num_free or (
+            known
+            and (chain[index - 1] in pool.cached or chain[index - 1] in self._pending.values())
+        ):
+            return None
+        taken: list[int] = []
+        pool.take(1, taken)
+        checkpoint = taken[0]
+        if boundary == end:
+            self._saves.append((state.slot, checkpoint))
+        else:
+            self._verified.append((request.request_id, boundary - start - 1, checkpoint))
+        if known:
+            self._pending[checkpoint] = chain[index - 1]
+        else:
+            state.unconfirmed.append((boundary, checkpoint))
+        return checkpoint
+
+    def _drop(
+        self, state: _RequestSlot, boundary: int, checkpoint: int, chain: Sequence[int] = ()
+    ) -> None:
+        """Give back a checkpoint of an earlier pass: the request's unconfirmed one, or one
+        registered under ``chain``'s hash, if still so and free (the LRU queue may have handed
+        it out since)."""
+        pool = self._pool
+        if (boundary, checkpoint) in state.unconfirmed:
+            state.unconfirmed.remove((boundary, checkpoint))
+            pool.release_to_head([checkpoint])
+            return
+        index = boundary // self.chain_block_size
+        if (
+            index <= len(chain)
+            and pool.block_hash[checkpoint] == chain[index - 1]
+            and pool.ref_cnt[checkpoint] == 0
+        ):
+            pool.discard(checkpoint)
+
+    def _confirm(self, state: _RequestSlot, chain: Sequence[int]) -> None:
+        """Unconfirmed checkpoints whose hash ``chain`` now has (their tokens known, so
+        accepted) become findable; their saves ran in earlier steps."""
+        pool, bs = self._pool, self.chain_block_size
+        waiting = []
+        for boundary, checkpoint in state.unconfirmed:
+            if boundary // bs > len(chain):
+                waiting.append((boundary, checkpoint))
+                continue
+            block_hash = chain[boundary // bs - 1]
+            if block_hash in pool.cached:  # (the same tokens saved since)
+                pool.release_to_head([checkpoint])
+            else:
+                pool.register(checkpoint, block_hash)
+                pool.release([checkpoint])
+        state.unconfirmed = waiting
 
     def _take_slot(self, request: CachedSequence, checkpoint: int | None) -> _RequestSlot:
         """The request's slot, filled from ``checkpoint`` (its hit) before its first step. The
@@ -228,16 +350,17 @@ class RecurrentStateManager(CacheManager):
             pool.release([checkpoint])
         return state
 
-    def take_state_copies(self) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
-        """This pass's restores and saves; seals the pass: its checkpoints become findable."""
-        restores, saves = self._restores, self._saves
-        self._restores, self._saves = [], []
+    def take_state_copies(self) -> StateCopies:
+        """This pass's restores and saves; seals the pass: its checkpoints of known tokens
+        become findable."""
+        copies = StateCopies(self._restores, self._saves, self._verified)
+        self._restores, self._saves, self._verified = [], [], []
         pool = self._pool
         for checkpoint, block_hash in self._pending.items():
             pool.register(checkpoint, block_hash)
         pool.release(self._pending)
         self._pending = {}
-        return restores, saves
+        return copies
 
     def headroom(self, request_id: str) -> AllocationHeadroom:
         """A step needs nothing until it ends at the request's next checkpoint."""
@@ -247,8 +370,16 @@ class RecurrentStateManager(CacheManager):
         return AllocationHeadroom(state.next_checkpoint - 1, sys.maxsize)
 
     def truncate(self, request: CachedSequence, num_tokens: int) -> None:
-        """Nothing to give back: the slot stays, and the runner puts back the state the
-        accepted tokens left (proposals come after the prompt, where no checkpoint is saved)."""
+        """The slot stays (the runner puts back the state the accepted tokens left); the
+        checkpoints planned past ``num_tokens`` (refused proposals) are dropped."""
+        state = self._requests.get(request.request_id)
+        if state is None or not state.unconfirmed:
+            return
+        refused = [c for c in state.unconfirmed if c[0] > num_tokens]
+        for boundary, checkpoint in refused:
+            self._drop(state, boundary, checkpoint)
+        if state.latest in refused:
+            state.latest = None
 
     def block_table(self, request_id: str) -> list[int]:
         return self._tables.get(request_id, [])
@@ -259,19 +390,26 @@ class RecurrentStateManager(CacheManager):
     def request_ids(self) -> Collection[str]:
         return self._requests.keys()
 
-    def free(self, request: CachedSequence) -> None:
-        """A save the request's step of this pass planned is dropped with its slot (freed in
-        the same pass, the slot may serve another request before the step ends)."""
+    def free(self, request: CachedSequence, chain: Sequence[int] = ()) -> None:
+        """Checkpoints whose hash ``chain`` has stay findable; a save the request's step of
+        this pass planned is dropped with its slot (freed in the same pass, the slot may serve
+        another request before the step ends), and so are its unconfirmed ones."""
         state = self._requests.pop(request.request_id, None)
         if state is None:
             return
         del self._tables[request.request_id]
+        if state.unconfirmed:
+            self._confirm(state, chain)
         dropped = [c for s, c in self._saves if s == state.slot]
+        dropped += [c for r, _, c in self._verified if r == request.request_id]
         if dropped:
             self._saves = [(s, c) for s, c in self._saves if s != state.slot]
+            self._verified = [v for v in self._verified if v[0] != request.request_id]
             for checkpoint in dropped:
-                del self._pending[checkpoint]
-        self._pool.release_to_head([state.slot, *dropped])  # no checkpoint among them
+                self._pending.pop(checkpoint, None)
+        held = [c for _, c in state.unconfirmed]
+        # none of them a checkpoint anyone can find
+        self._pool.release_to_head([state.slot, *{*dropped, *held}])
 
     def reset_prefix_cache(self) -> bool:
         return self._pool.reset_hashes()
@@ -283,8 +421,16 @@ class RecurrentStateManager(CacheManager):
             raise RuntimeError("a request's table is other than its one slot")
         if self._tables.keys() != self._requests.keys():
             raise RuntimeError("slot tables kept for requests holding no slot")
+        unconfirmed = [c for s in self._requests.values() for _, c in s.unconfirmed]
         self._pool.check_invariants(
-            [[s.slot] for s in self._requests.values()] + [list(self._pending)]
+            [[s.slot] for s in self._requests.values()] + [list(self._pending), unconfirmed]
         )
         if not self.enable_prefix_caching and (self._pool.cached or self._pending):
             raise RuntimeError("state checkpoints kept with prefix caching off")
+        saved = [c for _, c in self._saves] + [c for _, _, c in self._verified]
+        if (
+            len(set(saved)) != len(saved)
+            or not self._pending.keys() <= set(saved)
+            or not set(saved) <= self._pending.keys() | set(unconfirmed)
+        ):
+            raise RuntimeError("this pass's saves and the checkpoints they fill disagree")

@@ -56,10 +56,15 @@ class CacheSpec:
         raise NotImplementedError
 
     def make_manager(
-        self, num_blocks: int, enable_prefix_caching: bool, chain_block_size: int
+        self,
+        num_blocks: int,
+        enable_prefix_caching: bool,
+        chain_block_size: int,
+        decode_checkpoint_interval: int = 1,
     ) -> CacheManager:
         """The manager of a cache group of this spec over a pool of ``num_blocks``; the prefix
-        chain's blocks are ``chain_block_size`` tokens."""
+        chain's blocks are ``chain_block_size`` tokens; a kind that checkpoints states keeps
+        one of generated tokens every ``decode_checkpoint_interval`` blocks."""
         raise NotImplementedError
 
     def _element_size(self) -> int:

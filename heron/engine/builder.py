@@ -69,7 +69,12 @@ def build_engine(config: ResolvedConfig) -> EngineParts:
         draft_runner.allocate_kv_cache(draft_blocks)
     if config.cuda_graphs:
         _capture_graphs(config, runner, draft_runner, ingests=sync_reason is None)
-    kv_cache = KVCacheCoordinator(runner.cache_specs, num_blocks, options.enable_prefix_caching)
+    kv_cache = KVCacheCoordinator(
+        runner.cache_specs,
+        num_blocks,
+        options.enable_prefix_caching,
+        options.decode_checkpoint_interval,
+    )
     model_proposer = None
     if draft_runner is not None:
         proposer_class = MTPProposer if speculative.method == "mtp" else DraftModelProposer
@@ -315,12 +320,7 @@ def _log(config: ResolvedConfig, parts: EngineParts) -> None:
     if parts.model_proposer is not None:
         caches.append(("draft ", parts.model_proposer.kv_cache))
     for name, kv in caches:
-        for group in kv.group_usage():
+        for g, group in enumerate(kv.groups):
             logger.info(
-                "%scache group %d (%s): %d blocks (%d tokens)",
-                name,
-                group.group,
-                group.spec.describe(),
-                group.num_blocks - 1,
-                (group.num_blocks - 1) * group.spec.block_size,
+                "%scache group %d (%s): %s", name, g, group.spec.describe(), group.describe_pool()
             )

@@ -11,7 +11,14 @@ from heron.cache.coordinator import KVCacheCoordinator
 from heron.config import SpeculativeConfig
 from heron.engine.request import Request, RequestStatus
 from heron.execution.sampler import on_device
-from heron.execution.step_plan import DeviceDrafts, EntryCopies, NewRequest, SentTables, StepPlan
+from heron.execution.step_plan import (
+    DeviceDrafts,
+    EntryCopies,
+    NewRequest,
+    SentTables,
+    StepPlan,
+    VerifiedCopies,
+)
 from heron.speculative import ModelProposer, NgramProposer
 
 if TYPE_CHECKING:
@@ -297,11 +304,13 @@ class Scheduler:
                 self._sent.updates(request_id, self.kv_cache.block_tables(request_id))
             )
         changed.clear()
-        for g, (before, after) in enumerate(self.kv_cache.take_state_copies()):
+        for g, (before, after, verified) in enumerate(self.kv_cache.take_state_copies()):
             if before:
                 plan.copies_before.append(EntryCopies(g, *map(list, zip(*before))))
             if after:
                 plan.copies_after.append(EntryCopies(g, *map(list, zip(*after))))
+            if verified:
+                plan.copies_verified.append(VerifiedCopies(g, *map(list, zip(*verified))))
 
     def _preempt(self, request: Request) -> None:
         self.kv_cache.free(request)

@@ -640,19 +640,32 @@ class ModelRunner:
     ) -> None:
         """Recurrent states go back to what the accepted tokens left (paged caches need
         nothing: refused positions are overwritten), and the runner's count of the tokens in
-        each refusing row's caches to its accepted ones."""
+        each refusing row's caches to its accepted ones; the plan's ``copies_verified`` save
+        the states at accepted tokens into checkpoints."""
         rows = {request_id: i for i, request_id in enumerate(plan.request_ids)}
         # each verifying row's place among the step's verifying rows (in row order)
         verifying = {r: j for j, r in enumerate(filter(plan.num_proposed, plan.request_ids))}
         tables, copies = self.inputs.tables, []
+        num_accepted = {}
         for state, accepted in zip(states, output.num_accepted):
             request_id = state.request_id
+            num_accepted[request_id] = accepted
             if accepted < plan.num_proposed(request_id):
                 row = rows[request_id]
                 tables.holds(request_id, plan.num_computed[row] + 1 + accepted)
                 for owner, g in self._recurrent_owners:
                     slot = tables.first_block(request_id, g)
                     copies += owner.verified_state_copies(slot, verifying[request_id], accepted)
+        for saves in plan.copies_verified:
+            owners = [owner for owner, g in self._recurrent_owners if g == saves.group]
+            for request_id, position, checkpoint in zip(
+                saves.request_ids, saves.positions, saves.destinations
+            ):
+                if position <= num_accepted[request_id]:
+                    for owner in owners:
+                        copies += owner.verified_state_copies(
+                            checkpoint, verifying[request_id], position
+                        )
         if copies:
             torch._foreach_copy_(*map(list, zip(*copies)))
 

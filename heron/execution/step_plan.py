@@ -45,6 +45,19 @@ class EntryCopies:
     destinations: list[int]
 
 
+@dataclass(frozen=True)
+class VerifiedCopies:
+    """After a verification step, in every cache tensor of one group, entry
+    ``destinations[i]`` becomes the state that ``request_ids[i]``'s row reached after its token
+    ``positions[i]`` (one of its tokens but the last, kept by the verification), where the
+    step accepted that token; a refused one is left as it is."""
+
+    group: int
+    request_ids: list[str]
+    positions: list[int]
+    destinations: list[int]
+
+
 class SentTables:
     """How much of each request's tables the runner has been sent: a plan carries only the
     entries since (tables grow append-only, except where rejected proposals shrink them; a
@@ -88,7 +101,8 @@ class StepPlan:
     The runner applies, in this order: ``finished_ids`` (forgotten), ``preempted_ids`` (their
     tables dropped; they come back with whole tables), ``new_requests``, ``table_updates``,
     ``copies_before`` (a prefix hit's state from its checkpoint into its slot); after the
-    forward pass, ``copies_after`` (states saved into checkpoints).
+    forward pass, ``copies_after`` (states saved into checkpoints), and once a verification
+    step's tokens are accepted, ``copies_verified`` (the states at accepted tokens among them).
     A running request's input tokens are the runner's own: its prompt and the tokens it sampled,
     then, in a verification step, its proposals (a decode row of ``1 + len(proposals)`` tokens
     whose every position is sampled): ``draft_token_ids`` on the host, or the first
@@ -105,6 +119,7 @@ class StepPlan:
     finished_ids: list[str] = field(default_factory=list)
     copies_before: list[EntryCopies] = field(default_factory=list)
     copies_after: list[EntryCopies] = field(default_factory=list)
+    copies_verified: list[VerifiedCopies] = field(default_factory=list)
     draft_token_ids: dict[str, list[int]] = field(default_factory=dict)  # proposals to verify
     device_drafts: dict[str, int] = field(default_factory=dict)  # how many, left on the device
     # A draft's rows that ingest a verified block: all ``num_new`` tokens are the first that

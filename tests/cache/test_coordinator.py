@@ -393,8 +393,8 @@ class InterfaceOnly(CacheManager):
     def request_ids(self):
         return self._call("request_ids")
 
-    def free(self, request):
-        return self._call("free", request)
+    def free(self, request, chain=()):
+        return self._call("free", request, chain)
 
     def reset_prefix_cache(self):
         return self._call("reset_prefix_cache")
@@ -409,9 +409,8 @@ CALLS: Counter = Counter()
 class _InterfaceOnlySpec:
     """Put before a spec class: its groups' managers are wrapped in :class:`InterfaceOnly`."""
 
-    def make_manager(self, num_blocks, enable_prefix_caching, chain_block_size):
-        manager = super().make_manager(num_blocks, enable_prefix_caching, chain_block_size)
-        return InterfaceOnly(manager, CALLS)
+    def make_manager(self, *args):
+        return InterfaceOnly(super().make_manager(*args), CALLS)
 
 
 class InterfaceOnlyFull(_InterfaceOnlySpec, FullAttentionSpec):

@@ -247,10 +247,11 @@ class GatedDeltaNet(MetadataOperator):
     def verified_state_copies(
         self, slot: int, row: int, position: int
     ) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """``(destination, source)`` views that put back into ``slot``, after a verification
-        step, the state its verifying row ``row`` (its place among the step's verifying rows)
-        reached at token ``position`` (its last token and the proposals accepted after it).
-        The runner copies every layer's in one ``torch._foreach_copy_`` call."""
+        """``(destination, source)`` views that put into entry ``slot`` (the row's slot, or a
+        checkpoint), after a verification step, the state its verifying row ``row`` (its place
+        among the step's verifying rows) reached after its token ``position`` (0: its last
+        token; ``j``: the ``j``-th proposal after it; never its final token, whose state is in
+        the slot). The runner copies every layer's in one ``torch._foreach_copy_`` call."""
         return [
             (self.conv_state[slot], self._verified_conv[row, position]),
             (self.recurrent_state[slot], self._verified_states[row, position]),
