@@ -28,7 +28,8 @@ _ENGINE_FLAG_HELP = {
     "block_size": "tokens per KV cache block",
     "enable_prefix_caching": "reuse KV blocks of shared prompt prefixes",
     "decode_checkpoint_interval": "hybrid models with prefix caching: keep the recurrent state "
-    "of generated tokens every N blocks, beside each request's latest (0: the latest only)",
+    "of generated tokens every N blocks, beside each request's latest (0: the latest only; "
+    "-1: none, only where prefill chunks end)",
     "gpu_memory_utilization": "fraction of GPU memory Heron may use",
     "enforce_eager": "never use CUDA graphs",
     "cuda_graph_max_bs": "largest decode batch captured as a CUDA graph",

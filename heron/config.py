@@ -165,7 +165,8 @@ class EngineConfig:
     block_size: int | None = None
     enable_prefix_caching: bool = True
     # With prefix caching, a hybrid model's recurrent state of generated tokens is kept every
-    # this many blocks, beside each request's latest one (0: the latest only)
+    # this many blocks, beside each request's latest one (0: the latest only; -1: none, only
+    # where prefill chunks end)
     decode_checkpoint_interval: int = DEFAULT_DECODE_CHECKPOINT_INTERVAL
     gpu_memory_utilization: float = 0.9
     enforce_eager: bool = False
@@ -226,9 +227,9 @@ class EngineConfig:
             raise ValueError(
                 f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}"
             )
-        if self.decode_checkpoint_interval < 0:
+        if self.decode_checkpoint_interval < -1:
             raise ValueError(
-                f"decode_checkpoint_interval must be >= 0, got {self.decode_checkpoint_interval}"
+                f"decode_checkpoint_interval must be >= -1, got {self.decode_checkpoint_interval}"
             )
         if self.cuda_graph_max_bs < 1:
             raise ValueError(f"cuda_graph_max_bs must be >= 1, got {self.cuda_graph_max_bs}")

@@ -44,10 +44,11 @@ class KVCacheCoordinator:
         specs: Sequence[CacheSpec],
         num_blocks: Sequence[int],
         enable_prefix_caching: bool = True,
-        decode_checkpoint_interval: int = 1,
+        decode_checkpoint_interval: int = 0,
     ) -> None:
         """``decode_checkpoint_interval``: a recurrent group keeps the state of generated
-        tokens every this many blocks, beside each request's latest (0: the latest only)."""
+        tokens every this many blocks, beside each request's latest (0: the latest only; -1:
+        none, only where prefill chunks end)."""
         if len(num_blocks) != len(specs) or not specs:
             raise ValueError(
                 f"need one pool size per cache group, got {list(num_blocks)} for "

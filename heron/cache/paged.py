@@ -54,7 +54,7 @@ class PagedSpec(CacheSpec):
         num_blocks: int,
         enable_prefix_caching: bool,
         chain_block_size: int,
-        decode_checkpoint_interval: int = 1,
+        decode_checkpoint_interval: int,
     ) -> CacheManager:
         return PagedCacheManager(self, num_blocks, enable_prefix_caching)
 

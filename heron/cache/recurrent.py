@@ -87,7 +87,7 @@ class RecurrentStateSpec(CacheSpec):
         num_blocks: int,
         enable_prefix_caching: bool,
         chain_block_size: int,
-        decode_checkpoint_interval: int = 1,
+        decode_checkpoint_interval: int,
     ) -> CacheManager:
         return RecurrentStateManager(
             self, num_blocks, enable_prefix_caching, chain_block_size, decode_checkpoint_interval
@@ -141,7 +141,7 @@ class RecurrentStateManager(CacheManager):
     again, as a slot or a checkpoint (free entries and evictable checkpoints are one budget).
     Of the generated tokens' checkpoints, every ``decode_checkpoint_interval``-th block's stays
     (0: none), the others only until the request's next one replaces them, so the pool holds
-    one per conversation beside the grid. A freed slot joins the head: it holds no checkpoint.
+    one per conversation beside the grid (-1: none are taken, as where prompts alone count). A freed slot joins the head: it holds no checkpoint.
     A hit starts the request from a copy of the checkpoint in its slot. A save is skipped when
     no entry is free: checkpoints never make a step wait.
     """
@@ -152,19 +152,20 @@ class RecurrentStateManager(CacheManager):
         num_blocks: int,
         enable_prefix_caching: bool = False,
         chain_block_size: int = 1,
-        decode_checkpoint_interval: int = 1,
+        decode_checkpoint_interval: int = 0,
     ) -> None:
         if num_blocks < 2:
             raise ValueError(f"num_blocks must be >= 2 (slot 0 is reserved), got {num_blocks}")
-        if decode_checkpoint_interval < 0:
+        if decode_checkpoint_interval < -1:
             raise ValueError(
-                f"decode_checkpoint_interval must be >= 0, got {decode_checkpoint_interval}"
+                f"decode_checkpoint_interval must be >= -1, got {decode_checkpoint_interval}"
             )
         self.spec = spec
         self.num_blocks = num_blocks
         self.enable_prefix_caching = enable_prefix_caching
         self.chain_block_size = chain_block_size
         self.decode_checkpoint_interval = decode_checkpoint_interval
+        self._keeps_generated = decode_checkpoint_interval >= 0
         self._pool = BlockPool(num_blocks)
         self._requests: dict[str, _RequestSlot] = {}
         self._tables: dict[str, list[int]] = {}  # request -> [its slot]
@@ -184,11 +185,16 @@ class RecurrentStateManager(CacheManager):
         if not self.enable_prefix_caching:
             return f"{self.num_blocks - 1} state slots"
         n = self.decode_checkpoint_interval
-        grid = f"every {n} blocks and " if n else ""
+        generated = (
+            ""
+            if n < 0
+            else f"; of generated tokens {f'every {n} blocks and ' if n else ''}"
+            "each request's latest"
+        )
         return (
             f"{self.num_blocks - 1} entries of state slots (one per running request) and "
-            "checkpoints of cached prefixes (where prefill chunks end on a block; of generated "
-            f"tokens {grid}each request's latest), checkpoints evicted least recently used first"
+            f"checkpoints of cached prefixes (where prefill chunks end on a block{generated}), "
+            "checkpoints evicted least recently used first"
         )
 
     def find_cached_chain(
@@ -217,7 +223,8 @@ class RecurrentStateManager(CacheManager):
         if not self.enable_prefix_caching:
             return end
         bs = self.chain_block_size
-        boundary = min(end, len(request.all_token_ids)) // bs * bs
+        known = len(request.all_token_ids) if self._keeps_generated else request.num_prompt_tokens
+        boundary = min(end, known) // bs * bs
         return boundary if start < boundary < end else end
 
     def plan(self, request: CachedSequence, num_new_tokens: int, hits: Sequence[int]) -> SlotPlan:
@@ -247,6 +254,8 @@ class RecurrentStateManager(CacheManager):
             boundaries = range(end, end + 1) if end % bs == 0 else range(0)
         for boundary in boundaries:
             generated = boundary > request.num_prompt_tokens
+            if generated and not self._keeps_generated:
+                break
             if generated and boundary != boundaries[-1] and not self._on_grid(boundary):
                 continue  # (a verification across several: the grid's and its last)
             checkpoint = self._save(request, state, boundary, start, end, chain)

@@ -60,11 +60,11 @@ class CacheSpec:
         num_blocks: int,
         enable_prefix_caching: bool,
         chain_block_size: int,
-        decode_checkpoint_interval: int = 1,
+        decode_checkpoint_interval: int,
     ) -> CacheManager:
         """The manager of a cache group of this spec over a pool of ``num_blocks``; the prefix
         chain's blocks are ``chain_block_size`` tokens; a kind that checkpoints states keeps
-        one of generated tokens every ``decode_checkpoint_interval`` blocks."""
+        those of generated tokens as ``decode_checkpoint_interval`` says (the coordinator's)."""
         raise NotImplementedError
 
     def _element_size(self) -> int:

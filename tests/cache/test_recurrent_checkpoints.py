@@ -226,3 +226,170 @@ def test_no_leaks_with_shared_prefixes_finish_abort_and_preemption(seed, prefix_
         assert group.num_free_blocks == group.num_blocks - 1
     assert kv.usage == 0.0 and kv.reset_prefix_cache()
     assert kv.get_computed_blocks(make_request("x", prefixes[0] + [1]))[1] == 0
+
+
+def decoded(kv: KVCacheCoordinator, prompt_len: int, num_tokens: int, pending: bool = False):
+    """A request of ``prompt_len`` tokens prefilled (chunks ending on blocks), then decoded one
+    token a step until ``num_tokens`` are computed; every pass sealed. ``pending``: as with
+    asynchronous scheduling, each step's input token is still being sampled when it is
+    scheduled (it is known a step later)."""
+    r = make_request("r", range(prompt_len))
+    assert admit(kv, r, 16)
+    kv.take_state_copies()
+    while r.num_computed_tokens + r._step < num_tokens:
+        r.num_computed_tokens += r._step
+        if r.num_computed_tokens == r.num_tokens:
+            r.num_pending_tokens = 1 if pending else 0
+            if not pending:
+                r.append_output_token(1000 + r.num_tokens)
+        n = kv.chunk_end(r, r.num_computed_tokens, r.num_tokens - r.num_computed_tokens)
+        assert kv.allocate_slots(r, n)
+        r._step = n
+        kv.take_state_copies()
+        if pending and r.num_computed_tokens >= prompt_len:  # the previous step is read
+            r.num_pending_tokens = 0
+            r.append_output_token(1000 + r.num_tokens)
+    r.num_computed_tokens += r._step
+    return r
+
+
+def hit(kv: KVCacheCoordinator, tokens: list[int], length: int) -> int:
+    """The cached prefix of a request whose first ``length`` tokens are ``tokens``'."""
+    return kv.get_computed_blocks(make_request("probe", tokens[:length] + [-1]))[1]
+
+
+@pytest.mark.parametrize(
+    "interval, kept",
+    [(0, [8, 8, 8, 24]), (2, [8, 16, 16, 24]), (1, [12, 16, 20, 24]), (-1, [8, 8, 8, 8])],
+)
+def test_decode_keeps_the_latest_boundary_and_every_intervalth(interval, kept):
+    """Generated tokens are checkpointed at every boundary; the interval's grid stays, the
+    rest only until the request's next checkpoint (the prompt's stays: 8 of its 10); -1 takes
+    none."""
+    kv = CheckedCoordinator([SPEC, FULL], [20, 60], decode_checkpoint_interval=interval)
+    r = decoded(kv, 10, 25)
+    tokens = r.all_token_ids
+    assert [hit(kv, tokens, b) for b in (12, 16, 20, 24)] == kept
+    kv.free(r)  # finished: its checkpoints stay, as its blocks do
+    assert [hit(kv, tokens, b) for b in (12, 16, 20, 24)] == kept
+    assert kv.groups[0].num_free_blocks == 19
+
+
+def test_a_boundary_whose_token_is_being_sampled_is_findable_once_known():
+    kv = CheckedCoordinator([SPEC, FULL], [20, 60], decode_checkpoint_interval=0)
+    r = decoded(kv, 10, 12, pending=True)  # the step ending at 12 ran with token 11 pending
+    assert r.num_computed_tokens == 12 and len(r.all_token_ids) == 12
+    assert hit(kv, r.all_token_ids, 12) == 8  # saved, not findable: its hash was unknown
+    r.num_pending_tokens = 1
+    assert kv.allocate_slots(r, 1)  # the next step: the chain now has the block
+    assert hit(kv, r.all_token_ids, 12) == 12
+    kv.take_state_copies()
+    r.num_computed_tokens, r.num_pending_tokens = 13, 0
+    kv.free(r)
+    # finishing right on a boundary whose token was pending: confirmed when freed
+    s = decoded(kv, 9, 16, pending=True)
+    assert hit(kv, s.all_token_ids, 16) == 8
+    kv.free(s)
+    assert hit(kv, s.all_token_ids, 16) == 16
+    assert kv.groups[0].num_free_blocks == 19
+
+
+def verify(kv: KVCacheCoordinator, r: Request, num_proposed: int):
+    """Schedule a verification step of ``r``'s last token and ``num_proposed`` proposals;
+    returns the recurrent group's copies."""
+    assert kv.allocate_slots(r, 1 + num_proposed)
+    copies = kv.take_state_copies()[0]
+    r.num_computed_tokens += 1 + num_proposed
+    return copies
+
+
+def test_a_verification_saves_the_boundaries_its_tokens_cross_once_accepted():
+    kv = CheckedCoordinator([SPEC, FULL], [20, 60], decode_checkpoint_interval=1)
+    r = decoded(kv, 10, 10)
+    r.append_output_token(500)  # 11 tokens, 10 computed
+    free = kv.groups[0].num_free_blocks
+    # tokens 10..15: boundary 12 after its token 1 (kept by the verification), 16 at its end
+    copies = verify(kv, r, 5)
+    (slot,) = kv.block_tables("r")[0]
+    (_, _, at_12), (_, at_16) = copies.verified[0], copies.after[0]
+    assert copies.verified == [("r", 1, at_12)] and copies.after == [(slot, at_16)]
+    assert kv.groups[0].num_free_blocks == free - 2
+    # one proposal accepted (token 11), four refused: 12 stays unfindable until known, 16 goes
+    r.num_computed_tokens -= 4
+    kv.truncate(r, r.num_computed_tokens)
+    assert kv.groups[0].num_free_blocks == free - 1
+    r.append_output_token(501)
+    r.append_output_token(502)
+    assert hit(kv, r.all_token_ids, 12) == 8
+    assert kv.allocate_slots(r, 1)  # the next step: the chain has the block of 8..12
+    assert hit(kv, r.all_token_ids, 12) == 12
+    kv.take_state_copies()
+
+
+def test_a_refused_proposal_across_a_boundary_leaves_no_checkpoint():
+    kv = CheckedCoordinator([SPEC, FULL], [20, 60], decode_checkpoint_interval=1)
+    r = decoded(kv, 10, 10)
+    r.append_output_token(500)
+    free = kv.groups[0].num_free_blocks
+    assert len(verify(kv, r, 3).verified) == 1  # boundary 12 after its first proposal
+    r.num_computed_tokens -= 3  # all refused
+    kv.truncate(r, r.num_computed_tokens)
+    assert kv.groups[0].num_free_blocks == free
+    r.append_output_token(600)  # the token sampled instead
+    r.append_output_token(601)
+    assert kv.allocate_slots(r, 1) and hit(kv, r.all_token_ids, 12) == 8
+    kv.take_state_copies()
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_no_leaks_through_decode_verification_pending_tokens_and_preemption(seed):
+    """Requests over shared prefixes decode (their input token pending at random), verify
+    proposals that are refused at random, finish, abort and are preempted; every pass sealed;
+    both groups return to their totals."""
+    rng = random.Random(seed)
+    kv = CheckedCoordinator([SPEC, FULL], [7, 40], decode_checkpoint_interval=rng.randint(0, 2))
+    prefixes = [[rng.randint(0, 300) for _ in range(rng.randint(4, 14))] for _ in range(3)]
+    running: list[Request] = []
+    verified = 0  # checkpoints planned at a verification's boundaries
+    for i in range(400):
+        if len(running) < 4 and rng.random() < 0.3:
+            r = make_request(f"r{i}", rng.choice(prefixes) + [rng.randint(0, 300)])
+            if admit(kv, r, 8):
+                r._proposed = 0
+                running.append(r)
+        elif running:
+            r = rng.choice(running)
+            r.num_computed_tokens += r._step
+            r.num_pending_tokens = 0
+            if r._proposed:  # a verification step: some refused
+                refused = rng.randint(0, r._proposed)
+                r.num_computed_tokens -= refused
+                kv.truncate(r, r.num_computed_tokens)
+                for _ in range(r._proposed - refused):
+                    r.append_output_token(rng.randint(0, 300))
+            if rng.random() < 0.1:
+                running.remove(r)
+                kv.free(r)
+                continue
+            if r.num_computed_tokens == r.num_tokens:
+                if rng.random() < 0.5:
+                    r.append_output_token(rng.randint(0, 300))
+                else:
+                    r.num_pending_tokens = 1
+            n = kv.chunk_end(r, r.num_computed_tokens, min(r.num_tokens - r.num_computed_tokens, 8))
+            r._proposed = rng.randint(1, 5) if n == 1 and not r.num_pending_tokens else 0
+            if r._proposed and rng.random() < 0.5:
+                r._proposed = 0
+            if kv.allocate_slots(r, n + r._proposed):
+                r._step = n + r._proposed
+            else:
+                running.remove(r)
+                kv.free(r)
+                r.num_computed_tokens, r.num_pending_tokens = 0, 0
+        verified += len(kv.take_state_copies()[0].verified)
+    for r in running:
+        kv.free(r)
+    assert kv.prefix_cache_hits > 0 and verified > 0
+    for group in kv.groups:
+        assert group.num_free_blocks == group.num_blocks - 1
+    assert kv.reset_prefix_cache()
