@@ -59,7 +59,7 @@ def test_bad_shapes_are_refused():
 def wna16_launches() -> None:
     """Decode and prefill launches of the 8B shapes in bf16 (for the lowering test)."""
     for n, k in [(6144, 4096), (4096, 12288)]:
-        for bits, group, zeros in [(4, 128, True), (4, 32, False), (8, 128, False)]:
+        for bits, group, zeros in [(4, 128, True), (8, 32, False)]:  # a group a tile, and 4
             qweight = torch.empty(n, k * bits // 32, dtype=torch.int32)
             scales = torch.empty(n, k // group, dtype=torch.float16)
             qzeros = torch.empty(n, k // group, dtype=torch.uint8) if zeros else None
@@ -74,3 +74,21 @@ def test_kernels_lower_for_sm90():
         "heron.kernels.wna16:_wna16_gemv_kernel",
         "heron.kernels.wna16:_wna16_gemm_kernel",
     )
+
+
+# The Qwen3-8B shapes (n, k): qkv, o, gate_up, down.
+GPU_SHAPES = [(6144, 4096), (4096, 4096), (24576, 4096), (4096, 12288)]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("n, k", GPU_SHAPES)
+def test_gpu_bf16_shapes_of_an_8b_model(n, k):
+    for bits, group, zeros in [(4, 128, True), (4, 32, False), (8, 128, False), (4, None, True)]:
+        x, qweight, scales, qzeros, bias = _case(64, n, k, bits, group, zeros, torch.bfloat16)
+        packed = [t.cuda() if t is not None else None for t in (qweight, scales, qzeros)]
+        w = dequantize(qweight, scales, qzeros, bits, group)
+        for m in (1, 4, GEMV_MAX_M, 64):
+            y = wna16_linear(x[:m].cuda(), *packed, bits, group, bias.cuda())
+            ref = F.linear(x[:m].float(), w, bias.float())
+            err = ((y.float().cpu() - ref).abs().max() / ref.abs().max()).item()
+            assert err < 1e-2, (bits, group, zeros, m, err)
