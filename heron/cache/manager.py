@@ -13,7 +13,6 @@ from typing import TYPE_CHECKING, NamedTuple, Protocol
 
 if TYPE_CHECKING:
     from heron.cache.block_pool import BlockPool
-    from heron.cache.spec import CacheSpec
 
 
 class CachedSequence(Protocol):
@@ -89,7 +88,8 @@ class CacheManager(ABC):
 
     num_blocks: int
     """Pool size, null entry included."""
-    spec: CacheSpec
+    # (and ``spec``, the group's cache spec: typed by each kind, as this module sits below
+    # the specs)
 
     @property
     @abstractmethod
