@@ -7,6 +7,8 @@ Kernels (``--kernel``):
 - ``gemv``: the Triton GEMV of each decode-time linear of a shape (``--shape``) at ``--rows``
   rows, bf16 or (``--fp8``) FP8 weights with per-channel scales, next to the vendor's product
   (cuBLAS, or the FP8 tensor cores behind the one-launch activation quantisation);
+- ``wna16``: the packed-int4 (W4A16) kernel of each decode-time linear of a shape but its LM
+  head, AWQ-like (groups of 128, zero points), at ``--rows`` rows, next to cuBLAS on bf16;
 - ``attention``: one layer's paged decode attention on Qwen3-0.6B and Gemma-3-1B layers
   (``--kv-cache-dtype fp8``: an E4M3 cache);
 - ``mla``: one layer's latent decode attention, DeepSeek-V2-Lite's 16 heads;
@@ -39,6 +41,13 @@ GEMV_SHAPES = {
         ("gate_up", 6144, 1024, None),
         ("down", 1024, 3072, "silu"),
         ("lm_head", 151936, 1024, None),
+    ],
+    "qwen3-8b": [
+        ("qkv", 6144, 4096, None),
+        ("o", 4096, 4096, None),
+        ("gate_up", 24576, 4096, None),
+        ("down", 4096, 12288, "silu"),
+        ("lm_head", 151936, 4096, None),
     ],
     "llama-3-8b": [
         ("qkv", 6144, 4096, None),
@@ -92,7 +101,9 @@ GDN_DIM, GDN_WIDTH, GDN_EPS = 128, 4, 1e-6
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--kernel", choices=["gemv", "attention", "mla", "gdn"], required=True)
+    parser.add_argument(
+        "--kernel", choices=["gemv", "wna16", "attention", "mla", "gdn"], required=True
+    )
     parser.add_argument(
         "--shape", choices=sorted(GEMV_SHAPES), default="qwen3-0.6b", help="of gemv"
     )
@@ -168,6 +179,35 @@ def gemv_metrics(args: argparse.Namespace, bandwidth: float) -> list[Metric]:
                 Metric(f"{args.shape} {vendor} {what}", vendor_us(x, ws, out), "µs", floor)
             )
             del ws
+            torch.cuda.empty_cache()
+    return metrics
+
+
+def wna16_metrics(args: argparse.Namespace, bandwidth: float) -> list[Metric]:
+    """The W4A16 kernel per linear (its floor: the packed weight, scales and zero points) and
+    cuBLAS over the bf16 weight (its floor: two bytes a weight)."""
+    from heron.kernels.wna16 import wna16_linear
+    from heron.layers.wna16 import quantize
+
+    metrics = []
+    for m in args.rows:
+        for name, n, k, _ in GEMV_SHAPES[args.shape]:
+            if name == "lm_head":  # not a Linear: stays in the model's dtype
+                continue
+            x, dense, out = gemv_tensors(m, n, k, None)
+            packed = quantize(dense[0], 4, 128, True)
+            nbytes = sum(t.numel() * t.element_size() for t in packed)
+            ws = [tuple(t.clone() for t in packed) for _ in range(-(-COLD_BYTES // nbytes))]
+            us = device_time_us(lambda p, x=x: wna16_linear(x, *p, 4, 128), ws)
+            what = f"{name} {n}x{k}, {m} rows"
+            floor = nbytes / bandwidth * 1e6
+            metrics.append(Metric(f"{args.shape} W4A16 {what}", us, "µs", floor))
+            dense = [dense[0].clone() for _ in range(-(-COLD_BYTES // (2 * n * k)))]
+            floor = 2 * n * k / bandwidth * 1e6
+            metrics.append(
+                Metric(f"{args.shape} cuBLAS {what}", vendor_us(x, dense, out), "µs", floor)
+            )
+            del ws, dense
             torch.cuda.empty_cache()
     return metrics
 
@@ -374,6 +414,7 @@ def gdn_metrics(args: argparse.Namespace, bandwidth: float) -> list[Metric]:
 
 KERNELS = {
     "gemv": gemv_metrics,
+    "wna16": wna16_metrics,
     "attention": attention_metrics,
     "mla": mla_metrics,
     "gdn": gdn_metrics,
