@@ -32,3 +32,28 @@ def gdn_fused_decode() -> bool:
     """``HERON_GDN_FUSED=0``: gated-delta-rule decode in two kernels and a norm instead of
     one fused launch (to compare)."""
     return _switch("HERON_GDN_FUSED")
+
+
+def _number(name: str, default: float) -> float:
+    """A positive number; a bad value fails naming the variable."""
+    value = os.environ.get(name)
+    if value is None:
+        return default
+    try:
+        number = float(value)
+    except ValueError:
+        number = 0
+    if number <= 0:
+        raise ValueError(f"{name}={value!r}: give a positive number")
+    return number
+
+
+def responses_store_size() -> int:
+    """``HERON_RESPONSES_STORE_SIZE``: how many finished responses ``/v1/responses`` keeps for
+    ``previous_response_id`` (default 1000; the oldest go first)."""
+    return int(_number("HERON_RESPONSES_STORE_SIZE", 1000))
+
+
+def responses_store_max_age_s() -> float:
+    """``HERON_RESPONSES_STORE_MAX_AGE_S``: how long a stored response is kept (default 3600)."""
+    return _number("HERON_RESPONSES_STORE_MAX_AGE_S", 3600)

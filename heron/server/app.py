@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import asyncio
 import hmac
+import json
 import logging
 import math
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
 from dataclasses import fields, replace
@@ -19,9 +20,10 @@ import jinja2
 from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from heron import __version__
+from heron import __version__, envs
 from heron.chat_template import apply_chat_template
 from heron.engine.core_client import EngineCoreClient, EngineDeadError, StepError
 from heron.engine.request import Logprob
@@ -64,6 +66,15 @@ from heron.server.request_body import (
     off_loop_if_large,
     parse_body,
 )
+from heron.server.responses import (
+    Event,
+    ResponseStore,
+    ResponseWriter,
+    new_response,
+    output_turn,
+    reasoning_token_count,
+)
+from heron.server.responses_protocol import ResponsesRequest
 from heron.server.structured_protocol import DeltaFunctionCall, DeltaToolCall
 from heron.server.tool_parsers import ToolCallDelta, join_tool_calls
 
@@ -644,6 +655,70 @@ def build_app(
             ).model_dump()
         )
 
+    responses = ResponseStore(envs.responses_store_size(), envs.responses_store_max_age_s())
+
+    def stored(response_id: str, param: str | None = None) -> tuple[dict, list[dict]]:
+        entry = responses.get(response_id)
+        if entry is None:
+            raise APIError(
+                404,
+                f"no response {response_id!r} is stored (this server keeps the last "
+                f"{responses.max_size} for {responses.max_age_s:g} s)",
+                param=param,
+            )
+        return entry
+
+    @api.post("/v1/responses")
+    async def create_response(request: Request) -> Response:
+        body = await serving.parse(request, ResponsesRequest)
+        try:
+            body.check_supported()
+        except ValueError as e:
+            raise _bad_value(e) from e
+        history = []
+        if body.previous_response_id is not None:
+            history = stored(body.previous_response_id, "previous_response_id")[1]
+        try:
+            chat = body.chat_request(history)
+        except ValidationError as e:
+            raise RequestValidationError(e.errors(include_url=False)) from e
+        params = serving.chat_sampling_params(chat)
+        prompt = await serving.chat_prompt(chat)
+        serving.check_context(len(prompt), chat)
+        response_id = f"resp_{uuid.uuid4().hex}"
+        started = await _until_disconnect(request, serving.start(response_id, [prompt], params))
+        writer = ResponseWriter(new_response(body, response_id, served_model_name))
+        parser = serving.output_parser(chat)
+        conversation = [*history, *body.messages()]
+
+        def finish(output: RequestOutput) -> list[Event]:
+            (sample,) = output.outputs
+            events = writer.feed(parser.finish())
+            reasoning = reasoning_token_count(sample.token_ids, serving.reasoning_tokens)
+            events += writer.finish(sample.finish_reason, serving.usage([output]), reasoning)
+            if body.store:
+                responses.put(
+                    writer.response, [*conversation, output_turn(writer.response["output"])]
+                )
+            return events
+
+        if body.stream:
+            return _streaming(_responses_stream(request, serving, started, writer, parser, finish))
+        (output,) = await _final_outputs(serving, request, started)
+        writer.feed(parser.feed(output.outputs[0].text))
+        finish(output)
+        return JSONResponse(writer.response)
+
+    @api.get("/v1/responses/{response_id}")
+    async def get_response(response_id: str) -> Response:
+        return JSONResponse(stored(response_id)[0])
+
+    @api.delete("/v1/responses/{response_id}")
+    async def delete_response(response_id: str) -> dict[str, Any]:
+        stored(response_id)
+        responses.delete(response_id)
+        return {"id": response_id, "object": "response.deleted", "deleted": True}
+
     app.include_router(api)
     return app
 
@@ -843,6 +918,36 @@ async def _chat_stream(
                 finish_reason=finish_reason if finished else None,
             )
             yield _sse(chunk([choice]).model_dump_json())
+
+
+async def _responses_stream(
+    request: Request,
+    serving: OpenAIServing,
+    started: list[tuple[RequestOutput, AsyncIterator[RequestOutput]]],
+    writer: ResponseWriter,
+    parser: ChatOutputParser,
+    finish: Callable[[RequestOutput], list[Event]],
+) -> AsyncIterator[str]:
+    """The Responses event stream: each event named in its ``event:`` line, as OpenAI sends
+    them; a failed step ends it with ``response.failed``."""
+
+    def sse(events: list[Event]) -> str:
+        return "".join(f"event: {e['type']}\ndata: {json.dumps(e)}\n\n" for e in events)
+
+    yield sse(writer.start())
+    sent = 0
+    try:
+        async for _, output in serving.merge(request, started):
+            sample = output.outputs[0]
+            events = writer.feed(parser.feed(sample.text[sent:]))
+            sent = len(sample.text)
+            if output.finished:
+                events += finish(output)
+            yield sse(events)
+    except ClientDisconnected:
+        logger.info("client left a stream; its requests were aborted")
+    except (StepError, EngineDeadError) as e:
+        yield sse(writer.fail(str(e)))
 
 
 def _add_error_handlers(app: FastAPI) -> None:
