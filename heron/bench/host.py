@@ -4,7 +4,7 @@ A shape (default Gemma-3-1B: 26 layers, five sliding-window layers to one full, 
 groups, a 262,144-token vocabulary) is built with tiny matrices (hidden size 32) on the CPU,
 and its forward, logits and sampling are replaced by stubs that draw random tokens over the
 whole vocabulary. ``--batch`` requests of ``--context`` prompt tokens are added (the stub makes
-prefill free) and, after ten warm-up steps, ``LLMEngine.step`` is timed: scheduling, the KV
+prefill free) and, after ten warm-up steps, ``LLM.step`` is timed: scheduling, the KV
 cache, step inputs, detokenisation, stop checks and (streamed) outputs. The mean is what a
 decode benchmark's ms per step sees; it is above the median because requests crossing a block
 boundary take the KV cache's slow path (all at once here: the prompts have one length).

@@ -85,10 +85,12 @@ class _RequestState:
 
     @property
     def finished(self) -> bool:
-        return all(s.finish_reason is not None for s in self.samples)
+        for sample in self.samples:  # (a loop: once per request and step, kept cheap)
+            if sample.finish_reason is None:
+                return False
+        return True
 
-    def output(self) -> RequestOutput:
-        finished = self.finished
+    def output(self, finished: bool) -> RequestOutput:
         output = RequestOutput(
             self.request_id,
             self.prompt,
@@ -186,7 +188,7 @@ class OutputProcessor:
             if finished:
                 del self._requests[request_id]
             if finished or state.stream:
-                outputs.append(state.output())
+                outputs.append(state.output(finished))
         return ProcessedOutputs(outputs, aborts)
 
     @staticmethod
