@@ -1,4 +1,5 @@
-"""LLMEngine: requests in, outputs out, one step at a time."""
+"""LLMEngine: requests in, token deltas out, one step at a time (texts and stop strings are
+the output processor's, :mod:`heron.engine.output_processor`)."""
 
 from __future__ import annotations
 

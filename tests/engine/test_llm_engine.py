@@ -110,6 +110,7 @@ def test_stop_string_and_stop_token(llm):
     out = llm.generate(prompt, by_id, use_tqdm=False)[0].outputs[0]
     assert out.token_ids == full.token_ids[: full.token_ids.index(stop_id) + 1]
     assert (out.finish_reason, out.stop_reason) == ("stop", stop_id)
+    _assert_pool_idle(llm)  # a stop string's sample was aborted in the engine, its blocks freed
 
 
 def test_length_limits(llm):
