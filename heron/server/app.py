@@ -85,6 +85,7 @@ _FIELDS = (
     {f.name for f in fields(SamplingParams)}
     | set(CompletionRequest.model_fields)
     | set(ChatCompletionRequest.model_fields)
+    | set(ResponsesRequest.model_fields)
 )
 _ERROR_TYPES = {
     400: "invalid_request_error",
@@ -682,6 +683,8 @@ def build_app(
             chat = body.chat_request(history)
         except ValidationError as e:
             raise RequestValidationError(e.errors(include_url=False)) from e
+        except ValueError as e:
+            raise _bad_value(e) from e
         params = serving.chat_sampling_params(chat)
         prompt = await serving.chat_prompt(chat)
         serving.check_context(len(prompt), chat)

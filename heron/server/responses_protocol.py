@@ -123,6 +123,14 @@ class TextConfig(BaseModel):
     format: TextFormat | None = None
 
 
+class ResponsesChatRequest(ChatCompletionRequest):
+    """The chat request a Responses request amounts to; its errors name the Responses field."""
+
+    @property
+    def max_tokens_field(self) -> str:
+        return "max_output_tokens"
+
+
 class ResponsesRequest(BaseModel):
     """``POST /v1/responses``. Unknown fields are kept so that :meth:`check_supported` refuses
     them by name."""
@@ -132,7 +140,7 @@ class ResponsesRequest(BaseModel):
     model: str | None = None
     input: Annotated[str, Field(min_length=1)] | Annotated[list[InputItem], Field(min_length=1)]
     instructions: str | None = None
-    max_output_tokens: int | None = None
+    max_output_tokens: int | None = Field(default=None, ge=1)
     temperature: float | None = None
     top_p: float | None = None
     tools: list[FunctionTool] | None = None
@@ -200,9 +208,11 @@ class ResponsesRequest(BaseModel):
                 messages.append(
                     {"role": "tool", "tool_call_id": item.call_id, "content": _text(item.output)}
                 )
+        if not messages:
+            raise ValueError("input has reasoning items only: there is nothing to answer")
         return messages
 
-    def chat_request(self, history: list[dict[str, Any]]) -> ChatCompletionRequest:
+    def chat_request(self, history: list[dict[str, Any]]) -> ResponsesChatRequest:
         """The chat request of this input after ``history`` (the earlier turns, when the
         request continues a stored response), under this request's instructions."""
         system = [{"role": "system", "content": self.instructions}] if self.instructions else []
@@ -233,6 +243,6 @@ class ResponsesRequest(BaseModel):
             fields["response_format"] = {"type": "json_schema", "json_schema": schema}
         elif fmt is not None:
             fields["response_format"] = {"type": fmt.type}
-        return ChatCompletionRequest.model_validate(
+        return ResponsesChatRequest.model_validate(
             {k: v for k, v in fields.items() if v is not None}
         )

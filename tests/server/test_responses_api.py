@@ -239,6 +239,9 @@ def test_previous_response_id_continues_the_stored_conversation(client, model_di
         ({"input": [{"type": "web_search_call"}]}, "input", "web_search_call"),
         ({"text": {"format": {"type": "json_schema", "name": "x"}}}, "text.format", "schema"),
         ({"tool_choice": "required"}, "tool_choice", "tools"),
+        ({"input": [{"type": "reasoning"}]}, "input", "reasoning items only"),
+        ({"max_output_tokens": 0}, "max_output_tokens", "greater than or equal to 1"),
+        ({"max_output_tokens": 600}, "max_output_tokens", "max_output_tokens=600"),
     ],
 )
 def test_unsupported_or_bad_fields_are_400_naming_them(client, fields, param, named):
