@@ -266,12 +266,14 @@ class ResponseStore:
 
 
 def reasoning_token_count(token_ids: Sequence[int], tokens: ReasoningTokens | None) -> int:
-    """How many of a reply's tokens are its think block's (0 without a reasoning parser)."""
-    if tokens is None or tokens.end not in token_ids:
+    """How many of a reply's tokens are its think block's (0 without a reasoning parser): from
+    its start (the first token, or the one after ``start``) to ``end`` or the reply's end."""
+    if tokens is None:
         return 0
     first = 0
     if tokens.start is not None:
         if tokens.start not in token_ids:
             return 0
         first = token_ids.index(tokens.start) + 1
-    return token_ids.index(tokens.end) - first
+    last = token_ids.index(tokens.end) if tokens.end in token_ids else len(token_ids)
+    return last - first

@@ -86,3 +86,25 @@ def test_reasoning_and_constrained_content_streamed_and_not(reasoning_server, re
             reasoning += getattr(c.delta, "reasoning_content", None) or ""
             content += c.delta.content or ""
     assert (reasoning, content) == (message.reasoning_content, message.content)
+
+
+def test_responses_reasoning_items_equal_the_chat_reasoning(reasoning_client):
+    """``/v1/responses`` splits the reply as chat does: a reasoning item, then the message."""
+    (choice,) = reasoning_client.chat.completions.create(
+        model=MODEL_NAME, messages=MESSAGES, temperature=0, max_tokens=24
+    ).choices
+    kwargs = dict(model=MODEL_NAME, input=MESSAGES, temperature=0, max_output_tokens=24)
+    response = reasoning_client.responses.create(**kwargs)
+    reasoning, *rest = response.output
+    assert reasoning.type == "reasoning"
+    assert reasoning.content[0].text == choice.message.reasoning_content
+    assert response.output_text == (choice.message.content or "")
+    details = response.usage.output_tokens_details
+    if choice.message.content:  # </think> came: some tokens are the answer's
+        assert 0 < details.reasoning_tokens < response.usage.output_tokens
+    else:
+        assert details.reasoning_tokens == response.usage.output_tokens
+    with reasoning_client.responses.stream(**kwargs) as stream:
+        events = list(stream)
+    streamed = "".join(e.delta for e in events if e.type == "response.reasoning_text.delta")
+    assert streamed == reasoning.content[0].text
