@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import inspect
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
@@ -43,3 +44,22 @@ def apply_chat_template(
     )
     # The template already wrote any BOS token; do not add a second one.
     return tokenizer.encode(text, add_special_tokens=False)
+
+
+# What only a Jinja template holds, never a file name.
+_JINJA_MARKS = ("{{", "{%", "\n")
+
+
+def load_chat_template(value: str) -> str:
+    """The template a file holds, or ``value`` itself when it is template text (vLLM's rule);
+    ``ValueError`` when it is neither."""
+    if any(mark in value for mark in _JINJA_MARKS):
+        return value
+    path = Path(value).expanduser()
+    try:
+        return path.read_text()
+    except OSError as e:
+        raise ValueError(
+            f"--chat-template {value!r} is neither a readable file ({e.strerror}) nor a Jinja "
+            "template"
+        ) from None

@@ -48,6 +48,14 @@ _ENGINE_FLAG_HELP = {
     "\"num_speculative_tokens\": 1}' (the checkpoint's MTP head)",
     "tensor_parallel_size": "split the model over this many GPUs (processes) of the host; "
     "under torchrun, over its ranks (python -m heron.distributed.launch)",
+    "long_prefill_token_threshold": "prefills of more tokens are long: while others wait, "
+    "a long one computes this many a step (default: 4%% of max_model_len, at most half "
+    "the token budget; 0: none is long)",
+    "max_num_partial_prefills": "most prefills in progress at once (default: no limit)",
+    "max_long_partial_prefills": "most long prefills in progress at once; short prompts pass "
+    "the others (default: no limit)",
+    "kv_cache_memory_bytes": "KV cache size in bytes (default: measured on CUDA; on the CPU "
+    "a quarter of the available memory, at most 2 GiB)",
 }
 # Short spellings vLLM users type.
 _SHORT_FLAGS = {"tensor_parallel_size": "-tp"}
@@ -224,9 +232,11 @@ def _json_fields(spec: object) -> dict[str, object]:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
+    from heron.chat_template import load_chat_template
     from heron.engine.core_client import EngineStartupError
     from heron.server.chat_output import ChatOutputConfig
-    from heron.server.front import ServeOptions
+    from heron.server.front import ServeOptions, listen
+    from heron.server.security import parse_allowed_origins
 
     if args.model_tag is not None:
         if args.model is not None and args.model != args.model_tag:
@@ -248,16 +258,22 @@ def cmd_serve(args: argparse.Namespace) -> int:
         ChatOutputConfig(
             args.reasoning_parser, args.tool_call_parser, args.enable_auto_tool_choice
         ),
+        allowed_origins=parse_allowed_origins(args.allowed_origins),
+        timeout_keep_alive=args.timeout_keep_alive,
+        chat_template=None
+        if args.chat_template is None
+        else load_chat_template(args.chat_template),
     )
     try:
+        listener = listen(options.host, options.port)  # before the model loads
         if args.api_server_count > 1:
             # That many front processes on one port, and a launcher (this process).
             from heron.server.api_servers import serve_with_api_servers
 
-            return serve_with_api_servers(config, options, args.api_server_count)
+            return serve_with_api_servers(config, options, args.api_server_count, listener)
         from heron.server.front import serve
 
-        return serve(config, options)
+        return serve(config, options, listener)
     except EngineStartupError as e:
         print(f"heron: error: the engine could not start: {e}", file=sys.stderr)
         return 2
@@ -276,8 +292,16 @@ def _positive(text: str) -> int:
     return value
 
 
+def _port(text: str) -> int:
+    value = int(text)
+    if not 0 <= value <= 65535:
+        raise argparse.ArgumentTypeError(f"must be a TCP port in [0, 65535], not {value}")
+    return value
+
+
 def build_parser() -> argparse.ArgumentParser:
     from heron.server.request_body import DEFAULT_MAX_REQUEST_BODY_BYTES
+    from heron.server.security import DEFAULT_TIMEOUT_KEEP_ALIVE_S
 
     parser = argparse.ArgumentParser(prog="heron", description=__doc__)
     parser.add_argument("--log-level", default="WARNING")
@@ -297,7 +321,7 @@ def build_parser() -> argparse.ArgumentParser:
         "model_tag", nargs="?", metavar="MODEL", help="the model, as --model (vllm serve MODEL)"
     )
     serve.add_argument("--host", default="127.0.0.1")
-    serve.add_argument("--port", type=int, default=8000)
+    serve.add_argument("--port", type=_port, default=8000)
     serve.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY'")
     serve.add_argument(
         "--served-model-name", default=None, help="model name of the API (default: --model)"
@@ -317,7 +341,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     serve.add_argument(
         "--max-request-body-bytes",
-        type=int,
+        type=_positive,
         default=DEFAULT_MAX_REQUEST_BODY_BYTES,
         help="larger request bodies are refused with 413",
     )
@@ -332,6 +356,24 @@ def build_parser() -> argparse.ArgumentParser:
         "--trust-request-chat-template",
         action="store_true",
         help="let requests bring their own chat_template (a Jinja template the server runs)",
+    )
+    serve.add_argument(
+        "--chat-template",
+        default=None,
+        metavar="PATH_OR_TEXT",
+        help="the chat template (a file, or Jinja text) instead of the tokenizer's",
+    )
+    serve.add_argument(
+        "--allowed-origins",
+        default="[]",
+        help="web origins that may call the API from a browser (CORS), as a JSON list: "
+        '\'["http://localhost:3000"]\' (default: none; ["*"]: any)',
+    )
+    serve.add_argument(
+        "--timeout-keep-alive",
+        type=_positive,
+        default=DEFAULT_TIMEOUT_KEEP_ALIVE_S,
+        help="seconds an idle connection stays open, and that a request's headers may take",
     )
     bench = sub.add_parser("bench", help="benchmarks: decode, throughput, serve, spec, ...")
     add_bench_parser(bench, add_engine_args)

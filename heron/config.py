@@ -24,10 +24,6 @@ _DTYPES = {
     "bf16": torch.bfloat16,
 }
 
-# The KV cache budget on platforms that have no memory query (the CPU), like vLLM's
-# VLLM_CPU_KVCACHE_SPACE; capped by what max_num_seqs full-length sequences could use.
-DEFAULT_HOST_KV_CACHE_BYTES = 2 << 30
-
 # Blocks between the kept recurrent-state checkpoints of generated tokens (see EngineConfig).
 DEFAULT_DECODE_CHECKPOINT_INTERVAL = 0
 
@@ -181,6 +177,15 @@ class EngineConfig:
     # {"method": "ngram", "num_speculative_tokens": k, ...}: see SpeculativeConfig
     speculative_config: dict[str, Any] | None = None
     tensor_parallel_size: int = 1  # ranks one model is split over (one process each)
+    # Fair prefill (vLLM's names): prefills of more tokens are long (None: 4% of max_model_len,
+    # at most half the step's token budget; 0: none is); how many prefills, and long ones, may
+    # be in progress at once (None: no limit).
+    long_prefill_token_threshold: int | None = None
+    max_num_partial_prefills: int | None = None
+    max_long_partial_prefills: int | None = None
+    # Bytes of the KV cache (None: measured on CUDA; on the CPU, a quarter of the available
+    # memory, at most 2 GiB)
+    kv_cache_memory_bytes: int | None = None
 
     def __post_init__(self) -> None:
         # Parsed once here (not a field: the options stay the user's).
@@ -235,15 +240,32 @@ class EngineConfig:
             raise ValueError(f"cuda_graph_max_bs must be >= 1, got {self.cuda_graph_max_bs}")
         if self.num_kv_blocks is not None and self.num_kv_blocks < 2:
             raise ValueError(f"num_kv_blocks must be >= 2, got {self.num_kv_blocks}")
-        if self.max_num_batched_tokens is not None and self.max_num_batched_tokens < 1:
+        for name, least in _LEAST_VALUES.items():
+            value = getattr(self, name)
+            if value is not None and value < least:
+                raise ValueError(f"{name} must be >= {least}, got {value}")
+        if None not in (self.max_num_partial_prefills, self.max_long_partial_prefills) and (
+            self.max_long_partial_prefills > self.max_num_partial_prefills
+        ):
             raise ValueError(
-                f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}"
+                f"max_long_partial_prefills ({self.max_long_partial_prefills}) must be <= "
+                f"max_num_partial_prefills ({self.max_num_partial_prefills})"
             )
 
     @property
     def speculative(self) -> SpeculativeConfig | None:
         """The checked ``speculative_config``, or None without one."""
         return self._speculative
+
+
+# The least value of these options, when given.
+_LEAST_VALUES = {
+    "max_num_batched_tokens": 1,
+    "long_prefill_token_threshold": 0,
+    "max_num_partial_prefills": 1,
+    "max_long_partial_prefills": 1,
+    "kv_cache_memory_bytes": 1,
+}
 
 
 @dataclass(frozen=True)

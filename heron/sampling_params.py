@@ -12,6 +12,11 @@ MAX_N = 128
 _INT64_MIN, _INT64_MAX = -(2**63), 2**63 - 1
 
 
+def _is_token_id(value: object) -> bool:
+    """An integer the engine's int64 tensors can hold (the vocabulary is checked later)."""
+    return isinstance(value, int) and not isinstance(value, bool) and 0 <= value <= _INT64_MAX
+
+
 @dataclass
 class SamplingParams:
     """How to sample a request's completion (names and meanings follow vLLM and OpenAI).
@@ -62,8 +67,8 @@ class SamplingParams:
             raise bad("temperature", "in [0, 100]")
         if not 0.0 < self.top_p <= 1.0:
             raise bad("top_p", "in (0, 1]")
-        if not isinstance(self.top_k, int) or self.top_k < 0:
-            raise bad("top_k", "an integer >= 0 (0 or -1 disables it)")
+        if not isinstance(self.top_k, int) or not 0 <= self.top_k <= _INT64_MAX:
+            raise bad("top_k", "an integer in [0, 2^63) (0 or -1 disables it)")
         if not 0.0 <= self.min_p <= 1.0:
             raise bad("min_p", "in [0, 1]")
         if not 0.0 < self.repetition_penalty <= 10.0:
@@ -78,22 +83,21 @@ class SamplingParams:
             # A seed torch cannot take would fail the whole step, every request in it.
             raise bad("seed", "a 64-bit signed integer or None")
         if self.max_tokens is not None and (
-            not isinstance(self.max_tokens, int) or self.max_tokens < 1
+            not isinstance(self.max_tokens, int) or not 1 <= self.max_tokens <= _INT64_MAX
         ):
-            raise bad("max_tokens", "an integer >= 1 or None")
-        if not isinstance(self.min_tokens, int) or self.min_tokens < 0:
-            raise bad("min_tokens", "an integer >= 0")
+            raise bad("max_tokens", "an integer in [1, 2^63) or None")
+        if not isinstance(self.min_tokens, int) or not 0 <= self.min_tokens <= _INT64_MAX:
+            raise bad("min_tokens", "an integer in [0, 2^63)")
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
             raise bad("min_tokens", f"<= max_tokens ({self.max_tokens})")
         if any(not isinstance(s, str) or not s for s in self.stop):
             raise bad("stop", "a non-empty string or a list of non-empty strings")
-        if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
-            raise bad("stop_token_ids", "a list of non-negative integers")
-        if self.logit_bias is not None and any(
-            not isinstance(t, int) or t < 0 or not -100.0 <= b <= 100.0
-            for t, b in self.logit_bias.items()
+        if not all(_is_token_id(t) for t in self.stop_token_ids):
+            raise bad("stop_token_ids", "a list of token ids (integers in [0, 2^63))")
+        if self.logit_bias is not None and not all(
+            _is_token_id(t) and -100.0 <= b <= 100.0 for t, b in self.logit_bias.items()
         ):
-            raise bad("logit_bias", "a map of token ids >= 0 to biases in [-100, 100]")
+            raise bad("logit_bias", "a map of token ids in [0, 2^63) to biases in [-100, 100]")
         for name in ("logprobs", "prompt_logprobs"):
             value = getattr(self, name)
             if value is not None and (not isinstance(value, int) or not 0 <= value <= 20):

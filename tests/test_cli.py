@@ -2,6 +2,7 @@
 
 import json
 import shutil
+import socket
 
 import pytest
 
@@ -63,6 +64,41 @@ def test_version(capsys):
 def test_serve_model_given_twice_is_an_error(capsys):
     assert main(["serve", "one", "--model", "other"]) == 2
     assert "given twice" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    "flags, message",
+    [
+        (["--port", "99999"], "must be a TCP port in [0, 65535], not 99999"),
+        (["--max-request-body-bytes", "-5"], "must be at least 1, not -5"),
+        (["--timeout-keep-alive", "0"], "must be at least 1, not 0"),
+    ],
+)
+def test_serve_refuses_bad_numbers_before_anything_starts(capsys, flags, message):
+    with pytest.raises(SystemExit) as e:
+        main(["serve", *flags])
+    assert e.value.code == 2 and message in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    "flags, message",
+    [
+        (["--allowed-origins", "http://a.example"], "--allowed-origins must be a JSON list"),
+        (["--allowed-origins", '[""]'], "--allowed-origins must be a JSON list of origins"),
+        (["--chat-template", "/no/such/template.jinja"], "neither a readable file"),
+    ],
+)
+def test_serve_refuses_bad_values_before_the_model_loads(tmp_path, capsys, flags, message):
+    assert main(["serve", str(tmp_path / "nope"), *flags]) == 2
+    assert message in capsys.readouterr().err
+
+
+def test_serve_binds_its_port_before_the_model_loads(tmp_path, capsys):
+    """A port in use fails at once, not after the model loaded (this model does not exist)."""
+    with socket.create_server(("127.0.0.1", 0)) as taken:
+        port = taken.getsockname()[1]
+        assert main(["serve", str(tmp_path / "nope"), "--port", str(port)]) == 2
+    assert f"cannot listen on 127.0.0.1:{port}" in capsys.readouterr().err
 
 
 def _copy_without(src, dst, drop):

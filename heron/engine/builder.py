@@ -12,7 +12,7 @@ from transformers import AutoTokenizer, PreTrainedTokenizerBase
 from heron.cache.coordinator import KVCacheCoordinator
 from heron.cache.paged import FullAttentionSpec, PagedSpec
 from heron.cache.recurrent import RecurrentStateSpec
-from heron.config import DEFAULT_HOST_KV_CACHE_BYTES, SpeculativeConfig
+from heron.config import SpeculativeConfig
 from heron.distributed.executor import RunnerArgs, TensorParallelRunner, make_model_runner
 from heron.engine.resolved_config import ResolvedConfig
 from heron.engine.scheduler import Scheduler, SchedulerConfig
@@ -94,6 +94,9 @@ def build_engine(config: ResolvedConfig) -> EngineParts:
             speculative=speculative,
             uniform_proposals_up_to=runner.verify_graph_max_batch,
             drafts_on_device=isinstance(runner, ModelRunner),
+            long_prefill_token_threshold=config.long_prefill_token_threshold,
+            max_num_partial_prefills=options.max_num_partial_prefills,
+            max_long_partial_prefills=options.max_long_partial_prefills,
         ),
         kv_cache,
         model_proposer,
@@ -218,15 +221,17 @@ def kv_cache_budget(
     runners: list[ModelRunner | TensorParallelRunner],
     verification_bytes: int,
 ) -> int:
-    """Bytes for the KV caches (the target's and a draft model's): measured on CUDA after a
-    profiled forward of each runner (whose peak holds the weights and every reserved
-    buffer; the smaller budget counts), a fixed host budget less the reserved buffers
-    elsewhere."""
+    """Bytes for the KV caches (the target's and a draft model's): ``kv_cache_memory_bytes``
+    when given; else measured on CUDA after a profiled forward of each runner (whose peak
+    holds the weights and every reserved buffer; the smaller budget counts), the CPU
+    platform's default less the reserved buffers elsewhere."""
+    if config.options.kv_cache_memory_bytes is not None:
+        return config.options.kv_cache_memory_bytes
     if config.device.type == "cuda":
         max_len, max_tokens = config.model.max_model_len, config.max_num_batched_tokens
         utilization = config.options.gpu_memory_utilization
         return min(r.kv_cache_budget(utilization, min(max_tokens, max_len)) for r in runners)
-    return DEFAULT_HOST_KV_CACHE_BYTES - verification_bytes
+    return config.platform.kv_cache_budget() - verification_bytes
 
 
 def _num_kv_blocks(

@@ -36,6 +36,7 @@ from heron.engine.messages import (
     StepFailed,
     StepOutputs,
 )
+from heron.platforms import resolve_device, set_server_cpu_threads
 
 logger = logging.getLogger(__name__)
 
@@ -66,6 +67,7 @@ class EngineCore:
         self._deltas: list[list[RequestDelta]] = [[] for _ in outboxes]  # per front
         self._stats: EngineStats | None = None
         self._stats_time = 0.0
+        engine.on_scheduled = self._publish_stats
 
     def send(self, message: CoreMessage, front: int | None = None) -> None:
         """To one front, or (None) to every front."""
@@ -74,10 +76,13 @@ class EngineCore:
             outbox.send(frame, copy=False)
 
     def run(self) -> None:
-        while self._receive(0 if self.engine.has_unfinished_requests() else IDLE_POLL_MS):
-            if self.engine.has_unfinished_requests():
-                self._step()
-            self._publish()
+        try:
+            while self._receive(0 if self.engine.has_unfinished_requests() else IDLE_POLL_MS):
+                if self.engine.has_unfinished_requests():
+                    self._step()
+                self._publish()
+        finally:
+            self.engine.on_scheduled = None  # its sockets close after this
 
     def _receive(self, timeout_ms: int) -> bool:
         """Apply every waiting message; False once the core should exit."""
@@ -148,19 +153,28 @@ class EngineCore:
     def _publish(self) -> None:
         """Send each front its queued deltas, with the engine's stats (to every front) when
         they changed and are due."""
-        now = time.monotonic()
-        stats = None
-        idle = not self.engine.has_unfinished_requests()
-        if idle or now - self._stats_time >= STATS_INTERVAL_S:
-            stats = EngineStats.of(self.engine)
-            if stats == self._stats:
-                stats = None
-            else:
-                self._stats, self._stats_time = stats, now
+        stats = self._due_stats()
         for front, deltas in enumerate(self._deltas):
             if deltas or stats is not None:
                 self.send(StepOutputs(deltas, stats), front)
                 self._deltas[front] = []
+
+    def _publish_stats(self) -> None:
+        """At a step's start: the stats, when they changed and are due."""
+        stats = self._due_stats()
+        if stats is not None:
+            self.send(StepOutputs([], stats))
+
+    def _due_stats(self) -> EngineStats | None:
+        now = time.monotonic()
+        idle = not self.engine.has_unfinished_requests()
+        if not idle and now - self._stats_time < STATS_INTERVAL_S:
+            return None
+        stats = EngineStats.of(self.engine)
+        if stats == self._stats:
+            return None
+        self._stats, self._stats_time = stats, now
+        return stats
 
 
 def run_engine_core(args: CoreArgs) -> int:
@@ -199,6 +213,8 @@ def run_engine_core(args: CoreArgs) -> int:
 def _start(args: CoreArgs, inbox: zmq.Socket, outboxes: list[zmq.Socket]) -> EngineCore | None:
     encoder = msgspec.msgpack.Encoder()
     try:
+        if resolve_device(args.config.device).type == "cpu":
+            set_server_cpu_threads()
         engine = LLMEngine(args.config)
     except Exception as e:
         if not isinstance(e, _USER_ERRORS):

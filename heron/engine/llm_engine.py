@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
@@ -75,6 +76,9 @@ class LLMEngine:
         self.verification_bytes = parts.verification_bytes
         self.sync_verification_reason = parts.sync_verification_reason
         self.spec_decode_stats = SpecDecodeStats()
+        # Called once each step's requests are scheduled, before the model runs (the server
+        # sends its gauges then, so they show what a long step runs while it runs).
+        self.on_scheduled: Callable[[], None] | None = None
         self._parents: dict[str, _UserRequest] = {}
         self._in_flight: _Launched | None = None  # launched, its tokens not read yet
         self._grammars: GrammarCompiler | None = None  # made for the first structured request
@@ -205,6 +209,8 @@ class LLMEngine:
             previous = None
         verifying = previous.launched if previous and previous.launched.rollback else None
         schedule = self.scheduler.schedule(verifying)
+        if self.on_scheduled is not None:
+            self.on_scheduled()
         plan = schedule.plan
         launched = None
         if plan.request_ids or plan.finished_ids or plan.preempted_ids:

@@ -14,7 +14,10 @@ from heron.loader.resolve import resolve_model_path
 from heron.platforms import Platform, platform_for, resolve_device
 
 # With chunked prefill a step never exceeds this many tokens unless the user says otherwise.
-DEFAULT_MAX_NUM_BATCHED_TOKENS = {"cuda": 8192}
+# On the CPU, a step of more tokens than this takes seconds (a 135M-parameter model computes
+# a 2,048-token chunk of a long prompt in about 15 s on two cores): an abort, a shutdown and
+# every other request wait for the step to end.
+DEFAULT_MAX_NUM_BATCHED_TOKENS = {"cuda": 8192, "cpu": 256}
 FALLBACK_MAX_NUM_BATCHED_TOKENS = 2048
 
 
@@ -31,6 +34,7 @@ class ResolvedConfig:
     block_size: int
     attention_backend: str
     max_num_batched_tokens: int
+    long_prefill_token_threshold: int
     speculative: SpeculativeConfig | None
     cuda_graphs: bool  # decode steps replay captured graphs
 
@@ -62,6 +66,11 @@ def resolve(options: EngineConfig) -> ResolvedConfig:
             f"{tokenizer} has no tokenizer files (none of {', '.join(TOKENIZER_FILES)}); "
             "pass --tokenizer DIR"
         )
+    max_num_batched_tokens = options.max_num_batched_tokens or DEFAULT_MAX_NUM_BATCHED_TOKENS.get(
+        device.type, FALLBACK_MAX_NUM_BATCHED_TOKENS
+    )
+    # By default, while others wait, a long prefill leaves them half the step's budget.
+    threshold = options.long_prefill_token_threshold
     return ResolvedConfig(
         options=options,
         model_path=path,
@@ -71,8 +80,10 @@ def resolve(options: EngineConfig) -> ResolvedConfig:
         platform=platform,
         block_size=options.block_size or platform.default_block_size,
         attention_backend=options.attention_backend or platform.default_attention_backend(),
-        max_num_batched_tokens=options.max_num_batched_tokens
-        or DEFAULT_MAX_NUM_BATCHED_TOKENS.get(device.type, FALLBACK_MAX_NUM_BATCHED_TOKENS),
+        max_num_batched_tokens=max_num_batched_tokens,
+        long_prefill_token_threshold=max(1, max_num_batched_tokens // 2)
+        if threshold is None
+        else threshold,
         speculative=options.speculative,
         cuda_graphs=device.type == "cuda" and not options.enforce_eager,
     )

@@ -38,6 +38,11 @@ class SchedulerConfig:
     # Whether the target's runner takes a model proposer's proposals on the device (a
     # single-rank one does); otherwise they are read here.
     drafts_on_device: bool = False
+    # Fair prefill (vLLM's names): a prefill of more tokens than the threshold is long (0:
+    # none is); at most so many prefills (long ones) are in progress at once.
+    long_prefill_token_threshold: int = 0
+    max_num_partial_prefills: int | None = None  # None: no limit
+    max_long_partial_prefills: int | None = None
 
 
 class ScheduledRequest(NamedTuple):
@@ -71,6 +76,11 @@ class Scheduler:
     request: its blocks are freed and it goes back to the front of the queue, to be recomputed
     (its generated tokens are kept, so nothing is lost). A prefill chunk may be cut short where
     a cache group keeps a prefix checkpoint (``KVCacheCoordinator.chunk_end``).
+
+    Prefill is fair: while requests wait, a long prefill's chunk is cut to
+    ``long_prefill_token_threshold``, so that short prompts arriving beside it share its step
+    instead of waiting for its last chunk; waiting prefills past the partial-prefill limits are
+    passed over (long ones first) for those behind them.
 
     With speculative decoding a decode step also computes the tokens proposed after the last
     one (the plan's ``draft_token_ids``); :meth:`reject` takes back those the step refused.
@@ -119,6 +129,7 @@ class Scheduler:
             out.drafts, counts = proposals, dict(zip(proposals.request_ids, proposals.counts))
         else:
             counts = {request_id: len(p) for request_id, p in proposals.items()}
+        prefills = _Prefills(self.config, contended=bool(self.waiting))
         i = 0
         while i < len(running) and budget > 0:
             request = running[i]
@@ -126,7 +137,7 @@ class Scheduler:
                 i += 1  # finishes with the token being sampled: nothing left to compute
                 continue
             remaining = request.num_tokens - request.num_computed_tokens
-            num_new = min(remaining, budget)
+            num_new = prefills.chunk(remaining, budget)
             if num_new > 1:
                 num_new = self.kv_cache.chunk_end(request, request.num_computed_tokens, num_new)
             num_proposed = min(counts.get(request.request_id, 0), budget - 1) if counts else 0
@@ -151,7 +162,7 @@ class Scheduler:
                 i += 1
 
         # Admitting new work right after a preemption would only thrash the pool.
-        compiling: list[Request] = []  # passed over until their grammars are ready
+        passed: list[Request] = []  # passed over: their grammars or a prefill limit
         while (
             not out.preempted
             and self.waiting
@@ -160,11 +171,15 @@ class Scheduler:
         ):
             request = self.waiting[0]
             if request.waits_for_grammar:
-                compiling.append(self.waiting.popleft())
+                passed.append(self.waiting.popleft())
                 continue
             computed_blocks, num_cached = self.kv_cache.get_computed_blocks(request)
             remaining = request.num_tokens - num_cached
-            num_new = min(remaining, budget)
+            if not prefills.may_start(remaining):
+                passed.append(self.waiting.popleft())
+                continue
+            prefills.contended = len(self.waiting) > 1
+            num_new = prefills.chunk(remaining, budget)
             if num_new > 1:
                 num_new = self.kv_cache.chunk_end(request, num_cached, num_new)
             if not self.kv_cache.allocate_slots(request, num_new, computed_blocks):
@@ -179,7 +194,7 @@ class Scheduler:
             self.running.append(request)
             out.scheduled.append(ScheduledRequest(request, num_new, num_new == remaining))
             budget -= num_new
-        self.waiting.extendleft(reversed(compiling))
+        self.waiting.extendleft(reversed(passed))
         self._fill_plan(out)
         return out
 
@@ -340,6 +355,40 @@ class Scheduler:
         self._finished_ids.append(request.request_id)
         if self._proposer is not None:
             self._proposer.forget(request.request_id)
+
+
+class _Prefills:
+    """One pass's prefills in progress, for the fair-prefill rule."""
+
+    def __init__(self, config: SchedulerConfig, contended: bool) -> None:
+        self.threshold = config.long_prefill_token_threshold
+        self.max_all = config.max_num_partial_prefills
+        self.max_long = config.max_long_partial_prefills
+        self.contended = contended  # whether requests wait behind the one being scheduled
+        self.num_all = self.num_long = 0
+
+    def _long(self, remaining: int) -> bool:
+        return 0 < self.threshold < remaining
+
+    def may_start(self, remaining: int) -> bool:
+        """Whether a waiting request with ``remaining`` tokens to compute may start now."""
+        if remaining <= 1:
+            return True  # a decode after a recomputation
+        if self.max_all is not None and self.num_all >= self.max_all:
+            return False
+        return not (self._long(remaining) and self.max_long is not None) or (
+            self.num_long < self.max_long
+        )
+
+    def chunk(self, remaining: int, budget: int) -> int:
+        """How many of a request's ``remaining`` tokens this step computes (counting it)."""
+        if remaining > 1:
+            self.num_all += 1
+            if self._long(remaining):
+                self.num_long += 1
+                if self.contended:
+                    return min(self.threshold, budget)
+        return min(remaining, budget)
 
 
 def _new_request(request: Request) -> NewRequest:

@@ -7,8 +7,8 @@ sends each request's outputs back to the front that sent it.
 
 The launcher only supervises. A signal (SIGTERM, or Ctrl-C: the fronts run in their own
 sessions, so only the launcher gets it) stops the fronts, which end their requests, then the
-core. A front that dies stops the whole server; a core that dies leaves the fronts up, answering
-503 on ``/health`` and to every request, as a single front does.
+core. A front that dies stops the whole server; a core that dies makes every front answer its
+requests with 503 and exit, and the server with them (exit status 1), as a single front does.
 
 ``/metrics``: the request metrics of every front are summed by prometheus_client's
 multiprocess mode (``PROMETHEUS_MULTIPROC_DIR``, a directory made here: each front writes its
@@ -44,12 +44,11 @@ FRONT_STOP_S = 35.0
 STARTUP_FAILED = 2
 
 
-def serve_with_api_servers(config: EngineConfig, options: ServeOptions, count: int) -> int:
-    """Run ``count`` fronts and the core until a signal; returns the exit code."""
-    try:
-        listener = socket.create_server((options.host, options.port), backlog=4096)
-    except OSError as e:
-        raise ValueError(f"cannot listen on {options.host}:{options.port}: {e.strerror}") from e
+def serve_with_api_servers(
+    config: EngineConfig, options: ServeOptions, count: int, listener: socket.socket
+) -> int:
+    """Run ``count`` fronts on ``listener`` and the core until a signal; returns the exit
+    code."""
     listener.set_inheritable(True)
     metrics_dir = tempfile.mkdtemp(prefix="heron-metrics-")
     endpoints = front_endpoints(count)

@@ -22,6 +22,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
 
 from heron import __version__, envs
 from heron.chat_template import apply_chat_template
@@ -29,7 +30,7 @@ from heron.engine.core_client import EngineCoreClient, EngineDeadError, StepErro
 from heron.engine.request import Logprob
 from heron.outputs import CompletionOutput, RequestOutput
 from heron.sampling_params import SamplingParams
-from heron.server.chat_output import ChatOutputConfig, ChatOutputParser, MessagePiece
+from heron.server.chat_output import ChatOutputConfig, ChatOutputParser
 from heron.server.metrics import ServerMetrics
 from heron.server.protocol import (
     AssistantMessage,
@@ -63,6 +64,7 @@ from heron.server.reasoning import reasoning_tokens
 from heron.server.request_body import (
     DEFAULT_MAX_REQUEST_BODY_BYTES,
     BodyTooLargeError,
+    UnsupportedMediaTypeError,
     off_loop_if_large,
     parse_body,
 )
@@ -93,6 +95,7 @@ _ERROR_TYPES = {
     404: "not_found_error",
     405: "invalid_request_error",
     413: "invalid_request_error",
+    415: "invalid_request_error",
     500: "internal_server_error",
     503: "service_unavailable_error",
 }
@@ -172,8 +175,12 @@ class OpenAIServing:
         max_request_body_bytes: int,
         trust_request_chat_template: bool,
         chat_output: ChatOutputConfig | None = None,
+        chat_template: str | None = None,
     ) -> None:
+        """``chat_template``: the server's, used when a request brings none (None: the
+        tokenizer's)."""
         self.engine = engine
+        self.chat_template = chat_template
         self.chat_output = chat_output or ChatOutputConfig()
         self.tokenizer = engine.tokenizer
         parser = self.chat_output.reasoning_parser
@@ -194,7 +201,7 @@ class OpenAIServing:
 
     def output_parser(self, body: ChatCompletionRequest) -> ChatOutputParser:
         """A fresh parser of one choice's text (reasoning, tool calls) for this request."""
-        return ChatOutputParser(self.chat_output, bool(body.tools), body.effective_tool_choice)
+        return ChatOutputParser(self.chat_output, body.tools, body.effective_tool_choice)
 
     def check_model(self, model: str | None) -> None:
         if model is not None and model != self.model_name:
@@ -274,6 +281,7 @@ class OpenAIServing:
                     param="chat_template",
                 )
             size = math.inf  # its cost is not the input's: never on the event loop
+        template = self.chat_template if body.chat_template is None else body.chat_template
 
         def render() -> list[int]:
             return apply_chat_template(
@@ -281,7 +289,7 @@ class OpenAIServing:
                 conversation,
                 body.add_generation_prompt,
                 tools,
-                body.chat_template,
+                template,
                 body.chat_template_kwargs,
             )
 
@@ -295,9 +303,17 @@ class OpenAIServing:
     def check_context(
         self, num_prompt_tokens: int, body: CompletionRequest | ChatCompletionRequest
     ) -> None:
-        """Refuse ``max_tokens`` that would run past the context, as vLLM does (a prompt that
-        alone is too long is refused by the engine)."""
+        """Refuse a prompt that leaves no room for a new token, and ``max_tokens`` that would
+        run past the context, as vLLM does (a prompt that alone is too long is refused by the
+        engine)."""
         max_tokens, limit = body.requested_max_tokens, self.max_model_len
+        if num_prompt_tokens == limit:
+            raise APIError(
+                400,
+                f"the prompt's {num_prompt_tokens} tokens fill the context length "
+                f"(max_model_len={limit}): no new token fits",
+                param="messages" if isinstance(body, ChatCompletionRequest) else "prompt",
+            )
         if max_tokens is None or num_prompt_tokens > limit:
             return
         if num_prompt_tokens + max_tokens > limit:
@@ -480,15 +496,22 @@ def build_app(
     max_request_body_bytes: int = DEFAULT_MAX_REQUEST_BODY_BYTES,
     trust_request_chat_template: bool = False,
     chat_output: ChatOutputConfig | None = None,
+    chat_template: str | None = None,
 ) -> FastAPI:
     """The FastAPI app serving ``engine`` as ``served_model_name``; ``api_key`` guards /v1;
-    ``chat_output`` names the reasoning and tool-call parsers of chat replies.
+    ``chat_output`` names the reasoning and tool-call parsers of chat replies;
+    ``chat_template`` replaces the tokenizer's.
 
     Routes read their bodies themselves (:meth:`OpenAIServing.parse`), so the API key is
     checked before a body is read and the size limit holds while it is read.
     """
     serving = OpenAIServing(
-        engine, served_model_name, max_request_body_bytes, trust_request_chat_template, chat_output
+        engine,
+        served_model_name,
+        max_request_body_bytes,
+        trust_request_chat_template,
+        chat_output,
+        chat_template,
     )
 
     @asynccontextmanager
@@ -517,14 +540,18 @@ def build_app(
     async def version() -> dict[str, str]:
         return {"version": __version__}
 
+    card = ModelCard(
+        id=served_model_name, root=engine.model_path, max_model_len=serving.max_model_len
+    )
+
     @api.get("/v1/models")
     async def models() -> ModelList:
-        card = ModelCard(
-            id=served_model_name,
-            root=engine.model_path,
-            max_model_len=serving.max_model_len,
-        )
         return ModelList(data=[card])
+
+    @api.get("/v1/models/{model_id:path}")
+    async def model(model_id: str) -> ModelCard:
+        serving.check_model(model_id)
+        return card
 
     @api.post("/tokenize")
     async def tokenize(request: Request) -> TokenizeResponse:
@@ -629,8 +656,7 @@ def build_app(
         (output,) = await _final_outputs(serving, request, started)
         choices = []
         for sample in output.outputs:
-            parser = serving.output_parser(body)
-            piece = _joined(parser.feed(sample.text), parser.finish())
+            piece = serving.output_parser(body).whole(sample.text)
             choices.append(
                 ChatChoice(
                     index=sample.index,
@@ -724,14 +750,6 @@ def build_app(
 
     app.include_router(api)
     return app
-
-
-def _joined(first: MessagePiece, second: MessagePiece) -> MessagePiece:
-    return MessagePiece(
-        first.reasoning + second.reasoning,
-        first.content + second.content,
-        first.tool_calls + second.tool_calls,
-    )
 
 
 def _delta_tool_call(delta: ToolCallDelta) -> DeltaToolCall:
@@ -903,7 +921,7 @@ async def _chat_stream(
             else:
                 piece = parser.feed(text)
                 if finished:
-                    piece = _joined(piece, parser.finish())
+                    piece += parser.finish()
                 if not (piece.reasoning or piece.content or piece.tool_calls):
                     if not (finished or logprobs):
                         continue  # held back: it may be part of a tag
@@ -913,7 +931,9 @@ async def _chat_stream(
                     reasoning_content=piece.reasoning or None,
                     tool_calls=[_delta_tool_call(d) for d in piece.tool_calls] or None,
                 )
-                finish_reason = _chat_finish_reason(sample.finish_reason, called[sample.index])
+                finish_reason = _chat_finish_reason(
+                    sample.finish_reason, called[sample.index] and not parser.broken
+                )
             choice = ChatChunkChoice(
                 index=sample.index,
                 delta=delta,
@@ -968,14 +988,9 @@ def _add_error_handlers(app: FastAPI) -> None:
                 f"the request body is not valid JSON: {invalid.get('msg')}",
                 code="invalid_json",
             )
-        first = errors[0] if errors else {}
-        # loc is ("body", field, ...): name the field, as OpenAI's param does.
-        loc = [str(part) for part in first.get("loc", ()) if part != "body"]
-        message = "; ".join(
-            f"{'.'.join(str(p) for p in err.get('loc', ()) if p != 'body')}: {err.get('msg')}"
-            for err in errors
-        )
-        return error_response(400, message, param=".".join(loc) or None)
+        params = [_param(err.get("loc", ())) for err in errors]
+        message = "; ".join(f"{p}: {err.get('msg')}" for p, err in zip(params, errors))
+        return error_response(400, message, param=params[0] if params else None)
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request: Request, e: StarletteHTTPException) -> JSONResponse:
@@ -996,8 +1011,15 @@ def _add_error_handlers(app: FastAPI) -> None:
     async def body_too_large(request: Request, e: BodyTooLargeError) -> JSONResponse:
         return error_response(413, str(e), code="request_too_large")
 
+    @app.exception_handler(UnsupportedMediaTypeError)
+    async def not_json(request: Request, e: UnsupportedMediaTypeError) -> JSONResponse:
+        return error_response(415, str(e), param="Content-Type", code="unsupported_media_type")
+
+    @app.exception_handler(ClientDisconnect)  # while the body was read
     @app.exception_handler(ClientDisconnected)
-    async def client_disconnected(request: Request, e: ClientDisconnected) -> Response:
+    async def client_disconnected(
+        request: Request, e: ClientDisconnected | ClientDisconnect
+    ) -> Response:
         # A normal event, not a failure: one line, no traceback. Nobody reads the response.
         logger.info(
             "client left %s %s; its requests were aborted", request.method, request.url.path
@@ -1008,3 +1030,19 @@ def _add_error_handlers(app: FastAPI) -> None:
     async def internal_error(request: Request, e: Exception) -> JSONResponse:
         # Starlette still logs the traceback; the client gets OpenAI's error body.
         return error_response(500, f"internal server error: {e!r}")
+
+
+# What pydantic puts in an error's location besides field names and indices: the member of a
+# union that was tried ("str", "list[constrained-int]", ...).
+_TYPE_TAGS = frozenset({"str", "int", "float", "bool"})
+
+
+def _param(loc: Sequence[str | int]) -> str:
+    """The field an error's location names, as OpenAI's ``param`` (``messages.0.role``)."""
+    parts = [
+        str(part)
+        for part in loc
+        if part != "body"
+        and (isinstance(part, int) or (part.isidentifier() and part not in _TYPE_TAGS))
+    ]
+    return ".".join(parts)

@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from heron.server.reasoning import REASONING_STARTS_OPEN, reasoning_parser
-from heron.server.structured_protocol import NamedToolChoice, ToolChoice
+from heron.server.structured_protocol import ChatTool, NamedToolChoice, ToolChoice
 from heron.server.tool_parsers import TOOL_PARSERS, ForcedToolParser, ToolCallDelta
 
 
@@ -17,6 +17,13 @@ class MessagePiece:
     reasoning: str = ""
     content: str = ""
     tool_calls: list[ToolCallDelta] = field(default_factory=list)
+
+    def __add__(self, other: MessagePiece) -> MessagePiece:
+        return MessagePiece(
+            self.reasoning + other.reasoning,
+            self.content + other.content,
+            self.tool_calls + other.tool_calls,
+        )
 
 
 @dataclass(frozen=True)
@@ -60,22 +67,38 @@ class ChatOutputConfig:
 
 
 class ChatOutputParser:
-    """Splits a choice's text (``feed`` per delta, then ``finish``) into message pieces."""
+    """Splits a choice's text (``feed`` per delta, then ``finish``; ``whole`` for a reply that
+    is not streamed) into message pieces."""
 
-    def __init__(self, config: ChatOutputConfig, has_tools: bool, choice: ToolChoice) -> None:
+    def __init__(
+        self, config: ChatOutputConfig, tools: list[ChatTool] | None, choice: ToolChoice
+    ) -> None:
         name = config.reasoning_parser
         self._reasoning = reasoning_parser(name) if name is not None else None
+        has_tools = bool(tools)
         self._tools = None
+        self._tool_text = ""  # the text the tool parser read
         if has_tools and isinstance(choice, NamedToolChoice):
             self._tools = ForcedToolParser(choice.function.name)
         elif has_tools and choice == "required":
             self._tools = ForcedToolParser(None)
         elif has_tools and choice == "auto":
-            self._tools = TOOL_PARSERS[config.tool_call_parser]()
+            names = frozenset(t.function.name for t in tools)
+            self._tools = TOOL_PARSERS[config.tool_call_parser](names)
 
     @property
     def active(self) -> bool:
         return self._reasoning is not None or self._tools is not None
+
+    @property
+    def broken(self) -> bool:
+        """Whether a tool call the parser sent did not end as a valid call."""
+        return self._tools is not None and self._tools.broken
+
+    def whole(self, text: str) -> MessagePiece:
+        """The message of a whole reply; one with a broken tool call is plain content."""
+        piece = self.feed(text) + self.finish()
+        return MessagePiece(piece.reasoning, self._tool_text) if self.broken else piece
 
     def feed(self, text: str) -> MessagePiece:
         reasoning, content = self._reasoning.feed(text) if self._reasoning else ("", text)
@@ -88,6 +111,7 @@ class ChatOutputParser:
     def _with_tools(self, reasoning: str, content: str, finish: bool) -> MessagePiece:
         if self._tools is None:
             return MessagePiece(reasoning, content)
+        self._tool_text += content
         content, calls = self._tools.feed(content)
         if finish:
             rest, more = self._tools.finish()

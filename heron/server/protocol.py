@@ -4,9 +4,18 @@ from __future__ import annotations
 
 import json
 import time
-from typing import Any, ClassVar, Literal
+from typing import Annotated, Any, ClassVar, Literal, get_args
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_serializer
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    Strict,
+    ValidationInfo,
+    field_validator,
+    model_serializer,
+    model_validator,
+)
 
 from heron.sampling_params import SamplingParams
 from heron.server.structured_protocol import (
@@ -19,15 +28,33 @@ from heron.server.structured_protocol import (
 from heron.server.tool_parsers import forced_tool_schema
 from heron.structured import StructuredOutputsParams
 
+# A token id as JSON gives it: an integer (neither a bool nor a float) that the engine's int64
+# tensors can hold; the vocabulary is checked later.
+TokenId = Annotated[int, Strict(), Field(ge=0, le=2**63 - 1)]
+# A count of new tokens, when given.
+PositiveInt = Annotated[int, Field(ge=1)]
 
-class StreamOptions(BaseModel):
+
+class NullIsUnset(BaseModel):
+    """A request body in which an explicit ``null`` means "not given": OpenAI's schema makes
+    its fields nullable, and clients other than the official SDK send nulls. A field whose own
+    type takes None keeps it (``max_tokens: null``: no limit)."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _drop_nulls(cls, data: Any) -> Any:
+        if not isinstance(data, dict):
+            return data
+        return {k: v for k, v in data.items() if v is not None or _takes_none(cls, k)}
+
+
+def _takes_none(model: type[BaseModel], name: str) -> bool:
+    field = model.model_fields.get(name)
+    return field is not None and type(None) in get_args(field.annotation)
+
+
+class StreamOptions(NullIsUnset):
     include_usage: bool = False
-
-
-# OpenAI fields about storage, billing and identity: accepted, as they do not change the output.
-_NO_EFFECT_FIELDS = frozenset(
-    {"user", "metadata", "store", "service_tier", "prompt_cache_key", "safety_identifier"}
-)
 
 
 class UnsupportedFieldError(ValueError):
@@ -38,7 +65,7 @@ class UnsupportedFieldError(ValueError):
         self.name = name
 
 
-class _SamplingRequest(StructuredRequestFields):
+class _SamplingRequest(StructuredRequestFields, NullIsUnset):
     """Fields shared by completions and chat completions.
 
     Unknown fields are kept (``extra="allow"``) so that :meth:`check_supported` can reject
@@ -48,6 +75,14 @@ class _SamplingRequest(StructuredRequestFields):
     model_config = ConfigDict(extra="allow")
 
     model: str | None = None
+    # OpenAI's fields about storage, billing and identity: accepted, as they do not change
+    # the output, but typed.
+    user: str | None = None
+    metadata: dict[str, str] | None = None
+    store: bool | None = None
+    service_tier: str | None = None
+    prompt_cache_key: str | None = None
+    safety_identifier: str | None = None
     n: int = 1
     best_of: int | None = None
     temperature: float | None = None
@@ -71,10 +106,12 @@ class _SamplingRequest(StructuredRequestFields):
     prompt_logprobs: int | None = None  # top-N per prompt token, returned apart from `logprobs`
 
     def check_supported(self) -> None:
-        """Raise :class:`UnsupportedFieldError` for the first field Heron cannot honour."""
+        """Raise :class:`UnsupportedFieldError` for the first field Heron cannot honour, a
+        ``ValueError`` naming a field that contradicts another."""
         for name in self.model_extra or {}:
-            if name not in _NO_EFFECT_FIELDS:
-                raise UnsupportedFieldError(name)
+            raise UnsupportedFieldError(name)
+        if self.stream_options is not None and not self.stream:
+            raise ValueError("stream_options needs stream=true")
         if self.best_of is not None and self.best_of != self.n:
             raise UnsupportedFieldError(
                 "best_of", f"best_of must equal n ({self.n}): every sample is returned"
@@ -126,7 +163,7 @@ class _SamplingRequest(StructuredRequestFields):
 
 
 class CompletionRequest(_SamplingRequest):
-    prompt: str | list[str] | list[int] | list[list[int]]
+    prompt: str | list[str] | list[TokenId] | list[list[TokenId]]
     max_tokens: int | None = 16
     logprobs: int | None = None
     echo: bool = False
@@ -158,7 +195,7 @@ class CompletionRequest(_SamplingRequest):
 
 
 class ChatMessage(BaseModel):
-    role: str
+    role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[dict[str, Any]] | None = None
     name: str | None = None
     tool_calls: list[ToolCall] | None = None  # an assistant turn that called tools
@@ -174,6 +211,13 @@ class ChatMessage(BaseModel):
                     "(this server takes text parts only)"
                 )
         return content
+
+    @model_validator(mode="after")
+    def _content_unless_assistant(self) -> ChatMessage:
+        # (an assistant turn that called tools may have none)
+        if self.content is None and self.role != "assistant":
+            raise ValueError(f"a {self.role} message needs content")
+        return self
 
     def text(self) -> str:
         """The content as one string (the text parts of a multi-part message joined)."""
@@ -199,8 +243,8 @@ def _conversation(messages: list[ChatMessage]) -> list[dict[str, Any]]:
 
 class ChatCompletionRequest(_SamplingRequest):
     messages: list[ChatMessage] = Field(min_length=1)
-    max_tokens: int | None = None
-    max_completion_tokens: int | None = None
+    max_tokens: PositiveInt | None = None
+    max_completion_tokens: PositiveInt | None = None
     logprobs: bool = False
     top_logprobs: int | None = None
     add_generation_prompt: bool = True
@@ -232,7 +276,9 @@ class ChatCompletionRequest(_SamplingRequest):
     @property
     def requested_max_tokens(self) -> int | None:
         # OpenAI's default is "until the context ends"; max_completion_tokens supersedes.
-        return self.max_completion_tokens or self.max_tokens
+        if self.max_completion_tokens is not None:
+            return self.max_completion_tokens
+        return self.max_tokens
 
     def template_tools(self) -> list[dict[str, Any]] | None:
         """The tools as chat templates take them (``tools=``)."""
@@ -386,7 +432,7 @@ class ModelList(BaseModel):
     data: list[ModelCard]
 
 
-class TokenizeRequest(BaseModel):
+class TokenizeRequest(NullIsUnset):
     model: str | None = None
     prompt: str | None = None
     messages: list[ChatMessage] | None = None
@@ -405,9 +451,9 @@ class TokenizeResponse(BaseModel):
     max_model_len: int
 
 
-class DetokenizeRequest(BaseModel):
+class DetokenizeRequest(NullIsUnset):
     model: str | None = None
-    tokens: list[int]
+    tokens: list[TokenId]
 
 
 class DetokenizeResponse(BaseModel):

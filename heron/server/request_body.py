@@ -20,6 +20,25 @@ Body = TypeVar("Body", bound=BaseModel)
 T = TypeVar("T")
 
 
+class UnsupportedMediaTypeError(Exception):
+    """A JSON route's body is not declared as JSON (answered 415). Reading it anyway would let
+    any web page drive the server: a ``text/plain`` POST is a CORS "simple request", which a
+    browser sends without asking the server first."""
+
+    def __init__(self, content_type: str | None) -> None:
+        super().__init__(
+            f"the request body must be JSON (Content-Type: application/json), "
+            f"not {content_type or 'undeclared'}"
+        )
+
+
+def _declares_json(content_type: str | None) -> bool:
+    """``application/json`` or ``application/*+json``, with any parameters (FastAPI's rule)."""
+    media = (content_type or "").split(";", 1)[0].strip().lower()
+    kind, _, subtype = media.partition("/")
+    return kind == "application" and (subtype == "json" or subtype.endswith("+json"))
+
+
 class BodyTooLargeError(Exception):
     """The body is larger than the server accepts (answered 413)."""
 
@@ -51,7 +70,11 @@ async def off_loop_if_large(
 
 
 async def parse_body(request: Request, model: type[Body], limit: int) -> Body:
-    """Read and validate the body as ``model`` (a large one in a worker thread)."""
+    """Read and validate the body as ``model`` (a large one in a worker thread), if it is
+    declared as JSON."""
+    content_type = request.headers.get("content-type")
+    if not _declares_json(content_type):
+        raise UnsupportedMediaTypeError(content_type)
     body = await read_body(request, limit)
     try:
         return await off_loop_if_large(len(body), lambda: model.model_validate_json(body))

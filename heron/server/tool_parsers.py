@@ -5,6 +5,10 @@ that is not streamed is one ``feed`` of the whole text. Text that is not a call 
 as content as soon as it cannot start one. A call comes out as :class:`ToolCallDelta`s, as
 OpenAI streams it: the first names the function as soon as its name is complete, the next ones
 carry the arguments' JSON text as it arrives (:func:`join_tool_calls` makes whole calls).
+
+A call must name one of the request's tools (one that does not stays text) and have arguments
+that are a JSON object: a parser that sent a call which ends otherwise (cut short, or its JSON
+broken) says so (``broken``), and the reply is then plain content, as vLLM's parsers fall back.
 """
 
 from __future__ import annotations
@@ -68,14 +72,15 @@ class _CallObject:
 
     Brackets are counted outside strings, so the end of the arguments and of the object are
     known as they arrive. Once the text up to the arguments' opening brace is in, the name goes
-    out, and then the arguments' text as it comes (``streaming``); an object whose keys come in
-    another order is only parsed whole at its end.
+    out if it is one of ``names``, and then the arguments' text as it comes (``streaming``); an
+    object whose keys come in another order is only parsed whole at its end.
     """
 
-    def __init__(self, index: int) -> None:
-        self.index = index
+    def __init__(self, index: int, names: frozenset[str]) -> None:
+        self.index, self.names = index, names
         self.text = ""
         self.end: int | None = None  # just past the object's closing brace, once seen
+        self._arguments_start: int | None = None
         self._arguments_end: int | None = None
         self._sent: int | None = None  # arguments sent up to here; None: the name not yet
         self._depth, self._in_string, self._escaped = 0, False, False
@@ -84,6 +89,18 @@ class _CallObject:
     def streaming(self) -> bool:
         return self._sent is not None
 
+    @property
+    def complete(self) -> bool:
+        """Whether a streamed call ended as a call: the object closed, its arguments an
+        object."""
+        if self.end is None or self._arguments_end is None:
+            return False
+        try:
+            arguments = json.loads(self.text[self._arguments_start : self._arguments_end])
+        except ValueError:
+            return False
+        return isinstance(arguments, dict)
+
     def feed(self, text: str) -> list[ToolCallDelta]:
         scanned = len(self.text)
         self.text += text
@@ -91,11 +108,15 @@ class _CallObject:
             self._scan(scanned)
         deltas = []
         if self._sent is None:
-            head = _CALL_HEAD.match(self.text)
+            head = _CALL_HEAD.match(self.text) if self._arguments_start is None else None
             if head is None:
                 return []
+            self._arguments_start = head.end()
+            name = json.loads(head[1])
+            if name not in self.names:
+                return []  # not a call: parsed whole at its end, where it is refused
             self._sent = head.end()
-            deltas.append(ToolCallDelta(self.index, "", _call_id(), json.loads(head[1])))
+            deltas.append(ToolCallDelta(self.index, "", _call_id(), name))
         stop = len(self.text) if self._arguments_end is None else self._arguments_end
         if stop > self._sent:
             fragment, self._sent = self.text[self._sent : stop], stop
@@ -133,7 +154,7 @@ class _CallObject:
             data = json.loads(self.text)
         except ValueError:
             return None
-        if not isinstance(data, dict):
+        if not isinstance(data, dict) or data.get("name") not in self.names:
             return None
         arguments = data.get("arguments", data.get("parameters", {}))
         return _whole_call(self.index, data.get("name"), arguments)
@@ -142,14 +163,16 @@ class _CallObject:
 class HermesToolParser:
     """Hermes / Qwen: ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>``, repeated.
 
-    A call whose name and arguments stream is the model's call whatever follows; one that is
-    not recognised so (other keys, broken JSON) is parsed at its closing tag, and stays
-    content when it is not a call.
+    A call whose name and arguments stream is sent as it comes, and is ``broken`` if its JSON
+    does not end as a call's; one that is not recognised so (other keys, an unknown name) is
+    parsed at its closing tag, and stays content (the reply ``broken``) when it is not a call.
     """
 
     OPEN, CLOSE = "<tool_call>", "</tool_call>"
 
-    def __init__(self) -> None:
+    def __init__(self, names: frozenset[str]) -> None:
+        self.names = names
+        self.broken = False
         self._buffer = ""
         self._call: _CallObject | None = None
         self._num_calls = 0
@@ -179,7 +202,7 @@ class HermesToolParser:
                 return "".join(content), deltas
             content.append(self._buffer[:start])
             self._buffer = self._buffer[start + len(self.OPEN) :]
-            self._call = _CallObject(self._num_calls)
+            self._call = _CallObject(self._num_calls, self.names)
 
     def finish(self) -> ParsedText:
         """What is left: an unclosed call still counts if it streamed or its JSON is whole."""
@@ -196,9 +219,11 @@ class HermesToolParser:
         call, self._call = self._call, None
         if call.streaming:
             self._num_calls += 1
+            self.broken |= not call.complete
             return "", []
         whole = call.whole()
         if whole is None:
+            self.broken = True
             return self.OPEN + call.text + (self.CLOSE if closed else ""), []
         self._num_calls += 1
         return "", [whole]
@@ -211,7 +236,9 @@ class Llama3JsonToolParser:
 
     TAG = "<|python_tag|>"
 
-    def __init__(self) -> None:
+    def __init__(self, names: frozenset[str]) -> None:
+        self.names = names
+        self.broken = False  # a streamed call did not end as a call
         self._buffer = ""
         self._is_call: bool | None = None  # undecided until the first visible character
         self._calls: list[_CallObject] = []  # the last one may still be streaming
@@ -242,7 +269,7 @@ class Llama3JsonToolParser:
                     break
                 if not self._buffer.startswith("{"):
                     return self._give_up(deltas)
-                call = _CallObject(len(self._calls))
+                call = _CallObject(len(self._calls), self.names)
                 self._calls.append(call)
             deltas += call.feed(self._buffer)
             if call.end is None:
@@ -250,6 +277,7 @@ class Llama3JsonToolParser:
                 break
             self._buffer = call.text[call.end :]
             call.text = call.text[: call.end]
+            self.broken |= call.streaming and not call.complete
             if not call.streaming:
                 whole = call.whole()
                 if whole is None:
@@ -273,7 +301,8 @@ class Llama3JsonToolParser:
             return "", []
         open_call = self._calls[-1] if self._calls and self._calls[-1].end is None else None
         if open_call is None or open_call.streaming:
-            return "", []  # a streamed call cut short ends with the arguments sent
+            self.broken |= open_call is not None  # a streamed call cut short
+            return "", []
         self._calls.pop()
         self._buffer = open_call.text
         return self._give_up([])
@@ -283,6 +312,8 @@ class ForcedToolParser:
     """``tool_choice="required"`` (a JSON array of ``{"name", "parameters"}``) or a named
     function (a JSON object, its arguments): the grammar made the text, so it is all calls,
     each sent whole at the end."""
+
+    broken = False  # what is not a call stays text
 
     def __init__(self, function_name: str | None) -> None:
         self._function_name = function_name
@@ -317,7 +348,9 @@ def forced_tool_schema(
     tools: list[ChatTool], choice: str | NamedToolChoice, parallel: bool
 ) -> dict[str, Any] | None:
     """The JSON schema that makes ``required`` or a named choice a tool call (None otherwise);
-    ``ValueError`` if the named function is not among the tools."""
+    ``ValueError`` if the named function is not among the tools. ``required`` makes at most
+    one call per tool (one in all unless ``parallel``): an unbounded array would let a model
+    repeat calls until ``max_tokens``."""
     parameters = {
         t.function.name: t.function.parameters or {"type": "object", "properties": {}}
         for t in tools
@@ -337,7 +370,9 @@ def forced_tool_schema(
         }
         for name, schema in parameters.items()
     ]
-    array = {"type": "array", "items": {"anyOf": calls}, "minItems": 1}
-    if not parallel:
-        array["maxItems"] = 1
-    return array
+    return {
+        "type": "array",
+        "items": {"anyOf": calls},
+        "minItems": 1,
+        "maxItems": len(calls) if parallel else 1,
+    }

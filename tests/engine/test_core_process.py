@@ -111,6 +111,19 @@ def test_deltas_add_up_to_the_in_process_output(front, engine):
     assert logprobs == list(output.outputs[0].logprobs)
 
 
+def test_stats_go_out_when_a_step_starts(front):
+    """Before the step's tokens, the fronts learn what it runs (a long step would otherwise
+    show the engine idle while it runs)."""
+    front.send(AddRequest("a", [5, 6, 7, 8], SamplingParams(max_tokens=1)))
+    message = front.receive()
+    while message.stats is None or message.stats.num_requests_running == 0:
+        assert not message.deltas  # the step's tokens come after
+        message = front.receive()
+    assert message.deltas == [] and message.stats.num_requests_running == 1
+    assert message.stats.kv_cache_free_blocks < message.stats.kv_cache_total_blocks
+    assert front.deltas_until_finished("a")[-1].finished
+
+
 def test_invalid_request_is_rejected(front):
     front.send(AddRequest("empty", [], SamplingParams()))
     message = front.receive()
@@ -135,6 +148,8 @@ def test_failed_step_aborts_its_requests_and_the_core_goes_on(front, engine, mon
     monkeypatch.setattr(engine.runner, "launch", fail)
     front.send(AddRequest("doomed", [5, 6, 7], SamplingParams(max_tokens=3)))
     message = front.receive()
+    while isinstance(message, StepOutputs) and not message.deltas:
+        message = front.receive()  # the stats at the step's start
     assert isinstance(message, StepFailed) and message.request_ids == ["doomed"]
     assert "device lost" in message.message
     monkeypatch.undo()

@@ -292,18 +292,16 @@ def _full_and_sliding(specs) -> tuple[int, int]:
     return 1 - sliding, sliding
 
 
-def test_kv_budget_fits_the_same_number_of_sequences_in_every_group(gemma_dir, monkeypatch):
-    import heron.engine.builder as builder
-
+def test_kv_budget_fits_the_same_number_of_sequences_in_every_group(gemma_dir):
     path = gemma_dir("gemma2")  # 2 sliding (window 8) and 2 full layers, 2 KV heads of 16
     bs, chunk, max_len = 4, 16, 256
     per_block = 2 * 2 * bs * 2 * 16 * 4  # 2 layers, K and V, fp32
     b_full, b_sliding = max_len // bs, -(-(8 + chunk) // bs) + 1
     sequences = 3
     budget = sequences * (b_full + b_sliding) * per_block + 2 * per_block
-    monkeypatch.setattr(builder, "DEFAULT_HOST_KV_CACHE_BYTES", budget)
     llm = LLM(
         str(path),
+        kv_cache_memory_bytes=budget,
         max_model_len=max_len,
         block_size=bs,
         max_num_batched_tokens=chunk,

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import concurrent.futures
 import os
 import re
 import signal
@@ -190,18 +191,34 @@ def running_stream(client: openai.OpenAI):
     return chunks
 
 
-def kill_core_during_a_stream(client: openai.OpenAI, core_pid: int) -> None:
-    """Kill the engine core while a stream runs: the stream fails at once, naming the core's
-    death, and so does a new request, with 503."""
+def kill_core_during_requests(server: ServerHandle, core_pid: int) -> None:
+    """Kill the engine core while a stream and a whole completion run: both fail naming the
+    core's death (the whole one with 503), and the server exits with status 1, so that a
+    supervisor restarts the service."""
+    client = openai_client(server)
     chunks = running_stream(client)
-    os.kill(core_pid, signal.SIGKILL)
-    received = 0
-    # The stream fails on the core's death (a client timeout would raise APITimeoutError,
-    # whose message differs), long before its 450 tokens could have been produced.
-    with pytest.raises(openai.APIError, match="engine core process died"):
-        for _ in chunks:
-            received += 1
-    assert received < 449
-    with pytest.raises(openai.InternalServerError, match="engine core process died") as e:
-        client.completions.create(model=MODEL_NAME, prompt="Paris", max_tokens=2)
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        whole = pool.submit(
+            client.completions.create,
+            model=MODEL_NAME,
+            prompt="Paris",
+            max_tokens=450,
+            extra_body={"ignore_eos": True},
+        )
+        deadline = time.monotonic() + 30
+        while server.metrics()["heron:num_requests_running"] < 2:
+            assert time.monotonic() < deadline, "the whole completion did not start"
+            time.sleep(0.05)
+        os.kill(core_pid, signal.SIGKILL)
+        received = 0
+        # The stream fails on the core's death (a client timeout would raise APITimeoutError,
+        # whose message differs), long before its 450 tokens could have been produced.
+        with pytest.raises(openai.APIError, match="engine core process died"):
+            for _ in chunks:
+                received += 1
+        assert received < 449
+        with pytest.raises(openai.InternalServerError, match="engine core process died") as e:
+            whole.result()
     assert e.value.status_code == 503
+    assert server.proc.wait(timeout=30) == 1
+    assert "the engine core is gone; this API server shuts down" in server.log()

@@ -36,7 +36,7 @@ TOOLS = [
 def _feed(config, text, chunk, choice="auto"):
     """(reasoning, content, tool-call pieces) with the text fed ``chunk`` characters at a time
     (0: whole)."""
-    parser = ChatOutputParser(config, True, choice)
+    parser = ChatOutputParser(config, TOOLS, choice)
     pieces = [text[i : i + chunk] for i in range(0, len(text), chunk)] if chunk else [text]
     reasoning, content, deltas = "", "", []
     for piece in [*map(parser.feed, pieces), parser.finish()]:
@@ -86,7 +86,7 @@ def test_arguments_stream_as_they_arrive(name, text):
     """Fed a character at a time: the call is named once its arguments open, each argument
     character goes out when it arrives, and the call's last piece with its closing brace."""
     config = ChatOutputConfig(tool_call_parser=name, enable_auto_tool_choice=True)
-    parser = ChatOutputParser(config, True, "auto")
+    parser = ChatOutputParser(config, TOOLS, "auto")
     sent = [(i + 1, d) for i in range(len(text)) for d in parser.feed(text[i]).tool_calls]
     first_call = [(fed, d) for fed, d in sent if d.index == 0]
     arguments = '{"city": "Paris"}'
@@ -102,6 +102,64 @@ def test_calls_in_another_key_order_go_out_whole():
     reasoning, content, deltas = _feed(config, text, 1)
     (call,) = deltas
     assert (call.name, json.loads(call.arguments)) == ("get_time", {"zone": "utc"})
+
+
+HERMES_CONFIG = ChatOutputConfig(tool_call_parser="hermes", enable_auto_tool_choice=True)
+LLAMA3_CONFIG = ChatOutputConfig(tool_call_parser="llama3_json", enable_auto_tool_choice=True)
+
+
+@pytest.mark.parametrize(
+    "config, text",
+    [
+        # arguments cut by the closing tag
+        (
+            HERMES_CONFIG,
+            'Sure. <tool_call>{"name": "get_weather", "arguments": {"a": 2</tool_call>',
+        ),
+        # the object not closed
+        (HERMES_CONFIG, '<tool_call>{"name": "get_time", "arguments": {}</tool_call>'),
+        # a function not in tools
+        (HERMES_CONFIG, '<tool_call>{"name": "add", "arguments": {"a": 2}}</tool_call>'),
+        # a good call, then a broken one: the whole reply is content
+        (HERMES_CONFIG, HERMES + '<tool_call>{"name": "get_time", "arguments": [}</tool_call>'),
+        # cut short (max_tokens)
+        (HERMES_CONFIG, '<tool_call>{"name": "get_weather", "arguments": {"city": "Pa'),
+        (LLAMA3_CONFIG, '{"name": "get_weather", "parameters": {"city": "Pa'),
+        (LLAMA3_CONFIG, '{"name": "add", "parameters": {"a": 2}}'),
+    ],
+)
+def test_replies_with_calls_that_are_not_valid_are_content(config, text):
+    """As vLLM's parsers fall back: the reply as it was generated, no tool call."""
+    piece = ChatOutputParser(config, TOOLS, "auto").whole(text)
+    assert (piece.content, piece.tool_calls) == (text, [])
+
+
+@pytest.mark.parametrize("chunk", [1, 4])
+@pytest.mark.parametrize(
+    "text",
+    [
+        '<tool_call>{"name": "get_weather", "arguments": {"a": 2</tool_call>',
+        '<tool_call>{"name": "get_weather", "arguments": {"city": "Pa',
+    ],
+)
+def test_a_streamed_call_that_ends_broken_is_reported(chunk, text):
+    parser = ChatOutputParser(HERMES_CONFIG, TOOLS, "auto")
+    for i in range(0, len(text), chunk):
+        parser.feed(text[i : i + chunk])
+    parser.finish()
+    assert parser.broken
+
+
+@pytest.mark.parametrize("chunk", [1, 4])
+def test_a_function_not_in_tools_is_never_sent(chunk):
+    text = 'ok <tool_call>{"name": "add", "arguments": {"a": 2}}</tool_call>'
+    assert _feed(HERMES_CONFIG, text, chunk) == ("", text, [])
+
+
+@pytest.mark.parametrize("config, text", [(HERMES_CONFIG, HERMES), (LLAMA3_CONFIG, LLAMA3)])
+def test_valid_calls_are_not_broken(config, text):
+    parser = ChatOutputParser(config, TOOLS, "auto")
+    assert len(parser.whole(text).tool_calls) == 2 and not parser.broken
 
 
 @pytest.mark.parametrize("chunk", [0, 1, 5])
@@ -136,6 +194,8 @@ def test_forced_choices():
     assert _parse(config, '{"cut', 0, named) == ("", '{"cut', [])  # cut short: kept as text
     schema = forced_tool_schema(TOOLS, "required", parallel=False)
     assert schema["maxItems"] == 1 and len(schema["items"]["anyOf"]) == 2
+    # parallel calls: at most one per tool, so a grammar cannot repeat calls until max_tokens
+    assert forced_tool_schema(TOOLS, "required", parallel=True)["maxItems"] == 2
     assert forced_tool_schema(TOOLS, named, parallel=True) == {"type": "object", "properties": {}}
     missing = NamedToolChoice.model_validate({"function": {"name": "nope"}})
     with pytest.raises(ValueError, match="'nope', which is not in tools"):

@@ -21,6 +21,7 @@ from openai_server import API_KEY, MAX_MODEL_LEN, MODEL_NAME
 PROMPT = "The quick brown fox"
 MESSAGES = [{"role": "user", "content": "Where is Paris?"}]
 BODY_LIMIT = 16 << 20  # the server's default
+JSON = {"Content-Type": "application/json"}
 
 
 def _error(response: httpx.Response, status: int) -> dict:
@@ -169,7 +170,7 @@ def test_max_tokens_beyond_the_context(client, http):
 @pytest.mark.parametrize("route", ["/v1/completions", "/tokenize"])
 def test_lone_surrogates_are_a_400(http, route):
     body = b'{"prompt": "fox \\ud800 jumps", "max_tokens": 2}'
-    error = _error(http.post(route, content=body), 400)
+    error = _error(http.post(route, content=body, headers=JSON), 400)
     assert error["code"] == "invalid_json" and "escape" in error["message"]
 
 
@@ -262,7 +263,7 @@ def test_api_key_is_checked_before_the_body(server):
 
 
 def test_bodies_over_the_limit_are_413(server):
-    auth = {"Authorization": f"Bearer {API_KEY}"}
+    auth = {"Authorization": f"Bearer {API_KEY}", **JSON}
     declared = _raw_post(server, {**auth, "Content-Length": str(BODY_LIMIT + 1)})
     assert declared == "HTTP/1.1 413 Request Entity Too Large"
     # Without a Content-Length the limit holds while the body is read: one chunk past it.
@@ -293,7 +294,7 @@ def test_health_answers_while_a_large_body_is_processed(server, http):
         health_sent.set()
 
     def big() -> httpx.Response:
-        response = http.post("/v1/completions", content=body_then_health())
+        response = http.post("/v1/completions", content=body_then_health(), headers=JSON)
         order.append("big")
         return response
 

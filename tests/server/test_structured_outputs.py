@@ -6,12 +6,10 @@ from __future__ import annotations
 
 import json
 import re
-import shutil
 
 import jsonschema
 import openai
 import pytest
-from transformers import AutoTokenizer
 
 from json_schemas import SCHEMAS
 from openai_server import (
@@ -59,13 +57,13 @@ PARAMETERS = {t["function"]["name"]: t["function"]["parameters"] for t in TOOLS}
 
 @pytest.fixture(scope="module")
 def tools_server(tiny_model_dir, tmp_path_factory):
-    model_dir = tmp_path_factory.mktemp("tools-model")
-    shutil.copytree(tiny_model_dir("qwen2"), model_dir, dirs_exist_ok=True)
-    tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    tokenizer.chat_template = TOOLS_TEMPLATE
-    tokenizer.save_pretrained(model_dir)
+    """The tiny model, its template replaced by ``--chat-template FILE``."""
+    template = tmp_path_factory.mktemp("template") / "tools.jinja"
+    template.write_text(TOOLS_TEMPLATE)
     flags = ["--enable-auto-tool-choice", "--tool-call-parser", "hermes"]
-    handle = start_server(model_dir, "--api-key", API_KEY, *flags)
+    handle = start_server(
+        tiny_model_dir("qwen2"), "--api-key", API_KEY, "--chat-template", str(template), *flags
+    )
     yield handle
     stop_server(handle)
 
@@ -222,3 +220,36 @@ def test_tools_reach_the_template_and_bad_choices_are_400(tools_client):
         _chat(
             tools_client, tools=TOOLS, tool_choice={"type": "function", "function": {"name": "x"}}
         )
+
+
+# Hermes-format replies that are not valid calls, made by grammars: arguments cut by the closing
+# tag, and a function not in tools.
+NOT_CALLS = [
+    r'ok <tool_call>\{"name": "get_time", "arguments": \{"zone": "utc"</tool_call>',
+    r'ok <tool_call>\{"name": "add", "arguments": \{"a": 2\}\}</tool_call>',
+]
+
+
+@pytest.mark.parametrize("regex", NOT_CALLS, ids=["broken", "unknown"])
+def test_hermes_replies_that_are_not_valid_calls_are_content(tools_server, tools_client, regex):
+    kwargs = dict(tools=TOOLS, max_tokens=128, extra_body={"structured_outputs": {"regex": regex}})
+    (choice,) = _chat(tools_client, **kwargs).choices
+    text = regex.replace("\\", "")
+    assert (choice.message.content, choice.message.tool_calls) == (text, [])
+    assert choice.finish_reason == "stop"
+    content, calls, finish, _ = _streamed_calls(_chat(tools_client, stream=True, **kwargs))
+    assert finish == "stop"
+    if "add" in regex:
+        assert (content, calls) == (text, {})  # never sent as a call
+    tools_server.wait_idle(timeout=30)
+
+
+def test_required_parallel_calls_are_bounded(tools_client):
+    """At most one call per tool: an unbounded array let a random model loop to max_tokens."""
+    forced = dict(tools=TOOLS, tool_choice="required", parallel_tool_calls=True)
+    response = _chat(tools_client, temperature=1.0, max_tokens=400, n=5, seed=11, **forced)
+    for choice in response.choices:
+        assert choice.finish_reason == "tool_calls", choice.message.content
+        assert choice.message.content is None and 1 <= len(choice.message.tool_calls) <= 2
+        for call in choice.message.tool_calls:
+            jsonschema.validate(json.loads(call.function.arguments), PARAMETERS[call.function.name])
