@@ -49,8 +49,7 @@ _ENGINE_FLAG_HELP = {
     "tensor_parallel_size": "split the model over this many GPUs (processes) of the host; "
     "under torchrun, over its ranks (python -m heron.distributed.launch)",
     "long_prefill_token_threshold": "prefills of more tokens are long: while others wait, "
-    "a long one computes this many a step (default: 4%% of max_model_len, at most half "
-    "the token budget; 0: none is long)",
+    "a long one computes this many a step (default: half the token budget; 0: none is long)",
     "max_num_partial_prefills": "most prefills in progress at once (default: no limit)",
     "max_long_partial_prefills": "most long prefills in progress at once; short prompts pass "
     "the others (default: no limit)",

@@ -177,9 +177,9 @@ class EngineConfig:
     # {"method": "ngram", "num_speculative_tokens": k, ...}: see SpeculativeConfig
     speculative_config: dict[str, Any] | None = None
     tensor_parallel_size: int = 1  # ranks one model is split over (one process each)
-    # Fair prefill (vLLM's names): prefills of more tokens are long (None: 4% of max_model_len,
-    # at most half the step's token budget; 0: none is); how many prefills, and long ones, may
-    # be in progress at once (None: no limit).
+    # Fair prefill (vLLM's names): prefills of more tokens are long (None: half the step's
+    # token budget; 0: none is); how many prefills, and long ones, may be in progress at once
+    # (None: no limit).
     long_prefill_token_threshold: int | None = None
     max_num_partial_prefills: int | None = None
     max_long_partial_prefills: int | None = None

@@ -453,7 +453,7 @@ class TokenizeResponse(BaseModel):
 
 class DetokenizeRequest(NullIsUnset):
     model: str | None = None
-    tokens: list[TokenId]
+    tokens: list[int]  # checked against the vocabulary
 
 
 class DetokenizeResponse(BaseModel):

@@ -54,7 +54,7 @@ def _steps_to_first_token(engine: LLMEngine, request_id: str) -> int:
 def test_a_short_prompt_beside_a_long_prefill_is_answered_in_the_next_step(long_context_dir):
     engine = _engine(long_context_dir)
     threshold = engine.scheduler.config.long_prefill_token_threshold
-    assert threshold == BUDGET // 2  # 4% of 8192 is more than half the budget
+    assert threshold == BUDGET // 2
     one = SamplingParams(max_tokens=1, temperature=0)
     engine.add_request("long", LONG, one)
     engine.step()
