@@ -376,9 +376,9 @@ class _Prefills:
             return True  # a decode after a recomputation
         if self.max_all is not None and self.num_all >= self.max_all:
             return False
-        return not (self._long(remaining) and self.max_long is not None) or (
-            self.num_long < self.max_long
-        )
+        if self.max_long is not None and self._long(remaining):
+            return self.num_long < self.max_long
+        return True
 
     def chunk(self, remaining: int, budget: int) -> int:
         """How many of a request's ``remaining`` tokens this step computes (counting it)."""
