@@ -34,7 +34,8 @@ def test_auto_options_resolve_from_the_platform(tiny_model_dir):
     resolved = resolve(options)
     assert resolved.device.type == "cpu"
     assert (resolved.block_size, resolved.attention_backend) == (16, "reference")
-    assert resolved.max_num_batched_tokens == 2048
+    assert resolved.max_num_batched_tokens == 256  # a CPU step stays short
+    assert resolved.long_prefill_token_threshold == 128  # half of it, while others wait
     assert not resolved.cuda_graphs
     assert resolved.speculative is options.speculative  # parsed once
     assert resolved.speculative.num_speculative_tokens == 2
@@ -53,3 +54,4 @@ def test_given_options_win_over_the_platform(tiny_model_dir):
     resolved = resolve(options)
     assert (resolved.block_size, resolved.attention_backend) == (32, "triton")
     assert resolved.max_num_batched_tokens == 64
+    assert resolved.long_prefill_token_threshold == 32
