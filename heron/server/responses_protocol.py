@@ -20,7 +20,7 @@ from pydantic import (
     model_validator,
 )
 
-from heron.server.protocol import ChatCompletionRequest, UnsupportedFieldError
+from heron.server.protocol import ChatCompletionRequest, NullIsUnset, UnsupportedFieldError
 
 # Fields about storage, billing and identity: accepted, as they do not change the output.
 _NO_EFFECT_FIELDS = frozenset({"user", "service_tier", "prompt_cache_key", "safety_identifier"})
@@ -131,9 +131,9 @@ class ResponsesChatRequest(ChatCompletionRequest):
         return "max_output_tokens"
 
 
-class ResponsesRequest(BaseModel):
+class ResponsesRequest(NullIsUnset):
     """``POST /v1/responses``. Unknown fields are kept so that :meth:`check_supported` refuses
-    them by name."""
+    them by name; an explicit null is a field not given."""
 
     model_config = ConfigDict(extra="allow")
 

@@ -124,6 +124,17 @@ def test_text_equals_the_chat_reply_streamed_or_not(client, model_dir):
     assert "".join(deltas) == whole.output_text == events[-1].response.output[0].content[0].text
 
 
+def test_null_means_unset(client):
+    """Clients other than the official SDK send nulls for the fields they leave out."""
+    body = dict(model=MODEL_NAME, input="Hello", temperature=0, max_output_tokens=6)
+    nulls = dict.fromkeys(
+        ["parallel_tool_calls", "stream", "store", "tools", "tool_choice", "text", "user"]
+    )
+    plain = client.responses.create(**body)
+    with_nulls = client.responses.create(**body, extra_body=nulls)
+    assert with_nulls.output_text == plain.output_text
+
+
 def test_streamed_completion_reaches_the_clients_final_response(client):
     with client.responses.stream(
         model=MODEL_NAME,
