@@ -28,7 +28,7 @@ from heron.bench.result import Metric
 from heron.config import EngineConfig
 
 CONVERSATIONS, TURNS, FIRST_LEN, MESSAGE_LEN, ANSWER_LEN = 32, 6, 1000, 100, 500
-TOKEN_ID_MAX = 10000
+TOKEN_ID_MAX = 10000  # (within the model's vocabulary, at most)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -49,16 +49,17 @@ class Turn:
 def converse(llm: LLM, args: argparse.Namespace) -> list[Turn]:
     """Every turn of every conversation (the random tokens drawn from seed 0)."""
     rng = random.Random(0)
-    draw = lambda n: [rng.randint(2, TOKEN_ID_MAX) for _ in range(n)]  # noqa: E731
-    engine, params = llm.engine, engines.greedy(args.answer_len)
+    top = min(TOKEN_ID_MAX, llm.engine.model_config.vocab_size - 1)
+    draw = lambda n: [rng.randint(2, top) for _ in range(n)]  # noqa: E731
+    params = engines.greedy(args.answer_len)
     prompts = [draw(args.first_len) for _ in range(args.conversations)]
     turns = []
     for t in range(args.turns):
         for i, prompt in enumerate(prompts):
-            engine.add_request(f"c{i}-t{t}", prompt, params)
+            llm.add_request(f"c{i}-t{t}", prompt, params)
         start, first, done = time.perf_counter(), {}, {}
-        while engine.has_unfinished_requests():
-            outputs = engine.step()
+        while llm.has_unfinished_requests():
+            outputs = llm.step()
             now = time.perf_counter()
             for o in outputs:
                 if o.outputs[0].token_ids:

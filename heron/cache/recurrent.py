@@ -141,9 +141,9 @@ class RecurrentStateManager(CacheManager):
     again, as a slot or a checkpoint (free entries and evictable checkpoints are one budget).
     Of the generated tokens' checkpoints, every ``decode_checkpoint_interval``-th block's stays
     (0: none), the others only until the request's next one replaces them, so the pool holds
-    one per conversation beside the grid (-1: none are taken, as where prompts alone count). A freed slot joins the head: it holds no checkpoint.
-    A hit starts the request from a copy of the checkpoint in its slot. A save is skipped when
-    no entry is free: checkpoints never make a step wait.
+    one per conversation beside the grid (-1: none are taken). A freed slot joins the head: it
+    holds no checkpoint. A hit starts the request from a copy of the checkpoint in its slot. A
+    save is skipped when no entry is free: checkpoints never make a step wait.
     """
 
     def __init__(

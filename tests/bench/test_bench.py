@@ -110,3 +110,24 @@ def test_benchmarks_page_is_generated_from_the_results(tmp_path):
     assert "## heron bench decode" in text
     row = "| ms/step, context 128, batch 1 | 0.900 ms | 3.00× | NVIDIA H200 | - | 2026-12-02 | 0123456 |"
     assert row in text and "`heron bench decode --shape qwen3-0.6b`" in text
+
+
+def test_turns_count_what_each_turn_computes_with_and_without_decode_checkpoints(tmp_path):
+    """Two conversations of two turns on a tiny Qwen3.5 (GDN and attention layers), 16-token
+    blocks: the second turn (20 + 14 + 5 tokens) resumes at 32 of the 33 tokens the first
+    computed, or at the prompt's 16 without decode checkpoints."""
+    from models.test_qwen3_5 import save_qwen3_5
+
+    model, out = save_qwen3_5(tmp_path / "qwen3_5"), tmp_path / "turns.json"
+    argv = ["bench", "turns", "--model", str(model), "--device", "cpu", "--block-size", "16"]
+    argv += ["--conversations", "2", "--turns", "2", "--first-len", "20", "--message-len", "5"]
+    argv += ["--answer-len", "14", "--output-json", str(out)]
+    assert main(argv) == 0
+    result = json.loads(out.read_text())
+    assert result["bench"] == "turns" and result["config"]["conversations"] == 2
+    values = {m["name"]: m["value"] for m in result["metrics"]}
+    for run, cached in (("decode checkpoints (interval 0)", 64), ("no decode checkpoints", 32)):
+        assert values[f"qwen3_5, {run}, turn 1: prompt tokens cached"] == 0
+        assert values[f"qwen3_5, {run}, turn 2: prompt tokens cached"] == cached
+        assert values[f"qwen3_5, {run}, turn 2: prompt tokens computed"] == 2 * 39 - cached
+        assert values[f"qwen3_5, {run}, turn 2: mean TTFT"] > 0
