@@ -176,6 +176,8 @@ class RecurrentStateManager(CacheManager):
         self._saves: list[tuple[int, int]] = []
         self._verified: list[tuple[str, int, int]] = []
         self._pending: dict[int, int] = {}  # checkpoint -> hash
+        # Checkpoints that are some request's latest of generated tokens (its ``latest``).
+        self._latest: set[int] = set()
 
     @property
     def num_free_blocks(self) -> int:
@@ -264,6 +266,8 @@ class RecurrentStateManager(CacheManager):
                 if state.latest is not None:
                     self._drop(state, *state.latest, chain)
                 state.latest = None if self._on_grid(boundary) else (boundary, checkpoint)
+                if state.latest is not None:
+                    self._latest.add(checkpoint)
         state.next_checkpoint = (end // bs + 1) * bs
 
     def _on_grid(self, boundary: int) -> bool:
@@ -293,7 +297,7 @@ class RecurrentStateManager(CacheManager):
         ):
             return None
         taken: list[int] = []
-        pool.take(1, taken)
+        self._take(taken)
         checkpoint = taken[0]
         if boundary == end:
             self._saves.append((state.slot, checkpoint))
@@ -312,6 +316,7 @@ class RecurrentStateManager(CacheManager):
         registered under ``chain``'s hash, if still so and free (the LRU queue may have handed
         it out since)."""
         pool = self._pool
+        self._latest.discard(checkpoint)
         if (boundary, checkpoint) in state.unconfirmed:
             state.unconfirmed.remove((boundary, checkpoint))
             pool.release_to_head([checkpoint])
@@ -335,6 +340,7 @@ class RecurrentStateManager(CacheManager):
                 continue
             block_hash = chain[boundary // bs - 1]
             if block_hash in pool.cached:  # (the same tokens saved since)
+                self._latest.discard(checkpoint)
                 pool.release_to_head([checkpoint])
             else:
                 pool.register(checkpoint, block_hash)
@@ -342,22 +348,34 @@ class RecurrentStateManager(CacheManager):
         state.unconfirmed = waiting
 
     def _take_slot(self, request: CachedSequence, checkpoint: int | None) -> _RequestSlot:
-        """The request's slot, filled from ``checkpoint`` (its hit) before its first step. The
-        checkpoint is kept from being handed out as the slot while another entry is free, and
-        moves to the queue's tail (the most recently used); else it becomes the slot itself,
-        its state already in place."""
+        """The request's slot, filled from ``checkpoint`` (its hit) before its first step. A
+        request's latest checkpoint of generated tokens (what its conversation's next turn
+        resumes from: the prefix of no one else) becomes the slot itself, its state already in
+        place, and so does any checkpoint that is the last free entry; another is kept from
+        being handed out as the slot and moves to the queue's tail (the most recently used).
+        So a turn takes no entry beside the one its previous turn left."""
         pool = self._pool
-        keep = checkpoint is not None and pool.num_free > 1
-        if keep:
-            pool.touch([checkpoint])
+        consume = checkpoint is not None and (checkpoint in self._latest or pool.num_free == 1)
         table: list[int] = []
-        pool.take(1, table)
+        if checkpoint is not None:
+            pool.touch([checkpoint])
+        if consume:
+            pool.uncache(checkpoint)
+            self._latest.discard(checkpoint)
+            table.append(checkpoint)
+        else:
+            self._take(table)
         state = self._requests[request.request_id] = _RequestSlot(table[0], sys.maxsize)
         self._tables[request.request_id] = table
-        if keep:
+        if checkpoint is not None and not consume:
             self._restores.append((checkpoint, state.slot))
             pool.release([checkpoint])
         return state
+
+    def _take(self, out: list[int]) -> None:
+        """One entry from the free queue's head (evicting the checkpoint it may hold)."""
+        self._pool.take(1, out)
+        self._latest.discard(out[-1])
 
     def take_state_copies(self) -> StateCopies:
         """This pass's restores and saves; seals the pass: its checkpoints of known tokens
@@ -416,12 +434,16 @@ class RecurrentStateManager(CacheManager):
             self._verified = [v for v in self._verified if v[0] != request.request_id]
             for checkpoint in dropped:
                 self._pending.pop(checkpoint, None)
-        held = [c for _, c in state.unconfirmed]
+        held = {*dropped, *(c for _, c in state.unconfirmed)}
+        self._latest -= held
         # none of them a checkpoint anyone can find
-        self._pool.release_to_head([state.slot, *{*dropped, *held}])
+        self._pool.release_to_head([state.slot, *held])
 
     def reset_prefix_cache(self) -> bool:
-        return self._pool.reset_hashes()
+        if not self._pool.reset_hashes():
+            return False
+        self._latest.clear()
+        return True
 
     def check_invariants(self) -> None:
         if any(
@@ -443,3 +465,6 @@ class RecurrentStateManager(CacheManager):
             or not set(saved) <= self._pending.keys() | set(unconfirmed)
         ):
             raise RuntimeError("this pass's saves and the checkpoints they fill disagree")
+        registered = {b for b in self._latest if self._pool.block_hash[b] is not None}
+        if not self._latest <= registered | self._pending.keys() | set(unconfirmed):
+            raise RuntimeError("a latest checkpoint that is neither cached nor being saved")

@@ -393,3 +393,24 @@ def test_no_leaks_through_decode_verification_pending_tokens_and_preemption(seed
     for group in kv.groups:
         assert group.num_free_blocks == group.num_blocks - 1
     assert kv.reset_prefix_cache()
+
+
+def test_a_turn_resumes_in_the_entry_its_previous_answer_left():
+    """A hit on a request's latest checkpoint of generated tokens takes that entry as its
+    slot (no copy: the conversation goes on from it); one on a prompt's is copied, and stays
+    for other prompts sharing it."""
+    kv = CheckedCoordinator([SPEC, FULL], [20, 60], decode_checkpoint_interval=0)
+    r = decoded(kv, 10, 25)
+    kv.free(r)
+    turn = make_request("turn", r.all_token_ids[:25] + [7, 7, 7])
+    blocks, num_cached = kv.get_computed_blocks(turn)
+    assert num_cached == 24 and admit(kv, turn, 16)
+    assert kv.block_tables("turn")[0] == blocks[0][-1:]
+    assert kv.take_state_copies()[0].before == []
+    assert hit(kv, turn.all_token_ids, 24) == 8  # consumed: the turn's own state now
+    other = make_request("other", r.all_token_ids[:8] + [5, 5, 5])
+    blocks, num_cached = kv.get_computed_blocks(other)
+    assert num_cached == 8 and admit(kv, other, 16)
+    (slot,) = kv.block_tables("other")[0]
+    assert kv.take_state_copies()[0].before == [(blocks[0][-1], slot)]
+    assert hit(kv, other.all_token_ids, 8) == 8
