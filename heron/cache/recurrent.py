@@ -242,7 +242,7 @@ class RecurrentStateManager(CacheManager):
     ) -> None:
         state = self._requests.get(request.request_id)
         if state is None:
-            state = self._take_slot(request, hits[-1] if hits else None)
+            state = self._take_slot(request, hits)
         if not self.enable_prefix_caching:
             return
         if state.unconfirmed:
@@ -347,15 +347,20 @@ class RecurrentStateManager(CacheManager):
                 pool.release([checkpoint])
         state.unconfirmed = waiting
 
-    def _take_slot(self, request: CachedSequence, checkpoint: int | None) -> _RequestSlot:
-        """The request's slot, filled from ``checkpoint`` (its hit) before its first step. A
-        request's latest checkpoint of generated tokens (what its conversation's next turn
-        resumes from: the prefix of no one else) becomes the slot itself, its state already in
-        place, and so does any checkpoint that is the last free entry; another is kept from
-        being handed out as the slot and moves to the queue's tail (the most recently used).
-        So a turn takes no entry beside the one its previous turn left."""
+    def _take_slot(self, request: CachedSequence, hits: Sequence[int]) -> _RequestSlot:
+        """The request's slot, filled from its hit's checkpoint (``hits[-1]``) before its first
+        step. A request's latest checkpoint of generated tokens (what its conversation's next
+        turn resumes from: the prefix of no one else) becomes the slot itself, its state
+        already in place, where the new prompt reaches the next boundary (its prefill leaves a
+        checkpoint there), and so does any checkpoint that is the last free entry; another is
+        kept from being handed out as the slot and moves to the queue's tail (the most
+        recently used). So a turn takes no entry beside the one its previous turn left."""
         pool = self._pool
-        consume = checkpoint is not None and (checkpoint in self._latest or pool.num_free == 1)
+        checkpoint = hits[-1] if hits else None
+        passes = len(request.all_token_ids) >= (len(hits) + 1) * self.chain_block_size
+        consume = checkpoint is not None and (
+            (checkpoint in self._latest and passes) or pool.num_free == 1
+        )
         table: list[int] = []
         if checkpoint is not None:
             pool.touch([checkpoint])

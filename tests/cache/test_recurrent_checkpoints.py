@@ -397,11 +397,16 @@ def test_no_leaks_through_decode_verification_pending_tokens_and_preemption(seed
 
 def test_a_turn_resumes_in_the_entry_its_previous_answer_left():
     """A hit on a request's latest checkpoint of generated tokens takes that entry as its
-    slot (no copy: the conversation goes on from it); one on a prompt's is copied, and stays
-    for other prompts sharing it."""
+    slot where the prompt reaches the next boundary (no copy: the conversation goes on from
+    it); one on a prompt's is copied, and stays for other prompts sharing it."""
     kv = CheckedCoordinator([SPEC, FULL], [20, 60], decode_checkpoint_interval=0)
     r = decoded(kv, 10, 25)
     kv.free(r)
+    # a prompt short of the next boundary saves no state there: the checkpoint is copied
+    short = make_request("short", r.all_token_ids[:25] + [9])
+    assert admit(kv, short, 16) and short.num_computed_tokens == 24
+    assert len(kv.take_state_copies()[0].before) == 1
+    kv.free(short)
     turn = make_request("turn", r.all_token_ids[:25] + [7, 7, 7])
     blocks, num_cached = kv.get_computed_blocks(turn)
     assert num_cached == 24 and admit(kv, turn, 16)

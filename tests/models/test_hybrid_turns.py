@@ -52,6 +52,18 @@ def last_boundary(prompt: list[int], answer: list[int], block_size: int) -> int:
     return (len(prompt) + len(answer) - 1) // block_size * block_size
 
 
+def assert_resumed(turns, block_size: int) -> None:
+    """Every turn after the first resumed at the last boundary of the previous one's computed
+    tokens (with speculation the answer's last token, verified as a proposal, may be computed
+    too)."""
+    for (prompts, answers, _), (_, _, cached) in zip(turns, turns[1:]):
+        for p, a, c in zip(prompts, answers, cached):
+            assert c in (
+                last_boundary(p, a, block_size),
+                (len(p) + len(a)) // block_size * block_size,
+            )
+
+
 def assert_idle(llm: LLM) -> None:
     kv = llm.engine.kv_cache
     kv.check_invariants()
@@ -118,6 +130,30 @@ def test_chunks_preemption_and_two_samples_reuse_and_equal_hf(hybrid):
     assert_idle(llm)
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("speculation", [None, "ngram"])
+def test_turns_on_the_gpu_with_graphs_equal_hf(hybrid, speculation):
+    """fp32 on the GPU, CUDA graphs and Triton kernels (verification steps through their
+    graphs with n-gram proposals): decode checkpoints saved beside graph replays, from the
+    slot or the verification buffers, give HF's tokens in the next turns."""
+    path, refs = hybrid
+    spec = None
+    if speculation:
+        spec = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3}
+    llm = LLM(
+        path,
+        device="cuda",
+        dtype="float32",
+        max_model_len=320,
+        block_size=16,
+        speculative_config=spec,
+    )
+    assert llm.engine.runner.graphs is not None
+    turns = converse(llm)
+    assert [answers for _, answers, _ in turns] == refs
+    assert_resumed(turns, 16)
+
+
 def count_refused_checkpoints(llm: LLM) -> list[int]:
     """From now on, how many checkpoint entries each refusal gave back (planned at a block
     boundary among refused proposals), in a list the engine's truncations append to."""
@@ -151,10 +187,7 @@ def test_speculative_turns_equal_plain_greedy_without_caching(method, tmp_path):
     refused = count_refused_checkpoints(llm)
     turns = converse(llm)
     assert [answers for _, answers, _ in turns] == [answers for _, answers, _ in plain]
-    for (prompts, answers, _), (_, _, cached) in zip(turns, turns[1:]):
-        for p, a, c in zip(prompts, answers, cached):
-            # (the answer's last token, verified as a proposal, may be computed too)
-            assert c in (last_boundary(p, a, 8), (len(p) + len(a)) // 8 * 8)
+    assert_resumed(turns, 8)
     stats = llm.spec_decode_stats
     assert 0 < stats.num_accepted_tokens < stats.num_draft_tokens
     if method == "ngram":  # (the head is refused too rarely to cross a boundary surely)
