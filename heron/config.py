@@ -24,7 +24,9 @@ _DTYPES = {
     "bf16": torch.bfloat16,
 }
 
-# Blocks between the kept recurrent-state checkpoints of generated tokens (see EngineConfig).
+# Blocks between the kept recurrent-state checkpoints of generated tokens (see EngineConfig):
+# the latest only, since with a slot and one checkpoint's worth per request in the budget,
+# kept blocks evict waiting conversations' latest states (heron bench turns, interval 1 or 4).
 DEFAULT_DECODE_CHECKPOINT_INTERVAL = 0
 
 # "auto": the checkpoint's safetensors (or GGUF) weights; "dummy": seeded random weights made on
