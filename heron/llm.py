@@ -5,7 +5,6 @@ from __future__ import annotations
 import itertools
 import logging
 import time
-import weakref
 from collections.abc import Sequence
 from typing import Any
 
@@ -37,9 +36,10 @@ class LLM:
         self.tokenizer = engine.tokenizer
         self._outputs = OutputProcessor(engine.tokenizer, engine.eos_token_ids)
         self._ids = itertools.count()
-        # An LLM dropped without shutdown() stops its engine's workers and leaves the process
-        # group then (or at exit), and holds nothing alive meanwhile but the engine itself.
-        self._finalizer = weakref.finalize(self, engine.shutdown)
+        # Nothing here finalizes the engine: a finalizer holding it would keep alive whatever
+        # the engine references (a cycle back to this LLM included) for the process's life. A
+        # dropped LLM frees its engine with it, and a tensor-parallel runner's own weak
+        # finalizer then stops its workers and leaves the process group.
 
     @property
     def engine(self) -> LLMEngine:
@@ -50,7 +50,8 @@ class LLM:
     def shutdown(self) -> None:
         """Stop the engine: its tensor-parallel workers exit and its process group is left,
         so another tensor-parallel LLM may start in this process. Idempotent."""
-        self._finalizer()
+        if self._engine is not None:
+            self._engine.shutdown()
         self._engine = None
 
     def __enter__(self) -> LLM:

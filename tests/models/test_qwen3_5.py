@@ -121,8 +121,16 @@ def shared_prefix_refs(qwen3_5_case):
 
 
 def generate_shared_prefixes(path: str, **options) -> tuple[list[list[int]], list[int], LLM]:
-    """Heron's tokens and cached prompt tokens for SHARED_PROMPTS, in chunks of 16."""
-    llm = LLM(path, max_model_len=96, max_num_batched_tokens=16, **options)
+    """Heron's tokens and cached prompt tokens for SHARED_PROMPTS, in chunks of 16, each prompt
+    prefilled whole before the next starts (no fair-prefill split: a later prompt then finds
+    the earlier one's checkpoints)."""
+    llm = LLM(
+        path,
+        max_model_len=96,
+        max_num_batched_tokens=16,
+        long_prefill_token_threshold=0,
+        **options,
+    )
     outs = llm.generate(SHARED_PROMPTS, GREEDY, use_tqdm=False)
     return [o.outputs[0].token_ids for o in outs], [o.num_cached_tokens for o in outs], llm
 
