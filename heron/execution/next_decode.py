@@ -12,6 +12,7 @@ metadata of several such steps at once (a few launches), so each step of it take
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -19,8 +20,12 @@ import torch
 from heron.cache.paged import PagedSpec
 from heron.cache.paged_parts import PagedParts
 from heron.cache.spec import CacheSpec
-from heron.execution.step_plan import StepPlan
+from heron.execution.step_inputs import BlockTableRows, PreparedStep
+from heron.execution.step_plan import DeviceDrafts, Rollback, StepPlan
 from heron.metadata import SequenceMetadata
+
+if TYPE_CHECKING:
+    from heron.execution.launched import LaunchedStep
 
 
 def can_chain_decode_steps(specs: list[CacheSpec]) -> bool:
@@ -140,3 +145,91 @@ class NextDecode:
     launch: int
     chain: DecodeChain | None = None
     index: int = 0
+
+
+class DecodeChainer:
+    """Prepares a decode step on the device from the step launched right before it, where
+    :meth:`enable` turned that on and every cache allows it (:func:`can_chain_decode_steps`).
+
+    The runner calls :meth:`prepare` at every launch (it counts launches: a step serves only
+    the very next one) and :meth:`keep` on each launched step whose rows may decode next.
+    """
+
+    def __init__(self, block_size: int, device: torch.device) -> None:
+        self.block_size = block_size
+        self.device = device
+        self.enabled = False
+        self._length = 1
+        self._chained: tuple[DecodeChain, int] | None = None  # this launch's step of a chain
+        self._launches = 0
+        self._counting = torch.zeros(0, dtype=torch.int32)  # 0, 1, 2, ... on the device
+
+    def enable(self, length: int, specs: list[CacheSpec]) -> None:
+        """Chain decode steps, ``length`` computed at once, where ``specs`` allow it."""
+        self.enabled = can_chain_decode_steps(specs)
+        self._length = length
+
+    def prepare(
+        self,
+        plan: StepPlan,
+        previous: LaunchedStep | None,
+        drafts: DeviceDrafts | None,
+        rollback: Rollback | None,
+        tables: BlockTableRows,
+    ) -> PreparedStep | None:
+        """``plan``'s step prepared on the device from ``previous``'s, where it is the next
+        decode step of the same rows, launched right after it, whose ``tables`` hold every
+        row's next token; None otherwise. The first such step after a step prepared on the
+        host starts a chain of :meth:`enable`'s length."""
+        self._launches += 1
+        self._chained = None
+        after = getattr(previous, "next_decode", None)
+        if (
+            after is None
+            or after.launch != self._launches - 1
+            or drafts is not None
+            or rollback is not None
+            or plan.request_ids != after.request_ids
+            or not is_plain_decode(plan)
+        ):
+            return None
+        kv_lens = np.array(plan.num_computed, dtype=np.int32) + 1
+        rows = tables.rows(plan.request_ids)
+        if not tables.covers(rows, -(-kv_lens // self.block_size)):
+            return None
+        n = len(kv_lens)
+        chain, j = after.chain, after.index
+        if chain is None or j == chain.num_steps:
+            if self._counting.shape[0] <= max(n, self._length):
+                size = 2 * max(n, self._length) + 1
+                self._counting = torch.arange(size, dtype=torch.int32, device=self.device)
+            chain = DecodeChain.start(
+                after.group_parts, after.positions, self._length, self.block_size, self._counting
+            )
+            j = 0
+        self._chained = chain, j
+        tables.wrote(rows, kv_lens)
+        seq = chain.step(j, previous.token_ids, kv_lens)
+        return PreparedStep(seq, previous.sample_states, slice(0, n), [], [], [])
+
+    def keep(
+        self,
+        launched: LaunchedStep,
+        plan: StepPlan,
+        seq: SequenceMetadata,
+        rejected: torch.Tensor | None = None,
+    ) -> None:
+        """Where chaining is on, ``launched`` (a row's token sampled after its last, or after
+        its last but ``rejected[i]``) keeps what the decode step after it needs."""
+        if not self.enabled:
+            return
+        if self._chained is not None:  # a step of a chain: the next one follows in it
+            chain, j = self._chained
+            launched.next_decode = NextDecode(
+                plan.request_ids, chain.group_parts, chain.kv_lens[j], self._launches, chain, j + 1
+            )
+            return
+        positions = seq.kv_lens if rejected is None else seq.kv_lens - rejected
+        launched.next_decode = NextDecode(
+            plan.request_ids, seq.group_parts, positions, self._launches
+        )

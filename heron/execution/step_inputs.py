@@ -10,9 +10,11 @@ import torch
 
 from heron.cache.spec import CacheSpec
 from heron.execution.request_state import RequestState
+from heron.execution.sampler import prompt_logprobs
 from heron.execution.step_plan import StepPlan, TableUpdate
 from heron.metadata import SequenceMetadata, StepBatch
 from heron.metadata.parts import GroupTables, StepRows
+from heron.outputs import Logprob
 
 
 @dataclass(frozen=True)
@@ -27,6 +29,16 @@ class PreparedStep:
     pending_sources: list[tuple[int, int]]
     # Proposals on the device: (first token offset, request id, count), in the launch's drafts.
     draft_sources: list[tuple[int, str, int]]
+
+    def prompt_logprobs(self, logits: torch.Tensor) -> dict[str, list[Logprob]]:
+        """The logprobs of the prompt positions the step computed, per request."""
+        prompt_lps: dict[str, list[Logprob]] = {}
+        for state, row, position, count in self.prompt_rows:
+            next_ids = state.all_token_ids[position + 1 : position + 1 + count]
+            top = state.sampling_params.prompt_logprobs
+            lps = prompt_logprobs(logits[row : row + count], next_ids, top)
+            prompt_lps.setdefault(state.request_id, []).extend(lps)
+        return prompt_lps
 
 
 class StepInputBuilder:

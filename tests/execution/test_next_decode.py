@@ -84,8 +84,8 @@ def test_chained_steps_equal_host_prepared_ones(tiny_model_dir, device):
         run = runner.graphs.run
         runner.graphs.run = lambda seq: record(seq) or run(seq)
     chained = []
-    next_decode_step = runner._next_decode_step
-    runner._next_decode_step = lambda *args: chained.append(next_decode_step(*args)) or chained[-1]
+    prepare = runner.decode_chain.prepare
+    runner.decode_chain.prepare = lambda *args: chained.append(prepare(*args)) or chained[-1]
     assert _steps(runner, 6) == want
     assert [step is not None for step in chained] == [False, False] + [True] * 5
     assert len(built) == 6
@@ -124,8 +124,8 @@ def test_steps_that_cannot_chain_are_prepared_on_the_host(tiny_model_dir, case):
         plan = StepPlan(list(PROMPTS), [16, 12], [1, 1], [True, True])  # a past its block
     assert first.next_decode is not None
     tried = []
-    next_decode_step = runner._next_decode_step
-    runner._next_decode_step = lambda *args: tried.append(next_decode_step(*args)) or tried[-1]
+    prepare = runner.decode_chain.prepare
+    runner.decode_chain.prepare = lambda *args: tried.append(prepare(*args)) or tried[-1]
     runner.launch(plan, first).result()
     assert tried == [None]
 
@@ -134,7 +134,7 @@ def test_a_sliding_window_keeps_steps_on_the_host(tiny_model_dir):
     """A window moves a row's table start as it advances: no chaining."""
     engine = LLM(str(tiny_model_dir("mistral")), max_model_len=64).engine
     engine.runner.chain_decode_steps(2)
-    assert not engine.runner.chains_decode_steps
+    assert not engine.runner.decode_chain.enabled
     llama = LLM(str(tiny_model_dir("llama")), max_model_len=64).engine.runner
     llama.chain_decode_steps(2)
-    assert llama.chains_decode_steps
+    assert llama.decode_chain.enabled

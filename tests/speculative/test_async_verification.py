@@ -19,7 +19,9 @@ import transformers as tf
 from test_device_drafts import CUDA_OPTIONS, PROMPTS, draft_llm, graph_replays
 
 from heron import LLM, SamplingParams
-from heron.execution.model_runner import LaunchedStep, ModelRunner
+from heron.execution.launched import LaunchedStep
+from heron.execution.next_decode import DecodeChainer
+from heron.execution.verify import Verifier
 
 from tiny_models import first_divergence_is_a_near_tie, save_tiny_model, save_truncated_draft
 
@@ -173,27 +175,27 @@ def test_with_triton_attention_greedy_equals_plain(models, monkeypatch):
     llm = draft_llm(models, attention_backend="triton")
     assert llm.engine.runner.async_verification
     moved = []
-    move_back = ModelRunner._move_back
+    move_back = Verifier.move_back
 
-    def counted(runner, *args):
-        moved.append(runner)
-        return move_back(runner, *args)
+    def counted(verifier, *args):
+        moved.append(verifier)
+        return move_back(verifier, *args)
 
-    monkeypatch.setattr(ModelRunner, "_move_back", counted)
+    monkeypatch.setattr(Verifier, "move_back", counted)
     chained = []
-    next_decode_step = ModelRunner._next_decode_step
+    prepare = DecodeChainer.prepare
 
-    def counted_chain(runner, *args):
-        step = next_decode_step(runner, *args)
+    def counted_chain(chainer, *args):
+        step = prepare(chainer, *args)
         if step is not None:
-            chained.append(runner)
+            chained.append(chainer)
         return step
 
-    monkeypatch.setattr(ModelRunner, "_next_decode_step", counted_chain)
+    monkeypatch.setattr(DecodeChainer, "prepare", counted_chain)
     got = llm.generate(prompts, params, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in want]
-    assert llm.engine.runner in moved
-    assert set(chained) == {llm.engine.draft_runner}
+    assert llm.engine.runner.verifier in moved
+    assert set(chained) == {llm.engine.draft_runner.decode_chain}
     assert_pools_empty(llm)
 
 

@@ -13,7 +13,7 @@ import pytest
 
 from heron import LLM, SamplingParams
 from heron.execution.cuda_graph import CudaGraphRunner
-from heron.execution.model_runner import LaunchedStep
+from heron.execution.launched import LaunchedStep
 
 from tiny_models import save_truncated_draft
 

@@ -6,8 +6,8 @@ import torch
 
 from heron.execution.request_state import RequestState
 from heron.execution.step_plan import NewRequest
+from heron.execution.verify import accept_greedy, verify
 from heron.sampling_params import SamplingParams
-from heron.speculative.verification import accept_greedy, verify
 
 VOCAB = 6
 
