@@ -151,10 +151,10 @@ def ngram_lookup_metrics(speculative: dict[str, Any]) -> list[Metric]:
     for n in (256, 1024, 4096):
         seqs = [rng.integers(0, 300, n + 1).tolist() for _ in range(50)]
         for i, seq in enumerate(seqs):
-            proposer.propose(str(i), seq[:n], k)
+            proposer.lookup(str(i), seq[:n], k)
         start = time.perf_counter()
         for i, seq in enumerate(seqs):
-            proposer.propose(str(i), seq, k)
+            proposer.lookup(str(i), seq, k)
         out.append(
             Metric(
                 f"n-gram lookup over {n} tokens",

@@ -17,7 +17,7 @@ from heron.distributed.executor import RunnerArgs, TensorParallelRunner, make_mo
 from heron.engine.resolved_config import ResolvedConfig
 from heron.engine.scheduler import Scheduler, SchedulerConfig
 from heron.execution.model_runner import ModelRunner
-from heron.speculative import ModelProposer
+from heron.speculative import NgramProposer, Proposer, Speculator
 from heron.speculative.draft_model import DraftModelProposer, load_draft_runner, split_kv_budget
 from heron.speculative.mtp import MTPProposer, load_mtp_runner
 
@@ -36,7 +36,8 @@ class EngineParts:
     runner: ModelRunner | TensorParallelRunner
     draft_runner: ModelRunner | None  # a draft model's or an MTP head's
     kv_cache: KVCacheCoordinator
-    model_proposer: ModelProposer | None
+    proposer: Proposer | None
+    speculator: Speculator | None  # asks the proposer before each scheduling pass
     scheduler: Scheduler
     verification_bytes: int  # reserved beside the caches for verification steps
     # Why steps are not scheduled past a verification on the device (None: they are).
@@ -75,38 +76,36 @@ def build_engine(config: ResolvedConfig) -> EngineParts:
         options.enable_prefix_caching,
         options.decode_checkpoint_interval,
     )
-    model_proposer = None
-    if draft_runner is not None:
-        proposer_class = MTPProposer if speculative.method == "mtp" else DraftModelProposer
-        model_proposer = proposer_class(
-            draft_runner,
-            KVCacheCoordinator(
-                draft_runner.cache_specs, draft_blocks, options.enable_prefix_caching
-            ),
-            speculative.num_speculative_tokens,
+    proposer = speculator = None
+    if speculative is not None:
+        proposer = _proposer(config, draft_runner, draft_blocks)
+        speculator = Speculator(
+            proposer,
             config.max_num_batched_tokens,
+            config.model.max_model_len,
+            speculative.disable_by_batch_size or options.max_num_seqs,
+            runner.verify_graph_max_batch,
+            drafts_on_device=isinstance(runner, ModelRunner),
         )
     scheduler = Scheduler(
         SchedulerConfig(
             max_num_seqs=options.max_num_seqs,
             max_num_batched_tokens=config.max_num_batched_tokens,
             max_model_len=config.model.max_model_len,
-            speculative=speculative,
-            uniform_proposals_up_to=runner.verify_graph_max_batch,
-            drafts_on_device=isinstance(runner, ModelRunner),
             long_prefill_token_threshold=config.long_prefill_token_threshold,
             max_num_partial_prefills=options.max_num_partial_prefills,
             max_long_partial_prefills=options.max_long_partial_prefills,
         ),
         kv_cache,
-        model_proposer,
+        proposer,
     )
     parts = EngineParts(
         tokenizer,
         runner,
         draft_runner,
         kv_cache,
-        model_proposer,
+        proposer,
+        speculator,
         scheduler,
         verification_bytes,
         sync_reason,
@@ -143,6 +142,29 @@ def _draft_runner(
         runner.keep_hidden_states = True
         return head
     return None
+
+
+def _proposer(
+    config: ResolvedConfig, draft_runner: ModelRunner | None, draft_blocks: list[int] | None
+) -> Proposer:
+    """The speculative method's proposer: n-gram lookup, or the model ``draft_runner`` runs
+    (a draft model or an MTP head) over a pool of ``draft_blocks``."""
+    speculative = config.speculative
+    if draft_runner is None:
+        return NgramProposer(
+            speculative.num_speculative_tokens,
+            speculative.prompt_lookup_min,
+            speculative.prompt_lookup_max,
+        )
+    proposer_class = MTPProposer if speculative.method == "mtp" else DraftModelProposer
+    return proposer_class(
+        draft_runner,
+        KVCacheCoordinator(
+            draft_runner.cache_specs, draft_blocks, config.options.enable_prefix_caching
+        ),
+        speculative.num_speculative_tokens,
+        config.max_num_batched_tokens,
+    )
 
 
 def _capture_graphs(
@@ -278,14 +300,14 @@ def _num_kv_blocks(
 
 
 def describe_speculation(
-    speculative: SpeculativeConfig, scheduler: SchedulerConfig, ahead: str | None
+    speculative: SpeculativeConfig, speculator: Speculator, ahead: str | None
 ) -> str:
     """How proposals reach the verification step, and when scheduling overlaps the device
     (``ahead``: None where the next step is scheduled past a verification still on the
     device, else why not)."""
     if speculative.method == "ngram":
         where = "looked up on the host in the accepted tokens"
-    elif scheduler.drafts_on_device:
+    elif speculator.drafts_on_device:
         where = "kept on the device up to the verification step"
     else:
         where = "read on the host (a tensor-parallel target)"
@@ -318,12 +340,12 @@ def _log(config: ResolvedConfig, parts: EngineParts) -> None:
         logger.info(
             "speculative decoding: %s",
             describe_speculation(
-                config.speculative, parts.scheduler.config, parts.sync_verification_reason
+                config.speculative, parts.speculator, parts.sync_verification_reason
             ),
         )
     caches = [("", parts.kv_cache)]
-    if parts.model_proposer is not None:
-        caches.append(("draft ", parts.model_proposer.kv_cache))
+    if parts.draft_runner is not None:
+        caches.append(("draft ", parts.proposer.kv_cache))
     for name, kv in caches:
         for g, group in enumerate(kv.groups):
             logger.info(

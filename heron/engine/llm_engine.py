@@ -72,7 +72,7 @@ class LLMEngine:
         self.tokenizer = parts.tokenizer
         self.runner, self.draft_runner = parts.runner, parts.draft_runner
         self.kv_cache, self.scheduler = parts.kv_cache, parts.scheduler
-        self.model_proposer = parts.model_proposer
+        self.proposer, self.speculator = parts.proposer, parts.speculator
         self.verification_bytes = parts.verification_bytes
         self.sync_verification_reason = parts.sync_verification_reason
         self.spec_decode_stats = SpecDecodeStats()
@@ -208,7 +208,10 @@ class LLMEngine:
             self._read(previous, touched)
             previous = None
         verifying = previous.launched if previous and previous.launched.rollback else None
-        schedule = self.scheduler.schedule(verifying)
+        proposals = None
+        if self.speculator is not None:
+            proposals = self.speculator.propose(self.scheduler.running, verifying)
+        schedule = self.scheduler.schedule(proposals)
         if self.on_scheduled is not None:
             self.on_scheduled()
         plan = schedule.plan
@@ -225,9 +228,9 @@ class LLMEngine:
                 plan = replace(plan, token_bitmask=self._token_bitmask(sample_requests))
             previous_step = previous.launched if previous else None
             step = self.runner.launch(plan, previous_step, schedule.drafts)
-            if step.hidden_states is not None and self.scheduler.proposes:
+            if step.hidden_states is not None and self._proposes:
                 # (while the batch is too large to propose, the head is not fed)
-                self.model_proposer.take_hidden_states(
+                self.proposer.take_hidden_states(
                     plan.request_ids, plan.num_computed, plan.num_new, step.hidden_states
                 )
             launched = _Launched(
@@ -278,8 +281,13 @@ class LLMEngine:
         the device while every running request samples on the device (none waits for its
         tokens on the host: grammar, penalties, logprobs, ``min_tokens``)."""
         if launched.rollback is None:
-            return not self.scheduler.proposes
+            return not self._proposes
         return all(r.grammar is None and on_device(r) for r in self.scheduler.running)
+
+    @property
+    def _proposes(self) -> bool:
+        """Whether this pass makes proposals (speculation on, the batch small enough)."""
+        return self.speculator is not None and self.speculator.proposes(len(self.scheduler.running))
 
     def _token_bitmask(self, sample_requests: list[Request]) -> torch.Tensor:
         """The sampled rows' grammar masks; a request that finished when the previous step was

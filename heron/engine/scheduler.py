@@ -8,9 +8,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, NamedTuple
 
 from heron.cache.coordinator import KVCacheCoordinator
-from heron.config import SpeculativeConfig
 from heron.engine.request import Request, RequestStatus
-from heron.execution.sampler import on_device
 from heron.execution.step_plan import (
     DeviceDrafts,
     EntryCopies,
@@ -19,10 +17,9 @@ from heron.execution.step_plan import (
     StepPlan,
     VerifiedCopies,
 )
-from heron.speculative import ModelProposer, NgramProposer
 
 if TYPE_CHECKING:
-    from heron.execution.model_runner import LaunchedStep
+    from heron.speculative import Proposer
 
 
 @dataclass(frozen=True)
@@ -30,14 +27,6 @@ class SchedulerConfig:
     max_num_seqs: int
     max_num_batched_tokens: int
     max_model_len: int
-    speculative: SpeculativeConfig | None = None
-    # While at most this many requests run, pad every decode row's proposals to
-    # num_speculative_tokens once any row has some, so verification steps are uniform (what
-    # verification graphs replay); 0: never.
-    uniform_proposals_up_to: int = 0
-    # Whether the target's runner takes a model proposer's proposals on the device (a
-    # single-rank one does); otherwise they are read here.
-    drafts_on_device: bool = False
     # Fair prefill (vLLM's names): a prefill of more tokens than the threshold is long (0:
     # none is); at most so many prefills (long ones) are in progress at once.
     long_prefill_token_threshold: int = 0
@@ -83,17 +72,18 @@ class Scheduler:
     passed over (long ones first) for those behind them.
 
     With speculative decoding a decode step also computes the tokens proposed after the last
-    one (the plan's ``draft_token_ids``); :meth:`reject` takes back those the step refused.
+    one (the plan's ``draft_token_ids``, or ``device_drafts``), which the engine asked its
+    proposer for before the pass; :meth:`reject` takes back those the step refused.
     """
 
     def __init__(
         self,
         config: SchedulerConfig,
         kv_cache: KVCacheCoordinator,
-        model_proposer: ModelProposer | None = None,
+        proposer: Proposer | None = None,
     ) -> None:
-        """``model_proposer``: the proposer of a method that runs a model (built by the engine,
-        which owns its runner); n-gram proposals are made here."""
+        """``proposer``: told of refused proposals and of requests it may forget (preempted,
+        finished, aborted)."""
         self.config = config
         self.kv_cache = kv_cache
         self.waiting: deque[Request] = deque()
@@ -104,27 +94,23 @@ class Scheduler:
         self._finished_ids: list[str] = []
         self._preempted_ids: list[str] = []
         self._sent = SentTables()
-        spec = config.speculative
-        self._proposer: NgramProposer | ModelProposer | None = model_proposer
-        if spec is not None and spec.method == "ngram":
-            self._proposer = NgramProposer(
-                spec.num_speculative_tokens, spec.prompt_lookup_min, spec.prompt_lookup_max
-            )
-        self._propose_up_to = (spec.disable_by_batch_size if spec else None) or config.max_num_seqs
+        self._proposer = proposer
 
     def add(self, request: Request) -> None:
         self.waiting.append(request)
 
-    def schedule(self, verifying: LaunchedStep | None = None) -> SchedulerOutput:
-        """``verifying``: the verification step still on the device that this pass runs past,
-        as if it accepted every proposal (the pending tokens count so); its requests may
-        propose again, from its emitted tokens."""
+    def schedule(
+        self, proposals: dict[str, list[int]] | DeviceDrafts | None = None
+    ) -> SchedulerOutput:
+        """``proposals``: running requests' proposals to verify (``Speculator.propose``'s), by
+        request on the host or left on the device; a request's step computes as many of them
+        as its budget and blocks allow."""
         out = SchedulerOutput()
         budget = self.config.max_num_batched_tokens
 
         running, allocate_slots = self.running, self.kv_cache.allocate_slots
         max_model_len = self.config.max_model_len
-        proposals = self._proposals(budget, verifying) if self._proposer is not None else {}
+        proposals = {} if proposals is None else proposals
         if isinstance(proposals, DeviceDrafts):  # (their counts; the tokens stay on the device)
             out.drafts, counts = proposals, dict(zip(proposals.request_ids, proposals.counts))
         else:
@@ -198,97 +184,6 @@ class Scheduler:
         self._fill_plan(out)
         return out
 
-    @property
-    def proposes(self) -> bool:
-        """Whether this pass would make proposals (speculation on, the batch small enough)."""
-        return self._proposer is not None and len(self.running) <= self._propose_up_to
-
-    def _proposals(
-        self, budget: int, verifying: LaunchedStep | None
-    ) -> dict[str, list[int]] | DeviceDrafts:
-        """Each running request's proposals (none while more requests run than
-        ``disable_by_batch_size``), padded to ``num_speculative_tokens`` with uniform steps;
-        a model proposer's stay on the device where the runner takes them so (it proposes
-        that many itself for uniform steps; a row its pool cannot hold then makes the step
-        non-uniform)."""
-        if not self.proposes:
-            return {}
-        verified = {} if verifying is None else verifying.rows
-        proposing, rooms, limits = [], [], []
-        k = self._proposer.num_tokens
-        uniform = len(self.running) <= self.config.uniform_proposals_up_to
-        on_device = self.config.drafts_on_device and isinstance(self._proposer, ModelProposer)
-        max_model_len = self.config.max_model_len
-        for request in self.running:
-            # (a request whose pending tokens may end it is not scheduled: see schedule)
-            if request.num_tokens - request.num_computed_tokens == 1 and not (
-                request.pending_tokens_end_it(max_model_len)
-            ):
-                room = self._verification_room(request, budget - 1, verified)
-                if room > 0:
-                    proposing.append(request)
-                    rooms.append(room)
-                    if on_device and uniform:
-                        limits.append(min(k, room))
-                    else:
-                        limits.append(min(k, self._proposal_limit(request, room)))
-        made = self._propose(proposing, limits, verifying)
-        if on_device:
-            return made
-        # (request, the tokens its step may verify, its proposals)
-        rows = list(zip(proposing, rooms, made))
-        if uniform and any(proposed for _, _, proposed in rows):
-            for request, room, proposed in rows:
-                # any token does, as each is verified: the last one (text often repeats); past
-                # max_tokens too (the tokens after the one that ends the request are dropped),
-                # so that a request's last steps keep the query length of the graphs
-                pad = (proposed or request.all_token_ids)[-1]
-                proposed += [pad] * (min(k, room) - len(proposed))
-        return {request.request_id: proposed for request, _, proposed in rows}
-
-    def _propose(
-        self, requests: list[Request], limits: list[int], verifying: LaunchedStep | None
-    ) -> list[list[int]] | DeviceDrafts:
-        """At most ``limits[i]`` proposals for ``requests[i]``: a model proposer's in one call
-        (kept on the device where the runner takes them so)."""
-        proposer = self._proposer
-        if not isinstance(proposer, ModelProposer):
-            return [
-                proposer.propose(r.request_id, r.all_token_ids, limit)
-                for r, limit in zip(requests, limits)
-            ]
-        # (a model runs only for rows that may get a proposal)
-        wanted = [i for i, limit in enumerate(limits) if limit > 0]
-        drafts = proposer.propose(
-            [requests[i] for i in wanted], [limits[i] for i in wanted], verifying
-        )
-        if self.config.drafts_on_device:
-            return drafts
-        out: list[list[int]] = [[] for _ in requests]
-        for i, proposed in zip(wanted, drafts.to_lists()):
-            out[i] = proposed
-        return out
-
-    def _verification_room(self, request: Request, budget: int, verified: dict[str, int]) -> int:
-        """How many tokens after its last one a decode step may compute for the request: none
-        for a row the verifier cannot sample (logprobs, penalties, an unmet ``min_tokens``, a
-        grammar) or whose last token is still being sampled (except by the verification this
-        pass runs past, whose emitted tokens a model proposer takes on the device: requests in
-        ``verified``); never past the context or the step's token budget."""
-        pending = request.num_pending_tokens and request.request_id not in verified
-        if pending or request.grammar is not None or not on_device(request):
-            return 0
-        return min(budget, self.config.max_model_len - request.num_tokens - 1)
-
-    def _proposal_limit(self, request: Request, room: int) -> int:
-        """How many of those tokens may be proposals: none past ``max_tokens`` (counting the
-        pending tokens as if all were accepted)."""
-        max_tokens = request.sampling_params.max_tokens
-        if max_tokens is None:
-            return room
-        num_output = request.num_output_tokens + request.num_pending_tokens
-        return min(room, max_tokens - num_output - 1)
-
     def reject(self, request: Request, num_rejected: int) -> None:
         """The step computed ``num_rejected`` proposed tokens that were refused: the request's
         computed tokens and its blocks go back to end before them."""
@@ -297,7 +192,7 @@ class Scheduler:
         request.num_computed_tokens -= num_rejected
         self.kv_cache.truncate(request, request.num_computed_tokens)
         self._sent.shrink(request.request_id, self.kv_cache.block_tables(request.request_id))
-        if isinstance(self._proposer, ModelProposer):
+        if self._proposer is not None:
             self._proposer.reject(request)
 
     def _fill_plan(self, out: SchedulerOutput) -> None:

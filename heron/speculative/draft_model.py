@@ -19,7 +19,7 @@ from heron.execution.step_plan import DeviceDrafts, NewRequest, Rollback, SentTa
 from heron.loader.resolve import resolve_model_path
 from heron.platforms import Platform
 from heron.sampling_params import SamplingParams
-from heron.speculative.proposer import ModelProposer
+from heron.speculative.proposer import Proposer
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -138,7 +138,7 @@ class _DraftSequence:
         return len(self.all_token_ids)
 
 
-class DraftModelProposer(ModelProposer):
+class DraftModelProposer(Proposer):
     """Each pass, for the requests that propose: the draft catches up on the tokens it does
     not hold (the prompt, then those accepted since its last pass; chunks batched within the
     token budget), which samples the first proposal, then runs ``limit`` decode steps, each
@@ -160,6 +160,7 @@ class DraftModelProposer(ModelProposer):
     next pass then keeps the block's accepted tokens, as the request has them by then.
     """
 
+    proposes_on_device = True
     # Whether a pass ends with a decode step of its last proposal (a subclass whose drafted
     # positions are never kept skips it).
     caches_last_proposal = True

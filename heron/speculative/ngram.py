@@ -3,12 +3,19 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 import numpy as np
 
+from heron.speculative.proposer import Proposer
 
-class NgramProposer:
-    """Proposes up to ``num_tokens`` tokens from the sequence itself.
+if TYPE_CHECKING:
+    from heron.engine.request import Request
+    from heron.execution.launched import LaunchedStep
+
+
+class NgramProposer(Proposer):
+    """Proposes up to ``num_tokens`` tokens from the sequence itself, on the host.
 
     The candidates are the earlier positions holding the last token; each further step back
     keeps those whose preceding tokens still match the sequence's, so the search costs one
@@ -23,7 +30,15 @@ class NgramProposer:
         self.max_n = max_n
         self._arrays: dict[str, tuple[np.ndarray, int]] = {}  # request -> (buffer, length)
 
-    def propose(self, request_id: str, token_ids: Sequence[int], limit: int) -> list[int]:
+    def propose(
+        self,
+        requests: Sequence[Request],
+        limits: Sequence[int],
+        verifying: LaunchedStep | None = None,
+    ) -> list[list[int]]:
+        return [self.lookup(r.request_id, r.all_token_ids, n) for r, n in zip(requests, limits)]
+
+    def lookup(self, request_id: str, token_ids: Sequence[int], limit: int) -> list[int]:
         """At most ``min(limit, num_tokens)`` tokens; none without a match of ``min_n`` tokens."""
         limit = min(limit, self.num_tokens)
         if limit <= 0 or len(token_ids) <= self.min_n:

@@ -333,6 +333,6 @@ def test_a_draft_model_beside_two_ranks_equals_hf(saved, tmp_path):
         engine, stats = llm.engine, llm.spec_decode_stats
         assert 0 < stats.num_accepted_tokens < stats.num_draft_tokens  # some refused
         assert engine.scheduler.num_preemptions > 0
-        assert engine.model_proposer.kv_cache.prefix_cache_hits > 0
+        assert engine.proposer.kv_cache.prefix_cache_hits > 0
     finally:
         llm.engine.shutdown()

@@ -7,7 +7,6 @@ Python), so ``before_capture`` runs before every replay, as the captured plannin
 from __future__ import annotations
 
 import bisect
-from dataclasses import replace
 
 import torch
 
@@ -58,8 +57,7 @@ def replay_views(llm, max_batch: int = 2) -> ViewReplay:
     graphs = _replay_views(engine.runner, max_batch, 1 + spec.num_speculative_tokens)
     if engine.draft_runner is not None:
         _replay_views(engine.draft_runner, max_batch, 1 + spec.num_speculative_tokens)
-    scheduler = engine.scheduler
-    scheduler.config = replace(scheduler.config, uniform_proposals_up_to=max_batch)
+    engine.speculator.uniform_up_to = max_batch
     return graphs
 
 

@@ -41,7 +41,7 @@ def check_draft_cache(llm: LLM, monkeypatch) -> None:
     it, none past the tokens the draft computed, and those are the request's tokens up to the
     last pass's catch-up."""
     engine = llm.engine
-    proposer, step = engine.model_proposer, engine.step
+    proposer, step = engine.proposer, engine.step
 
     def checked():
         outputs = step()
@@ -65,7 +65,7 @@ def check_draft_cache(llm: LLM, monkeypatch) -> None:
 
 
 def assert_draft_pool_empty(llm: LLM) -> None:
-    proposer = llm.engine.model_proposer
+    proposer = llm.engine.proposer
     assert proposer.kv_cache.num_free_blocks == proposer.kv_cache.num_blocks - 1
     assert not proposer._sequences
 
@@ -98,7 +98,7 @@ def test_greedy_with_a_draft_model_equals_greedy_without(
     assert_draft_pool_empty(llm)
     engine, stats = llm.engine, llm.engine.spec_decode_stats
     assert engine.kv_cache.prefix_cache_hits > 0
-    assert engine.model_proposer.kv_cache.prefix_cache_hits > 0
+    assert engine.proposer.kv_cache.prefix_cache_hits > 0
     assert engine.scheduler.num_preemptions > 0
     # proposals were made, some accepted and some refused (rolled back)
     assert 0 < stats.num_accepted_tokens < stats.num_draft_tokens
@@ -134,7 +134,7 @@ def test_aborted_requests_give_the_draft_blocks_back(tiny_model_dir, tmp_path):
         llm.add_request(str(i), prompt, GREEDY)
     while engine.spec_decode_stats.num_drafts < 4:
         llm.step()
-    assert engine.model_proposer._sequences  # the draft holds blocks for them
+    assert engine.proposer._sequences  # the draft holds blocks for them
     for i in range(len(PROMPTS)):
         llm.abort_request(str(i))
     assert_draft_pool_empty(llm)

@@ -291,7 +291,7 @@ def test_steady_state_head_steps_replay_graphs(family, tmp_path):
     assert assert_steady_state_replays(steps, len(prompts)) >= 2
     stats = llm.spec_decode_stats
     assert 0 < stats.num_accepted_tokens < stats.num_draft_tokens, stats
-    for kv in (llm.engine.kv_cache, llm.engine.model_proposer.kv_cache):
+    for kv in (llm.engine.kv_cache, llm.engine.proposer.kv_cache):
         kv.check_invariants()
         assert kv.num_free_blocks == kv.num_blocks - 1
 
@@ -308,7 +308,7 @@ def test_eager_catch_ups_where_the_uniform_one_does_not_fit(tmp_path, monkeypatc
     prompts = [[3], [7], [11]]  # (all three prefilled in the first step)
     want = greedy_tokens(LLM(path, **options), prompts, params)
     llm = LLM(path, **options, speculative_config=SPECULATION)
-    proposer, behind = llm.engine.model_proposer, []  # (uniform, head tokens not computed)
+    proposer, behind = llm.engine.proposer, []  # (uniform, head tokens not computed)
     sync = proposer._sync
 
     def counted(seq, ingests):
@@ -322,7 +322,7 @@ def test_eager_catch_ups_where_the_uniform_one_does_not_fit(tmp_path, monkeypatc
     assert (False, 0) in behind  # not scheduled since its last pass
     assert all(0 <= n <= 1 + SPECULATION["num_speculative_tokens"] for _, n in behind)
     assert llm.spec_decode_stats.num_accepted_tokens > 0
-    for kv in (llm.engine.kv_cache, llm.engine.model_proposer.kv_cache):
+    for kv in (llm.engine.kv_cache, llm.engine.proposer.kv_cache):
         kv.check_invariants()
         assert kv.num_free_blocks == kv.num_blocks - 1
 
@@ -333,7 +333,7 @@ def test_fp8_head_keeps_eh_proj_in_full_precision(tmp_path):
     save_with_mtp("deepseek_v3", tmp_path)
     options = dict(quantization="fp8", max_model_len=64, num_kv_blocks=16)
     llm = LLM(str(tmp_path), **options, speculative_config=SPECULATION)
-    head = llm.engine.model_proposer.head
+    head = llm.engine.proposer.head
     enorm, hnorm, eh_proj, layer, _ = head.parts
     assert eh_proj.weight_scale is None and eh_proj.weight.dtype == torch.float32
     assert layer.self_attn.o_proj.weight_scale is not None

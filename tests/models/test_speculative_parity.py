@@ -7,8 +7,6 @@ run hits the prefix cache); the rollback invariants are checked after every step
 
 from __future__ import annotations
 
-from dataclasses import replace
-
 import pytest
 import torch
 import transformers as tf
@@ -175,8 +173,7 @@ def test_uniform_proposals_keep_parity(tmp_path, monkeypatch):
     plain = LLM(path, **options)
     want = [o.outputs[0].token_ids for o in plain.generate(PROMPTS, GREEDY, use_tqdm=False)]
     llm = LLM(path, **options, speculative_config=SPECULATION)
-    scheduler = llm.engine.scheduler
-    monkeypatch.setattr(scheduler, "config", replace(scheduler.config, uniform_proposals_up_to=8))
+    monkeypatch.setattr(llm.engine.speculator, "uniform_up_to", 8)
     runner, uniform = llm.engine.runner, []
     launch = runner.launch
 

@@ -11,7 +11,6 @@ runs this path by default."""
 from __future__ import annotations
 
 import logging
-from dataclasses import replace
 
 import pytest
 import torch
@@ -41,10 +40,10 @@ def outputs(llm: LLM, params) -> list[tuple[list[int], str, str]]:
 
 
 def assert_pools_empty(llm: LLM) -> None:
-    for kv in (llm.engine.kv_cache, llm.engine.model_proposer.kv_cache):
+    for kv in (llm.engine.kv_cache, llm.engine.proposer.kv_cache):
         kv.check_invariants()
         assert kv.num_free_blocks == kv.num_blocks - 1
-    assert not llm.engine.model_proposer._sequences
+    assert not llm.engine.proposer._sequences
 
 
 def test_the_next_step_is_launched_before_a_verification_is_read(models, monkeypatch, caplog):
@@ -155,9 +154,7 @@ def test_seeded_sampling_equals_the_synchronous_verification(models, monkeypatch
     runs = []
     for async_scheduling in (False, True):
         llm = draft_llm(models, async_scheduling=async_scheduling)
-        scheduler = llm.engine.scheduler
-        uniform = replace(scheduler.config, uniform_proposals_up_to=8)
-        monkeypatch.setattr(scheduler, "config", uniform)
+        monkeypatch.setattr(llm.engine.speculator, "uniform_up_to", 8)
         runs.append(outputs(llm, params))
         stats = llm.spec_decode_stats
         assert 0 < stats.num_accepted_tokens < stats.num_draft_tokens

@@ -7,7 +7,6 @@ beside the verified ones."""
 from __future__ import annotations
 
 import logging
-from dataclasses import replace
 
 import pytest
 
@@ -104,9 +103,7 @@ def runs_both_ways(models, params, monkeypatch, **options) -> list[tuple]:
     runs = []
     for on_device in (True, False):
         llm = draft_llm(models, seed=5, async_scheduling=False, **options)
-        scheduler = llm.engine.scheduler
-        config = replace(scheduler.config, drafts_on_device=on_device)
-        monkeypatch.setattr(scheduler, "config", config)
+        monkeypatch.setattr(llm.engine.speculator, "drafts_on_device", on_device)
         outputs = llm.generate(PROMPTS, params, use_tqdm=False)
         stats = llm.spec_decode_stats
         runs.append(
@@ -116,7 +113,7 @@ def runs_both_ways(models, params, monkeypatch, **options) -> list[tuple]:
                 stats.num_accepted_tokens,
             )
         )
-        del llm, scheduler  # on CUDA, the next engine's memory profile must not see this one
+        del llm  # on CUDA, the next engine's memory profile must not see this one
     return runs
 
 
@@ -156,8 +153,8 @@ def test_uniform_steps_get_k_proposals_to_a_requests_end(models, monkeypatch):
     plain = LLM(target)
     llm = draft_llm(models)
     engine = llm.engine
-    scheduler, runner = engine.scheduler, engine.runner
-    monkeypatch.setattr(scheduler, "config", replace(scheduler.config, uniform_proposals_up_to=8))
+    runner = engine.runner
+    monkeypatch.setattr(engine.speculator, "uniform_up_to", 8)
     query_lens = set()
     launch = runner.launch
 
@@ -173,7 +170,7 @@ def test_uniform_steps_get_k_proposals_to_a_requests_end(models, monkeypatch):
         got = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, params, use_tqdm=False)]
         assert got == want
     assert query_lens == {1 + 3}
-    for kv in (engine.kv_cache, engine.model_proposer.kv_cache):
+    for kv in (engine.kv_cache, engine.proposer.kv_cache):
         assert kv.num_free_blocks == kv.num_blocks - 1
 
 
@@ -184,7 +181,7 @@ def test_a_row_the_draft_pool_cannot_hold_is_sampled_beside_verified_rows(models
     params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
     plain = LLM(target).generate(PROMPTS, params, use_tqdm=False)
     llm = draft_llm(models)
-    kv = llm.engine.model_proposer.kv_cache
+    kv = llm.engine.proposer.kv_cache
     allocate, refused = kv.allocate_slots, []
 
     def allocate_slots(seq, *args):

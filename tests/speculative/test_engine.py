@@ -4,7 +4,6 @@ run, limits, the batch-size switch, and the counters /metrics reports."""
 from __future__ import annotations
 
 from collections import Counter
-from dataclasses import replace
 
 import msgspec
 import pytest
@@ -115,8 +114,8 @@ def test_uniform_steps_keep_their_query_length_to_max_tokens(llama, monkeypatch)
     greedy = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
     plain = tokens(LLM(llama), greedy)
     llm = LLM(llama, speculative_config=SPECULATION)
-    scheduler, runner = llm.engine.scheduler, llm.engine.runner
-    monkeypatch.setattr(scheduler, "config", replace(scheduler.config, uniform_proposals_up_to=8))
+    runner = llm.engine.runner
+    monkeypatch.setattr(llm.engine.speculator, "uniform_up_to", 8)
     query_lens = set()
     launch = runner.launch
 

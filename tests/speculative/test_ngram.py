@@ -27,19 +27,19 @@ def test_equals_the_plain_search(min_n, max_n):
     for i in range(200):
         vocab = rng.choice([3, 6, 20])
         tokens = [rng.randrange(vocab) for _ in range(rng.randrange(1, 60))]
-        assert proposer.propose(str(i), tokens, 4) == reference(tokens, 4, min_n, max_n), tokens
+        assert proposer.lookup(str(i), tokens, 4) == reference(tokens, 4, min_n, max_n), tokens
         # the same request grown by some tokens: its kept array follows
         for _ in range(3):
             tokens += [rng.randrange(vocab) for _ in range(rng.randrange(1, 40))]
-            assert proposer.propose(str(i), tokens, 4) == reference(tokens, 4, min_n, max_n)
+            assert proposer.lookup(str(i), tokens, 4) == reference(tokens, 4, min_n, max_n)
 
 
 def test_limit_and_repeats():
     proposer = NgramProposer(5, 2, 3)
     text = [1, 2, 3, 4, 5, 6, 7, 1, 2, 3]
-    assert proposer.propose("a", text, 10) == [4, 5, 6, 7, 1]
-    assert proposer.propose("a", text, 2) == [4, 5]
-    assert proposer.propose("a", text, 0) == []
-    assert proposer.propose("b", [1, 2, 3, 9], 5) == []  # no earlier 2-gram suffix
+    assert proposer.lookup("a", text, 10) == [4, 5, 6, 7, 1]
+    assert proposer.lookup("a", text, 2) == [4, 5]
+    assert proposer.lookup("a", text, 0) == []
+    assert proposer.lookup("b", [1, 2, 3, 9], 5) == []  # no earlier 2-gram suffix
     proposer.forget("a")
-    assert proposer.propose("a", [7, 8, 7], 5) == []  # a new sequence under a reused id
+    assert proposer.lookup("a", [7, 8, 7], 5) == []  # a new sequence under a reused id
