@@ -304,16 +304,18 @@ class ModelRunner:
         """The step's tokens: ingested verified blocks' or verified proposals' (the
         :class:`Verifier`), else sampled, left on the device where every row samples there."""
         seq, states, bitmask = step.seq, step.sample_states, plan.token_bitmask
-        samples_on_device = not step.prompt_rows and all(map(on_device, states))
         if plan.device_inputs:
             launched = self.verifier.ingest(plan, step, logits, greedy_ids, rejected)
             self.decode_chain.keep(launched, plan, seq, rejected)
         elif plan.verifies:
-            keep = self.async_verification and not plan.draft_token_ids and bitmask is None
-            launched = self.verifier.verify(
-                plan, step, logits, greedy_ids, drafts, keep and samples_on_device
+            keep = (
+                self.async_verification
+                and not plan.draft_token_ids
+                and bitmask is None
+                and _samples_on_device(step)
             )
-        elif states and samples_on_device:
+            launched = self.verifier.verify(plan, step, logits, greedy_ids, drafts, keep)
+        elif states and _samples_on_device(step):
             if greedy_ids is not None and all(s.sampling_params.plain_argmax for s in states):
                 token_ids = greedy_ids[step.sample_rows]
             else:
@@ -344,6 +346,11 @@ class ModelRunner:
             return
         index = to_device(sources, self.device)
         token_ids[index[:, 0]] = sampled[index[:, 1]].to(token_ids.dtype)
+
+
+def _samples_on_device(step: PreparedStep) -> bool:
+    """No prompt logprobs are due and every sampled row samples on the device."""
+    return not step.prompt_rows and all(map(on_device, step.sample_states))
 
 
 def apply_plan(

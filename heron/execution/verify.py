@@ -67,17 +67,17 @@ def verify(
     distributions after its last token and after each proposal. A seeded request draws its
     uniforms and noise from its own generator, a fixed amount per position, so its tokens
     depend on nothing else in the batch. Greedy rows are compared on the host (no upload of
-    the proposals); any other batch is :func:`verify_on_device` read in one download (the
-    proposals, on the device, with it).
+    the proposals); any other batch is :func:`verify_on_device`, its block of emitted tokens
+    read in one download.
     """
-    on_device = isinstance(proposals, DraftRows)
-    counts = proposals.counts if on_device else [len(p) for p in proposals]
+    on_host = not isinstance(proposals, DraftRows)
+    counts = [len(p) for p in proposals] if on_host else proposals.counts
     if all(s.sampling_params.greedy for s in states):
         targets = _biased(logits, states, counts)[0].argmax(dim=-1)
-        if on_device:
-            return accept_greedy(*proposals.download_with(targets))
-        return accept_greedy(proposals, targets.tolist())
-    if not on_device:
+        if on_host:
+            return accept_greedy(proposals, targets.tolist())
+        return accept_greedy(*proposals.download_with(targets))
+    if on_host:
         flat = to_device([t for p in proposals for t in (*p, -1)], logits.device)
         proposals = DraftRows(counts, flat)
     tokens, accepted = verify_on_device(logits, states, proposals, generator)

@@ -13,7 +13,8 @@ from heron.cache.layout import CacheLayout
 from heron.cache.paged import PagedSpec
 from heron.config import ModelConfig, SpeculativeConfig, lacks_tokenizer
 from heron.distributed.executor import RunnerArgs, make_model_runner
-from heron.execution.model_runner import LaunchedStep, ModelRunner
+from heron.execution.launched import LaunchedStep
+from heron.execution.model_runner import ModelRunner
 from heron.execution.sampler import to_device
 from heron.execution.step_plan import DeviceDrafts, NewRequest, Rollback, SentTables, StepPlan
 from heron.loader.resolve import resolve_model_path

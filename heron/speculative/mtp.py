@@ -9,7 +9,8 @@ from typing import TYPE_CHECKING
 import torch
 
 from heron.cache.coordinator import KVCacheCoordinator
-from heron.execution.model_runner import LaunchedStep, ModelRunner
+from heron.execution.launched import LaunchedStep
+from heron.execution.model_runner import ModelRunner
 from heron.execution.sampler import to_device
 from heron.execution.step_plan import DeviceDrafts, Rollback, StepPlan
 from heron.models.build import build_mtp
