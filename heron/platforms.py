@@ -40,6 +40,11 @@ class Platform:
         """The kernel set the layers launch (``heron.ops.selector.LAYER_KERNELS``)."""
         return "torch"
 
+    def host_kv_cache_budget(self) -> int:
+        """Bytes a KV cache in host memory may take by default: a quarter of the memory
+        available now (to this process's cgroup), at most 2 GiB."""
+        return min(available_memory() // 4, MAX_DEFAULT_HOST_KV_CACHE_BYTES)
+
 
 class CpuPlatform(Platform):
     name = "cpu"
@@ -47,10 +52,6 @@ class CpuPlatform(Platform):
     def model_build_context(self) -> ModelBuildContext:
         return ModelBuildContext()
 
-    def kv_cache_budget(self) -> int:
-        """Bytes the KV cache may take by default: a quarter of the memory available now (to
-        this process's cgroup), at most 2 GiB."""
-        return min(available_memory() // 4, MAX_DEFAULT_HOST_KV_CACHE_BYTES)
 
 
 class CudaPlatform(Platform):

@@ -253,7 +253,7 @@ def kv_cache_budget(
         max_len, max_tokens = config.model.max_model_len, config.max_num_batched_tokens
         utilization = config.options.gpu_memory_utilization
         return min(r.kv_cache_budget(utilization, min(max_tokens, max_len)) for r in runners)
-    return config.platform.kv_cache_budget() - verification_bytes
+    return config.platform.host_kv_cache_budget() - verification_bytes
 
 
 def _num_kv_blocks(
