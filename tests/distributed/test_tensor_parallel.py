@@ -40,10 +40,13 @@ PROMPTS = SHARED_PREFIX_PROMPTS
 MAX_NEW = 12
 GREEDY = SamplingParams(temperature=0.0, max_tokens=MAX_NEW, ignore_eos=True)
 # 16-token prefill chunks, prefix caching, and 7 usable blocks of 16 tokens for a batch that
-# needs about 11 at once: chunked prefill, prefix hits and preemption in every run.
+# needs about 11 at once: chunked prefill, prefix hits and preemption in every run (fair
+# prefill off, so that each prompt prefills whole and the batch outgrows the pool).
 # Under pytest-xdist the file must stay on one worker, in order (``--dist loadfile``): a
 # family's shared engine holds the process's distributed group until its last test stops it.
-ENGINE = dict(max_model_len=96, max_num_batched_tokens=16, num_kv_blocks=8)
+ENGINE = dict(
+    max_model_len=96, max_num_batched_tokens=16, num_kv_blocks=8, long_prefill_token_threshold=0
+)
 # The families tensor parallelism serves, latent attention (DeepSeek), the gated delta rule (Qwen3.5,
 # Qwen3-Next) and the MoE layouts.
 FAMILIES = ["llama", "qwen3", "gemma3", "gpt_oss", "qwen3_moe"]

@@ -395,11 +395,13 @@ def moe_variant(config_cls, model_cls, seed: int, **fields) -> torch.nn.Module:
 def assert_chunked_greedy_equals_hf(model: torch.nn.Module, path: Path) -> None:
     """Saved, then run by Heron in 16-token chunks mixed with decode: HF's greedy tokens. The
     last prompt, admitted once the first one's second chunk ran, starts from its checkpointed
-    state at 32 tokens."""
+    state at 32 tokens (fair prefill off: each prompt prefills whole before the next starts)."""
     model.save_pretrained(path)
     make_tokenizer().save_pretrained(path)
     prompts = [PROMPTS[0], PROMPTS[1], PROMPTS[3], PROMPTS[0][:32] + [21, 22]]
-    llm = LLM(str(path), max_model_len=128, max_num_batched_tokens=16)
+    llm = LLM(
+        str(path), max_model_len=128, max_num_batched_tokens=16, long_prefill_token_threshold=0
+    )
     short = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
     outs = llm.generate(prompts, short, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outs] == hf_greedy(model, prompts, 8)
