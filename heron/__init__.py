@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from heron.lora.request import LoRARequest
 from heron.outputs import CompletionOutput, RequestOutput
 from heron.sampling_params import SamplingParams
 from heron.structured import StructuredOutputsParams
@@ -11,7 +12,14 @@ from heron.structured import StructuredOutputsParams
 if TYPE_CHECKING:
     from heron.llm import LLM
 
-__all__ = ["LLM", "CompletionOutput", "RequestOutput", "SamplingParams", "StructuredOutputsParams"]
+__all__ = [
+    "LLM",
+    "CompletionOutput",
+    "LoRARequest",
+    "RequestOutput",
+    "SamplingParams",
+    "StructuredOutputsParams",
+]
 __version__ = "0.1.0"
 
 

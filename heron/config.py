@@ -12,6 +12,7 @@ from transformers import AutoConfig, GenerationConfig, PretrainedConfig
 
 from heron.layers.fp8 import FP8, QUANTIZATIONS
 from heron.layers.quantization import WeightScheme, weight_scheme
+from heron.lora.config import LoRAConfig
 from heron.ops.backends import check_backend
 
 _DTYPES = {
@@ -188,6 +189,13 @@ class EngineConfig:
     # Bytes of the KV cache (None: measured on CUDA; on the CPU, a quarter of the available
     # memory, at most 2 GiB)
     kv_cache_memory_bytes: int | None = None
+    # LoRA adapters (LLM.generate(..., lora_request=...), the server's --lora-modules): at most
+    # max_loras of them in one step, each of rank at most max_lora_rank; max_cpu_loras read
+    # ones kept in host memory (None: max_loras)
+    enable_lora: bool = False
+    max_loras: int = 1
+    max_lora_rank: int = 16
+    max_cpu_loras: int | None = None
 
     def __post_init__(self) -> None:
         # Parsed once here (not a field: the options stay the user's).
@@ -196,6 +204,21 @@ class EngineConfig:
             if self.speculative_config is None
             else SpeculativeConfig.from_dict(self.speculative_config)
         )
+        self._lora = (
+            LoRAConfig(self.max_loras, self.max_lora_rank, self.max_cpu_loras)
+            if self.enable_lora
+            else None
+        )
+        if self.enable_lora and self.tensor_parallel_size > 1:
+            raise ValueError(
+                "enable_lora: LoRA adapters need tensor_parallel_size 1, got "
+                f"{self.tensor_parallel_size}"
+            )
+        if self.enable_lora and self._speculative and self._speculative.method != "ngram":
+            raise ValueError(
+                f"enable_lora: speculative method {self._speculative.method!r} is not supported "
+                "with LoRA adapters (n-gram proposals are)"
+            )
         if self.attention_backend is not None:
             check_backend(self.attention_backend)
         if self.tensor_parallel_size < 1:
@@ -258,6 +281,11 @@ class EngineConfig:
     def speculative(self) -> SpeculativeConfig | None:
         """The checked ``speculative_config``, or None without one."""
         return self._speculative
+
+    @property
+    def lora(self) -> LoRAConfig | None:
+        """The checked LoRA options, or None without ``enable_lora``."""
+        return self._lora
 
 
 # The least value of these options, when given.

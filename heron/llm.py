@@ -14,6 +14,7 @@ from heron.chat_template import Conversation, apply_chat_template
 from heron.config import EngineConfig
 from heron.engine.llm_engine import LLMEngine
 from heron.engine.output_processor import OutputProcessor
+from heron.lora.request import LoRARequest
 from heron.outputs import RequestOutput
 from heron.sampling_params import SamplingParams
 from heron.speculative import SpecDecodeStats
@@ -71,28 +72,28 @@ class LLM:
         prompts: Prompt | Sequence[Prompt],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = True,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
-        """One :class:`RequestOutput` per prompt, in order.
+        """One :class:`RequestOutput` per prompt, in order; ``lora_request``: the adapter of
+        every prompt, or one per prompt (None: the base model).
 
-        A prompt the engine rejects (empty, longer than the context, unknown token ids) gets an
-        output with ``error`` set and no completions; the other prompts still run.
+        A prompt the engine rejects (empty, longer than the context, unknown token ids, an
+        adapter that does not fit the model) gets an output with ``error`` set and no
+        completions; the other prompts still run.
         """
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
-        params = sampling_params or SamplingParams()
-        if isinstance(params, SamplingParams):
-            params = [params] * len(prompts)
-        if len(params) != len(prompts):
-            raise ValueError(
-                f"got {len(params)} sampling params for {len(prompts)} prompts; pass one or one each"
-            )
+        params = _one_each(
+            sampling_params or SamplingParams(), SamplingParams, prompts, "sampling params"
+        )
+        loras = _one_each(lora_request, LoRARequest, prompts, "lora requests")
         results: dict[str, RequestOutput] = {}
         order = []
-        for prompt, p in zip(prompts, params):
+        for prompt, p, lora in zip(prompts, params, loras):
             request_id = str(next(self._ids))
             order.append(request_id)
             try:
-                self.add_request(request_id, prompt, p, stream=False)
+                self.add_request(request_id, prompt, p, stream=False, lora_request=lora)
             except ValueError as e:
                 logger.warning("request %s rejected: %s", request_id, e)
                 text, ids = (prompt, []) if isinstance(prompt, str) else (None, list(prompt))
@@ -129,16 +130,17 @@ class LLM:
         prompt: Prompt,
         params: SamplingParams | None = None,
         stream: bool = True,
+        lora_request: LoRARequest | None = None,
     ) -> None:
-        """Queue a request; raise ``ValueError`` (and queue nothing) if it is invalid. With
-        ``stream`` :meth:`step` returns its output whenever it advances, else only once
-        finished."""
+        """Queue a request (under ``lora_request``'s adapter, if given); raise ``ValueError``
+        (and queue nothing) if it is invalid. With ``stream`` :meth:`step` returns its output
+        whenever it advances, else only once finished."""
         if isinstance(prompt, str):
             text, token_ids = prompt, self.tokenizer.encode(prompt)
         else:
             text, token_ids = None, list(prompt)
         params = params or SamplingParams()
-        self.engine.add_request(request_id, token_ids, params)
+        self.engine.add_request(request_id, token_ids, params, lora_request)
         self._outputs.add_request(request_id, text, token_ids, params, stream)
 
     def step(self) -> list[RequestOutput]:
@@ -172,3 +174,14 @@ class LLM:
                         tokens += sum(len(c.token_ids) for c in output.outputs)
                         bar.update(1)
                         bar.set_postfix(tok_s=f"{tokens / (time.perf_counter() - start):.1f}")
+
+
+def _one_each(value: Any, single: type, prompts: Sequence[Prompt], what: str) -> list[Any]:
+    """``value`` for every prompt (one ``single``, or None), or its items, one per prompt."""
+    if value is None or isinstance(value, single):
+        return [value] * len(prompts)
+    if len(value) != len(prompts):
+        raise ValueError(
+            f"got {len(value)} {what} for {len(prompts)} prompts; pass one or one each"
+        )
+    return list(value)

@@ -360,3 +360,24 @@ def hf_on_weights(src: Path, weights: dict[str, torch.Tensor]):
     state.update(weights)
     hf.load_state_dict(state)
     return hf
+
+
+def save_random_adapter(
+    base: Path, path: Path, seed: int, r: int, targets: list[str], **options
+) -> Path:
+    """A PEFT LoRA adapter of ``base`` with random A and B (B non-zero, so it changes the
+    outputs), saved to ``path``; ``options`` are ``peft.LoraConfig``'s (``lora_alpha``,
+    ``use_rslora``, ...)."""
+    import peft
+    import transformers as tf
+
+    hf = tf.AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
+    config = peft.LoraConfig(r=r, target_modules=targets, init_lora_weights=False, **options)
+    torch.manual_seed(seed)
+    model = peft.get_peft_model(hf, config)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_" in name:
+                p.normal_(0.0, 0.1)
+    model.save_pretrained(path)
+    return path

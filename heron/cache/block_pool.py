@@ -21,6 +21,13 @@ NULL_BLOCK_ID = 0
 ROOT_HASH = 0x6865726F6E
 
 
+def root_hash(salt: int) -> int:
+    """The root of a request's chain of block hashes: requests whose KV differs for the same
+    tokens (under different LoRA adapters) start from different roots (salt 0: the base
+    model's, ``ROOT_HASH``)."""
+    return hash((ROOT_HASH, salt)) if salt else ROOT_HASH
+
+
 def hash_block_tokens(parent_hash: int, token_ids: Sequence[int]) -> int:
     """Hash of a full block, chained to the hash of the block before it.
 

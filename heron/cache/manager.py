@@ -22,6 +22,7 @@ class CachedSequence(Protocol):
     request_id: str
     all_token_ids: list[int]
     num_computed_tokens: int
+    prefix_root: int  # its chain of block hashes starts here (``block_pool.root_hash``)
 
     @property
     def num_prompt_tokens(self) -> int: ...

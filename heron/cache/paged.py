@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, NamedTuple
 
 import numpy as np
 
-from heron.cache.block_pool import NULL_BLOCK_ID, ROOT_HASH, BlockPool, hash_block_tokens
+from heron.cache.block_pool import NULL_BLOCK_ID, BlockPool, hash_block_tokens
 from heron.cache.manager import (
     NO_HEADROOM,
     AllocationHeadroom,
@@ -219,7 +219,7 @@ class PagedCacheManager(CacheManager):
         bs = self.block_size
         cached = self._pool.cached
         block_ids: list[int] = []
-        parent = ROOT_HASH
+        parent = request.prefix_root
         for i, start in enumerate(range(0, (num_tokens - 1) // bs * bs, bs)):
             if hashes is not None and i < len(hashes):
                 parent = hashes[i]
@@ -408,7 +408,7 @@ class PagedCacheManager(CacheManager):
         bs = self.block_size
         tokens = request.all_token_ids
         hashes = state.block_hashes
-        parent = hashes[-1] if hashes else ROOT_HASH
+        parent = hashes[-1] if hashes else request.prefix_root
         for i in range(len(hashes), num_full):
             if i < len(chain):
                 parent = chain[i]

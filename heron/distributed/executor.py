@@ -31,6 +31,7 @@ from heron.distributed.rendezvous import Rendezvous, join, min_over_ranks
 from heron.execution.cuda_graph import CudaGraphRunner
 from heron.execution.model_runner import LaunchedStep, ModelRunner
 from heron.execution.step_plan import DeviceDrafts, StepPlan
+from heron.lora.config import LoRAConfig
 from heron.metadata import StepMetaPlan
 from heron.parallel import SINGLE, TensorParallel
 from heron.platforms import Platform
@@ -52,10 +53,17 @@ class RunnerArgs:
     block_size: int
     attention_backend: str
     seed: int
+    lora: LoRAConfig | None = None
 
     def build(self, platform: Platform, tp: TensorParallel = SINGLE) -> ModelRunner:
         return ModelRunner(
-            self.model_config, platform, self.block_size, self.attention_backend, self.seed, tp
+            self.model_config,
+            platform,
+            self.block_size,
+            self.attention_backend,
+            self.seed,
+            tp,
+            lora=self.lora,
         )
 
 

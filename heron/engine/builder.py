@@ -51,7 +51,13 @@ def build_engine(config: ResolvedConfig) -> EngineParts:
     try:
         runner = make_model_runner(
             options.tensor_parallel_size,
-            RunnerArgs(config.model, config.block_size, config.attention_backend, options.seed),
+            RunnerArgs(
+                config.model,
+                config.block_size,
+                config.attention_backend,
+                options.seed,
+                options.lora,
+            ),
             config.platform,
         )
     except ValueError as e:
@@ -95,6 +101,7 @@ def build_engine(config: ResolvedConfig) -> EngineParts:
             long_prefill_token_threshold=config.long_prefill_token_threshold,
             max_num_partial_prefills=options.max_num_partial_prefills,
             max_long_partial_prefills=options.max_long_partial_prefills,
+            max_loras=options.lora.max_loras if options.lora else 0,
         ),
         kv_cache,
         proposer,

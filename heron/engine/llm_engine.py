@@ -18,6 +18,7 @@ from heron.engine.stopping import check_stop
 from heron.execution.model_runner import LaunchedStep
 from heron.execution.sampler import on_device
 from heron.execution.step_plan import StepOutput
+from heron.lora.request import LoRARequest
 from heron.outputs import Logprob
 from heron.sampling_params import SamplingParams
 from heron.speculative import SpecDecodeStats
@@ -93,12 +94,18 @@ class LLMEngine:
     # ----------------------------------------------------------------- requests
 
     def add_request(
-        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams | None = None
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams | None = None,
+        lora_request: LoRARequest | None = None,
     ) -> None:
-        """Queue a request; raise ``ValueError`` (and queue nothing) if it is invalid. Every
-        step that advances it returns its delta."""
+        """Queue a request (under ``lora_request``'s adapter, if given); raise ``ValueError``
+        (and queue nothing) if it is invalid. Every step that advances it returns its delta."""
         if request_id in self._parents:
             raise ValueError(f"request id {request_id!r} is already in use")
+        if lora_request is not None:
+            self.add_lora(lora_request)
         params = (params or SamplingParams()).clone()
         params.eos_token_ids = frozenset(self.eos_token_ids)
         token_ids = list(prompt_token_ids)
@@ -117,6 +124,7 @@ class LLMEngine:
                 params,
                 parent_id=request_id,
                 sample_index=index,
+                lora_request=lora_request,
             )
             children.append(child)
         if params.structured_outputs is not None:
@@ -128,6 +136,15 @@ class LLMEngine:
         self._parents[request_id] = _UserRequest(request_id, children)
         for child in children:
             self.scheduler.add(child)
+
+    def add_lora(self, lora_request: LoRARequest) -> None:
+        """Read and check an adapter now (requests naming it later start without reading
+        it); ``ValueError`` naming what does not fit."""
+        self.runner.add_lora(lora_request)
+
+    def remove_lora(self, lora_int_id: int) -> None:
+        """Forget an adapter (a request still naming it has it read again)."""
+        self.runner.remove_lora(lora_int_id)
 
     def _grammar_compiler(self) -> GrammarCompiler:
         if self._grammars is None:

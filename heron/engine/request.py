@@ -7,6 +7,8 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from heron.cache.block_pool import root_hash
+from heron.lora.request import LoRARequest
 from heron.outputs import Logprob
 from heron.sampling_params import SamplingParams
 
@@ -57,10 +59,13 @@ class Request:
     first_scheduled_time: float | None = None
     first_token_time: float | None = None
     grammar: RequestGrammar | None = None  # with structured outputs: where it is in its grammar
+    lora_request: LoRARequest | None = None  # the adapter it runs under (None: the base model)
+    prefix_root: int = field(init=False)  # its prefix cache entries are its adapter's alone
 
     def __post_init__(self) -> None:
         self.parent_id = self.parent_id or self.request_id
         self.all_token_ids = list(self.prompt_token_ids)
+        self.prefix_root = root_hash(self.lora_request.lora_int_id if self.lora_request else 0)
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -32,6 +32,7 @@ class SchedulerConfig:
     long_prefill_token_threshold: int = 0
     max_num_partial_prefills: int | None = None  # None: no limit
     max_long_partial_prefills: int | None = None
+    max_loras: int = 0  # LoRA adapters the running requests may use at once
 
 
 class ScheduledRequest(NamedTuple):
@@ -148,7 +149,8 @@ class Scheduler:
                 i += 1
 
         # Admitting new work right after a preemption would only thrash the pool.
-        passed: list[Request] = []  # passed over: their grammars or a prefill limit
+        passed: list[Request] = []  # passed over: their grammars, a prefill limit, adapters
+        adapters = self._running_adapters()
         while (
             not out.preempted
             and self.waiting
@@ -156,7 +158,12 @@ class Scheduler:
             and len(self.running) < self.config.max_num_seqs
         ):
             request = self.waiting[0]
-            if request.waits_for_grammar:
+            lora = request.lora_request
+            if request.waits_for_grammar or (
+                lora is not None
+                and lora.lora_int_id not in adapters
+                and len(adapters) >= self.config.max_loras
+            ):
                 passed.append(self.waiting.popleft())
                 continue
             computed_blocks, num_cached = self.kv_cache.get_computed_blocks(request)
@@ -178,11 +185,20 @@ class Scheduler:
                 request.num_cached_tokens = num_cached
                 out.plan.new_requests.append(_new_request(request))
             self.running.append(request)
+            if lora is not None:
+                adapters.add(lora.lora_int_id)
             out.scheduled.append(ScheduledRequest(request, num_new, num_new == remaining))
             budget -= num_new
         self.waiting.extendleft(reversed(passed))
         self._fill_plan(out)
         return out
+
+    def _running_adapters(self) -> set[int]:
+        """The LoRA adapters of the running requests: a request of another joins them only
+        while fewer than ``max_loras`` are in use (every step's fit the device slots)."""
+        if not self.config.max_loras:
+            return set()
+        return {r.lora_request.lora_int_id for r in self.running if r.lora_request is not None}
 
     def reject(self, request: Request, num_rejected: int) -> None:
         """The step computed ``num_rejected`` proposed tokens that were refused: the request's
@@ -294,4 +310,5 @@ def _new_request(request: Request) -> NewRequest:
         request.num_prompt_tokens,
         params,
         None if params.seed is None else params.seed + request.sample_index,
+        request.lora_request,
     )

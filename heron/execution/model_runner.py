@@ -20,6 +20,10 @@ from heron.execution.sampler import Sampler, on_device, to_device
 from heron.execution.step_inputs import BlockTableRows, PreparedStep, StepInputBuilder
 from heron.execution.step_plan import DeviceDrafts, Rollback, StepOutput, StepPlan
 from heron.execution.verify import Verifier, rejected_per_row
+from heron.lora.config import LoRAConfig
+from heron.lora.layer import lora_layers
+from heron.lora.request import LoRARequest
+from heron.lora.slots import AdapterSlots
 from heron.metadata import (
     GraphSupport,
     MetadataOperator,
@@ -46,15 +50,22 @@ class ModelRunner:
         seed: int,
         tp: TensorParallel = SINGLE,
         build: Callable[..., BuiltModel] = build_model,
+        lora: LoRAConfig | None = None,
     ) -> None:
         """Under ``tp`` the runner holds this rank's shard of the model and of the caches.
         ``build`` makes the model and its plan (``build_model``'s arguments; an MTP head's is
-        another)."""
+        another); with ``lora`` it serves LoRA adapters."""
         self.model_config = model_config
         self.platform = platform
         self.device = platform.device
         self.block_size = block_size
-        self.model, self.plan = build(model_config, platform, attention_backend, block_size, tp)
+        self.model, self.plan = build(
+            model_config, platform, attention_backend, block_size, tp, lora
+        )
+        self.adapters = None
+        if lora is not None:
+            packed = getattr(self.model, "packed_modules", {})
+            self.adapters = AdapterSlots(lora_layers(self.model), lora, packed)
         self.cache = CacheLayout(
             [
                 m
@@ -73,7 +84,9 @@ class ModelRunner:
         self.sampler = Sampler()
         self.generator = torch.Generator(self.device).manual_seed(seed)
         self.num_blocks: list[int] = []
-        self.inputs = StepInputBuilder(block_size, self.device, self.cache_specs)
+        self.inputs = StepInputBuilder(
+            block_size, self.device, self.cache_specs, adapters=lora is not None
+        )
         self.verifier = Verifier(
             self.sampler, self.generator, self.inputs.tables, self._recurrent_owners, self.device
         )
@@ -109,6 +122,20 @@ class ModelRunner:
                 )
         for group in self.plan.groups:
             group.builder.cache_group = group_of.get(id(group), 0)
+
+    def add_lora(self, request: LoRARequest) -> None:
+        """Read and check an adapter before a request uses it (``ValueError`` if it does not
+        fit the model, or the runner serves none)."""
+        if self.adapters is None:
+            raise ValueError(
+                f"lora_request {request.lora_name!r}: the engine serves no LoRA adapters "
+                "(enable_lora=False)"
+            )
+        self.adapters.add(request)
+
+    def remove_lora(self, lora_int_id: int) -> None:
+        if self.adapters is not None:
+            self.adapters.remove(lora_int_id)
 
     def allocate_kv_cache(self, num_blocks: list[int]) -> None:
         """Every cache owner's tensor, sized to its cache group's pool."""
@@ -254,7 +281,12 @@ class ModelRunner:
         apply_plan(plan, self.requests, self.inputs.tables, self.device)
         if not plan.request_ids:
             return None, None
-        step = self.inputs.prepare(plan, self.requests, previous.rows if previous else None)
+        slots = None
+        if self.adapters is not None:
+            slots = self.adapters.assign([self.requests[r].lora_request for r in plan.request_ids])
+        step = self.inputs.prepare(
+            plan, self.requests, previous.rows if previous else None, slots
+        )
         token_ids = step.seq.token_ids
         if step.pending_sources:
             self._fill_pending_tokens(token_ids, step.pending_sources, previous.token_ids)

@@ -22,6 +22,7 @@ class RequestState:
         "sampling_params",
         "generator",
         "num_prompt_logprobs",
+        "lora_request",
     )
 
     def __init__(self, new: NewRequest, device: torch.device) -> None:
@@ -33,6 +34,7 @@ class RequestState:
         # Prompt positions whose next-token logprob was computed (a recomputed prompt after a
         # preemption does not compute them twice).
         self.num_prompt_logprobs = 0
+        self.lora_request = new.lora_request
 
     @property
     def num_output_tokens(self) -> int:

@@ -57,9 +57,12 @@ class StepInputBuilder:
         block_size: int,
         device: torch.device,
         specs: Sequence[CacheSpec],
+        adapters: bool = False,
     ) -> None:
+        """``adapters``: steps carry each row's LoRA adapter slot."""
         self.block_size = block_size
         self.device = device
+        self.adapters = adapters
         self.parts = [spec.step_parts() for spec in specs]  # each cache group's kind's parts
         self.tables = BlockTableRows(len(self.parts))
         # On a GPU the packed batch is staged in one pinned buffer reused every step; an event
@@ -82,8 +85,10 @@ class StepInputBuilder:
         plan: StepPlan,
         states: Mapping[str, RequestState],
         pending_rows: Mapping[str, int] | None = None,
+        adapter_slots: np.ndarray | None = None,
     ) -> PreparedStep:
-        """Host work of a step: the packed StepBatch and its one copy to the device.
+        """Host work of a step: the packed StepBatch and its one copy to the device
+        (``adapter_slots``: each row's LoRA adapter slot, where the steps carry them).
 
         Each cache group's kind lays out and fills its own parts (``CacheSpec.step_parts``).
         A decode token that is still pending (sampled by the previous step, not yet read) is
@@ -158,11 +163,19 @@ class StepInputBuilder:
             parts.layout(contexts, num_tokens, tables) for parts, tables in zip(self.parts, groups)
         ]
         layouts = [layout for layout, _ in planned]
-        size = StepBatch.packed_size(num_reqs, num_tokens, num_logits, layouts)
+        size = StepBatch.packed_size(num_reqs, num_tokens, num_logits, layouts, self.adapters)
         batch = StepBatch(
-            num_reqs, num_tokens, num_logits, bs, layouts, staging=self._staging_buffer(size)
+            num_reqs,
+            num_tokens,
+            num_logits,
+            bs,
+            layouts,
+            staging=self._staging_buffer(size),
+            adapters=self.adapters,
         )
         batch.token_ids[:] = token_ids
+        if adapter_slots is not None:
+            batch.adapter_slots[:] = adapter_slots
         batch.query_lens[:] = plan.num_new
         np.add(contexts, batch.query_lens, out=batch.kv_lens)
         batch.finish()

@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from heron.lora.request import LoRARequest
 from heron.outputs import Logprob
 from heron.sampling_params import SamplingParams
 
@@ -23,6 +24,7 @@ class NewRequest:
     num_prompt_tokens: int
     sampling_params: SamplingParams
     seed: int | None  # the sample's own seed (its draws ignore the rest of the batch)
+    lora_request: LoRARequest | None = None  # the adapter it runs under (None: the base model)
 
 
 @dataclass(frozen=True)

@@ -91,6 +91,8 @@ class Linear(nn.Module):
             self.register_parameter(name, None)
         self.perm: torch.Tensor | None = None  # act-order: the input columns' order
         self.g_idx_loaded = False  # a packed layer's shards each bring the same g_idx
+        # With LoRA: ``lora(x, y)`` adds the adapters' updates to this layer's output y.
+        self.lora: nn.Module | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.wna16 is not None:
@@ -101,6 +103,8 @@ class Linear(nn.Module):
             )
         else:
             y = linear(x, self.weight, self.bias, self.kernels)
+        if self.lora is not None:  # (before the sum of a row-parallel layer's parts)
+            y = self.lora(x, y)
         return self._reduced(y)
 
     def _reduced(self, y: torch.Tensor) -> torch.Tensor:
@@ -207,8 +211,9 @@ class Linear(nn.Module):
 
     def takes_gemv(self, x: torch.Tensor) -> bool:
         """Whether this layer's product with ``x``'s rows runs as the GEMV (packed integer
-        weights take their own kernels, unfused)."""
-        return self.wna16 is None and takes_gemv(self.kernels, x, self.weight)
+        weights take their own kernels, unfused; so does a layer with LoRA, whose updates are
+        added before the activation)."""
+        return self.wna16 is None and self.lora is None and takes_gemv(self.kernels, x, self.weight)
 
     def _gemv(self, x: torch.Tensor, **fused: Any) -> torch.Tensor:
         if self.weight_scale is None:

@@ -35,7 +35,11 @@ class _Offset(NamedTuple):
 
 @functools.lru_cache(maxsize=256)
 def _layout(
-    num_reqs: int, num_tokens: int, num_logits: int, groups: tuple[GroupLayout, ...]
+    num_reqs: int,
+    num_tokens: int,
+    num_logits: int,
+    groups: tuple[GroupLayout, ...],
+    adapters: bool = False,
 ) -> tuple[dict[str, _Offset], tuple[dict[str, _Offset], ...], int]:
     """The shared parts' and each group's parts' places in the packed array, and its size.
 
@@ -48,7 +52,7 @@ def _layout(
         Part("token_ids", num_tokens),
         Part("positions", num_tokens),
         Part("logits_indices", num_logits),
-    )
+    ) + ((Part("adapter_slots", num_reqs),) if adapters else ())
     start = 0
 
     def place(parts: tuple[Part, ...]) -> dict[str, _Offset]:
@@ -66,8 +70,9 @@ class StepBatch:
     """One step's batch on the host, laid out in a single packed int32 array.
 
     The runner writes token ids, positions, per-request query/KV lengths and the rows to
-    compute logits for into the shared views; each cache group's kind writes its own parts
-    (``group_parts[g]``, by name; ``groups[g]`` is their layout). :meth:`finish` fills both
+    compute logits for into the shared views (with ``adapters``, each row's LoRA adapter slot
+    too); each cache group's kind writes its own parts (``group_parts[g]``, by name;
+    ``groups[g]`` is their layout). :meth:`finish` fills both
     cumulative-length arrays with one cumsum over the stacked lengths. The packed array then
     travels to the device in one copy (:meth:`SequenceMetadata.from_step_batch`).
 
@@ -84,11 +89,14 @@ class StepBatch:
         block_size: int,
         groups: Sequence[GroupLayout],
         staging: torch.Tensor | None = None,
+        adapters: bool = False,
     ) -> None:
         self.num_reqs, self.num_tokens = num_reqs, num_tokens
         self.num_logits, self.block_size = num_logits, block_size
         self.groups = tuple(groups)
-        shared, self.group_offsets, total = _layout(num_reqs, num_tokens, num_logits, self.groups)
+        shared, self.group_offsets, total = _layout(
+            num_reqs, num_tokens, num_logits, self.groups, adapters
+        )
         self.offsets = shared
         # A reused (pinned) host buffer, so that the copy to a GPU is one asynchronous DMA.
         self.packed = torch.empty(total, dtype=torch.int32) if staging is None else staging[:total]
@@ -109,6 +117,7 @@ class StepBatch:
         self.token_ids = view(shared["token_ids"])
         self.positions = view(shared["positions"])
         self.logits_indices = view(shared["logits_indices"])
+        self.adapter_slots = view(shared["adapter_slots"]) if adapters else None
         self.group_parts = [
             {name: view(offset) for name, offset in offsets.items()}
             for offsets in self.group_offsets
@@ -116,10 +125,15 @@ class StepBatch:
 
     @classmethod
     def packed_size(
-        cls, num_reqs: int, num_tokens: int, num_logits: int, groups: Sequence[GroupLayout]
+        cls,
+        num_reqs: int,
+        num_tokens: int,
+        num_logits: int,
+        groups: Sequence[GroupLayout],
+        adapters: bool = False,
     ) -> int:
         """Elements of the packed array for these dimensions."""
-        return _layout(num_reqs, num_tokens, num_logits, tuple(groups))[2]
+        return _layout(num_reqs, num_tokens, num_logits, tuple(groups), adapters)[2]
 
     def finish(self) -> None:
         """Compute the cumulative query and KV lengths (one cumsum over both)."""
@@ -153,6 +167,10 @@ class SequenceMetadata:
     # per request, the proposals after its last token that the step verifies (None: no row
     # verifies any); a kind whose state cannot be cut back keeps what each of them left
     num_proposed_host: np.ndarray | None = None
+    # per request, its LoRA adapter's slot (0: none), on the device and the host; None: the
+    # engine serves no adapters
+    adapter_slots: torch.Tensor | None = None
+    adapter_slots_host: np.ndarray | None = None
 
     @property
     def num_groups(self) -> int:
@@ -217,4 +235,6 @@ class SequenceMetadata:
             query_start_loc=view(shared["start_locs"], 0),
             logits_indices=view(shared["logits_indices"]),
             group_parts=group_parts,
+            adapter_slots=None if batch.adapter_slots is None else view(shared["adapter_slots"]),
+            adapter_slots_host=batch.adapter_slots,
         )

@@ -11,6 +11,8 @@ from torch import nn
 
 from heron.config import ModelConfig
 from heron.loader import load_model
+from heron.lora.config import LoRAConfig
+from heron.lora.layer import attach_lora
 from heron.metadata import MetadataBuilder, MetadataOperator, StepMetadataError, StepMetaPlan
 from heron.models.registry import model_class, mtp_class
 from heron.ops.attention.base import AttentionOperator
@@ -61,10 +63,18 @@ def build_model(
     attention_backend: str,
     block_size: int,
     tp: TensorParallel = SINGLE,
+    lora: LoRAConfig | None = None,
 ) -> BuiltModel:
-    """Build, load and plan the model (this rank's shard of it, under ``tp``)."""
+    """Build, load and plan the model (this rank's shard of it, under ``tp``); with ``lora``
+    its targeted linear layers get LoRA operators, registered in the same scope."""
     cls = model_class(model_config.architecture)
-    construct = lambda runtime: cls(model_config.hf_config, runtime)
+
+    def construct(runtime: OperatorRuntime) -> nn.Module:
+        model = cls(model_config.hf_config, runtime)
+        if lora is not None:
+            attach_lora(model, lora)
+        return model
+
     return _build(construct, model_config, platform, attention_backend, block_size, tp)
 
 

@@ -26,7 +26,7 @@ def load_mtp_runner(target: ModelRunner, attention_backend: str, max_rows: int) 
     steps of ``max_rows`` tokens; ``ValueError`` if the checkpoint has none."""
     model = target.model
 
-    def build(model_config, platform, backend, block_size, tp):
+    def build(model_config, platform, backend, block_size, tp, lora):
         return build_mtp(model, model_config, platform, backend, block_size)
 
     runner = ModelRunner(

@@ -1,0 +1,122 @@
+"""LoRALinear: the low-rank updates of one linear layer, for every adapter slot at once."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from heron.layers.linear import Linear, PackedLinear
+from heron.lora.adapter import LoRAPair
+from heron.lora.builder import LoRABuilder, LoRAView
+from heron.lora.config import LoRAConfig
+from heron.metadata import MetadataOperator
+
+# The linear layers an adapter may update, by their names in the model (packed ones included).
+TARGETS = frozenset(
+    {
+        "qkv_proj",
+        "q_proj",
+        "k_proj",
+        "v_proj",
+        "o_proj",
+        "gate_up_proj",
+        "gate_proj",
+        "up_proj",
+        "down_proj",
+    }
+)
+
+
+class LoRALinear(MetadataOperator):
+    """``y + x A[s]^T B[s]^T`` for each token's slot ``s`` (its group's view says which).
+
+    Slot ``s`` holds one adapter's pairs in fixed-size tables (``lora_a``: ``[slots, parts *
+    max_rank, in]``, ``lora_b``: ``[slots, out, parts * max_rank]``, slot 0 zero), so a
+    captured graph stays valid whatever the slots hold. A packed layer (qkv, gate_up) keeps
+    each part's pair in its own rank columns and output rows: one shrink and one expand serve
+    every part."""
+
+    def __init__(self, layer_name: str, base: Linear, config: LoRAConfig) -> None:
+        super().__init__(layer_name)
+        if base.parallel is not None:
+            raise ValueError(
+                f"layer {layer_name!r}: LoRA on tensor-parallel layers is not supported"
+            )
+        if isinstance(base, PackedLinear):
+            self.parts = dict(base.shard_offsets)
+        else:
+            self.parts = {None: (0, base.out_features)}
+        self.in_features, self.out_features = base.in_features, base.out_features
+        self.max_rank = config.max_lora_rank
+        width = len(self.parts) * self.max_rank
+        slots = config.max_loras + 1
+        self.register_buffer(
+            "lora_a", torch.zeros(slots, width, self.in_features), persistent=False
+        )
+        self.register_buffer(
+            "lora_b", torch.zeros(slots, self.out_features, width), persistent=False
+        )
+        self.kernels = base.kernels
+        self._builder = LoRABuilder(config.max_loras, config.max_lora_rank)
+
+    def metadata_builder(self) -> LoRABuilder:
+        return self._builder
+
+    def check(self, part: str | None, pair: LoRAPair) -> str | None:
+        """Why ``pair`` cannot update ``part`` of this layer (None: it can)."""
+        if part not in self.parts:
+            return f"the layer has no part {part!r}"
+        size = self.parts[part][1]
+        if pair.a.shape[1] != self.in_features or pair.b.shape[0] != size:
+            return (
+                f"lora_A {tuple(pair.a.shape)} / lora_B {tuple(pair.b.shape)} do not fit a "
+                f"{self.in_features} -> {size} projection"
+            )
+        return None
+
+    def set_slot(self, slot: int, pairs: dict[str | None, LoRAPair]) -> None:
+        """Slot ``slot`` holds ``pairs`` (by part; parts without one: nothing)."""
+        a, b = self.lora_a[slot], self.lora_b[slot]
+        a.zero_()
+        b.zero_()
+        for i, (part, (offset, size)) in enumerate(self.parts.items()):
+            pair = pairs.get(part)
+            if pair is not None:
+                cols = slice(i * self.max_rank, i * self.max_rank + pair.a.shape[0])
+                a[cols].copy_(pair.a)
+                b[offset : offset + size, cols].copy_(pair.b)
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        """``y`` (the base layer's output for ``x``) plus each token's update."""
+        view: LoRAView = self.view
+        if view.token_slots is None:
+            return y
+        if self.kernels.lora_shrink is not None:
+            shrunk = self.kernels.lora_shrink(x, self.lora_a, view.token_slots)
+            return self.kernels.lora_expand(shrunk, self.lora_b, view.token_slots, y)
+        if view.slots is None:  # any slot: gathered per token
+            slots = view.token_slots.long()
+            shrunk = torch.bmm(self.lora_a[slots], x.unsqueeze(2))
+            return y + torch.bmm(self.lora_b[slots], shrunk).squeeze(2)
+        for slot in view.slots:
+            rows = (view.token_slots == slot).nonzero().squeeze(1)
+            delta = (x[rows] @ self.lora_a[slot].T) @ self.lora_b[slot].T
+            y = y.index_add(0, rows, delta)
+        return y
+
+
+def attach_lora(model: nn.Module, config: LoRAConfig) -> None:
+    """Give every targeted linear layer of ``model`` its LoRA operator (inside the model's
+    build scope, where they register)."""
+    for name, module in list(model.named_modules()):
+        if isinstance(module, Linear) and name.rpartition(".")[2] in TARGETS:
+            module.lora = LoRALinear(f"{name}.lora", module, config)
+
+
+def lora_layers(model: nn.Module) -> dict[str, LoRALinear]:
+    """The LoRA operators of ``model``, by the name of the linear layer each updates."""
+    return {
+        name: module.lora
+        for name, module in model.named_modules()
+        if isinstance(module, Linear) and module.lora is not None
+    }

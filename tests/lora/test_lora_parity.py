@@ -1,0 +1,89 @@
+"""LoRA adapters against HF transformers + PEFT: one adapter, several adapters and the base
+model in one batch, more adapters than slots, the prefix cache kept apart per adapter."""
+
+from __future__ import annotations
+
+import peft
+import pytest
+import torch
+import transformers as tf
+
+from heron import LLM, LoRARequest, SamplingParams
+
+from tiny_models import hf_greedy, save_random_adapter
+
+MAX_NEW = 8
+# The first two share a 32-token prefix (two full blocks: the prefix cache's unit).
+PROMPTS = [
+    list(range(10, 42)) + [7, 8, 9],
+    list(range(10, 42)) + [200, 201],
+    [3, 4, 5],
+    [(i * 37) % 300 + 5 for i in range(20)],
+]
+GREEDY = SamplingParams(temperature=0.0, max_tokens=MAX_NEW, ignore_eos=True)
+ALL = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+
+
+def _peft_greedy(base, adapter) -> list[list[int]]:
+    hf = tf.AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
+    model = peft.PeftModel.from_pretrained(hf, adapter).eval()
+    return hf_greedy(model, PROMPTS, MAX_NEW)
+
+
+@pytest.fixture(scope="module")
+def case(tiny_model_dir, tmp_path_factory):
+    """A Qwen3 model (qk-norm, packed qkv and gate_up), two adapters (every projection at
+    rank 8; rsLoRA on three at rank 4) and each one's (and the base model's) greedy tokens
+    from HF + PEFT."""
+    base = tiny_model_dir("qwen3")
+    tmp = tmp_path_factory.mktemp("adapters")
+    a = save_random_adapter(base, tmp / "a", 1, 8, ALL, lora_alpha=16)
+    b = save_random_adapter(
+        base, tmp / "b", 2, 4, ["q_proj", "v_proj", "down_proj"], lora_alpha=8, use_rslora=True
+    )
+    hf = tf.AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32).eval()
+    refs = {
+        "a": _peft_greedy(base, a),
+        "b": _peft_greedy(base, b),
+        None: hf_greedy(hf, PROMPTS, MAX_NEW),
+    }
+    assert refs["a"] != refs[None] and refs["b"] != refs[None]  # the adapters change outputs
+    loras = {"a": LoRARequest("a", 1, str(a)), "b": LoRARequest("b", 2, str(b)), None: None}
+    return base, loras, refs
+
+
+def _tokens(llm: LLM, loras: list) -> list[list[int]]:
+    outputs = llm.generate(PROMPTS, GREEDY, use_tqdm=False, lora_request=loras)
+    return [o.outputs[0].token_ids for o in outputs]
+
+
+def test_one_adapter_equals_peft(case):
+    base, loras, refs = case
+    llm = LLM(str(base), max_model_len=128, enable_lora=True, max_lora_rank=8)
+    assert _tokens(llm, [loras["a"]] * len(PROMPTS)) == refs["a"]
+
+
+def test_adapters_and_base_mixed_in_one_batch(case):
+    """Each prompt under another adapter (or none), the shared prefix under two of them: each
+    equals its adapter's run alone, twice (the second time from the prefix cache, which
+    serves each prompt only blocks computed under its own adapter)."""
+    base, loras, refs = case
+    names = ["a", "b", None, "a"]
+    want = [refs[n][i] for i, n in enumerate(names)]
+    llm = LLM(str(base), max_model_len=128, enable_lora=True, max_loras=2, max_lora_rank=8)
+    assert _tokens(llm, [loras[n] for n in names]) == want
+    hits = llm.engine.kv_cache.prefix_cache_hits
+    assert _tokens(llm, [loras[n] for n in names]) == want
+    assert llm.engine.kv_cache.prefix_cache_hits > hits
+    # The shared prefix under the other adapter (and none) is not served from the cache.
+    swapped = ["b", "a", None, None]
+    assert _tokens(llm, [loras[n] for n in swapped]) == [
+        refs[n][i] for i, n in enumerate(swapped)
+    ]
+
+
+def test_more_adapters_than_slots_run_over_several_steps(case):
+    base, loras, refs = case
+    names = ["b", "a", "b", None]
+    llm = LLM(str(base), max_model_len=128, enable_lora=True, max_loras=1, max_lora_rank=8)
+    assert _tokens(llm, [loras[n] for n in names]) == [refs[n][i] for i, n in enumerate(names)]
