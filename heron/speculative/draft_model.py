@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from heron.cache.block_pool import ROOT_HASH
 from heron.cache.coordinator import KVCacheCoordinator
 from heron.cache.layout import CacheLayout
 from heron.cache.paged import PagedSpec
@@ -124,6 +125,7 @@ class _DraftSequence:
     )
     wants_prompt_logprobs = False
     shift = 0  # the request's tokens this sequence's first one comes after
+    prefix_root = ROOT_HASH  # (a draft runs no LoRA adapter)
 
     def __init__(self, request: Request) -> None:
         self.request_id = request.request_id
