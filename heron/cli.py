@@ -55,6 +55,8 @@ _ENGINE_FLAG_HELP = {
     "the others (default: no limit)",
     "kv_cache_memory_bytes": "KV cache size in bytes (default: measured on CUDA; on the CPU "
     "a quarter of the available memory, at most 2 GiB)",
+    "runner": "generate, pooling (embedding, classification, reward models) or auto "
+    "(pooling for sequence classifiers, bare decoders and sentence-transformers checkpoints)",
 }
 # Short spellings vLLM users type.
 _SHORT_FLAGS = {"tensor_parallel_size": "-tp"}

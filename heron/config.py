@@ -39,6 +39,10 @@ KV_CACHE_DTYPES = ("auto", "fp8")
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "vocab.txt")
 
 
+# "generate": a text generator; "pooling": an embedding, classification or reward model (see
+# heron.models.pooling); "auto": pooling where the checkpoint can only mean it.
+RUNNERS = ("auto", "generate", "pooling")
+
 SPECULATIVE_METHODS = ("ngram", "draft_model", "mtp")
 # Fields that only one method reads: refused by name for the others.
 METHOD_FIELDS = {
@@ -196,6 +200,7 @@ class EngineConfig:
     max_loras: int = 1
     max_lora_rank: int = 16
     max_cpu_loras: int | None = None
+    runner: str = "auto"  # RUNNERS
 
     def __post_init__(self) -> None:
         # Parsed once here (not a field: the options stay the user's).
@@ -229,6 +234,8 @@ class EngineConfig:
                     "speculative_config: method 'mtp' needs tensor_parallel_size 1 (the MTP head "
                     f"is not sharded), got tensor_parallel_size={self.tensor_parallel_size}"
                 )
+        if self.runner not in RUNNERS:
+            raise ValueError(f"runner must be one of {', '.join(RUNNERS)}, got {self.runner!r}")
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ValueError(
                 f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, "

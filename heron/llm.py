@@ -1,4 +1,5 @@
-"""The offline API: ``LLM(model).generate(prompts)`` and ``.chat(conversations)``."""
+"""The offline API: ``LLM(model).generate(prompts)`` and ``.chat(conversations)``; for a
+pooling model ``.embed``, ``.classify``, ``.score`` and ``.reward``."""
 
 from __future__ import annotations
 
@@ -15,7 +16,9 @@ from heron.config import EngineConfig
 from heron.engine.llm_engine import LLMEngine
 from heron.engine.output_processor import OutputProcessor
 from heron.lora.request import LoRARequest
-from heron.outputs import RequestOutput
+from heron.outputs import PoolingRequestOutput, RequestOutput
+from heron.pooler_config import PoolerConfig
+from heron.pooling_params import PoolingParams, cosine, pair_token_ids
 from heron.sampling_params import SamplingParams
 from heron.speculative import SpecDecodeStats
 
@@ -81,8 +84,12 @@ class LLM:
         adapter that does not fit the model) gets an output with ``error`` set and no
         completions; the other prompts still run.
         """
-        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
-            prompts = [prompts]
+        if self.engine.pooling is not None:
+            raise ValueError(
+                f"{self.engine.model_config.architecture} is a pooling model: it does not "
+                "generate; use LLM.embed, .classify, .score or .reward"
+            )
+        prompts = _prompt_list(prompts)
         params = _one_each(
             sampling_params or SamplingParams(), SamplingParams, prompts, "sampling params"
         )
@@ -115,6 +122,89 @@ class LLM:
             for c in conversations
         ]
         return self.generate(prompts, sampling_params, use_tqdm)
+
+    # ------------------------------------------------------- pooling models
+
+    def embed(
+        self,
+        prompts: Prompt | Sequence[Prompt],
+        dimensions: int | None = None,
+        normalize: bool | None = None,
+        use_tqdm: bool = True,
+    ) -> list[PoolingRequestOutput]:
+        """Each prompt's embedding (its first ``dimensions`` values, Matryoshka-style;
+        normalised as the model says unless ``normalize`` is given)."""
+        return self.encode(prompts, PoolingParams("embed", dimensions, normalize), use_tqdm)
+
+    def classify(
+        self, prompts: Prompt | Sequence[Prompt], use_tqdm: bool = True
+    ) -> list[PoolingRequestOutput]:
+        """Each prompt's class probabilities (a classifier's softmax; one label: its
+        sigmoid)."""
+        return self.encode(prompts, PoolingParams("classify"), use_tqdm)
+
+    def reward(
+        self, prompts: Prompt | Sequence[Prompt], use_tqdm: bool = True
+    ) -> list[PoolingRequestOutput]:
+        """Each prompt's reward: a reward model's head output as it is."""
+        return self.encode(prompts, PoolingParams("encode"), use_tqdm)
+
+    def score(
+        self, query: str, documents: str | Sequence[str], use_tqdm: bool = True
+    ) -> list[float]:
+        """How well each document answers ``query``: a cross-encoder's (classifier's) score of
+        the pair, tokenized as the tokenizer joins a text pair; an embedding model's cosine
+        similarity of the two embeddings. Raises ``ValueError`` if an input is rejected."""
+        documents = [documents] if isinstance(documents, str) else list(documents)
+        pooling = self._pooling()
+        if pooling.num_labels is None:
+            outputs = _checked(self.embed([query, *documents], use_tqdm=use_tqdm))
+            return [cosine(outputs[0].data, o.data) for o in outputs[1:]]
+        pairs = [pair_token_ids(self.tokenizer, query, d) for d in documents]
+        outputs = _checked(self.encode(pairs, PoolingParams("score"), use_tqdm))
+        return [o.data[0] for o in outputs]
+
+    def encode(
+        self,
+        prompts: Prompt | Sequence[Prompt],
+        params: PoolingParams,
+        use_tqdm: bool = True,
+    ) -> list[PoolingRequestOutput]:
+        """One :class:`PoolingRequestOutput` per prompt, in order, as ``params`` asks; a
+        rejected prompt's has ``error`` set (the others still run); raises ``ValueError`` if
+        the model does not serve ``params``."""
+        engine = self.engine
+        engine.check_pooling_params(params)
+        prompts = _prompt_list(prompts)
+        results: dict[str, PoolingRequestOutput] = {}
+        prompt_ids: dict[str, list[int]] = {}
+        for prompt in prompts:
+            request_id = str(next(self._ids))
+            ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
+            prompt_ids[request_id] = ids
+            try:
+                engine.add_request(request_id, ids, params)
+            except ValueError as e:
+                results[request_id] = PoolingRequestOutput(request_id, ids, [], str(e))
+        show = use_tqdm and len(prompts) > 1
+        with tqdm(total=engine.num_unfinished_requests, desc="requests", disable=not show) as bar:
+            while engine.has_unfinished_requests():
+                for delta in engine.step():
+                    request_id = delta.request_id
+                    results[request_id] = PoolingRequestOutput(
+                        request_id, prompt_ids[request_id], delta.pooled
+                    )
+                    bar.update(1)
+        return [results[request_id] for request_id in prompt_ids]
+
+    def _pooling(self) -> PoolerConfig:
+        pooling = self.engine.pooling
+        if pooling is None:
+            raise ValueError(
+                "this model generates text; pooling calls need a pooling model "
+                "(LLM(model, runner='pooling'))"
+            )
+        return pooling
 
     def apply_chat_template(self, conversation: Conversation, **options: Any) -> list[int]:
         """Token ids of ``conversation`` through this model's chat template; ``options`` are
@@ -185,3 +275,17 @@ def _one_each(value: Any, single: type, prompts: Sequence[Prompt], what: str) ->
             f"got {len(value)} {what} for {len(prompts)} prompts; pass one or one each"
         )
     return list(value)
+
+
+def _prompt_list(prompts: Prompt | Sequence[Prompt]) -> Sequence[Prompt]:
+    """One prompt (a string or token ids) as a list of one."""
+    if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+        return [prompts]
+    return prompts
+
+
+def _checked(outputs: list[PoolingRequestOutput]) -> list[PoolingRequestOutput]:
+    for output in outputs:
+        if output.error is not None:
+            raise ValueError(output.error)
+    return outputs

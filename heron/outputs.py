@@ -1,4 +1,5 @@
-"""What generate() returns: one RequestOutput per prompt, one CompletionOutput per sample."""
+"""What generate() returns: one RequestOutput per prompt, one CompletionOutput per sample; what
+the pooling calls return: one PoolingRequestOutput per prompt."""
 
 from __future__ import annotations
 
@@ -72,3 +73,14 @@ class RequestOutput:
     num_cached_tokens: int = 0
     error: str | None = None  # set when the request was rejected (it then has no outputs)
     metrics: dict[str, float] = field(default_factory=dict)
+
+
+@dataclass(slots=True)
+class PoolingRequestOutput:
+    """A pooling request's answer: the embedding, the class probabilities, the score or the
+    model's raw pooled output (a reward), by the request's task."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    data: list[float]
+    error: str | None = None  # set when the request was rejected (``data`` is then empty)

@@ -115,12 +115,17 @@ def save_tiny_model(
 
 
 def save_random_model(
-    config, path: Path, seed: int = 0, added_tokens: tuple[str, ...] = ()
+    config,
+    path: Path,
+    seed: int = 0,
+    added_tokens: tuple[str, ...] = (),
+    auto_class: str = "AutoModelForCausalLM",
 ) -> Path:
     """An HF model of ``config`` with random weights, and the test tokenizer, saved to ``path``.
 
     ``added_tokens``: tokens the tokenizer gets beyond its trained vocabulary (as a reasoning
-    model's ``<think>``), each one id, which the model's vocabulary grows to hold."""
+    model's ``<think>``), each one id, which the model's vocabulary grows to hold;
+    ``auto_class``: the transformers class that builds it (a sequence classifier's)."""
     import transformers as tf
 
     torch.manual_seed(seed)
@@ -128,7 +133,7 @@ def save_random_model(
     if added_tokens:
         tokenizer.add_tokens(list(added_tokens))
         config.vocab_size = len(tokenizer)
-    model = tf.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    model = getattr(tf, auto_class).from_config(config, dtype=torch.float32)
     # Random init is small; scale weights up so logits are not near-uniform (no near-ties).
     with torch.no_grad():
         for name, p in model.named_parameters():
@@ -138,10 +143,45 @@ def save_random_model(
                 p.uniform_(0.8, 1.2)
             else:
                 p.normal_(0.0, 0.02)
-    model.generation_config.eos_token_id = None
+    if model.can_generate():
+        model.generation_config.eos_token_id = None
     model.save_pretrained(path)
     tokenizer.save_pretrained(path)
     return path
+
+
+# Pooling models: two layers of the Qwen3 shape.
+POOLING = BASE | dict(num_hidden_layers=2, head_dim=32, tie_word_embeddings=True)
+
+
+def save_embedding_model(path: Path, pooling_mode: str, normalize: bool, seed: int = 0):
+    """A tiny Qwen3 decoder saved as sentence-transformers saves an embedding model
+    (Transformer, Pooling of ``pooling_mode``, Normalize if asked), and that pipeline (the
+    reference). The tokenizer has no chat template, which sentence-transformers would apply."""
+    import transformers as tf
+    from sentence_transformers import SentenceTransformer
+    from sentence_transformers.sentence_transformer.modules import Normalize, Pooling, Transformer
+
+    decoder = save_random_model(tf.Qwen3Config(**POOLING), path / "decoder", seed)
+    tokenizer = tf.AutoTokenizer.from_pretrained(decoder)
+    tokenizer.pad_token, tokenizer.chat_template = tokenizer.eos_token, None
+    (decoder / "chat_template.jinja").unlink(missing_ok=True)
+    tokenizer.save_pretrained(decoder)
+    modules = [
+        Transformer(str(decoder)),
+        Pooling(POOLING["hidden_size"], pooling_mode=pooling_mode),
+    ]
+    pipeline = SentenceTransformer(modules=modules + [Normalize()] * normalize)
+    pipeline.save(str(path / "st"))
+    return path / "st", pipeline
+
+
+def save_classifier(path: Path, num_labels: int, seed: int = 0) -> Path:
+    """A tiny Qwen3ForSequenceClassification (a reranker with one label)."""
+    import transformers as tf
+
+    config = tf.Qwen3Config(**POOLING, num_labels=num_labels)
+    return save_random_model(config, path, seed, auto_class="AutoModelForSequenceClassification")
 
 
 def save_truncated_draft(target: Path, path: Path) -> Path:

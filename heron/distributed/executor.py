@@ -35,6 +35,7 @@ from heron.lora.config import LoRAConfig
 from heron.metadata import StepMetaPlan
 from heron.parallel import SINGLE, TensorParallel
 from heron.platforms import Platform
+from heron.pooler_config import PoolerConfig
 
 # How long rank 0 waits for a worker whose collective failed to exit (to name its exit code),
 # and for the workers to exit after a shutdown.
@@ -54,6 +55,7 @@ class RunnerArgs:
     attention_backend: str
     seed: int
     lora: LoRAConfig | None = None
+    pooling: PoolerConfig | None = None  # a pooling model's
 
     def build(self, platform: Platform, tp: TensorParallel = SINGLE) -> ModelRunner:
         return ModelRunner(
@@ -64,6 +66,7 @@ class RunnerArgs:
             self.seed,
             tp,
             lora=self.lora,
+            pooling=self.pooling,
         )
 
 

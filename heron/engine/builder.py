@@ -57,6 +57,7 @@ def build_engine(config: ResolvedConfig) -> EngineParts:
                 config.attention_backend,
                 options.seed,
                 options.lora,
+                config.pooling,
             ),
             config.platform,
         )
@@ -76,10 +77,12 @@ def build_engine(config: ResolvedConfig) -> EngineParts:
         draft_runner.allocate_kv_cache(draft_blocks)
     if config.cuda_graphs:
         _capture_graphs(config, runner, draft_runner, ingests=sync_reason is None)
+    # Mean and CLS pooling read every token's hidden states: none may come from the cache.
+    pools_all_tokens = config.pooling is not None and config.pooling.pooling_type != "last"
     kv_cache = KVCacheCoordinator(
         runner.cache_specs,
         num_blocks,
-        options.enable_prefix_caching,
+        options.enable_prefix_caching and not pools_all_tokens,
         options.decode_checkpoint_interval,
     )
     proposer = speculator = None

@@ -28,6 +28,7 @@ from heron.config import EngineConfig
 from heron.engine.core_launch import CoreProcess, WatchedCore, front_endpoints, remove_sockets
 from heron.engine.messages import (
     AbortRequest,
+    AddPoolingRequest,
     AddRequest,
     CoreMessage,
     EngineStats,
@@ -41,7 +42,8 @@ from heron.engine.messages import (
     StepOutputs,
 )
 from heron.engine.output_processor import OutputProcessor
-from heron.outputs import RequestOutput
+from heron.outputs import PoolingRequestOutput, RequestOutput
+from heron.pooling_params import PoolingParams
 from heron.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -126,6 +128,7 @@ class EngineCoreClient:
         self.model_path = ready.model_path
         self.description = ready.description
         self.stats: EngineStats = ready.stats  # the newest snapshot the core sent
+        self.pooling = ready.pooling  # a pooling model's pooler; None: the model generates
         self._outputs = OutputProcessor(self.tokenizer, ready.eos_token_ids)
         self._reader = threading.Thread(target=self._read, name="heron-core-reader", daemon=True)
         self._reader.start()
@@ -149,14 +152,9 @@ class EngineCoreClient:
         the caller stops iterating early (closes or cancels the generator), the request is
         aborted so its KV blocks return to the pool.
         """
-        if self._stopping or not self.is_running:
-            raise self._dead_error()
-        if request_id in self._streams:
-            raise ValueError(f"request id {request_id!r} is already in use")
-        self._loop = asyncio.get_running_loop()
+        queue = self._open(request_id)
         token_ids = list(prompt_token_ids)
         self._outputs.add_request(request_id, None, token_ids, params)
-        queue = self._streams[request_id] = asyncio.Queue()
         self._send(AddRequest(request_id, token_ids, params, self._endpoints.index))
         finished = False
         try:
@@ -173,6 +171,35 @@ class EngineCoreClient:
             if not finished:
                 self._forget(request_id)
                 self.abort(request_id)
+
+    async def pool(
+        self, request_id: str, prompt_token_ids: list[int], params: PoolingParams
+    ) -> PoolingRequestOutput:
+        """A pooling request's answer. An invalid request raises ``ValueError``; a caller
+        cancelled while it waits aborts the request."""
+        queue = self._open(request_id)
+        token_ids = list(prompt_token_ids)
+        self._send(AddPoolingRequest(request_id, token_ids, params, self._endpoints.index))
+        try:
+            item = await queue.get()
+        except asyncio.CancelledError:
+            self._forget(request_id)
+            self.abort(request_id)
+            raise
+        if isinstance(item, BaseException):
+            raise item
+        return PoolingRequestOutput(request_id, token_ids, item.pooled)
+
+    def _open(self, request_id: str) -> asyncio.Queue:
+        """A new request's queue of outputs; raises while the core is not running, or for an
+        id in use."""
+        if self._stopping or not self.is_running:
+            raise self._dead_error()
+        if request_id in self._streams:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        self._loop = asyncio.get_running_loop()
+        queue = self._streams[request_id] = asyncio.Queue()
+        return queue
 
     def abort(self, request_id: str) -> None:
         """Stop a request; unknown or finished ids are ignored, and so is a core not running
@@ -203,7 +230,11 @@ class EngineCoreClient:
         deltas = []
         for message in messages:
             if isinstance(message, StepOutputs):
-                deltas += message.deltas
+                for delta in message.deltas:
+                    if delta.pooled is None:
+                        deltas.append(delta)
+                    elif (queue := self._streams.pop(delta.request_id, None)) is not None:
+                        queue.put_nowait(delta)  # a pooling request's one answer
             elif isinstance(message, Rejected):
                 self._fail(message.request_id, ValueError(message.message))
             elif isinstance(message, StepFailed):

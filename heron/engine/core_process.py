@@ -24,6 +24,7 @@ from heron.engine.deltas import RequestDelta
 from heron.engine.llm_engine import LLMEngine
 from heron.engine.messages import (
     AbortRequest,
+    AddPoolingRequest,
     AddRequest,
     CoreArgs,
     CoreMessage,
@@ -97,7 +98,7 @@ class EngineCore:
             except zmq.Again:
                 return True
             message = self._decoder.decode(frame.buffer)
-            if isinstance(message, AddRequest):
+            if isinstance(message, AddRequest | AddPoolingRequest):
                 self._add(message)
             elif isinstance(message, AbortRequest):
                 self._abort(message.request_id, message.sample_index)
@@ -114,7 +115,7 @@ class EngineCore:
         if delta is not None:
             self._queue(delta)
 
-    def _add(self, message: AddRequest) -> None:
+    def _add(self, message: AddRequest | AddPoolingRequest) -> None:
         request_id = message.request_id
         try:
             self.engine.add_request(request_id, message.prompt_token_ids, message.params)
@@ -234,6 +235,7 @@ def _start(args: CoreArgs, inbox: zmq.Socket, outboxes: list[zmq.Socket]) -> Eng
             sorted(engine.eos_token_ids),
             _describe(engine),
             EngineStats.of(engine),
+            engine.pooling,
         )
     )
     return core

@@ -30,3 +30,4 @@ class RequestDelta(msgspec.Struct, array_like=True):
     # With the request's first delta:
     prompt_logprobs: list[Logprob | None] | None = None
     first_scheduled_time: float | None = None  # monotonic (one clock for every process)
+    pooled: list[float] | None = None  # a pooling request's answer (its one, final delta)

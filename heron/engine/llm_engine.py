@@ -20,6 +20,7 @@ from heron.execution.sampler import on_device
 from heron.execution.step_plan import StepOutput
 from heron.lora.request import LoRARequest
 from heron.outputs import Logprob
+from heron.pooling_params import PoolingParams
 from heron.sampling_params import SamplingParams
 from heron.speculative import SpecDecodeStats
 
@@ -67,6 +68,7 @@ class LLMEngine:
         self.config = config
         self.platform = self.resolved.platform
         self.model_config = self.resolved.model
+        self.pooling = self.resolved.pooling  # a pooling model's pooler; None: it generates
         self.max_num_batched_tokens = self.resolved.max_num_batched_tokens
         self.block_size = self.resolved.block_size
         parts = build_engine(self.resolved)
@@ -97,13 +99,20 @@ class LLMEngine:
         self,
         request_id: str,
         prompt_token_ids: list[int],
-        params: SamplingParams | None = None,
+        params: SamplingParams | PoolingParams | None = None,
         lora_request: LoRARequest | None = None,
     ) -> None:
-        """Queue a request (under ``lora_request``'s adapter, if given); raise ``ValueError``
-        (and queue nothing) if it is invalid. Every step that advances it returns its delta."""
+        """Queue a request (under ``lora_request``'s adapter, if given; a pooling request with
+        ``PoolingParams``); raise ``ValueError`` (and queue nothing) if it is invalid. Every
+        step that advances a generation returns its delta; a pooling request's one delta
+        comes once it is pooled."""
         if request_id in self._parents:
             raise ValueError(f"request id {request_id!r} is already in use")
+        if self.pooling is not None or isinstance(params, PoolingParams):
+            if lora_request is not None:
+                raise ValueError("lora_request: pooling requests run no LoRA adapter")
+            self._add_pooling_request(request_id, list(prompt_token_ids), params)
+            return
         if lora_request is not None:
             self.add_lora(lora_request)
         params = (params or SamplingParams()).clone()
@@ -145,6 +154,31 @@ class LLMEngine:
     def remove_lora(self, lora_int_id: int) -> None:
         """Forget an adapter (a request still naming it has it read again)."""
         self.runner.remove_lora(lora_int_id)
+
+    def _add_pooling_request(
+        self, request_id: str, token_ids: list[int], params: PoolingParams | None
+    ) -> None:
+        self.check_pooling_params(params)
+        self._validate_prompt(token_ids)
+        # It samples nothing: its sampling parameters are the defaults, never read.
+        request = Request(request_id, token_ids, SamplingParams(), pooling_params=params)
+        self._parents[request_id] = _UserRequest(request_id, [request])
+        self.scheduler.add(request)
+
+    def check_pooling_params(self, params: PoolingParams | SamplingParams | None) -> None:
+        """Raise ``ValueError`` unless this is a pooling model that serves ``params``."""
+        pooling = self.pooling
+        if pooling is None:
+            raise ValueError(
+                "this model generates text: pooling requests need a pooling model "
+                "(runner='pooling')"
+            )
+        if not isinstance(params, PoolingParams):
+            raise ValueError(
+                f"this is a pooling model ({self.model_config.architecture}); it does not "
+                f"generate text: send pooling requests ({', '.join(pooling.tasks)})"
+            )
+        pooling.check(params)
 
     def _grammar_compiler(self) -> GrammarCompiler:
         if self._grammars is None:
@@ -331,10 +365,35 @@ class LLMEngine:
         if launched.num_proposed is not None:
             self._read_verified(launched, result, touched, now)
             return
+        if self.pooling is not None:
+            self._read_pooled(requests, result, touched, now)
+            return
         for request, token_id, logprob in zip(requests, result.token_ids, result.logprobs):
             if request.status is RequestStatus.FINISHED:
                 continue  # stopped or aborted while this step ran: the token is dropped
             self._append(request, token_id, logprob, now, touched)
+
+    def _read_pooled(
+        self,
+        requests: list[Request],
+        result: StepOutput,
+        touched: dict[str, RequestDelta],
+        now: float,
+    ) -> None:
+        """A pooling step's outputs: each request whose last token it computed finishes with
+        its answer (one that was aborted meanwhile is dropped)."""
+        for request in requests:
+            if request.status is RequestStatus.FINISHED:
+                continue
+            request.first_token_time = now
+            request.finish(FinishReason.STOP)
+            self.scheduler.remove(request)
+            pooled = request.pooling_params.finish(
+                result.pooled[request.request_id], self.pooling.normalize
+            )
+            touched[request.parent_id] = RequestDelta(
+                request.parent_id, [], False, 0, pooled=pooled
+            )
 
     def _read_verified(
         self,

@@ -13,6 +13,8 @@ import msgspec
 
 from heron.config import EngineConfig
 from heron.engine.deltas import RequestDelta
+from heron.pooler_config import PoolerConfig
+from heron.pooling_params import PoolingParams
 from heron.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
@@ -28,6 +30,15 @@ class AddRequest(msgspec.Struct, tag=True, array_like=True):
     front: int = 0  # the sender's index: its outputs go back to it
 
 
+class AddPoolingRequest(msgspec.Struct, tag=True, array_like=True):
+    """A pooling model's request: answered by one final delta carrying its ``pooled``."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    params: PoolingParams
+    front: int = 0
+
+
 class AbortRequest(msgspec.Struct, tag=True, array_like=True):
     """Stop a request, or only one of its samples (a stop string the front matched)."""
 
@@ -39,7 +50,7 @@ class Shutdown(msgspec.Struct, tag=True, array_like=True):
     """Abort every request, send their final outputs, and exit."""
 
 
-FrontMessage = AddRequest | AbortRequest | Shutdown
+FrontMessage = AddRequest | AddPoolingRequest | AbortRequest | Shutdown
 
 # ----------------------------------------------------------------- core -> front
 
@@ -103,6 +114,7 @@ class Ready(msgspec.Struct, tag=True, array_like=True):
     eos_token_ids: list[int]
     description: str  # model, dtype, device and graph mode, for the start-up log
     stats: EngineStats
+    pooling: PoolerConfig | None  # a pooling model's pooler; None: the model generates
 
 
 class StartupFailed(msgspec.Struct, tag=True, array_like=True):

@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING
 from heron.cache.block_pool import root_hash
 from heron.lora.request import LoRARequest
 from heron.outputs import Logprob
+from heron.pooling_params import PoolingParams
 from heron.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
@@ -61,6 +62,7 @@ class Request:
     grammar: RequestGrammar | None = None  # with structured outputs: where it is in its grammar
     lora_request: LoRARequest | None = None  # the adapter it runs under (None: the base model)
     prefix_root: int = field(init=False)  # its prefix cache entries are its adapter's alone
+    pooling_params: PoolingParams | None = None  # a pooling request's (it samples nothing)
 
     def __post_init__(self) -> None:
         self.parent_id = self.parent_id or self.request_id

@@ -12,6 +12,7 @@ from heron.config import TOKENIZER_FILES, EngineConfig, ModelConfig, Speculative
 from heron.config import lacks_tokenizer as _lacks_tokenizer
 from heron.loader.resolve import resolve_model_path
 from heron.platforms import Platform, platform_for, resolve_device
+from heron.pooler_config import PoolerConfig, is_pooling_checkpoint, pooler_config
 
 # With chunked prefill a step never exceeds this many tokens unless the user says otherwise.
 # On the CPU, a step of more tokens than this takes seconds (a 135M-parameter model computes
@@ -37,6 +38,7 @@ class ResolvedConfig:
     long_prefill_token_threshold: int
     speculative: SpeculativeConfig | None
     cuda_graphs: bool  # decode steps replay captured graphs
+    pooling: PoolerConfig | None  # a pooling model's pooler (runner "pooling"); None: generates
 
     @property
     def max_graph_batch(self) -> int:
@@ -71,6 +73,7 @@ def resolve(options: EngineConfig) -> ResolvedConfig:
     )
     # By default, while others wait, a long prefill leaves them half the step's budget.
     threshold = options.long_prefill_token_threshold
+    pooling = _pooling(options, path, model)
     return ResolvedConfig(
         options=options,
         model_path=path,
@@ -85,5 +88,21 @@ def resolve(options: EngineConfig) -> ResolvedConfig:
         if threshold is None
         else threshold,
         speculative=options.speculative,
-        cuda_graphs=device.type == "cuda" and not options.enforce_eager,
+        # (a pooling model runs prefills only)
+        cuda_graphs=device.type == "cuda" and not options.enforce_eager and pooling is None,
+        pooling=pooling,
     )
+
+
+def _pooling(options: EngineConfig, path: Path, model: ModelConfig) -> PoolerConfig | None:
+    """The pooler of a pooling runner (asked for, or ``auto`` on a checkpoint that can only be
+    a pooling model), refusing what it cannot run with."""
+    runner = options.runner
+    if runner == "auto":
+        runner = "pooling" if is_pooling_checkpoint(path, model.architecture) else "generate"
+    if runner == "generate":
+        return None
+    for name in ("speculative_config", "tensor_parallel_size"):
+        if getattr(options, name) not in (None, 1):
+            raise ValueError(f"{name} is not supported with the pooling runner")
+    return pooler_config(path, model.hf_config)

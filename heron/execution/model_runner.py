@@ -5,6 +5,7 @@ from __future__ import annotations
 import gc
 import logging
 from collections.abc import Callable
+from functools import partial
 
 import torch
 
@@ -15,6 +16,7 @@ from heron.config import ModelConfig
 from heron.execution.cuda_graph import CudaGraphRunner
 from heron.execution.launched import LaunchedStep
 from heron.execution.next_decode import DecodeChainer
+from heron.execution.pooler import Pooler
 from heron.execution.request_state import RequestState
 from heron.execution.sampler import Sampler, on_device, to_device
 from heron.execution.step_inputs import BlockTableRows, PreparedStep, StepInputBuilder
@@ -31,9 +33,10 @@ from heron.metadata import (
     StepBatch,
     StepMetadataError,
 )
-from heron.models.build import BuiltModel, build_model
+from heron.models.build import BuiltModel, build_model, build_pooling_model
 from heron.parallel import SINGLE, TensorParallel
 from heron.platforms import Platform
+from heron.pooler_config import PoolerConfig
 
 logger = logging.getLogger(__name__)
 
@@ -51,10 +54,15 @@ class ModelRunner:
         tp: TensorParallel = SINGLE,
         build: Callable[..., BuiltModel] = build_model,
         lora: LoRAConfig | None = None,
+        pooling: PoolerConfig | None = None,
     ) -> None:
         """Under ``tp`` the runner holds this rank's shard of the model and of the caches.
         ``build`` makes the model and its plan (``build_model``'s arguments; an MTP head's is
-        another); with ``lora`` it serves LoRA adapters."""
+        another); with ``lora`` it serves LoRA adapters. With ``pooling`` it runs a pooling
+        model: its steps pool, never sample."""
+        if pooling is not None:
+            build = partial(build_pooling_model, num_labels=pooling.num_labels)
+        self.pooler = None if pooling is None else Pooler(pooling.pooling_type)
         self.model_config = model_config
         self.platform = platform
         self.device = platform.device
@@ -258,6 +266,8 @@ class ModelRunner:
         step, rejected = self._prepare(plan, previous, drafts, rollback)
         if step is None:  # (a plan that only brings the runner's requests up to date)
             launched = LaunchedStep([], result=StepOutput([], [], []))
+        elif self.pooler is not None:
+            launched = self._pool(plan, step)
         else:
             hidden, logits, greedy_ids = self._run(plan, step)
             launched = self._sample_or_verify(plan, step, logits, greedy_ids, drafts, rejected)
@@ -323,6 +333,17 @@ class ModelRunner:
         for copies in plan.copies_after:
             self.cache.copy_entries(copies.group, copies.sources, copies.destinations)
         return hidden, logits, greedy_ids
+
+    def _pool(self, plan: StepPlan, step: PreparedStep) -> LaunchedStep:
+        """A pooling step: the forward pass, then the head's output for each request whose
+        last token it computed, on the host in float32."""
+        seq = step.seq
+        self.plan.build_views(seq)
+        request_ids, pooled = self.pooler(plan, self.model(seq.token_ids))
+        outputs = self.model.compute_logits(pooled).float().cpu()
+        return LaunchedStep(
+            [], result=StepOutput([], [], [], pooled=dict(zip(request_ids, outputs)))
+        )
 
     def _sample_or_verify(
         self,

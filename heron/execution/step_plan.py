@@ -189,6 +189,9 @@ class StepOutput:
     logprobs: list[Logprob | None]
     prompt_logprobs: dict[str, list[Logprob]] = field(default_factory=dict)
     num_accepted: list[int] = field(default_factory=list)  # empty: no row verified proposals
+    # A pooling step's output (float32, on the host) of each request whose last token it
+    # computed; it samples nothing.
+    pooled: dict[str, torch.Tensor] = field(default_factory=dict)
 
     def row_token_ids(self) -> list[list[int]]:
         """Each row's tokens."""

@@ -14,6 +14,7 @@ from heron.loader import load_model
 from heron.lora.config import LoRAConfig
 from heron.lora.layer import attach_lora
 from heron.metadata import MetadataBuilder, MetadataOperator, StepMetadataError, StepMetaPlan
+from heron.models.pooling import DecoderForPooling
 from heron.models.registry import model_class, mtp_class
 from heron.ops.attention.base import AttentionOperator
 from heron.ops.attention.paged import PagedAttentionBuilder
@@ -75,6 +76,24 @@ def build_model(
             attach_lora(model, lora)
         return model
 
+    return _build(construct, model_config, platform, attention_backend, block_size, tp)
+
+
+def build_pooling_model(
+    model_config: ModelConfig,
+    platform: Platform,
+    attention_backend: str,
+    block_size: int,
+    tp: TensorParallel = SINGLE,
+    lora: LoRAConfig | None = None,
+    *,
+    num_labels: int | None,
+) -> BuiltModel:
+    """Build, load and plan a pooling model (``heron.models.pooling``): its decoder, and a
+    classification head of ``num_labels`` outputs (None: none). It runs no LoRA adapter."""
+    if lora is not None:
+        raise ValueError("enable_lora is not supported with the pooling runner")
+    construct = lambda runtime: DecoderForPooling(model_config.hf_config, runtime, num_labels)
     return _build(construct, model_config, platform, attention_backend, block_size, tp)
 
 

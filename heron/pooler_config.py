@@ -1,0 +1,146 @@
+"""What a pooling model's checkpoint says of its pooling: which architectures pool, how they
+pool (the sentence-transformers modules an embedding checkpoint is saved with), and what the
+engine then serves. Plain data: the server's front reads it too, without model code.
+
+An embedding checkpoint is a Llama-family causal LM (its LM head unused) or the bare decoder
+that sentence-transformers saves (``Qwen3Model``); a reranker, classifier or reward model is a
+``*ForSequenceClassification`` checkpoint, pooled at the last token.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+from transformers import PretrainedConfig
+
+from heron.pooling_params import PoolingParams
+
+POOLING_TYPES = ("last", "mean", "cls")
+_FAMILIES = ("Llama", "Mistral", "Qwen2", "Qwen3")
+_CAUSAL_LMS = frozenset(f"{family}ForCausalLM" for family in _FAMILIES)
+_BARE_DECODERS = frozenset(f"{family}Model" for family in _FAMILIES)
+EMBEDDING_ARCHITECTURES = _CAUSAL_LMS | _BARE_DECODERS
+CLASSIFIER_ARCHITECTURES = frozenset(f"{f}ForSequenceClassification" for f in _FAMILIES)
+# What sentence-transformers' Pooling module calls each pooling type (its current
+# ``pooling_mode``, and the boolean keys of older checkpoints).
+_ST_MODES = {"lasttoken": "last", "mean": "mean", "cls": "cls"}
+_ST_LEGACY_KEYS = {
+    "pooling_mode_lasttoken": "lasttoken",
+    "pooling_mode_mean_tokens": "mean",
+    "pooling_mode_cls_token": "cls",
+}
+
+
+@dataclass(frozen=True)
+class PoolerConfig:
+    """How a pooling model turns hidden states into its output."""
+
+    pooling_type: str  # POOLING_TYPES
+    normalize: bool  # embeddings are normalised unless a request says otherwise
+    num_labels: int | None  # a classification head's outputs; None: an embedding model
+    hidden_size: int
+    matryoshka_dimensions: tuple[int, ...] | None = None  # None: any up to hidden_size
+    labels: tuple[str, ...] = ()  # a classifier's, by output
+
+    @property
+    def tasks(self) -> tuple[str, ...]:
+        """The PoolingParams tasks this model serves."""
+        return ("embed", "encode") if self.num_labels is None else ("classify", "score", "encode")
+
+    def check(self, params: PoolingParams) -> None:
+        """Raise ``ValueError`` unless this model serves ``params``."""
+        if params.task not in self.tasks:
+            raise ValueError(
+                f"task {params.task!r} is not supported by this model (it serves "
+                f"{', '.join(self.tasks)})"
+            )
+        if params.dimensions is not None:
+            self._check_dimensions(params.dimensions)
+
+    def _check_dimensions(self, dimensions: int) -> None:
+        allowed = self.matryoshka_dimensions
+        if allowed is not None and dimensions not in allowed:
+            raise ValueError(
+                f"dimensions must be one of the model's Matryoshka dimensions "
+                f"{', '.join(map(str, allowed))}, got {dimensions}"
+            )
+        if dimensions > self.hidden_size:
+            raise ValueError(
+                f"dimensions must be <= the embedding size {self.hidden_size}, got {dimensions}"
+            )
+
+
+def is_pooling_checkpoint(path: Path, architecture: str) -> bool:
+    """Whether a checkpoint can only be meant for pooling: a classifier, a bare decoder, or a
+    causal LM saved with a sentence-transformers pipeline."""
+    return (
+        architecture in CLASSIFIER_ARCHITECTURES
+        or architecture.endswith(("ForSequenceClassification", "ForRewardModel"))
+        or architecture in _BARE_DECODERS
+        or (architecture in _CAUSAL_LMS and (path / "modules.json").is_file())
+    )
+
+
+def pooler_config(path: Path, hf_config: PretrainedConfig) -> PoolerConfig:
+    """The checkpoint's pooling: its sentence-transformers modules where it has them, else
+    the last token (normalised for embedding models, as vLLM's default); raises
+    ``ValueError`` naming an architecture or module Heron does not pool."""
+    architecture = (getattr(hf_config, "architectures", None) or ["<none>"])[0]
+    classifier = architecture in CLASSIFIER_ARCHITECTURES
+    if not classifier and architecture not in EMBEDDING_ARCHITECTURES:
+        raise ValueError(
+            f"pooling is not supported for {architecture} (encoder-only models such as "
+            "BertModel and XLMRobertaModel, and heads other than sequence classification, "
+            f"are not); pooling models: {', '.join(sorted(EMBEDDING_ARCHITECTURES))}, "
+            f"{', '.join(sorted(CLASSIFIER_ARCHITECTURES))}"
+        )
+    pooling_type, normalize = "last", not classifier
+    modules_file = path / "modules.json"
+    if modules_file.is_file():
+        pooling_type, normalize = _sentence_transformers_pooling(path, modules_file)
+    dims = getattr(hf_config, "matryoshka_dimensions", None)
+    num_labels = hf_config.num_labels if classifier else None
+    return PoolerConfig(
+        pooling_type,
+        normalize,
+        num_labels,
+        hf_config.hidden_size,
+        tuple(dims) if dims else None,
+        tuple(hf_config.id2label[i] for i in range(num_labels or 0)),
+    )
+
+
+def _sentence_transformers_pooling(path: Path, modules_file: Path) -> tuple[str, bool]:
+    """(pooling type, normalise) from a sentence-transformers pipeline: a transformer, a
+    Pooling module, and optionally Normalize; other modules (Dense projections) are refused."""
+    pooling_type, normalize = "last", False
+    for module in json.loads(modules_file.read_text()):
+        kind = module["type"].rsplit(".", 1)[-1]
+        if kind == "Transformer":
+            continue
+        if kind == "Normalize":
+            normalize = True
+        elif kind == "Pooling":
+            config = json.loads((path / module["path"] / "config.json").read_text())
+            pooling_type = _st_pooling_type(config)
+        else:
+            raise ValueError(
+                f"{modules_file}: sentence-transformers module {module['type']} is not "
+                "supported (Heron pools with Transformer, Pooling and Normalize modules)"
+            )
+    return pooling_type, normalize
+
+
+def _st_pooling_type(config: dict) -> str:
+    mode = config.get("pooling_mode")
+    if mode is None:  # an older checkpoint: one boolean key per mode
+        on = [key for key, value in config.items() if key.startswith("pooling_mode_") and value]
+        mode = _ST_LEGACY_KEYS.get(on[0], on[0]) if len(on) == 1 else on
+    if not isinstance(mode, str) or mode not in _ST_MODES:
+        raise ValueError(
+            f"sentence-transformers pooling mode {mode!r} is not supported "
+            f"(supported: {', '.join(_ST_MODES)})"
+        )
+    return _ST_MODES[mode]
