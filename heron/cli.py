@@ -57,6 +57,8 @@ _ENGINE_FLAG_HELP = {
     "a quarter of the available memory, at most 2 GiB)",
     "runner": "generate, pooling (embedding, classification, reward models) or auto "
     "(pooling for sequence classifiers, bare decoders and sentence-transformers checkpoints)",
+    "enable_sleep_mode": "allow sleep / wake-up and in-place weight updates (for RL "
+    "rollouts); the server then serves /sleep, /wake_up, /update_weights_from_disk, ...",
 }
 # Short spellings vLLM users type.
 _SHORT_FLAGS = {"tensor_parallel_size": "-tp"}

@@ -201,6 +201,9 @@ class EngineConfig:
     max_lora_rank: int = 16
     max_cpu_loras: int | None = None
     runner: str = "auto"  # RUNNERS
+    # Sleep mode and weight updates (LLM.sleep / wake_up / update_weights; the server's
+    # routes for them), for a trainer that shares the device
+    enable_sleep_mode: bool = False
 
     def __post_init__(self) -> None:
         # Parsed once here (not a field: the options stay the user's).
@@ -236,6 +239,11 @@ class EngineConfig:
                 )
         if self.runner not in RUNNERS:
             raise ValueError(f"runner must be one of {', '.join(RUNNERS)}, got {self.runner!r}")
+        if self.enable_sleep_mode and self.tensor_parallel_size > 1:
+            raise ValueError(
+                "enable_sleep_mode needs tensor_parallel_size 1 (the ranks' workers do not "
+                f"sleep yet), got tensor_parallel_size={self.tensor_parallel_size}"
+            )
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ValueError(
                 f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, "

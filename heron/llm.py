@@ -6,9 +6,10 @@ from __future__ import annotations
 import itertools
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from typing import Any
 
+import torch
 from tqdm import tqdm
 
 from heron.chat_template import Conversation, apply_chat_template
@@ -84,6 +85,8 @@ class LLM:
         adapter that does not fit the model) gets an output with ``error`` set and no
         completions; the other prompts still run.
         """
+        if self.engine.rollout.paused:
+            raise RuntimeError("generation is paused; call resume_generation() first")
         if self.engine.pooling is not None:
             raise ValueError(
                 f"{self.engine.model_config.architecture} is a pooling model: it does not "
@@ -211,6 +214,51 @@ class LLM:
         :func:`heron.chat_template.apply_chat_template`'s (``add_generation_prompt``, ``tools``,
         ``chat_template``, ``template_kwargs``)."""
         return apply_chat_template(self.tokenizer, conversation, **options)
+
+    # --------------------------------- RL rollouts: sleep, weight updates, pause
+
+    def sleep(self, level: int = 1, abort: bool = False) -> list[RequestOutput]:
+        """Give up the device memory (needs ``enable_sleep_mode``): level 1 copies the
+        weights to host memory and discards the KV cache, level 2 discards both (load the
+        weights after wake-up: :meth:`update_weights`, :meth:`reload_weights`). Refused while
+        requests are unfinished unless ``abort``; returns the aborted requests' outputs."""
+        return self._process(self.engine.rollout.sleep(level, abort))
+
+    def wake_up(self, tags: list[str] | None = None) -> None:
+        """Take back ``tags`` of the memory (``["weights"]``, ``["kv_cache"]``; None: all)."""
+        self.engine.rollout.wake_up(tags)
+
+    def is_sleeping(self) -> bool:
+        return self.engine.rollout.is_sleeping
+
+    def update_weights(
+        self, named_tensors: Iterable[tuple[str, torch.Tensor]], draft: bool = False
+    ) -> int:
+        """Write ``(name, tensor)`` pairs (full tensors in the checkpoint's naming; any subset;
+        an MTP head's among them; ``draft``: the draft model's) into the weights in place.
+        Every tensor is checked first: an unknown name, a wrong shape or a non-floating
+        tensor raises ``ValueError`` naming it, with no weight changed. Refused while
+        requests are unfinished. The prefix cache is reset. Returns the tensors written."""
+        return self.engine.rollout.update_weights(named_tensors, draft)
+
+    def reload_weights(self, path: str | None = None, draft: bool = False) -> int:
+        """Re-read a checkpoint directory (default: the model's) into the weights in place."""
+        return self.engine.rollout.reload_weights(path, draft)
+
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached prefix; False (nothing done) while requests hold blocks."""
+        return self.engine.rollout.reset_prefix_cache()
+
+    def pause_generation(self, mode: str = "abort") -> list[RequestOutput]:
+        """Hold the engine between training steps: ``abort`` the unfinished requests (their
+        outputs are returned), or ``keep`` them queued until :meth:`resume_generation`."""
+        return self._process(self.engine.rollout.pause_generation(mode))
+
+    def resume_generation(self) -> None:
+        self.engine.rollout.resume_generation()
+
+    def _process(self, deltas: list) -> list[RequestOutput]:
+        return self._outputs.process(deltas).outputs
 
     # ------------------------------------------------------- one step at a time
 

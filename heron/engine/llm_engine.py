@@ -14,6 +14,7 @@ from heron.engine.builder import build_engine
 from heron.engine.deltas import RequestDelta, SampleDelta
 from heron.engine.request import FinishReason, Request, RequestStatus
 from heron.engine.resolved_config import resolve
+from heron.engine.rollout import RolloutControl
 from heron.engine.stopping import check_stop
 from heron.execution.model_runner import LaunchedStep
 from heron.execution.sampler import on_device
@@ -88,6 +89,8 @@ class LLMEngine:
         self.eos_token_ids = self.model_config.eos_token_ids | (
             {self.tokenizer.eos_token_id} if self.tokenizer.eos_token_id is not None else set()
         )
+        # Sleep and wake-up, weight updates, pause and resume.
+        self.rollout = RolloutControl(self)
 
     def shutdown(self) -> None:
         """Stop what runs beside this process: the tensor-parallel workers, if any."""
@@ -106,6 +109,7 @@ class LLMEngine:
         ``PoolingParams``); raise ``ValueError`` (and queue nothing) if it is invalid. Every
         step that advances a generation returns its delta; a pooling request's one delta
         comes once it is pooled."""
+        self.rollout.check_accepts_requests()
         if request_id in self._parents:
             raise ValueError(f"request id {request_id!r} is already in use")
         if self.pooling is not None or isinstance(params, PoolingParams):
@@ -229,13 +233,34 @@ class LLMEngine:
     def has_unfinished_requests(self) -> bool:
         return bool(self._parents)
 
+    def unfinished_request_ids(self) -> list[str]:
+        return list(self._parents)
+
     @property
     def num_unfinished_requests(self) -> int:
         return len(self._parents)
 
     # ----------------------------------------------------------------- the step
 
+    def settle(self) -> list[RequestDelta]:
+        """Read the step in flight (the deltas it adds); with no request left, bring the
+        runners (and a proposer's) up to the finished ones too, so none holds a row."""
+        previous, self._in_flight = self._in_flight, None
+        touched: dict[str, RequestDelta] = {}
+        if previous is not None:
+            self._read(previous, touched)
+        deltas = [self._complete(self._parents[i], delta) for i, delta in touched.items()]
+        if not self._parents:
+            self._step()  # (a plan of the finished requests only)
+            if self.proposer is not None:
+                self.proposer.settle()
+        return deltas
+
     def step(self) -> list[RequestDelta]:
+        """Run one step (none while generation is paused): see :meth:`_step`."""
+        return [] if self.rollout.paused else self._step()
+
+    def _step(self) -> list[RequestDelta]:
         """Run one step; return what it added to every user request it advanced: the new
         tokens of each sample, and its finish (texts and stop strings are the caller's:
         :class:`heron.engine.output_processor.OutputProcessor`).

@@ -69,17 +69,36 @@ class CudaGraphRunner:
         self.query_lens = sorted(self.buckets_of)
         self.buckets = self.buckets_of[1]
         self.max_batch = self.buckets[-1]
-        max_q = self.query_lens[-1]
-        self.token_ids = torch.zeros(self.max_batch * max_q, dtype=torch.int32, device=device)
-        extra = (max_q,) if max_q > 1 else ()  # only UNIFORM builders take a query length
-        self.buffers: dict[int, Any] = {
-            id(g): g.builder.make_graph_buffers(self.max_batch, device, *extra) for g in plan.groups
-        }
         # (batch, query length) -> (graph, its hidden states, logits and greedy tokens): its
         # output buffers.
         self.graphs: dict[
             tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor, torch.Tensor, torch.Tensor]
         ] = {}
+        self._make_buffers()
+
+    def _make_buffers(self) -> None:
+        """The input token ids and each metadata group's graph buffers, for the largest step."""
+        max_q = self.query_lens[-1]
+        self.token_ids = torch.zeros(self.max_batch * max_q, dtype=torch.int32, device=self.device)
+        extra = (max_q,) if max_q > 1 else ()  # only UNIFORM builders take a query length
+        self.buffers: dict[int, Any] = {
+            id(g): g.builder.make_graph_buffers(self.max_batch, self.device, *extra)
+            for g in self.plan.groups
+        }
+
+    def release(self) -> None:
+        """Drop the graphs and every buffer they read (sleep mode): their device memory
+        returns to the allocator, and :meth:`rebuild` makes and captures them again."""
+        self.graphs.clear()
+        self.buffers.clear()
+        self.token_ids = None
+        for group in self.plan.groups:  # (a captured view reads the released buffers)
+            group.view = None
+
+    def rebuild(self, block_size: int, group_parts: Sequence[StepParts]) -> None:
+        """New buffers, every graph captured again over the live weights and caches."""
+        self._make_buffers()
+        self.capture(block_size, group_parts)
 
     def _fill(self, seq: SequenceMetadata, batch: int) -> None:
         for group in self.plan.groups:

@@ -150,6 +150,29 @@ class ModelRunner:
         self.num_blocks = list(num_blocks)
         self.cache.allocate(num_blocks, self.device)
 
+    def release_device_state(self) -> None:
+        """Sleep mode: drop the KV caches and what reads them or the weights (graphs and their
+        buffers, the last step's views, a decode chain), so their device memory is freed; the
+        weights are the engine's to release (:class:`heron.execution.sleep.ReleasedWeights`)."""
+        if self.requests:
+            raise RuntimeError(f"{len(self.requests)} requests still hold this runner's rows")
+        if self.graphs is not None:
+            self.graphs.release()
+        for group in self.plan.groups:
+            group.view = None
+        self.decode_chain.reset()
+        self.cache.release()
+
+    def restore_kv_cache(self) -> None:
+        """The KV caches again, zeroed, over the same pools."""
+        self.cache.allocate(self.num_blocks, self.device)
+
+    def rebuild_graphs(self) -> None:
+        """Once the weights and caches are back: every graph recaptured over them, with fresh
+        buffers (a no-op without graphs)."""
+        if self.graphs is not None:
+            self.graphs.rebuild(self.block_size, self.inputs.parts)
+
     def reserve_verification(self, max_rows: int, num_proposals: int) -> int:
         """Reserve what verification steps of up to ``max_rows`` verifying rows of
         ``num_proposals`` proposals keep beside the caches (each recurrent layer's states after

@@ -164,6 +164,11 @@ class DecodeChainer:
         self._launches = 0
         self._counting = torch.zeros(0, dtype=torch.int32)  # 0, 1, 2, ... on the device
 
+    def reset(self) -> None:
+        """Forget the chain in progress and its device tensors (sleep mode)."""
+        self._chained = None
+        self._counting = torch.zeros(0, dtype=torch.int32)
+
     def enable(self, length: int, specs: list[CacheSpec]) -> None:
         """Chain decode steps, ``length`` computed at once, where ``specs`` allow it."""
         self.enabled = can_chain_decode_steps(specs)

@@ -190,24 +190,25 @@ class Linear(nn.Module):
         self.wna16 = scheme
 
     def reorder_rows(self, order: torch.Tensor) -> None:
-        """Put the loaded output rows in ``order`` (weight, bias and FP8 scales alike); per
-        block scales need ``order`` to move whole blocks."""
+        """Put the loaded output rows in ``order`` (weight, bias and FP8 scales alike), in
+        place (a weight update keeps the tensors graphs read); per block scales need ``order``
+        to move whole blocks."""
         if self.wna16 is not None:
             raise ValueError("a row order of packed integer weights is not supported")
-        self.weight.data = self.weight.data[order]
+        self.weight.data.copy_(self.weight.data[order])
         if self.bias is not None:
-            self.bias.data = self.bias.data[order]
+            self.bias.data.copy_(self.bias.data[order])
         if self.weight_scale is None:
             return
         if self.weight_block is None:
-            self.weight_scale.data = self.weight_scale.data[order]
+            self.weight_scale.data.copy_(self.weight_scale.data[order])
             return
         rows = self.weight_block[0]
         blocks = order[::rows] // rows
         whole = (blocks[:, None] * rows + torch.arange(rows, device=order.device)).flatten()
         if not torch.equal(whole, order):  # (a length not whole blocks differs too)
             raise ValueError(f"a row order that splits the {rows}-row blocks of FP8 scales")
-        self.weight_scale.data = self.weight_scale.data[blocks]
+        self.weight_scale.data.copy_(self.weight_scale.data[blocks])
 
     def takes_gemv(self, x: torch.Tensor) -> bool:
         """Whether this layer's product with ``x``'s rows runs as the GEMV (packed integer

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Iterable
+from typing import NamedTuple
 
 import torch
 from torch import nn
@@ -40,9 +41,12 @@ _KV_SCALES = (".k_scale", ".v_scale")
 
 
 def load_weights(
-    model: nn.Module, weights: Iterable[tuple[str, torch.Tensor | LazyTensor]]
-) -> None:
-    """Copy ``weights`` into ``model``; raise naming any unknown tensor or unloaded parameter.
+    model: nn.Module,
+    weights: Iterable[tuple[str, torch.Tensor | LazyTensor]],
+    complete: bool = True,
+) -> LoadedWeights:
+    """Copy ``weights`` into ``model``; raise naming any unknown tensor, or (``complete``: a
+    whole checkpoint) any parameter left unloaded. Returns what was loaded and skipped.
 
     ``model.checkpoint_prefixes`` maps a checkpoint name prefix to the model's (``None``: tensors
     the model does not load, such as a multimodal checkpoint's vision tower); a model that
@@ -68,18 +72,19 @@ def load_weights(
     }
     tied_head = getattr(getattr(model, "lm_head", None), "tied", False)
     loaded: dict[str, set] = {}
+    skipped: list[str] = []
     unused_input_scales = unused_kv_scales = 0
     modules = dict(model.named_modules())
     for name, tensor in weights:
         source = name  # as the checkpoint names it
         prefix = next((p for p in prefixes if name.startswith(p)), None)
-        if prefix is None and prefixes_only:
+        if (prefix is None and prefixes_only) or (prefix is not None and prefixes[prefix] is None):
+            skipped.append(source)
             continue
         if prefix is not None:
-            if prefixes[prefix] is None:
-                continue
             name = prefixes[prefix] + name.removeprefix(prefix)
         if name.endswith(_IGNORED_SUFFIXES) or (tied_head and name == "lm_head.weight"):
+            skipped.append(source)
             continue
         if name.endswith(_KV_SCALES):
             unused_kv_scales += not _set_kv_scale(modules, name, materialize(tensor))
@@ -114,8 +119,17 @@ def load_weights(
             unused_input_scales,
         )
     missing = [name for name in params if not _complete(owners[name], name, loaded.get(name))]
-    if missing:
+    if complete and missing:
         raise ValueError(f"checkpoint is missing weights for: {', '.join(missing)}")
+    return LoadedWeights(set(loaded), skipped)
+
+
+class LoadedWeights(NamedTuple):
+    """The parameters :func:`load_weights` wrote (names in the model) and the checkpoint
+    tensors it skipped (another model's: an MTP head's, a vision tower's; recomputed ones)."""
+
+    parameters: set[str]
+    skipped: list[str]
 
 
 def _load(

@@ -96,10 +96,17 @@ class GatedAttention(nn.Module):
         """The packed projection's rows from the checkpoint's per-head ``[query | gate]`` to
         ``[queries | k | v | gates]``: the operator reads ``[q | k | v]`` and the output
         projection the gates where the product leaves them, without copies."""
+        self.qkv_proj.reorder_rows(self._loaded_order())
+
+    def undo_finish_loading(self) -> None:
+        """The checkpoint's row order again (a weight update writes rows where it has them)."""
+        self.qkv_proj.reorder_rows(torch.argsort(self._loaded_order()))
+
+    def _loaded_order(self) -> torch.Tensor:
         h, d, device = self.num_heads, self.head_dim, self.qkv_proj.weight.device
         heads = torch.arange(2 * h * d, device=device).view(h, 2, d)
         kv = torch.arange(2 * h * d, self.qkv_proj.out_features, device=device)
-        self.qkv_proj.reorder_rows(torch.cat([heads[:, 0].flatten(), kv, heads[:, 1].flatten()]))
+        return torch.cat([heads[:, 0].flatten(), kv, heads[:, 1].flatten()])
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         q_size = self.num_heads * self.head_dim

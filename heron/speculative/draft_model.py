@@ -426,6 +426,12 @@ class DraftModelProposer(Proposer):
         if seq.num_computed_tokens > request.num_computed_tokens:
             self._truncate(seq, request.num_computed_tokens)
 
+    def settle(self) -> None:
+        for step in self._unread:
+            step.result()
+        self._unread = []
+        self.runner.launch(self._first_plan([]))  # (drops the forgotten requests' rows)
+
     def forget(self, request_id: str) -> None:
         seq = self._sequences.pop(request_id, None)
         if seq is None:

@@ -55,6 +55,10 @@ class Proposer(ABC):
         """The target refused the request's proposals past its ``num_computed_tokens``
         (nothing to do for a proposer that keeps no state of them)."""
 
+    def settle(self) -> None:
+        """Once no request runs: finish what is in flight and let go of the forgotten requests'
+        state, so nothing holds the proposer's rows or device tensors (sleep mode)."""
+
     @abstractmethod
     def forget(self, request_id: str) -> None:
         """The request finished, was aborted or preempted: free what is kept for it."""

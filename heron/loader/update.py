@@ -1,0 +1,89 @@
+"""Weight updates in place (a trainer's new weights, a re-read checkpoint): tensors in the
+checkpoint's naming written into a built model and its MTP head, every tensor checked before
+any is written.
+
+The check is a dry run of the loading itself (names, renames, packing, shapes) under
+:class:`FakeTensorMode`, where copies into the parameters change nothing; only a run that
+raised nothing is repeated for real. Parameters keep their storage (graphs stay valid)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Sequence
+
+import torch
+from torch import nn
+from torch._subclasses.fake_tensor import FakeTensorMode
+
+from heron.loader.safetensors import LazyTensor
+from heron.loader.weights import load_weights
+
+Weights = Iterable[tuple[str, torch.Tensor | LazyTensor]]
+
+
+def update_weights(models: Sequence[nn.Module], source: Callable[[], Weights]) -> int:
+    """Write the tensors ``source()`` yields (a subset of the checkpoint's, full tensors)
+    into ``models`` (the target first: each tensor goes to the first model that loads it, so
+    an MTP head takes its own), then redo the ``finish_loading`` layouts of the modules they
+    touched. Raises ``ValueError`` naming the first unknown, misshapen or non-floating tensor
+    with every weight left as it was. ``source`` is called twice (the check, the writes).
+    Returns the number of tensors written."""
+    routes = _check(models, source())
+    for model, route in zip(models, routes):
+        if not route.names:
+            continue
+        finishing = _finishing_modules(model, route.parameters)
+        for module in finishing:
+            module.undo_finish_loading()
+        load_weights(model, ((n, t) for n, t in source() if n in route.names), complete=False)
+        for module in finishing:
+            module.finish_loading()
+    return sum(len(route.names) for route in routes)
+
+
+class _Route:
+    """The tensors (checkpoint names) one model loads, and its parameters they fill."""
+
+    def __init__(self, names: set[str], parameters: set[str]) -> None:
+        self.names = names
+        self.parameters = parameters
+
+
+def _check(models: Sequence[nn.Module], weights: Weights) -> list[_Route]:
+    """The dry run: which model loads each tensor; raises as the real loading would."""
+    routes = []
+    with FakeTensorMode(allow_non_fake_inputs=True):
+        pending = [(name, _checked(name, tensor)) for name, tensor in weights]
+        for model in models:
+            loaded = load_weights(model, pending, complete=False)
+            skipped = set(loaded.skipped)
+            routes.append(_Route({n for n, _ in pending if n not in skipped}, loaded.parameters))
+            pending = [(n, t) for n, t in pending if n in skipped]
+            _finishing_modules(model, loaded.parameters)  # (refuses layouts it cannot redo)
+    return routes
+
+
+def _checked(name: str, tensor: object) -> torch.Tensor:
+    """``tensor`` as the dry run reads it (a file's tensor: a fake of its shape)."""
+    if isinstance(tensor, LazyTensor):
+        return torch.empty(tensor.shape)
+    if not isinstance(tensor, torch.Tensor):
+        raise ValueError(f"weight {name!r}: expected a tensor, got {type(tensor).__name__}")
+    if not tensor.is_floating_point():
+        raise ValueError(f"weight {name!r}: dtype {tensor.dtype} is not a floating-point type")
+    return tensor
+
+
+def _finishing_modules(model: nn.Module, parameters: set[str]) -> list[nn.Module]:
+    """The modules whose ``finish_loading`` layout covers any of ``parameters``."""
+    found = []
+    for prefix, module in model.named_modules():
+        if hasattr(module, "finish_loading") and any(
+            p.startswith(f"{prefix}.") for p in parameters
+        ):
+            if not hasattr(module, "undo_finish_loading"):
+                raise ValueError(
+                    f"{prefix} ({type(module).__name__}) cannot be updated in place: its "
+                    "loaded layout has no inverse"
+                )
+            found.append(module)
+    return found

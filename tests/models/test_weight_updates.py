@@ -1,0 +1,135 @@
+"""Weight updates in place: after an update the engine generates what HF transformers does on
+the new weights (whole checkpoints, subsets, an MTP head's and a draft model's tensors among
+them); prefixes cached under the old weights are not hit; bad updates change nothing."""
+
+from __future__ import annotations
+
+import shutil
+
+import pytest
+import torch
+import transformers as tf
+from safetensors.torch import load_file, save_file
+from test_mtp import save_with_mtp
+from test_speculative_parity import assert_equal_up_to_exact_ties
+
+from heron import LLM, SamplingParams
+
+from tiny_models import greedy_tokens, hf_greedy, hf_on_weights, save_tiny_model
+
+GREEDY = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+PROMPTS = [list(range(10, 30)), [3, 4, 5]]
+OPTIONS = dict(max_model_len=64, num_kv_blocks=24, block_size=16)
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory):
+    """Two random checkpoints of one tiny config, and HF's model of the second."""
+    first = save_tiny_model("qwen3", tmp_path_factory.mktemp("first"), seed=0)
+    second = save_tiny_model("qwen3", tmp_path_factory.mktemp("second"), seed=1)
+    hf = tf.AutoModelForCausalLM.from_pretrained(second, dtype=torch.float32).eval()
+    return first, second, hf
+
+
+def _state(llm: LLM) -> dict[str, torch.Tensor]:
+    return {n: p.detach().clone() for n, p in llm.engine.runner.model.named_parameters()}
+
+
+def test_level2_sleep_then_update_equals_hf_on_the_new_weights(checkpoints):
+    first, second, hf = checkpoints
+    llm = LLM(str(first), enable_sleep_mode=True, **OPTIONS)
+    greedy_tokens(llm, PROMPTS, GREEDY)
+    assert llm.generate(PROMPTS[0], GREEDY, use_tqdm=False)[0].num_cached_tokens > 0
+
+    llm.sleep(level=2)
+    llm.wake_up(["weights"])
+    tensors = load_file(second / "model.safetensors")
+    assert llm.update_weights(tensors.items()) == len(tensors)
+    llm.wake_up(["kv_cache"])
+    outputs = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outputs] == hf_greedy(hf, PROMPTS, GREEDY.max_tokens)
+    assert outputs[0].num_cached_tokens == 0
+
+
+def test_update_resets_the_prefix_cache_and_takes_a_subset(checkpoints):
+    """One layer's tensors (q, k, v packed into one projection among them), awake."""
+    first, second, _ = checkpoints
+    llm = LLM(str(first), **OPTIONS)
+    greedy_tokens(llm, PROMPTS, GREEDY)
+    layer = {n: t for n, t in load_file(second / "model.safetensors").items() if ".layers.1." in n}
+    llm.update_weights(layer.items())
+    outputs = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
+    hf = hf_on_weights(first, layer)
+    assert [o.outputs[0].token_ids for o in outputs] == hf_greedy(hf, PROMPTS, GREEDY.max_tokens)
+    assert outputs[0].num_cached_tokens == 0
+    assert llm.reload_weights() == len(load_file(first / "model.safetensors"))
+    refs = hf_greedy(tf.AutoModelForCausalLM.from_pretrained(first), PROMPTS, GREEDY.max_tokens)
+    assert greedy_tokens(llm, PROMPTS, GREEDY) == refs
+
+
+@pytest.mark.parametrize(
+    "bad, message",
+    [
+        (("model.layers.0.mlp.gate.weight", torch.zeros(4, 4)), "'model.layers.0.mlp.gate.weight'"),
+        (("model.layers.1.mlp.up_proj.weight", torch.zeros(3, 64)), "shape \\(3, 64\\)"),
+        (("model.norm.weight", torch.ones(64, dtype=torch.int64)), "dtype torch.int64"),
+        (("model.norm.weight", [1.0] * 64), "'model.norm.weight': expected a tensor"),
+    ],
+)
+def test_a_bad_tensor_changes_no_weight(checkpoints, bad, message):
+    """The good tensor before the bad one is not written either."""
+    first, second, _ = checkpoints
+    llm = LLM(str(first), **OPTIONS)
+    before = _state(llm)
+    good = ("model.layers.0.self_attn.q_proj.weight", torch.ones(128, 64))
+    with pytest.raises(ValueError, match=message):
+        llm.update_weights([good, bad])
+    after = _state(llm)
+    assert all(torch.equal(before[n], after[n]) for n in before)
+
+
+def test_update_is_refused_while_requests_are_kept(checkpoints):
+    first, second, hf = checkpoints
+    llm = LLM(str(first), **OPTIONS)
+    want = greedy_tokens(llm, PROMPTS[:1], GREEDY)
+    llm.add_request("kept", PROMPTS[0], GREEDY, stream=False)
+    llm.step()
+    assert llm.pause_generation(mode="keep") == []
+    assert llm.step() == []  # (paused: nothing runs)
+    before = _state(llm)
+    with pytest.raises(RuntimeError, match="cannot update weights: 1 requests are unfinished"):
+        llm.update_weights(load_file(second / "model.safetensors").items())
+    assert all(torch.equal(t, _state(llm)[n]) for n, t in before.items())
+    llm.resume_generation()
+    outputs = []
+    while llm.has_unfinished_requests():
+        outputs += llm.step()
+    assert outputs[0].outputs[0].token_ids == want[0]
+
+
+def _perturbed_copy(src, dst) -> dict[str, torch.Tensor]:
+    """A copy of the checkpoint at ``src`` with every tensor moved a little: its tensors."""
+    shutil.copytree(src, dst)
+    torch.manual_seed(1)
+    tensors = {
+        n: t + 0.05 * torch.randn_like(t) for n, t in load_file(src / "model.safetensors").items()
+    }
+    save_file(tensors, dst / "model.safetensors")
+    return tensors
+
+
+def test_mtp_head_is_updated_with_the_target(tmp_path):
+    """Qwen3.5: its MTP head's tensors (in the target's checkpoint) go to the head, and the
+    gated attention's loaded row order is redone over the new rows."""
+    save_with_mtp("qwen3_5", tmp_path / "old")
+    tensors = _perturbed_copy(tmp_path / "old", tmp_path / "new")
+    options = dict(OPTIONS, block_size=4, max_num_batched_tokens=16)
+    spec = {"method": "mtp", "num_speculative_tokens": 2}
+    llm = LLM(str(tmp_path / "old"), speculative_config=spec, **options)
+    greedy_tokens(llm, PROMPTS, GREEDY)
+    head = llm.engine.draft_runner.model
+    before = [p.clone() for p in head.parameters()]
+    llm.update_weights(tensors.items())
+    assert not any(torch.equal(a, b) for a, b in zip(before, head.parameters()))
+    want = greedy_tokens(LLM(str(tmp_path / "new"), **options), PROMPTS, GREEDY)
+    assert_equal_up_to_exact_ties(str(tmp_path / "new"), greedy_tokens(llm, PROMPTS, GREEDY), want)
