@@ -59,6 +59,10 @@ _ENGINE_FLAG_HELP = {
     "(pooling for sequence classifiers, bare decoders and sentence-transformers checkpoints)",
     "enable_sleep_mode": "allow sleep / wake-up and in-place weight updates (for RL "
     "rollouts); the server then serves /sleep, /wake_up, /update_weights_from_disk, ...",
+    "enable_lora": "serve LoRA adapters (PEFT format) beside the base model",
+    "max_loras": "adapters that can run in one step (device slots)",
+    "max_lora_rank": "the largest adapter rank the device slots hold",
+    "max_cpu_loras": "adapters kept loaded in host memory (default: max_loras)",
 }
 # Short spellings vLLM users type.
 _SHORT_FLAGS = {"tensor_parallel_size": "-tp"}
