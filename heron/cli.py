@@ -63,6 +63,11 @@ _ENGINE_FLAG_HELP = {
     "max_loras": "adapters that can run in one step (device slots)",
     "max_lora_rank": "the largest adapter rank the device slots hold",
     "max_cpu_loras": "adapters kept loaded in host memory (default: max_loras)",
+    "kv_transfer_config": 'a KV connector as JSON, e.g. \'{"kv_connector": "offload", '
+    '"kv_connector_extra_config": {"num_bytes": 8000000000}}\'',
+    "kv_offload_bytes": "keep KV blocks past the device pool in this many bytes of host "
+    "memory (the offload connector): prefixes evicted from the device are loaded back "
+    "instead of recomputed",
 }
 # Short spellings vLLM users type.
 _SHORT_FLAGS = {"tensor_parallel_size": "-tp"}
@@ -207,6 +212,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
         }
         for u in engine.kv_cache.group_usage()
     ]
+    connector = engine.scheduler.connector
+    plan["kv_connector"] = None if connector is None else connector.describe()
     if args.json:
         print(json.dumps(plan, indent=2))
         return 0
@@ -225,6 +232,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
         print(f"cache group {cache['group']}: {cache['description']}; {cache['pool']}")
         for layer in cache["layers"]:
             print(f"    {layer}")
+    print(f"KV connector: {plan['kv_connector'] or 'none'}")
     return 0
 
 

@@ -43,6 +43,24 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "vocab.txt
 # heron.models.pooling); "auto": pooling where the checkpoint can only mean it.
 RUNNERS = ("auto", "generate", "pooling")
 
+
+def check_fields(name: str, cls: type, options: object, required: tuple[str, ...]) -> None:
+    """Raise ``ValueError`` unless option ``name`` is a dictionary of ``cls``'s fields that
+    holds every ``required`` one."""
+    if not isinstance(options, Mapping):
+        raise ValueError(f"{name} must be a dictionary, got {type(options).__name__}")
+    known = {f.name for f in fields(cls)}
+    unknown = sorted(set(options) - known)
+    if unknown:
+        raise ValueError(
+            f"{name}: unknown field(s) {', '.join(map(repr, unknown))} "
+            f"(known: {', '.join(sorted(known))})"
+        )
+    for field_name in required:
+        if field_name not in options:
+            raise ValueError(f"{name}: {field_name!r} is required")
+
+
 SPECULATIVE_METHODS = ("ngram", "draft_model", "mtp")
 # Fields that only one method reads: refused by name for the others.
 METHOD_FIELDS = {
@@ -86,20 +104,7 @@ class SpeculativeConfig:
     @classmethod
     def from_dict(cls, options: Mapping[str, Any]) -> SpeculativeConfig:
         """Raises ``ValueError`` naming the first bad or unknown field."""
-        if not isinstance(options, Mapping):
-            raise ValueError(
-                f"speculative_config must be a dictionary, got {type(options).__name__}"
-            )
-        known = {f.name for f in fields(cls)}
-        unknown = sorted(set(options) - known)
-        if unknown:
-            raise ValueError(
-                f"speculative_config: unknown field(s) {', '.join(map(repr, unknown))} "
-                f"(known: {', '.join(sorted(known))})"
-            )
-        for name in ("method", "num_speculative_tokens"):
-            if name not in options:
-                raise ValueError(f"speculative_config: {name!r} is required")
+        check_fields("speculative_config", cls, options, ("method", "num_speculative_tokens"))
         method = options["method"]
         if method not in SPECULATIVE_METHODS:
             raise ValueError(
@@ -148,6 +153,44 @@ class SpeculativeConfig:
             raise ValueError(
                 f"speculative_config: prompt_lookup_min ({config.prompt_lookup_min}) must not "
                 f"exceed prompt_lookup_max ({config.prompt_lookup_max})"
+            )
+        return config
+
+
+KV_CONNECTORS = ("offload",)
+KV_ROLES = ("kv_both", "kv_producer", "kv_consumer")
+
+
+@dataclass(frozen=True)
+class KVTransferConfig:
+    """Which KV connector moves cache blocks beyond the device pool, named as vLLM names it:
+    ``kv_connector`` (``offload``: a host-memory tier), ``kv_role`` (whether this instance
+    saves, loads or both) and ``kv_connector_extra_config`` (the connector's own options,
+    checked by the connector)."""
+
+    kv_connector: str
+    kv_role: str = "kv_both"
+    kv_connector_extra_config: dict[str, Any] = field(default_factory=dict)
+
+    @classmethod
+    def from_dict(cls, options: Mapping[str, Any]) -> KVTransferConfig:
+        """Raises ``ValueError`` naming the first bad or unknown field."""
+        check_fields("kv_transfer_config", cls, options, ("kv_connector",))
+        config = cls(**options)
+        if config.kv_connector not in KV_CONNECTORS:
+            raise ValueError(
+                f"kv_transfer_config: kv_connector must be one of {', '.join(KV_CONNECTORS)}, "
+                f"got {config.kv_connector!r}"
+            )
+        if config.kv_role not in KV_ROLES:
+            raise ValueError(
+                f"kv_transfer_config: kv_role must be one of {', '.join(KV_ROLES)}, "
+                f"got {config.kv_role!r}"
+            )
+        if not isinstance(config.kv_connector_extra_config, Mapping):
+            raise ValueError(
+                "kv_transfer_config: kv_connector_extra_config must be a dictionary, got "
+                f"{type(config.kv_connector_extra_config).__name__}"
             )
         return config
 
@@ -204,6 +247,10 @@ class EngineConfig:
     # Sleep mode and weight updates (LLM.sleep / wake_up / update_weights; the server's
     # routes for them), for a trainer that shares the device
     enable_sleep_mode: bool = False
+    # A KV connector: {"kv_connector": NAME, "kv_role": ..., ...}, see KVTransferConfig
+    kv_transfer_config: dict[str, Any] | None = None
+    # Bytes of host memory that keep KV blocks past the device pool (the offload connector)
+    kv_offload_bytes: int | None = None
 
     def __post_init__(self) -> None:
         # Parsed once here (not a field: the options stay the user's).
@@ -227,6 +274,7 @@ class EngineConfig:
                 f"enable_lora: speculative method {self._speculative.method!r} is not supported "
                 "with LoRA adapters (n-gram proposals are)"
             )
+        self._kv_transfer = self._check_kv_transfer()
         if self.attention_backend is not None:
             check_backend(self.attention_backend)
         if self.tensor_parallel_size < 1:
@@ -301,6 +349,46 @@ class EngineConfig:
     def lora(self) -> LoRAConfig | None:
         """The checked LoRA options, or None without ``enable_lora``."""
         return self._lora
+
+    @property
+    def kv_transfer(self) -> KVTransferConfig | None:
+        """The checked ``kv_transfer_config`` (``kv_offload_bytes`` is the ``offload``
+        connector's), or None without a connector."""
+        return self._kv_transfer
+
+    def _check_kv_transfer(self) -> KVTransferConfig | None:
+        if self.kv_offload_bytes is not None and self.kv_transfer_config is not None:
+            raise ValueError(
+                "kv_offload_bytes and kv_transfer_config both name a KV connector: give one"
+            )
+        if self.kv_offload_bytes is not None:
+            if isinstance(self.kv_offload_bytes, bool) or not isinstance(
+                self.kv_offload_bytes, int
+            ):
+                raise ValueError(
+                    f"kv_offload_bytes must be an integer, got {self.kv_offload_bytes!r}"
+                )
+            options = {
+                "kv_connector": "offload",
+                "kv_connector_extra_config": {"num_bytes": self.kv_offload_bytes},
+            }
+        elif self.kv_transfer_config is not None:
+            options = self.kv_transfer_config
+        else:
+            return None
+        config = KVTransferConfig.from_dict(options)
+        for name, given in (
+            ("tensor_parallel_size", self.tensor_parallel_size > 1),
+            ("speculative_config", self.speculative_config is not None),
+            ("enable_prefix_caching=False", not self.enable_prefix_caching),
+            ("enable_lora", self.enable_lora),
+        ):
+            if given:
+                raise ValueError(
+                    f"kv_transfer_config: the {config.kv_connector!r} connector is not "
+                    f"combined with {name}"
+                )
+        return config
 
 
 # The least value of these options, when given.

@@ -238,6 +238,14 @@ class KVCacheCoordinator:
         """The request's block table in cache group ``group`` (the live list: don't mutate)."""
         return self.groups[group].block_table(request_id)
 
+    def block_hashes(self, request_id: str) -> Sequence[int]:
+        """The chain hashes of the request's registered full blocks (live: don't mutate;
+        empty where no group joins the chain or prefix caching is off)."""
+        first = self._chain_first[0]
+        if not self.groups[first].spec.joins_prefix_chain:
+            return ()
+        return self.groups[first].block_hashes(request_id)
+
     def block_tables(self, request_id: str) -> list[list[int]]:
         """The request's block table in every cache group, in group order (the live lists,
         in a list kept while the request holds blocks: read, don't mutate)."""

@@ -43,6 +43,11 @@ class CacheLayout:
     def num_groups(self) -> int:
         return len(self.specs)
 
+    @property
+    def caches(self) -> list[torch.Tensor | tuple]:
+        """Each owner's cache, in owner order, while allocated (a KV connector's view)."""
+        return self._caches
+
     def group_layers(self, group: int) -> list[str]:
         return [o.layer_name for o, g in zip(self.owners, self.owner_groups) if g == group]
 

@@ -39,6 +39,9 @@ class PagedSpec(CacheSpec):
     """A kind whose every token keeps its entry in paged blocks for the whole sequence, served
     by the paged manager (prefix caching included); subclasses give the entry's shape."""
 
+    # The axis of a cache tensor that indexes blocks (what a KV connector copies along).
+    block_axis = 0
+
     def blocks_per_seq(self, max_model_len: int, max_num_batched_tokens: int) -> int:
         return -(-max_model_len // self.block_size)
 
@@ -65,6 +68,8 @@ class FullAttentionSpec(PagedSpec):
 
     num_kv_heads: int
     head_dim: int
+
+    block_axis = 1
 
     @property
     def bytes_per_block(self) -> int:

@@ -17,6 +17,7 @@ from heron.distributed.executor import RunnerArgs, TensorParallelRunner, make_mo
 from heron.engine.resolved_config import ResolvedConfig
 from heron.engine.scheduler import Scheduler, SchedulerConfig
 from heron.execution.model_runner import ModelRunner
+from heron.kv_transfer import make_connector
 from heron.speculative import NgramProposer, Proposer, Speculator
 from heron.speculative.draft_model import DraftModelProposer, load_draft_runner, split_kv_budget
 from heron.speculative.mtp import MTPProposer, load_mtp_runner
@@ -85,6 +86,15 @@ def build_engine(config: ResolvedConfig) -> EngineParts:
         options.enable_prefix_caching and not pools_all_tokens,
         options.decode_checkpoint_interval,
     )
+    connector = None
+    if options.kv_transfer is not None:
+        if pools_all_tokens:
+            raise ValueError(
+                "kv_transfer_config: a KV connector keeps cached prefixes, and "
+                f"{config.pooling.pooling_type} pooling reads every token's hidden states"
+            )
+        connector, worker = make_connector(options.kv_transfer, runner.cache, config.block_size)
+        runner.set_kv_connector(worker)
     proposer = speculator = None
     if speculative is not None:
         proposer = _proposer(config, draft_runner, draft_blocks)
@@ -108,6 +118,7 @@ def build_engine(config: ResolvedConfig) -> EngineParts:
         ),
         kv_cache,
         proposer,
+        connector,
     )
     parts = EngineParts(
         tokenizer,
@@ -361,3 +372,5 @@ def _log(config: ResolvedConfig, parts: EngineParts) -> None:
             logger.info(
                 "%scache group %d (%s): %s", name, g, group.spec.describe(), group.describe_pool()
             )
+    if parts.scheduler.connector is not None:
+        logger.info("KV connector: %s", parts.scheduler.connector.describe())

@@ -292,7 +292,7 @@ class LLMEngine:
             self.on_scheduled()
         plan = schedule.plan
         launched = None
-        if plan.request_ids or plan.finished_ids or plan.preempted_ids:
+        if plan.has_work:
             sample_requests = [i.request for i in schedule.scheduled if i.samples]
             if any(r.grammar is not None for r in sample_requests):
                 if previous is not None and any(
@@ -317,6 +317,8 @@ class LLMEngine:
                 else None,
             )
             self.scheduler.finish_step(schedule)
+            if self.scheduler.connector is not None:
+                self.scheduler.transfers_finished(self.runner.take_transfer_results())
             for request, n in zip(launched.sample_requests, launched.num_pending):
                 request.num_pending_tokens += n
         if previous is not None:

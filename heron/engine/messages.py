@@ -79,6 +79,8 @@ class EngineStats(msgspec.Struct, array_like=True):
     spec_decode_num_drafts: int
     spec_decode_num_draft_tokens: int
     spec_decode_num_accepted_tokens: int
+    # a KV connector's: (name, doc, value, whether a counter)
+    connector: list[tuple[str, str, float, bool]]
 
     @classmethod
     def of(cls, engine: LLMEngine) -> EngineStats:
@@ -102,6 +104,7 @@ class EngineStats(msgspec.Struct, array_like=True):
             spec.num_drafts,
             spec.num_draft_tokens,
             spec.num_accepted_tokens,
+            [] if scheduler.connector is None else list(map(tuple, scheduler.connector.metrics())),
         )
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, NamedTuple
 
 from heron.cache.coordinator import KVCacheCoordinator
@@ -19,6 +19,7 @@ from heron.execution.step_plan import (
 )
 
 if TYPE_CHECKING:
+    from heron.kv_transfer import KVConnectorScheduler, TransferResults
     from heron.speculative import Proposer
 
 
@@ -75,6 +76,11 @@ class Scheduler:
     With speculative decoding a decode step also computes the tokens proposed after the last
     one (the plan's ``draft_token_ids``, or ``device_drafts``), which the engine asked its
     proposer for before the pass; :meth:`reject` takes back those the step refused.
+
+    With a KV connector, a waiting request whose prefix an outside store holds past the
+    device pool's hit is given blocks for it and waits in ``loading`` while the step loads
+    them (other requests run); once the load ended (:meth:`transfers_finished`) it runs from
+    there, and if it failed it goes back to the queue to compute those tokens.
     """
 
     def __init__(
@@ -82,13 +88,17 @@ class Scheduler:
         config: SchedulerConfig,
         kv_cache: KVCacheCoordinator,
         proposer: Proposer | None = None,
+        connector: KVConnectorScheduler | None = None,
     ) -> None:
         """``proposer``: told of refused proposals and of requests it may forget (preempted,
-        finished, aborted)."""
+        finished, aborted); ``connector``: a KV connector's scheduler side."""
         self.config = config
         self.kv_cache = kv_cache
+        self.connector = connector
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
+        # Requests whose blocks a connector loads.
+        self.loading: dict[str, _Loading] = {}
         self.num_preemptions = 0
         # For the next plan: requests gone since the last one, and those whose tables were
         # dropped; how much of each table the runner holds.
@@ -155,7 +165,7 @@ class Scheduler:
             not out.preempted
             and self.waiting
             and budget > 0
-            and len(self.running) < self.config.max_num_seqs
+            and len(self.running) + len(self.loading) < self.config.max_num_seqs
         ):
             request = self.waiting[0]
             lora = request.lora_request
@@ -167,6 +177,18 @@ class Scheduler:
                 passed.append(self.waiting.popleft())
                 continue
             computed_blocks, num_cached = self.kv_cache.get_computed_blocks(request)
+            if self.connector is not None:
+                external = self.connector.lookup(request, num_cached)
+                if external.wait:
+                    passed.append(self.waiting.popleft())
+                    continue
+                if external.num_tokens:
+                    first = request.first_scheduled_time is None
+                    if not self._load(request, computed_blocks, num_cached, external.num_tokens):
+                        break
+                    self.loading[request.request_id] = _Loading(request, external.num_tokens, first)
+                    out.plan.new_requests.extend(self._first_scheduled(request, num_cached))
+                    continue
             remaining = request.num_tokens - num_cached
             if not prefills.may_start(remaining):
                 passed.append(self.waiting.popleft())
@@ -180,10 +202,7 @@ class Scheduler:
             self.waiting.popleft()
             request.status = RequestStatus.RUNNING
             request.num_computed_tokens = num_cached
-            if request.first_scheduled_time is None:
-                request.first_scheduled_time = time.monotonic()
-                request.num_cached_tokens = num_cached
-                out.plan.new_requests.append(_new_request(request))
+            out.plan.new_requests.extend(self._first_scheduled(request, num_cached))
             self.running.append(request)
             if lora is not None:
                 adapters.add(lora.lora_int_id)
@@ -199,6 +218,51 @@ class Scheduler:
         if not self.config.max_loras:
             return set()
         return {r.lora_request.lora_int_id for r in self.running if r.lora_request is not None}
+
+    def _first_scheduled(self, request: Request, num_cached: int) -> list[NewRequest]:
+        """The runner's news of a request scheduled for the first time (none if it was
+        before: preempted, it keeps its runner state)."""
+        if request.first_scheduled_time is not None:
+            return []
+        request.first_scheduled_time = time.monotonic()
+        request.num_cached_tokens = num_cached
+        return [_new_request(request)]
+
+    def _load(
+        self,
+        request: Request,
+        computed_blocks: tuple[list[int], ...],
+        num_cached: int,
+        num_external: int,
+    ) -> bool:
+        """Give ``request`` blocks for ``num_external`` tokens past its ``num_cached`` on the
+        device and have the connector load them; False (nothing changed) if they do not fit."""
+        if not self.kv_cache.allocate_slots(request, num_external, computed_blocks):
+            return False
+        self.waiting.popleft()
+        request.num_computed_tokens = num_cached
+        tables = self.kv_cache.block_tables(request.request_id)
+        self.connector.load(request, tables, num_cached, num_external)
+        return True
+
+    def transfers_finished(self, results: TransferResults) -> None:
+        """The connector's worker side ended these transfers: a loaded request runs from past
+        its loaded tokens; one whose load failed is queued again to compute them."""
+        self.connector.finished(results)
+        for request_id in results.failed_loads:  # (first: a failure outweighs a success)
+            loading = self.loading.pop(request_id, None)
+            if loading is not None:  # (else aborted while loading)
+                # Freed at its device hit: the loaded blocks' prefix entries are dropped.
+                self._requeue(loading.request)
+        for request_id in results.loaded:
+            loading = self.loading.pop(request_id, None)
+            if loading is not None:
+                request = loading.request
+                request.num_computed_tokens += loading.num_tokens
+                if loading.first:
+                    request.num_cached_tokens += loading.num_tokens
+                request.status = RequestStatus.RUNNING
+                self.running.append(request)
 
     def reject(self, request: Request, num_rejected: int) -> None:
         """The step computed ``num_rejected`` proposed tokens that were refused: the request's
@@ -230,6 +294,15 @@ class Scheduler:
                 self._sent.updates(request_id, self.kv_cache.block_tables(request_id))
             )
         changed.clear()
+        if self.connector is not None:
+            for item in scheduled:
+                request_id = item.request.request_id
+                self.connector.scheduled(
+                    item.request,
+                    self.kv_cache.block_tables(request_id),
+                    self.kv_cache.block_hashes(request_id),
+                )
+            plan = out.plan = replace(plan, kv_connector=self.connector.take_step_meta())
         for g, (before, after, verified) in enumerate(self.kv_cache.take_state_copies()):
             if before:
                 plan.copies_before.append(EntryCopies(g, *map(list, zip(*before))))
@@ -239,16 +312,27 @@ class Scheduler:
                 plan.copies_verified.append(VerifiedCopies(g, *map(list, zip(*verified))))
 
     def _preempt(self, request: Request) -> None:
+        self._requeue(request)
+        request.num_preemptions += 1
+        self.num_preemptions += 1
+
+    def _requeue(self, request: Request) -> None:
+        """Free the request's blocks and put it back at the head of the queue, to compute
+        everything it has no cache for again."""
+        self._forget(request.request_id)
         self.kv_cache.free(request)
-        self._sent.forget(request.request_id)
-        if self._proposer is not None:
-            self._proposer.forget(request.request_id)
         self._preempted_ids.append(request.request_id)
         request.status = RequestStatus.WAITING
         request.num_computed_tokens = 0
-        request.num_preemptions += 1
-        self.num_preemptions += 1
         self.waiting.appendleft(request)
+
+    def _forget(self, request_id: str) -> None:
+        """Tell those who keep something per request that it holds no blocks any more."""
+        self._sent.forget(request_id)
+        if self._proposer is not None:
+            self._proposer.forget(request_id)
+        if self.connector is not None:
+            self.connector.forget(request_id)
 
     def finish_step(self, output: SchedulerOutput) -> None:
         """The step ran: its tokens are now in the cache."""
@@ -261,11 +345,20 @@ class Scheduler:
             self.running.remove(request)
         elif request in self.waiting:
             self.waiting.remove(request)
+        else:
+            self.loading.pop(request.request_id, None)
+        self._forget(request.request_id)
         self.kv_cache.free(request)
-        self._sent.forget(request.request_id)
         self._finished_ids.append(request.request_id)
-        if self._proposer is not None:
-            self._proposer.forget(request.request_id)
+
+
+class _Loading(NamedTuple):
+    """A request whose blocks a connector loads: ``num_tokens`` of them, at its first
+    scheduling or not (only then do they count as cached)."""
+
+    request: Request
+    num_tokens: int
+    first: bool
 
 
 class _Prefills:

@@ -22,6 +22,7 @@ from heron.execution.sampler import Sampler, on_device, to_device
 from heron.execution.step_inputs import BlockTableRows, PreparedStep, StepInputBuilder
 from heron.execution.step_plan import DeviceDrafts, Rollback, StepOutput, StepPlan
 from heron.execution.verify import Verifier, rejected_per_row
+from heron.kv_transfer import KVConnectorMeta, KVConnectorWorker, LayerSteps, TransferResults
 from heron.lora.config import LoRAConfig
 from heron.lora.layer import lora_layers
 from heron.lora.request import LoRARequest
@@ -107,6 +108,9 @@ class ModelRunner:
         # Whether a verification step whose rows all sample on the device is left there (read
         # later; the engine sets it where every operator reads lengths only on the device).
         self.async_verification = False
+        self.kv_connector: KVConnectorWorker | None = None
+        self.layer_steps: LayerSteps | None = None
+        self._transfer_failures = TransferResults()
 
     @property
     def cache_specs(self) -> list[CacheSpec]:
@@ -173,6 +177,39 @@ class ModelRunner:
         if self.graphs is not None:
             self.graphs.rebuild(self.block_size, self.inputs.parts)
 
+    def set_kv_connector(self, connector: KVConnectorWorker) -> None:
+        """Carry out ``connector``'s transfers around each step, over the allocated caches; a
+        layerwise one waits on the layer steps each cache owner records after its forward."""
+        self.kv_connector = connector
+        self.layer_steps = LayerSteps(len(self.cache.owners), self.device)
+        if connector.layerwise:
+            for owner in self.cache.owners:
+                owner.register_forward_hook(lambda *_: self.layer_steps.record())
+        connector.register_caches(self.cache, self.layer_steps)
+
+    def take_transfer_results(self) -> TransferResults:
+        """The connector's transfers ended or failed since the last call."""
+        results, self._transfer_failures = self._transfer_failures, TransferResults()
+        ended = self.kv_connector.take_results()
+        for name in ("loaded", "failed_loads", "failed_saves"):
+            getattr(results, name).extend(getattr(ended, name))
+        return results
+
+    def _transfer(self, meta: KVConnectorMeta, loads: bool) -> None:
+        """The connector's loads (before the forward pass) or saves (after it); an exception
+        fails them, never the step."""
+        try:
+            if loads:
+                self.kv_connector.start_step(meta)
+            else:
+                self.kv_connector.end_step(meta)
+        except Exception:
+            logger.exception("KV connector: the step's %s failed", "loads" if loads else "saves")
+            if loads:
+                self._transfer_failures.failed_loads.extend(meta.load_requests)
+            else:
+                self._transfer_failures.failed_saves.extend(meta.save_keys)
+
     def reserve_verification(self, max_rows: int, num_proposals: int) -> int:
         """Reserve what verification steps of up to ``max_rows`` verifying rows of
         ``num_proposals`` proposals keep beside the caches (each recurrent layer's states after
@@ -189,8 +226,10 @@ class ModelRunner:
         return self.platform.kv_cache_budget(utilization, self.profile_peak_memory(num_tokens))
 
     def shutdown(self) -> None:
-        """Nothing runs beside this process's own runner (a tensor-parallel one stops its
-        workers here)."""
+        """Stop the KV connector's work beside the runner (a tensor-parallel runner stops
+        its workers here)."""
+        if self.kv_connector is not None:
+            self.kv_connector.shutdown()
 
     @torch.inference_mode()
     def profile_peak_memory(self, num_tokens: int) -> int:
@@ -286,6 +325,9 @@ class ModelRunner:
             # on stale metadata.
             self.plan.check_coverage(self.model)
             self._coverage_checked = True
+        transfers = plan.kv_connector
+        if transfers is not None:
+            self._transfer(transfers, loads=True)
         step, rejected = self._prepare(plan, previous, drafts, rollback)
         if step is None:  # (a plan that only brings the runner's requests up to date)
             launched = LaunchedStep([], result=StepOutput([], [], []))
@@ -295,6 +337,8 @@ class ModelRunner:
             hidden, logits, greedy_ids = self._run(plan, step)
             launched = self._sample_or_verify(plan, step, logits, greedy_ids, drafts, rejected)
             launched.hidden_states = hidden if self.keep_hidden_states else None
+        if transfers is not None:
+            self._transfer(transfers, loads=False)
         return launched
 
     def _prepare(
@@ -317,9 +361,7 @@ class ModelRunner:
         slots = None
         if self.adapters is not None:
             slots = self.adapters.assign([self.requests[r].lora_request for r in plan.request_ids])
-        step = self.inputs.prepare(
-            plan, self.requests, previous.rows if previous else None, slots
-        )
+        step = self.inputs.prepare(plan, self.requests, previous.rows if previous else None, slots)
         token_ids = step.seq.token_ids
         if step.pending_sources:
             self._fill_pending_tokens(token_ids, step.pending_sources, previous.token_ids)

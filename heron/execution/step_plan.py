@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from heron.kv_transfer.base import KVConnectorMeta
 from heron.lora.request import LoRARequest
 from heron.outputs import Logprob
 from heron.sampling_params import SamplingParams
@@ -105,6 +106,8 @@ class StepPlan:
     ``copies_before`` (a prefix hit's state from its checkpoint into its slot); after the
     forward pass, ``copies_after`` (states saved into checkpoints), and once a verification
     step's tokens are accepted, ``copies_verified`` (the states at accepted tokens among them).
+    A KV connector's transfers (``kv_connector``) bracket the forward pass: loads before it
+    (into blocks of requests that wait for them, in no row of the step), saves after it.
     A running request's input tokens are the runner's own: its prompt and the tokens it sampled,
     then, in a verification step, its proposals (a decode row of ``1 + len(proposals)`` tokens
     whose every position is sampled): ``draft_token_ids`` on the host, or the first
@@ -131,6 +134,14 @@ class StepPlan:
     # Rows with a grammar: each sampled row's allowed tokens (xgrammar's packed int32 mask, in
     # host memory, one row per sampled row in order; other rows allow everything).
     token_bitmask: torch.Tensor | None = None
+    kv_connector: KVConnectorMeta | None = None
+
+    @property
+    def has_work(self) -> bool:
+        """Whether the runner has anything to do for the plan."""
+        return bool(self.request_ids or self.finished_ids or self.preempted_ids) or (
+            self.kv_connector is not None
+        )
 
     @property
     def verifies(self) -> bool:

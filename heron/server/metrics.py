@@ -99,6 +99,9 @@ class _EngineCollector(Collector):
         }
         for name, (doc, value) in counters.items():
             yield CounterMetricFamily(f"heron:{name}", doc, value=value)
+        for name, doc, value, counter in stats.connector:
+            family = CounterMetricFamily if counter else GaugeMetricFamily
+            yield family(f"heron:{name}", doc, value=value)
 
 
 class ServerMetrics:

@@ -1,0 +1,84 @@
+"""KV connectors: the interface (scheduler and worker sides), the layer step counter, and the
+host-memory offload connector."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from heron.cache.layout import CacheLayout
+from heron.cache.paged import PagedSpec
+from heron.config import KVTransferConfig
+from heron.kv_transfer.base import (
+    ExternalHits,
+    KVConnectorMeta,
+    KVConnectorScheduler,
+    KVConnectorWorker,
+    KVTransferError,
+    TransferResults,
+    refuse_specs,
+)
+from heron.kv_transfer.layer_steps import LayerSteps
+from heron.kv_transfer.offload import OffloadScheduler, OffloadWorker
+
+__all__ = [
+    "ExternalHits",
+    "KVConnectorMeta",
+    "KVConnectorScheduler",
+    "KVConnectorWorker",
+    "KVTransferError",
+    "LayerSteps",
+    "TransferResults",
+    "make_connector",
+]
+
+
+def make_connector(
+    config: KVTransferConfig, layout: CacheLayout, block_size: int
+) -> tuple[KVConnectorScheduler, KVConnectorWorker]:
+    """The connector ``config`` names, for a model of cache ``layout``; raises ``ValueError``
+    naming what it cannot serve (a cache kind, a role, an option)."""
+    if config.kv_connector == "offload":
+        return _offload(config, layout, block_size)
+    raise ValueError(f"kv_transfer_config: no connector {config.kv_connector!r}")
+
+
+def _offload(
+    config: KVTransferConfig, layout: CacheLayout, block_size: int
+) -> tuple[OffloadScheduler, OffloadWorker]:
+    if config.kv_role != "kv_both":
+        raise ValueError(
+            f"kv_transfer_config: the 'offload' connector saves and loads (kv_role "
+            f"'kv_both'), got kv_role {config.kv_role!r}"
+        )
+    num_bytes = _extra_options(config.kv_connector_extra_config, {"num_bytes": int})["num_bytes"]
+    refuse_specs("offload", layout.specs, (PagedSpec,))
+    bytes_per_slot = sum(layout.bytes_per_block())
+    num_slots = num_bytes // bytes_per_slot
+    if num_slots < 1:
+        raise ValueError(
+            f"kv_offload_bytes: {num_bytes} bytes hold no block; one block of every cache "
+            f"layer takes {bytes_per_slot} bytes"
+        )
+    return OffloadScheduler(num_slots, block_size, bytes_per_slot), OffloadWorker(num_slots)
+
+
+def _extra_options(given: Mapping[str, Any], types: dict[str, type]) -> dict[str, Any]:
+    """A connector's ``kv_connector_extra_config``: every option of ``types`` required, of
+    its type, at least 1; no other."""
+    unknown = sorted(set(given) - set(types))
+    if unknown:
+        raise ValueError(
+            f"kv_transfer_config: unknown kv_connector_extra_config field(s) "
+            f"{', '.join(map(repr, unknown))} (known: {', '.join(sorted(types))})"
+        )
+    for name, kind in types.items():
+        value = given.get(name)
+        if value is None:
+            raise ValueError(f"kv_transfer_config: kv_connector_extra_config {name!r} is required")
+        if isinstance(value, bool) or not isinstance(value, kind) or value < 1:
+            raise ValueError(
+                f"kv_transfer_config: kv_connector_extra_config {name} must be an integer "
+                f">= 1, got {value!r}"
+            )
+    return dict(given)
