@@ -1,0 +1,228 @@
+"""Host-memory offload against HF transformers: a device pool of a few requests evicts every
+prefix, the host tier serves it back, and the tokens stay HF's greedy ones (a dense model,
+Gemma 3's window and full groups, DeepSeek-V3's latent cache). Failing connectors recompute."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import transformers as tf
+
+from heron import SamplingParams
+from heron.config import EngineConfig
+from heron.engine.llm_engine import LLMEngine
+from heron.kv_transfer import KVTransferError
+from heron.kv_transfer.offload import OffloadWorker
+
+from tiny_models import BASE, DEEPSEEK, QWEN3_5, hf_greedy, save_random_model, tiny_config
+
+BLOCK = 8
+MAX_NEW = 4
+GREEDY = SamplingParams(temperature=0.0, max_tokens=MAX_NEW, ignore_eos=True)
+# Three 40-token prefixes (5 blocks each), visited twice: an 8-block pool holds one
+# request, so each prefix has left the device when it comes back.
+_GEN = torch.Generator().manual_seed(0)
+PREFIXES = [torch.randint(1, 300, (40,), generator=_GEN).tolist() for _ in range(3)]
+PROMPTS = [p + [7 + turn, 9] for turn in range(2) for p in PREFIXES]
+SMALL = dict(num_kv_blocks=9, block_size=BLOCK, max_model_len=64, max_num_seqs=2)
+
+
+def _gemma3() -> tf.PretrainedConfig:
+    return tf.Gemma3TextConfig(
+        **{k: v for k, v in BASE.items() if k != "num_hidden_layers"},
+        num_hidden_layers=2,
+        head_dim=16,
+        sliding_window=12,
+        layer_types=["sliding_attention", "full_attention"],
+        tie_word_embeddings=True,
+    )
+
+
+def _deepseek_v3() -> tf.PretrainedConfig:
+    return tf.DeepseekV3Config(**DEEPSEEK, q_lora_rank=24, n_shared_experts=1, num_mtp_layers=0)
+
+
+CONFIGS = {"llama": lambda: tiny_config("llama"), "gemma3": _gemma3, "deepseek_v3": _deepseek_v3}
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    """Factory: a family's saved tiny model and HF's greedy tokens for ``PROMPTS``."""
+    cache = {}
+
+    def get(family: str):
+        if family not in cache:
+            path = save_random_model(CONFIGS[family](), tmp_path_factory.mktemp(family))
+            hf = tf.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+            cache[family] = path, hf_greedy(hf, PROMPTS, MAX_NEW)
+        return cache[family]
+
+    return get
+
+
+def run_one_by_one(engine: LLMEngine, prompts=PROMPTS) -> list[tuple[list[int], int]]:
+    """Each prompt's tokens and cached prompt tokens, run to its end one after the other,
+    every invariant checked after every step."""
+    results = []
+    for i, prompt in enumerate(prompts):
+        engine.add_request(str(i), prompt, GREEDY)
+        tokens, cached = [], 0
+        while engine.has_unfinished_requests():
+            for delta in engine.step():
+                tokens += delta.samples[0].token_ids
+                cached = delta.num_cached_tokens
+            check_invariants(engine)
+        results.append((tokens, cached))
+    return results
+
+
+def check_invariants(engine: LLMEngine) -> None:
+    engine.kv_cache.check_invariants()
+    if engine.scheduler.connector is not None:
+        engine.scheduler.connector.check_invariants()
+
+
+def metric(engine: LLMEngine, name: str) -> float:
+    return next(m.value for m in engine.scheduler.connector.metrics() if m.name == name)
+
+
+def check_leak_free(engine: LLMEngine) -> None:
+    """Nothing is held once every request ended: the device pools are free, nothing loads."""
+    assert not engine.scheduler.loading
+    for group in engine.kv_cache.groups:
+        assert group.num_free_blocks == group.num_blocks - 1
+    check_invariants(engine)
+
+
+@pytest.mark.parametrize("family", list(CONFIGS))
+def test_evicted_prefixes_come_back_from_host_memory(models, family):
+    path, want = models(family)
+    engine = LLMEngine(EngineConfig(str(path), kv_offload_bytes=4 << 20, **SMALL))
+    got = run_one_by_one(engine)
+    assert [tokens for tokens, _ in got] == want
+    # The second visit of each prefix finds all of its five blocks, loaded from the host.
+    assert [cached for _, cached in got] == [0, 0, 0, 40, 40, 40]
+    assert metric(engine, "kv_offload_loaded_blocks") == 15
+    assert metric(engine, "kv_offload_stored_blocks") >= 15
+    check_leak_free(engine)
+
+
+def test_without_the_tier_the_prefixes_are_recomputed(models):
+    path, want = models("llama")
+    engine = LLMEngine(EngineConfig(str(path), **SMALL))
+    got = run_one_by_one(engine)
+    assert [tokens for tokens, _ in got] == want
+    assert [cached for _, cached in got] == [0] * 6
+
+
+def test_the_host_pool_keeps_the_most_recent_blocks(models):
+    """A host pool of seven blocks keeps the newest prefix whole: it is served from the host,
+    the oldest is recomputed, and the pool holds no more than its blocks."""
+    path, want = models("llama")
+    per_block = 2 * BLOCK * 2 * 16 * 4 * 3  # K and V, 2 heads of 16, fp32, 3 layers
+    engine = LLMEngine(EngineConfig(str(path), kv_offload_bytes=7 * per_block, **SMALL))
+    order = [0, 1, 2, 5, 3]
+    got = run_one_by_one(engine, [PROMPTS[i] for i in order])
+    assert [tokens for tokens, _ in got] == [want[i] for i in order]
+    assert [cached for _, cached in got][3:] == [40, 0]
+    assert metric(engine, "kv_offload_host_total_blocks") == 7
+    assert engine.scheduler.connector.index.num_evicted > 0
+
+
+class FailingLoads(OffloadWorker):
+    def start_step(self, meta):
+        if meta.load_slots:
+            raise KVTransferError("the host pool went away")
+        super().start_step(meta)
+
+
+class FailingSaves(OffloadWorker):
+    def end_step(self, meta):
+        if meta.save_slots:
+            raise KVTransferError("the host pool went away")
+
+
+def _with_worker(path, worker_class) -> LLMEngine:
+    engine = LLMEngine(EngineConfig(str(path), kv_offload_bytes=4 << 20, **SMALL))
+    worker = worker_class(engine.runner.kv_connector.num_slots)
+    engine.runner.set_kv_connector(worker)
+    return engine
+
+
+def test_failed_loads_are_recomputed(models, caplog):
+    path, want = models("llama")
+    engine = _with_worker(path, FailingLoads)
+    got = run_one_by_one(engine)
+    assert [tokens for tokens, _ in got] == want
+    assert [cached for _, cached in got] == [0] * 6
+    assert metric(engine, "kv_offload_failed_loads") == 3
+    assert metric(engine, "kv_offload_loaded_blocks") == 0
+    assert "the host pool went away" in caplog.text
+    check_leak_free(engine)
+
+
+def test_failed_saves_leave_nothing_to_load(models):
+    path, want = models("llama")
+    engine = _with_worker(path, FailingSaves)
+    got = run_one_by_one(engine)
+    assert [tokens for tokens, _ in got] == want
+    assert metric(engine, "kv_offload_host_usage_perc") == 0
+    assert metric(engine, "kv_offload_loaded_blocks") == 0
+    check_leak_free(engine)
+
+
+class HeldLoads(OffloadWorker):
+    """Reports its ended loads only once released (a connector whose loads outlast a step)."""
+
+    def __init__(self, num_slots: int) -> None:
+        super().__init__(num_slots)
+        self.held: list[str] = []
+        self.released = False
+
+    def take_results(self):
+        results = super().take_results()
+        self.held += results.loaded
+        results.loaded = []
+        if self.released:
+            results.loaded, self.held = self.held, []
+        return results
+
+
+def test_abort_during_a_load_frees_its_blocks(models):
+    path, want = models("llama")
+    engine = _with_worker(path, HeldLoads)
+    run_one_by_one(engine, PROMPTS[:3])
+    engine.add_request("a", PROMPTS[3], GREEDY)
+    engine.step()
+    engine.step()
+    assert "a" in engine.scheduler.loading  # (other requests would run meanwhile)
+    engine.abort_request("a")
+    check_leak_free(engine)
+    engine.runner.kv_connector.released = True  # the aborted load's end reaches no one
+    assert run_one_by_one(engine, PROMPTS[4:5])[0][0] == want[4]
+    check_leak_free(engine)
+
+
+def test_a_second_request_on_a_prefix_being_loaded_waits_for_it(models):
+    path, want = models("llama")
+    engine = LLMEngine(EngineConfig(str(path), kv_offload_bytes=4 << 20, **SMALL))
+    run_one_by_one(engine, PROMPTS[:3])
+    twin = PREFIXES[0] + [100, 101]
+    engine.add_request("x", PROMPTS[3], GREEDY)
+    engine.add_request("y", twin, GREEDY)
+    tokens = {"x": [], "y": []}
+    cached = {}
+    while engine.has_unfinished_requests():
+        for delta in engine.step():
+            tokens[delta.request_id] += delta.samples[0].token_ids
+            cached[delta.request_id] = delta.num_cached_tokens
+        check_invariants(engine)
+    assert tokens["x"] == want[3]
+    assert cached == {"x": 40, "y": 40}  # y hit x's loaded blocks on the device
+    assert metric(engine, "kv_offload_loaded_blocks") == 5
+
+
+def test_a_recurrent_cache_is_refused_by_name(tmp_path):
+    path = save_random_model(tf.Qwen3_5TextConfig(**QWEN3_5), tmp_path / "q")
+    with pytest.raises(ValueError, match="'offload' connector cannot transfer cache group"):
+        LLMEngine(EngineConfig(str(path), kv_offload_bytes=1 << 20, **SMALL))
