@@ -1,8 +1,11 @@
 """Host-memory offload against HF transformers: a device pool of a few requests evicts every
 prefix, the host tier serves it back, and the tokens stay HF's greedy ones (a dense model,
-Gemma 3's window and full groups, DeepSeek-V3's latent cache). Failing connectors recompute."""
+Gemma 3's window and full groups, DeepSeek-V3's latent cache). Failing connectors recompute;
+a layerwise saver waits on the layer step counter."""
 
 from __future__ import annotations
+
+import threading
 
 import pytest
 import torch
@@ -24,6 +27,7 @@ GREEDY = SamplingParams(temperature=0.0, max_tokens=MAX_NEW, ignore_eos=True)
 _GEN = torch.Generator().manual_seed(0)
 PREFIXES = [torch.randint(1, 300, (40,), generator=_GEN).tolist() for _ in range(3)]
 PROMPTS = [p + [7 + turn, 9] for turn in range(2) for p in PREFIXES]
+POISON = 12345.0  # what every cache holds before a layer writes it
 SMALL = dict(num_kv_blocks=9, block_size=BLOCK, max_model_len=64, max_num_seqs=2)
 
 
@@ -226,3 +230,52 @@ def test_a_recurrent_cache_is_refused_by_name(tmp_path):
     path = save_random_model(tf.Qwen3_5TextConfig(**QWEN3_5), tmp_path / "q")
     with pytest.raises(ValueError, match="'offload' connector cannot transfer cache group"):
         LLMEngine(EngineConfig(str(path), kv_offload_bytes=1 << 20, **SMALL))
+
+
+class LayerwiseSaver(OffloadWorker):
+    """Saves each layer from its own thread, once the layer step counter says the layer was
+    written, and records any saved block still holding the poison every cache starts with."""
+
+    layerwise = True
+
+    def register_caches(self, layout, layer_steps):
+        super().register_caches(layout, layer_steps)
+        for cache in layout.caches:
+            cache.fill_(POISON)
+        self.steps, self.poisoned, self.order = layer_steps, [], []
+
+    def start_step(self, meta):
+        super().start_step(meta)
+        self._thread = None
+        if meta.save_slots:  # (saves come with rows: the step runs a forward pass)
+            base = self.steps.count
+            self._thread = threading.Thread(target=self._save_layers, args=(meta, base))
+            self._thread.start()
+
+    def _save_layers(self, meta, base):
+        blocks = torch.tensor(meta.save_blocks).T
+        for layer, (cache, host, axis, group) in enumerate(self._layers):
+            if not self.steps.wait_for(base + layer + 1, timeout_s=5):
+                self.order.append(None)
+                return
+            self.order.append(self.steps.count - base)
+            saved = cache.index_select(axis, blocks[group])
+            self.poisoned.append(bool((saved == POISON).any()))
+            host.index_copy_(axis, torch.tensor(meta.save_slots), saved)
+
+    def end_step(self, meta):
+        if self._thread is not None:
+            self._thread.join()
+
+
+def test_a_layerwise_saver_never_sees_a_layer_before_it_was_written(models):
+    path, want = models("llama")
+    engine = LLMEngine(EngineConfig(str(path), kv_offload_bytes=4 << 20, **SMALL))
+    saver = LayerwiseSaver(engine.runner.kv_connector.num_slots)
+    engine.runner.set_kv_connector(saver)
+    got = run_one_by_one(engine)
+    assert [tokens for tokens, _ in got] == want  # loaded back from what it saved
+    assert [cached for _, cached in got][3:] == [40, 40, 40]
+    assert saver.poisoned and not any(saver.poisoned)
+    num_layers = len(engine.runner.cache.owners)
+    assert saver.order[:num_layers] == list(range(1, num_layers + 1))

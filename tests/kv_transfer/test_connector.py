@@ -1,0 +1,146 @@
+"""The connector seam: configuration checked by field name, the host pool's LRU index and
+the offload scheduler's bookkeeping, and the layer step counter."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from heron.cache.layout import CacheLayout
+from heron.cache.paged import FullAttentionSpec
+from heron.config import EngineConfig, KVTransferConfig
+from heron.kv_transfer import LayerSteps, TransferResults, make_connector
+from heron.kv_transfer.offload import HostBlockIndex, OffloadScheduler
+
+SPEC = FullAttentionSpec(4, torch.float32, 1, 8)  # 256 bytes a block
+
+
+@pytest.mark.parametrize(
+    "options, error",
+    [
+        ({"kv_role": "kv_both"}, "'kv_connector' is required"),
+        ({"kv_connector": "offload", "kv_size": 1}, "unknown field.*'kv_size'"),
+        ({"kv_connector": "nixl"}, "kv_connector must be one of offload, got 'nixl'"),
+        ({"kv_connector": "offload", "kv_role": "sender"}, "kv_role must be one of"),
+        (
+            {"kv_connector": "offload", "kv_connector_extra_config": [1]},
+            "kv_connector_extra_config must be a dictionary",
+        ),
+        ("offload", "kv_transfer_config must be a dictionary"),
+    ],
+)
+def test_kv_transfer_config_names_the_bad_field(options, error):
+    with pytest.raises(ValueError, match=error):
+        EngineConfig(kv_transfer_config=options)
+
+
+@pytest.mark.parametrize(
+    "options, error",
+    [
+        (dict(kv_offload_bytes=1, kv_transfer_config={"kv_connector": "offload"}), "give one"),
+        (dict(kv_offload_bytes="8G"), "kv_offload_bytes must be an integer"),
+        (dict(kv_offload_bytes=1 << 20, tensor_parallel_size=2), "tensor_parallel_size"),
+        (dict(kv_offload_bytes=1 << 20, enable_prefix_caching=False), "enable_prefix_caching"),
+        (
+            dict(
+                kv_offload_bytes=1 << 20,
+                speculative_config={"method": "ngram", "num_speculative_tokens": 2},
+            ),
+            "speculative_config",
+        ),
+    ],
+)
+def test_connector_options_that_cannot_combine_are_refused(options, error):
+    with pytest.raises(ValueError, match=error):
+        EngineConfig(**options)
+
+
+def _layout(num_layers: int = 2) -> CacheLayout:
+    return CacheLayout(
+        [SimpleNamespace(layer_name=f"l{i}", cache_spec=SPEC) for i in range(num_layers)]
+    )
+
+
+@pytest.mark.parametrize(
+    "extra, role, error",
+    [
+        ({}, "kv_both", "'num_bytes' is required"),
+        ({"num_bytes": 0}, "kv_both", "num_bytes must be an integer >= 1"),
+        ({"num_bytes": 1 << 20, "cpu": 1}, "kv_both", "unknown kv_connector_extra_config.*'cpu'"),
+        ({"num_bytes": 511}, "kv_both", "511 bytes hold no block; .* takes 512 bytes"),
+        ({"num_bytes": 1 << 20}, "kv_producer", "kv_role 'kv_both'"),
+    ],
+)
+def test_the_offload_connector_checks_its_options(extra, role, error):
+    config = KVTransferConfig("offload", role, extra)
+    with pytest.raises(ValueError, match=error):
+        make_connector(config, _layout(), 4)
+
+
+def test_the_host_index_evicts_the_least_recently_used():
+    index = HostBlockIndex(2)
+    a, b = index.add(10), index.add(11)
+    assert index.use(10) == a  # 11 is now the oldest
+    assert index.add(12) == b and 11 not in index and index.num_evicted == 1
+    index.discard(10)
+    assert index.add(13) == a and len(index) == 2
+    index.check_invariants()
+
+
+class Seq(SimpleNamespace):
+    """What the connector reads of a request."""
+
+    wants_prompt_logprobs = False
+
+
+def test_the_offload_scheduler_loads_saved_blocks_and_forgets_failed_ones():
+    connector = OffloadScheduler(num_slots=4, block_size=4, bytes_per_slot=512)
+    writer = Seq(request_id="w", all_token_ids=list(range(13)))
+    hashes = [1, 2, 3]  # stand-ins: the connector keys what the coordinator hashed
+    connector.scheduled(writer, [[5, 6, 7, 8]], hashes)
+    meta = connector.take_step_meta()
+    assert meta.save_slots == [0, 1, 2] and meta.save_blocks == [[5], [6], [7]]
+    assert connector.take_step_meta() is None  # reset
+    # A reader finds nothing under those stand-in hashes: lookups hash the tokens.
+    reader = Seq(request_id="r", all_token_ids=list(range(13)))
+    assert connector.lookup(reader, 0).num_tokens == 0
+    connector.check_invariants()
+
+
+def test_the_offload_scheduler_round_trip_and_in_flight_waits():
+    from heron.cache.block_pool import ROOT_HASH, hash_block_tokens
+
+    connector = OffloadScheduler(num_slots=4, block_size=4, bytes_per_slot=512)
+    tokens = list(range(13))
+    chain, parent = [], ROOT_HASH
+    for i in range(3):
+        parent = hash_block_tokens(parent, tokens[4 * i : 4 * i + 4])
+        chain.append(parent)
+    connector.scheduled(Seq(request_id="w", all_token_ids=tokens), [[5, 6, 7, 8]], chain)
+    connector.take_step_meta()
+    reader = Seq(request_id="r", all_token_ids=tokens)
+    assert connector.lookup(reader, 4).num_tokens == 8  # past one block on the device
+    connector.load(reader, [[9, 10, 11]], 4, 8)
+    meta = connector.take_step_meta()
+    assert meta.load_requests == ["r"] and meta.load_blocks == [[10], [11]]
+    # Another request whose device hit reaches a block being loaded waits for it.
+    assert connector.lookup(Seq(request_id="t", all_token_ids=tokens), 12).wait
+    connector.check_invariants()
+    connector.finished(TransferResults(failed_loads=["r"]))
+    assert connector.lookup(reader, 4).num_tokens == 0  # the failed entries are dropped
+    assert connector.failed_loads == 1
+    connector.check_invariants()
+
+
+def test_layer_steps_count_in_order_and_time_out():
+    steps = LayerSteps(3, torch.device("cpu"))
+    seen = []
+    for _ in range(2):
+        for _ in range(3):
+            steps.record()
+            seen.append(steps.count)
+    assert seen == [1, 2, 3, 4, 5, 6]
+    assert steps.wait_for(6, timeout_s=0.0)
+    assert not steps.wait_for(7, timeout_s=0.01)
