@@ -8,6 +8,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from heron.cache.block_pool import ROOT_HASH, hash_block_tokens
 from heron.cache.layout import CacheLayout
 from heron.cache.paged import FullAttentionSpec
 from heron.config import EngineConfig, KVTransferConfig
@@ -43,6 +44,7 @@ def test_kv_transfer_config_names_the_bad_field(options, error):
         (dict(kv_offload_bytes="8G"), "kv_offload_bytes must be an integer"),
         (dict(kv_offload_bytes=1 << 20, tensor_parallel_size=2), "tensor_parallel_size"),
         (dict(kv_offload_bytes=1 << 20, enable_prefix_caching=False), "enable_prefix_caching"),
+        (dict(kv_offload_bytes=1 << 20, enable_lora=True), "enable_lora"),
         (
             dict(
                 kv_offload_bytes=1 << 20,
@@ -93,6 +95,7 @@ class Seq(SimpleNamespace):
     """What the connector reads of a request."""
 
     wants_prompt_logprobs = False
+    prefix_root = ROOT_HASH
 
 
 def test_the_offload_scheduler_loads_saved_blocks_and_forgets_failed_ones():
@@ -110,8 +113,6 @@ def test_the_offload_scheduler_loads_saved_blocks_and_forgets_failed_ones():
 
 
 def test_the_offload_scheduler_round_trip_and_in_flight_waits():
-    from heron.cache.block_pool import ROOT_HASH, hash_block_tokens
-
     connector = OffloadScheduler(num_slots=4, block_size=4, bytes_per_slot=512)
     tokens = list(range(13))
     chain, parent = [], ROOT_HASH
