@@ -382,6 +382,7 @@ class EngineConfig:
             ("speculative_config", self.speculative_config is not None),
             ("enable_prefix_caching=False", not self.enable_prefix_caching),
             ("enable_lora", self.enable_lora),
+            ("enable_sleep_mode", self.enable_sleep_mode),
         ):
             if given:
                 raise ValueError(

@@ -45,6 +45,7 @@ def test_kv_transfer_config_names_the_bad_field(options, error):
         (dict(kv_offload_bytes=1 << 20, tensor_parallel_size=2), "tensor_parallel_size"),
         (dict(kv_offload_bytes=1 << 20, enable_prefix_caching=False), "enable_prefix_caching"),
         (dict(kv_offload_bytes=1 << 20, enable_lora=True), "enable_lora"),
+        (dict(kv_offload_bytes=1 << 20, enable_sleep_mode=True), "enable_sleep_mode"),
         (
             dict(
                 kv_offload_bytes=1 << 20,

@@ -242,7 +242,7 @@ class LayerwiseSaver(OffloadWorker):
         super().register_caches(layout, layer_steps)
         for cache in layout.caches:
             cache.fill_(POISON)
-        self.steps, self.poisoned, self.order = layer_steps, [], []
+        self.steps, self.poisoned, self.timed_out = layer_steps, [], False
 
     def start_step(self, meta):
         super().start_step(meta)
@@ -256,9 +256,8 @@ class LayerwiseSaver(OffloadWorker):
         blocks = torch.tensor(meta.save_blocks).T
         for layer, (cache, host, axis, group) in enumerate(self._layers):
             if not self.steps.wait_for(base + layer + 1, timeout_s=5):
-                self.order.append(None)
+                self.timed_out = True
                 return
-            self.order.append(self.steps.count - base)
             saved = cache.index_select(axis, blocks[group])
             self.poisoned.append(bool((saved == POISON).any()))
             host.index_copy_(axis, torch.tensor(meta.save_slots), saved)
@@ -273,9 +272,14 @@ def test_a_layerwise_saver_never_sees_a_layer_before_it_was_written(models):
     engine = LLMEngine(EngineConfig(str(path), kv_offload_bytes=4 << 20, **SMALL))
     saver = LayerwiseSaver(engine.runner.kv_connector.num_slots)
     engine.runner.set_kv_connector(saver)
+    owners, steps = engine.runner.cache.owners, engine.runner.layer_steps
+    records = []  # (cache owner, the count after its forward), hooked after the runner's
+    for i, owner in enumerate(owners):
+        owner.register_forward_hook(lambda *_, i=i: records.append((i, steps.count)))
     got = run_one_by_one(engine)
     assert [tokens for tokens, _ in got] == want  # loaded back from what it saved
     assert [cached for _, cached in got][3:] == [40, 40, 40]
-    assert saver.poisoned and not any(saver.poisoned)
-    num_layers = len(engine.runner.cache.owners)
-    assert saver.order[:num_layers] == list(range(1, num_layers + 1))
+    assert saver.poisoned and not any(saver.poisoned) and not saver.timed_out
+    # One record per owner's forward, in layer order, step after step.
+    assert [count for _, count in records] == list(range(1, len(records) + 1))
+    assert [i for i, _ in records] == list(range(len(owners))) * (len(records) // len(owners))
