@@ -77,9 +77,7 @@ def test_adapters_and_base_mixed_in_one_batch(case):
     assert llm.engine.kv_cache.prefix_cache_hits > hits
     # The shared prefix under the other adapter (and none) is not served from the cache.
     swapped = ["b", "a", None, None]
-    assert _tokens(llm, [loras[n] for n in swapped]) == [
-        refs[n][i] for i, n in enumerate(swapped)
-    ]
+    assert _tokens(llm, [loras[n] for n in swapped]) == [refs[n][i] for i, n in enumerate(swapped)]
 
 
 def test_more_adapters_than_slots_run_over_several_steps(case):
