@@ -93,6 +93,14 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
             parser.add_argument(*flags, type=kind, default=f.default, help=help_text)
 
 
+def _lora_module(text: str) -> tuple[str, str]:
+    """A ``--lora-modules`` entry, ``name=path``."""
+    name, sep, path = text.partition("=")
+    if not sep or not name or not path:
+        raise argparse.ArgumentTypeError(f"expected name=path, got {text!r}")
+    return name, path
+
+
 def _json_object(text: str) -> dict:
     """A flag's JSON object (argparse reports the ValueError as a usage error)."""
     try:
@@ -278,6 +286,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         chat_template=None
         if args.chat_template is None
         else load_chat_template(args.chat_template),
+        lora_modules=tuple(args.lora_modules),
     )
     try:
         listener = listen(options.host, options.port)  # before the model loads
@@ -340,6 +349,14 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY'")
     serve.add_argument(
         "--served-model-name", default=None, help="model name of the API (default: --model)"
+    )
+    serve.add_argument(
+        "--lora-modules",
+        nargs="+",
+        type=_lora_module,
+        default=[],
+        metavar="NAME=PATH",
+        help="LoRA adapters served (with --enable-lora): a request selects one by its model",
     )
     serve.add_argument(
         "--enable-auto-tool-choice",

@@ -18,6 +18,7 @@ import asyncio
 import logging
 import os
 import threading
+import uuid
 from collections.abc import AsyncIterator, Callable
 
 import msgspec
@@ -28,6 +29,8 @@ from heron.config import EngineConfig
 from heron.engine.core_launch import CoreProcess, WatchedCore, front_endpoints, remove_sockets
 from heron.engine.messages import (
     AbortRequest,
+    AdapterAdded,
+    AddAdapter,
     AddPoolingRequest,
     AddRequest,
     CoreMessage,
@@ -36,12 +39,14 @@ from heron.engine.messages import (
     FrontMessage,
     Ready,
     Rejected,
+    RemoveAdapter,
     Shutdown,
     StartupFailed,
     StepFailed,
     StepOutputs,
 )
 from heron.engine.output_processor import OutputProcessor
+from heron.lora.request import LoRARequest
 from heron.outputs import PoolingRequestOutput, RequestOutput
 from heron.pooling_params import PoolingParams
 from heron.sampling_params import SamplingParams
@@ -144,9 +149,14 @@ class EngineCoreClient:
     # ------------------------------------------------------------ event loop side
 
     async def generate(
-        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        lora_request: LoRARequest | None = None,
     ) -> AsyncIterator[RequestOutput]:
-        """Yield the request's outputs until it finishes.
+        """Yield the request's outputs until it finishes (under ``lora_request``'s adapter,
+        one :meth:`add_lora` gave).
 
         An invalid request raises ``ValueError`` on the first iteration, before any output. If
         the caller stops iterating early (closes or cancels the generator), the request is
@@ -155,7 +165,7 @@ class EngineCoreClient:
         queue = self._open(request_id)
         token_ids = list(prompt_token_ids)
         self._outputs.add_request(request_id, None, token_ids, params)
-        self._send(AddRequest(request_id, token_ids, params, self._endpoints.index))
+        self._send(AddRequest(request_id, token_ids, params, self._endpoints.index, lora_request))
         finished = False
         try:
             while True:
@@ -201,6 +211,22 @@ class EngineCoreClient:
         queue = self._streams[request_id] = asyncio.Queue()
         return queue
 
+    async def add_lora(self, lora_name: str, lora_path: str) -> LoRARequest:
+        """Have the core read and check an adapter; its request for :meth:`generate`, or
+        ``ValueError`` naming what does not fit."""
+        call_id = f"lora-{uuid.uuid4().hex}"
+        queue = self._open(call_id)
+        self._send(AddAdapter(call_id, lora_name, lora_path, self._endpoints.index))
+        result = await queue.get()
+        if isinstance(result, BaseException):
+            raise result
+        return result
+
+    def remove_lora(self, lora_name: str) -> None:
+        """Have the core forget an adapter (requests naming it may still finish)."""
+        if self.is_running:
+            self._send(RemoveAdapter(lora_name))
+
     def abort(self, request_id: str) -> None:
         """Stop a request; unknown or finished ids are ignored, and so is a core not running
         (nothing runs there to stop)."""
@@ -237,6 +263,10 @@ class EngineCoreClient:
                         queue.put_nowait(delta)  # a pooling request's one answer
             elif isinstance(message, Rejected):
                 self._fail(message.request_id, ValueError(message.message))
+            elif isinstance(message, AdapterAdded):
+                queue = self._streams.pop(message.call_id, None)
+                if queue is not None:
+                    queue.put_nowait(message.lora_request)
             elif isinstance(message, StepFailed):
                 for request_id in message.request_ids:
                     self._fail(request_id, StepError(message.message))

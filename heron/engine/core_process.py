@@ -24,6 +24,8 @@ from heron.engine.deltas import RequestDelta
 from heron.engine.llm_engine import LLMEngine
 from heron.engine.messages import (
     AbortRequest,
+    AdapterAdded,
+    AddAdapter,
     AddPoolingRequest,
     AddRequest,
     CoreArgs,
@@ -32,11 +34,13 @@ from heron.engine.messages import (
     FrontMessage,
     Ready,
     Rejected,
+    RemoveAdapter,
     Shutdown,
     StartupFailed,
     StepFailed,
     StepOutputs,
 )
+from heron.lora.request import LoRARequest
 from heron.platforms import resolve_device, set_server_cpu_threads
 
 logger = logging.getLogger(__name__)
@@ -68,6 +72,8 @@ class EngineCore:
         self._deltas: list[list[RequestDelta]] = [[] for _ in outboxes]  # per front
         self._stats: EngineStats | None = None
         self._stats_time = 0.0
+        self._adapters: dict[str, LoRARequest] = {}  # by name; ids are given here, from 1
+        self._adapter_ids = 0
         engine.on_scheduled = self._publish_stats
 
     def send(self, message: CoreMessage, front: int | None = None) -> None:
@@ -102,6 +108,12 @@ class EngineCore:
                 self._add(message)
             elif isinstance(message, AbortRequest):
                 self._abort(message.request_id, message.sample_index)
+            elif isinstance(message, AddAdapter):
+                self._add_adapter(message)
+            elif isinstance(message, RemoveAdapter):
+                removed = self._adapters.pop(message.lora_name, None)
+                if removed is not None:
+                    self.engine.remove_lora(removed.lora_int_id)
             else:
                 assert isinstance(message, Shutdown)
                 for request_id in list(self._live):
@@ -118,11 +130,30 @@ class EngineCore:
     def _add(self, message: AddRequest | AddPoolingRequest) -> None:
         request_id = message.request_id
         try:
-            self.engine.add_request(request_id, message.prompt_token_ids, message.params)
+            lora = message.lora_request if isinstance(message, AddRequest) else None
+            self.engine.add_request(request_id, message.prompt_token_ids, message.params, lora)
         except ValueError as e:
             self.send(Rejected(request_id, str(e)), message.front)
             return
         self._live[request_id] = message.front
+
+    def _add_adapter(self, message: AddAdapter) -> None:
+        """A name keeps its id while it is loaded (every front adding it gets the same);
+        another path under a loaded name is refused."""
+        name, path = message.lora_name, message.lora_path
+        known = self._adapters.get(name)
+        try:
+            if known is not None and known.lora_path != path:
+                raise ValueError(f"LoRA adapter {name!r} is already loaded from {known.lora_path}")
+            if known is None:
+                known = LoRARequest(name, self._adapter_ids + 1, path)
+                self.engine.add_lora(known)
+                self._adapter_ids += 1
+                self._adapters[name] = known
+        except ValueError as e:
+            self.send(Rejected(message.call_id, str(e)), message.front)
+            return
+        self.send(AdapterAdded(message.call_id, known), message.front)
 
     def _step(self) -> None:
         try:

@@ -13,6 +13,7 @@ import msgspec
 
 from heron.config import EngineConfig
 from heron.engine.deltas import RequestDelta
+from heron.lora.request import LoRARequest
 from heron.pooler_config import PoolerConfig
 from heron.pooling_params import PoolingParams
 from heron.sampling_params import SamplingParams
@@ -28,6 +29,7 @@ class AddRequest(msgspec.Struct, tag=True, array_like=True):
     prompt_token_ids: list[int]
     params: SamplingParams
     front: int = 0  # the sender's index: its outputs go back to it
+    lora_request: LoRARequest | None = None  # an adapter the core gave (AdapterAdded)
 
 
 class AddPoolingRequest(msgspec.Struct, tag=True, array_like=True):
@@ -46,11 +48,25 @@ class AbortRequest(msgspec.Struct, tag=True, array_like=True):
     sample_index: int | None = None
 
 
+class AddAdapter(msgspec.Struct, tag=True, array_like=True):
+    """Read and check a LoRA adapter; the core answers :class:`AdapterAdded` (the adapter's
+    id, one per name) or :class:`Rejected` (``call_id`` in place of a request id)."""
+
+    call_id: str
+    lora_name: str
+    lora_path: str
+    front: int = 0
+
+
+class RemoveAdapter(msgspec.Struct, tag=True, array_like=True):
+    lora_name: str
+
+
 class Shutdown(msgspec.Struct, tag=True, array_like=True):
     """Abort every request, send their final outputs, and exit."""
 
 
-FrontMessage = AddRequest | AddPoolingRequest | AbortRequest | Shutdown
+FrontMessage = AddRequest | AddPoolingRequest | AbortRequest | AddAdapter | RemoveAdapter | Shutdown
 
 # ----------------------------------------------------------------- core -> front
 
@@ -136,6 +152,11 @@ class Rejected(msgspec.Struct, tag=True, array_like=True):
     message: str
 
 
+class AdapterAdded(msgspec.Struct, tag=True, array_like=True):
+    call_id: str
+    lora_request: LoRARequest
+
+
 class StepFailed(msgspec.Struct, tag=True, array_like=True):
     """A step raised; these requests were aborted and the engine goes on."""
 
@@ -143,7 +164,7 @@ class StepFailed(msgspec.Struct, tag=True, array_like=True):
     message: str
 
 
-CoreMessage = Ready | StartupFailed | StepOutputs | Rejected | StepFailed
+CoreMessage = Ready | StartupFailed | StepOutputs | Rejected | AdapterAdded | StepFailed
 
 
 class FrontEndpoints(msgspec.Struct, frozen=True):

@@ -28,6 +28,7 @@ from heron import __version__, envs
 from heron.chat_template import apply_chat_template
 from heron.engine.core_client import EngineCoreClient, EngineDeadError, StepError
 from heron.engine.request import Logprob
+from heron.lora.request import LoRARequest
 from heron.outputs import CompletionOutput, RequestOutput
 from heron.sampling_params import SamplingParams
 from heron.server.chat_output import ChatOutputConfig, ChatOutputParser
@@ -50,6 +51,7 @@ from heron.server.protocol import (
     DetokenizeResponse,
     ErrorInfo,
     ErrorResponse,
+    LoadLoRAAdapterRequest,
     ModelCard,
     ModelList,
     PromptLogprob,
@@ -57,6 +59,7 @@ from heron.server.protocol import (
     TokenizeRequest,
     TokenizeResponse,
     TopLogprob,
+    UnloadLoRAAdapterRequest,
     UnsupportedFieldError,
     Usage,
 )
@@ -186,6 +189,7 @@ class OpenAIServing:
         parser = self.chat_output.reasoning_parser
         self.reasoning_tokens = reasoning_tokens(parser, self.tokenizer) if parser else None
         self.model_name = served_model_name
+        self.adapters: dict[str, LoRARequest] = {}  # LoRA adapters served, by model name
         self.max_model_len = engine.max_model_len
         self.metrics = ServerMetrics(lambda: engine.stats)
         self.max_request_body_bytes = max_request_body_bytes
@@ -204,13 +208,28 @@ class OpenAIServing:
         return ChatOutputParser(self.chat_output, body.tools, body.effective_tool_choice)
 
     def check_model(self, model: str | None) -> None:
-        if model is not None and model != self.model_name:
+        if model is not None and model != self.model_name and model not in self.adapters:
+            served = ", ".join(map(repr, [self.model_name, *self.adapters]))
             raise APIError(
                 404,
-                f"the model {model!r} does not exist; this server serves {self.model_name!r}",
+                f"the model {model!r} does not exist; this server serves {served}",
                 param="model",
                 code="model_not_found",
             )
+
+    def lora_request(self, model: str | None) -> LoRARequest | None:
+        """The adapter a request's ``model`` names (None: the base model)."""
+        self.check_model(model)
+        return self.adapters.get(model) if model is not None else None
+
+    async def load_adapter(self, name: str, path: str) -> None:
+        """Serve the adapter at ``path`` as model ``name`` (the core reads and checks it)."""
+        if name == self.model_name:
+            raise APIError(400, f"{name!r} is the base model's name", param="lora_name")
+        try:
+            self.adapters[name] = await self.engine.add_lora(name, path)
+        except ValueError as e:
+            raise _bad_value(e) from e
 
     # ---------------------------------------------------------------- request input
 
@@ -328,12 +347,19 @@ class OpenAIServing:
     # ---------------------------------------------------------------- generation
 
     async def start(
-        self, request_id: str, prompts: list[list[int]], params: SamplingParams
+        self,
+        request_id: str,
+        prompts: list[list[int]],
+        params: SamplingParams,
+        lora_request: LoRARequest | None = None,
     ) -> list[tuple[RequestOutput, AsyncIterator[RequestOutput]]]:
-        """Add every prompt and wait for its first output, so invalid prompts fail before any
-        response is sent. Returns each prompt's first output and the rest of its stream."""
+        """Add every prompt (under ``lora_request``'s adapter) and wait for its first output,
+        so invalid prompts fail before any response is sent. Returns each prompt's first output
+        and the rest of its stream."""
         streams = [
-            self.metrics.track(self.engine.generate(f"{request_id}-{i}", prompt, params))
+            self.metrics.track(
+                self.engine.generate(f"{request_id}-{i}", prompt, params, lora_request)
+            )
             for i, prompt in enumerate(prompts)
         ]
         firsts = await asyncio.gather(*(s.__anext__() for s in streams), return_exceptions=True)
@@ -497,10 +523,12 @@ def build_app(
     trust_request_chat_template: bool = False,
     chat_output: ChatOutputConfig | None = None,
     chat_template: str | None = None,
+    lora_modules: Sequence[tuple[str, str]] = (),
 ) -> FastAPI:
     """The FastAPI app serving ``engine`` as ``served_model_name``; ``api_key`` guards /v1;
     ``chat_output`` names the reasoning and tool-call parsers of chat replies;
-    ``chat_template`` replaces the tokenizer's.
+    ``chat_template`` replaces the tokenizer's; ``lora_modules``: LoRA adapters served from
+    the start, ``(name, path)`` (a request selects one by its ``model``).
 
     Routes read their bodies themselves (:meth:`OpenAIServing.parse`), so the API key is
     checked before a body is read and the size limit holds while it is read.
@@ -516,6 +544,8 @@ def build_app(
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        for name, path in lora_modules:
+            await serving.load_adapter(name, path)
         yield
         # Joining the engine core blocks; keep the loop free to deliver the final outputs.
         await asyncio.to_thread(engine.shutdown)
@@ -544,14 +574,35 @@ def build_app(
         id=served_model_name, root=engine.model_path, max_model_len=serving.max_model_len
     )
 
+    def adapter_card(lora: LoRARequest) -> ModelCard:
+        return ModelCard(id=lora.lora_name, root=lora.lora_path, parent=served_model_name)
+
     @api.get("/v1/models")
     async def models() -> ModelList:
-        return ModelList(data=[card])
+        return ModelList(data=[card, *map(adapter_card, serving.adapters.values())])
 
     @api.get("/v1/models/{model_id:path}")
     async def model(model_id: str) -> ModelCard:
-        serving.check_model(model_id)
-        return card
+        lora = serving.lora_request(model_id)
+        return card if lora is None else adapter_card(lora)
+
+    @api.post("/v1/load_lora_adapter")
+    async def load_lora_adapter(request: Request) -> Response:
+        body = await serving.parse(request, LoadLoRAAdapterRequest)
+        if body.lora_name in serving.adapters:
+            raise APIError(
+                400, f"LoRA adapter {body.lora_name!r} is already loaded", param="lora_name"
+            )
+        await serving.load_adapter(body.lora_name, body.lora_path)
+        return Response(f"Success: LoRA adapter {body.lora_name!r} added successfully.")
+
+    @api.post("/v1/unload_lora_adapter")
+    async def unload_lora_adapter(request: Request) -> Response:
+        body = await serving.parse(request, UnloadLoRAAdapterRequest)
+        if serving.adapters.pop(body.lora_name, None) is None:
+            raise APIError(404, f"no LoRA adapter {body.lora_name!r} is loaded", param="lora_name")
+        engine.remove_lora(body.lora_name)
+        return Response(f"Success: LoRA adapter {body.lora_name!r} removed successfully.")
 
     @api.post("/tokenize")
     async def tokenize(request: Request) -> TokenizeResponse:
@@ -594,12 +645,15 @@ def build_app(
     async def completions(request: Request) -> Response:
         body = await serving.parse(request, CompletionRequest)
         params = serving.sampling_params(body)
+        lora = serving.lora_request(body.model)
         prompts = body.prompts()
         token_ids = await serving.tokenize(prompts)
         for ids in token_ids:
             serving.check_context(len(ids), body)
         request_id = f"cmpl-{uuid.uuid4().hex}"
-        started = await _until_disconnect(request, serving.start(request_id, token_ids, params))
+        started = await _until_disconnect(
+            request, serving.start(request_id, token_ids, params, lora)
+        )
         created = int(time.time())
         echoes = [
             (p if isinstance(p, str) else serving.tokenizer.decode(p)) if body.echo else ""
@@ -647,7 +701,10 @@ def build_app(
         prompt = await serving.chat_prompt(body)
         serving.check_context(len(prompt), body)
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
-        started = await _until_disconnect(request, serving.start(request_id, [prompt], params))
+        lora = serving.lora_request(body.model)
+        started = await _until_disconnect(
+            request, serving.start(request_id, [prompt], params, lora)
+        )
         created = int(time.time())
         if body.stream:
             return _streaming(
@@ -715,7 +772,10 @@ def build_app(
         prompt = await serving.chat_prompt(chat)
         serving.check_context(len(prompt), chat)
         response_id = f"resp_{uuid.uuid4().hex}"
-        started = await _until_disconnect(request, serving.start(response_id, [prompt], params))
+        lora = serving.lora_request(chat.model)
+        started = await _until_disconnect(
+            request, serving.start(response_id, [prompt], params, lora)
+        )
         writer = ResponseWriter(new_response(body, response_id, served_model_name))
         parser = serving.output_parser(chat)
         conversation = [*history, *body.messages()]

@@ -103,6 +103,7 @@ class ServeOptions:
     allowed_origins: tuple[str, ...] = ()  # CORS: the web origins that may call the API
     timeout_keep_alive: int = DEFAULT_TIMEOUT_KEEP_ALIVE_S  # idle and header-read deadline
     chat_template: str | None = None  # instead of the tokenizer's
+    lora_modules: tuple[tuple[str, str], ...] = ()  # LoRA adapters served: (name, path)
 
 
 def serve(config: EngineConfig, options: ServeOptions, listener: socket.socket) -> int:
@@ -153,6 +154,7 @@ def run_front(
             options.trust_request_chat_template,
             options.chat_output,
             options.chat_template,
+            options.lora_modules,
         )
     except BaseException:
         engine.shutdown()
@@ -176,4 +178,6 @@ def run_front(
     freeze_start_up_heap()
     server = _Server(uv_config, engine, gate)
     server.run(sockets=sockets)
+    if not (server.started or server.engine_died or gate.stopping):
+        return 2  # its start-up failed (a --lora-modules adapter refused: logged above)
     return 1 if server.engine_died else 0

@@ -424,7 +424,17 @@ class ModelCard(BaseModel):
     created: int = Field(default_factory=lambda: int(time.time()))
     owned_by: str = "heron"
     root: str | None = None
+    parent: str | None = None  # a LoRA adapter's base model
     max_model_len: int | None = None
+
+
+class LoadLoRAAdapterRequest(NullIsUnset):
+    lora_name: str
+    lora_path: str  # a PEFT adapter directory or a Hub id
+
+
+class UnloadLoRAAdapterRequest(NullIsUnset):
+    lora_name: str
 
 
 class ModelList(BaseModel):

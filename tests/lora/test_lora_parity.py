@@ -3,10 +3,15 @@ model in one batch, more adapters than slots, the prefix cache kept apart per ad
 
 from __future__ import annotations
 
+import json
+import shutil
+from pathlib import Path
+
 import peft
 import pytest
 import torch
 import transformers as tf
+from safetensors.torch import load_file, save_file
 
 from heron import LLM, LoRARequest, SamplingParams
 
@@ -85,3 +90,58 @@ def test_more_adapters_than_slots_run_over_several_steps(case):
     names = ["b", "a", "b", None]
     llm = LLM(str(base), max_model_len=128, enable_lora=True, max_loras=1, max_lora_rank=8)
     assert _tokens(llm, [loras[n] for n in names]) == [refs[n][i] for i, n in enumerate(names)]
+
+
+def _edited_copy(src: str, dst: Path, config: dict, edit) -> str:
+    """A copy of adapter ``src`` with ``config`` merged into its config and ``edit`` applied
+    to its tensors (a dict, edited in place)."""
+    shutil.copytree(src, dst)
+    path = dst / "adapter_config.json"
+    path.write_text(json.dumps(json.loads(path.read_text()) | config))
+    tensors = load_file(dst / "adapter_model.safetensors")
+    edit(tensors)
+    save_file(tensors, dst / "adapter_model.safetensors")
+    return str(dst)
+
+
+def test_adapters_that_do_not_fit_are_refused_by_name(case, tmp_path):
+    """Each refusal names its adapter and what does not fit; the other prompts run."""
+    base, loras, refs = case
+    b = loras["b"].lora_path
+    key = "base_model.model.model.layers.0.self_attn.q_proj.lora_B.weight"
+    experts = "base_model.model.model.layers.0.mlp.experts.0.gate_proj.lora_A.weight"
+    wrong = {
+        "rank": LoRARequest("rank", 3, loras["a"].lora_path),  # r=8 above max_lora_rank 4
+        "dora": LoRARequest("dora", 4, _edited_copy(b, tmp_path / "d", {"use_dora": True}, id)),
+        "shape": LoRARequest(
+            "shape",
+            5,
+            _edited_copy(b, tmp_path / "s", {}, lambda t: t.update({key: t[key][:-1]})),
+        ),
+        "experts": LoRARequest(
+            "experts",
+            6,
+            _edited_copy(
+                b,
+                tmp_path / "e",
+                {},
+                lambda t: t.update({experts: t[key.replace("B", "A")].clone()}),
+            ),
+        ),
+    }
+    llm = LLM(str(base), max_model_len=128, enable_lora=True, max_lora_rank=4)
+    outputs = llm.generate(
+        [PROMPTS[0]] * 5, GREEDY, use_tqdm=False, lora_request=[*wrong.values(), loras["b"]]
+    )
+    errors = [o.error for o in outputs[:4]]
+    assert "'rank'" in errors[0] and "r=8 is above max_lora_rank=4" in errors[0]
+    assert "'dora'" in errors[1] and "use_dora" in errors[1]
+    assert "'shape'" in errors[2] and "q_proj" in errors[2] and "do not fit" in errors[2]
+    assert "'experts'" in errors[3] and "experts.0.gate_proj" in errors[3]
+    assert outputs[4].error is None and outputs[4].outputs[0].token_ids == refs["b"][0]
+    with pytest.raises(ValueError, match="lora_int_id 2 is adapter 'b'"):
+        llm.engine.add_lora(LoRARequest("other", 2, loras["a"].lora_path))
+
+    base_only = LLM(str(base), max_model_len=128)
+    (output,) = base_only.generate(PROMPTS[0], GREEDY, use_tqdm=False, lora_request=loras["a"])
+    assert "enable_lora" in output.error
