@@ -15,6 +15,7 @@ one client, attached to the core a launcher started (:meth:`EngineCoreClient.att
 from __future__ import annotations
 
 import asyncio
+import itertools
 import logging
 import os
 import threading
@@ -33,6 +34,8 @@ from heron.engine.messages import (
     AddAdapter,
     AddPoolingRequest,
     AddRequest,
+    Control,
+    ControlDone,
     CoreMessage,
     EngineStats,
     FrontEndpoints,
@@ -64,6 +67,18 @@ class EngineDeadError(RuntimeError):
 
 class StepError(RuntimeError):
     """A model step failed; the requests in flight were aborted."""
+
+
+class EngineUnavailableError(RuntimeError):
+    """The engine takes no requests now (asleep, or generation paused)."""
+
+
+class ControlArgumentError(ValueError):
+    """A control call's argument the engine refused (an unknown tag, a bad path)."""
+
+
+class ControlConflictError(RuntimeError):
+    """A control call the engine's state refuses now (sleeping twice, requests unfinished)."""
 
 
 class EngineStartupError(RuntimeError):
@@ -134,6 +149,9 @@ class EngineCoreClient:
         self.description = ready.description
         self.stats: EngineStats = ready.stats  # the newest snapshot the core sent
         self.pooling = ready.pooling  # a pooling model's pooler; None: the model generates
+        self.sleep_mode = ready.sleep_mode
+        self._calls: dict[int, asyncio.Future] = {}  # control calls waiting for the core
+        self._call_ids = itertools.count()
         self._outputs = OutputProcessor(self.tokenizer, ready.eos_token_ids)
         self._reader = threading.Thread(target=self._read, name="heron-core-reader", daemon=True)
         self._reader.start()
@@ -200,6 +218,19 @@ class EngineCoreClient:
             raise item
         return PoolingRequestOutput(request_id, token_ids, item.pooled)
 
+    async def control(self, method: str, **arguments: object) -> object:
+        """Call the engine's ``method`` (:data:`~heron.engine.messages.CONTROL_METHODS`: sleep,
+        wake-up, weight reloads, pause) in the core; its result. Raises
+        :class:`ControlArgumentError` for a bad argument, :class:`ControlConflictError` where
+        the engine's state refuses it."""
+        if self._stopping or not self.is_running:
+            raise self._dead_error()
+        self._loop = asyncio.get_running_loop()
+        call_id = next(self._call_ids)
+        future = self._calls[call_id] = self._loop.create_future()
+        self._send(Control(call_id, method, arguments, self._endpoints.index))
+        return await future
+
     def _open(self, request_id: str) -> asyncio.Queue:
         """A new request's queue of outputs; raises while the core is not running, or for an
         id in use."""
@@ -262,11 +293,14 @@ class EngineCoreClient:
                     elif (queue := self._streams.pop(delta.request_id, None)) is not None:
                         queue.put_nowait(delta)  # a pooling request's one answer
             elif isinstance(message, Rejected):
-                self._fail(message.request_id, ValueError(message.message))
+                error = EngineUnavailableError if message.unavailable else ValueError
+                self._fail(message.request_id, error(message.message))
             elif isinstance(message, AdapterAdded):
                 queue = self._streams.pop(message.call_id, None)
                 if queue is not None:
                     queue.put_nowait(message.lora_request)
+            elif isinstance(message, ControlDone):
+                self._settle_call(message)
             elif isinstance(message, StepFailed):
                 for request_id in message.request_ids:
                     self._fail(request_id, StepError(message.message))
@@ -280,6 +314,17 @@ class EngineCoreClient:
                 queue = self._streams[output.request_id]
             queue.put_nowait(output)
 
+    def _settle_call(self, done: ControlDone) -> None:
+        future = self._calls.pop(done.call_id, None)
+        if future is None or future.done():
+            return
+        if done.error is None:
+            future.set_result(done.value)
+        else:
+            invalid = done.error_kind == "invalid"
+            error = ControlArgumentError if invalid else ControlConflictError
+            future.set_exception(error(done.error))
+
     def _forget(self, request_id: str) -> asyncio.Queue | None:
         self._outputs.abort(request_id)
         return self._streams.pop(request_id, None)
@@ -292,6 +337,10 @@ class EngineCoreClient:
     def _fail_all(self, error: BaseException) -> None:
         for request_id in list(self._streams):
             self._fail(request_id, error)
+        for future in self._calls.values():
+            if not future.done():
+                future.set_exception(error)
+        self._calls.clear()
 
     # ------------------------------------------------------------ reader thread
 

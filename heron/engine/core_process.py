@@ -23,11 +23,14 @@ from heron.engine.core_launch import freeze_start_up_heap, remove_sockets
 from heron.engine.deltas import RequestDelta
 from heron.engine.llm_engine import LLMEngine
 from heron.engine.messages import (
+    CONTROL_METHODS,
     AbortRequest,
     AdapterAdded,
     AddAdapter,
     AddPoolingRequest,
     AddRequest,
+    Control,
+    ControlDone,
     CoreArgs,
     CoreMessage,
     EngineStats,
@@ -84,12 +87,16 @@ class EngineCore:
 
     def run(self) -> None:
         try:
-            while self._receive(0 if self.engine.has_unfinished_requests() else IDLE_POLL_MS):
-                if self.engine.has_unfinished_requests():
+            while self._receive(0 if self._steps() else IDLE_POLL_MS):
+                if self._steps():
                     self._step()
                 self._publish()
         finally:
             self.engine.on_scheduled = None  # its sockets close after this
+
+    def _steps(self) -> bool:
+        """Whether there is a step to run (requests, and generation not paused)."""
+        return self.engine.has_unfinished_requests() and not self.engine.rollout.paused
 
     def _receive(self, timeout_ms: int) -> bool:
         """Apply every waiting message; False once the core should exit."""
@@ -114,6 +121,8 @@ class EngineCore:
                 removed = self._adapters.pop(message.lora_name, None)
                 if removed is not None:
                     self.engine.remove_lora(removed.lora_int_id)
+            elif isinstance(message, Control):
+                self._control(message)
             else:
                 assert isinstance(message, Shutdown)
                 for request_id in list(self._live):
@@ -135,6 +144,9 @@ class EngineCore:
         except ValueError as e:
             self.send(Rejected(request_id, str(e)), message.front)
             return
+        except RuntimeError as e:  # asleep, or paused
+            self.send(Rejected(request_id, str(e), unavailable=True), message.front)
+            return
         self._live[request_id] = message.front
 
     def _add_adapter(self, message: AddAdapter) -> None:
@@ -154,6 +166,27 @@ class EngineCore:
             self.send(Rejected(message.call_id, str(e)), message.front)
             return
         self.send(AdapterAdded(message.call_id, known), message.front)
+
+    def _control(self, message: Control) -> None:
+        """Run a control call; the deltas of the requests it aborted go to their fronts."""
+        rollout = self.engine.rollout
+        try:
+            if message.method not in CONTROL_METHODS:
+                raise ValueError(f"unknown control method {message.method!r}")
+            attribute = getattr(rollout, message.method)
+            value = attribute(**message.arguments) if callable(attribute) else attribute
+        except (ValueError, TypeError) as e:
+            self.send(ControlDone(message.call_id, None, str(e), "invalid"), message.front)
+            return
+        except RuntimeError as e:
+            self.send(ControlDone(message.call_id, None, str(e), "conflict"), message.front)
+            return
+        if isinstance(value, list):  # the final deltas of aborted requests
+            for delta in value:
+                self._queue(delta)
+            value = len(value)
+        self._publish()
+        self.send(ControlDone(message.call_id, value), message.front)
 
     def _step(self) -> None:
         try:
@@ -267,6 +300,7 @@ def _start(args: CoreArgs, inbox: zmq.Socket, outboxes: list[zmq.Socket]) -> Eng
             _describe(engine),
             EngineStats.of(engine),
             engine.pooling,
+            args.config.enable_sleep_mode,
         )
     )
     return core

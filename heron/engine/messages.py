@@ -7,7 +7,7 @@ stop strings are the front's.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import msgspec
 
@@ -66,7 +66,33 @@ class Shutdown(msgspec.Struct, tag=True, array_like=True):
     """Abort every request, send their final outputs, and exit."""
 
 
-FrontMessage = AddRequest | AddPoolingRequest | AbortRequest | AddAdapter | RemoveAdapter | Shutdown
+class Control(msgspec.Struct, tag=True, array_like=True):
+    """Call :class:`~heron.engine.rollout.RolloutControl`'s ``method`` (sleep, wake-up,
+    weight updates, pause; :data:`CONTROL_METHODS`) with ``arguments``; answered by
+    :class:`ControlDone` of the same ``call_id``."""
+
+    call_id: int
+    method: str
+    arguments: dict[str, Any]
+    front: int = 0
+
+
+#: What :class:`Control` may call.
+CONTROL_METHODS = frozenset(
+    {
+        "sleep",
+        "wake_up",
+        "is_sleeping",
+        "reload_weights",
+        "pause_generation",
+        "resume_generation",
+        "reset_prefix_cache",
+    }
+)
+
+FrontMessage = (
+    AddRequest | AddPoolingRequest | AbortRequest | AddAdapter | RemoveAdapter | Control | Shutdown
+)
 
 # ----------------------------------------------------------------- core -> front
 
@@ -134,6 +160,7 @@ class Ready(msgspec.Struct, tag=True, array_like=True):
     description: str  # model, dtype, device and graph mode, for the start-up log
     stats: EngineStats
     pooling: PoolerConfig | None  # a pooling model's pooler; None: the model generates
+    sleep_mode: bool = False  # the engine sleeps and updates weights (Control calls)
 
 
 class StartupFailed(msgspec.Struct, tag=True, array_like=True):
@@ -146,10 +173,22 @@ class StepOutputs(msgspec.Struct, tag=True, array_like=True):
 
 
 class Rejected(msgspec.Struct, tag=True, array_like=True):
-    """The request was invalid (``ValueError``); nothing was queued."""
+    """The request was invalid (``ValueError``), or (``unavailable``) the engine takes no
+    requests now (asleep, paused); nothing was queued."""
 
     request_id: str
     message: str
+    unavailable: bool = False
+
+
+class ControlDone(msgspec.Struct, tag=True, array_like=True):
+    """A :class:`Control` call's result, or its error: ``"invalid"`` (a bad argument,
+    ``ValueError``) or ``"conflict"`` (not now: the engine's state refuses it)."""
+
+    call_id: int
+    value: Any = None
+    error: str | None = None
+    error_kind: str | None = None
 
 
 class AdapterAdded(msgspec.Struct, tag=True, array_like=True):
@@ -164,7 +203,9 @@ class StepFailed(msgspec.Struct, tag=True, array_like=True):
     message: str
 
 
-CoreMessage = Ready | StartupFailed | StepOutputs | Rejected | AdapterAdded | StepFailed
+CoreMessage = (
+    Ready | StartupFailed | StepOutputs | Rejected | AdapterAdded | StepFailed | ControlDone
+)
 
 
 class FrontEndpoints(msgspec.Struct, frozen=True):

@@ -26,7 +26,14 @@ from starlette.requests import ClientDisconnect
 
 from heron import __version__, envs
 from heron.chat_template import apply_chat_template
-from heron.engine.core_client import EngineCoreClient, EngineDeadError, StepError
+from heron.engine.core_client import (
+    ControlArgumentError,
+    ControlConflictError,
+    EngineCoreClient,
+    EngineDeadError,
+    EngineUnavailableError,
+    StepError,
+)
 from heron.engine.request import Logprob
 from heron.lora.request import LoRARequest
 from heron.outputs import CompletionOutput, RequestOutput
@@ -80,6 +87,7 @@ from heron.server.responses import (
     reasoning_token_count,
 )
 from heron.server.responses_protocol import ResponsesRequest
+from heron.server.rollout_routes import rollout_router
 from heron.server.structured_protocol import DeltaFunctionCall, DeltaToolCall
 from heron.server.tool_parsers import ToolCallDelta, join_tool_calls
 
@@ -97,6 +105,7 @@ _ERROR_TYPES = {
     401: "authentication_error",
     404: "not_found_error",
     405: "invalid_request_error",
+    409: "invalid_request_error",
     413: "invalid_request_error",
     415: "invalid_request_error",
     500: "internal_server_error",
@@ -560,7 +569,12 @@ def build_app(
     async def health() -> Response:
         if not engine.is_running:
             return error_response(503, "the engine is not running")
+        if engine.sleep_mode and await engine.control("is_sleeping"):
+            return JSONResponse({"status": "sleeping"})
         return Response(status_code=200)
+
+    if engine.sleep_mode:
+        app.include_router(rollout_router(engine, serving.parse, api.dependencies))
 
     @app.get("/metrics")
     async def metrics() -> Response:
@@ -1062,6 +1076,18 @@ def _add_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(EngineDeadError)
     async def engine_dead(request: Request, e: EngineDeadError) -> JSONResponse:
         return error_response(503, str(e))
+
+    @app.exception_handler(EngineUnavailableError)
+    async def engine_unavailable(request: Request, e: EngineUnavailableError) -> JSONResponse:
+        return error_response(503, str(e))
+
+    @app.exception_handler(ControlArgumentError)
+    async def control_argument(request: Request, e: ControlArgumentError) -> JSONResponse:
+        return error_response(400, str(e))
+
+    @app.exception_handler(ControlConflictError)
+    async def control_conflict(request: Request, e: ControlConflictError) -> JSONResponse:
+        return error_response(409, str(e), code="conflict")
 
     @app.exception_handler(StepError)
     async def step_error(request: Request, e: StepError) -> JSONResponse:

@@ -10,9 +10,13 @@ from openai_server import API_KEY, openai_client, start_server, stop_server
 
 @pytest.fixture(scope="session")
 def server(tiny_model_dir):
-    """A server with an API key; the tests' clients send it."""
+    """A server with an API key (the tests' clients send it) and sleep mode on."""
     handle = start_server(
-        tiny_model_dir("qwen2"), "--api-key", API_KEY, "--trust-request-chat-template"
+        tiny_model_dir("qwen2"),
+        "--api-key",
+        API_KEY,
+        "--trust-request-chat-template",
+        "--enable-sleep-mode",
     )
     yield handle
     stop_server(handle)
