@@ -25,7 +25,7 @@ logger = logging.getLogger(__name__)
 
 def _triton_layer_kernels() -> LayerKernels:
     # Imported on demand, as the Triton attention operator is.
-    from heron.kernels import activation, fp8_quant, gemv, moe, moe_route, rmsnorm, wna16
+    from heron.kernels import activation, fp8_quant, gemv, lora, moe, moe_route, rmsnorm, wna16
     from heron.layers import fp8
 
     return LayerKernels(
@@ -40,6 +40,8 @@ def _triton_layer_kernels() -> LayerKernels:
         router_logits=moe_route.router_logits,
         fp8_mm=partial(fp8.scaled_mm, quantize_rows=fp8_quant.quantize_rows),
         wna16_mm=wna16.wna16_linear,
+        lora_shrink=lora.lora_shrink,
+        lora_expand=lora.lora_expand,
     )
 
 

@@ -3,6 +3,7 @@ model in one batch, more adapters than slots, the prefix cache kept apart per ad
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import shutil
 from pathlib import Path
@@ -14,6 +15,9 @@ import transformers as tf
 from safetensors.torch import load_file, save_file
 
 from heron import LLM, LoRARequest, SamplingParams
+from heron.kernels import TORCH_KERNELS, lora
+from heron.ops import selector
+from heron.platforms import CpuPlatform
 
 from tiny_models import hf_greedy, save_random_adapter
 
@@ -145,3 +149,20 @@ def test_adapters_that_do_not_fit_are_refused_by_name(case, tmp_path):
     base_only = LLM(str(base), max_model_len=128)
     (output,) = base_only.generate(PROMPTS[0], GREEDY, use_tqdm=False, lora_request=loras["a"])
     assert "enable_lora" in output.error
+
+
+def test_triton_kernels_end_to_end_equal_peft(case, monkeypatch):
+    """The LoRA layers on the Triton shrink/expand kernels (interpreted), two adapters and the
+    base model in one batch."""
+    base, loras, refs = case
+    kernels = dataclasses.replace(
+        TORCH_KERNELS, lora_shrink=lora.lora_shrink, lora_expand=lora.lora_expand
+    )
+    monkeypatch.setitem(selector.LAYER_KERNELS, "lora-triton", lambda: kernels)
+    monkeypatch.setattr(CpuPlatform, "layer_kernels", lambda self: "lora-triton")
+    llm = LLM(str(base), max_model_len=128, enable_lora=True, max_loras=2, max_lora_rank=8)
+    names = ["a", "b", None]
+    prompts = [PROMPTS[2]] * 3
+    params = SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True)
+    outputs = llm.generate(prompts, params, use_tqdm=False, lora_request=[loras[n] for n in names])
+    assert [o.outputs[0].token_ids for o in outputs] == [refs[n][2][:3] for n in names]

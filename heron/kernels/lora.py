@@ -1,0 +1,128 @@
+"""LoRA's two products over a batch whose tokens use different adapters (token-indexed, as
+punica's BGMV): ``shrink`` gives each token ``x A[s]^T`` (fp32, ``[T, R]``) and ``expand``
+adds ``shrunk B[s]^T`` to the base layer's output, ``s`` the token's slot in the stacked
+tables. Slot 0 holds zeros (the base model), so no token needs a branch."""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _shrink_kernel(
+    x_ptr,
+    a_ptr,
+    slots_ptr,
+    out_ptr,
+    K,
+    R,
+    stride_x,
+    stride_as,
+    stride_ar,
+    stride_out,
+    BLOCK_R: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    token = tl.cast(tl.program_id(0), tl.int64)
+    rows = tl.program_id(1) * BLOCK_R + tl.arange(0, BLOCK_R)
+    slot = tl.load(slots_ptr + token).to(tl.int64)
+    a_rows = a_ptr + slot * stride_as + rows[:, None] * stride_ar
+    acc = tl.zeros((BLOCK_R,), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        cols = k0 + tl.arange(0, BLOCK_K)
+        x = tl.load(x_ptr + token * stride_x + cols, mask=cols < K, other=0.0)
+        a = tl.load(
+            a_rows + cols[None, :], mask=(rows[:, None] < R) & (cols[None, :] < K), other=0.0
+        )
+        acc += tl.sum(a.to(tl.float32) * x.to(tl.float32)[None, :], axis=1)
+    tl.store(out_ptr + token * stride_out + rows, acc, mask=rows < R)
+
+
+@triton.jit
+def _expand_kernel(
+    s_ptr,
+    b_ptr,
+    slots_ptr,
+    y_ptr,
+    N,
+    R,
+    stride_s,
+    stride_bs,
+    stride_bn,
+    stride_y,
+    BLOCK_N: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+):
+    token = tl.cast(tl.program_id(0), tl.int64)
+    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    ranks = tl.arange(0, BLOCK_R)
+    slot = tl.load(slots_ptr + token).to(tl.int64)
+    s = tl.load(s_ptr + token * stride_s + ranks, mask=ranks < R, other=0.0)
+    b = tl.load(
+        b_ptr + slot * stride_bs + cols[:, None] * stride_bn + ranks[None, :],
+        mask=(cols[:, None] < N) & (ranks[None, :] < R),
+        other=0.0,
+    )
+    delta = tl.sum(b.to(tl.float32) * s[None, :], axis=1)
+    y = tl.load(y_ptr + token * stride_y + cols, mask=cols < N, other=0.0)
+    out = y.to(tl.float32) + delta
+    tl.store(y_ptr + token * stride_y + cols, out.to(y_ptr.dtype.element_ty), mask=cols < N)
+
+
+def lora_shrink(
+    x: torch.Tensor, a: torch.Tensor, token_slots: torch.Tensor, block_r: int = 16
+) -> torch.Tensor:
+    """``x[t] @ a[token_slots[t]]^T`` for every token, in fp32: ``x`` [T, K], ``a`` [S, R, K]."""
+    t, k = x.shape
+    r = a.shape[1]
+    assert a.shape[2] == k and a.stride(2) == 1 and x.stride(1) == 1
+    out = torch.empty(t, r, dtype=torch.float32, device=x.device)
+    if t:
+        grid = (t, triton.cdiv(r, block_r))
+        _shrink_kernel[grid](
+            x,
+            a,
+            token_slots,
+            out,
+            k,
+            r,
+            x.stride(0),
+            a.stride(0),
+            a.stride(1),
+            out.stride(0),
+            BLOCK_R=block_r,
+            BLOCK_K=min(128, triton.next_power_of_2(k)),
+        )
+    return out
+
+
+def lora_expand(
+    shrunk: torch.Tensor,
+    b: torch.Tensor,
+    token_slots: torch.Tensor,
+    y: torch.Tensor,
+    block_n: int = 64,
+) -> torch.Tensor:
+    """``y[t] += shrunk[t] @ b[token_slots[t]]^T`` in place (``b`` [S, N, R]); returns ``y``."""
+    t, r = shrunk.shape
+    n = b.shape[1]
+    assert b.shape[2] == r and b.stride(2) == 1 and y.shape == (t, n) and y.stride(1) == 1
+    if t:
+        grid = (t, triton.cdiv(n, block_n))
+        _expand_kernel[grid](
+            shrunk,
+            b,
+            token_slots,
+            y,
+            n,
+            r,
+            shrunk.stride(0),
+            b.stride(0),
+            b.stride(1),
+            y.stride(0),
+            BLOCK_N=block_n,
+            BLOCK_R=triton.next_power_of_2(r),
+        )
+    return y

@@ -1,0 +1,65 @@
+"""The LoRA shrink/expand kernels under Triton's interpreter against dense per-token PyTorch
+(fp32): mixed slots, the base model's slot 0, a slot no token uses, ranks 8 and 64, tails of
+the input and output widths; and their lowering for sm_90."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from triton_lowering import check_lowering
+
+from heron.kernels.lora import lora_expand, lora_shrink
+
+SLOTS = [0, 2, 2, 1, 0, 2]  # slot 3 holds an adapter no token uses
+
+
+def _tables(rank: int, k: int, n: int, dtype: torch.dtype):
+    torch.manual_seed(rank)
+    a = torch.randn(4, rank, k, dtype=dtype)
+    b = torch.randn(4, n, rank, dtype=dtype)
+    a[0], b[0] = 0, 0  # slot 0: the base model
+    return a, b
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("rank", [8, 64])
+def test_shrink_expand_equal_dense_per_token(rank, dtype):
+    k, n = 48, 40
+    a, b = _tables(rank, k, n, dtype)
+    x = torch.randn(len(SLOTS), k, dtype=dtype)
+    y = torch.randn(len(SLOTS), n, dtype=dtype)
+    slots = torch.tensor(SLOTS, dtype=torch.int32)
+    want = torch.stack(
+        [
+            y[t].float() + (x[t].float() @ a[s].float().T) @ b[s].float().T
+            for t, s in enumerate(SLOTS)
+        ]
+    )
+    shrunk = lora_shrink(x, a, slots)
+    torch.testing.assert_close(
+        shrunk,
+        torch.stack([x[t].float() @ a[s].float().T for t, s in enumerate(SLOTS)]),
+        atol=1e-4,
+        rtol=1e-4,
+    )
+    got = lora_expand(shrunk, b, slots, y.clone())
+    tol = 1e-4 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(got.float(), want, atol=tol * want.abs().max(), rtol=tol)
+
+
+def lora_launches() -> None:
+    """Decode- and prefill-sized launches in bf16 (the lowering test's)."""
+    for t, rank in ((1, 16), (64, 48), (300, 192)):
+        a = torch.empty(9, rank, 1024, dtype=torch.bfloat16)
+        b = torch.empty(9, 4096, rank, dtype=torch.bfloat16)
+        slots = torch.zeros(t, dtype=torch.int32)
+        y = torch.empty(t, 4096, dtype=torch.bfloat16)
+        lora_expand(lora_shrink(torch.empty(t, 1024, dtype=torch.bfloat16), a, slots), b, slots, y)
+
+
+def test_kernels_lower_for_sm90():
+    assert check_lowering(
+        "lora.test_lora_kernels:lora_launches",
+        "heron.kernels.lora:_shrink_kernel",
+        "heron.kernels.lora:_expand_kernel",
+    )
