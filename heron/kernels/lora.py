@@ -81,19 +81,10 @@ def lora_shrink(
     out = torch.empty(t, r, dtype=torch.float32, device=x.device)
     if t:
         grid = (t, triton.cdiv(r, block_r))
+        strides = (x.stride(0), *a.stride()[:2], out.stride(0))
+        block_k = min(128, triton.next_power_of_2(k))
         _shrink_kernel[grid](
-            x,
-            a,
-            token_slots,
-            out,
-            k,
-            r,
-            x.stride(0),
-            a.stride(0),
-            a.stride(1),
-            out.stride(0),
-            BLOCK_R=block_r,
-            BLOCK_K=min(128, triton.next_power_of_2(k)),
+            x, a, token_slots, out, k, r, *strides, BLOCK_R=block_r, BLOCK_K=block_k
         )
     return out
 
@@ -111,18 +102,9 @@ def lora_expand(
     assert b.shape[2] == r and b.stride(2) == 1 and y.shape == (t, n) and y.stride(1) == 1
     if t:
         grid = (t, triton.cdiv(n, block_n))
+        strides = (shrunk.stride(0), *b.stride()[:2], y.stride(0))
+        block_r = triton.next_power_of_2(r)
         _expand_kernel[grid](
-            shrunk,
-            b,
-            token_slots,
-            y,
-            n,
-            r,
-            shrunk.stride(0),
-            b.stride(0),
-            b.stride(1),
-            y.stride(0),
-            BLOCK_N=block_n,
-            BLOCK_R=triton.next_power_of_2(r),
+            shrunk, b, token_slots, y, n, r, *strides, BLOCK_N=block_n, BLOCK_R=block_r
         )
     return y
