@@ -57,3 +57,9 @@ def responses_store_size() -> int:
 def responses_store_max_age_s() -> float:
     """``HERON_RESPONSES_STORE_MAX_AGE_S``: how long a stored response is kept (default 3600)."""
     return _number("HERON_RESPONSES_STORE_MAX_AGE_S", 3600)
+
+
+def max_pooling_inputs() -> int:
+    """``HERON_MAX_POOLING_INPUTS``: the most inputs one pooling request (``/v1/embeddings``,
+    ``/score``, ``/rerank``, ...) may carry (default 2048)."""
+    return int(_number("HERON_MAX_POOLING_INPUTS", 2048))

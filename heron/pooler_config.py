@@ -47,7 +47,10 @@ class PoolerConfig:
     @property
     def tasks(self) -> tuple[str, ...]:
         """The PoolingParams tasks this model serves."""
-        return ("embed", "encode") if self.num_labels is None else ("classify", "score", "encode")
+        if self.num_labels is None:
+            return ("embed", "encode")
+        # (a score is one label's: a cross-encoder's relevance)
+        return ("classify", "score", "encode") if self.num_labels == 1 else ("classify", "encode")
 
     def check(self, params: PoolingParams) -> None:
         """Raise ``ValueError`` unless this model serves ``params``."""

@@ -36,10 +36,24 @@ from heron.engine.core_client import (
 )
 from heron.engine.request import Logprob
 from heron.lora.request import LoRARequest
-from heron.outputs import CompletionOutput, RequestOutput
+from heron.outputs import CompletionOutput, PoolingRequestOutput, RequestOutput
+from heron.pooling_params import PoolingParams, cosine, pair_token_ids
 from heron.sampling_params import SamplingParams
 from heron.server.chat_output import ChatOutputConfig, ChatOutputParser
 from heron.server.metrics import ServerMetrics
+from heron.server.pooling_protocol import (
+    ClassificationRequest,
+    EmbeddingRequest,
+    PoolingBody,
+    PoolingRequest,
+    RerankRequest,
+    ScoreRequest,
+    classification_response,
+    embeddings_response,
+    pooling_response,
+    rerank_response,
+    score_response,
+)
 from heron.server.protocol import (
     AssistantMessage,
     ChatChoice,
@@ -99,7 +113,16 @@ _FIELDS = (
     | set(CompletionRequest.model_fields)
     | set(ChatCompletionRequest.model_fields)
     | set(ResponsesRequest.model_fields)
+    | set(EmbeddingRequest.model_fields)
 )
+# The routes that serve each pooling task (a refusal names those the model serves).
+_POOLING_ROUTES = {
+    "embed": "/v1/embeddings",
+    "classify": "/classify",
+    "score": "/score, /rerank",
+    "encode": "/pooling",
+}
+_GENERATION_ROUTES = "/v1/completions, /v1/chat/completions or /v1/responses"
 _ERROR_TYPES = {
     400: "invalid_request_error",
     401: "authentication_error",
@@ -247,6 +270,13 @@ class OpenAIServing:
 
     def sampling_params(self, body: CompletionRequest | ChatCompletionRequest) -> SamplingParams:
         self.check_model(body.model)
+        if self.engine.pooling is not None:
+            routes = ", ".join(_POOLING_ROUTES[t] for t in self.engine.pooling.tasks)
+            raise APIError(
+                400,
+                f"this server's model is a pooling model: it generates no text; use {routes}",
+                code="wrong_model_type",
+            )
         try:
             body.check_supported()
             return body.sampling_params()
@@ -476,6 +506,91 @@ class OpenAIServing:
             )
             result.append(entry)
         return result
+
+    # ---------------------------------------------------------------- pooling
+
+    async def pool(
+        self,
+        request: Request,
+        route: str,
+        body: PoolingBody,
+        prompts: Sequence[str | list[int]],
+        params: PoolingParams,
+        param: str = "input",
+    ) -> tuple[str, list[PoolingRequestOutput]]:
+        """The request's id and every prompt's pooled answer, once all are done; ``param``
+        names the field of the inputs (refusals of one name it)."""
+        self.check_model(body.model)
+        pooling = self.engine.pooling
+        if pooling is None:
+            raise APIError(
+                400,
+                f"{route} needs a pooling model; this server's model generates text: use "
+                f"{_GENERATION_ROUTES}",
+                code="wrong_model_type",
+            )
+        if params.task not in pooling.tasks:
+            routes = ", ".join(_POOLING_ROUTES[t] for t in pooling.tasks)
+            raise APIError(
+                400,
+                f"this server's model does not serve {route}; it serves {routes}",
+                code="wrong_model_type",
+            )
+        try:
+            pooling.check(params)
+        except ValueError as e:
+            raise _bad_value(e) from e
+        limit = envs.max_pooling_inputs()
+        if len(prompts) > limit:
+            raise APIError(
+                400,
+                f"{len(prompts)} inputs are more than one request may carry ({limit}; "
+                "HERON_MAX_POOLING_INPUTS)",
+                param=param,
+            )
+        token_ids = await self.tokenize(prompts)
+        request_id = f"{route.rsplit('/', 1)[-1]}-{uuid.uuid4().hex}"
+        work = asyncio.gather(
+            *(
+                self.engine.pool(f"{request_id}-{i}", ids, params)
+                for i, ids in enumerate(token_ids)
+            ),
+            return_exceptions=True,
+        )
+        outputs = await _until_disconnect(request, work)
+        for output in outputs:
+            if isinstance(output, ValueError):
+                raise APIError(400, str(output), param=param)
+            if isinstance(output, BaseException):
+                raise output
+        return request_id, outputs
+
+    async def score(
+        self,
+        request: Request,
+        route: str,
+        body: PoolingBody,
+        query: str,
+        documents: list[str],
+        param: str,
+    ) -> tuple[str, list[float], list[PoolingRequestOutput]]:
+        """The request's id, how well each document answers ``query`` (a cross-encoder's
+        score of the pair, an embedding model's cosine similarity), and the pooled outputs."""
+        pooling = self.engine.pooling
+        if pooling is not None and pooling.num_labels is None:
+            prompts, params = [query, *documents], PoolingParams("embed")
+            request_id, outputs = await self.pool(request, route, body, prompts, params, param)
+            return request_id, [cosine(outputs[0].data, o.data) for o in outputs[1:]], outputs
+        for document in documents:
+            self.check_prompt_chars(len(query) + len(document))
+        pairs = await off_loop_if_large(
+            sum(map(len, documents)),
+            lambda: [pair_token_ids(self.tokenizer, query, d) for d in documents],
+            self.tokenizer_thread,
+        )
+        params = PoolingParams("score")
+        request_id, outputs = await self.pool(request, route, body, pairs, params, param)
+        return request_id, [o.data[0] for o in outputs], outputs
 
     @staticmethod
     def usage(outputs: list[RequestOutput]) -> Usage:
@@ -821,6 +936,45 @@ def build_app(
         stored(response_id)
         responses.delete(response_id)
         return {"id": response_id, "object": "response.deleted", "deleted": True}
+
+    @api.post("/v1/embeddings")
+    async def embeddings(request: Request) -> Response:
+        body = await serving.parse(request, EmbeddingRequest)
+        params = PoolingParams("embed", body.dimensions)
+        _, outputs = await serving.pool(request, "/v1/embeddings", body, body.inputs(), params)
+        return JSONResponse(embeddings_response(outputs, served_model_name, body.encoding_format))
+
+    @api.post("/pooling")
+    async def pooling(request: Request) -> Response:
+        body = await serving.parse(request, PoolingRequest)
+        params = PoolingParams("encode")
+        request_id, outputs = await serving.pool(request, "/pooling", body, body.inputs(), params)
+        return JSONResponse(pooling_response(request_id, served_model_name, outputs))
+
+    @api.post("/classify")
+    async def classify(request: Request) -> Response:
+        body = await serving.parse(request, ClassificationRequest)
+        params = PoolingParams("classify")
+        request_id, outputs = await serving.pool(request, "/classify", body, body.inputs(), params)
+        labels = engine.pooling.labels
+        return JSONResponse(classification_response(request_id, served_model_name, outputs, labels))
+
+    @api.post("/score")
+    async def score(request: Request) -> Response:
+        body = await serving.parse(request, ScoreRequest)
+        request_id, scores, outputs = await serving.score(
+            request, "/score", body, body.text_1, body.documents(), "text_2"
+        )
+        return JSONResponse(score_response(request_id, served_model_name, scores, outputs))
+
+    @api.post("/rerank")
+    @api.post("/v1/rerank")
+    async def rerank(request: Request) -> Response:
+        body = await serving.parse(request, RerankRequest)
+        request_id, scores, outputs = await serving.score(
+            request, "/rerank", body, body.query, body.documents, "documents"
+        )
+        return JSONResponse(rerank_response(request_id, served_model_name, body, scores, outputs))
 
     app.include_router(api)
     return app

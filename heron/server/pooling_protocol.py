@@ -21,14 +21,16 @@ from heron.server.protocol import NullIsUnset, PositiveInt, TokenId
 PoolingInput = str | list[str] | list[TokenId] | list[list[TokenId]]
 
 
-class _PoolingRequest(NullIsUnset):
+class PoolingBody(NullIsUnset):
+    """What every pooling route's body has."""
+
     model_config = ConfigDict(extra="forbid")
 
     model: str | None = None
     user: str | None = None  # OpenAI's identity field: accepted, it changes nothing
 
 
-class _InputRequest(_PoolingRequest):
+class _InputRequest(PoolingBody):
     input: PoolingInput
 
     @field_validator("input")
@@ -59,7 +61,7 @@ class ClassificationRequest(_InputRequest):
     pass
 
 
-class ScoreRequest(_PoolingRequest):
+class ScoreRequest(PoolingBody):
     """vLLM's: ``text_1`` against each of ``text_2``."""
 
     text_1: str
@@ -69,7 +71,7 @@ class ScoreRequest(_PoolingRequest):
         return [self.text_2] if isinstance(self.text_2, str) else self.text_2
 
 
-class RerankRequest(_PoolingRequest):
+class RerankRequest(PoolingBody):
     """Jina's (and vLLM's): ``documents`` ordered by relevance to ``query``."""
 
     query: str
