@@ -15,6 +15,7 @@ SUBCOMMANDS = {
     "throughput": ("throughput", "workload A (nano-vllm's bench.py): output tokens/s", True),
     "serve": ("serve", "a concurrency curve of streaming completions against heron serve", False),
     "spec": ("spec", "speculative decoding against plain decoding", True),
+    "embed": ("embed", "embedding throughput of a pooling model: inputs/s and tokens/s", True),
     "turns": ("turns", "multi-turn conversations: prompt tokens computed and TTFT per turn", True),
     "kernel": ("kernel", "one decode kernel alone, x its bandwidth floor", False),
     "host": ("host", "host time of an engine step with the model stubbed out (CPU)", False),

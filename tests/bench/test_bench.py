@@ -39,6 +39,21 @@ def test_decode_on_the_cpu_writes_its_result(tmp_path, capsys):
     assert "qwen3-0.6b (1 layer), context 16, batch 1: ms/step" in capsys.readouterr().out
 
 
+def test_embedding_throughput_on_the_cpu(tmp_path):
+    """The shape runs as a pooling model; a figure pair per input length and batch."""
+    out = tmp_path / "embed.json"
+    argv = ["bench", "embed", "--shape", "qwen3-0.6b", "--num-layers", "1", "--device", "cpu"]
+    assert main([*argv, "--batch", "1", "2", "--input-len", "8", "--output-json", str(out)]) == 0
+    result = json.loads(out.read_text())
+    assert result["config"]["runner"] == "pooling"
+    names = [(m["name"], m["unit"]) for m in result["metrics"] if m["value"] > 0]
+    assert names == [
+        (f"qwen3-0.6b (1 layer), 8-token inputs, batch {b}: {what}", unit)
+        for b in (1, 2)
+        for what, unit in (("inputs/s", "inputs/s"), ("tokens/s", "tok/s"))
+    ]
+
+
 def test_decode_of_packed_int4_weights(capsys):
     """A one-layer shape's dummy weights quantised to AWQ's W4A16 layout: every projection
     packed, and the figure says so."""
