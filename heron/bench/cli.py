@@ -16,6 +16,7 @@ SUBCOMMANDS = {
     "serve": ("serve", "a concurrency curve of streaming completions against heron serve", False),
     "spec": ("spec", "speculative decoding against plain decoding", True),
     "embed": ("embed", "embedding throughput of a pooling model: inputs/s and tokens/s", True),
+    "lora": ("lora", "decode and throughput with LoRA adapters in the batch", True),
     "turns": ("turns", "multi-turn conversations: prompt tokens computed and TTFT per turn", True),
     "kernel": ("kernel", "one decode kernel alone, x its bandwidth floor", False),
     "host": ("host", "host time of an engine step with the model stubbed out (CPU)", False),

@@ -7,13 +7,13 @@ import contextlib
 import dataclasses
 import gc
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from heron import LLM, SamplingParams
+from heron import LLM, LoRARequest, SamplingParams
 from heron.bench.measure import steady_decode_ms
 from heron.bench.shapes import Shape, dummy_checkpoint, shape
 from heron.config import EngineConfig
@@ -88,12 +88,19 @@ def greedy(max_tokens: int) -> SamplingParams:
     return SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
 
 
-def timed_decode(llm: LLM, prompts: list[list[int]], new_tokens: int) -> tuple[float, float]:
+def timed_decode(
+    llm: LLM,
+    prompts: list[list[int]],
+    new_tokens: int,
+    loras: Sequence[LoRARequest | None] | None = None,
+) -> tuple[float, float]:
     """(ms per decode step while all requests decode, output tokens/s) of ``prompts`` each
-    generating ``new_tokens`` greedily, with per-token times as the caller of
-    ``LLM.step`` sees them (a step's outputs are on the host when it returns)."""
+    generating ``new_tokens`` greedily (under ``loras``' adapters, one each), with per-token
+    times as the caller of ``LLM.step`` sees them (a step's outputs are on the host when it
+    returns)."""
     for i, prompt in enumerate(prompts):
-        llm.add_request(f"bench-{i}", prompt, greedy(new_tokens))
+        lora = loras[i] if loras else None
+        llm.add_request(f"bench-{i}", prompt, greedy(new_tokens), lora_request=lora)
     times: dict[str, list[float]] = {}
     seen: dict[str, int] = {}
     start = time.perf_counter()

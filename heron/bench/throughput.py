@@ -85,9 +85,10 @@ def run(args: argparse.Namespace, config: EngineConfig) -> tuple[dict[str, Any],
     return {"shape": args.shape, "num_layers": args.num_layers, **vars_of(args)}, metrics
 
 
-def timed_generate(llm: LLM, prompts, params) -> tuple[float, int]:
+def timed_generate(llm: LLM, prompts, params, loras=None) -> tuple[float, int]:
+    """Seconds of ``generate`` (under ``loras``, one each or None) and tokens generated."""
     start = time.perf_counter()
-    outputs = llm.generate(prompts, params, use_tqdm=False)
+    outputs = llm.generate(prompts, params, use_tqdm=False, lora_request=loras)
     seconds = time.perf_counter() - start
     return seconds, sum(len(o.outputs[0].token_ids) for o in outputs)
 
