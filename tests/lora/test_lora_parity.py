@@ -27,7 +27,7 @@ PROMPTS = [
     list(range(10, 42)) + [7, 8, 9],
     list(range(10, 42)) + [200, 201],
     [3, 4, 5],
-    [(i * 37) % 300 + 5 for i in range(20)],
+    [11, 12, 13, 14, 15] * 4,  # repeats: n-gram lookup proposes
 ]
 GREEDY = SamplingParams(temperature=0.0, max_tokens=MAX_NEW, ignore_eos=True)
 ALL = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
@@ -90,10 +90,34 @@ def test_adapters_and_base_mixed_in_one_batch(case):
 
 
 def test_more_adapters_than_slots_run_over_several_steps(case):
+    """One slot for two adapters, prompts prefilled in chunks of 16 tokens."""
     base, loras, refs = case
     names = ["b", "a", "b", None]
-    llm = LLM(str(base), max_model_len=128, enable_lora=True, max_loras=1, max_lora_rank=8)
+    llm = LLM(
+        str(base),
+        max_model_len=128,
+        enable_lora=True,
+        max_loras=1,
+        max_lora_rank=8,
+        max_num_batched_tokens=16,
+    )
     assert _tokens(llm, [loras[n] for n in names]) == [refs[n][i] for i, n in enumerate(names)]
+
+
+def test_ngram_speculation_verifies_under_each_adapter(case):
+    base, loras, refs = case
+    names = ["a", "b", None, "a"]
+    spec = {"method": "ngram", "num_speculative_tokens": 3, "disable_by_batch_size": None}
+    llm = LLM(
+        str(base),
+        max_model_len=128,
+        enable_lora=True,
+        max_loras=2,
+        max_lora_rank=8,
+        speculative_config=spec,
+    )
+    assert _tokens(llm, [loras[n] for n in names]) == [refs[n][i] for i, n in enumerate(names)]
+    assert llm.spec_decode_stats.num_draft_tokens > 0
 
 
 def _edited_copy(src: str, dst: Path, config: dict, edit) -> str:
