@@ -90,18 +90,21 @@ def test_adapters_and_base_mixed_in_one_batch(case):
 
 
 def test_more_adapters_than_slots_run_over_several_steps(case):
-    """One slot for two adapters, prompts prefilled in chunks of 16 tokens."""
+    """One slot for two adapters, prompts prefilled in chunks of 16 tokens, a KV pool small
+    enough that requests are preempted (and recomputed under their adapters)."""
     base, loras, refs = case
     names = ["b", "a", "b", None]
     llm = LLM(
         str(base),
-        max_model_len=128,
+        max_model_len=64,
         enable_lora=True,
         max_loras=1,
         max_lora_rank=8,
         max_num_batched_tokens=16,
+        num_kv_blocks=6,
     )
     assert _tokens(llm, [loras[n] for n in names]) == [refs[n][i] for i, n in enumerate(names)]
+    assert llm.engine.scheduler.num_preemptions > 0
 
 
 def test_ngram_speculation_verifies_under_each_adapter(case):
