@@ -133,7 +133,8 @@ class ModelRunner:
                     f"serves operators of different cache specs (layer {owner.layer_name!r})"
                 )
         for group in self.plan.groups:
-            group.builder.cache_group = group_of.get(id(group), 0)
+            if id(group) in group_of:  # (the LoRA layers' group reads no cache)
+                group.builder.cache_group = group_of[id(group)]
 
     def add_lora(self, request: LoRARequest) -> None:
         """Read and check an adapter before a request uses it (``ValueError`` if it does not
