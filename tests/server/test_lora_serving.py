@@ -4,6 +4,9 @@ time, and the errors of each."""
 
 from __future__ import annotations
 
+import json
+import shutil
+
 import httpx
 import openai
 import peft
@@ -43,7 +46,9 @@ def lora_server(tiny_model_dir, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("served-adapters")
     a = save_random_adapter(base, tmp / "a", 3, 8, TARGETS, lora_alpha=16)
     b = save_random_adapter(base, tmp / "b", 4, 4, TARGETS, lora_alpha=4)
-    big = save_random_adapter(base, tmp / "big", 5, 16, ["q_proj"])
+    big = shutil.copytree(b, tmp / "big")  # b, said to be of rank 16
+    config = big / "adapter_config.json"
+    config.write_text(json.dumps(json.loads(config.read_text()) | {"r": 16}))
     texts = {"a": _greedy_text(base, a), "b": _greedy_text(base, b), None: _greedy_text(base)}
     handle = start_server(
         base,
