@@ -245,6 +245,32 @@ class LLM:
         """Re-read a checkpoint directory (default: the model's) into the weights in place."""
         return self.engine.rollout.reload_weights(path, draft)
 
+    def init_weight_update_group(
+        self,
+        master_address: str,
+        master_port: int,
+        rank_offset: int,
+        world_size: int,
+        backend: str = "nccl",
+    ) -> None:
+        """Join a trainer's process group for weight broadcasts: the trainer is rank 0
+        (:class:`heron.distributed.weight_sync.WeightSender`), this engine ``rank_offset``;
+        ``backend``: ``"nccl"`` (GPUs) or ``"gloo"`` (CPUs). Blocks until all ranks join."""
+        self.engine.rollout.init_weight_update_group(
+            master_address, master_port, rank_offset, world_size, backend
+        )
+
+    def update_weights_from_distributed(
+        self,
+        names: Sequence[str],
+        dtypes: Sequence[str],
+        shapes: Sequence[Sequence[int]],
+        draft: bool = False,
+    ) -> int:
+        """Receive a chunk of tensors the trainer broadcasts (one per name, in this order)
+        and write them as :meth:`update_weights` does."""
+        return self.engine.rollout.update_weights_from_distributed(names, dtypes, shapes, draft)
+
     def reset_prefix_cache(self) -> bool:
         """Forget every cached prefix; False (nothing done) while requests hold blocks."""
         return self.engine.rollout.reset_prefix_cache()

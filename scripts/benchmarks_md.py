@@ -23,6 +23,7 @@ ORDER = [
     "spec",
     "embed",
     "turns",
+    "rollout",
     "kernel",
     "host",
     "profile",

@@ -21,6 +21,7 @@ SUBCOMMANDS = {
     "kernel": ("kernel", "one decode kernel alone, x its bandwidth floor", False),
     "host": ("host", "host time of an engine step with the model stubbed out (CPU)", False),
     "profile": ("profile", "where a decode step's time goes (torch.profiler or cProfile)", True),
+    "rollout": ("rollout", "sleep, wake-up and weight update times (RL rollouts)", True),
 }
 
 

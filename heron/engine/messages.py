@@ -84,6 +84,8 @@ CONTROL_METHODS = frozenset(
         "wake_up",
         "is_sleeping",
         "reload_weights",
+        "init_weight_update_group",
+        "update_weights_from_distributed",
         "pause_generation",
         "resume_generation",
         "reset_prefix_cache",

@@ -9,6 +9,7 @@ from typing import Any
 
 import torch
 
+from heron.distributed.weight_sync import WeightUpdateGroup
 from heron.engine.deltas import RequestDelta
 from heron.engine.sleep_mode import SleepMode, reset_prefix_caches
 from heron.execution.model_runner import ModelRunner
@@ -32,6 +33,7 @@ class RolloutControl:
         self._caches = caches
         self._sleep = SleepMode(runners, caches) if engine.config.enable_sleep_mode else None
         self.paused: str | None = None  # a PAUSE_MODES entry while paused
+        self._weight_group: WeightUpdateGroup | None = None  # a trainer's, once joined
 
     # ------------------------------------------------------------------ sleep
 
@@ -99,6 +101,37 @@ class RolloutControl:
         written = update_weights(models, lambda: iterate_weights(path, lazy=True))
         self._weights_changed()
         return written
+
+    def init_weight_update_group(
+        self,
+        master_address: str,
+        master_port: int,
+        rank_offset: int,
+        world_size: int,
+        backend: str = "nccl",
+    ) -> None:
+        """Join a trainer's weight update group (the trainer is rank 0, this engine
+        ``rank_offset``); blocks until every rank has joined. A later call replaces it."""
+        engine = self._engine
+        if not isinstance(engine.runner, ModelRunner):
+            raise ValueError("weight update groups need tensor_parallel_size 1")
+        self._weight_group = WeightUpdateGroup(
+            master_address, master_port, rank_offset, world_size, backend, engine.runner.device
+        )
+
+    def update_weights_from_distributed(
+        self,
+        names: Sequence[str],
+        dtypes: Sequence[str],
+        shapes: Sequence[Sequence[int]],
+        draft: bool = False,
+    ) -> int:
+        """Receive one chunk of tensors the trainer broadcasts (one per name, in order) and
+        write them as :meth:`update_weights` does. Every tensor is received before any check,
+        so a refused chunk leaves the trainer free to go on."""
+        if self._weight_group is None:
+            raise RuntimeError("no weight update group: call init_weight_update_group() first")
+        return self.update_weights(self._weight_group.receive(names, dtypes, shapes), draft)
 
     def reset_prefix_cache(self) -> bool:
         """Forget every cached block; refused (False) while requests hold blocks."""

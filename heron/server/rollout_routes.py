@@ -18,6 +18,29 @@ class UpdateWeightsFromDisk(BaseModel):
     model_path: str | None = None  # a checkpoint directory; None: the served model's
 
 
+class InitWeightUpdateGroup(BaseModel):
+    """A trainer's process group to join (it is rank 0; see ``LLM.init_weight_update_group``)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    master_address: str
+    master_port: int
+    rank_offset: int
+    world_size: int
+    backend: str = "nccl"
+
+
+class UpdateWeightsFromDistributed(BaseModel):
+    """One chunk of tensors the trainer broadcasts, one per name, in this order."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    names: list[str]
+    dtypes: list[str]
+    shapes: list[list[int]]
+    draft: bool = False
+
+
 def rollout_router(engine: EngineCoreClient, parse, dependencies: list) -> APIRouter:
     """The routes; ``parse(request, model)`` reads a body, as the OpenAI routes do."""
     router = APIRouter(dependencies=dependencies)
@@ -40,6 +63,18 @@ def rollout_router(engine: EngineCoreClient, parse, dependencies: list) -> APIRo
     async def update_weights_from_disk(request: Request) -> dict:
         body = await parse(request, UpdateWeightsFromDisk)
         written = await engine.control("reload_weights", path=body.model_path)
+        return {"success": True, "num_tensors": written}
+
+    @router.post("/init_weight_update_group")
+    async def init_weight_update_group(request: Request) -> dict:
+        body = await parse(request, InitWeightUpdateGroup)
+        await engine.control("init_weight_update_group", **body.model_dump())
+        return {"success": True}
+
+    @router.post("/update_weights_from_distributed")
+    async def update_weights_from_distributed(request: Request) -> dict:
+        body = await parse(request, UpdateWeightsFromDistributed)
+        written = await engine.control("update_weights_from_distributed", **body.model_dump())
         return {"success": True, "num_tensors": written}
 
     @router.post("/pause_generation")

@@ -157,3 +157,20 @@ def test_lora_cases_run_their_adapters(tmp_path, capsys):
     names = [m["name"] for m in json.loads(out.read_text())["metrics"]]
     case = "qwen3-0.6b (1 layer), 2 adapters, context 16, batch 2"
     assert names == [f"{case}: ms/step", f"{case}: output tok/s"]
+
+
+def test_rollout_times_sleep_wake_up_and_updates(monkeypatch, capsys):
+    """On a shrunk shape (the CPU writes and reloads its checkpoint): every figure comes out."""
+    from heron.bench import shapes
+
+    tiny = SHAPES["qwen3-0.6b"].with_fields(
+        vocab_size=512, hidden_size=64, intermediate_size=128, num_attention_heads=2,
+        num_key_value_heads=1, head_dim=32,
+    )  # fmt: skip
+    monkeypatch.setitem(shapes.SHAPES, "qwen3-0.6b", tiny)
+    argv = ["bench", "rollout", "--shape", "qwen3-0.6b", "--num-layers", "1", "--repeats", "1"]
+    assert main([*argv, "--device", "cpu", "--dtype", "float32"]) == 0
+    out = capsys.readouterr().out
+    for figure in ("sleep, level 1", "wake up kv_cache, level 2", "update_weights, 13 tensors"):
+        assert f"qwen3-0.6b (1 layer): {figure}: " in out
+    assert "reload_weights from disk" in out

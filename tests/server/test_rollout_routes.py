@@ -1,16 +1,25 @@
 """The RL routes of a server in sleep mode, driven as a trainer does, with the real openai client
-generating before and after: sleep and wake-up, a weight reload from another checkpoint (its
-outputs HF's), pause and resume; 503 while asleep or paused, 409 for calls out of turn."""
+generating before and after: sleep and wake-up, a weight reload from another checkpoint and a
+broadcast of its tensors from a trainer process over gloo (outputs HF's), pause and resume;
+503 while asleep or paused, 409 for calls out of turn."""
 
 from __future__ import annotations
+
+import subprocess
+import sys
+from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import openai
 import pytest
 import torch
 import transformers as tf
+from distributed.test_weight_sync import TRAINER
+from safetensors.torch import load_file
 
-from openai_server import MODEL_NAME
+from heron.distributed.weight_sync import WeightSender
+
+from openai_server import MODEL_NAME, free_port
 from tiny_models import hf_greedy, save_tiny_model
 
 PROMPT = [5, 17, 33, 2, 41, 9]
@@ -82,3 +91,25 @@ def test_pause_and_resume(client, http, awake):
     http.post("/resume_generation").raise_for_status()
     assert http.post("/resume_generation").status_code == 409
     assert complete(client) == before
+
+
+def test_update_weights_from_a_trainer_process(client, http, awake, tmp_path):
+    second = save_tiny_model("qwen2", tmp_path, seed=1)
+    port = free_port()
+    trainer = subprocess.Popen([sys.executable, "-c", TRAINER, str(second), str(port)])
+    group = dict(master_address="127.0.0.1", master_port=port, rank_offset=1, world_size=2)
+    try:
+        with ThreadPoolExecutor(1) as pool:  # (the call returns once the trainer joined)
+            joined = pool.submit(
+                http.post, "/init_weight_update_group", json=group | {"backend": "gloo"}
+            )
+            assert joined.result().json() == {"success": True}
+        chunk = WeightSender.describe(sorted(load_file(second / "model.safetensors").items()))
+        updated = http.post("/update_weights_from_distributed", json=chunk).json()
+        assert updated == {"success": True, "num_tensors": len(chunk["names"])}
+        assert trainer.wait(timeout=60) == 0
+    finally:
+        trainer.kill()
+    hf = tf.AutoModelForCausalLM.from_pretrained(second, dtype=torch.float32)
+    want = tf.AutoTokenizer.from_pretrained(second).decode(hf_greedy(hf, [PROMPT], 6)[0])
+    assert complete(client) == want

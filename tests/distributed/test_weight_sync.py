@@ -1,0 +1,71 @@
+"""Weights broadcast over gloo from a trainer in another process: the engine's outputs after
+the update (sent in two chunks) are HF transformers' on the trainer's weights."""
+
+from __future__ import annotations
+
+import socket
+import subprocess
+import sys
+
+import pytest
+import torch
+import transformers as tf
+from safetensors.torch import load_file
+
+from heron import LLM, SamplingParams
+from heron.distributed.weight_sync import WeightSender, parse_dtype
+
+from tiny_models import greedy_tokens, hf_greedy, save_tiny_model
+
+# The trainer: rank 0 of the group, broadcasting a checkpoint's tensors in name order.
+TRAINER = """
+import sys
+from safetensors.torch import load_file
+from heron.distributed.weight_sync import WeightSender
+
+sender = WeightSender("127.0.0.1", int(sys.argv[2]), 2, "gloo")
+sender.send(sorted(load_file(sys.argv[1] + "/model.safetensors").items()))
+"""
+GREEDY = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+PROMPTS = [list(range(10, 30)), [3, 4, 5]]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_update_from_a_trainer_process_over_gloo(tiny_model_dir, tmp_path):
+    second = save_tiny_model("qwen3", tmp_path, seed=1)
+    llm = LLM(str(tiny_model_dir("qwen3")), max_model_len=64, num_kv_blocks=16)
+    greedy_tokens(llm, PROMPTS, GREEDY)
+    port = _free_port()
+    trainer = subprocess.Popen([sys.executable, "-c", TRAINER, str(second), str(port)])
+    try:
+        llm.init_weight_update_group("127.0.0.1", port, 1, 2, backend="gloo")
+        chunk = WeightSender.describe(sorted(load_file(second / "model.safetensors").items()))
+        half = len(chunk["names"]) // 2
+        for part in (slice(0, half), slice(half, None)):
+            written = llm.update_weights_from_distributed(**{k: v[part] for k, v in chunk.items()})
+            assert written == len(chunk["names"][part])
+        assert trainer.wait(timeout=60) == 0
+    finally:
+        trainer.kill()
+    hf = tf.AutoModelForCausalLM.from_pretrained(second, dtype=torch.float32)
+    outputs = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outputs] == hf_greedy(hf, PROMPTS, GREEDY.max_tokens)
+    assert outputs[0].num_cached_tokens == 0
+
+
+def test_bad_group_and_chunk_arguments(tiny_model_dir):
+    llm = LLM(str(tiny_model_dir("qwen3")), max_model_len=64, num_kv_blocks=16)
+    with pytest.raises(RuntimeError, match="init_weight_update_group\\(\\) first"):
+        llm.update_weights_from_distributed(["model.norm.weight"], ["float32"], [[64]])
+    with pytest.raises(ValueError, match="backend must be one of nccl, gloo, got 'mpi'"):
+        llm.init_weight_update_group("127.0.0.1", _free_port(), 1, 2, backend="mpi")
+    with pytest.raises(ValueError, match="rank_offset must be >= 1"):
+        llm.init_weight_update_group("127.0.0.1", _free_port(), 0, 2, backend="gloo")
+    with pytest.raises(ValueError, match="'int8' is not a floating-point torch dtype"):
+        parse_dtype("int8")
+    assert parse_dtype("torch.bfloat16") is torch.bfloat16
