@@ -5,7 +5,8 @@ broadcasts from rank 0, one tensor each, in an order both sides agree on (``name
 
 The group is made from a TCP store, apart from any default process group either side runs
 (the trainer's own data-parallel world, the engine's tensor-parallel ranks): NCCL on GPUs,
-gloo on CPUs. :class:`WeightSender` is the trainer's side.
+gloo on CPUs. :class:`WeightSender` is the trainer's side: each of its ``send`` calls is one
+chunk, received by one ``update_weights_from_distributed`` call of the engine.
 """
 
 from __future__ import annotations
@@ -41,10 +42,14 @@ def _join(
     return dist.ProcessGroupNCCL(store, rank, world_size)
 
 
-def _broadcast(group: dist.ProcessGroup, tensor: torch.Tensor) -> None:
+def _broadcast(group: dist.ProcessGroup, tensors: Sequence[torch.Tensor]) -> None:
+    """Each of ``tensors`` from rank 0, then a barrier: a chunk is over for both sides only
+    once every rank has it (a sender whose broadcasts merely left could exit mid-transfer)."""
     options = dist.BroadcastOptions()
     options.rootRank = 0
-    group.broadcast([tensor], options).wait()
+    for tensor in tensors:
+        group.broadcast([tensor], options).wait()
+    group.barrier(dist.BarrierOptions()).wait()
 
 
 class WeightUpdateGroup:
@@ -78,9 +83,11 @@ class WeightUpdateGroup:
             torch.empty(tuple(shape), dtype=parse_dtype(dtype), device=self.device)
             for dtype, shape in zip(dtypes, shapes)
         ]
-        for tensor in empty:
-            _broadcast(self._group, tensor)
+        _broadcast(self._group, empty)
         return list(zip(names, empty))
+
+    def close(self) -> None:
+        self._group = None
 
 
 class WeightSender:
@@ -94,8 +101,14 @@ class WeightSender:
         self._group = _join(master_address, master_port, 0, world_size, backend, True)
 
     def send(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
-        for _, tensor in named_tensors:
-            _broadcast(self._group, tensor.contiguous())
+        """Broadcast one chunk, which one ``update_weights_from_distributed`` call of the
+        engine receives; returns once the engine has it all."""
+        _broadcast(self._group, [tensor.contiguous() for _, tensor in named_tensors])
+
+    def close(self) -> None:
+        """Leave the group; call it before the process exits (a group still alive when the
+        interpreter shuts down may abort it)."""
+        self._group = None
 
     @staticmethod
     def describe(

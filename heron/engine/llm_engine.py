@@ -93,7 +93,9 @@ class LLMEngine:
         self.rollout = RolloutControl(self)
 
     def shutdown(self) -> None:
-        """Stop what runs beside this process: the tensor-parallel workers, if any."""
+        """Stop what runs beside this process: the tensor-parallel workers, if any; leave a
+        trainer's weight update group."""
+        self.rollout.close_weight_update_group()
         self.runner.shutdown()
 
     # ----------------------------------------------------------------- requests

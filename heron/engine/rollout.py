@@ -115,9 +115,16 @@ class RolloutControl:
         engine = self._engine
         if not isinstance(engine.runner, ModelRunner):
             raise ValueError("weight update groups need tensor_parallel_size 1")
+        self.close_weight_update_group()
         self._weight_group = WeightUpdateGroup(
             master_address, master_port, rank_offset, world_size, backend, engine.runner.device
         )
+
+    def close_weight_update_group(self) -> None:
+        """Leave the trainer's group, if joined (before the process exits)."""
+        if self._weight_group is not None:
+            self._weight_group.close()
+        self._weight_group = None
 
     def update_weights_from_distributed(
         self,

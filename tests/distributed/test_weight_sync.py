@@ -17,15 +17,28 @@ from heron.distributed.weight_sync import WeightSender, parse_dtype
 
 from tiny_models import greedy_tokens, hf_greedy, save_tiny_model
 
-# The trainer: rank 0 of the group, broadcasting a checkpoint's tensors in name order.
+# The trainer: rank 0 of the group, broadcasting a checkpoint's tensors in name order, in two
+# chunks.
 TRAINER = """
 import sys
 from safetensors.torch import load_file
 from heron.distributed.weight_sync import WeightSender
 
 sender = WeightSender("127.0.0.1", int(sys.argv[2]), 2, "gloo")
-sender.send(sorted(load_file(sys.argv[1] + "/model.safetensors").items()))
+tensors = sorted(load_file(sys.argv[1] + "/model.safetensors").items())
+for chunk in (tensors[: len(tensors) // 2], tensors[len(tensors) // 2 :]):
+    sender.send(chunk)
+sender.close()
 """
+
+
+def chunks(path) -> list[dict[str, list]]:
+    """What the engine's calls take for the trainer's two chunks of ``path``'s tensors."""
+    tensors = sorted(load_file(path / "model.safetensors").items())
+    half = len(tensors) // 2
+    return [WeightSender.describe(tensors[:half]), WeightSender.describe(tensors[half:])]
+
+
 GREEDY = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
 PROMPTS = [list(range(10, 30)), [3, 4, 5]]
 
@@ -44,11 +57,8 @@ def test_update_from_a_trainer_process_over_gloo(tiny_model_dir, tmp_path):
     trainer = subprocess.Popen([sys.executable, "-c", TRAINER, str(second), str(port)])
     try:
         llm.init_weight_update_group("127.0.0.1", port, 1, 2, backend="gloo")
-        chunk = WeightSender.describe(sorted(load_file(second / "model.safetensors").items()))
-        half = len(chunk["names"]) // 2
-        for part in (slice(0, half), slice(half, None)):
-            written = llm.update_weights_from_distributed(**{k: v[part] for k, v in chunk.items()})
-            assert written == len(chunk["names"][part])
+        for chunk in chunks(second):
+            assert llm.update_weights_from_distributed(**chunk) == len(chunk["names"])
         assert trainer.wait(timeout=60) == 0
     finally:
         trainer.kill()
@@ -56,6 +66,7 @@ def test_update_from_a_trainer_process_over_gloo(tiny_model_dir, tmp_path):
     outputs = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outputs] == hf_greedy(hf, PROMPTS, GREEDY.max_tokens)
     assert outputs[0].num_cached_tokens == 0
+    llm.shutdown()  # (leaves the group)
 
 
 def test_bad_group_and_chunk_arguments(tiny_model_dir):

@@ -14,10 +14,7 @@ import openai
 import pytest
 import torch
 import transformers as tf
-from distributed.test_weight_sync import TRAINER
-from safetensors.torch import load_file
-
-from heron.distributed.weight_sync import WeightSender
+from distributed.test_weight_sync import TRAINER, chunks
 
 from openai_server import MODEL_NAME, free_port
 from tiny_models import hf_greedy, save_tiny_model
@@ -104,9 +101,9 @@ def test_update_weights_from_a_trainer_process(client, http, awake, tmp_path):
                 http.post, "/init_weight_update_group", json=group | {"backend": "gloo"}
             )
             assert joined.result().json() == {"success": True}
-        chunk = WeightSender.describe(sorted(load_file(second / "model.safetensors").items()))
-        updated = http.post("/update_weights_from_distributed", json=chunk).json()
-        assert updated == {"success": True, "num_tensors": len(chunk["names"])}
+        for chunk in chunks(second):
+            updated = http.post("/update_weights_from_distributed", json=chunk).json()
+            assert updated == {"success": True, "num_tensors": len(chunk["names"])}
         assert trainer.wait(timeout=60) == 0
     finally:
         trainer.kill()
