@@ -6,7 +6,6 @@ the model serves)."""
 from __future__ import annotations
 
 import httpx
-import openai
 import pytest
 import torch
 import torch.nn.functional as F
@@ -90,9 +89,3 @@ def test_refusals_name_the_field_or_the_routes(embed_http, route, body, param, m
     error = response.json()["error"]
     assert error["param"] == param
     assert message is None or message in error["message"]
-
-
-def test_generation_model_refuses_pooling_routes(client):
-    """The session's generating server names its own routes."""
-    with pytest.raises(openai.BadRequestError, match="generates text: use /v1/completions"):
-        client.embeddings.create(model=MODEL_NAME, input="a")

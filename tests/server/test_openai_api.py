@@ -110,6 +110,15 @@ def test_models_tokenize_version(http):
     assert http.get("/version").json()["version"]
 
 
+@pytest.mark.parametrize("route", ["/v1/embeddings", "/rerank"])
+def test_pooling_routes_name_the_generation_routes(http, route):
+    """A generating model's server refuses the pooling routes (a pooling model's server is
+    tests/server/test_embeddings_api.py)."""
+    body = {"input": "a"} if route == "/v1/embeddings" else {"query": "a", "documents": ["b"]}
+    error = _error(http.post(route, json=body), 400)
+    assert "generates text: use /v1/completions" in error["message"]
+
+
 def _error(response: httpx.Response, status: int) -> dict:
     assert response.status_code == status, response.text
     error = response.json()["error"]
