@@ -15,7 +15,13 @@ from test_speculative_parity import assert_equal_up_to_exact_ties
 
 from heron import LLM, SamplingParams
 
-from tiny_models import greedy_tokens, hf_greedy, hf_on_weights, save_tiny_model
+from tiny_models import (
+    greedy_tokens,
+    hf_greedy,
+    hf_on_weights,
+    save_tiny_model,
+    save_truncated_draft,
+)
 
 GREEDY = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
 PROMPTS = [list(range(10, 30)), [3, 4, 5]]
@@ -133,3 +139,25 @@ def test_mtp_head_is_updated_with_the_target(tmp_path):
     assert not any(torch.equal(a, b) for a, b in zip(before, head.parameters()))
     want = greedy_tokens(LLM(str(tmp_path / "new"), **options), PROMPTS, GREEDY)
     assert_equal_up_to_exact_ties(str(tmp_path / "new"), greedy_tokens(llm, PROMPTS, GREEDY), want)
+
+
+def test_draft_model_is_updated_apart(checkpoints, tmp_path):
+    """``draft=True`` writes the draft model's tensors (named as its own checkpoint); the
+    target's outputs stay plain greedy decoding's (HF's), across a sleep of both models."""
+    first, _, _ = checkpoints
+    draft = save_truncated_draft(first, tmp_path / "draft")
+    tensors = _perturbed_copy(draft, tmp_path / "new_draft")
+    spec = {"method": "draft_model", "model": str(draft), "num_speculative_tokens": 2}
+    llm = LLM(str(first), speculative_config=spec, enable_sleep_mode=True, **OPTIONS)
+    assert llm.update_weights(tensors.items(), draft=True) == len(tensors)
+    llm.sleep(level=1)
+    llm.wake_up()
+    held = dict(llm.engine.draft_runner.model.named_parameters())
+    assert torch.equal(held["model.norm.weight"], tensors["model.norm.weight"])
+    hf = tf.AutoModelForCausalLM.from_pretrained(first, dtype=torch.float32)
+    assert greedy_tokens(llm, PROMPTS, GREEDY) == hf_greedy(hf, PROMPTS, GREEDY.max_tokens)
+    plain = LLM(str(first), **OPTIONS)
+    with pytest.raises(
+        ValueError, match="cannot update weights of a draft model: the engine runs none"
+    ):
+        plain.update_weights(tensors.items(), draft=True)
