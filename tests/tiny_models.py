@@ -176,11 +176,12 @@ def save_embedding_model(path: Path, pooling_mode: str, normalize: bool, seed: i
     return path / "st", pipeline
 
 
-def save_classifier(path: Path, num_labels: int, seed: int = 0) -> Path:
-    """A tiny Qwen3ForSequenceClassification (a reranker with one label)."""
+def save_classifier(path: Path, num_labels: int, seed: int = 0, family: str = "qwen3") -> Path:
+    """A tiny Qwen3ForSequenceClassification (a reranker with one label), or Llama's."""
     import transformers as tf
 
-    config = tf.Qwen3Config(**POOLING, num_labels=num_labels)
+    config_class = {"qwen3": tf.Qwen3Config, "llama": tf.LlamaConfig}[family]
+    config = config_class(**POOLING, num_labels=num_labels)
     return save_random_model(config, path, seed, auto_class="AutoModelForSequenceClassification")
 
 

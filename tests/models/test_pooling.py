@@ -12,7 +12,8 @@ import torch.nn.functional as F
 import transformers as tf
 
 from heron import LLM
-from heron.pooler_config import pooler_config
+from heron.pooler_config import PoolerConfig, pooler_config
+from heron.pooling_params import PoolingParams
 
 from tiny_models import CORPUS, save_classifier, save_embedding_model
 
@@ -137,8 +138,9 @@ def test_classifier_scores_equal_hf_logits(tmp_path):
     assert_close(rewards, torch.stack(want))
 
 
-def test_classifier_probabilities_equal_hf(tmp_path):
-    path = save_classifier(tmp_path / "classifier", num_labels=3, seed=2)
+@pytest.mark.parametrize("family", ["qwen3", "llama"])
+def test_classifier_probabilities_equal_hf(tmp_path, family):
+    path = save_classifier(tmp_path / "classifier", num_labels=3, seed=2, family=family)
     hf = tf.AutoModelForSequenceClassification.from_pretrained(path, dtype=torch.float32).eval()
     tokenizer = tf.AutoTokenizer.from_pretrained(path)
     with LLM(str(path)) as llm:
@@ -174,3 +176,12 @@ def test_pooler_config_refuses_what_it_cannot_pool(tmp_path, tiny_model_dir):
         json.dumps({"pooling_mode_cls_token": True, "pooling_mode_mean_tokens": False})
     )
     assert pooler_config(tmp_path, qwen3).pooling_type == "cls"
+
+
+def test_matryoshka_dimensions_the_config_lists():
+    pooler = PoolerConfig("last", True, None, 64, matryoshka_dimensions=(16, 32))
+    pooler.check(PoolingParams("embed", dimensions=32))
+    with pytest.raises(ValueError, match="one of the model's Matryoshka dimensions 16, 32"):
+        pooler.check(PoolingParams("embed", dimensions=24))
+    with pytest.raises(ValueError, match="dimensions applies to task 'embed'"):
+        PoolingParams("classify", dimensions=16)
