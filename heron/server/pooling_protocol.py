@@ -58,7 +58,7 @@ class PoolingRequest(_InputRequest):
 
 
 class ClassificationRequest(_InputRequest):
-    pass
+    """A classifier's labels and probabilities."""
 
 
 class ScoreRequest(PoolingBody):
