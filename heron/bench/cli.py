@@ -18,6 +18,11 @@ SUBCOMMANDS = {
     "embed": ("embed", "embedding throughput of a pooling model: inputs/s and tokens/s", True),
     "lora": ("lora", "decode and throughput with LoRA adapters in the batch", True),
     "turns": ("turns", "multi-turn conversations: prompt tokens computed and TTFT per turn", True),
+    "offload": (
+        "offload",
+        "a working set beyond the device pool, with and without the host-memory tier",
+        True,
+    ),
     "kernel": ("kernel", "one decode kernel alone, x its bandwidth floor", False),
     "host": ("host", "host time of an engine step with the model stubbed out (CPU)", False),
     "profile": ("profile", "where a decode step's time goes (torch.profiler or cProfile)", True),
