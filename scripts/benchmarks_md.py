@@ -23,6 +23,7 @@ ORDER = [
     "spec",
     "embed",
     "turns",
+    "offload",
     "rollout",
     "kernel",
     "host",

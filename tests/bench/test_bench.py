@@ -174,3 +174,29 @@ def test_rollout_times_sleep_wake_up_and_updates(monkeypatch, capsys):
     for figure in ("sleep, level 1", "wake up kv_cache, level 2", "update_weights, 13 tensors"):
         assert f"qwen3-0.6b (1 layer): {figure}: " in out
     assert "reload_weights from disk" in out
+
+
+def test_offload_computes_fewer_prompt_tokens_with_the_host_tier(tmp_path):
+    """Four conversations over two system prompts on a tiny Llama, one at a time, a device
+    pool of a quarter of the working set: with the host tier the revisited prefixes are
+    loaded, not computed."""
+    from tiny_models import save_tiny_model
+
+    model, out = save_tiny_model("llama", tmp_path / "llama"), tmp_path / "offload.json"
+    argv = ["bench", "offload", "--model", str(model), "--device", "cpu", "--block-size", "8"]
+    argv += ["--conversations", "4", "--systems", "2", "--system-len", "32", "--first-len", "8"]
+    argv += ["--message-len", "8", "--answer-len", "2", "--turns", "2", "--batch", "1"]
+    argv += ["--output-json", str(out)]
+    assert main(argv) == 0
+    result = json.loads(out.read_text())
+    assert result["bench"] == "offload" and result["config"]["conversations"] == 4
+    values = {m["name"]: m["value"] for m in result["metrics"]}
+    without, with_tier = (
+        sum(
+            values[f"llama, {tier} the host tier, turn {t}: prompt tokens computed"] for t in (1, 2)
+        )
+        for tier in ("without", "with")
+    )
+    assert with_tier < without
+    assert values["llama, with the host tier: blocks loaded from host"] > 0
+    assert values["llama, with the host tier, turn 2: p50 TTFT"] > 0
