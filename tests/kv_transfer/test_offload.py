@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import threading
 
+import msgspec
 import pytest
 import torch
 import transformers as tf
@@ -14,8 +15,10 @@ import transformers as tf
 from heron import SamplingParams
 from heron.config import EngineConfig
 from heron.engine.llm_engine import LLMEngine
+from heron.engine.messages import EngineStats
 from heron.kv_transfer import KVTransferError
 from heron.kv_transfer.offload import OffloadWorker
+from heron.server.metrics import ServerMetrics
 
 from tiny_models import BASE, DEEPSEEK, QWEN3_5, hf_greedy, save_random_model, tiny_config
 
@@ -109,6 +112,11 @@ def test_evicted_prefixes_come_back_from_host_memory(models, family):
     assert metric(engine, "kv_offload_loaded_blocks") == 15
     assert metric(engine, "kv_offload_stored_blocks") >= 15
     check_leak_free(engine)
+    # /metrics, from the snapshot the engine core sends (msgpack) as a front reads it
+    stats = msgspec.msgpack.decode(msgspec.msgpack.encode(EngineStats.of(engine)), type=EngineStats)
+    text = ServerMetrics(lambda: stats).render().decode()
+    assert "heron:kv_offload_loaded_blocks_total 15.0" in text
+    assert "heron:kv_offload_host_usage_perc " in text
 
 
 def test_without_the_tier_the_prefixes_are_recomputed(models):
