@@ -5,7 +5,10 @@ with the state intact."""
 
 from __future__ import annotations
 
+import gc
+
 import pytest
+import torch
 from execution.view_replay import ViewReplay
 from models.test_deepseek import v3_config
 from models.test_gemma import FULL, SLIDING, gemma_config
@@ -13,7 +16,7 @@ from models.test_qwen3_5 import qwen3_5_config
 
 from heron import LLM, SamplingParams
 
-from tiny_models import greedy_tokens, save_random_model, tiny_config
+from tiny_models import cuda_graph_llm, greedy_tokens, save_random_model, tiny_config
 
 GREEDY = SamplingParams(temperature=0, max_tokens=5, ignore_eos=True)
 # The first two share a full 16-token block: the second hits the prefix cache.
@@ -152,3 +155,26 @@ def test_bad_calls_are_refused(llm, tiny_model_dir):
     plain = LLM(str(tiny_model_dir("qwen3")), max_model_len=64, num_kv_blocks=8)
     with pytest.raises(RuntimeError, match="enable_sleep_mode=True"):
         plain.sleep()
+
+
+@pytest.mark.gpu
+def test_device_memory_is_released_and_graphs_replay_after_wake_up(tiny_model_dir):
+    """Level 2 gives back what the engine allocated (at least 95 %, as mem_get_info sees);
+    the recaptured graphs replay over the reloaded weights and the new caches."""
+    gc.collect()
+    torch.cuda.empty_cache()
+    base = torch.cuda.memory_allocated()
+    llm = cuda_graph_llm(tiny_model_dir("qwen3"), enable_sleep_mode=True)
+    graphs, replayed = llm.engine.runner.graphs, []
+    run = graphs.run
+    graphs.run = lambda seq: replayed.append(seq.num_reqs) or run(seq)
+    before = greedy_tokens(llm, PROMPTS, GREEDY)
+    held, free_awake = torch.cuda.memory_allocated() - base, torch.cuda.mem_get_info()[0]
+    llm.sleep(level=2)
+    assert torch.cuda.memory_allocated() - base <= 0.05 * held
+    assert torch.cuda.mem_get_info()[0] - free_awake >= 0.95 * held
+    llm.wake_up()
+    llm.reload_weights()
+    count = len(replayed)
+    assert greedy_tokens(llm, PROMPTS, GREEDY) == before
+    assert len(replayed) > count
