@@ -178,7 +178,9 @@ class OutputProcessor:
                 continue
             touched[delta.request_id] = state
             stopped = self._apply(state, delta, now)
-            if stopped and state.finished:
+            if not stopped:
+                continue
+            if state.finished:
                 aborts.append(AbortRequest(delta.request_id))
             else:
                 aborts.extend(AbortRequest(delta.request_id, index) for index in stopped)
