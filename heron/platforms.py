@@ -53,7 +53,6 @@ class CpuPlatform(Platform):
         return ModelBuildContext()
 
 
-
 class CudaPlatform(Platform):
     name = "cuda"
     # 64-token blocks (lmdeploy's size): a decode step takes the KV cache's slow path (a block
