@@ -3,6 +3,7 @@ pause and resume (vLLM's and SGLang's interfaces)."""
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
@@ -27,7 +28,9 @@ class RolloutControl:
 
     def __init__(self, engine: Any) -> None:
         """``engine``: the :class:`~heron.engine.llm_engine.LLMEngine` this controls."""
-        self._engine = engine
+        # Weak: the engine owns this; a strong reference back would make a cycle that keeps a
+        # dropped engine, and its tensor-parallel workers, alive until the cycle collector runs.
+        self._engine = weakref.proxy(engine)
         runners = [engine.runner] + ([engine.draft_runner] if engine.draft_runner else [])
         caches = [engine.kv_cache] + ([engine.proposer.kv_cache] if engine.draft_runner else [])
         self._caches = caches

@@ -23,7 +23,7 @@ def test_every_cache_group_is_reported():
     kv = KVCacheCoordinator([full, sliding], [41, 11])
     request = Request("a", list(range(20)), SamplingParams(max_tokens=None))
     assert kv.allocate_slots(request, 20)
-    scheduler = SimpleNamespace(running=[request], waiting=[], num_preemptions=0)
+    scheduler = SimpleNamespace(running=[request], waiting=[], num_preemptions=0, connector=None)
     # As the core sends it.
     snapshot = msgspec.msgpack.encode(
         EngineStats.of(
