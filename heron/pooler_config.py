@@ -4,7 +4,9 @@ engine then serves. Plain data: the server's front reads it too, without model c
 
 An embedding checkpoint is a Llama-family causal LM (its LM head unused) or the bare decoder
 that sentence-transformers saves (``Qwen3Model``); a reranker, classifier or reward model is a
-``*ForSequenceClassification`` checkpoint, pooled at the last token.
+``*ForSequenceClassification`` checkpoint, pooled at the last token; a reward model of
+``Qwen2ForRewardModel``'s kind scores the last token through a two-layer head (Linear, ReLU,
+Linear, as Qwen2.5-Math-RM's remote code defines it) and serves its reward only.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ _CAUSAL_LMS = frozenset(f"{family}ForCausalLM" for family in _FAMILIES)
 _BARE_DECODERS = frozenset(f"{family}Model" for family in _FAMILIES)
 EMBEDDING_ARCHITECTURES = _CAUSAL_LMS | _BARE_DECODERS
 CLASSIFIER_ARCHITECTURES = frozenset(f"{f}ForSequenceClassification" for f in _FAMILIES)
+REWARD_ARCHITECTURES = frozenset({"Qwen2ForRewardModel"})
 # What sentence-transformers' Pooling module calls each pooling type (its current
 # ``pooling_mode``, and the boolean keys of older checkpoints).
 _ST_MODES = {"lasttoken": "last", "mean": "mean", "cls": "cls"}
@@ -43,12 +46,15 @@ class PoolerConfig:
     hidden_size: int
     matryoshka_dimensions: tuple[int, ...] | None = None  # None: any up to hidden_size
     labels: tuple[str, ...] = ()  # a classifier's, by output
+    reward_head: bool = False  # the head is a reward model's Linear, ReLU, Linear
 
     @property
     def tasks(self) -> tuple[str, ...]:
         """The PoolingParams tasks this model serves."""
         if self.num_labels is None:
             return ("embed", "encode")
+        if self.reward_head:
+            return ("encode",)
         # (a score is one label's: a cross-encoder's relevance)
         return ("classify", "score", "encode") if self.num_labels == 1 else ("classify", "encode")
 
@@ -91,27 +97,30 @@ def pooler_config(path: Path, hf_config: PretrainedConfig) -> PoolerConfig:
     the last token (normalised for embedding models, as vLLM's default); raises
     ``ValueError`` naming an architecture or module Heron does not pool."""
     architecture = (getattr(hf_config, "architectures", None) or ["<none>"])[0]
-    classifier = architecture in CLASSIFIER_ARCHITECTURES
+    reward = architecture in REWARD_ARCHITECTURES
+    classifier = reward or architecture in CLASSIFIER_ARCHITECTURES
     if not classifier and architecture not in EMBEDDING_ARCHITECTURES:
         raise ValueError(
             f"pooling is not supported for {architecture} (encoder-only models such as "
-            "BertModel and XLMRobertaModel, and heads other than sequence classification, "
-            f"are not); pooling models: {', '.join(sorted(EMBEDDING_ARCHITECTURES))}, "
-            f"{', '.join(sorted(CLASSIFIER_ARCHITECTURES))}"
+            "BertModel and XLMRobertaModel, and heads other than sequence classification "
+            f"and reward, are not); pooling models: {', '.join(sorted(EMBEDDING_ARCHITECTURES))}, "
+            f"{', '.join(sorted(CLASSIFIER_ARCHITECTURES | REWARD_ARCHITECTURES))}"
         )
     pooling_type, normalize = "last", not classifier
     modules_file = path / "modules.json"
     if modules_file.is_file():
         pooling_type, normalize = _sentence_transformers_pooling(path, modules_file)
     dims = getattr(hf_config, "matryoshka_dimensions", None)
-    num_labels = hf_config.num_labels if classifier else None
+    # (a reward model has one output whatever its config's num_labels, as its remote code)
+    num_labels = 1 if reward else hf_config.num_labels if classifier else None
     return PoolerConfig(
         pooling_type,
         normalize,
         num_labels,
         hf_config.hidden_size,
         tuple(dims) if dims else None,
-        tuple(hf_config.id2label[i] for i in range(num_labels or 0)),
+        () if reward else tuple(hf_config.id2label[i] for i in range(num_labels or 0)),
+        reward,
     )
 
 

@@ -62,7 +62,7 @@ class ModelRunner:
         another); with ``lora`` it serves LoRA adapters. With ``pooling`` it runs a pooling
         model: its steps pool, never sample."""
         if pooling is not None:
-            build = partial(build_pooling_model, num_labels=pooling.num_labels)
+            build = partial(build_pooling_model, pooling=pooling)
         self.pooler = None if pooling is None else Pooler(pooling.pooling_type)
         self.model_config = model_config
         self.platform = platform

@@ -15,7 +15,7 @@ from heron import LLM
 from heron.pooler_config import PoolerConfig, pooler_config
 from heron.pooling_params import PoolingParams
 
-from tiny_models import CORPUS, save_classifier, save_embedding_model
+from tiny_models import CORPUS, POOLING, save_classifier, save_embedding_model, save_random_model
 
 TEXTS = CORPUS[:4] + ["hi"]
 QUERY = "What is the capital of France?"
@@ -148,6 +148,48 @@ def test_classifier_probabilities_equal_hf(tmp_path, family):
     with torch.no_grad():
         want = [hf(torch.tensor([tokenizer.encode(t)])).logits[0].softmax(-1) for t in TEXTS]
     assert_close(got, torch.stack(want))
+
+
+def save_reward_model(path):
+    """A tiny reward model as Qwen2.5-Math-RM is saved (``Qwen2ForRewardModel``, whose code is
+    remote: a Qwen2 decoder and ``score``: Linear, ReLU, Linear), and its head in plain torch."""
+    from safetensors.torch import load_file, save_file
+
+    save_random_model(tf.Qwen2Config(**POOLING), path, seed=3, auto_class="AutoModel")
+    torch.manual_seed(4)
+    hidden = POOLING["hidden_size"]
+    head = torch.nn.Sequential(
+        torch.nn.Linear(hidden, hidden), torch.nn.ReLU(), torch.nn.Linear(hidden, 1)
+    )
+    weights = load_file(path / "model.safetensors")
+    weights.update({f"score.{k}": v.clone() for k, v in head.state_dict().items()})
+    save_file(weights, path / "model.safetensors", metadata={"format": "pt"})
+    config = json.loads((path / "config.json").read_text())
+    config["architectures"] = ["Qwen2ForRewardModel"]
+    config["auto_map"] = {"AutoModel": "modeling_qwen2_rm.Qwen2ForRewardModel"}
+    (path / "config.json").write_text(json.dumps(config))
+    return head
+
+
+def test_reward_model_head_equals_hf_hidden_states_through_it(tmp_path):
+    """The reward: the head over HF's last hidden state at the last token (fp32); the model is
+    detected as a pooling one, has one output, and serves its reward only."""
+    head = save_reward_model(tmp_path)
+    hf = tf.Qwen2Model.from_pretrained(tmp_path, dtype=torch.float32).eval()
+    tokenizer = tf.AutoTokenizer.from_pretrained(tmp_path)
+    with torch.no_grad():
+        want = [
+            head(hf(torch.tensor([tokenizer.encode(t)])).last_hidden_state[0, -1]) for t in TEXTS
+        ]
+    with LLM(str(tmp_path), max_num_batched_tokens=8) as llm:
+        assert llm.engine.pooling.num_labels == 1 and llm.engine.pooling.reward_head
+        got = vectors(llm.reward(TEXTS, use_tqdm=False))
+        assert_same(vectors(llm.reward(TEXTS[2])), got[2:3])
+        for refused in (llm.classify, llm.embed):
+            with pytest.raises(ValueError, match="it serves encode"):
+                refused("hi")
+    assert_close(got, torch.stack(want))
+    assert torch.tensor(got).std() > 1e-2  # rewards that differ between inputs
 
 
 def test_pooler_config_refuses_what_it_cannot_pool(tmp_path, tiny_model_dir):
