@@ -192,6 +192,53 @@ def test_reward_model_head_equals_hf_hidden_states_through_it(tmp_path):
     assert torch.tensor(got).std() > 1e-2  # rewards that differ between inputs
 
 
+@pytest.mark.parametrize("family", ["qwen3", "llama"])  # tied LM head, untied
+def test_yes_no_reranker_scores_equal_hf_token_probabilities(tiny_model_dir, family):
+    """A causal LM served as a reranker (Qwen3-Reranker's recipe, through ``hf_overrides``):
+    its score is P(true) over the true and false tokens' logits at the pair's last token,
+    HF's causal LM's; the LM head's other rows are not held."""
+    path = tiny_model_dir(family)
+    tokenizer = tf.AutoTokenizer.from_pretrained(path)
+    false, true = tokenizer.convert_ids_to_tokens([40, 41])
+    overrides = {
+        "architectures": [f"{family.capitalize()}ForSequenceClassification"],
+        "classifier_from_token": [false, true],
+        "is_original_qwen3_reranker": True,
+    }
+    hf = tf.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    with torch.no_grad():
+        logits = torch.stack(
+            [hf(torch.tensor([tokenizer(QUERY, d)["input_ids"]])).logits[0, -1] for d in TEXTS]
+        )
+    want = logits[:, [40, 41]].softmax(-1)[:, 1]
+    with LLM(str(path), hf_overrides=overrides, max_num_batched_tokens=8) as llm:
+        assert llm.engine.pooling.classifier_token_ids == (40, 41)
+        assert llm.engine.runner.model.lm_head.weight.shape[0] == 2
+        scores = llm.score(QUERY, TEXTS, use_tqdm=False)
+    assert_close(scores, want)
+
+
+def test_yes_no_reranker_options_are_checked(tiny_model_dir):
+    path = tiny_model_dir("qwen3")
+    config = tf.AutoConfig.from_pretrained(path)
+    for overrides, error in [
+        ({"classifier_from_token": ["a", "b"]}, "with is_original_qwen3_reranker"),
+        ({"classifier_from_token": ["a"], "is_original_qwen3_reranker": True}, "needs a"),
+        (
+            {
+                "architectures": ["Qwen3ForSequenceClassification"],
+                "classifier_from_token": ["not-a-token", "no"],
+                "is_original_qwen3_reranker": True,
+            },
+            "'not-a-token' is not one token",
+        ),
+    ]:
+        with pytest.raises(ValueError, match=error):
+            pooler_config(path, tf.PretrainedConfig.from_dict({**config.to_dict(), **overrides}))
+    with pytest.raises(ValueError, match="hf_overrides must map config attribute names"):
+        LLM(str(path), hf_overrides=["architectures"])
+
+
 def test_pooler_config_refuses_what_it_cannot_pool(tmp_path, tiny_model_dir):
     config = tf.BertConfig()
     config.architectures = ["BertModel"]
