@@ -296,11 +296,6 @@ class EngineConfig:
                 )
         if self.runner not in RUNNERS:
             raise ValueError(f"runner must be one of {', '.join(RUNNERS)}, got {self.runner!r}")
-        if self.enable_sleep_mode and self.tensor_parallel_size > 1:
-            raise ValueError(
-                "enable_sleep_mode needs tensor_parallel_size 1 (the ranks' workers do not "
-                f"sleep yet), got tensor_parallel_size={self.tensor_parallel_size}"
-            )
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ValueError(
                 f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, "

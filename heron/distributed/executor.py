@@ -139,6 +139,14 @@ class TensorParallelRunner:
     def graphs(self) -> CudaGraphRunner | None:
         return self.local.graphs
 
+    @property
+    def model(self) -> nn.Module:
+        return self.local.model
+
+    @property
+    def device(self) -> torch.device:
+        return self.local.device
+
     def reserve_verification(self, max_rows: int, num_proposals: int) -> int:
         with self._call("reserve_verification", max_rows, num_proposals):
             return self.local.reserve_verification(max_rows, num_proposals)
@@ -189,6 +197,26 @@ class TensorParallelRunner:
                 )
             apply_update(models, routes, source.read)
         return sum(len(route.names) for route in routes)
+
+    # Sleep mode: rank 0's runner as a ModelRunner's (its weights are released together with a
+    # draft's or MTP head's, which may share tensors); the workers' whole sleep in one call.
+    def release_device_state(self) -> None:
+        self.local.release_device_state()
+
+    def restore_kv_cache(self) -> None:
+        self.local.restore_kv_cache()
+
+    def rebuild_graphs(self) -> None:
+        self.local.rebuild_graphs()
+
+    def sleep_workers(self, level: int) -> None:
+        """Every worker releases its device state and weights (:class:`WorkerSleep`)."""
+        with self._call("sleep", level):
+            pass
+
+    def wake_workers(self, tags: list[str]) -> None:
+        with self._call("wake_up", tags):
+            pass
 
     def shutdown(self) -> None:
         """Release the ranks (:meth:`_Ranks.release`) now; once only."""

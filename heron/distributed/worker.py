@@ -20,6 +20,7 @@ import torch.distributed as dist
 
 from heron.distributed.rendezvous import Rendezvous, join, min_over_ranks
 from heron.execution.model_runner import LaunchedStep, ModelRunner
+from heron.execution.sleep import ReleasedWeights
 from heron.execution.step_plan import StepPlan
 from heron.loader.update import WeightSource, apply_update, plan_update
 from heron.platforms import platform_for
@@ -40,6 +41,7 @@ class Worker:
         self.runner = runner
         self.control = control
         self._unread: LaunchedStep | None = None
+        self._sleep: WorkerSleep | None = None
 
     def reserve_verification(self, max_rows: int, num_proposals: int) -> None:
         self.runner.reserve_verification(max_rows, num_proposals)
@@ -77,6 +79,39 @@ class Worker:
         if min_over_ranks(int(routes is not None), self.control) and routes is not None:
             apply_update(model, routes, source.read)
 
+    def sleep(self, level: int) -> None:
+        self._sleep = WorkerSleep(self.runner, level)
+
+    def wake_up(self, tags: list[str]) -> None:
+        if self._sleep is not None and self._sleep.wake_up(tags):
+            self._sleep = None
+
+
+class WorkerSleep:
+    """A worker's part of sleep mode: its runner's device state and weights released, then
+    restored by tag, and its graphs rebuilt once both are back (as rank 0's engine does)."""
+
+    def __init__(self, runner: ModelRunner, level: int) -> None:
+        self.runner = runner
+        runner.release_device_state()
+        self.weights: ReleasedWeights | None = ReleasedWeights([runner.model], keep=level == 1)
+        self.asleep = {"weights", "kv_cache"}
+        if runner.device.type == "cuda":
+            torch.cuda.empty_cache()
+
+    def wake_up(self, tags: list[str]) -> bool:
+        """Restore ``tags``; True once everything is back."""
+        if "weights" in tags and self.weights is not None:
+            self.weights.restore()
+            self.weights = None
+        if "kv_cache" in tags:
+            self.runner.restore_kv_cache()
+        self.asleep -= set(tags)
+        if self.asleep:
+            return False
+        self.runner.rebuild_graphs()
+        return True
+
 
 CALLS = (
     "reserve_verification",
@@ -85,6 +120,8 @@ CALLS = (
     "capture_graphs",
     "launch",
     "update_weights",
+    "sleep",
+    "wake_up",
 )
 
 

@@ -16,6 +16,7 @@ from collections.abc import Sequence
 import torch
 
 from heron.cache.coordinator import KVCacheCoordinator
+from heron.distributed.executor import TensorParallelRunner
 from heron.execution.model_runner import ModelRunner
 from heron.execution.sleep import ReleasedWeights
 
@@ -36,9 +37,13 @@ class SleepMode:
     and of their caches' block pools."""
 
     def __init__(
-        self, runners: Sequence[ModelRunner], caches: Sequence[KVCacheCoordinator]
+        self,
+        runners: Sequence[ModelRunner | TensorParallelRunner],
+        caches: Sequence[KVCacheCoordinator],
     ) -> None:
         self._runners = list(runners)
+        # Rank 0 of several: its workers sleep and wake with it.
+        self._tensor_parallel = [r for r in runners if isinstance(r, TensorParallelRunner)]
         self._caches = list(caches)
         self._weights: ReleasedWeights | None = None
         self._asleep: set[str] = set()
@@ -76,6 +81,8 @@ class SleepMode:
         for runner in self._runners:
             runner.release_device_state()
         self._weights = ReleasedWeights([r.model for r in self._runners], keep=level == 1)
+        for runner in self._tensor_parallel:
+            runner.sleep_workers(level)
         self._asleep = set(SLEEP_TAGS)
         _empty_device_cache(self._runners)
 
@@ -103,6 +110,8 @@ class SleepMode:
         if "kv_cache" in wanted:
             for runner in self._runners:
                 runner.restore_kv_cache()
+        for runner in self._tensor_parallel:
+            runner.wake_workers(sorted(wanted))
         self._asleep -= wanted
         if not self._asleep:
             for runner in self._runners:

@@ -15,6 +15,7 @@ from models.test_gemma import FULL, SLIDING, gemma_config
 from models.test_qwen3_5 import qwen3_5_config
 
 from heron import LLM, SamplingParams
+from heron.distributed.worker import WorkerSleep
 
 from tiny_models import cuda_graph_llm, greedy_tokens, save_random_model, tiny_config
 
@@ -155,6 +156,19 @@ def test_bad_calls_are_refused(llm, tiny_model_dir):
     plain = LLM(str(tiny_model_dir("qwen3")), max_model_len=64, num_kv_blocks=8)
     with pytest.raises(RuntimeError, match="enable_sleep_mode=True"):
         plain.sleep()
+
+
+def test_a_tensor_parallel_worker_sleeps_as_rank_0_does(tiny_model_dir):
+    """A worker's part (on a runner of its own here): released, then restored by tag, its
+    step views rebuilt once the weights and caches are both back; level 2 brings zeros."""
+    runner = LLM(str(tiny_model_dir("qwen3")), **OPTIONS).engine.runner
+    sleep = WorkerSleep(runner, level=2)
+    assert all(p.numel() == 0 for p in runner.model.parameters())
+    assert all(owner.kv_cache is None for owner in runner.cache.owners)
+    assert not sleep.wake_up(["weights"])
+    assert all(not p.any() for p in runner.model.parameters())
+    assert sleep.wake_up(["kv_cache"])
+    assert all(owner.kv_cache is not None for owner in runner.cache.owners)
 
 
 @pytest.mark.gpu
