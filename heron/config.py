@@ -267,11 +267,6 @@ class EngineConfig:
             if self.enable_lora
             else None
         )
-        if self.enable_lora and self.tensor_parallel_size > 1:
-            raise ValueError(
-                "enable_lora: LoRA adapters need tensor_parallel_size 1, got "
-                f"{self.tensor_parallel_size}"
-            )
         if self.enable_lora and self._speculative and self._speculative.method != "ngram":
             raise ValueError(
                 f"enable_lora: speculative method {self._speculative.method!r} is not supported "

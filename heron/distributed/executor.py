@@ -34,6 +34,7 @@ from heron.execution.model_runner import LaunchedStep, ModelRunner
 from heron.execution.step_plan import DeviceDrafts, StepPlan
 from heron.loader.update import WeightSource, apply_update, plan_update
 from heron.lora.config import LoRAConfig
+from heron.lora.request import LoRARequest
 from heron.metadata import StepMetaPlan
 from heron.parallel import SINGLE, TensorParallel
 from heron.platforms import Platform
@@ -146,6 +147,16 @@ class TensorParallelRunner:
     @property
     def device(self) -> torch.device:
         return self.local.device
+
+    def add_lora(self, request: LoRARequest) -> None:
+        """Checked here first (a bad adapter is refused before any worker reads it)."""
+        self.local.add_lora(request)
+        with self._call("add_lora", request):
+            pass
+
+    def remove_lora(self, lora_int_id: int) -> None:
+        with self._call("remove_lora", lora_int_id):
+            self.local.remove_lora(lora_int_id)
 
     def reserve_verification(self, max_rows: int, num_proposals: int) -> int:
         with self._call("reserve_verification", max_rows, num_proposals):

@@ -23,6 +23,7 @@ from heron.execution.model_runner import LaunchedStep, ModelRunner
 from heron.execution.sleep import ReleasedWeights
 from heron.execution.step_plan import StepPlan
 from heron.loader.update import WeightSource, apply_update, plan_update
+from heron.lora.request import LoRARequest
 from heron.platforms import platform_for
 
 logger = logging.getLogger(__name__)
@@ -79,6 +80,12 @@ class Worker:
         if min_over_ranks(int(routes is not None), self.control) and routes is not None:
             apply_update(model, routes, source.read)
 
+    def add_lora(self, request: LoRARequest) -> None:
+        self.runner.add_lora(request)
+
+    def remove_lora(self, lora_int_id: int) -> None:
+        self.runner.remove_lora(lora_int_id)
+
     def sleep(self, level: int) -> None:
         self._sleep = WorkerSleep(self.runner, level)
 
@@ -122,6 +129,8 @@ CALLS = (
     "update_weights",
     "sleep",
     "wake_up",
+    "add_lora",
+    "remove_lora",
 )
 
 

@@ -349,6 +349,7 @@ class PackedLinear(Linear):
         tp = current_tensor_parallel()
         sharded = parallel == "column" and tp.size > 1
         self.shard_starts: dict[str, int] = {}  # each shard's first row in its checkpoint tensor
+        self.shard_sizes = dict(shards)  # and its rows there
         local = {}
         for name, rows in shards.items():
             if sharded:

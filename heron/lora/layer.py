@@ -38,15 +38,24 @@ class LoRALinear(MetadataOperator):
 
     def __init__(self, layer_name: str, base: Linear, config: LoRAConfig) -> None:
         super().__init__(layer_name)
-        if base.parallel is not None:
-            raise ValueError(
-                f"layer {layer_name!r}: LoRA on tensor-parallel layers is not supported"
-            )
+        # Under tensor parallelism a rank holds the base layer's part: its rows of each B
+        # (column-parallel) or its columns of each A (row-parallel, the update then summed with
+        # the base output's parts).
+        # A part: (its first row here, its rows here, the runs of B's rows they are, B's rows).
         if isinstance(base, PackedLinear):
-            self.parts = dict(base.shard_offsets)
+            self.parts = {
+                p: (*base.shard_offsets[p], base.shard_rows(p), base.shard_sizes[p])
+                for p in base.shard_offsets
+            }
         else:
-            self.parts = {None: (0, base.out_features)}
+            column = base.parallel == "column"
+            rows = base.out_features * (base.tp.size if column else 1)
+            self.parts = {
+                None: (0, base.out_features, ((base.row_start, base.out_features),), rows)
+            }
+        self.col_start = base.col_start
         self.in_features, self.out_features = base.in_features, base.out_features
+        self.full_in_features = base.in_features * (base.tp.size if base.parallel == "row" else 1)
         self.max_rank = config.max_lora_rank
         width = len(self.parts) * self.max_rank
         slots = config.max_loras + 1
@@ -66,25 +75,27 @@ class LoRALinear(MetadataOperator):
         """Why ``pair`` cannot update ``part`` of this layer (None: it can)."""
         if part not in self.parts:
             return f"the layer has no part {part!r}"
-        size = self.parts[part][1]
-        if pair.a.shape[1] != self.in_features or pair.b.shape[0] != size:
+        rows = self.parts[part][3]
+        if pair.a.shape[1] != self.full_in_features or pair.b.shape[0] != rows:
             return (
                 f"lora_A {tuple(pair.a.shape)} / lora_B {tuple(pair.b.shape)} do not fit a "
-                f"{self.in_features} -> {size} projection"
+                f"{self.full_in_features} -> {rows} projection"
             )
         return None
 
     def set_slot(self, slot: int, pairs: dict[str | None, LoRAPair]) -> None:
-        """Slot ``slot`` holds ``pairs`` (by part; parts without one: nothing)."""
+        """Slot ``slot`` holds ``pairs`` (by part; parts without one: nothing), as much of
+        each as this rank's part of the layer takes."""
         a, b = self.lora_a[slot], self.lora_b[slot]
         a.zero_()
         b.zero_()
-        for i, (part, (offset, size)) in enumerate(self.parts.items()):
+        for i, (part, (offset, size, runs, _)) in enumerate(self.parts.items()):
             pair = pairs.get(part)
             if pair is not None:
                 cols = slice(i * self.max_rank, i * self.max_rank + pair.a.shape[0])
-                a[cols].copy_(pair.a)
-                b[offset : offset + size, cols].copy_(pair.b)
+                a[cols].copy_(pair.a[:, self.col_start : self.col_start + self.in_features])
+                b_rows = torch.cat([pair.b[start : start + n] for start, n in runs])
+                b[offset : offset + size, cols].copy_(b_rows)
 
     def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         """``y`` (the base layer's output for ``x``) plus each token's update."""

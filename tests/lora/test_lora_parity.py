@@ -89,6 +89,20 @@ def test_adapters_and_base_mixed_in_one_batch(case):
     assert _tokens(llm, [loras[n] for n in swapped]) == [refs[n][i] for i, n in enumerate(swapped)]
 
 
+def test_two_ranks_serve_adapters_mixed_in_one_batch(case):
+    """Tensor parallelism: each rank holds its rows of B (column-parallel layers, per packed
+    part) or its columns of A (row-parallel ones, the update summed with the base output)."""
+    base, loras, refs = case
+    names = ["a", "b", None, "a"]
+    want = [refs[n][i] for i, n in enumerate(names)]
+    with LLM(
+        str(base), max_model_len=128, enable_lora=True, max_lora_rank=8, tensor_parallel_size=2
+    ) as llm:
+        assert _tokens(llm, [loras[n] for n in names]) == want
+        llm.engine.remove_lora(2)  # (read again on the ranks when asked for)
+        assert _tokens(llm, [loras[n] for n in names]) == want
+
+
 def test_more_adapters_than_slots_run_over_several_steps(case):
     """One slot for two adapters, prompts prefilled in chunks of 16 tokens, a KV pool small
     enough that requests are preempted (and recomputed under their adapters)."""
