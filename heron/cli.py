@@ -68,6 +68,8 @@ _ENGINE_FLAG_HELP = {
     "kv_offload_bytes": "keep KV blocks past the device pool in this many bytes of host "
     "memory (the offload connector): prefixes evicted from the device are loaded back "
     "instead of recomputed",
+    "limit_mm_per_prompt": 'most images in one prompt, as JSON: \'{"image": 4}\' (default: '
+    "no limit)",
 }
 # Short spellings vLLM users type.
 _SHORT_FLAGS = {"tensor_parallel_size": "-tp"}

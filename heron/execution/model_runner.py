@@ -15,6 +15,7 @@ from heron.cache.spec import CacheSpec
 from heron.config import ModelConfig
 from heron.execution.cuda_graph import CudaGraphRunner
 from heron.execution.launched import LaunchedStep
+from heron.execution.multimodal import MultimodalInputs
 from heron.execution.next_decode import DecodeChainer
 from heron.execution.pooler import Pooler
 from heron.execution.request_state import RequestState
@@ -70,6 +71,12 @@ class ModelRunner:
         self.block_size = block_size
         self.model, self.plan = build(
             model_config, platform, attention_backend, block_size, tp, lora
+        )
+        # A multimodal model's step inputs beside the tokens (its encoder cache with them).
+        self.multimodal = (
+            MultimodalInputs(self.model, self.device)
+            if getattr(self.model, "is_multimodal", False)
+            else None
         )
         self.adapters = None
         if lora is not None:
@@ -269,6 +276,9 @@ class ModelRunner:
         explain (once) why steps stay eager."""
         support = self.plan.graph_support
         weakest = min(self.plan.groups, key=lambda g: g.builder.graph_support)
+        if self.multimodal is not None:
+            logger.warning("CUDA graphs off: a multimodal model's steps run eagerly")
+            return
         if support < GraphSupport.DECODE_ONLY:
             logger.warning(
                 "CUDA graphs off: metadata group %d (%s) declares graph support %s",
@@ -357,6 +367,11 @@ class ModelRunner:
         if step is not None:
             return step, None
         apply_plan(plan, self.requests, self.inputs.tables, self.device)
+        if self.multimodal is not None:
+            for request_id in plan.finished_ids:
+                self.multimodal.forget(request_id, finished=True)
+            for request_id in plan.preempted_ids:
+                self.multimodal.forget(request_id, finished=False)
         if not plan.request_ids:
             return None, None
         slots = None
@@ -394,7 +409,10 @@ class ModelRunner:
             if self.graphs is not None:
                 logger.debug("eager step: %d requests, %d tokens", seq.num_reqs, seq.num_tokens)
             self.plan.build_views(seq)
-            hidden = self.model(seq.token_ids)
+            if self.multimodal is None:
+                hidden = self.model(seq.token_ids)
+            else:
+                hidden = self.model(seq.token_ids, self.multimodal.prepare(plan, self.requests))
             logits = self.model.compute_logits(hidden[seq.logits_indices.long()])
         for copies in plan.copies_after:
             self.cache.copy_entries(copies.group, copies.sources, copies.destinations)
