@@ -320,7 +320,9 @@ class EngineConfig:
                     f"limit_mm_per_prompt: modality {modality!r} is not supported (images only)"
                 )
             if not isinstance(limit, int) or limit < 0:
-                raise ValueError(f"limit_mm_per_prompt: image must be an integer >= 0, got {limit!r}")
+                raise ValueError(
+                    f"limit_mm_per_prompt: image must be an integer >= 0, got {limit!r}"
+                )
         if self.block_size is not None and (
             self.block_size < 1 or self.block_size & (self.block_size - 1)
         ):

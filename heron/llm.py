@@ -135,7 +135,9 @@ class LLM:
         prompts: list[Prompt] = []
         for conversation in conversations:
             conversation, images = take_images(conversation, MediaPolicy())
-            ids = self.apply_chat_template(conversation, add_generation_prompt=add_generation_prompt)
+            ids = self.apply_chat_template(
+                conversation, add_generation_prompt=add_generation_prompt
+            )
             prompts.append(
                 {"prompt_token_ids": ids, "multi_modal_data": {"image": images}} if images else ids
             )

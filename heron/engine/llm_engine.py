@@ -212,8 +212,7 @@ class LLMEngine:
         limit = (self.config.limit_mm_per_prompt or {}).get("image")
         if limit is not None and count > limit:
             raise ValueError(
-                f"the prompt has {count} images, more than limit_mm_per_prompt allows "
-                f"({limit})"
+                f"the prompt has {count} images, more than limit_mm_per_prompt allows ({limit})"
             )
 
     def _validate_prompt(self, token_ids: list[int]) -> None:

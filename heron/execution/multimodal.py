@@ -46,7 +46,9 @@ class MultimodalInputs:
             for item in state.images:
                 if item.overlaps(c, c + n):
                     lo, hi = max(c, item.offset), min(c + n, item.end)
-                    segments.append((request_id, item, lo - item.offset, hi - item.offset, row + lo - c))
+                    segments.append(
+                        (request_id, item, lo - item.offset, hi - item.offset, row + lo - c)
+                    )
             row += n
         step_positions = torch.from_numpy(np.concatenate(positions, axis=1)).to(self.device)
         if not segments:
@@ -60,9 +62,7 @@ class MultimodalInputs:
         for request_id, item, _, b, _ in segments:
             if b == item.length:  # its last placeholder is in this step
                 self.cache.release(request_id, item.content_hash)
-        return MultimodalStep(
-            step_positions, torch.cat(rows).to(self.device), torch.cat(features)
-        )
+        return MultimodalStep(step_positions, torch.cat(rows).to(self.device), torch.cat(features))
 
     def _prompt_positions(self, state: RequestState) -> tuple[np.ndarray, int]:
         known = self._positions.get(state.request_id)

@@ -60,7 +60,11 @@ class Qwen3VLForConditionalGeneration(DecoderForCausalLM):
         for item in images:
             parts.append(np.arange(item.offset - end) + start)
             start += item.offset - end
-            t, h, w = item.grid_thw[0], item.grid_thw[1] // self.merge_size, item.grid_thw[2] // self.merge_size
+            t, h, w = (
+                item.grid_thw[0],
+                item.grid_thw[1] // self.merge_size,
+                item.grid_thw[2] // self.merge_size,
+            )
             grid = np.stack(np.meshgrid(np.arange(t), np.arange(h), np.arange(w), indexing="ij"))
             parts.append(grid.reshape(3, -1) + start)
             start += max(h, w)

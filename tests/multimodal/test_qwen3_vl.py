@@ -109,6 +109,7 @@ def test_prefix_cache_same_image_hits_different_image_misses(llm, hf):
 
 def test_encoder_cache_empty_after_finish_and_abort(llm):
     cache = llm.engine.runner.multimodal.cache
+
     def prompt(seed: int) -> dict:
         image = synthetic_image(64, 64, seed)
         text = f"{chr(65 + seed % 26)}{LONG_TEXT}{IMAGE} fox"  # (no prefix hit)
