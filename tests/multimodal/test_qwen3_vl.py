@@ -174,3 +174,33 @@ def test_text_only_model_refuses_images(tmp_path):
         prompt = {"prompt": "x", "multi_modal_data": {"image": SMALL}}
         (out,) = text_llm.generate(prompt, GREEDY, use_tqdm=False)
         assert "text-only model" in out.error
+
+
+def test_preemption_recomputes_images_and_leaks_nothing(model_dir, hf):
+    """A pool too small for three image prompts at once: requests are preempted mid-way,
+    give their images back, and recompute them when they run again."""
+    prompts = [
+        {
+            "prompt": f"{chr(70 + seed)}{LONG_TEXT}{IMAGE} fox jumps over",
+            "multi_modal_data": {"image": synthetic_image(64, 64, 30 + seed)},
+        }
+        for seed in range(3)
+    ]
+    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    options = dict(
+        dtype="float32",
+        max_num_batched_tokens=64,
+        block_size=16,
+        num_kv_blocks=14,
+        max_model_len=192,
+    )
+    with LLM(str(model_dir), **options) as small:
+        outs = small.generate(prompts, params, use_tqdm=False)
+        assert small.engine.scheduler.num_preemptions > 0
+        cache = small.engine.runner.multimodal.cache
+        assert len(cache) == 0 and cache.num_holders == 0
+        for prompt, out in zip(prompts, outs):
+            _, ids, _ = small._multimodal_prompt(prompt)
+            image = [prompt["multi_modal_data"]["image"]]
+            want = hf_greedy_mm(hf, small._image_processor.hf, ids, image, 24)
+            assert out.outputs[0].token_ids == want
