@@ -56,16 +56,23 @@ class MRotaryEmbedding(RotaryEmbedding):
     """Interleaved multimodal RoPE (Qwen3-VL): each token has a temporal, height and width
     position, and rotary frequency ``j`` turns with the height position where ``j % 3 == 1``
     (the first ``3 * mrope_section[1]`` of them), the width's where ``j % 3 == 2`` (the
-    first ``3 * mrope_section[2]``), else the temporal one. Text tokens have three equal
+    first ``3 * mrope_section[2]``), else the temporal one (``default_section``: the family's
+    section where the config names none, as HF's). Text tokens have three equal
     positions, which is plain RoPE.
 
     The model sets ``step_positions`` (``[3, tokens]``) before each forward pass that holds a
     multimodal request; None means the view's (text) positions.
     """
 
-    def __init__(self, config: PretrainedConfig, head_dim: int, max_positions: int) -> None:
+    def __init__(
+        self,
+        config: PretrainedConfig,
+        head_dim: int,
+        max_positions: int,
+        default_section: tuple[int, int, int] = (24, 20, 20),
+    ) -> None:
         super().__init__(config, head_dim, max_positions)
-        section = config.rope_parameters["mrope_section"]
+        section = config.rope_parameters.get("mrope_section") or default_section
         axis = torch.zeros(self.cos.shape[-1], dtype=torch.long, device="cpu")
         axis[1 : 3 * section[1] : 3] = 1
         axis[2 : 3 * section[2] : 3] = 2

@@ -23,11 +23,29 @@ CHAT_TEMPLATE = (
 )
 
 
-def save_qwen3_vl(path: Path, seed: int = 0) -> Path:
-    torch.manual_seed(seed)
+def vision_tokenizer():
     tokenizer = make_tokenizer()
     tokenizer.add_special_tokens({"additional_special_tokens": VISION_TOKENS})
     tokenizer.chat_template = CHAT_TEMPLATE
+    return tokenizer
+
+
+VISION = dict(
+    depth=3,
+    hidden_size=32,
+    intermediate_size=64,
+    num_heads=2,
+    out_hidden_size=64,
+    patch_size=8,
+    spatial_merge_size=2,
+    temporal_patch_size=2,
+    num_position_embeddings=16,
+)
+
+
+def save_qwen3_vl(path: Path, seed: int = 0) -> Path:
+    torch.manual_seed(seed)
+    tokenizer = vision_tokenizer()
     start, end, pad = tokenizer.convert_tokens_to_ids(VISION_TOKENS)
     text = dict(
         vocab_size=len(tokenizer) + 1,
@@ -46,21 +64,9 @@ def save_qwen3_vl(path: Path, seed: int = 0) -> Path:
         },
         tie_word_embeddings=False,
     )
-    vision = dict(
-        depth=3,
-        hidden_size=32,
-        intermediate_size=64,
-        num_heads=2,
-        out_hidden_size=64,
-        patch_size=8,
-        spatial_merge_size=2,
-        temporal_patch_size=2,
-        num_position_embeddings=16,
-        deepstack_visual_indexes=[0, 1],
-    )
     config = tf.Qwen3VLConfig(
         text_config=text,
-        vision_config=vision,
+        vision_config=VISION | dict(deepstack_visual_indexes=[0, 1]),
         vision_start_token_id=start,
         vision_end_token_id=end,
         image_token_id=pad,
@@ -76,6 +82,64 @@ def save_qwen3_vl(path: Path, seed: int = 0) -> Path:
                 p.uniform_(0.8, 1.2)
             else:
                 p.normal_(0.0, 0.02)
+    return save(model, tokenizer, path)
+
+
+def save_qwen3_5_vl(path: Path, seed: int = 0) -> Path:
+    """Qwen3.5 with its vision tower: gated-delta-rule layers around gated attention, partial
+    M-RoPE (a quarter of each head's 32 dims)."""
+    torch.manual_seed(seed)
+    tokenizer = vision_tokenizer()
+    start, end, pad = tokenizer.convert_tokens_to_ids(VISION_TOKENS)
+    text = dict(
+        vocab_size=len(tokenizer) + 1,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=3,
+        layer_types=["linear_attention", "full_attention", "linear_attention"],
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=32,
+        linear_num_key_heads=2,
+        linear_num_value_heads=4,
+        linear_key_head_dim=16,
+        linear_value_head_dim=8,
+        max_position_embeddings=512,
+        rope_parameters={
+            "rope_type": "default",
+            "rope_theta": 10000.0,
+            "partial_rotary_factor": 0.25,
+            "mrope_section": [2, 1, 1],
+            "mrope_interleaved": True,
+        },
+    )
+    config = tf.Qwen3_5Config(
+        text_config=text,
+        vision_config=VISION,
+        vision_start_token_id=start,
+        vision_end_token_id=end,
+        image_token_id=pad,
+        video_token_id=len(tokenizer),
+        tie_word_embeddings=False,
+    )
+    model = tf.Qwen3_5ForConditionalGeneration(config).float()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("A_log"):
+                p.copy_(torch.empty_like(p).uniform_(0.05, 0.5).log())
+            elif name.endswith("conv1d.weight"):
+                p.normal_(0.0, 0.5)
+            elif p.dim() >= 2:
+                p.normal_(0.0, 0.08)
+            elif "visual" in name or name.endswith("linear_attn.norm.weight"):
+                p.uniform_(0.8, 1.2) if "norm" in name else p.normal_(0.0, 0.02)
+            else:  # (1 + w) norms, dt_bias
+                p.uniform_(-0.5, 0.5)
+    return save(model, tokenizer, path)
+
+
+def save(model, tokenizer, path: Path) -> Path:
+    """The model, its tokenizer and a PIL image processor of its patch size."""
     model.generation_config.eos_token_id = None
     model.save_pretrained(path)
     tokenizer.save_pretrained(path)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 import transformers as tf
-from mm_models import IMAGE, hf_greedy_mm, save_qwen3_vl, synthetic_image
+from mm_models import IMAGE, hf_greedy_mm, save_qwen3_5_vl, save_qwen3_vl, synthetic_image
 
 from heron import LLM, SamplingParams
 
@@ -203,4 +203,24 @@ def test_preemption_recomputes_images_and_leaks_nothing(model_dir, hf):
             _, ids, _ = small._multimodal_prompt(prompt)
             image = [prompt["multi_modal_data"]["image"]]
             want = hf_greedy_mm(hf, small._image_processor.hf, ids, image, 24)
+            assert out.outputs[0].token_ids == want
+
+
+def test_qwen3_5_with_images(tmp_path):
+    """Qwen3.5's vision tower and partial M-RoPE over gated-delta-rule layers: two images in
+    a prompt, an image across a chunk boundary, a text prompt beside them."""
+    path = save_qwen3_5_vl(tmp_path)
+    hf = tf.Qwen3_5ForConditionalGeneration.from_pretrained(path, dtype=torch.float32).eval()
+    prompts = [
+        {"prompt": f"{IMAGE} The quick {IMAGE} fox", "multi_modal_data": {"image": [SMALL, LARGE]}},
+        {"prompt": f"A{LONG_TEXT}{IMAGE} fox", "multi_modal_data": {"image": LARGE}},
+        "The quick brown fox jumps over",
+    ]
+    with LLM(str(path), dtype="float32", max_num_batched_tokens=64, block_size=16) as vl:
+        outs = vl.generate(prompts, GREEDY, use_tqdm=False)
+        for prompt, out in zip(prompts, outs):
+            if isinstance(prompt, dict):
+                want = expected(vl, hf, prompt)
+            else:
+                want = hf_greedy_mm(hf, None, vl.tokenizer.encode(prompt), [], MAX_NEW)
             assert out.outputs[0].token_ids == want
