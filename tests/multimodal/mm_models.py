@@ -8,6 +8,7 @@ from pathlib import Path
 import numpy as np
 import torch
 import transformers as tf
+from models.test_qwen3_5 import randomize as randomize_qwen3_5
 from PIL import Image
 
 from tiny_models import make_tokenizer
@@ -43,36 +44,28 @@ VISION = dict(
 )
 
 
+TEXT = dict(
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=3,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=512,
+    tie_word_embeddings=False,
+)
+
+
+def mrope(section: list[int], **extra) -> dict:
+    """Interleaved M-RoPE parameters of ``section`` (``extra``: partial rotary, say)."""
+    return {"rope_type": "default", "rope_theta": 10000.0, "mrope_section": section} | extra
+
+
 def save_qwen3_vl(path: Path, seed: int = 0) -> Path:
     torch.manual_seed(seed)
     tokenizer = vision_tokenizer()
-    start, end, pad = tokenizer.convert_tokens_to_ids(VISION_TOKENS)
-    text = dict(
-        vocab_size=len(tokenizer) + 1,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=3,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=16,
-        max_position_embeddings=512,
-        rope_parameters={
-            "rope_type": "default",
-            "rope_theta": 10000.0,
-            "mrope_section": [4, 2, 2],
-            "mrope_interleaved": True,
-        },
-        tie_word_embeddings=False,
-    )
-    config = tf.Qwen3VLConfig(
-        text_config=text,
-        vision_config=VISION | dict(deepstack_visual_indexes=[0, 1]),
-        vision_start_token_id=start,
-        vision_end_token_id=end,
-        image_token_id=pad,
-        video_token_id=len(tokenizer),
-        tie_word_embeddings=False,
-    )
+    text = TEXT | dict(vocab_size=len(tokenizer) + 1, head_dim=16, rope_parameters=mrope([4, 2, 2]))
+    vision = VISION | dict(deepstack_visual_indexes=[0, 1])
+    config = tf.Qwen3VLConfig(**vision_language(tokenizer, text, vision))
     model = tf.Qwen3VLForConditionalGeneration(config).float()
     with torch.no_grad():
         for name, p in model.named_parameters():
@@ -90,52 +83,34 @@ def save_qwen3_5_vl(path: Path, seed: int = 0) -> Path:
     M-RoPE (a quarter of each head's 32 dims)."""
     torch.manual_seed(seed)
     tokenizer = vision_tokenizer()
-    start, end, pad = tokenizer.convert_tokens_to_ids(VISION_TOKENS)
-    text = dict(
+    text = TEXT | dict(
         vocab_size=len(tokenizer) + 1,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=3,
         layer_types=["linear_attention", "full_attention", "linear_attention"],
-        num_attention_heads=4,
-        num_key_value_heads=2,
         head_dim=32,
         linear_num_key_heads=2,
         linear_num_value_heads=4,
         linear_key_head_dim=16,
         linear_value_head_dim=8,
-        max_position_embeddings=512,
-        rope_parameters={
-            "rope_type": "default",
-            "rope_theta": 10000.0,
-            "partial_rotary_factor": 0.25,
-            "mrope_section": [2, 1, 1],
-            "mrope_interleaved": True,
-        },
+        rope_parameters=mrope([2, 1, 1], partial_rotary_factor=0.25),
     )
-    config = tf.Qwen3_5Config(
+    config = tf.Qwen3_5Config(**vision_language(tokenizer, text, VISION))
+    model = tf.Qwen3_5ForConditionalGeneration(config).float()
+    randomize_qwen3_5(model)
+    return save(model, tokenizer, path)
+
+
+def vision_language(tokenizer, text: dict, vision: dict) -> dict:
+    """A multimodal config's fields: its text and vision parts, the vision token ids."""
+    start, end, pad = tokenizer.convert_tokens_to_ids(VISION_TOKENS)
+    return dict(
         text_config=text,
-        vision_config=VISION,
+        vision_config=vision,
         vision_start_token_id=start,
         vision_end_token_id=end,
         image_token_id=pad,
         video_token_id=len(tokenizer),
         tie_word_embeddings=False,
     )
-    model = tf.Qwen3_5ForConditionalGeneration(config).float()
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if name.endswith("A_log"):
-                p.copy_(torch.empty_like(p).uniform_(0.05, 0.5).log())
-            elif name.endswith("conv1d.weight"):
-                p.normal_(0.0, 0.5)
-            elif p.dim() >= 2:
-                p.normal_(0.0, 0.08)
-            elif "visual" in name or name.endswith("linear_attn.norm.weight"):
-                p.uniform_(0.8, 1.2) if "norm" in name else p.normal_(0.0, 0.02)
-            else:  # (1 + w) norms, dt_bias
-                p.uniform_(-0.5, 0.5)
-    return save(model, tokenizer, path)
 
 
 def save(model, tokenizer, path: Path) -> Path:
