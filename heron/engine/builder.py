@@ -93,11 +93,6 @@ def build_engine(config: ResolvedConfig) -> EngineParts:
                 "kv_transfer_config: a KV connector keeps cached prefixes, and "
                 f"{config.pooling.pooling_type} pooling reads every token's hidden states"
             )
-        if runner.multimodal is not None:
-            raise ValueError(
-                "kv_transfer_config: a KV connector is not supported with a multimodal model "
-                "(its block hashes do not include the images)"
-            )
         connector, worker = make_connector(options.kv_transfer, runner.cache, config.block_size)
         runner.set_kv_connector(worker)
     proposer = speculator = None

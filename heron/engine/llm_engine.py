@@ -209,6 +209,15 @@ class LLMEngine:
         architecture = self.model_config.architecture
         if not accepts_images(architecture):
             raise ValueError(f"{architecture} is a text-only model: it takes no images")
+        config = self.config
+        unsupported = [
+            ("speculative_config", config.speculative_config is not None),
+            ("tensor_parallel_size > 1", config.tensor_parallel_size > 1),
+            ("a KV connector", self.scheduler.connector is not None),
+        ]
+        for name, used in unsupported:
+            if used:
+                raise ValueError(f"images are not supported with {name} yet")
         limit = (self.config.limit_mm_per_prompt or {}).get("image")
         if limit is not None and count > limit:
             raise ValueError(

@@ -276,9 +276,6 @@ class ModelRunner:
         explain (once) why steps stay eager."""
         support = self.plan.graph_support
         weakest = min(self.plan.groups, key=lambda g: g.builder.graph_support)
-        if self.multimodal is not None:
-            logger.warning("CUDA graphs off: a multimodal model's steps run eagerly")
-            return
         if support < GraphSupport.DECODE_ONLY:
             logger.warning(
                 "CUDA graphs off: metadata group %d (%s) declares graph support %s",
@@ -400,19 +397,23 @@ class ModelRunner:
         for copies in plan.copies_before:
             self.cache.copy_entries(copies.group, copies.sources, copies.destinations)
         greedy_ids = None
+        # A step with images runs eagerly (the encoder, placeholder features, M-RoPE positions).
+        mm = None if self.multimodal is None else self.multimodal.prepare(plan, self.requests)
         # A graph computes every token's logits: it serves steps that sample every token
         # (not a prefill chunk that samples nothing, nor prompt logprobs' rows first).
         every_token_sampled = step.sample_rows == slice(0, seq.num_tokens)
-        if self.graphs is not None and every_token_sampled and self.graphs.can_run(seq):
+        if (
+            self.graphs is not None
+            and mm is None
+            and every_token_sampled
+            and self.graphs.can_run(seq)
+        ):
             hidden, logits, greedy_ids = self.graphs.run(seq)
         else:
             if self.graphs is not None:
                 logger.debug("eager step: %d requests, %d tokens", seq.num_reqs, seq.num_tokens)
             self.plan.build_views(seq)
-            if self.multimodal is None:
-                hidden = self.model(seq.token_ids)
-            else:
-                hidden = self.model(seq.token_ids, self.multimodal.prepare(plan, self.requests))
+            hidden = self.model(seq.token_ids) if mm is None else self.model(seq.token_ids, mm)
             logits = self.model.compute_logits(hidden[seq.logits_indices.long()])
         for copies in plan.copies_after:
             self.cache.copy_entries(copies.group, copies.sources, copies.destinations)

@@ -31,7 +31,11 @@ class MultimodalInputs:
         if finished:
             self._positions.pop(request_id, None)
 
-    def prepare(self, plan: StepPlan, states: Mapping[str, RequestState]) -> MultimodalStep:
+    def prepare(self, plan: StepPlan, states: Mapping[str, RequestState]) -> MultimodalStep | None:
+        """None where no request of the step has images: its positions are the view's, and
+        the step may replay a graph."""
+        if not any(states[request_id].images for request_id in plan.request_ids):
+            return None
         positions = []
         segments: list[tuple[str, ImageItem, int, int, int]] = []  # request, image, a, b, row
         row = 0

@@ -166,6 +166,16 @@ def test_bad_inputs_are_refused(llm):
         assert message in out.error
 
 
+def test_images_refused_beside_speculative_decoding(model_dir):
+    spec = {"method": "ngram", "num_speculative_tokens": 2}
+    with LLM(str(model_dir), dtype="float32", speculative_config=spec) as spec_llm:
+        prompt = {"prompt": IMAGE, "multi_modal_data": {"image": SMALL}}
+        (out,) = spec_llm.generate(prompt, GREEDY, use_tqdm=False)
+        assert "images are not supported with speculative_config yet" in out.error
+        (text,) = spec_llm.generate("The quick brown fox", GREEDY, use_tqdm=False)
+        assert text.error is None and len(text.outputs[0].token_ids) == MAX_NEW
+
+
 def test_text_only_model_refuses_images(tmp_path):
     from tiny_models import save_tiny_model
 
