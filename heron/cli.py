@@ -66,6 +66,9 @@ _ENGINE_FLAG_HELP = {
     "max_cpu_loras": "adapters kept loaded in host memory (default: max_loras)",
     "kv_transfer_config": 'a KV connector as JSON, e.g. \'{"kv_connector": "offload", '
     '"kv_connector_extra_config": {"num_bytes": 8000000000}}\'',
+    "hf_overrides": "attributes to set on the checkpoint's config as JSON, e.g. a causal LM "
+    'reranking by two tokens\' logits: \'{"architectures": ["Qwen3ForSequenceClassification"], '
+    '"classifier_from_token": ["no", "yes"], "is_original_qwen3_reranker": true}\'',
     "kv_offload_bytes": "keep KV blocks past the device pool in this many bytes of host "
     "memory (the offload connector): prefixes evicted from the device are loaded back "
     "instead of recomputed",

@@ -251,6 +251,9 @@ class EngineConfig:
     kv_transfer_config: dict[str, Any] | None = None
     # Bytes of host memory that keep KV blocks past the device pool (the offload connector)
     kv_offload_bytes: int | None = None
+    # Attributes set on the checkpoint's config.json as loaded (vLLM's hf_overrides), e.g. a
+    # causal LM served as a reranker by two tokens' logits (see heron.pooler_config)
+    hf_overrides: dict[str, Any] | None = None
     # Most items of each modality in one prompt: {"image": N} (None: no limit)
     limit_mm_per_prompt: dict[str, Any] | None = None
 
@@ -277,6 +280,12 @@ class EngineConfig:
                 "with LoRA adapters (n-gram proposals are)"
             )
         self._kv_transfer = self._check_kv_transfer()
+        if self.hf_overrides is not None and not (
+            isinstance(self.hf_overrides, dict) and all(map(str.isidentifier, self.hf_overrides))
+        ):
+            raise ValueError(
+                f"hf_overrides must map config attribute names to values, got {self.hf_overrides!r}"
+            )
         if self.attention_backend is not None:
             check_backend(self.attention_backend)
         if self.tensor_parallel_size < 1:
@@ -446,10 +455,12 @@ class ModelConfig:
         seed: int = 0,
         quantization: str | None = None,
         kv_cache_dtype: str = "auto",
+        hf_overrides: dict[str, Any] | None = None,
     ) -> ModelConfig:
         if not (path / "config.json").is_file():
             raise ValueError(f"{path} is not a model directory: it has no config.json")
         hf_config = AutoConfig.from_pretrained(path)
+        hf_config.update(hf_overrides or {})
         return cls(
             path=path,
             hf_config=hf_config,

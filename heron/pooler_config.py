@@ -4,7 +4,14 @@ engine then serves. Plain data: the server's front reads it too, without model c
 
 An embedding checkpoint is a Llama-family causal LM (its LM head unused) or the bare decoder
 that sentence-transformers saves (``Qwen3Model``); a reranker, classifier or reward model is a
-``*ForSequenceClassification`` checkpoint, pooled at the last token.
+``*ForSequenceClassification`` checkpoint, pooled at the last token; a reward model of
+``Qwen2ForRewardModel``'s kind scores the last token through a two-layer head (Linear, ReLU,
+Linear, as Qwen2.5-Math-RM's remote code defines it) and serves its reward only. A causal LM
+trained to answer "yes" or "no" (Qwen3-Reranker) is served as a one-label classifier by
+overriding its config as vLLM's users do (``hf_overrides``: a classifier architecture,
+``classifier_from_token: ["no", "yes"]``, ``is_original_qwen3_reranker: true``): its logit is
+the "yes" token's minus the "no" token's (their LM-head rows' difference), so its score is
+P(yes) over the two.
 """
 
 from __future__ import annotations
@@ -13,7 +20,7 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from transformers import PretrainedConfig
+from transformers import AutoTokenizer, PretrainedConfig
 
 from heron.pooling_params import PoolingParams
 
@@ -23,6 +30,7 @@ _CAUSAL_LMS = frozenset(f"{family}ForCausalLM" for family in _FAMILIES)
 _BARE_DECODERS = frozenset(f"{family}Model" for family in _FAMILIES)
 EMBEDDING_ARCHITECTURES = _CAUSAL_LMS | _BARE_DECODERS
 CLASSIFIER_ARCHITECTURES = frozenset(f"{f}ForSequenceClassification" for f in _FAMILIES)
+REWARD_ARCHITECTURES = frozenset({"Qwen2ForRewardModel"})
 # What sentence-transformers' Pooling module calls each pooling type (its current
 # ``pooling_mode``, and the boolean keys of older checkpoints).
 _ST_MODES = {"lasttoken": "last", "mean": "mean", "cls": "cls"}
@@ -43,12 +51,17 @@ class PoolerConfig:
     hidden_size: int
     matryoshka_dimensions: tuple[int, ...] | None = None  # None: any up to hidden_size
     labels: tuple[str, ...] = ()  # a classifier's, by output
+    reward_head: bool = False  # the head is a reward model's Linear, ReLU, Linear
+    # (false, true) token ids: the head is their LM-head rows' difference (a yes/no reranker)
+    classifier_token_ids: tuple[int, ...] = ()
 
     @property
     def tasks(self) -> tuple[str, ...]:
         """The PoolingParams tasks this model serves."""
         if self.num_labels is None:
             return ("embed", "encode")
+        if self.reward_head:
+            return ("encode",)
         # (a score is one label's: a cross-encoder's relevance)
         return ("classify", "score", "encode") if self.num_labels == 1 else ("classify", "encode")
 
@@ -86,33 +99,76 @@ def is_pooling_checkpoint(path: Path, architecture: str) -> bool:
     )
 
 
-def pooler_config(path: Path, hf_config: PretrainedConfig) -> PoolerConfig:
+def pooler_config(
+    path: Path, hf_config: PretrainedConfig, tokenizer: Path | str | None = None
+) -> PoolerConfig:
     """The checkpoint's pooling: its sentence-transformers modules where it has them, else
     the last token (normalised for embedding models, as vLLM's default); raises
-    ``ValueError`` naming an architecture or module Heron does not pool."""
+    ``ValueError`` naming an architecture, module or option Heron does not pool with.
+    ``tokenizer`` (default ``path``) names a yes/no reranker's tokens."""
     architecture = (getattr(hf_config, "architectures", None) or ["<none>"])[0]
-    classifier = architecture in CLASSIFIER_ARCHITECTURES
+    reward = architecture in REWARD_ARCHITECTURES
+    classifier = reward or architecture in CLASSIFIER_ARCHITECTURES
     if not classifier and architecture not in EMBEDDING_ARCHITECTURES:
         raise ValueError(
             f"pooling is not supported for {architecture} (encoder-only models such as "
-            "BertModel and XLMRobertaModel, and heads other than sequence classification, "
-            f"are not); pooling models: {', '.join(sorted(EMBEDDING_ARCHITECTURES))}, "
-            f"{', '.join(sorted(CLASSIFIER_ARCHITECTURES))}"
+            "BertModel and XLMRobertaModel, and heads other than sequence classification "
+            f"and reward, are not); pooling models: {', '.join(sorted(EMBEDDING_ARCHITECTURES))}, "
+            f"{', '.join(sorted(CLASSIFIER_ARCHITECTURES | REWARD_ARCHITECTURES))}"
         )
     pooling_type, normalize = "last", not classifier
     modules_file = path / "modules.json"
     if modules_file.is_file():
         pooling_type, normalize = _sentence_transformers_pooling(path, modules_file)
     dims = getattr(hf_config, "matryoshka_dimensions", None)
-    num_labels = hf_config.num_labels if classifier else None
+    token_ids = _classifier_token_ids(hf_config, classifier, tokenizer or path)
+    # (a reward model has one output whatever its config's num_labels, as its remote code;
+    # so has a yes/no reranker)
+    num_labels = 1 if reward or token_ids else hf_config.num_labels if classifier else None
     return PoolerConfig(
         pooling_type,
         normalize,
         num_labels,
         hf_config.hidden_size,
         tuple(dims) if dims else None,
-        tuple(hf_config.id2label[i] for i in range(num_labels or 0)),
+        () if reward else tuple(hf_config.id2label[i] for i in range(num_labels or 0)),
+        reward,
+        token_ids,
     )
+
+
+def _classifier_token_ids(
+    hf_config: PretrainedConfig, classifier: bool, tokenizer: Path | str
+) -> tuple[int, ...]:
+    """The (false, true) token ids of a yes/no reranker's config, () for other models."""
+    tokens = getattr(hf_config, "classifier_from_token", None)
+    if tokens is None:
+        return ()
+    if not getattr(hf_config, "is_original_qwen3_reranker", False):
+        raise ValueError(
+            "hf_overrides: classifier_from_token is supported with is_original_qwen3_reranker "
+            "(a yes/no reranker's two tokens)"
+        )
+    if not classifier:
+        raise ValueError(
+            "hf_overrides: classifier_from_token needs a sequence-classification architecture "
+            f"(architectures: one of {', '.join(sorted(CLASSIFIER_ARCHITECTURES))})"
+        )
+    if not (
+        isinstance(tokens, list) and len(tokens) == 2 and all(isinstance(t, str) for t in tokens)
+    ):
+        raise ValueError(
+            f"hf_overrides: classifier_from_token must be two tokens, false then true (such "
+            f'as ["no", "yes"]), got {tokens!r}'
+        )
+    vocab = AutoTokenizer.from_pretrained(tokenizer).get_vocab()
+    missing = [t for t in tokens if t not in vocab]
+    if missing:
+        raise ValueError(
+            f"hf_overrides: classifier_from_token {missing[0]!r} is not one token of the "
+            "tokenizer's vocabulary"
+        )
+    return tuple(vocab[t] for t in tokens)
 
 
 def _sentence_transformers_pooling(path: Path, modules_file: Path) -> tuple[str, bool]:

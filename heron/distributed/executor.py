@@ -18,11 +18,12 @@ import subprocess
 import sys
 import time
 import weakref
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import asdict, dataclass, field
 
 import torch
 import torch.distributed as dist
+from torch import nn
 
 from heron.cache.layout import CacheLayout
 from heron.cache.spec import CacheSpec
@@ -31,6 +32,7 @@ from heron.distributed.rendezvous import Rendezvous, join, min_over_ranks
 from heron.execution.cuda_graph import CudaGraphRunner
 from heron.execution.model_runner import LaunchedStep, ModelRunner
 from heron.execution.step_plan import DeviceDrafts, StepPlan
+from heron.loader.update import WeightSource, apply_update, plan_update
 from heron.lora.config import LoRAConfig
 from heron.metadata import StepMetaPlan
 from heron.parallel import SINGLE, TensorParallel
@@ -172,6 +174,21 @@ class TensorParallelRunner:
             raise ValueError("a tensor-parallel target takes its proposals in the plan")
         with self._call("launch", plan, previous is not None):
             return self.local.launch(plan, previous)
+
+    def update_weights(self, source: WeightSource, also: Sequence[nn.Module] = ()) -> int:
+        """``ModelRunner.update_weights`` on every rank, each writing its own shards; ``also``
+        (an MTP head) lives on rank 0 only. Rank 0 checks the update first (naming a bad
+        tensor), the workers their shards; nothing is written unless every rank agrees."""
+        models = [self.local.model, *also]
+        routes = plan_update(models, source.read())
+        with self._call("update_weights", source.only(routes[0].names)):
+            if not min_over_ranks(1, self.control):
+                raise ValueError(
+                    "a tensor-parallel rank refused the weight update (its log says why); "
+                    "no weight was written"
+                )
+            apply_update(models, routes, source.read)
+        return sum(len(route.names) for route in routes)
 
     def shutdown(self) -> None:
         """Release the ranks (:meth:`_Ranks.release`) now; once only."""

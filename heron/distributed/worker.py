@@ -21,6 +21,7 @@ import torch.distributed as dist
 from heron.distributed.rendezvous import Rendezvous, join, min_over_ranks
 from heron.execution.model_runner import LaunchedStep, ModelRunner
 from heron.execution.step_plan import StepPlan
+from heron.loader.update import WeightSource, apply_update, plan_update
 from heron.platforms import platform_for
 
 logger = logging.getLogger(__name__)
@@ -65,6 +66,17 @@ class Worker:
         else:
             self._unread = step
 
+    def update_weights(self, source: WeightSource) -> None:
+        """Check this rank's shards, agree with the others, then write them."""
+        model = [self.runner.model]
+        try:
+            routes = plan_update(model, source.read())
+        except ValueError:
+            logger.exception("weight update refused")
+            routes = None
+        if min_over_ranks(int(routes is not None), self.control) and routes is not None:
+            apply_update(model, routes, source.read)
+
 
 CALLS = (
     "reserve_verification",
@@ -72,6 +84,7 @@ CALLS = (
     "allocate_kv_cache",
     "capture_graphs",
     "launch",
+    "update_weights",
 )
 
 

@@ -60,6 +60,7 @@ def resolve(options: EngineConfig) -> ResolvedConfig:
         options.seed,
         options.quantization,
         options.kv_cache_dtype,
+        options.hf_overrides,
     )
     tokenizer = options.tokenizer or path
     if _lacks_tokenizer(tokenizer):
@@ -105,4 +106,4 @@ def _pooling(options: EngineConfig, path: Path, model: ModelConfig) -> PoolerCon
     for name in ("speculative_config", "tensor_parallel_size"):
         if getattr(options, name) not in (None, 1):
             raise ValueError(f"{name} is not supported with the pooling runner")
-    return pooler_config(path, model.hf_config)
+    return pooler_config(path, model.hf_config, options.tokenizer or path)

@@ -13,9 +13,7 @@ import torch
 from heron.distributed.weight_sync import WeightUpdateGroup
 from heron.engine.deltas import RequestDelta
 from heron.engine.sleep_mode import SleepMode, reset_prefix_caches
-from heron.execution.model_runner import ModelRunner
-from heron.loader.safetensors import iterate_weights
-from heron.loader.update import update_weights
+from heron.loader.update import WeightSource
 
 #: pause_generation's modes: abort the unfinished requests, or keep them (and new ones) queued.
 PAUSE_MODES = ("abort", "keep")
@@ -86,24 +84,17 @@ class RolloutControl:
         """Write ``(name, tensor)`` pairs in the checkpoint's naming (the target's, its MTP
         head's included; ``draft``: the draft model's) into the weights in place, checked
         before any is written; resets the prefix caches. Returns the tensors written."""
-        models = self._updated_models("update weights", draft)
-        tensors = list(named_tensors)
-        written = update_weights(models, lambda: tensors)
-        self._weights_changed()
-        return written
+        return self._update(WeightSource(list(named_tensors)), "update weights", draft)
 
     def reload_weights(self, path: str | Path | None = None, draft: bool = False) -> int:
         """Re-read a checkpoint directory (None: the model's own) into the weights in place."""
-        models = self._updated_models("reload weights", draft)
         if path is None:
             engine = self._engine
             path = engine.draft_runner.model_config.path if draft else engine.model_config.path
         path = Path(path)
         if not path.is_dir():
             raise ValueError(f"reload_weights: {path} is not a checkpoint directory")
-        written = update_weights(models, lambda: iterate_weights(path, lazy=True))
-        self._weights_changed()
-        return written
+        return self._update(WeightSource(path=str(path)), "reload weights", draft)
 
     def init_weight_update_group(
         self,
@@ -115,12 +106,14 @@ class RolloutControl:
     ) -> None:
         """Join a trainer's weight update group (the trainer is rank 0, this engine
         ``rank_offset``); blocks until every rank has joined. A later call replaces it."""
-        engine = self._engine
-        if not isinstance(engine.runner, ModelRunner):
-            raise ValueError("weight update groups need tensor_parallel_size 1")
         self.close_weight_update_group()
         self._weight_group = WeightUpdateGroup(
-            master_address, master_port, rank_offset, world_size, backend, engine.runner.device
+            master_address,
+            master_port,
+            rank_offset,
+            world_size,
+            backend,
+            self._engine.platform.device,
         )
 
     def close_weight_update_group(self) -> None:
@@ -147,12 +140,10 @@ class RolloutControl:
         """Forget every cached block; refused (False) while requests hold blocks."""
         return all([cache.reset_prefix_cache() for cache in self._caches])
 
-    def _updated_models(self, action: str, draft: bool) -> list[torch.nn.Module]:
-        """The models an update writes (the target and an MTP head, or the draft model),
-        once the engine allows it."""
+    def _update(self, source: WeightSource, action: str, draft: bool) -> int:
+        """Write ``source`` into the target (with its MTP head) or the draft model, on every
+        tensor-parallel rank, once the engine allows it."""
         engine = self._engine
-        if not isinstance(engine.runner, ModelRunner):
-            raise ValueError(f"cannot {action}: weight updates need tensor_parallel_size 1")
         scheme = engine.model_config.quantization
         if scheme is not None:
             raise ValueError(
@@ -165,8 +156,12 @@ class RolloutControl:
             raise RuntimeError(f"cannot {action}: the weights are asleep; wake_up(['weights'])")
         self._stop_requests(action, abort=False)
         if draft:
-            return [engine.draft_runner.model]
-        return [engine.runner.model] + ([engine.draft_runner.model] if method == "mtp" else [])
+            written = engine.draft_runner.update_weights(source)
+        else:
+            mtp = [engine.draft_runner.model] if method == "mtp" else []
+            written = engine.runner.update_weights(source, mtp)
+        self._weights_changed()
+        return written
 
     def _weights_changed(self) -> None:
         """The cached blocks hold the old weights' KV: forget them."""

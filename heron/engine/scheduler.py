@@ -319,8 +319,7 @@ class Scheduler:
     def _requeue(self, request: Request) -> None:
         """Free the request's blocks and put it back at the head of the queue, to compute
         everything it has no cache for again."""
-        self._forget(request.request_id)
-        self.kv_cache.free(request)
+        self._free(request)
         self._preempted_ids.append(request.request_id)
         request.status = RequestStatus.WAITING
         request.num_computed_tokens = 0
@@ -347,9 +346,20 @@ class Scheduler:
             self.waiting.remove(request)
         else:
             self.loading.pop(request.request_id, None)
-        self._forget(request.request_id)
-        self.kv_cache.free(request)
+        self._free(request)
         self._finished_ids.append(request.request_id)
+
+    def _free(self, request: Request) -> None:
+        """Return the request's blocks to the pool; a connector sees them go (with the hashes
+        ``free`` completes: the last full blocks of a finished request's known tokens)."""
+        request_id, connector = request.request_id, self.connector
+        if connector is not None:
+            tables = [list(table) for table in self.kv_cache.block_tables(request_id)]
+            hashes = self.kv_cache.block_hashes(request_id)  # (live: free completes it)
+        self.kv_cache.free(request)
+        if connector is not None:
+            connector.freed(request, tables, hashes)
+        self._forget(request_id)
 
 
 class _Loading(NamedTuple):

@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import gc
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from functools import partial
 
 import torch
+from torch import nn
 
 from heron.cache.layout import CacheLayout
 from heron.cache.recurrent import RecurrentStateSpec
@@ -24,6 +25,7 @@ from heron.execution.step_inputs import BlockTableRows, PreparedStep, StepInputB
 from heron.execution.step_plan import DeviceDrafts, Rollback, StepOutput, StepPlan
 from heron.execution.verify import Verifier, rejected_per_row
 from heron.kv_transfer import KVConnectorMeta, KVConnectorWorker, LayerSteps, TransferResults
+from heron.loader.update import WeightSource, update_weights
 from heron.lora.config import LoRAConfig
 from heron.lora.layer import lora_layers
 from heron.lora.request import LoRARequest
@@ -63,7 +65,7 @@ class ModelRunner:
         another); with ``lora`` it serves LoRA adapters. With ``pooling`` it runs a pooling
         model: its steps pool, never sample."""
         if pooling is not None:
-            build = partial(build_pooling_model, num_labels=pooling.num_labels)
+            build = partial(build_pooling_model, pooling=pooling)
         self.pooler = None if pooling is None else Pooler(pooling.pooling_type)
         self.model_config = model_config
         self.platform = platform
@@ -184,6 +186,11 @@ class ModelRunner:
         buffers (a no-op without graphs)."""
         if self.graphs is not None:
             self.graphs.rebuild(self.block_size, self.inputs.parts)
+
+    def update_weights(self, source: WeightSource, also: Sequence[nn.Module] = ()) -> int:
+        """Write ``source``'s tensors in place into this runner's model and ``also`` (an MTP
+        head: it takes the tensors the model skips); see :func:`heron.loader.update.update_weights`."""
+        return update_weights([self.model, *also], source.read)
 
     def set_kv_connector(self, connector: KVConnectorWorker) -> None:
         """Carry out ``connector``'s transfers around each step, over the allocated caches; a

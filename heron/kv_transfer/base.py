@@ -95,6 +95,14 @@ class KVConnectorScheduler(ABC):
         """A step computes ``request``'s tokens; ``hashes``: the chain hashes of its full
         blocks of known tokens (written by the end of the step), ``tables`` its tables."""
 
+    def freed(
+        self, request: CachedSequence, tables: Sequence[Sequence[int]], hashes: Sequence[int]
+    ) -> None:
+        """``request`` gave back its blocks (``tables``, now the pool's to hand out again;
+        ``hashes``: every full block of computed, known tokens it registered, those the pool
+        registered as it freed them included). Called just before :meth:`forget`; a save of
+        them must read them before this pass's step writes into any."""
+
     @abstractmethod
     def forget(self, request_id: str) -> None:
         """The request holds no blocks any more (finished, aborted, preempted)."""

@@ -38,14 +38,19 @@ logger = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class OffloadMeta(KVConnectorMeta):
-    """A step's copies: host slot ``load_slots[i]`` into device blocks ``load_blocks[g][i]``
-    (one per cache group) before the forward pass; device blocks ``save_blocks[g][i]`` into
-    host slot ``save_slots[i]`` (holding block hash ``save_keys[i]``) after it."""
+    """A step's copies: host slot ``load_slots[i]`` into device blocks ``load_blocks[i]``
+    (one per cache group) before the forward pass; device blocks ``save_blocks[i]`` into
+    host slot ``save_slots[i]`` (holding block hash ``save_keys[i]``) after it. ``freed_*``:
+    saves of blocks their requests gave back, made before the loads (the pool may hand those
+    blocks out in this step)."""
 
     load_slots: list[int] = field(default_factory=list)
     load_blocks: list[list[int]] = field(default_factory=list)
     save_slots: list[int] = field(default_factory=list)
     save_blocks: list[list[int]] = field(default_factory=list)
+    freed_slots: list[int] = field(default_factory=list)
+    freed_blocks: list[list[int]] = field(default_factory=list)
+    freed_keys: list[int] = field(default_factory=list)
 
 
 class HostBlockIndex:
@@ -157,10 +162,37 @@ class OffloadScheduler(KVConnectorScheduler):
     def scheduled(
         self, request: CachedSequence, tables: Sequence[Sequence[int]], hashes: Sequence[int]
     ) -> None:
-        start = self._offered.get(request.request_id, 0)
+        meta = self._meta
+        self._offer(
+            request.request_id, tables, hashes, meta.save_slots, meta.save_blocks, meta.save_keys
+        )
+
+    def freed(
+        self, request: CachedSequence, tables: Sequence[Sequence[int]], hashes: Sequence[int]
+    ) -> None:
+        # Only computed blocks: a request freed while loading has registered its loads' too.
+        hashes = hashes[: request.num_computed_tokens // self.block_size]
+        meta = self._meta
+        self._offer(
+            request.request_id, tables, hashes, meta.freed_slots, meta.freed_blocks, meta.freed_keys
+        )
+
+    def _offer(
+        self,
+        request_id: str,
+        tables: Sequence[Sequence[int]],
+        hashes: Sequence[int],
+        slots: list[int],
+        blocks_out: list[list[int]],
+        keys: list[int],
+    ) -> None:
+        """Save the request's blocks not offered before: their host slots, device blocks and
+        hashes into ``slots``, ``blocks_out`` and ``keys`` (a hash already held is only
+        touched)."""
+        start = self._offered.get(request_id, 0)
         if len(hashes) <= start:
             return
-        meta, index = self._meta, self.index
+        index = self.index
         for i in range(start, len(hashes)):
             block_hash = hashes[i]
             if block_hash in index:
@@ -169,11 +201,11 @@ class OffloadScheduler(KVConnectorScheduler):
             blocks = [table[i] for table in tables]
             if NULL_BLOCK_ID in blocks:
                 continue  # a window group released it: the block is not whole
-            meta.save_slots.append(index.add(block_hash))
-            meta.save_blocks.append(blocks)
-            meta.save_keys.append(block_hash)
+            slots.append(index.add(block_hash))
+            blocks_out.append(blocks)
+            keys.append(block_hash)
             self.stored_blocks += 1
-        self._offered[request.request_id] = len(hashes)
+        self._offered[request_id] = len(hashes)
 
     def forget(self, request_id: str) -> None:
         self._offered.pop(request_id, None)
@@ -200,7 +232,7 @@ class OffloadScheduler(KVConnectorScheduler):
 
     def take_step_meta(self) -> OffloadMeta | None:
         meta = self._meta
-        if not (meta.load_requests or meta.save_keys):
+        if not (meta.load_requests or meta.save_keys or meta.freed_keys):
             return None
         self._meta = OffloadMeta()
         return meta
@@ -276,6 +308,14 @@ class OffloadWorker(KVConnectorWorker):
 
     def start_step(self, meta: OffloadMeta) -> None:
         self._place_saves()
+        if meta.freed_slots:  # (before the loads: they may write into these blocks)
+            try:
+                self._save(meta.freed_slots, meta.freed_blocks)
+                if meta.load_slots:
+                    self._place_saves()  # (a load may read what they save)
+            except Exception:
+                self._results.failed_saves.extend(meta.freed_keys)
+                raise
         if meta.load_slots:
             slots = torch.tensor(meta.load_slots)
             blocks = torch.tensor(meta.load_blocks).T
@@ -287,20 +327,28 @@ class OffloadWorker(KVConnectorWorker):
 
     def end_step(self, meta: OffloadMeta) -> None:
         self._place_saves()
-        if not meta.save_slots:
-            return
-        blocks = torch.tensor(meta.save_blocks).T.to(self._layers[0][0].device)
-        slots = torch.tensor(meta.save_slots)
+        if meta.save_slots:
+            self._save(meta.save_slots, meta.save_blocks)
+
+    def _save(self, slots: list[int], blocks: list[list[int]]) -> None:
+        """Copy device ``blocks`` (one per cache group each) into host ``slots``: at once on
+        the CPU, else staged in pinned memory without waiting (see :meth:`_place_saves`)."""
+        device_blocks = torch.tensor(blocks).T.to(self._layers[0][0].device)
+        host_slots = torch.tensor(slots)
         staged = [
-            (host, axis, cache.index_select(axis, blocks[group]).to("cpu", non_blocking=True))
+            (
+                host,
+                axis,
+                cache.index_select(axis, device_blocks[group]).to("cpu", non_blocking=True),
+            )
             for cache, host, axis, group in self._layers
         ]
         if staged[0][2].is_pinned():
             event = torch.cuda.Event()
             event.record()
-            self._pending = (event, slots, staged)
+            self._pending = (event, host_slots, staged)
         else:
-            _scatter(slots, staged)
+            _scatter(host_slots, staged)
 
     def _place_saves(self) -> None:
         """Put the last step's saves, copied out without waiting, into their slots."""

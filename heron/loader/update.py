@@ -9,15 +9,39 @@ raised nothing is repeated for real. Parameters keep their storage (graphs stay 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 from torch import nn
 from torch._subclasses.fake_tensor import FakeTensorMode
 
-from heron.loader.safetensors import LazyTensor
+from heron.loader.safetensors import LazyTensor, iterate_weights
 from heron.loader.weights import load_weights
 
 Weights = Iterable[tuple[str, torch.Tensor | LazyTensor]]
+
+
+@dataclass(frozen=True)
+class WeightSource:
+    """Where an update's tensors come from: ``tensors`` (full ones, in the checkpoint's
+    naming) or a checkpoint directory ``path``, read lazily. Plain data, so tensor-parallel
+    ranks receive it and each writes its own shards."""
+
+    tensors: list[tuple[str, torch.Tensor]] | None = None
+    path: str | None = None
+
+    def read(self) -> Weights:
+        if self.path is not None:
+            return iterate_weights(Path(self.path), lazy=True)
+        return iter(self.tensors or ())
+
+    def only(self, names: set[str]) -> WeightSource:
+        """The tensors named ``names`` (all of a directory's that another model does not take:
+        a reader skips the names it does not load), on the host."""
+        if self.path is not None:
+            return self
+        return WeightSource([(n, t.cpu()) for n, t in self.tensors or () if n in names])
 
 
 def update_weights(models: Sequence[nn.Module], source: Callable[[], Weights]) -> int:
@@ -27,7 +51,32 @@ def update_weights(models: Sequence[nn.Module], source: Callable[[], Weights]) -
     touched. Raises ``ValueError`` naming the first unknown, misshapen or non-floating tensor
     with every weight left as it was. ``source`` is called twice (the check, the writes).
     Returns the number of tensors written."""
-    routes = _check(models, source())
+    routes = plan_update(models, source())
+    apply_update(models, routes, source)
+    return sum(len(route.names) for route in routes)
+
+
+def plan_update(models: Sequence[nn.Module], weights: Weights) -> list[UpdateRoute]:
+    """The dry run: which model loads each tensor; raises as the real loading would."""
+    routes = []
+    with FakeTensorMode(allow_non_fake_inputs=True) as mode:
+        # Fakes of the given tensors too: a copy between two real tensors would be real.
+        pending = [(name, _checked(name, tensor, mode)) for name, tensor in weights]
+        for model in models:
+            loaded = load_weights(model, pending, complete=False)
+            skipped = set(loaded.skipped)
+            routes.append(
+                UpdateRoute({n for n, _ in pending if n not in skipped}, loaded.parameters)
+            )
+            pending = [(n, t) for n, t in pending if n in skipped]
+            _finishing_modules(model, loaded.parameters)  # (refuses layouts it cannot redo)
+    return routes
+
+
+def apply_update(
+    models: Sequence[nn.Module], routes: Sequence[UpdateRoute], source: Callable[[], Weights]
+) -> None:
+    """The writes :func:`plan_update` checked."""
     for model, route in zip(models, routes):
         if not route.names:
             continue
@@ -37,10 +86,9 @@ def update_weights(models: Sequence[nn.Module], source: Callable[[], Weights]) -
         load_weights(model, ((n, t) for n, t in source() if n in route.names), complete=False)
         for module in finishing:
             module.finish_loading()
-    return sum(len(route.names) for route in routes)
 
 
-class _Route:
+class UpdateRoute:
     """The tensors (checkpoint names) one model loads, and its parameters they fill."""
 
     def __init__(self, names: set[str], parameters: set[str]) -> None:
@@ -48,29 +96,15 @@ class _Route:
         self.parameters = parameters
 
 
-def _check(models: Sequence[nn.Module], weights: Weights) -> list[_Route]:
-    """The dry run: which model loads each tensor; raises as the real loading would."""
-    routes = []
-    with FakeTensorMode(allow_non_fake_inputs=True):
-        pending = [(name, _checked(name, tensor)) for name, tensor in weights]
-        for model in models:
-            loaded = load_weights(model, pending, complete=False)
-            skipped = set(loaded.skipped)
-            routes.append(_Route({n for n, _ in pending if n not in skipped}, loaded.parameters))
-            pending = [(n, t) for n, t in pending if n in skipped]
-            _finishing_modules(model, loaded.parameters)  # (refuses layouts it cannot redo)
-    return routes
-
-
-def _checked(name: str, tensor: object) -> torch.Tensor:
-    """``tensor`` as the dry run reads it (a file's tensor: a fake of its shape)."""
+def _checked(name: str, tensor: object, mode: FakeTensorMode) -> torch.Tensor:
+    """``tensor`` as the dry run reads it: a fake of its shape and dtype."""
     if isinstance(tensor, LazyTensor):
         return torch.empty(tensor.shape)
     if not isinstance(tensor, torch.Tensor):
         raise ValueError(f"weight {name!r}: expected a tensor, got {type(tensor).__name__}")
     if not tensor.is_floating_point():
         raise ValueError(f"weight {name!r}: dtype {tensor.dtype} is not a floating-point type")
-    return tensor
+    return mode.from_tensor(tensor)
 
 
 def _finishing_modules(model: nn.Module, parameters: set[str]) -> list[nn.Module]:

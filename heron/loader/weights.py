@@ -142,7 +142,10 @@ def _load(
     """Copy ``tensor`` (or the part of it this rank holds) into ``owner``'s parameter ``name``."""
     part = getattr(owner, "checkpoint_part", None)
     if part is not None:  # a tensor-parallel rank's part of the tensor
-        tensor = part(name, tensor, shard)
+        try:
+            tensor = part(name, tensor, shard)
+        except (RuntimeError, IndexError) as e:  # narrowed past its end
+            raise ValueError(f"shape {tuple(tensor.shape)} has no part for this rank: {e}") from e
     tensor = materialize(tensor)
     loader = getattr(owner, "weight_loader", None)
     with torch.no_grad():

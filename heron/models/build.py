@@ -21,6 +21,7 @@ from heron.ops.attention.paged import PagedAttentionBuilder
 from heron.ops.selector import OperatorRuntime, layer_kernels
 from heron.parallel import SINGLE, TensorParallel, tensor_parallel_scope
 from heron.platforms import Platform
+from heron.pooler_config import PoolerConfig
 
 logger = logging.getLogger(__name__)
 
@@ -87,13 +88,13 @@ def build_pooling_model(
     tp: TensorParallel = SINGLE,
     lora: LoRAConfig | None = None,
     *,
-    num_labels: int | None,
+    pooling: PoolerConfig,
 ) -> BuiltModel:
-    """Build, load and plan a pooling model (``heron.models.pooling``): its decoder, and a
-    classification head of ``num_labels`` outputs (None: none). It runs no LoRA adapter."""
+    """Build, load and plan a pooling model (``heron.models.pooling``): its decoder, and the
+    head ``pooling`` says (none for an embedding model). It runs no LoRA adapter."""
     if lora is not None:
         raise ValueError("enable_lora is not supported with the pooling runner")
-    construct = lambda runtime: DecoderForPooling(model_config.hf_config, runtime, num_labels)
+    construct = lambda runtime: DecoderForPooling(model_config.hf_config, runtime, pooling)
     return _build(construct, model_config, platform, attention_backend, block_size, tp)
 
 

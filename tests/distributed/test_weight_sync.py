@@ -49,9 +49,16 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def test_update_from_a_trainer_process_over_gloo(tiny_model_dir, tmp_path):
+@pytest.mark.parametrize("tensor_parallel_size", [1, 2])
+def test_update_from_a_trainer_process_over_gloo(tiny_model_dir, tmp_path, tensor_parallel_size):
+    """With two ranks, rank 0 receives the broadcast and each rank writes its own shards."""
     second = save_tiny_model("qwen3", tmp_path, seed=1)
-    llm = LLM(str(tiny_model_dir("qwen3")), max_model_len=64, num_kv_blocks=16)
+    llm = LLM(
+        str(tiny_model_dir("qwen3")),
+        max_model_len=64,
+        num_kv_blocks=16,
+        tensor_parallel_size=tensor_parallel_size,
+    )
     greedy_tokens(llm, PROMPTS, GREEDY)
     port = _free_port()
     trainer = subprocess.Popen([sys.executable, "-c", TRAINER, str(second), str(port)])
@@ -66,7 +73,7 @@ def test_update_from_a_trainer_process_over_gloo(tiny_model_dir, tmp_path):
     outputs = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outputs] == hf_greedy(hf, PROMPTS, GREEDY.max_tokens)
     assert outputs[0].num_cached_tokens == 0
-    llm.shutdown()  # (leaves the group)
+    llm.shutdown()  # (leaves the group, stops the workers)
 
 
 def test_bad_group_and_chunk_arguments(tiny_model_dir):

@@ -234,6 +234,51 @@ def test_a_second_request_on_a_prefix_being_loaded_waits_for_it(models):
     assert metric(engine, "kv_offload_loaded_blocks") == 5
 
 
+class FailingFreedSaves(OffloadWorker):
+    """Its saves of freed blocks (made as a step starts) raise."""
+
+    starting = False
+
+    def start_step(self, meta):
+        self.starting = True
+        try:
+            super().start_step(meta)
+        finally:
+            self.starting = False
+
+    def _save(self, slots, blocks):
+        if self.starting:
+            raise KVTransferError("the host pool went away")
+        super()._save(slots, blocks)
+
+
+@pytest.mark.parametrize("worker, num_loaded", [(OffloadWorker, 6), (FailingFreedSaves, 5)])
+def test_a_finished_conversation_turn_is_offloaded_whole(models, worker, num_loaded):
+    """The block a turn's last step fills is registered only as the request is freed (its
+    last input token was still being sampled when the step was scheduled): it is saved then,
+    so the next turn, once other prompts pushed the conversation off the device, loads
+    every full block of the previous prompt and answer. If that save fails, its block is
+    forgotten and recomputed: the same tokens."""
+    path, _ = models("llama")
+    hf = tf.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    turn = SamplingParams(temperature=0.0, max_tokens=9, ignore_eos=True)
+    engine = _with_worker(path, worker)
+    engine.add_request("turn1", PREFIXES[0], turn)
+    answer = []
+    while engine.has_unfinished_requests():
+        for delta in engine.step():
+            answer += delta.samples[0].token_ids
+    assert answer == hf_greedy(hf, [PREFIXES[0]], 9)[0]
+    run_one_by_one(engine, PROMPTS[1:3])  # (evicts the conversation from the device)
+    follow_up = PREFIXES[0] + answer + [5, 9]
+    ((tokens, cached),) = run_one_by_one(engine, [follow_up])
+    assert tokens == hf_greedy(hf, [follow_up], MAX_NEW)[0]
+    # 40 prompt tokens and 8 computed answer tokens: 6 blocks (5 without the last)
+    assert cached == num_loaded * BLOCK
+    assert metric(engine, "kv_offload_loaded_blocks") == num_loaded
+    check_leak_free(engine)
+
+
 def test_a_recurrent_cache_is_refused_by_name(tmp_path):
     path = save_random_model(tf.Qwen3_5TextConfig(**QWEN3_5), tmp_path / "q")
     with pytest.raises(ValueError, match="'offload' connector cannot transfer cache group"):

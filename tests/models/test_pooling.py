@@ -15,7 +15,7 @@ from heron import LLM
 from heron.pooler_config import PoolerConfig, pooler_config
 from heron.pooling_params import PoolingParams
 
-from tiny_models import CORPUS, save_classifier, save_embedding_model
+from tiny_models import CORPUS, POOLING, save_classifier, save_embedding_model, save_random_model
 
 TEXTS = CORPUS[:4] + ["hi"]
 QUERY = "What is the capital of France?"
@@ -148,6 +148,95 @@ def test_classifier_probabilities_equal_hf(tmp_path, family):
     with torch.no_grad():
         want = [hf(torch.tensor([tokenizer.encode(t)])).logits[0].softmax(-1) for t in TEXTS]
     assert_close(got, torch.stack(want))
+
+
+def save_reward_model(path):
+    """A tiny reward model as Qwen2.5-Math-RM is saved (``Qwen2ForRewardModel``, whose code is
+    remote: a Qwen2 decoder and ``score``: Linear, ReLU, Linear), and its head in plain torch."""
+    from safetensors.torch import load_file, save_file
+
+    save_random_model(tf.Qwen2Config(**POOLING), path, seed=3, auto_class="AutoModel")
+    torch.manual_seed(4)
+    hidden = POOLING["hidden_size"]
+    head = torch.nn.Sequential(
+        torch.nn.Linear(hidden, hidden), torch.nn.ReLU(), torch.nn.Linear(hidden, 1)
+    )
+    weights = load_file(path / "model.safetensors")
+    weights.update({f"score.{k}": v.clone() for k, v in head.state_dict().items()})
+    save_file(weights, path / "model.safetensors", metadata={"format": "pt"})
+    config = json.loads((path / "config.json").read_text())
+    config["architectures"] = ["Qwen2ForRewardModel"]
+    config["auto_map"] = {"AutoModel": "modeling_qwen2_rm.Qwen2ForRewardModel"}
+    (path / "config.json").write_text(json.dumps(config))
+    return head
+
+
+def test_reward_model_head_equals_hf_hidden_states_through_it(tmp_path):
+    """The reward: the head over HF's last hidden state at the last token (fp32); the model is
+    detected as a pooling one, has one output, and serves its reward only."""
+    head = save_reward_model(tmp_path)
+    hf = tf.Qwen2Model.from_pretrained(tmp_path, dtype=torch.float32).eval()
+    tokenizer = tf.AutoTokenizer.from_pretrained(tmp_path)
+    with torch.no_grad():
+        want = [
+            head(hf(torch.tensor([tokenizer.encode(t)])).last_hidden_state[0, -1]) for t in TEXTS
+        ]
+    with LLM(str(tmp_path), max_num_batched_tokens=8) as llm:
+        assert llm.engine.pooling.num_labels == 1 and llm.engine.pooling.reward_head
+        got = vectors(llm.reward(TEXTS, use_tqdm=False))
+        assert_same(vectors(llm.reward(TEXTS[2])), got[2:3])
+        for refused in (llm.classify, llm.embed):
+            with pytest.raises(ValueError, match="it serves encode"):
+                refused("hi")
+    assert_close(got, torch.stack(want))
+    assert torch.tensor(got).std() > 1e-2  # rewards that differ between inputs
+
+
+@pytest.mark.parametrize("family", ["qwen3", "llama"])  # tied LM head, untied
+def test_yes_no_reranker_scores_equal_hf_token_probabilities(tiny_model_dir, family):
+    """A causal LM served as a reranker (Qwen3-Reranker's recipe, through ``hf_overrides``):
+    its score is P(true) over the true and false tokens' logits at the pair's last token,
+    HF's causal LM's; the LM head's other rows are not held."""
+    path = tiny_model_dir(family)
+    tokenizer = tf.AutoTokenizer.from_pretrained(path)
+    false, true = tokenizer.convert_ids_to_tokens([40, 41])
+    overrides = {
+        "architectures": [f"{family.capitalize()}ForSequenceClassification"],
+        "classifier_from_token": [false, true],
+        "is_original_qwen3_reranker": True,
+    }
+    hf = tf.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    with torch.no_grad():
+        logits = torch.stack(
+            [hf(torch.tensor([tokenizer(QUERY, d)["input_ids"]])).logits[0, -1] for d in TEXTS]
+        )
+    want = logits[:, [40, 41]].softmax(-1)[:, 1]
+    with LLM(str(path), hf_overrides=overrides, max_num_batched_tokens=8) as llm:
+        assert llm.engine.pooling.classifier_token_ids == (40, 41)
+        assert llm.engine.runner.model.lm_head.weight.shape[0] == 2
+        scores = llm.score(QUERY, TEXTS, use_tqdm=False)
+    assert_close(scores, want)
+
+
+def test_yes_no_reranker_options_are_checked(tiny_model_dir):
+    path = tiny_model_dir("qwen3")
+    config = tf.AutoConfig.from_pretrained(path)
+    for overrides, error in [
+        ({"classifier_from_token": ["a", "b"]}, "with is_original_qwen3_reranker"),
+        ({"classifier_from_token": ["a"], "is_original_qwen3_reranker": True}, "needs a"),
+        (
+            {
+                "architectures": ["Qwen3ForSequenceClassification"],
+                "classifier_from_token": ["not-a-token", "no"],
+                "is_original_qwen3_reranker": True,
+            },
+            "'not-a-token' is not one token",
+        ),
+    ]:
+        with pytest.raises(ValueError, match=error):
+            pooler_config(path, tf.PretrainedConfig.from_dict({**config.to_dict(), **overrides}))
+    with pytest.raises(ValueError, match="hf_overrides must map config attribute names"):
+        LLM(str(path), hf_overrides=["architectures"])
 
 
 def test_pooler_config_refuses_what_it_cannot_pool(tmp_path, tiny_model_dir):

@@ -83,13 +83,16 @@ def test_update_resets_the_prefix_cache_and_takes_a_subset(checkpoints):
     ],
 )
 def test_a_bad_tensor_changes_no_weight(checkpoints, bad, message):
-    """The good tensor before the bad one is not written either."""
+    """The good tensors before the bad one (packed, copied whole) are not written either."""
     first, second, _ = checkpoints
     llm = LLM(str(first), **OPTIONS)
     before = _state(llm)
-    good = ("model.layers.0.self_attn.q_proj.weight", torch.ones(128, 64))
+    good = [
+        ("model.layers.0.self_attn.q_proj.weight", torch.ones(128, 64)),
+        ("model.norm.weight", torch.ones(64)),
+    ]
     with pytest.raises(ValueError, match=message):
-        llm.update_weights([good, bad])
+        llm.update_weights([*good, bad])
     after = _state(llm)
     assert all(torch.equal(before[n], after[n]) for n in before)
 
@@ -111,6 +114,26 @@ def test_update_is_refused_while_requests_are_kept(checkpoints):
     while llm.has_unfinished_requests():
         outputs += llm.step()
     assert outputs[0].outputs[0].token_ids == want[0]
+
+
+def test_two_ranks_update_their_shards(checkpoints):
+    """Tensor parallelism: each rank writes its shards of a subset; a refused update leaves
+    both ranks' weights (the outputs) as they were; a reload restores the checkpoint."""
+    first, second, _ = checkpoints
+    with LLM(str(first), tensor_parallel_size=2, **OPTIONS) as llm:
+        layer = {
+            n: t for n, t in load_file(second / "model.safetensors").items() if ".layers.1." in n
+        }
+        assert llm.update_weights(layer.items()) == len(layer)
+        want = hf_greedy(hf_on_weights(first, layer), PROMPTS, GREEDY.max_tokens)
+        assert greedy_tokens(llm, PROMPTS, GREEDY) == want
+        bad = ("model.layers.1.mlp.up_proj.weight", torch.zeros(3, 64))
+        with pytest.raises(ValueError, match="shape \\(3, 64\\)"):
+            llm.update_weights([("model.norm.weight", torch.ones(64)), bad])
+        assert greedy_tokens(llm, PROMPTS, GREEDY) == want
+        assert llm.reload_weights() == len(load_file(first / "model.safetensors"))
+        hf = tf.AutoModelForCausalLM.from_pretrained(first)
+        assert greedy_tokens(llm, PROMPTS, GREEDY) == hf_greedy(hf, PROMPTS, GREEDY.max_tokens)
 
 
 def _perturbed_copy(src, dst) -> dict[str, torch.Tensor]:

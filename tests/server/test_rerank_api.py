@@ -1,19 +1,24 @@
 """The pooling routes of a reranker's server (a one-label Qwen3ForSequenceClassification):
 ``/score``, ``/rerank`` (and ``/v1/rerank``) and ``/classify`` over HTTP against HF's
-sequence-classification logits, and the routes it refuses."""
+sequence-classification logits, and what it refuses (empty, too many and over-context inputs,
+unknown parameters, generation routes), each naming its field."""
 
 from __future__ import annotations
+
+from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import pytest
 import torch
 import transformers as tf
 
-from openai_server import MODEL_NAME, start_server, stop_server
+from openai_server import MAX_MODEL_LEN, MODEL_NAME, start_server, stop_server
 from tiny_models import CORPUS, save_classifier
 
 QUERY = "What is the capital of France?"
 DOCUMENTS = CORPUS[:4]
+MAX_INPUTS = 4
+LONG = "a " * MAX_MODEL_LEN  # (a token a character at least)
 
 
 @pytest.fixture(scope="module")
@@ -26,7 +31,9 @@ def reranker(tmp_path_factory):
         pairs = [torch.tensor([tokenizer(QUERY, d)["input_ids"]]) for d in DOCUMENTS]
         logits = torch.stack([hf(ids).logits[0, 0] for ids in pairs])
         alone = hf(torch.tensor([tokenizer.encode(QUERY)])).logits[0, 0]
-    handle = start_server(path)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("HERON_MAX_POOLING_INPUTS", str(MAX_INPUTS))
+        handle = start_server(path)
     with httpx.Client(base_url=handle.base_url, timeout=60) as http:
         yield http, logits.sigmoid(), alone.sigmoid()
     stop_server(handle)
@@ -72,6 +79,17 @@ def test_classify(reranker):
         ("/rerank", {"query": "a", "documents": []}, "documents", None),
         ("/rerank", {"query": "a", "documents": ["b"], "top_n": 0}, "top_n", None),
         ("/score", {"text_1": "a"}, "text_2", "Field required"),
+        ("/score", {"text_1": "a", "text_2": []}, "text_2", None),
+        ("/rerank", {"query": "a", "documents": ["b"] * (MAX_INPUTS + 1)}, "documents", "more"),
+        ("/rerank", {"query": "a", "documents": ["b", LONG]}, "documents", "context length"),
+        ("/score", {"text_1": LONG, "text_2": "b"}, "text_2", "context length"),
+        (
+            "/rerank",
+            {"query": "a", "documents": ["b"], "truncate_prompt_tokens": 8},
+            "truncate_prompt_tokens",
+            None,
+        ),
+        ("/classify", {"input": "a", "activation": False}, "activation", "Extra"),
         ("/v1/chat/completions", {"messages": [{"role": "user", "content": "a"}]}, None, None),
     ],
 )
@@ -81,3 +99,24 @@ def test_refusals(reranker, route, body, param, message):
     error = response.json()["error"]
     assert error["param"] == param
     assert message is None or message in error["message"]
+
+
+def test_refused_requests_leave_the_others_unaffected(reranker):
+    """A rerank with one over-context document beside a good score request: the first is
+    refused, the second answers as before."""
+    http, want, _ = reranker
+
+    def post(body):
+        return http.post("/score" if "text_1" in body else "/rerank", json=body)
+
+    with ThreadPoolExecutor(2) as pool:
+        bad, good = pool.map(
+            post,
+            [
+                {"query": QUERY, "documents": [DOCUMENTS[0], LONG]},
+                {"text_1": QUERY, "text_2": DOCUMENTS},
+            ],
+        )
+    assert bad.status_code == 400 and good.status_code == 200, (bad.text, good.text)
+    scores = torch.tensor([d["score"] for d in good.json()["data"]])
+    torch.testing.assert_close(scores, want, atol=1e-4, rtol=0)
