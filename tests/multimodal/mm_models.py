@@ -11,7 +11,7 @@ import transformers as tf
 from models.test_qwen3_5 import randomize as randomize_qwen3_5
 from PIL import Image
 
-from tiny_models import make_tokenizer
+from tiny_models import BASE, QWEN3_5, make_tokenizer
 
 VISION_TOKENS = ["<|vision_start|>", "<|vision_end|>", "<|image_pad|>"]
 IMAGE = "<|vision_start|><|image_pad|><|vision_end|>"
@@ -44,15 +44,7 @@ VISION = dict(
 )
 
 
-TEXT = dict(
-    hidden_size=64,
-    intermediate_size=128,
-    num_hidden_layers=3,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    max_position_embeddings=512,
-    tie_word_embeddings=False,
-)
+TEXT = BASE | dict(tie_word_embeddings=False)  # (vocab_size: the tokenizer's, set by each)
 
 
 def mrope(section: list[int], **extra) -> dict:
@@ -83,14 +75,10 @@ def save_qwen3_5_vl(path: Path, seed: int = 0) -> Path:
     M-RoPE (a quarter of each head's 32 dims)."""
     torch.manual_seed(seed)
     tokenizer = vision_tokenizer()
-    text = TEXT | dict(
+    text = QWEN3_5 | dict(
         vocab_size=len(tokenizer) + 1,
-        layer_types=["linear_attention", "full_attention", "linear_attention"],
         head_dim=32,
-        linear_num_key_heads=2,
-        linear_num_value_heads=4,
-        linear_key_head_dim=16,
-        linear_value_head_dim=8,
+        tie_word_embeddings=False,
         rope_parameters=mrope([2, 1, 1], partial_rotary_factor=0.25),
     )
     config = tf.Qwen3_5Config(**vision_language(tokenizer, text, VISION))
