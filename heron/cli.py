@@ -7,6 +7,7 @@ import json
 import logging
 import sys
 from dataclasses import asdict, fields
+from pathlib import Path
 
 from heron import __version__
 from heron.bench.cli import add_bench_parser
@@ -71,6 +72,8 @@ _ENGINE_FLAG_HELP = {
     "kv_offload_bytes": "keep KV blocks past the device pool in this many bytes of host "
     "memory (the offload connector): prefixes evicted from the device are loaded back "
     "instead of recomputed",
+    "limit_mm_per_prompt": "most images in one prompt, as JSON: '{\"image\": 4}' (default: "
+    "no limit)",
 }
 # Short spellings vLLM users type.
 _SHORT_FLAGS = {"tensor_parallel_size": "-tp"}
@@ -260,6 +263,7 @@ def _json_fields(spec: object) -> dict[str, object]:
 def cmd_serve(args: argparse.Namespace) -> int:
     from heron.chat_template import load_chat_template
     from heron.engine.core_client import EngineStartupError
+    from heron.multimodal.media import MediaPolicy
     from heron.server.chat_output import ChatOutputConfig
     from heron.server.front import ServeOptions, listen
     from heron.server.security import parse_allowed_origins
@@ -290,6 +294,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
         if args.chat_template is None
         else load_chat_template(args.chat_template),
         lora_modules=tuple(args.lora_modules),
+        media=MediaPolicy(
+            frozenset(d.lower() for d in args.allowed_media_domains),
+            None if args.allowed_local_media_path is None else Path(args.allowed_local_media_path),
+        ),
     )
     try:
         listener = listen(options.host, options.port)  # before the model loads
@@ -403,6 +411,20 @@ def build_parser() -> argparse.ArgumentParser:
         default="[]",
         help="web origins that may call the API from a browser (CORS), as a JSON list: "
         '\'["http://localhost:3000"]\' (default: none; ["*"]: any)',
+    )
+    serve.add_argument(
+        "--allowed-media-domains",
+        nargs="*",
+        default=[],
+        metavar="DOMAIN",
+        help="hosts whose http(s) image URLs the server fetches (default: none; data: URLs "
+        "are always read)",
+    )
+    serve.add_argument(
+        "--allowed-local-media-path",
+        default=None,
+        metavar="DIR",
+        help="file:// image URLs are read from under this directory (default: none)",
     )
     serve.add_argument(
         "--timeout-keep-alive",

@@ -254,6 +254,8 @@ class EngineConfig:
     # Attributes set on the checkpoint's config.json as loaded (vLLM's hf_overrides), e.g. a
     # causal LM served as a reranker by two tokens' logits (see heron.pooler_config)
     hf_overrides: dict[str, Any] | None = None
+    # Most items of each modality in one prompt: {"image": N} (None: no limit)
+    limit_mm_per_prompt: dict[str, Any] | None = None
 
     def __post_init__(self) -> None:
         # Parsed once here (not a field: the options stay the user's).
@@ -311,6 +313,15 @@ class EngineConfig:
             )
         if self.max_num_seqs < 1:
             raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
+        for modality, limit in (self.limit_mm_per_prompt or {}).items():
+            if modality != "image":
+                raise ValueError(
+                    f"limit_mm_per_prompt: modality {modality!r} is not supported (images only)"
+                )
+            if not isinstance(limit, int) or limit < 0:
+                raise ValueError(
+                    f"limit_mm_per_prompt: image must be an integer >= 0, got {limit!r}"
+                )
         if self.block_size is not None and (
             self.block_size < 1 or self.block_size & (self.block_size - 1)
         ):

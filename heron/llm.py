@@ -17,6 +17,10 @@ from heron.config import EngineConfig
 from heron.engine.llm_engine import LLMEngine
 from heron.engine.output_processor import OutputProcessor
 from heron.lora.request import LoRARequest
+from heron.multimodal.chat import take_images
+from heron.multimodal.inputs import ImageItem
+from heron.multimodal.media import MediaPolicy
+from heron.multimodal.processor import ImageProcessor
 from heron.outputs import PoolingRequestOutput, RequestOutput
 from heron.pooler_config import PoolerConfig
 from heron.pooling_params import PoolingParams, cosine, pair_token_ids
@@ -25,7 +29,9 @@ from heron.speculative import SpecDecodeStats
 
 logger = logging.getLogger(__name__)
 
-Prompt = str | list[int]
+# A text, token ids, or {"prompt": text | "prompt_token_ids": ids, "multi_modal_data":
+# {"image": PIL image | list of them}} (the placeholders in the text, one per image).
+Prompt = str | list[int] | dict[str, Any]
 
 
 class LLM:
@@ -41,6 +47,7 @@ class LLM:
         self.tokenizer = engine.tokenizer
         self._outputs = OutputProcessor(engine.tokenizer, engine.eos_token_ids)
         self._ids = itertools.count()
+        self._image_processor: ImageProcessor | None = None
         # Nothing here finalizes the engine: a finalizer holding it would keep alive whatever
         # the engine references (a cycle back to this LLM included) for the process's life. A
         # dropped LLM frees its engine with it, and a tensor-parallel runner's own weak
@@ -106,7 +113,10 @@ class LLM:
                 self.add_request(request_id, prompt, p, stream=False, lora_request=lora)
             except ValueError as e:
                 logger.warning("request %s rejected: %s", request_id, e)
-                text, ids = (prompt, []) if isinstance(prompt, str) else (None, list(prompt))
+                if isinstance(prompt, dict):
+                    text, ids = prompt.get("prompt"), list(prompt.get("prompt_token_ids", ()))
+                else:
+                    text, ids = (prompt, []) if isinstance(prompt, str) else (None, list(prompt))
                 results[request_id] = RequestOutput(request_id, text, ids, [], True, error=str(e))
         self._run(results, use_tqdm and len(prompts) > 1)
         return [results[request_id] for request_id in order]
@@ -118,12 +128,19 @@ class LLM:
         use_tqdm: bool = True,
         add_generation_prompt: bool = True,
     ) -> list[RequestOutput]:
-        """Apply the model's chat template to each conversation, then generate."""
+        """Apply the model's chat template to each conversation, then generate. Message
+        content may be OpenAI content parts: ``text``, ``image_url`` (a data URL) and
+        ``image_pil`` (a PIL image)."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
-        prompts = [
-            self.apply_chat_template(c, add_generation_prompt=add_generation_prompt)
-            for c in conversations
-        ]
+        prompts: list[Prompt] = []
+        for conversation in conversations:
+            conversation, images = take_images(conversation, MediaPolicy())
+            ids = self.apply_chat_template(
+                conversation, add_generation_prompt=add_generation_prompt
+            )
+            prompts.append(
+                {"prompt_token_ids": ids, "multi_modal_data": {"image": images}} if images else ids
+            )
         return self.generate(prompts, sampling_params, use_tqdm)
 
     # ------------------------------------------------------- pooling models
@@ -299,13 +316,44 @@ class LLM:
         """Queue a request (under ``lora_request``'s adapter, if given); raise ``ValueError``
         (and queue nothing) if it is invalid. With ``stream`` :meth:`step` returns its output
         whenever it advances, else only once finished."""
-        if isinstance(prompt, str):
+        images = ()
+        if isinstance(prompt, dict):
+            text, token_ids, images = self._multimodal_prompt(prompt)
+        elif isinstance(prompt, str):
             text, token_ids = prompt, self.tokenizer.encode(prompt)
         else:
             text, token_ids = None, list(prompt)
         params = params or SamplingParams()
-        self.engine.add_request(request_id, token_ids, params, lora_request)
+        self.engine.add_request(request_id, token_ids, params, lora_request, images)
         self._outputs.add_request(request_id, text, token_ids, params, stream)
+
+    def _multimodal_prompt(
+        self, prompt: dict[str, Any]
+    ) -> tuple[str | None, list[int], tuple[ImageItem, ...]]:
+        """A dict prompt's text, its token ids with the image placeholders expanded, and its
+        images."""
+        unknown = set(prompt) - {"prompt", "prompt_token_ids", "multi_modal_data"}
+        if unknown:
+            raise ValueError(f"prompt: unknown keys {', '.join(sorted(unknown))}")
+        text = prompt.get("prompt")
+        ids = self.tokenizer.encode(text) if text is not None else prompt.get("prompt_token_ids")
+        if ids is None:
+            raise ValueError("prompt: needs 'prompt' (text) or 'prompt_token_ids'")
+        data = dict(prompt.get("multi_modal_data") or {})
+        images = data.pop("image", [])
+        if data:
+            raise ValueError(
+                f"multi_modal_data: {', '.join(sorted(data))} not supported (images only)"
+            )
+        images = images if isinstance(images, (list, tuple)) else [images]
+        if not images:
+            return text, list(ids), ()
+        self.engine.validate_images(len(images))
+        if self._image_processor is None:
+            config = self.engine.model_config
+            self._image_processor = ImageProcessor(config.path, config.hf_config)
+        token_ids, items = self._image_processor.process(ids, images)
+        return text, token_ids, items
 
     def step(self) -> list[RequestOutput]:
         """Run one engine step; the outputs of the requests it advanced."""
@@ -352,8 +400,8 @@ def _one_each(value: Any, single: type, prompts: Sequence[Prompt], what: str) ->
 
 
 def _prompt_list(prompts: Prompt | Sequence[Prompt]) -> Sequence[Prompt]:
-    """One prompt (a string or token ids) as a list of one."""
-    if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+    """One prompt (a string, token ids or a dict) as a list of one."""
+    if isinstance(prompts, (str, dict)) or (prompts and isinstance(prompts[0], int)):
         return [prompts]
     return prompts
 

@@ -24,6 +24,7 @@ ORDER = [
     "embed",
     "turns",
     "offload",
+    "image",
     "rollout",
     "kernel",
     "host",

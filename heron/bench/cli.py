@@ -23,6 +23,7 @@ SUBCOMMANDS = {
         "a working set beyond the device pool, with and without the host-memory tier",
         True,
     ),
+    "image": ("image", "image+text requests against text-only ones: encoder ms, TTFT, tok/s", True),
     "kernel": ("kernel", "one decode kernel alone, x its bandwidth floor", False),
     "host": ("host", "host time of an engine step with the model stubbed out (CPU)", False),
     "profile": ("profile", "where a decode step's time goes (torch.profiler or cProfile)", True),

@@ -135,6 +135,22 @@ DEEPSEEK_V3_5L = dict(  # DeepSeek-V3's layers, five of them (one dense, four Mo
 )
 
 
+# Qwen3.5-0.8B's vision tower (16-pixel patches merged 2x2 into the language model's width).
+QWEN3_5_VISION = dict(
+    depth=12,
+    hidden_size=768,
+    intermediate_size=3072,
+    num_heads=12,
+    out_hidden_size=1024,
+    patch_size=16,
+    spatial_merge_size=2,
+    temporal_patch_size=2,
+    num_position_embeddings=2304,
+)
+# The multimodal class of each text shape's family.
+VISION_CLASSES = {"Qwen3_5TextConfig": ("Qwen3_5Config", "Qwen3_5ForConditionalGeneration")}
+
+
 @dataclass(frozen=True)
 class Shape:
     """A model shape: its transformers config class, architecture, fields, and the family
@@ -219,16 +235,44 @@ def shape(
     return out
 
 
+def with_vision(text: Shape) -> Shape:
+    """The multimodal checkpoint of a text shape: its language model (interleaved M-RoPE, as
+    released) and its family's vision tower; the last three token ids are the vision tokens."""
+    if text.config_class not in VISION_CLASSES:
+        raise ValueError(f"{text.architecture} has no vision tower here")
+    config_class, architecture = VISION_CLASSES[text.config_class]
+    vocab = text.fields["vocab_size"]
+    rope = {"rope_type": "default", "rope_theta": 10_000_000.0, "partial_rotary_factor": 0.25}
+    fields = dict(
+        text_config=text.fields | {"rope_parameters": rope | {"mrope_section": [11, 11, 10]}},
+        vision_config=QWEN3_5_VISION,
+        vision_start_token_id=vocab - 3,
+        vision_end_token_id=vocab - 2,
+        image_token_id=vocab - 1,
+        tie_word_embeddings=text.fields["tie_word_embeddings"],
+    )
+    return Shape(config_class, architecture, text.family, fields)
+
+
 def write_checkpoint(shape: Shape, path: Path) -> None:
     """``config.json`` and a word-level tokenizer (token ``t<i>`` is id ``i``; EOS ``t1``,
-    which the benchmarks ignore): what ``load_format="dummy"`` needs."""
+    which the benchmarks ignore): what ``load_format="dummy"`` needs; a multimodal shape's
+    image processor too (its PIL class's config)."""
     import transformers as tf
     from tokenizers import Tokenizer, models, pre_tokenizers
 
     config = getattr(tf, shape.config_class)(**shape.fields)
     config.architectures = [shape.architecture]
     config.save_pretrained(path)
-    vocab = {f"t{i}": i for i in range(shape.fields["vocab_size"])}
+    vision = shape.fields.get("vision_config")
+    if vision is not None:
+        tf.Qwen2VLImageProcessorPil(
+            patch_size=vision["patch_size"],
+            merge_size=vision["spatial_merge_size"],
+            temporal_patch_size=vision["temporal_patch_size"],
+        ).save_pretrained(path)
+    text = shape.fields.get("text_config", shape.fields)
+    vocab = {f"t{i}": i for i in range(text["vocab_size"])}
     tokenizer = Tokenizer(models.WordLevel(vocab, unk_token="t0"))
     tokenizer.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
     tf.PreTrainedTokenizerFast(tokenizer_object=tokenizer, eos_token="t1").save_pretrained(path)

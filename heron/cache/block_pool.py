@@ -28,12 +28,18 @@ def root_hash(salt: int) -> int:
     return hash((ROOT_HASH, salt)) if salt else ROOT_HASH
 
 
-def hash_block_tokens(parent_hash: int, token_ids: Sequence[int]) -> int:
-    """Hash of a full block, chained to the hash of the block before it.
+def hash_block_tokens(
+    parent_hash: int, token_ids: Sequence[int], extras: tuple[str, ...] = ()
+) -> int:
+    """Hash of a full block, chained to the hash of the block before it; ``extras`` are what
+    the block's KV depends on beside its tokens (the content hashes of the images whose
+    placeholders it holds).
 
     Python's built-in 64-bit tuple hash: cheap, and deterministic across processes. See
     :class:`~heron.cache.paged.PagedCacheManager` for what a collision costs.
     """
+    if extras:
+        return hash((parent_hash, tuple(token_ids), extras))
     return hash((parent_hash, tuple(token_ids)))
 
 

@@ -33,6 +33,10 @@ class CachedSequence(Protocol):
     @property
     def wants_prompt_logprobs(self) -> bool: ...
 
+    def block_extras(self, start: int, end: int) -> tuple[str, ...]:
+        """What tokens ``start .. end`` depend on beside their ids (``hash_block_tokens``)."""
+        ...
+
 
 class AllocationHeadroom(NamedTuple):
     """Blocks already allocated cover steps up to ``tokens`` tokens (``num_computed_tokens +

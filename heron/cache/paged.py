@@ -229,7 +229,9 @@ class PagedCacheManager(CacheManager):
             if hashes is not None and i < len(hashes):
                 parent = hashes[i]
             else:
-                parent = hash_block_tokens(parent, tokens[start : start + bs])
+                parent = hash_block_tokens(
+                    parent, tokens[start : start + bs], request.block_extras(start, start + bs)
+                )
                 if hashes is not None:
                     hashes.append(parent)
             block_id = cached.get(parent)
@@ -418,7 +420,9 @@ class PagedCacheManager(CacheManager):
             if i < len(chain):
                 parent = chain[i]
             else:
-                parent = hash_block_tokens(parent, tokens[i * bs : (i + 1) * bs])
+                start = i * bs
+                extras = request.block_extras(start, start + bs)
+                parent = hash_block_tokens(parent, tokens[start : start + bs], extras)
             hashes.append(parent)
             if state.block_ids[i] != NULL_BLOCK_ID:
                 self._pool.register(state.block_ids[i], parent)

@@ -40,6 +40,7 @@ from heron.engine.messages import (
     EngineStats,
     FrontEndpoints,
     FrontMessage,
+    ImageData,
     Ready,
     Rejected,
     RemoveAdapter,
@@ -50,6 +51,7 @@ from heron.engine.messages import (
 )
 from heron.engine.output_processor import OutputProcessor
 from heron.lora.request import LoRARequest
+from heron.multimodal.inputs import ImageItem
 from heron.outputs import PoolingRequestOutput, RequestOutput
 from heron.pooling_params import PoolingParams
 from heron.sampling_params import SamplingParams
@@ -150,6 +152,7 @@ class EngineCoreClient:
         self.stats: EngineStats = ready.stats  # the newest snapshot the core sent
         self.pooling = ready.pooling  # a pooling model's pooler; None: the model generates
         self.sleep_mode = ready.sleep_mode
+        self.image_limit = ready.image_limit
         self._calls: dict[int, asyncio.Future] = {}  # control calls waiting for the core
         self._call_ids = itertools.count()
         self._outputs = OutputProcessor(self.tokenizer, ready.eos_token_ids)
@@ -172,9 +175,10 @@ class EngineCoreClient:
         prompt_token_ids: list[int],
         params: SamplingParams,
         lora_request: LoRARequest | None = None,
+        images: tuple[ImageItem, ...] = (),
     ) -> AsyncIterator[RequestOutput]:
         """Yield the request's outputs until it finishes (under ``lora_request``'s adapter,
-        one :meth:`add_lora` gave).
+        one :meth:`add_lora` gave; ``images``: the prompt's, placeholders expanded).
 
         An invalid request raises ``ValueError`` on the first iteration, before any output. If
         the caller stops iterating early (closes or cancels the generator), the request is
@@ -183,7 +187,9 @@ class EngineCoreClient:
         queue = self._open(request_id)
         token_ids = list(prompt_token_ids)
         self._outputs.add_request(request_id, None, token_ids, params)
-        self._send(AddRequest(request_id, token_ids, params, self._endpoints.index, lora_request))
+        wire = [ImageData.of(item) for item in images]
+        front = self._endpoints.index
+        self._send(AddRequest(request_id, token_ids, params, front, lora_request, wire))
         finished = False
         try:
             while True:

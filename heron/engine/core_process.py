@@ -139,8 +139,12 @@ class EngineCore:
     def _add(self, message: AddRequest | AddPoolingRequest) -> None:
         request_id = message.request_id
         try:
-            lora = message.lora_request if isinstance(message, AddRequest) else None
-            self.engine.add_request(request_id, message.prompt_token_ids, message.params, lora)
+            lora, images = None, ()
+            if isinstance(message, AddRequest):
+                lora, images = message.lora_request, tuple(i.item() for i in message.images)
+            self.engine.add_request(
+                request_id, message.prompt_token_ids, message.params, lora, images
+            )
         except ValueError as e:
             self.send(Rejected(request_id, str(e)), message.front)
             return
@@ -301,6 +305,7 @@ def _start(args: CoreArgs, inbox: zmq.Socket, outboxes: list[zmq.Socket]) -> Eng
             EngineStats.of(engine),
             engine.pooling,
             args.config.enable_sleep_mode,
+            (args.config.limit_mm_per_prompt or {}).get("image"),
         )
     )
     return core

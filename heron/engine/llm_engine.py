@@ -20,6 +20,8 @@ from heron.execution.model_runner import LaunchedStep
 from heron.execution.sampler import on_device
 from heron.execution.step_plan import StepOutput
 from heron.lora.request import LoRARequest
+from heron.models.registry import accepts_images
+from heron.multimodal.inputs import ImageItem
 from heron.outputs import Logprob
 from heron.pooling_params import PoolingParams
 from heron.sampling_params import SamplingParams
@@ -106,9 +108,12 @@ class LLMEngine:
         prompt_token_ids: list[int],
         params: SamplingParams | PoolingParams | None = None,
         lora_request: LoRARequest | None = None,
+        images: tuple[ImageItem, ...] = (),
     ) -> None:
         """Queue a request (under ``lora_request``'s adapter, if given; a pooling request with
-        ``PoolingParams``); raise ``ValueError`` (and queue nothing) if it is invalid. Every
+        ``PoolingParams``; ``images``: the prompt's, from :class:`ImageProcessor`, whose
+        placeholders it holds already); raise ``ValueError`` (and queue nothing) if it is
+        invalid. Every
         step that advances a generation returns its delta; a pooling request's one delta
         comes once it is pooled."""
         self.rollout.check_accepts_requests()
@@ -125,6 +130,8 @@ class LLMEngine:
         params.eos_token_ids = frozenset(self.eos_token_ids)
         token_ids = list(prompt_token_ids)
         self._validate_prompt(token_ids)
+        if images:
+            self.validate_images(len(images))
         vocab = self.model_config.vocab_size
         if params.logit_bias and max(params.logit_bias) >= vocab:
             raise ValueError(
@@ -140,6 +147,7 @@ class LLMEngine:
                 parent_id=request_id,
                 sample_index=index,
                 lora_request=lora_request,
+                images=images,
             )
             children.append(child)
         if params.structured_outputs is not None:
@@ -195,6 +203,26 @@ class LLMEngine:
                 self.tokenizer, self.model_config.vocab_size, self.eos_token_ids
             )
         return self._grammars
+
+    def validate_images(self, count: int) -> None:
+        """``ValueError`` unless the model reads images and a prompt may hold ``count``."""
+        architecture = self.model_config.architecture
+        if not accepts_images(architecture):
+            raise ValueError(f"{architecture} is a text-only model: it takes no images")
+        config = self.config
+        unsupported = [
+            ("speculative_config", config.speculative_config is not None),
+            ("tensor_parallel_size > 1", config.tensor_parallel_size > 1),
+            ("a KV connector", self.scheduler.connector is not None),
+        ]
+        for name, used in unsupported:
+            if used:
+                raise ValueError(f"images are not supported with {name} yet")
+        limit = (self.config.limit_mm_per_prompt or {}).get("image")
+        if limit is not None and count > limit:
+            raise ValueError(
+                f"the prompt has {count} images, more than limit_mm_per_prompt allows ({limit})"
+            )
 
     def _validate_prompt(self, token_ids: list[int]) -> None:
         if not token_ids:

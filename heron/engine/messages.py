@@ -10,10 +10,12 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 import msgspec
+import torch
 
 from heron.config import EngineConfig
 from heron.engine.deltas import RequestDelta
 from heron.lora.request import LoRARequest
+from heron.multimodal.inputs import ImageItem
 from heron.pooler_config import PoolerConfig
 from heron.pooling_params import PoolingParams
 from heron.sampling_params import SamplingParams
@@ -24,12 +26,40 @@ if TYPE_CHECKING:
 # ----------------------------------------------------------------- front -> core
 
 
+class ImageData(msgspec.Struct, array_like=True):
+    """An :class:`ImageItem` on the wire: its pixel patches as raw float32 bytes."""
+
+    content_hash: str
+    pixels: bytes
+    shape: tuple[int, int]
+    grid_thw: tuple[int, int, int]
+    offset: int
+    length: int
+
+    @classmethod
+    def of(cls, item: ImageItem) -> ImageData:
+        pixels = item.pixel_values.float().contiguous()
+        return cls(
+            item.content_hash,
+            pixels.numpy().tobytes(),
+            tuple(pixels.shape),
+            item.grid_thw,
+            item.offset,
+            item.length,
+        )
+
+    def item(self) -> ImageItem:
+        values = torch.frombuffer(bytearray(self.pixels), dtype=torch.float32).view(self.shape)
+        return ImageItem(self.content_hash, values, self.grid_thw, self.offset, self.length)
+
+
 class AddRequest(msgspec.Struct, tag=True, array_like=True):
     request_id: str
     prompt_token_ids: list[int]
     params: SamplingParams
     front: int = 0  # the sender's index: its outputs go back to it
     lora_request: LoRARequest | None = None  # an adapter the core gave (AdapterAdded)
+    images: list[ImageData] = []  # the prompt's, its placeholders expanded in the token ids
 
 
 class AddPoolingRequest(msgspec.Struct, tag=True, array_like=True):
@@ -163,6 +193,7 @@ class Ready(msgspec.Struct, tag=True, array_like=True):
     stats: EngineStats
     pooling: PoolerConfig | None  # a pooling model's pooler; None: the model generates
     sleep_mode: bool = False  # the engine sleeps and updates weights (Control calls)
+    image_limit: int | None = None  # most images a prompt (limit_mm_per_prompt; None: any)
 
 
 class StartupFailed(msgspec.Struct, tag=True, array_like=True):

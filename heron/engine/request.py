@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING
 
 from heron.cache.block_pool import root_hash
 from heron.lora.request import LoRARequest
+from heron.multimodal.inputs import ImageItem, block_hash_extras
 from heron.outputs import Logprob
 from heron.pooling_params import PoolingParams
 from heron.sampling_params import SamplingParams
@@ -63,6 +64,7 @@ class Request:
     lora_request: LoRARequest | None = None  # the adapter it runs under (None: the base model)
     prefix_root: int = field(init=False)  # its prefix cache entries are its adapter's alone
     pooling_params: PoolingParams | None = None  # a pooling request's (it samples nothing)
+    images: tuple[ImageItem, ...] = ()  # the prompt's images, in placeholder order
 
     def __post_init__(self) -> None:
         self.parent_id = self.parent_id or self.request_id
@@ -93,6 +95,10 @@ class Request:
     def waits_for_grammar(self) -> bool:
         """Its grammar is still being compiled: it cannot be scheduled yet."""
         return self.grammar is not None and not self.grammar.is_ready
+
+    def block_extras(self, start: int, end: int) -> tuple[str, ...]:
+        """The content hashes of the images whose placeholders lie in tokens ``start .. end``."""
+        return block_hash_extras(self.images, start, end) if self.images else ()
 
     @property
     def num_output_tokens(self) -> int:

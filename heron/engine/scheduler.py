@@ -414,4 +414,5 @@ def _new_request(request: Request) -> NewRequest:
         params,
         None if params.seed is None else params.seed + request.sample_index,
         request.lora_request,
+        request.images,
     )

@@ -16,6 +16,7 @@ from heron.cache.spec import CacheSpec
 from heron.config import ModelConfig
 from heron.execution.cuda_graph import CudaGraphRunner
 from heron.execution.launched import LaunchedStep
+from heron.execution.multimodal import MultimodalInputs
 from heron.execution.next_decode import DecodeChainer
 from heron.execution.pooler import Pooler
 from heron.execution.request_state import RequestState
@@ -72,6 +73,12 @@ class ModelRunner:
         self.block_size = block_size
         self.model, self.plan = build(
             model_config, platform, attention_backend, block_size, tp, lora
+        )
+        # A multimodal model's step inputs beside the tokens (its encoder cache with them).
+        self.multimodal = (
+            MultimodalInputs(self.model, self.device)
+            if getattr(self.model, "is_multimodal", False)
+            else None
         )
         self.adapters = None
         if lora is not None:
@@ -364,6 +371,11 @@ class ModelRunner:
         if step is not None:
             return step, None
         apply_plan(plan, self.requests, self.inputs.tables, self.device)
+        if self.multimodal is not None:
+            for request_id in plan.finished_ids:
+                self.multimodal.forget(request_id, finished=True)
+            for request_id in plan.preempted_ids:
+                self.multimodal.forget(request_id, finished=False)
         if not plan.request_ids:
             return None, None
         slots = None
@@ -392,16 +404,23 @@ class ModelRunner:
         for copies in plan.copies_before:
             self.cache.copy_entries(copies.group, copies.sources, copies.destinations)
         greedy_ids = None
+        # A step with images runs eagerly (the encoder, placeholder features, M-RoPE positions).
+        mm = None if self.multimodal is None else self.multimodal.prepare(plan, self.requests)
         # A graph computes every token's logits: it serves steps that sample every token
         # (not a prefill chunk that samples nothing, nor prompt logprobs' rows first).
         every_token_sampled = step.sample_rows == slice(0, seq.num_tokens)
-        if self.graphs is not None and every_token_sampled and self.graphs.can_run(seq):
+        if (
+            self.graphs is not None
+            and mm is None
+            and every_token_sampled
+            and self.graphs.can_run(seq)
+        ):
             hidden, logits, greedy_ids = self.graphs.run(seq)
         else:
             if self.graphs is not None:
                 logger.debug("eager step: %d requests, %d tokens", seq.num_reqs, seq.num_tokens)
             self.plan.build_views(seq)
-            hidden = self.model(seq.token_ids)
+            hidden = self.model(seq.token_ids) if mm is None else self.model(seq.token_ids, mm)
             logits = self.model.compute_logits(hidden[seq.logits_indices.long()])
         for copies in plan.copies_after:
             self.cache.copy_entries(copies.group, copies.sources, copies.destinations)

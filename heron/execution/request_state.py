@@ -23,6 +23,7 @@ class RequestState:
         "generator",
         "num_prompt_logprobs",
         "lora_request",
+        "images",
     )
 
     def __init__(self, new: NewRequest, device: torch.device) -> None:
@@ -35,6 +36,7 @@ class RequestState:
         # preemption does not compute them twice).
         self.num_prompt_logprobs = 0
         self.lora_request = new.lora_request
+        self.images = new.images
 
     @property
     def num_output_tokens(self) -> int:

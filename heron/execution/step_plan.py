@@ -12,6 +12,7 @@ import torch
 
 from heron.kv_transfer.base import KVConnectorMeta
 from heron.lora.request import LoRARequest
+from heron.multimodal.inputs import ImageItem
 from heron.outputs import Logprob
 from heron.sampling_params import SamplingParams
 
@@ -26,6 +27,7 @@ class NewRequest:
     sampling_params: SamplingParams
     seed: int | None  # the sample's own seed (its draws ignore the rest of the batch)
     lora_request: LoRARequest | None = None  # the adapter it runs under (None: the base model)
+    images: tuple[ImageItem, ...] = ()  # the prompt's images (a multimodal model's)
 
 
 @dataclass(frozen=True)

@@ -52,6 +52,45 @@ class RotaryEmbedding(nn.Module):
         return _rotate(q, cos, sin), _rotate(k, cos, sin)
 
 
+class MRotaryEmbedding(RotaryEmbedding):
+    """Interleaved multimodal RoPE (Qwen3-VL): each token has a temporal, height and width
+    position, and rotary frequency ``j`` turns with the height position where ``j % 3 == 1``
+    (the first ``3 * mrope_section[1]`` of them), the width's where ``j % 3 == 2`` (the
+    first ``3 * mrope_section[2]``), else the temporal one (``default_section``: the family's
+    section where the config names none, as HF's). Text tokens have three equal
+    positions, which is plain RoPE.
+
+    The model sets ``step_positions`` (``[3, tokens]``) before each forward pass that holds a
+    multimodal request; None means the view's (text) positions.
+    """
+
+    def __init__(
+        self,
+        config: PretrainedConfig,
+        head_dim: int,
+        max_positions: int,
+        default_section: tuple[int, int, int] = (24, 20, 20),
+    ) -> None:
+        super().__init__(config, head_dim, max_positions)
+        section = config.rope_parameters.get("mrope_section") or default_section
+        axis = torch.zeros(self.cos.shape[-1], dtype=torch.long, device="cpu")
+        axis[1 : 3 * section[1] : 3] = 1
+        axis[2 : 3 * section[2] : 3] = 2
+        self.register_buffer("axis", axis, persistent=False)
+        self.step_positions: torch.Tensor | None = None
+
+    def forward(
+        self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.step_positions is None:
+            return super().forward(positions, q, k)
+        index = self.axis.expand(positions.shape[0], -1).unsqueeze(0)  # [1, tokens, freqs]
+        step = self.step_positions[:, : positions.shape[0]]
+        cos = self.cos[step].gather(0, index)[0].unsqueeze(1)
+        sin = self.sin[step].gather(0, index)[0].unsqueeze(1)
+        return _rotate(q, cos, sin), _rotate(k, cos, sin)
+
+
 class QKTransform(nn.Module):
     """What happens to q and k between the projection and attention.
 

@@ -13,11 +13,13 @@ def initialize_dummy_weights(model: nn.Module, std: float, seed: int) -> None:
 
     Matrices (projections, embeddings, routers, experts) are normal(0, ``std``), as a fresh HF
     model's; norm scales are neutral (1, or 0 for the ``(1 + w)`` form) so activations keep
-    their scale through the layers; other vectors (biases, attention sinks) are zero.
+    their scale through the layers (a vision tower's layer norms too); other vectors (biases,
+    attention sinks) are zero.
     """
     norm_fill = {
         id(m.weight): 1.0 - m.weight_offset for m in model.modules() if isinstance(m, RMSNorm)
     }
+    norm_fill |= {id(m.weight): 1.0 for m in model.modules() if isinstance(m, nn.LayerNorm)}
     generator = torch.Generator(next(model.parameters()).device).manual_seed(seed)
     with torch.no_grad():
         for param in model.parameters():

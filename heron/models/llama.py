@@ -51,7 +51,7 @@ class LlamaFamily:
             qkv_bias=bool(getattr(config, "qkv_bias", True)) if qwen2 else attention_bias,
             o_bias=False if qwen2 else attention_bias,
             mlp_bias=bool(getattr(config, "mlp_bias", False)),
-            qk_norm=model_type in ("qwen3", "qwen3_moe"),
+            qk_norm=model_type in ("qwen3", "qwen3_moe", "qwen3_vl_text"),
             sliding_windows=sliding_windows(config),
         )
 
@@ -98,12 +98,16 @@ class LlamaDecoderLayer(PreNormDecoderLayer):
 
 class LlamaModel(DecoderModel):
     def __init__(
-        self, config: PretrainedConfig, runtime: OperatorRuntime, mlp: MLPFactory = dense_mlp
+        self,
+        config: PretrainedConfig,
+        runtime: OperatorRuntime,
+        mlp: MLPFactory = dense_mlp,
+        rotary_class: type[RotaryEmbedding] = RotaryEmbedding,
     ) -> None:
         super().__init__()
         family = LlamaFamily.from_config(config)
         # One table for all layers; not a submodule of each layer so it is stored once.
-        rotary = RotaryEmbedding(config, head_dim_of(config), runtime.max_model_len)
+        rotary = rotary_class(config, head_dim_of(config), runtime.max_model_len)
         self.rotary = rotary
         self.embed_tokens = VocabEmbedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(

@@ -11,12 +11,14 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-import logging
 from collections.abc import Callable
+from functools import partial
 
 import torch
 from torch import nn
 from transformers import PretrainedConfig
+from transformers.models.qwen3_5.modeling_qwen3_5 import Qwen3_5VisionModel
+from transformers.models.qwen3_5_moe.modeling_qwen3_5_moe import Qwen3_5MoeVisionModel
 
 from heron.kernels import LayerKernels
 from heron.layers.activation import SigmoidAndMul, SiluAndMul
@@ -25,7 +27,7 @@ from heron.layers.linear import Linear, PackedLinear, Runs, rows_of
 from heron.layers.mlp import GatedMLP
 from heron.layers.moe import SparseMoE
 from heron.layers.norm import GatedRMSNorm, GemmaRMSNorm
-from heron.layers.rotary import QKTransform, RotaryEmbedding
+from heron.layers.rotary import MRotaryEmbedding, QKTransform, RotaryEmbedding
 from heron.models.common import (
     PACKED_MODULES,
     DecoderForCausalLM,
@@ -37,10 +39,9 @@ from heron.models.common import (
 )
 from heron.models.mtp import MultiTokenPredictor, num_mtp_layers
 from heron.models.qwen_moe import is_sparse_layer
+from heron.models.vision_language import ImagesIn, language_config
 from heron.ops.linear_attention.operator import GatedDeltaNetSpec
 from heron.ops.selector import OperatorRuntime, make_attention, make_gated_delta_net
-
-logger = logging.getLogger(__name__)
 
 #: A layer's MLP from ``(config, layer index, kernels)``.
 MLPFactory = Callable[[PretrainedConfig, int, LayerKernels], nn.Module]
@@ -319,9 +320,10 @@ class Qwen3_5Model(DecoderModel):
         runtime: OperatorRuntime,
         mlp: MLPFactory = dense_mlp,
         in_proj: InProjFactory = SplitInProj,
+        rotary_class: type[RotaryEmbedding] = RotaryEmbedding,
     ) -> None:
         super().__init__()
-        rotary = RotaryEmbedding(config, head_dim_of(config), runtime.max_model_len)
+        rotary = rotary_class(config, head_dim_of(config), runtime.max_model_len)
         self.rotary = rotary
         self.embed_tokens = VocabEmbedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(
@@ -341,9 +343,11 @@ class Qwen3_5ForCausalLM(DecoderForCausalLM):
     }
     mlp: MLPFactory = staticmethod(dense_mlp)
     in_proj: InProjFactory = staticmethod(SplitInProj)
+    rotary_class: type[RotaryEmbedding] = RotaryEmbedding
 
     def __init__(self, config: PretrainedConfig, runtime: OperatorRuntime) -> None:
-        super().__init__(config, Qwen3_5Model(config, runtime, self.mlp, self.in_proj), runtime)
+        model = Qwen3_5Model(config, runtime, self.mlp, self.in_proj, self.rotary_class)
+        super().__init__(config, model, runtime)
 
 
 class Qwen3_5MoeForCausalLM(Qwen3_5ForCausalLM):
@@ -365,30 +369,27 @@ class Qwen3NextForCausalLM(Qwen3_5ForCausalLM):
     in_proj = staticmethod(InterleavedInProj)
 
 
-class _LanguageModelOf:
-    """A Qwen3.5 checkpoint as released (vision tower and multi-token-prediction head beside
-    the language model): the language model alone, from ``text_config``; the rest of the
-    checkpoint is not loaded. The head is tied as the top-level config says (as HF ties it)."""
+class Qwen3_5ForConditionalGeneration(ImagesIn, Qwen3_5ForCausalLM):
+    """A Qwen3.5 checkpoint as released: the language model under interleaved M-RoPE and the
+    vision tower (:mod:`heron.models.vision_language`); the multi-token-prediction head is
+    Qwen3_5MTP's."""
 
-    checkpoint_prefixes = {"model.language_model.": "model.", "model.visual.": None, "mtp.": None}
+    checkpoint_prefixes = {
+        "model.language_model.": "model.",
+        "model.visual.": "visual.",
+        "mtp.": None,
+    }
+    rotary_class = staticmethod(partial(MRotaryEmbedding, default_section=(11, 11, 10)))
+    vision_tower: type[nn.Module] = Qwen3_5VisionModel
 
     def __init__(self, config: PretrainedConfig, runtime: OperatorRuntime) -> None:
-        text_config = copy.copy(config.get_text_config())
-        text_config.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
-        logger.info(
-            "%s: serving the language model only; the vision tower and the multi-token-"
-            "prediction weights are not loaded",
-            type(self).__name__,
-        )
-        super().__init__(text_config, runtime)
+        super().__init__(language_config(config), runtime)
+        self.attach_vision(config, self.vision_tower)
 
 
-class Qwen3_5ForConditionalGeneration(_LanguageModelOf, Qwen3_5ForCausalLM):
-    pass
-
-
-class Qwen3_5MoeForConditionalGeneration(_LanguageModelOf, Qwen3_5MoeForCausalLM):
-    pass
+class Qwen3_5MoeForConditionalGeneration(Qwen3_5ForConditionalGeneration):
+    mlp = staticmethod(sparse_mlp)
+    vision_tower = Qwen3_5MoeVisionModel
 
 
 class Qwen3_5MTP(MultiTokenPredictor):

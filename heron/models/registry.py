@@ -18,6 +18,7 @@ from heron.models.qwen3_5 import (
     Qwen3_5MTP,
     Qwen3NextForCausalLM,
 )
+from heron.models.qwen3_vl import Qwen3VLForConditionalGeneration
 from heron.models.qwen_moe import QwenMoeForCausalLM
 
 logger = logging.getLogger(__name__)
@@ -39,6 +40,7 @@ MODEL_REGISTRY: dict[str, type[nn.Module]] = {
     "Qwen3_5ForConditionalGeneration": Qwen3_5ForConditionalGeneration,
     "Qwen3_5MoeForCausalLM": Qwen3_5MoeForCausalLM,
     "Qwen3_5MoeForConditionalGeneration": Qwen3_5MoeForConditionalGeneration,
+    "Qwen3VLForConditionalGeneration": Qwen3VLForConditionalGeneration,
 }
 
 # A target family -> the class of its multi-token-prediction head (speculative method "mtp");
@@ -75,6 +77,11 @@ def model_class(architecture: str) -> type[nn.Module]:
         raise ValueError(
             f"unsupported architecture {architecture!r}; supported: {', '.join(sorted(MODEL_REGISTRY))}"
         ) from None
+
+
+def accepts_images(architecture: str) -> bool:
+    """Whether the architecture's model reads images (an unknown one reads none)."""
+    return getattr(MODEL_REGISTRY.get(architecture), "is_multimodal", False)
 
 
 def mtp_class(architecture: str) -> type[nn.Module]:

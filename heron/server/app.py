@@ -36,10 +36,13 @@ from heron.engine.core_client import (
 )
 from heron.engine.request import Logprob
 from heron.lora.request import LoRARequest
+from heron.multimodal.inputs import ImageItem
+from heron.multimodal.media import MediaPolicy
 from heron.outputs import CompletionOutput, PoolingRequestOutput, RequestOutput
 from heron.pooling_params import PoolingParams, cosine, pair_token_ids
 from heron.sampling_params import SamplingParams
 from heron.server.chat_output import ChatOutputConfig, ChatOutputParser
+from heron.server.images import ServerImages
 from heron.server.metrics import ServerMetrics
 from heron.server.pooling_protocol import (
     ClassificationRequest,
@@ -211,10 +214,14 @@ class OpenAIServing:
         trust_request_chat_template: bool,
         chat_output: ChatOutputConfig | None = None,
         chat_template: str | None = None,
+        media: MediaPolicy | None = None,
+        image_limit: int | None = None,
     ) -> None:
         """``chat_template``: the server's, used when a request brings none (None: the
-        tokenizer's)."""
+        tokenizer's); ``media``: where images may come from; ``image_limit``: most images a
+        prompt (None: no limit)."""
         self.engine = engine
+        self.images = ServerImages(engine.model_path, media or MediaPolicy(), image_limit)
         self.chat_template = chat_template
         self.chat_output = chat_output or ChatOutputConfig()
         self.tokenizer = engine.tokenizer
@@ -321,10 +328,18 @@ class OpenAIServing:
             self.tokenizer_thread,
         )
 
-    async def chat_prompt(self, body: ChatCompletionRequest | TokenizeRequest) -> list[int]:
-        """The conversation through the chat template (the request's own, if it has one)."""
-        conversation, tools = body.conversation(), None
-        size = sum(len(m["content"]) for m in conversation)
+    async def chat_prompt(
+        self, body: ChatCompletionRequest | TokenizeRequest
+    ) -> tuple[list[int], tuple[ImageItem, ...]]:
+        """The conversation through the chat template (the request's own, if it has one),
+        and its images (their placeholders expanded in the token ids)."""
+        conversation, tools, images = body.conversation(), None, []
+        if any(isinstance(m["content"], list) for m in conversation):
+            try:
+                conversation, images = await asyncio.to_thread(self.images.take, conversation)
+            except ValueError as e:
+                raise _bad_value(e) from e
+        size = sum(len(m["content"]) for m in conversation if isinstance(m["content"], str))
         if isinstance(body, ChatCompletionRequest):
             self.check_prompt_chars(size)  # the template writes every message's content
             tools = body.template_tools()
@@ -352,7 +367,10 @@ class OpenAIServing:
             )
 
         try:
-            return await off_loop_if_large(size, render, self.tokenizer_thread)
+            token_ids = await off_loop_if_large(size, render, self.tokenizer_thread)
+            if not images:
+                return token_ids, ()
+            return await asyncio.to_thread(self.images.process, token_ids, images)
         except jinja2.TemplateError as e:
             raise APIError(400, f"the chat template failed: {e}", param="chat_template") from e
         except ValueError as e:
@@ -391,13 +409,14 @@ class OpenAIServing:
         prompts: list[list[int]],
         params: SamplingParams,
         lora_request: LoRARequest | None = None,
+        images: tuple[ImageItem, ...] = (),
     ) -> list[tuple[RequestOutput, AsyncIterator[RequestOutput]]]:
-        """Add every prompt (under ``lora_request``'s adapter) and wait for its first output,
-        so invalid prompts fail before any response is sent. Returns each prompt's first output
-        and the rest of its stream."""
+        """Add every prompt (under ``lora_request``'s adapter; a chat's one prompt with its
+        ``images``) and wait for its first output, so invalid prompts fail before any response
+        is sent. Returns each prompt's first output and the rest of its stream."""
         streams = [
             self.metrics.track(
-                self.engine.generate(f"{request_id}-{i}", prompt, params, lora_request)
+                self.engine.generate(f"{request_id}-{i}", prompt, params, lora_request, images)
             )
             for i, prompt in enumerate(prompts)
         ]
@@ -648,11 +667,14 @@ def build_app(
     chat_output: ChatOutputConfig | None = None,
     chat_template: str | None = None,
     lora_modules: Sequence[tuple[str, str]] = (),
+    media: MediaPolicy | None = None,
+    image_limit: int | None = None,
 ) -> FastAPI:
     """The FastAPI app serving ``engine`` as ``served_model_name``; ``api_key`` guards /v1;
     ``chat_output`` names the reasoning and tool-call parsers of chat replies;
     ``chat_template`` replaces the tokenizer's; ``lora_modules``: LoRA adapters served from
-    the start, ``(name, path)`` (a request selects one by its ``model``).
+    the start, ``(name, path)`` (a request selects one by its ``model``); ``media`` and
+    ``image_limit``: where a request's images may come from, and how many a prompt holds.
 
     Routes read their bodies themselves (:meth:`OpenAIServing.parse`), so the API key is
     checked before a body is read and the size limit holds while it is read.
@@ -664,6 +686,8 @@ def build_app(
         trust_request_chat_template,
         chat_output,
         chat_template,
+        media,
+        image_limit,
     )
 
     @asynccontextmanager
@@ -738,7 +762,7 @@ def build_app(
         body = await serving.parse(request, TokenizeRequest)
         serving.check_model(body.model)
         if body.messages is not None:
-            tokens = await serving.chat_prompt(body)
+            tokens, _ = await serving.chat_prompt(body)
         elif body.prompt is not None:
             tokens = await off_loop_if_large(
                 len(body.prompt),
@@ -827,12 +851,12 @@ def build_app(
     async def chat_completions(request: Request) -> Response:
         body = await serving.parse(request, ChatCompletionRequest)
         params = serving.chat_sampling_params(body)
-        prompt = await serving.chat_prompt(body)
+        prompt, images = await serving.chat_prompt(body)
         serving.check_context(len(prompt), body)
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
         lora = serving.lora_request(body.model)
         started = await _until_disconnect(
-            request, serving.start(request_id, [prompt], params, lora)
+            request, serving.start(request_id, [prompt], params, lora, images)
         )
         created = int(time.time())
         if body.stream:
@@ -898,12 +922,12 @@ def build_app(
         except ValueError as e:
             raise _bad_value(e) from e
         params = serving.chat_sampling_params(chat)
-        prompt = await serving.chat_prompt(chat)
+        prompt, images = await serving.chat_prompt(chat)
         serving.check_context(len(prompt), chat)
         response_id = f"resp_{uuid.uuid4().hex}"
         lora = serving.lora_request(chat.model)
         started = await _until_disconnect(
-            request, serving.start(response_id, [prompt], params, lora)
+            request, serving.start(response_id, [prompt], params, lora, images)
         )
         writer = ResponseWriter(new_response(body, response_id, served_model_name))
         parser = serving.output_parser(chat)

@@ -17,6 +17,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from heron.config import EngineConfig
 from heron.engine.core_client import EngineCoreClient
 from heron.engine.core_launch import freeze_start_up_heap
+from heron.multimodal.media import MediaPolicy
 from heron.server.access_log import AccessLog
 from heron.server.app import build_app, error_response
 from heron.server.chat_output import ChatOutputConfig
@@ -104,6 +105,7 @@ class ServeOptions:
     timeout_keep_alive: int = DEFAULT_TIMEOUT_KEEP_ALIVE_S  # idle and header-read deadline
     chat_template: str | None = None  # instead of the tokenizer's
     lora_modules: tuple[tuple[str, str], ...] = ()  # LoRA adapters served: (name, path)
+    media: MediaPolicy = MediaPolicy()  # where requests' images may come from
 
 
 def serve(config: EngineConfig, options: ServeOptions, listener: socket.socket) -> int:
@@ -155,6 +157,8 @@ def run_front(
             options.chat_output,
             options.chat_template,
             options.lora_modules,
+            options.media,
+            engine.image_limit,
         )
     except BaseException:
         engine.shutdown()

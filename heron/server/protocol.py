@@ -203,12 +203,17 @@ class ChatMessage(BaseModel):
 
     @field_validator("content")
     @classmethod
-    def _text_parts_only(cls, content: Any) -> Any:
+    def _text_and_image_parts_only(cls, content: Any) -> Any:
         for part in content if isinstance(content, list) else ():
-            if part.get("type") != "text" or not isinstance(part.get("text"), str):
+            kind = part.get("type")
+            if kind == "image_url":
+                url = part.get("image_url")
+                if not isinstance(url, dict) or not isinstance(url.get("url"), str):
+                    raise ValueError("an image_url part needs image_url: {'url': ...}")
+            elif kind != "text" or not isinstance(part.get("text"), str):
                 raise ValueError(
-                    f"content parts of type {part.get('type')!r} are not supported "
-                    "(this server takes text parts only)"
+                    f"content parts of type {kind!r} are not supported "
+                    "(this server takes text and image_url parts)"
                 )
         return content
 
@@ -222,15 +227,22 @@ class ChatMessage(BaseModel):
     def text(self) -> str:
         """The content as one string (the text parts of a multi-part message joined)."""
         if isinstance(self.content, list):
-            return "".join(part["text"] for part in self.content)
+            return "".join(part.get("text", "") for part in self.content)
         return self.content or ""
+
+    @property
+    def has_images(self) -> bool:
+        return isinstance(self.content, list) and any(
+            part.get("type") == "image_url" for part in self.content
+        )
 
 
 def _conversation(messages: list[ChatMessage]) -> list[dict[str, Any]]:
-    """The messages as a chat template takes them."""
+    """The messages as a chat template takes them (a message with images keeps its parts,
+    for :func:`heron.multimodal.chat.take_images`)."""
     conv = []
     for m in messages:
-        message = {"role": m.role, "content": m.text()}
+        message = {"role": m.role, "content": m.content if m.has_images else m.text()}
         if m.name is not None:
             message["name"] = m.name
         if m.tool_calls:

@@ -127,6 +127,9 @@ class _DraftSequence:
     shift = 0  # the request's tokens this sequence's first one comes after
     prefix_root = ROOT_HASH  # (a draft runs no LoRA adapter)
 
+    def block_extras(self, start: int, end: int) -> tuple[str, ...]:
+        return ()  # (a draft reads no images)
+
     def __init__(self, request: Request) -> None:
         self.request_id = request.request_id
         self.all_token_ids = request.all_token_ids

@@ -200,3 +200,19 @@ def test_offload_computes_fewer_prompt_tokens_with_the_host_tier(tmp_path):
     assert with_tier < without
     assert values["llama, with the host tier: blocks loaded from host"] > 0
     assert values["llama, with the host tier, turn 2: p50 TTFT"] > 0
+
+
+def test_image_case_compares_image_and_text_requests(tmp_path):
+    """Two image+text requests on a tiny Qwen3.5 with its vision tower, then text-only
+    prompts of the same lengths: every figure is there and positive."""
+    from multimodal.mm_models import save_qwen3_5_vl
+
+    model, out = save_qwen3_5_vl(tmp_path / "vl"), tmp_path / "image.json"
+    argv = ["bench", "image", "--model", str(model), "--device", "cpu", "--requests", "2"]
+    argv += ["--text-len", "8", "--image-size", "32", "--output-len", "3"]
+    argv += ["--output-json", str(out)]
+    assert main(argv) == 0
+    values = {m["name"]: m["value"] for m in json.loads(out.read_text())["metrics"]}
+    for name in ("encoder per 32px image", "image+text mean TTFT", "text-only mean TTFT"):
+        assert values[f"vl: {name}"] > 0
+    assert values["vl: image+text output throughput"] > 0

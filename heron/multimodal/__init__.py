@@ -1,0 +1,1 @@
+"""Images in, text out: multimodal inputs, their processing and the encoder cache."""
