@@ -68,7 +68,8 @@ def fp8_scheme(hf_config: PretrainedConfig, quantization: str | None) -> Fp8Sche
     if qc.get("quant_method") != "fp8":
         raise ValueError(
             f"checkpoint quantization {qc.get('quant_method')!r} is not supported; "
-            "Heron loads quant_method 'fp8', 'awq', 'gptq' and 'compressed-tensors' checkpoints"
+            "Heron loads quant_method 'fp8', 'awq', 'gptq', 'compressed-tensors' and 'mxfp4' "
+            "checkpoints"
         )
     unknown = sorted(set(qc) - _CHECKPOINT_KEYS)
     if unknown:
