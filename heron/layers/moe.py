@@ -372,8 +372,14 @@ class ClampedSwiGLUExperts(ExpertBank):
         self.mxfp4 = False
 
     def hold_mxfp4(self) -> None:
-        """Empty MXFP4 stacks for an MXFP4 checkpoint to fill, in place of the dense ones."""
+        """Empty MXFP4 stacks for an MXFP4 checkpoint to fill, in place of the dense ones. A
+        tensor-parallel rank holds down's inputs in whole 32-value blocks (else refused)."""
         e, inter = self.num_experts, self.intermediate_size
+        if self.tp is not None and (inter % BLOCK or self.inter_start % BLOCK):
+            raise ValueError(
+                f"down_proj_blocks: tensor parallelism gives each rank {inter} of the experts' "
+                f"intermediate features, which splits its {BLOCK}-value MXFP4 blocks"
+            )
         for name, features in self._MXFP4_STACKS.items():
             blocks, scales = packed_shapes(*features(inter, self.hidden_size), name)
             device = getattr(self, name).device
@@ -397,16 +403,10 @@ class ClampedSwiGLUExperts(ExpertBank):
         self, name: str, loaded: torch.Tensor, shard: tuple[int, str] | None
     ) -> torch.Tensor:
         """As for dense stacks; MXFP4 down stacks split their inputs in whole 32-value blocks
-        (a rank's run that is not whole blocks is refused, naming the tensor)."""
+        (which :meth:`hold_mxfp4` checked)."""
         if self.tp is None or name not in ("down_proj_blocks", "down_proj_scales"):
             return super().checkpoint_part(name, loaded, shard)
-        start, size = self.inter_start, self.intermediate_size
-        if start % BLOCK or size % BLOCK:
-            raise ValueError(
-                f"{name}: tensor parallelism gives each rank {size} of the experts' intermediate "
-                f"features, which splits its {BLOCK}-value MXFP4 blocks"
-            )
-        return loaded.narrow(2, start // BLOCK, size // BLOCK)
+        return loaded.narrow(2, self.inter_start // BLOCK, self.intermediate_size // BLOCK)
 
     def _intermediate_dim(self, name: str, shard: None) -> int | None:
         # Gate and up columns alternate, so a run of features is a run of column pairs (of

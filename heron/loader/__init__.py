@@ -64,13 +64,16 @@ def load_model(model: nn.Module, model_config: ModelConfig, sharded: bool = Fals
 def _load_mxfp4(model: nn.Module, model_config: ModelConfig, sharded: bool) -> None:
     """Fill ``model`` whose experts hold MXFP4 stacks (every other weight as stored)."""
     banks = mxfp4_expert_banks(model, model_config.quantization)
-    for bank in banks:
-        bank.hold_mxfp4()
+    for name, bank in banks.items():
+        try:
+            bank.hold_mxfp4()
+        except ValueError as e:
+            raise ValueError(f"{name}.{e}") from e
     _fill(model, model_config, sharded)
     if model_config.load_format == "dummy":
         generator = torch.Generator(next(model.parameters()).device)
         generator.manual_seed(model_config.seed)
-        for bank in banks:
+        for bank in banks.values():
             bank.randomize_mxfp4(_dummy_std(model_config), generator)
     logger.info("weights: %s", describe_weights(model_config.quantization, model))
 

@@ -49,8 +49,8 @@ def fp8_expert_banks(model: nn.Module, scheme: WeightScheme) -> list[SwiGLUExper
     return out
 
 
-def mxfp4_expert_banks(model: nn.Module, scheme: Mxfp4Scheme) -> list[ClampedSwiGLUExperts]:
-    """gpt-oss's expert banks of ``model`` but those the scheme skips; a model with other
+def mxfp4_expert_banks(model: nn.Module, scheme: Mxfp4Scheme) -> dict[str, ClampedSwiGLUExperts]:
+    """gpt-oss's expert banks of ``model`` by name, but those the scheme skips; a model with other
     experts, or none, cannot hold an MXFP4 checkpoint (an error naming it)."""
     banks = {n: m for n, m in model.named_modules() if isinstance(m, ExpertBank)}
     other = [n for n, m in banks.items() if not isinstance(m, ClampedSwiGLUExperts)]
@@ -59,7 +59,7 @@ def mxfp4_expert_banks(model: nn.Module, scheme: Mxfp4Scheme) -> list[ClampedSwi
             f"mxfp4 checkpoints hold gpt-oss's experts; {type(model).__name__} has "
             + (f"other experts ({other[0]})" if other else "no experts")
         )
-    return [m for n, m in banks.items() if not scheme.skips(n)]
+    return {n: m for n, m in banks.items() if not scheme.skips(n)}
 
 
 def _skipped(model: nn.Module, scheme: WeightScheme, name: str, sources: list[str]) -> bool:

@@ -95,8 +95,8 @@ class GptOssModel(DecoderModel):
 
 
 class GptOssForCausalLM(DecoderForCausalLM):
-    """Expert weights load as ``save_pretrained`` writes them (dense, fused ``gate_up_proj``);
-    MXFP4-quantized checkpoints (``*_blocks`` / ``*_scales`` tensors) are not supported."""
+    """Expert weights load as ``save_pretrained`` writes them (dense, fused ``gate_up_proj``)
+    or as published (MXFP4 ``*_blocks`` / ``*_scales``, held packed: ``load_model``)."""
 
     checkpoint_renames = {"router": "gate"}  # SparseMoE's name for it
 

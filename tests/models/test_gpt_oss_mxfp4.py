@@ -9,59 +9,26 @@ import json
 
 import pytest
 import torch
-import transformers as tf
-from safetensors.torch import load_file, save_file
+from mxfp4_checkpoints import hf_on_mxfp4, write_mxfp4_checkpoint
 from test_cuda_kernels_interpreted import _save_gpt_oss
 from test_gpt_oss import PROMPTS
 
 from heron import LLM, SamplingParams
 from heron.layers.moe import ClampedSwiGLUExperts
-from heron.layers.mxfp4 import quantize_mxfp4
 from heron.ops import selector
 from heron.platforms import CpuPlatform
 
 from tiny_models import check_greedy_and_logprobs, greedy_tokens, hf_greedy
 
-GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
-# What openai/gpt-oss-20b's config lists.
-QUANTIZATION_CONFIG = {
-    "quant_method": "mxfp4",
-    "modules_to_not_convert": [
-        "model.layers.*.self_attn",
-        "model.layers.*.mlp.router",
-        "model.embed_tokens",
-        "lm_head",
-    ],
-}
-
-
-def write_mxfp4_checkpoint(path) -> None:
-    """A random tiny gpt-oss saved by HF, its expert stacks then replaced by their MXFP4
-    ``*_blocks`` / ``*_scales`` (output-major, as the published checkpoints hold them)."""
-    _save_gpt_oss(path)
-    tensors = load_file(path / "model.safetensors")
-    for name in [n for n in tensors if n.endswith(("experts.gate_up_proj", "experts.down_proj"))]:
-        blocks, scales = quantize_mxfp4(tensors.pop(name).transpose(1, 2))
-        tensors[f"{name}_blocks"], tensors[f"{name}_scales"] = blocks, scales
-    save_file(tensors, path / "model.safetensors")
-    config = json.loads((path / "config.json").read_text())
-    (path / "config.json").write_text(
-        json.dumps(config | {"quantization_config": QUANTIZATION_CONFIG})
-    )
+GREEDY = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
 
 
 @pytest.fixture(scope="module")
 def mxfp4(tmp_path_factory):
-    """The checkpoint and HF's model of it (eager attention: sinks and windows). HF expands
-    the experts to bf16, which holds every MXFP4 value exactly; widened to fp32, its model
-    computes as Heron's fp32 CPU path does."""
-    path = tmp_path_factory.mktemp("gpt_oss_mxfp4")
-    write_mxfp4_checkpoint(path)
-    hf = tf.AutoModelForCausalLM.from_pretrained(
-        path, dtype=torch.float32, attn_implementation="eager"
-    )
-    assert hf.model.layers[0].mlp.experts.gate_up_proj.dtype == torch.bfloat16
-    return path, hf.float().eval()
+    """The checkpoint and HF's model of it."""
+    root = tmp_path_factory.mktemp("gpt_oss_mxfp4")
+    path = write_mxfp4_checkpoint(_save_gpt_oss(root / "dense"), root / "mxfp4")
+    return path, hf_on_mxfp4(path)
 
 
 def _banks(llm: LLM) -> list[ClampedSwiGLUExperts]:
