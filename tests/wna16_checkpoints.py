@@ -1,10 +1,11 @@
-"""Checkpoints of packed integer weights written from random weights, as they are published.
+"""Checkpoints of packed integer weights (and compressed-tensors FP8 ones) written from random
+weights, as they are published.
 
 AWQ (GEMM) and GPTQ are packed as AutoAWQ's ``WQLinear_GEMM.from_linear`` and AutoGPTQ's
 ``QuantLinear.pack`` document it (numpy words, AWQ's interleaved nibble order, GPTQ's zeros
-less one and ``g_idx``), compressed-tensors by its own library's compressor; the writer
-returns the dequantised weights (each format's formula, or the library's decompressor) that
-HF transformers runs as a plain checkpoint."""
+less one and ``g_idx``), compressed-tensors (``pack-quantized`` and ``float-quantized``) by its
+own library's compressors; the writer returns the dequantised weights (each format's formula,
+or the library's decompressor) that HF transformers runs as a plain checkpoint."""
 
 from __future__ import annotations
 
@@ -100,6 +101,31 @@ def _compressed(w, group, sym):
     return tensors, deq, config
 
 
+def _compressed_fp8(w, block):
+    """W8A8-FP8 as llm-compressor's FP8_DYNAMIC (channel) and FP8_BLOCK schemes store it, with
+    ``block`` tiles (None: per channel)."""
+    from compressed_tensors.compressors.naive_quantized.base import FloatQuantizationCompressor
+    from compressed_tensors.quantization import QuantizationArgs, QuantizationScheme
+    from compressed_tensors.quantization.utils import calculate_qparams
+
+    fp8 = dict(num_bits=8, type="float", symmetric=True)
+    if block is None:
+        args = QuantizationArgs(**fp8, strategy="channel")
+        acts = QuantizationArgs(**fp8, strategy="token", dynamic=True)
+        tiles, dims = w[:, None, :], (2,)
+    else:
+        args = QuantizationArgs(**fp8, strategy="block", block_structure=list(block))
+        acts = QuantizationArgs(**fp8, strategy="group", group_size=block[1], dynamic=True)
+        padded = torch.nn.functional.pad(w, (0, -w.shape[1] % block[1], 0, -w.shape[0] % block[0]))
+        tiles, dims = padded.view(-1, block[0], padded.shape[1] // block[1], block[1]), (1, 3)
+    scheme = QuantizationScheme(targets=["Linear"], weights=args, input_activations=acts)
+    scale, zero = calculate_qparams(tiles.amin(dims), tiles.amax(dims), args)
+    state = {"weight": w, "weight_scale": scale, "weight_zero_point": zero}
+    tensors = FloatQuantizationCompressor.compress(state, scheme)
+    deq = FloatQuantizationCompressor.decompress(tensors, scheme)["weight"]
+    return tensors, deq, {"config_groups": {"group_0": scheme.model_dump(mode="json")}}
+
+
 def write_checkpoint(src, dst, fmt: str, **opts) -> dict[str, torch.Tensor]:
     """``src`` re-saved with its projections in ``fmt``; returns the dequantised weights HF
     runs, by checkpoint name."""
@@ -113,6 +139,8 @@ def write_checkpoint(src, dst, fmt: str, **opts) -> dict[str, torch.Tensor]:
             packed, deq = _awq(w, opts["group_size"])
         elif fmt == "gptq":
             packed, deq = _gptq(w, opts["bits"], opts["group_size"], opts["sym"], opts["desc_act"])
+        elif fmt == "float-quantized":
+            packed, deq, ct_config = _compressed_fp8(w, opts["block"])
         else:
             packed, deq, ct_config = _compressed(w, opts["group_size"], opts["sym"])
         tensors |= {f"{module}.{leaf}": t.contiguous() for leaf, t in packed.items()}
@@ -128,15 +156,18 @@ def write_checkpoint(src, dst, fmt: str, **opts) -> dict[str, torch.Tensor]:
             {"quant_method": "gptq", "checkpoint_format": "gptq", "damp_percent": 0.01}
             | {k: opts[k] for k in ("bits", "group_size", "sym", "desc_act")}
         ),
-        "compressed-tensors": lambda: (
-            ct_config
-            | {
-                "quant_method": "compressed-tensors",
-                "format": "pack-quantized",
-                "ignore": ["lm_head"],
-            }
-            | {"quantization_status": "compressed", "kv_cache_scheme": None}
-        ),
+        "compressed-tensors": lambda: _ct_config(ct_config, "pack-quantized"),
+        "float-quantized": lambda: _ct_config(ct_config, "float-quantized"),
     }[fmt]()
     (dst / "config.json").write_text(json.dumps(config))
     return dequantised
+
+
+def _ct_config(groups: dict, fmt: str) -> dict:
+    return groups | {
+        "quant_method": "compressed-tensors",
+        "format": fmt,
+        "ignore": ["lm_head"],
+        "quantization_status": "compressed",
+        "kv_cache_scheme": None,
+    }

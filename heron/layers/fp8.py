@@ -9,6 +9,7 @@ rows, which is exact) or block-wise (``scale`` is ``[ceil(N / bn), ceil(K / bk)]
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -45,10 +46,13 @@ class Fp8Scheme:
     from_checkpoint: bool
     block: tuple[int, int] | None = None
     skip: tuple[str, ...] = ()
+    skip_patterns: tuple[str, ...] = ()  # regular expressions (compressed-tensors' ``re:``)
 
     def skips(self, name: str) -> bool:
         """Whether module ``name`` (a checkpoint name) stays in full precision."""
-        return any(f in name for f in self.skip)
+        return any(f in name for f in self.skip) or any(
+            re.fullmatch(p, name) for p in self.skip_patterns
+        )
 
     def describe(self) -> str:
         layout = f"{self.block[0]}x{self.block[1]} block scales" if self.block else "channel scales"

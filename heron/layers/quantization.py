@@ -6,6 +6,7 @@ from __future__ import annotations
 from torch import nn
 from transformers import PretrainedConfig
 
+from heron.layers.compressed_tensors import config_group, float_quantized_scheme
 from heron.layers.fp8 import Fp8Scheme, fp8_scheme
 from heron.layers.mxfp4 import Mxfp4Scheme, mxfp4_scheme
 from heron.layers.wna16 import FORMATS, WNA16Scheme, wna16_scheme
@@ -27,7 +28,11 @@ def weight_scheme(hf_config: PretrainedConfig, quantization: str | None) -> Weig
             f"quantization={quantization!r}: the checkpoint is already quantised "
             f"(quant_method {method!r}); leave quantization unset to load it as stored"
         )
-    return mxfp4_scheme(qc) if method == "mxfp4" else wna16_scheme(qc, hf_config)
+    if method == "mxfp4":
+        return mxfp4_scheme(qc)
+    if method == "compressed-tensors" and config_group(qc).format == "float-quantized":
+        return float_quantized_scheme(config_group(qc))
+    return wna16_scheme(qc, hf_config)
 
 
 def describe_weights(scheme: WeightScheme | None, model: nn.Module | None) -> str:

@@ -25,6 +25,8 @@ from typing import TYPE_CHECKING
 import torch
 from transformers import PretrainedConfig
 
+from heron.layers.compressed_tensors import WHAT, config_group
+
 if TYPE_CHECKING:
     # (a type only: EngineConfig reads the formats here, and a server front imports no kernels)
     from heron.kernels import LayerKernels
@@ -46,12 +48,6 @@ _IGNORED = {
     "modules_to_fuse", "pad_token_id", "pack_dtype", "tokenizer", "true_sequential",
     "use_cuda_fp16", "use_exllama", "use_marlin", "quant_type", "v2", "mse", "format",
 }  # fmt: skip
-_CT_KEYS = {"quant_method", "format", "config_groups", "ignore", "kv_cache_scheme"}
-_CT_KEYS |= {"quantization_status", "global_compression_ratio", "sparsity_config", "version"}
-_CT_KEYS |= {"transform_config", "moe_sparsity_config"}
-_CT_WEIGHT_KEYS = {"num_bits", "type", "symmetric", "strategy", "group_size", "actorder"}
-_CT_WEIGHT_KEYS |= {"dynamic", "observer", "observer_kwargs", "block_structure"}
-_CT_WEIGHT_KEYS |= {"scale_dtype", "zp_dtype"}
 
 #: ``quant_method`` values read here.
 FORMATS = ("awq", "gptq", "compressed-tensors")
@@ -194,29 +190,14 @@ def _gptq(qc: dict) -> WNA16Scheme:
 
 
 def _compressed_tensors(qc: dict, hf_config: PretrainedConfig) -> WNA16Scheme:
-    what = "compressed-tensors quantization_config"
-    _check_keys(qc, _CT_KEYS, "compressed-tensors")
-    fmt = qc.get("format")
-    groups = qc.get("config_groups") or {}
-    if len(groups) != 1:
-        raise ValueError(f"{what}: {len(groups)} config_groups; one is supported")
-    ((name, group),) = groups.items()
-    fmt = group.get("format") or fmt
-    if fmt != "pack-quantized":
-        raise ValueError(f"{what}: format {fmt!r} is not supported (pack-quantized)")
-    for field in ("kv_cache_scheme", "sparsity_config", "transform_config", "moe_sparsity_config"):
-        if qc.get(field):
-            raise ValueError(f"{what}: {field} is not supported")
-    for field in ("input_activations", "output_activations"):
-        if group.get(field):
-            raise ValueError(f"{what}: config_groups.{name}.{field} is not supported (W4A16)")
-    if group.get("targets") != ["Linear"]:
-        raise ValueError(f"{what}: config_groups.{name}.targets {group.get('targets')} ('Linear')")
-    w = group.get("weights") or {}
-    where = f"{what}: config_groups.{name}.weights"
-    unknown = sorted(set(w) - _CT_WEIGHT_KEYS)
-    if unknown:
-        raise ValueError(f"{where}: unsupported fields {', '.join(unknown)}")
+    group = config_group(qc)
+    if group.format != "pack-quantized":
+        raise ValueError(
+            f"{WHAT}: format {group.format!r} is not supported (pack-quantized, float-quantized)"
+        )
+    if group.input_activations:
+        raise ValueError(f"{group.where}.input_activations is not supported (W4A16)")
+    w, where = group.weights, f"{group.where}.weights"
     if w.get("type") != "int" or w.get("num_bits") not in (4, 8) or w.get("dynamic"):
         raise ValueError(
             f"{where}: type {w.get('type')!r}, num_bits {w.get('num_bits')}, dynamic "
@@ -231,7 +212,6 @@ def _compressed_tensors(qc: dict, hf_config: PretrainedConfig) -> WNA16Scheme:
     size = _group(w.get("group_size"), where) if strategy == "group" else None
     if strategy == "group" and size is None:
         raise ValueError(f"{where}: strategy 'group' needs a group_size")
-    ignore = tuple(qc.get("ignore") or ())
     dtype = getattr(hf_config, "dtype", None) or getattr(hf_config, "torch_dtype", None)
     return WNA16Scheme(
         "compressed-tensors",
@@ -242,8 +222,8 @@ def _compressed_tensors(qc: dict, hf_config: PretrainedConfig) -> WNA16Scheme:
         scale_dtype=dtype
         if isinstance(dtype, torch.dtype) and dtype.is_floating_point
         else torch.bfloat16,
-        skip=tuple(i for i in ignore if not i.startswith("re:")),
-        skip_patterns=tuple(i[3:] for i in ignore if i.startswith("re:")),
+        skip=group.skip,
+        skip_patterns=group.skip_patterns,
     )
 
 

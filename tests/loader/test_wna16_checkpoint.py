@@ -135,10 +135,10 @@ def test_unsupported_checkpoints_are_refused_by_name(wide_models, tmp_path):
         (
             {
                 "quant_method": "compressed-tensors",
-                "format": "float-quantized",
-                "config_groups": {"g": {}},
+                "format": "nvfp4-pack-quantized",
+                "config_groups": {"g": {"targets": ["Linear"]}},
             },
-            "format 'float-quantized' is not supported",
+            "format 'nvfp4-pack-quantized' is not supported",
         ),
         (awq | {"unknown_knob": 1}, "unsupported fields unknown_knob"),
     ]:
