@@ -360,20 +360,26 @@ class ClampedSwiGLUExperts(ExpertBank):
         swiglu_limit: float,
         alpha: float = 1.702,
         kernels: LayerKernels = TORCH_KERNELS,
+        mxfp4: bool = False,
     ) -> None:
         super().__init__(num_experts, intermediate_size, kernels)
         inter = self.intermediate_size
         self.alpha, self.limit = alpha, swiglu_limit
-        self.gate_up_proj = _stacked(num_experts, hidden_size, 2 * inter)
-        self.gate_up_proj_bias = _stacked(num_experts, 2 * inter)
-        self.down_proj = _stacked(num_experts, inter, hidden_size)
-        self.down_proj_bias = _stacked(num_experts, hidden_size)
         self.hidden_size = hidden_size
         self.mxfp4 = False
+        if mxfp4:  # never the dense stacks: gpt-oss-120b's would not fit beside the packed
+            self.hold_mxfp4()
+        else:
+            self.gate_up_proj = _stacked(num_experts, hidden_size, 2 * inter)
+            self.down_proj = _stacked(num_experts, inter, hidden_size)
+        self.gate_up_proj_bias = _stacked(num_experts, 2 * inter)
+        self.down_proj_bias = _stacked(num_experts, hidden_size)
 
     def hold_mxfp4(self) -> None:
-        """Empty MXFP4 stacks for an MXFP4 checkpoint to fill, in place of the dense ones. A
+        """Empty MXFP4 stacks for an MXFP4 checkpoint to fill, in place of any dense ones. A
         tensor-parallel rank holds down's inputs in whole 32-value blocks (else refused)."""
+        if self.mxfp4:
+            return
         e, inter = self.num_experts, self.intermediate_size
         if self.tp is not None and (inter % BLOCK or self.inter_start % BLOCK):
             raise ValueError(
@@ -382,8 +388,10 @@ class ClampedSwiGLUExperts(ExpertBank):
             )
         for name, features in self._MXFP4_STACKS.items():
             blocks, scales = packed_shapes(*features(inter, self.hidden_size), name)
-            device = getattr(self, name).device
-            delattr(self, name)
+            dense = getattr(self, name, None)
+            device = None if dense is None else dense.device  # None: the default device
+            if dense is not None:
+                delattr(self, name)
             for suffix, shape in (("_blocks", blocks), ("_scales", scales)):
                 empty = torch.empty(e, *shape, dtype=torch.uint8, device=device)
                 self.register_parameter(name + suffix, _frozen(empty))
