@@ -367,13 +367,16 @@ class ClampedSwiGLUExperts(ExpertBank):
         self.alpha, self.limit = alpha, swiglu_limit
         self.hidden_size = hidden_size
         self.mxfp4 = False
-        if mxfp4:  # never the dense stacks: gpt-oss-120b's would not fit beside the packed
-            self.hold_mxfp4()
-        else:
+        # (In this order, which seeded dummy weights follow.) MXFP4 banks never hold the
+        # dense stacks: gpt-oss-120b's would not fit beside the packed ones.
+        if not mxfp4:
             self.gate_up_proj = _stacked(num_experts, hidden_size, 2 * inter)
-            self.down_proj = _stacked(num_experts, inter, hidden_size)
         self.gate_up_proj_bias = _stacked(num_experts, 2 * inter)
+        if not mxfp4:
+            self.down_proj = _stacked(num_experts, inter, hidden_size)
         self.down_proj_bias = _stacked(num_experts, hidden_size)
+        if mxfp4:
+            self.hold_mxfp4()
 
     def hold_mxfp4(self) -> None:
         """Empty MXFP4 stacks for an MXFP4 checkpoint to fill, in place of any dense ones. A
