@@ -91,10 +91,10 @@ def dequantize_mxfp4(blocks: torch.Tensor, scales: torch.Tensor) -> torch.Tensor
     """The fp32 weights ``[..., N, K]`` of ``blocks`` ``[..., N, K / 32, 16]`` and ``scales``
     ``[..., N, K / 32]``."""
     lut = torch.tensor(FP4_VALUES, device=blocks.device)
-    b = blocks.to(torch.int32)
-    values = torch.stack([lut[b & 0xF], lut[b >> 4]], dim=-1).flatten(-2)  # [..., G, 32]
-    exponents = scales.to(torch.int32) - _SCALE_BIAS
-    return torch.ldexp(values, exponents[..., None].float()).flatten(-2)
+    byte = torch.arange(256, device=blocks.device)
+    pairs = torch.stack([lut[byte & 0xF], lut[byte >> 4]], dim=-1)  # each byte's two values
+    values = pairs[blocks.to(torch.int32)].flatten(-2)  # [..., G, 32]
+    return (values * torch.exp2(scales.float() - _SCALE_BIAS)[..., None]).flatten(-2)
 
 
 def quantize_mxfp4(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
