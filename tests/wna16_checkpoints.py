@@ -126,6 +126,31 @@ def _compressed_fp8(w, block):
     return tensors, deq, {"config_groups": {"group_0": scheme.model_dump(mode="json")}}
 
 
+def nvfp4_tensors(w):
+    """``w`` as llm-compressor's NVFP4A16 scheme stores it (FP4 E2M1 codes, FP8 scales per 16,
+    a global scale), by compressed-tensors' own compressor, and the library's dequantisation
+    of them in fp32 (its ``decompress`` rounds to bf16)."""
+    from compressed_tensors.compressors.nvfp4.base import NVFP4PackedCompressor
+    from compressed_tensors.compressors.nvfp4.helpers import unpack_fp4_from_uint8
+    from compressed_tensors.quantization import preset_name_to_scheme
+    from compressed_tensors.quantization.lifecycle.forward import dequantize
+    from compressed_tensors.quantization.utils import calculate_qparams, generate_gparam
+
+    scheme = preset_name_to_scheme("NVFP4A16", ["Linear"])
+    global_scale = generate_gparam(w.amin(), w.amax())
+    groups = w.view(w.shape[0], -1, 16)
+    scale, _ = calculate_qparams(groups.amin(-1), groups.amax(-1), scheme.weights, global_scale)
+    state = {"weight": w, "weight_scale": scale, "weight_global_scale": global_scale}
+    tensors = NVFP4PackedCompressor.compress(state, scheme)
+    packed = tensors["weight_packed"]
+    codes = unpack_fp4_from_uint8(packed, packed.shape[0], 2 * packed.shape[1], torch.float32)
+    deq = dequantize(
+        x_q=codes, scale=tensors["weight_scale"].float(), args=scheme.weights,
+        global_scale=global_scale, dtype=torch.float32,
+    )  # fmt: skip
+    return tensors, deq, {"config_groups": {"group_0": scheme.model_dump(mode="json")}}
+
+
 def write_checkpoint(src, dst, fmt: str, **opts) -> dict[str, torch.Tensor]:
     """``src`` re-saved with its projections in ``fmt``; returns the dequantised weights HF
     runs, by checkpoint name."""
@@ -141,6 +166,8 @@ def write_checkpoint(src, dst, fmt: str, **opts) -> dict[str, torch.Tensor]:
             packed, deq = _gptq(w, opts["bits"], opts["group_size"], opts["sym"], opts["desc_act"])
         elif fmt == "float-quantized":
             packed, deq, ct_config = _compressed_fp8(w, opts["block"])
+        elif fmt == "nvfp4-pack-quantized":
+            packed, deq, ct_config = nvfp4_tensors(w)
         else:
             packed, deq, ct_config = _compressed(w, opts["group_size"], opts["sym"])
         tensors |= {f"{module}.{leaf}": t.contiguous() for leaf, t in packed.items()}
@@ -158,6 +185,7 @@ def write_checkpoint(src, dst, fmt: str, **opts) -> dict[str, torch.Tensor]:
         ),
         "compressed-tensors": lambda: _ct_config(ct_config, "pack-quantized"),
         "float-quantized": lambda: _ct_config(ct_config, "float-quantized"),
+        "nvfp4-pack-quantized": lambda: _ct_config(ct_config, "nvfp4-pack-quantized"),
     }[fmt]()
     (dst / "config.json").write_text(json.dumps(config))
     return dequantised
@@ -171,3 +199,23 @@ def _ct_config(groups: dict, fmt: str) -> dict:
         "quantization_status": "compressed",
         "kv_cache_scheme": None,
     }
+
+
+def count_kernel_rows(monkeypatch) -> list[int]:
+    """Engines built after this run their packed linear layers on the Triton kernels
+    (interpreted on the CPU); returns the list each product's row count is appended to."""
+    from heron.kernels import TORCH_KERNELS
+    from heron.kernels.wna16 import wna16_linear
+    from heron.ops import selector
+    from heron.platforms import CpuPlatform
+
+    calls = []
+
+    def counted(x, *args):
+        calls.append(x.shape[0])
+        return wna16_linear(x, *args)
+
+    kernels = TORCH_KERNELS.__class__("wna16", wna16_mm=counted)
+    monkeypatch.setitem(selector.LAYER_KERNELS, "wna16", lambda: kernels)
+    monkeypatch.setattr(CpuPlatform, "layer_kernels", lambda self: "wna16")
+    return calls
