@@ -20,7 +20,7 @@ from heron.platforms import CpuPlatform
 
 from tiny_models import check_greedy_and_logprobs, greedy_tokens, hf_greedy
 
-GREEDY = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+GREEDY = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
 
 
 @pytest.fixture(scope="module")
@@ -43,7 +43,7 @@ def test_experts_held_packed_and_greedy_equals_hf(mxfp4):
         assert bank.gate_up_proj_blocks.dtype == torch.uint8
         assert bank.gate_up_proj_blocks.shape == (4, 64, 2, 16)
         assert bank.down_proj_scales.shape == (4, 64, 1)
-    check_greedy_and_logprobs(llm, hf, PROMPTS, GREEDY)
+    check_greedy_and_logprobs(llm, hf, [PROMPTS[3], PROMPTS[2]], GREEDY)  # past the window
 
 
 def test_fused_mxfp4_kernels_through_the_model_equal_hf(mxfp4, monkeypatch):
