@@ -1,10 +1,11 @@
-"""Checkpoints of packed integer weights written from random weights, as they are published.
+"""Checkpoints of packed integer weights (and compressed-tensors FP8 ones) written from random
+weights, as they are published.
 
 AWQ (GEMM) and GPTQ are packed as AutoAWQ's ``WQLinear_GEMM.from_linear`` and AutoGPTQ's
 ``QuantLinear.pack`` document it (numpy words, AWQ's interleaved nibble order, GPTQ's zeros
-less one and ``g_idx``), compressed-tensors by its own library's compressor; the writer
-returns the dequantised weights (each format's formula, or the library's decompressor) that
-HF transformers runs as a plain checkpoint."""
+less one and ``g_idx``), compressed-tensors (``pack-quantized`` and ``float-quantized``) by its
+own library's compressors; the writer returns the dequantised weights (each format's formula,
+or the library's decompressor) that HF transformers runs as a plain checkpoint."""
 
 from __future__ import annotations
 
@@ -100,6 +101,56 @@ def _compressed(w, group, sym):
     return tensors, deq, config
 
 
+def _compressed_fp8(w, block):
+    """W8A8-FP8 as llm-compressor's FP8_DYNAMIC (channel) and FP8_BLOCK schemes store it, with
+    ``block`` tiles (None: per channel)."""
+    from compressed_tensors.compressors.naive_quantized.base import FloatQuantizationCompressor
+    from compressed_tensors.quantization import QuantizationArgs, QuantizationScheme
+    from compressed_tensors.quantization.utils import calculate_qparams
+
+    fp8 = dict(num_bits=8, type="float", symmetric=True)
+    if block is None:
+        args = QuantizationArgs(**fp8, strategy="channel")
+        acts = QuantizationArgs(**fp8, strategy="token", dynamic=True)
+        tiles, dims = w[:, None, :], (2,)
+    else:
+        args = QuantizationArgs(**fp8, strategy="block", block_structure=list(block))
+        acts = QuantizationArgs(**fp8, strategy="group", group_size=block[1], dynamic=True)
+        padded = torch.nn.functional.pad(w, (0, -w.shape[1] % block[1], 0, -w.shape[0] % block[0]))
+        tiles, dims = padded.view(-1, block[0], padded.shape[1] // block[1], block[1]), (1, 3)
+    scheme = QuantizationScheme(targets=["Linear"], weights=args, input_activations=acts)
+    scale, zero = calculate_qparams(tiles.amin(dims), tiles.amax(dims), args)
+    state = {"weight": w, "weight_scale": scale, "weight_zero_point": zero}
+    tensors = FloatQuantizationCompressor.compress(state, scheme)
+    deq = FloatQuantizationCompressor.decompress(tensors, scheme)["weight"]
+    return tensors, deq, {"config_groups": {"group_0": scheme.model_dump(mode="json")}}
+
+
+def nvfp4_tensors(w):
+    """``w`` as llm-compressor's NVFP4A16 scheme stores it (FP4 E2M1 codes, FP8 scales per 16,
+    a global scale), by compressed-tensors' own compressor, and the library's dequantisation
+    of them in fp32 (its ``decompress`` rounds to bf16)."""
+    from compressed_tensors.compressors.nvfp4.base import NVFP4PackedCompressor
+    from compressed_tensors.compressors.nvfp4.helpers import unpack_fp4_from_uint8
+    from compressed_tensors.quantization import preset_name_to_scheme
+    from compressed_tensors.quantization.lifecycle.forward import dequantize
+    from compressed_tensors.quantization.utils import calculate_qparams, generate_gparam
+
+    scheme = preset_name_to_scheme("NVFP4A16", ["Linear"])
+    global_scale = generate_gparam(w.amin(), w.amax())
+    groups = w.view(w.shape[0], -1, 16)
+    scale, _ = calculate_qparams(groups.amin(-1), groups.amax(-1), scheme.weights, global_scale)
+    state = {"weight": w, "weight_scale": scale, "weight_global_scale": global_scale}
+    tensors = NVFP4PackedCompressor.compress(state, scheme)
+    packed = tensors["weight_packed"]
+    codes = unpack_fp4_from_uint8(packed, packed.shape[0], 2 * packed.shape[1], torch.float32)
+    deq = dequantize(
+        x_q=codes, scale=tensors["weight_scale"].float(), args=scheme.weights,
+        global_scale=global_scale, dtype=torch.float32,
+    )  # fmt: skip
+    return tensors, deq, {"config_groups": {"group_0": scheme.model_dump(mode="json")}}
+
+
 def write_checkpoint(src, dst, fmt: str, **opts) -> dict[str, torch.Tensor]:
     """``src`` re-saved with its projections in ``fmt``; returns the dequantised weights HF
     runs, by checkpoint name."""
@@ -113,6 +164,10 @@ def write_checkpoint(src, dst, fmt: str, **opts) -> dict[str, torch.Tensor]:
             packed, deq = _awq(w, opts["group_size"])
         elif fmt == "gptq":
             packed, deq = _gptq(w, opts["bits"], opts["group_size"], opts["sym"], opts["desc_act"])
+        elif fmt == "float-quantized":
+            packed, deq, ct_config = _compressed_fp8(w, opts["block"])
+        elif fmt == "nvfp4-pack-quantized":
+            packed, deq, ct_config = nvfp4_tensors(w)
         else:
             packed, deq, ct_config = _compressed(w, opts["group_size"], opts["sym"])
         tensors |= {f"{module}.{leaf}": t.contiguous() for leaf, t in packed.items()}
@@ -128,15 +183,39 @@ def write_checkpoint(src, dst, fmt: str, **opts) -> dict[str, torch.Tensor]:
             {"quant_method": "gptq", "checkpoint_format": "gptq", "damp_percent": 0.01}
             | {k: opts[k] for k in ("bits", "group_size", "sym", "desc_act")}
         ),
-        "compressed-tensors": lambda: (
-            ct_config
-            | {
-                "quant_method": "compressed-tensors",
-                "format": "pack-quantized",
-                "ignore": ["lm_head"],
-            }
-            | {"quantization_status": "compressed", "kv_cache_scheme": None}
-        ),
+        "compressed-tensors": lambda: _ct_config(ct_config, "pack-quantized"),
+        "float-quantized": lambda: _ct_config(ct_config, "float-quantized"),
+        "nvfp4-pack-quantized": lambda: _ct_config(ct_config, "nvfp4-pack-quantized"),
     }[fmt]()
     (dst / "config.json").write_text(json.dumps(config))
     return dequantised
+
+
+def _ct_config(groups: dict, fmt: str) -> dict:
+    return groups | {
+        "quant_method": "compressed-tensors",
+        "format": fmt,
+        "ignore": ["lm_head"],
+        "quantization_status": "compressed",
+        "kv_cache_scheme": None,
+    }
+
+
+def count_kernel_rows(monkeypatch) -> list[int]:
+    """Engines built after this run their packed linear layers on the Triton kernels
+    (interpreted on the CPU); returns the list each product's row count is appended to."""
+    from heron.kernels import TORCH_KERNELS
+    from heron.kernels.wna16 import wna16_linear
+    from heron.ops import selector
+    from heron.platforms import CpuPlatform
+
+    calls = []
+
+    def counted(x, *args):
+        calls.append(x.shape[0])
+        return wna16_linear(x, *args)
+
+    kernels = TORCH_KERNELS.__class__("wna16", wna16_mm=counted)
+    monkeypatch.setitem(selector.LAYER_KERNELS, "wna16", lambda: kernels)
+    monkeypatch.setattr(CpuPlatform, "layer_kernels", lambda self: "wna16")
+    return calls

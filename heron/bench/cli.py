@@ -57,7 +57,7 @@ def add_bench_parser(
             p.add_argument(
                 "--weight-format", choices=sorted(WEIGHT_FORMATS), default=None,
                 help="the --shape's weights packed as this checkpoint format's int4 (W4A16, "
-                "groups of 128)",
+                "groups of 128), or (mxfp4) its experts as gpt-oss's MXFP4",
             )  # fmt: skip
             add_engine_args(p)
         _module(module).add_arguments(p)

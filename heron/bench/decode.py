@@ -31,6 +31,7 @@ from heron.bench.measure import (
 from heron.bench.result import Metric
 from heron.bench.shapes import dummy_checkpoint
 from heron.config import EngineConfig
+from heron.layers.mxfp4 import bytes_per_weight as mxfp4_bytes_per_weight
 from heron.layers.wna16 import wna16_scheme
 from heron.platforms import resolve_device
 
@@ -91,14 +92,19 @@ def run(args: argparse.Namespace, config: EngineConfig) -> tuple[dict[str, Any],
     floors = dict.fromkeys(cases)
     if on_gpu and shape is not None:
         bandwidth = copy_bandwidth(device)
-        weight_bytes = 1 if config.quantization else 2
-        if shape.fields.get("quantization_config"):  # --weight-format: with scales and zeros
-            scheme = wna16_scheme(shape.fields["quantization_config"], None)
+        weight_bytes, expert_bytes = (1 if config.quantization else 2), None
+        qc = shape.fields.get("quantization_config")
+        if qc and qc["quant_method"] == "mxfp4":  # the experts', with their scales
+            expert_bytes = mxfp4_bytes_per_weight()
+        elif qc:  # --weight-format: with scales and zeros
+            scheme = wna16_scheme(qc, None)
             weight_bytes = scheme.bytes_per_weight(shape.fields["hidden_size"])
         kv_bytes = 1 if config.kv_cache_dtype == "fp8" else 2
         tp = config.tensor_parallel_size
         for c, b in cases:
-            nbytes = step_bytes(shape, b, c + new / 2, touched[b], weight_bytes, kv_bytes, tp)
+            nbytes = step_bytes(
+                shape, b, c + new / 2, touched[b], weight_bytes, kv_bytes, tp, expert_bytes
+            )
             floors[c, b] = nbytes / bandwidth * 1e3
     on = engines.label(args, config)
     for (c, b), results in runs.items():

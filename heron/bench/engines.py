@@ -50,7 +50,7 @@ def label(args: Any, config: EngineConfig) -> str:
     switches = [
         f"{args.num_layers} layer{'s' * (args.num_layers > 1)}" if args.num_layers else "",
         "FP8 weights" if config.quantization else "",
-        f"{args.weight_format} W4A16 weights" if getattr(args, "weight_format", None) else "",
+        _weight_format_label(getattr(args, "weight_format", None)),
         "FP8 KV cache" if config.kv_cache_dtype == "fp8" else "",
         f"tensor parallel {config.tensor_parallel_size}" if config.tensor_parallel_size > 1 else "",
         "eager" if config.enforce_eager else "",
@@ -143,3 +143,9 @@ def touched_experts(llm: LLM, prompts: list[list[int]], steps: int = 8) -> list[
         for h in handles:
             h.remove()
     return counts
+
+
+def _weight_format_label(weight_format: str | None) -> str:
+    if weight_format is None:
+        return ""
+    return "mxfp4 experts" if weight_format == "mxfp4" else f"{weight_format} W4A16 weights"

@@ -100,16 +100,18 @@ def step_bytes(
     batch: int,
     context: float,
     experts_read: float = 0.0,
-    weight_bytes: int = 2,
+    weight_bytes: float = 2,
     kv_bytes: int = 2,
     tp: int = 1,
+    expert_bytes: float | None = None,
 ) -> float:
     """Bytes one GPU of ``tp`` must read in a decode step of ``batch`` requests at ``context``
     tokens: its share of the weights (``weight_bytes`` per element of the projections and
     experts; embeddings, LM head and routers bf16; of an MoE layer, its router, shared experts
     and ``experts_read`` routed experts), of the KV cache (``kv_bytes`` per element; a sliding
     layer reads at most its window; a rank holds one KV head at least) and, for gated-delta
-    layers, of the recurrent and conv state, read and written."""
+    layers, of the recurrent and conv state, read and written. ``expert_bytes`` (gpt-oss: its
+    MXFP4 experts) is a routed expert's per element where it differs from ``weight_bytes``."""
     c = shape.fields
     d, layers, vocab = c["hidden_size"], c["num_hidden_layers"], c["vocab_size"]
     if shape.family == "mla":
@@ -120,18 +122,22 @@ def step_bytes(
     if shape.family == "hybrid":
         return _hybrid_bytes(c, batch, context, experts_read, weight_bytes, kv_bytes, tp)
     attention = d * (h + 2 * kv) * hd + h * hd * d
-    routers = 0
-    if shape.family == "moe":
-        mlp = experts_read * 3 * d * c["moe_intermediate_size"]
-        routers = 2 * layers * c["num_experts"] * d
+    routers, expert_bytes = 0, weight_bytes if expert_bytes is None else expert_bytes
+    if shape.family in ("moe", "gpt-oss"):
+        width = c["moe_intermediate_size" if shape.family == "moe" else "intermediate_size"]
+        mlp = experts_read * 3 * d * width * expert_bytes / weight_bytes
+        routers = 2 * layers * c.get("num_experts", c.get("num_local_experts")) * d
+        if shape.family == "gpt-oss":  # and the experts' biases, in bf16 like the routers
+            routers += 2 * layers * experts_read * (2 * width + d)
     else:
         mlp = 3 * d * c["intermediate_size"]
     weights = weight_bytes * layers * (attention + mlp) + head
     window = c.get("sliding_window")
+    period = 2 if shape.family == "gpt-oss" else 6  # Gemma 3: five sliding layers to one full
     read = sum(
-        min(context, window) if window is not None and (i + 1) % 6 else context
+        min(context, window) if window is not None and (i + 1) % period else context
         for i in range(layers)
-    )  # Gemma 3: five sliding layers to one full one
+    )
     cache = batch * read * 2 * kv_share * hd * kv_bytes
     return weights / tp + routers + cache
 
@@ -195,4 +201,4 @@ def _mla_bytes(c, batch, context, experts_read, weight_bytes, tp) -> float:
 
 def has_experts(shape: Shape) -> bool:
     """Whether a step reads only the experts its routing touches (which must be counted)."""
-    return any(k in shape.fields for k in ("num_experts", "n_routed_experts"))
+    return any(k in shape.fields for k in ("num_experts", "n_routed_experts", "num_local_experts"))

@@ -90,6 +90,29 @@ QWEN3_30B_A3B = dict(
     rms_norm_eps=1e-6,
     rope_theta=1_000_000.0,
 )
+# gpt-oss-20b: sliding (128) and full layers in turn, 32 experts of 2880 (top 4), attention sinks.
+GPT_OSS_20B = dict(
+    hidden_size=2880,
+    num_hidden_layers=24,
+    num_attention_heads=64,
+    num_key_value_heads=8,
+    head_dim=64,
+    intermediate_size=2880,
+    num_local_experts=32,
+    num_experts_per_tok=4,
+    sliding_window=128,
+    vocab_size=201088,
+    tie_word_embeddings=False,
+    rope_parameters={
+        "rope_type": "yarn",
+        "rope_theta": 150000.0,
+        "factor": 32.0,
+        "beta_fast": 32.0,
+        "beta_slow": 1.0,
+        "truncate": False,
+        "original_max_position_embeddings": 4096,
+    },
+)
 _DEEPSEEK = dict(
     kv_lora_rank=512,
     qk_rope_head_dim=64,
@@ -158,7 +181,7 @@ class Shape:
 
     config_class: str
     architecture: str
-    family: str  # dense, moe, hybrid (GDN + attention), mla
+    family: str  # dense, moe, hybrid (GDN + attention), mla, gpt-oss
     fields: dict[str, Any] = field(hash=False)
 
     def with_fields(self, **changes: Any) -> Shape:
@@ -174,6 +197,7 @@ SHAPES = {
     "qwen3.5-35b-a3b": Shape(
         "Qwen3_5MoeTextConfig", "Qwen3_5MoeForCausalLM", "hybrid", QWEN3_5_35B_A3B
     ),
+    "gpt-oss-20b": Shape("GptOssConfig", "GptOssForCausalLM", "gpt-oss", GPT_OSS_20B),
     "deepseek-v2-lite": Shape("DeepseekV2Config", "DeepseekV2ForCausalLM", "mla", DEEPSEEK_V2_LITE),
     "deepseek-v3-5l": Shape("DeepseekV3Config", "DeepseekV3ForCausalLM", "mla", DEEPSEEK_V3_5L),
 }
@@ -182,8 +206,10 @@ MTP_FIELD = {"Qwen3_5TextConfig": "mtp_num_hidden_layers", "DeepseekV3Config": "
 
 
 # A checkpoint's quantization_config per ``--weight-format``: int4 weights in groups of 128 as
-# the usual AWQ, GPTQ and llm-compressor W4A16 releases store them (dummy weights quantised).
+# the usual AWQ, GPTQ and llm-compressor W4A16 releases store them (dummy weights quantised);
+# MXFP4 experts as gpt-oss is published (dummy packed values).
 WEIGHT_FORMATS = {
+    "mxfp4": {"quant_method": "mxfp4"},
     "awq": {"quant_method": "awq", "bits": 4, "group_size": 128, "zero_point": True},
     "gptq": {"quant_method": "gptq", "bits": 4, "group_size": 128, "sym": True, "desc_act": False},
     "compressed-tensors": {

@@ -13,7 +13,9 @@ choose what differs between them:
   scales per output channel (1, applied in the epilogue) or per ``SCALE_BN x SCALE_BK`` tile
   of an output-major weight (2, applied per K step inside the loop; ``BLOCK_K`` divides
   ``SCALE_BK``). FP8 tiles are converted to ``x``'s dtype as they load (weight-only FP8: the
-  bytes that bound decode halve, the products stay in half precision).
+  bytes that bound decode halve, the products stay in half precision). ``SCALE`` 3 is MXFP4
+  (gpt-oss): output-major FP4 E2M1 values two a byte with a uint8 E8M0 scale per output channel
+  and 32 inputs (``heron.layers.mxfp4``), decoded in registers and scaled per K step of 32.
 
 Every step runs on the GPU with shapes that depend only on the token count, never on the
 routing, so there is no host sync and the whole call can be captured in a CUDA graph.
@@ -47,6 +49,9 @@ import triton.language as tl
 from heron.kernels.moe_align import align_by_expert
 from heron.kernels.pdl import pdl_launch, wait_for_previous_kernel
 
+#: Values an MXFP4 scale covers (``heron.layers.mxfp4.BLOCK``; kernels import no layers).
+MXFP4_BLOCK = 32
+
 ACTIVATIONS = ("swiglu", "clamped_swiglu")
 
 
@@ -73,12 +78,16 @@ def _expert_matmul(
     the rows' starts (``a_mask`` [BLOCK_M, 1] says which to read), ``w_ptr`` at one expert's
     weight, [N, K] if ``OUTPUT_MAJOR`` else [K, N]. With ``SCALE`` the weight is FP8 and
     ``s_ptrs`` [BLOCK_N] point at each column's scale (1) or at its row of tile scales (2)."""
+    offs_k = tl.arange(0, BLOCK_K)
+    a_ptrs = a_ptrs + offs_k[None, :]
+    if SCALE == 3:
+        return _mxfp4_matmul(
+            a_ptrs, a_mask, w_ptr, cols, n_mask, K, s_ptrs, BLOCK_M, BLOCK_N, BLOCK_K, DOT_PREC
+        )
     if OUTPUT_MAJOR:
         stride_k, stride_n = 1, K
     else:
         stride_k, stride_n = N, 1
-    offs_k = tl.arange(0, BLOCK_K)
-    a_ptrs = a_ptrs + offs_k[None, :]
     w_ptrs = w_ptr + offs_k[:, None] * stride_k + cols[None, :] * stride_n
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for k in range(0, K, BLOCK_K):
@@ -103,6 +112,48 @@ def _expert_matmul(
 
 
 @triton.jit
+def _mxfp4_matmul(
+    a_ptrs,
+    a_mask,
+    w_ptr,
+    cols,
+    n_mask,
+    K,
+    s_ptrs,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    DOT_PREC: tl.constexpr,
+):
+    """``_expert_matmul`` over MXFP4 weights: bytes [N, K / 2], ``s_ptrs`` at each column's
+    E8M0 scales; ``BLOCK_K`` is one scale's 32 values, so a K step takes one scale a column."""
+    offs_b = tl.arange(0, BLOCK_K // 2)
+    b_ptrs = w_ptr + cols[:, None] * (K // 2) + offs_b[None, :]
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for k in range(0, K, BLOCK_K):
+        a = tl.load(a_ptrs, mask=a_mask, other=0.0)
+        packed = tl.load(b_ptrs, mask=n_mask[:, None], other=0)
+        w = _fp4_tile(packed, BLOCK_N, BLOCK_K).to(a_ptrs.dtype.element_ty)
+        e8m0 = tl.load(s_ptrs + k // BLOCK_K, mask=n_mask, other=0).to(tl.int32)
+        # 2 ** (e - 127) as fp32 bits (e = 0, 2 ** -127, reads as 0), times the tile's 2 ** 14
+        scale = (e8m0 << 23).to(tl.float32, bitcast=True) * 16384.0
+        acc += tl.dot(a, tl.trans(w), input_precision=DOT_PREC) * scale[None, :]
+        a_ptrs += BLOCK_K
+        b_ptrs += BLOCK_K // 2
+    return acc
+
+
+@triton.jit
+def _fp4_tile(packed, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """E2M1 values of bytes ``packed`` [BLOCK_N, BLOCK_K / 2] (the low nibble first) as fp16
+    [BLOCK_N, BLOCK_K] times 2 ** -14, exactly: the nibble's exponent and mantissa bits become
+    fp16's lowest exponent bits and top mantissa bit (exponent 0 a subnormal, as in E2M1)."""
+    nibbles = tl.reshape(tl.join(packed & 0xF, packed >> 4), [BLOCK_N, BLOCK_K]).to(tl.uint16)
+    bits = ((nibbles & 7) << 9) | ((nibbles & 8) << 12)
+    return bits.to(tl.float16, bitcast=True)
+
+
+@triton.jit
 def _row_block(pid_m, block_expert_ptr, sorted_ids_ptr, num_pairs, BLOCK_M: tl.constexpr):
     """Row block ``pid_m``'s expert, its sorted row indices, their (token, slot) pairs and
     which rows are real (padding rows hold the sentinel ``num_pairs``)."""
@@ -113,11 +164,19 @@ def _row_block(pid_m, block_expert_ptr, sorted_ids_ptr, num_pairs, BLOCK_M: tl.c
 
 
 @triton.jit
+def _weight_offset(expert, size, SCALE: tl.constexpr):
+    """Where expert ``expert``'s weight of ``size`` values starts (MXFP4: two a byte)."""
+    if SCALE == 3:
+        return expert * (size // 2)
+    return expert * size
+
+
+@triton.jit
 def _scale_ptrs(s_ptr, expert, rows, num_rows, K, SCALE: tl.constexpr, SCALE_BK: tl.constexpr):
     """Pointers at the scales of one expert's weight ``rows`` [BLOCK_N] (output channels for
-    ``SCALE`` 1; rows of tiles for 2, each ``cdiv(K, SCALE_BK)`` long) of ``num_rows``; for
-    ``SCALE`` 0, unread pointers off the weight that stands in for the scales."""
-    if SCALE == 2:
+    ``SCALE`` 1; rows of tiles for 2 and 3, each ``cdiv(K, SCALE_BK)`` long) of ``num_rows``;
+    for ``SCALE`` 0, unread pointers off the weight that stands in for the scales."""
+    if SCALE >= 2:
         return s_ptr + (expert * num_rows + rows) * tl.cdiv(K, SCALE_BK)
     return s_ptr + expert * num_rows + rows
 
@@ -186,7 +245,7 @@ def _gate_up_kernel(
     acc = _expert_matmul(
         x_ptr + tokens[:, None] * stride_x,
         valid[:, None],
-        w_ptr + expert * hidden * n_cols,
+        w_ptr + _weight_offset(expert, hidden * n_cols, SCALE),
         cols,
         n_mask,
         n_cols,
@@ -264,7 +323,7 @@ def _down_kernel(
     acc = _expert_matmul(
         h_ptr + offs_m[:, None] * inter,
         offs_m[:, None] >= 0,
-        w_ptr + expert * inter * hidden,
+        w_ptr + _weight_offset(expert, inter * hidden, SCALE),
         offs_n,
         n_mask,
         hidden,
@@ -398,20 +457,23 @@ def fused_experts(
     With ``gate_up_scale`` and ``down_scale`` the weights are FP8 E4M3 times fp32 scales: per
     output channel ([E, 2I], [E, hidden]), or with ``scale_block`` ``(bn, bk)`` per tile of an
     output-major ``[gate | up]`` weight ([E, 2 cdiv(I, bn), cdiv(hidden, bk)], the gate's rows
-    of tiles then the up's; [E, cdiv(hidden, bn), cdiv(I, bk)]). ``blocks`` overrides
+    of tiles then the up's; [E, cdiv(hidden, bn), cdiv(I, bk)]). MXFP4 weights are uint8
+    blocks of output-major matrices, ``[E, 2I, hidden / 32, 16]`` and ``[E, hidden, I / 32,
+    16]``, with uint8 E8M0 scales ``[E, 2I, hidden / 32]`` and ``[E, hidden, I / 32]`` (a K step
+    is then 32 values). ``blocks`` overrides
     ``(BLOCK_M, BLOCK_N, BLOCK_K)`` (each a power of two of at least 16).
     """
     if activation not in ACTIVATIONS:
         raise ValueError(f"fused_experts: activation {activation!r} is not one of {ACTIVATIONS}")
     num_experts = gate_up.shape[0]
-    if output_major:
-        n_cols, hidden = gate_up.shape[1:]
-    else:
-        hidden, n_cols = gate_up.shape[1:]
+    n_cols, hidden = _out_in(gate_up, output_major)
     inter = n_cols // 2
-    down_shape = (num_experts, hidden, inter) if output_major else (num_experts, inter, hidden)
     num_tokens, top_k = indices.shape
-    if x.shape != (num_tokens, hidden) or down.shape != down_shape:
+    if (
+        x.shape != (num_tokens, hidden)
+        or down.shape[0] != num_experts
+        or _out_in(down, output_major) != (hidden, inter)
+    ):
         raise ValueError(
             f"fused_experts: x {tuple(x.shape)}, indices {tuple(indices.shape)}, gate_up "
             f"{tuple(gate_up.shape)}, down {tuple(down.shape)} (output_major={output_major})"
@@ -430,8 +492,8 @@ def fused_experts(
         return torch.zeros_like(x)
     num_pairs = num_tokens * top_k
     block_m, block_n, block_k = blocks or default_blocks(num_pairs, num_experts)
-    scale_bn, scale_bk = scale_block or (1, 1)
-    if scale == 2:
+    scale_bn, scale_bk = scale_block or ((1, MXFP4_BLOCK) if scale == 3 else (1, 1))
+    if scale >= 2:
         block_k = min(block_k, scale_bk)  # one tile of scales per K step
     sorted_ids, block_expert, num_blocks = align_by_expert(indices, num_experts, block_m)
     max_blocks = block_expert.numel()
@@ -494,6 +556,14 @@ def fused_experts(
     return combine_slots(per_slot, top_k, x.dtype, add, add_gate)
 
 
+def _out_in(w: torch.Tensor, output_major: bool) -> tuple[int, int]:
+    """(output, input) features of one expert's matrix in stack ``w``: MXFP4 blocks (uint8
+    ``[E, N, K / 32, 16]``), or values ``[E, out, in]`` (``output_major``) or ``[E, in, out]``."""
+    if w.dtype == torch.uint8:
+        return w.shape[1], w.shape[2] * MXFP4_BLOCK
+    return tuple(w.shape[1:]) if output_major else (w.shape[2], w.shape[1])
+
+
 def _check_weights(
     x: torch.Tensor,
     weights: tuple[torch.Tensor, torch.Tensor],
@@ -507,6 +577,8 @@ def _check_weights(
     for b in biases:
         if b is not None and (not b.is_contiguous() or b.dtype != x.dtype):
             raise ValueError("fused_experts: expert biases must be contiguous, in x's dtype")
+    if any(w.dtype == torch.uint8 for w in weights):
+        return _check_mxfp4(weights, scales, block, output_major)
     if scales == (None, None):
         if block is not None or any(w.dtype != x.dtype or not w.is_contiguous() for w in weights):
             raise ValueError(
@@ -541,3 +613,32 @@ def _check_weights(
                 f"{None if s is None else (s.dtype, tuple(s.shape))}"
             )
     return 2 if block is not None else 1
+
+
+def _check_mxfp4(
+    weights: tuple[torch.Tensor, torch.Tensor],
+    scales: tuple[torch.Tensor | None, torch.Tensor | None],
+    block: tuple[int, int] | None,
+    output_major: bool,
+) -> int:
+    """``SCALE`` 3 for MXFP4 stacks: output-major contiguous uint8 blocks ``[E, N, K / 32, 16]``
+    with contiguous uint8 scales ``[E, N, K / 32]``; raises otherwise."""
+    for which, w, s in zip(("gate_up", "down"), weights, scales, strict=True):
+        if (
+            block is not None
+            or not output_major
+            or w.dtype != torch.uint8
+            or w.dim() != 4
+            or w.shape[3] != MXFP4_BLOCK // 2
+            or not w.is_contiguous()
+            or s is None
+            or s.dtype != torch.uint8
+            or not s.is_contiguous()
+            or s.shape != w.shape[:3]
+        ):
+            raise ValueError(
+                f"fused_experts: MXFP4 {which} weights are output-major contiguous uint8 blocks "
+                f"[E, N, K / 32, 16] with contiguous uint8 scales [E, N, K / 32]; got "
+                f"{w.dtype} {tuple(w.shape)} and {None if s is None else (s.dtype, tuple(s.shape))}"
+            )
+    return 3

@@ -3,7 +3,8 @@
 The weight stays packed in memory (``heron.layers.wna16``'s layout: int32 words along ``K``,
 scales and uint8 zero points per group of ``GROUP`` input columns); each tile is unpacked and
 scaled in registers, ``(q - z) * s`` in fp32, so a decode step reads a quarter of bf16's
-bytes. Two kernels:
+bytes (NVFP4, ``FP4``: each 4-bit value an E2M1 code, ``fp4(q) * s``, the row's global scale
+dividing the sum). Two kernels:
 
 - the GEMV (few rows: decode): one program per ``BLOCK_N`` output features and row of ``x``,
   a broadcast multiply and sum over ``[BLOCK_N, BLOCK_K]`` tiles, fp32 throughout;
@@ -37,6 +38,7 @@ def _dequant_tile(
     BITS: tl.constexpr,
     GROUP: tl.constexpr,
     HAS_ZEROS: tl.constexpr,
+    FP4: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
 ):
@@ -51,6 +53,9 @@ def _dequant_tile(
     words = tl.load(qw_ptr + rows * stride_qn + offs_w[None, :], mask=w_mask, other=0)
     shifts = tl.arange(0, PACK) * BITS
     q = (words[:, :, None] >> shifts[None, None, :]) & ((1 << BITS) - 1)
+    if FP4:  # E2M1 code -> fp16 bits of its value times 2 ** -14 (exact), then the value
+        bits = (((q & 7) << 9) | ((q & 8) << 12)).to(tl.uint16)
+        q = bits.to(tl.float16, bitcast=True).to(tl.float32) * 16384.0
     if GROUP < BLOCK_K:  # BLOCK_K / GROUP groups a tile
         SUB: tl.constexpr = BLOCK_K // GROUP
         offs_g = k0 // GROUP + tl.arange(0, SUB)
@@ -62,7 +67,10 @@ def _dequant_tile(
         else:
             z = tl.full([BLOCK_N, SUB], 1 << (BITS - 1), tl.int32)
         q = tl.reshape(q, (BLOCK_N, SUB, GROUP))
-        w = (q - z[:, :, None]).to(tl.float32) * s[:, :, None]
+        if FP4:
+            w = q * s[:, :, None]
+        else:
+            w = (q - z[:, :, None]).to(tl.float32) * s[:, :, None]
     else:  # the tile lies in one group
         g_ptrs = offs_n.to(tl.int64) * stride_sn + k0 // GROUP
         s = tl.load(s_ptr + g_ptrs, mask=n_mask, other=0.0).to(tl.float32)
@@ -70,7 +78,10 @@ def _dequant_tile(
             z = tl.load(z_ptr + g_ptrs, mask=n_mask, other=0).to(tl.int32)
         else:
             z = tl.full([BLOCK_N], 1 << (BITS - 1), tl.int32)
-        w = (q - z[:, None, None]).to(tl.float32) * s[:, None, None]
+        if FP4:
+            w = q * s[:, None, None]
+        else:
+            w = (q - z[:, None, None]).to(tl.float32) * s[:, None, None]
     return tl.reshape(w, (BLOCK_N, BLOCK_K))
 
 
@@ -81,6 +92,7 @@ def _wna16_gemv_kernel(
     s_ptr,
     z_ptr,
     b_ptr,
+    g_ptr,
     y_ptr,
     N,
     K,
@@ -91,6 +103,7 @@ def _wna16_gemv_kernel(
     BITS: tl.constexpr,
     GROUP: tl.constexpr,
     HAS_ZEROS: tl.constexpr,
+    FP4: tl.constexpr,
     HAS_BIAS: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -107,10 +120,12 @@ def _wna16_gemv_kernel(
         k_mask = offs_k < K
         w = _dequant_tile(
             qw_ptr, s_ptr, z_ptr, offs_n, n_mask, k, K, stride_qn, stride_sn,
-            BITS, GROUP, HAS_ZEROS, BLOCK_N, BLOCK_K,
+            BITS, GROUP, HAS_ZEROS, FP4, BLOCK_N, BLOCK_K,
         )  # fmt: skip
         x = tl.load(x_ptr + m * stride_xm + offs_k, mask=k_mask, other=0.0).to(tl.float32)
         acc += tl.sum(w * x[None, :], axis=1)
+    if FP4:
+        acc /= tl.load(g_ptr + offs_n, mask=n_mask, other=1.0)
     if HAS_BIAS:
         acc += tl.load(b_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)
     tl.store(y_ptr + m * stride_ym + offs_n, acc.to(y_ptr.dtype.element_ty), mask=n_mask)
@@ -123,6 +138,7 @@ def _wna16_gemm_kernel(
     s_ptr,
     z_ptr,
     b_ptr,
+    g_ptr,
     y_ptr,
     M,
     N,
@@ -134,6 +150,7 @@ def _wna16_gemm_kernel(
     BITS: tl.constexpr,
     GROUP: tl.constexpr,
     HAS_ZEROS: tl.constexpr,
+    FP4: tl.constexpr,
     HAS_BIAS: tl.constexpr,
     DOT_PREC: tl.constexpr,
     BLOCK_M: tl.constexpr,
@@ -154,9 +171,11 @@ def _wna16_gemm_kernel(
         x = tl.load(x_rows + offs_k[None, :], mask=m_mask[:, None] & k_mask[None, :], other=0.0)
         w = _dequant_tile(
             qw_ptr, s_ptr, z_ptr, offs_n, n_mask, k, K, stride_qn, stride_sn,
-            BITS, GROUP, HAS_ZEROS, BLOCK_N, BLOCK_K,
+            BITS, GROUP, HAS_ZEROS, FP4, BLOCK_N, BLOCK_K,
         )  # fmt: skip
         acc = tl.dot(x, tl.trans(w.to(x.dtype)), acc=acc, input_precision=DOT_PREC)
+    if FP4:
+        acc /= tl.load(g_ptr + offs_n, mask=n_mask, other=1.0)[None, :]
     if HAS_BIAS:
         acc += tl.load(b_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
     y_ptrs = y_ptr + tl.cast(offs_m, tl.int64)[:, None] * stride_ym + offs_n[None, :]
@@ -176,10 +195,12 @@ def wna16_linear(
     bits: int,
     group_size: int | None,
     bias: torch.Tensor | None = None,
+    global_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """``x [M, K] @ W.T (+ bias)`` for the packed ``W [N, K]`` (``qweight`` int32
     ``[N, K * bits / 32]``, ``scales`` ``[N, G]``, ``qzeros`` uint8 ``[N, G]`` or None for
-    symmetric weights; ``group_size`` None: one group a row). Returns ``x.dtype``."""
+    symmetric weights; ``group_size`` None: one group a row; with ``global_scale`` fp32 [N],
+    NVFP4: 4-bit E2M1 codes whose rows it divides). Returns ``x.dtype``."""
     M, K = x.shape
     N = qweight.shape[0]
     if qweight.dtype != torch.int32 or qweight.shape[1] * (32 // bits) != K:
@@ -201,12 +222,16 @@ def wna16_linear(
         scales,
         qzeros if qzeros is not None else scales,
         bias if bias is not None else scales,
+        global_scale if global_scale is not None else scales,
         out,
     )
     block_k = _block(K, 128)
     # Per channel: one group as wide as a tile at least, so that a tile lies in it.
     group = group_size or max(K, block_k)
-    flags = dict(BITS=bits, GROUP=group, HAS_ZEROS=qzeros is not None, HAS_BIAS=bias is not None)
+    flags = dict(
+        BITS=bits, GROUP=group, HAS_ZEROS=qzeros is not None, FP4=global_scale is not None,
+        HAS_BIAS=bias is not None,
+    )  # fmt: skip
     if M <= GEMV_MAX_M:
         # Narrow column blocks: enough programs to keep the loads in flight on many SMs.
         block_n = _block(N, 16)

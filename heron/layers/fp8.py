@@ -9,6 +9,7 @@ rows, which is exact) or block-wise (``scale`` is ``[ceil(N / bn), ceil(K / bk)]
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -45,10 +46,13 @@ class Fp8Scheme:
     from_checkpoint: bool
     block: tuple[int, int] | None = None
     skip: tuple[str, ...] = ()
+    skip_patterns: tuple[str, ...] = ()  # regular expressions (compressed-tensors' ``re:``)
 
     def skips(self, name: str) -> bool:
         """Whether module ``name`` (a checkpoint name) stays in full precision."""
-        return any(f in name for f in self.skip)
+        return any(f in name for f in self.skip) or any(
+            re.fullmatch(p, name) for p in self.skip_patterns
+        )
 
     def describe(self) -> str:
         layout = f"{self.block[0]}x{self.block[1]} block scales" if self.block else "channel scales"
@@ -68,7 +72,8 @@ def fp8_scheme(hf_config: PretrainedConfig, quantization: str | None) -> Fp8Sche
     if qc.get("quant_method") != "fp8":
         raise ValueError(
             f"checkpoint quantization {qc.get('quant_method')!r} is not supported; "
-            "Heron loads quant_method 'fp8', 'awq', 'gptq' and 'compressed-tensors' checkpoints"
+            "Heron loads quant_method 'fp8', 'awq', 'gptq', 'compressed-tensors' and 'mxfp4' "
+            "checkpoints"
         )
     unknown = sorted(set(qc) - _CHECKPOINT_KEYS)
     if unknown:

@@ -87,7 +87,7 @@ class Linear(nn.Module):
         # stays in full precision, dequantised after loading from an FP8 checkpoint.
         self.keep_dense = False
         self.wna16: WNA16Scheme | None = None
-        for name in ("qweight", "scales", "qzeros", "g_idx"):  # packed integer weights
+        for name in ("qweight", "scales", "qzeros", "g_idx", "global_scale"):  # packed weights
             self.register_parameter(name, None)
         self.perm: torch.Tensor | None = None  # act-order: the input columns' order
         self.g_idx_loaded = False  # a packed layer's shards each bring the same g_idx
@@ -96,7 +96,10 @@ class Linear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.wna16 is not None:
-            y = wna16_forward(x, *self._packed(), self.perm, self.wna16, self.bias, self.kernels)
+            y = wna16_forward(
+                x, *self._packed(), self.perm, self.wna16, self.bias, self.kernels,
+                self.global_scale,
+            )  # fmt: skip
         elif self.weight_scale is not None:
             y = fp8_linear(
                 x, self.weight, self.weight_scale, self.weight_block, self.bias, self.kernels
@@ -150,6 +153,8 @@ class Linear(nn.Module):
         self.qzeros = _frozen(zeros) if scheme.zero_points else None
         g_idx = torch.empty(k, dtype=torch.int32, device=device)
         self.g_idx = _frozen(g_idx) if scheme.act_order else None
+        global_scale = torch.empty(n, device=device)  # NVFP4: each shard's rows its own
+        self.global_scale = _frozen(global_scale) if scheme.fp4 else None
         self.wna16 = scheme
 
     def finish_wna16(self, dtype: torch.dtype, name: str) -> None:
@@ -168,11 +173,12 @@ class Linear(nn.Module):
                 self.qweight = _frozen(pack(reordered, scheme.bits))
             self.g_idx = None
         if self.keep_dense:
-            w = dequantize_wna16(*self._packed(), scheme.bits, scheme.group_size)
+            w = dequantize_wna16(*self._packed(), scheme.bits, scheme.group_size, self.global_scale)
             if self.perm is not None:
                 w = w[:, torch.argsort(self.perm)]
             self.weight = _frozen(w.to(dtype))
             self.qweight = self.scales = self.qzeros = self.wna16 = self.perm = None
+            self.global_scale = None
 
     def _packed(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
         """``(qweight, scales, qzeros)`` of packed integer weights."""
@@ -182,11 +188,13 @@ class Linear(nn.Module):
         """Replace the loaded full-precision weight by its round-to-nearest quantisation in
         ``scheme`` (dummy weights of a quantised checkpoint's shape)."""
         qweight, scales, qzeros = quantize_wna16(
-            self.weight.data, scheme.bits, scheme.group_size, scheme.zero_points
+            self.weight.data, scheme.bits, scheme.group_size, scheme.zero_points, scheme.fp4
         )
         self.register_parameter("weight", None)
         self.qweight, self.qzeros = _frozen(qweight), qzeros if qzeros is None else _frozen(qzeros)
         self.scales = _frozen(scales.to(scheme.scale_dtype))
+        if scheme.fp4:  # (scales as they are, in FP8's range)
+            self.global_scale = _frozen(torch.ones(self.out_features, device=qweight.device))
         self.wna16 = scheme
 
     def reorder_rows(self, order: torch.Tensor) -> None:
@@ -279,7 +287,8 @@ class Linear(nn.Module):
             if cols is not None:
                 k = self.in_features * self.tp.size
                 loaded = column_part(self.wna16, name, loaded, cols, k)
-            return loaded if rows is None or name == "g_idx" else rows_of(loaded, rows)
+            whole = rows is None or name in ("g_idx", "global_scale")  # one global a matrix
+            return loaded if whole else rows_of(loaded, rows)
         if name == "weight_scale":
             if math.prod(loaded.shape) == 1 or (rows is None and self.weight_block is None):
                 return loaded
@@ -310,9 +319,9 @@ class Linear(nn.Module):
                 raise ValueError("g_idx differs from the first shard's (one input order a layer)")
             _copy_checked(param.data, loaded, param)
             self.g_idx_loaded = True
-        elif param is not self.weight_scale:
+        elif param is not self.weight_scale and param is not self.global_scale:
             _copy_checked(param.data.narrow(0, start, size), loaded, param)
-        elif self.weight_block is None:  # per channel; a per-tensor scale repeats
+        elif self.weight_block is None:  # per channel; a per-tensor (global) scale repeats
             _copy_checked(param.data.narrow(0, start, size), channel_scales(loaded, size), param)
         else:
             bn = self.weight_block[0]

@@ -9,7 +9,8 @@ switches:
   I]); checkpoints holding one tensor per expert (``experts.{e}.gate_proj.weight``) load into
   the stacks through :meth:`ExpertBank.weight_loader` (Qwen-MoE, Qwen3-Next/3.5, DeepSeek).
   They may hold FP8 weights (``hold_fp8`` / ``quantize_fp8``, as ``Linear`` does);
-- ``ClampedSwiGLUExperts``: gpt-oss's, with biases, input-major, gate and up interleaved.
+- ``ClampedSwiGLUExperts``: gpt-oss's, with biases, input-major, gate and up interleaved;
+  or, after ``hold_mxfp4``, MXFP4 stacks as its published checkpoints store them.
 
 With the Triton kernel set the experts run as two fused grouped GEMMs, with no host sync, in
 eager steps and CUDA graphs alike. Otherwise they run the reference in plain PyTorch, which
@@ -35,11 +36,19 @@ from heron.layers.activation import SiluAndMul
 from heron.layers.fp8 import FP8, channel_scales, dequantize, quantize, scale_shape
 from heron.layers.linear import Linear, whole_blocks
 from heron.layers.mlp import GatedMLP
+from heron.layers.mxfp4 import BLOCK, dequantize_mxfp4, packed_shapes
 from heron.layers.routing import Routing, TopKRouter
 from heron.parallel import current_tensor_parallel
 
 #: An FP8 stack's scales are the parameter of its name plus this (``gate_up_proj_scale``).
 SCALE_SUFFIX = "_scale"
+#: ``fused_experts``' arguments from an MXFP4 bank's parameters.
+_MXFP4_ARGS = {
+    "gate_up": "gate_up_proj_blocks",
+    "down": "down_proj_blocks",
+    "gate_up_scale": "gate_up_proj_scales",
+    "down_scale": "down_proj_scales",
+}
 
 
 def _stacked(*shape: int) -> nn.Parameter:
@@ -330,7 +339,16 @@ class ClampedSwiGLUExperts(ExpertBank):
     The weights are input-major (``y = x @ W + b``): ``gate_up_proj`` [E, hidden, 2I] with gate
     and up columns interleaved, ``down_proj`` [E, I, hidden]. Parameter names equal the
     checkpoint's, so the generic loader fills them.
+
+    After :meth:`hold_mxfp4` the bank holds MXFP4 stacks under a published checkpoint's names
+    and in its layout (``heron.layers.mxfp4``): ``gate_up_proj_blocks`` [E, 2I, hidden / 32, 16]
+    and ``gate_up_proj_scales`` (output-major, gate and up rows alternating), ``down_proj_blocks``
+    [E, hidden, I / 32, 16] and ``down_proj_scales``. The fused kernels read them packed; the
+    reference dequantises each expert it runs.
     """
+
+    #: The stacks held in MXFP4, their (output, input) features by ``(2I, I, hidden)``.
+    _MXFP4_STACKS = {"gate_up_proj": lambda i, h: (2 * i, h), "down_proj": lambda i, h: (h, i)}
 
     activation, output_major, interleaved = "clamped_swiglu", False, True
 
@@ -342,18 +360,70 @@ class ClampedSwiGLUExperts(ExpertBank):
         swiglu_limit: float,
         alpha: float = 1.702,
         kernels: LayerKernels = TORCH_KERNELS,
+        mxfp4: bool = False,
     ) -> None:
         super().__init__(num_experts, intermediate_size, kernels)
         inter = self.intermediate_size
         self.alpha, self.limit = alpha, swiglu_limit
-        self.gate_up_proj = _stacked(num_experts, hidden_size, 2 * inter)
+        self.hidden_size = hidden_size
+        self.mxfp4 = False
+        # (In this order, which seeded dummy weights follow.) MXFP4 banks never hold the
+        # dense stacks: gpt-oss-120b's would not fit beside the packed ones.
+        if not mxfp4:
+            self.gate_up_proj = _stacked(num_experts, hidden_size, 2 * inter)
         self.gate_up_proj_bias = _stacked(num_experts, 2 * inter)
-        self.down_proj = _stacked(num_experts, inter, hidden_size)
+        if not mxfp4:
+            self.down_proj = _stacked(num_experts, inter, hidden_size)
         self.down_proj_bias = _stacked(num_experts, hidden_size)
+        if mxfp4:
+            self.hold_mxfp4()
+
+    def hold_mxfp4(self) -> None:
+        """Empty MXFP4 stacks for an MXFP4 checkpoint to fill, in place of any dense ones. A
+        tensor-parallel rank holds down's inputs in whole 32-value blocks (else refused)."""
+        if self.mxfp4:
+            return
+        e, inter = self.num_experts, self.intermediate_size
+        if self.tp is not None and (inter % BLOCK or self.inter_start % BLOCK):
+            raise ValueError(
+                f"down_proj_blocks: tensor parallelism gives each rank {inter} of the experts' "
+                f"intermediate features, which splits its {BLOCK}-value MXFP4 blocks"
+            )
+        for name, features in self._MXFP4_STACKS.items():
+            blocks, scales = packed_shapes(*features(inter, self.hidden_size), name)
+            dense = getattr(self, name, None)
+            device = None if dense is None else dense.device  # None: the default device
+            if dense is not None:
+                delattr(self, name)
+            for suffix, shape in (("_blocks", blocks), ("_scales", scales)):
+                empty = torch.empty(e, *shape, dtype=torch.uint8, device=device)
+                self.register_parameter(name + suffix, _frozen(empty))
+        self.mxfp4 = True
+
+    def randomize_mxfp4(self, std: float, generator: torch.Generator) -> None:
+        """Dummy MXFP4 weights: uniformly random values (their RMS about 2.93) under the one
+        scale that makes their standard deviation about ``std``."""
+        exponent = 127 + round(math.log2(std / 2.93))
+        for name in self._MXFP4_STACKS:
+            blocks = getattr(self, name + "_blocks")
+            blocks.copy_(torch.randint(0, 256, blocks.shape, generator=generator,
+                                       device=blocks.device))  # fmt: skip
+            getattr(self, name + "_scales").fill_(exponent)
+
+    def checkpoint_part(
+        self, name: str, loaded: torch.Tensor, shard: tuple[int, str] | None
+    ) -> torch.Tensor:
+        """As for dense stacks; MXFP4 down stacks split their inputs in whole 32-value blocks
+        (which :meth:`hold_mxfp4` checked)."""
+        if self.tp is None or name not in ("down_proj_blocks", "down_proj_scales"):
+            return super().checkpoint_part(name, loaded, shard)
+        return loaded.narrow(2, self.inter_start // BLOCK, self.intermediate_size // BLOCK)
 
     def _intermediate_dim(self, name: str, shard: None) -> int | None:
-        # Gate and up columns alternate, so a run of features is a run of column pairs.
-        return {"gate_up_proj": 2, "gate_up_proj_bias": 1, "down_proj": 1}.get(name)
+        # Gate and up columns alternate, so a run of features is a run of column pairs (of
+        # rows of MXFP4 blocks and scales).
+        dims = {"gate_up_proj": 2, "gate_up_proj_bias": 1, "down_proj": 1}
+        return (dims | {"gate_up_proj_blocks": 1, "gate_up_proj_scales": 1}).get(name)
 
     def _intermediate_width(self, name: str) -> int:
         return 2 if name.startswith("gate_up") else 1
@@ -363,18 +433,36 @@ class ClampedSwiGLUExperts(ExpertBank):
             loaded = torch.zeros_like(loaded)  # the block's all-reduce adds rank 0's once
         super().weight_loader(param, loaded, shard)
 
+    def weights_of(self, e: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """Expert ``e``'s input-major ``gate_up`` and ``down`` in ``dtype`` (dequantised if
+        MXFP4)."""
+        if not self.mxfp4:
+            return self.gate_up_proj[e].to(dtype), self.down_proj[e].to(dtype)
+        return tuple(
+            dequantize_mxfp4(getattr(self, f"{n}_blocks")[e], getattr(self, f"{n}_scales")[e])
+            .t()
+            .to(dtype)
+            for n in self._MXFP4_STACKS
+        )
+
     def expert(self, e: int, x: torch.Tensor) -> torch.Tensor:
-        gate_up = x @ self.gate_up_proj[e] + self.gate_up_proj_bias[e]
+        gate_up_w, down_w = self.weights_of(e, x.dtype)
+        gate_up = x @ gate_up_w + self.gate_up_proj_bias[e]
         glu = clamped_swiglu(gate_up, self.alpha, self.limit)
-        return glu @ self.down_proj[e] + self.down_proj_bias[e]
+        return glu @ down_w + self.down_proj_bias[e]
 
     def fused_layout(self) -> dict:
-        return super().fused_layout() | dict(
+        extra = dict(
             gate_up_bias=self.gate_up_proj_bias,
             down_bias=self.down_proj_bias,
             alpha=self.alpha,
             limit=self.limit,
         )
+        if not self.mxfp4:
+            return super().fused_layout() | extra
+        packed = {arg: getattr(self, name) for arg, name in _MXFP4_ARGS.items()}
+        layout = dict(activation=self.activation, output_major=True, interleaved=True)
+        return packed | layout | extra
 
 
 class SparseMoE(nn.Module):

@@ -6,26 +6,32 @@ from __future__ import annotations
 from torch import nn
 from transformers import PretrainedConfig
 
+from heron.layers.compressed_tensors import config_group, float_quantized_scheme
 from heron.layers.fp8 import Fp8Scheme, fp8_scheme
+from heron.layers.mxfp4 import Mxfp4Scheme, mxfp4_scheme
 from heron.layers.wna16 import FORMATS, WNA16Scheme, wna16_scheme
 
-#: What a model's linear layers may hold (None: the model's dtype).
-WeightScheme = Fp8Scheme | WNA16Scheme
+#: What a model's linear layers (or, for MXFP4, its experts) may hold (None: the model's dtype).
+WeightScheme = Fp8Scheme | WNA16Scheme | Mxfp4Scheme
 
 
 def weight_scheme(hf_config: PretrainedConfig, quantization: str | None) -> WeightScheme | None:
-    """The scheme of a checkpoint (FP8, or integer weights in one of ``FORMATS``) and the
-    user's ``quantization``, which cannot apply to a checkpoint quantised otherwise."""
+    """The scheme of a checkpoint (FP8, integer weights in one of ``FORMATS``, MXFP4 experts)
+    and the user's ``quantization``, which cannot apply to a checkpoint quantised otherwise."""
     qc = getattr(hf_config, "quantization_config", None)
     qc = qc if qc is None or isinstance(qc, dict) else qc.to_dict()
     method = qc.get("quant_method") if qc is not None else None
-    if method not in FORMATS:
+    if method not in (*FORMATS, "mxfp4"):
         return fp8_scheme(hf_config, quantization)
     if quantization is not None:
         raise ValueError(
             f"quantization={quantization!r}: the checkpoint is already quantised "
             f"(quant_method {method!r}); leave quantization unset to load it as stored"
         )
+    if method == "mxfp4":
+        return mxfp4_scheme(qc)
+    if method == "compressed-tensors" and config_group(qc).format == "float-quantized":
+        return float_quantized_scheme(config_group(qc))
     return wna16_scheme(qc, hf_config)
 
 

@@ -9,7 +9,11 @@ per output channel) in its own packing. A layer holds one layout whatever the fi
 - ``scales`` ``[N, G]`` in the checkpoint's float dtype (``G`` groups along ``K``);
 - ``qzeros`` uint8 ``[N, G]``, or None for symmetric weights (zero ``2 ** (bits - 1)``);
 - GPTQ's act-order (``desc_act``): the input columns sorted by group at load (``perm``), the
-  activations gathered in that order at run time.
+  activations gathered in that order at run time;
+- NVFP4 (compressed-tensors ``nvfp4-pack-quantized``): 4-bit values that are FP4 E2M1 codes
+  rather than integers, FP8 E4M3 scales per 16 columns, and each checkpoint matrix's fp32
+  global scale, which divides its rows (``global_scale`` ``[N]``: a packed layer's shards
+  keep their own).
 
 That is compressed-tensors' own layout, and what the Triton kernels read. The converters
 below take each checkpoint tensor apart (one tensor alone: a packed layer's shards arrive
@@ -24,6 +28,9 @@ from typing import TYPE_CHECKING
 
 import torch
 from transformers import PretrainedConfig
+
+from heron.layers.compressed_tensors import WHAT, ConfigGroup, config_group
+from heron.layers.mxfp4 import FP4_VALUES
 
 if TYPE_CHECKING:
     # (a type only: EngineConfig reads the formats here, and a server front imports no kernels)
@@ -46,12 +53,6 @@ _IGNORED = {
     "modules_to_fuse", "pad_token_id", "pack_dtype", "tokenizer", "true_sequential",
     "use_cuda_fp16", "use_exllama", "use_marlin", "quant_type", "v2", "mse", "format",
 }  # fmt: skip
-_CT_KEYS = {"quant_method", "format", "config_groups", "ignore", "kv_cache_scheme"}
-_CT_KEYS |= {"quantization_status", "global_compression_ratio", "sparsity_config", "version"}
-_CT_KEYS |= {"transform_config", "moe_sparsity_config"}
-_CT_WEIGHT_KEYS = {"num_bits", "type", "symmetric", "strategy", "group_size", "actorder"}
-_CT_WEIGHT_KEYS |= {"dynamic", "observer", "observer_kwargs", "block_structure"}
-_CT_WEIGHT_KEYS |= {"scale_dtype", "zp_dtype"}
 
 #: ``quant_method`` values read here.
 FORMATS = ("awq", "gptq", "compressed-tensors")
@@ -74,6 +75,7 @@ class WNA16Scheme:
     scale_dtype: torch.dtype = torch.float16
     skip: tuple[str, ...] = ()
     skip_patterns: tuple[str, ...] = ()
+    fp4: bool = False  # NVFP4: E2M1 codes, FP8 scales and a global scale a matrix
 
     @property
     def pack(self) -> int:
@@ -88,6 +90,12 @@ class WNA16Scheme:
         return self.bits / 8 + per_group / group
 
     def describe(self) -> str:
+        if self.fp4:
+            return (
+                f"{self.format} nvfp4 weights (FP4 E2M1, FP8 scales per {self.group_size}, a "
+                f"global scale a matrix; W4A16), held packed ({self.bytes_per_weight(4096):.3f} "
+                "bytes a weight at K=4096)"
+            )
         group = f"groups of {self.group_size}" if self.group_size else "per-channel scales"
         zeros = "zero points" if self.zero_points else "symmetric"
         order = ", act-order" if self.act_order else ""
@@ -109,6 +117,10 @@ class WNA16Scheme:
         layer names them) of one matrix in the layer's layout (rows are output features)."""
         if name == "g_idx":
             return loaded.to(torch.int32)
+        if self.fp4 and name == "qweight":  # uint8 [N, K / 2], the low nibble first
+            return loaded.contiguous().view(torch.int32)
+        if self.fp4 and name == "global_scale":
+            return loaded.float().reshape(-1)
         if self.format == "compressed-tensors":
             if name == "qzeros":  # packed along the output features
                 return unpack(loaded.t(), self.bits).t().to(torch.uint8)
@@ -194,29 +206,17 @@ def _gptq(qc: dict) -> WNA16Scheme:
 
 
 def _compressed_tensors(qc: dict, hf_config: PretrainedConfig) -> WNA16Scheme:
-    what = "compressed-tensors quantization_config"
-    _check_keys(qc, _CT_KEYS, "compressed-tensors")
-    fmt = qc.get("format")
-    groups = qc.get("config_groups") or {}
-    if len(groups) != 1:
-        raise ValueError(f"{what}: {len(groups)} config_groups; one is supported")
-    ((name, group),) = groups.items()
-    fmt = group.get("format") or fmt
-    if fmt != "pack-quantized":
-        raise ValueError(f"{what}: format {fmt!r} is not supported (pack-quantized)")
-    for field in ("kv_cache_scheme", "sparsity_config", "transform_config", "moe_sparsity_config"):
-        if qc.get(field):
-            raise ValueError(f"{what}: {field} is not supported")
-    for field in ("input_activations", "output_activations"):
-        if group.get(field):
-            raise ValueError(f"{what}: config_groups.{name}.{field} is not supported (W4A16)")
-    if group.get("targets") != ["Linear"]:
-        raise ValueError(f"{what}: config_groups.{name}.targets {group.get('targets')} ('Linear')")
-    w = group.get("weights") or {}
-    where = f"{what}: config_groups.{name}.weights"
-    unknown = sorted(set(w) - _CT_WEIGHT_KEYS)
-    if unknown:
-        raise ValueError(f"{where}: unsupported fields {', '.join(unknown)}")
+    group = config_group(qc)
+    if group.format == "nvfp4-pack-quantized":
+        return _nvfp4(group)
+    if group.format != "pack-quantized":
+        raise ValueError(
+            f"{WHAT}: format {group.format!r} is not supported (pack-quantized, "
+            "nvfp4-pack-quantized, float-quantized)"
+        )
+    if group.input_activations:
+        raise ValueError(f"{group.where}.input_activations is not supported (W4A16)")
+    w, where = group.weights, f"{group.where}.weights"
     if w.get("type") != "int" or w.get("num_bits") not in (4, 8) or w.get("dynamic"):
         raise ValueError(
             f"{where}: type {w.get('type')!r}, num_bits {w.get('num_bits')}, dynamic "
@@ -231,7 +231,6 @@ def _compressed_tensors(qc: dict, hf_config: PretrainedConfig) -> WNA16Scheme:
     size = _group(w.get("group_size"), where) if strategy == "group" else None
     if strategy == "group" and size is None:
         raise ValueError(f"{where}: strategy 'group' needs a group_size")
-    ignore = tuple(qc.get("ignore") or ())
     dtype = getattr(hf_config, "dtype", None) or getattr(hf_config, "torch_dtype", None)
     return WNA16Scheme(
         "compressed-tensors",
@@ -242,9 +241,35 @@ def _compressed_tensors(qc: dict, hf_config: PretrainedConfig) -> WNA16Scheme:
         scale_dtype=dtype
         if isinstance(dtype, torch.dtype) and dtype.is_floating_point
         else torch.bfloat16,
-        skip=tuple(i for i in ignore if not i.startswith("re:")),
-        skip_patterns=tuple(i[3:] for i in ignore if i.startswith("re:")),
+        skip=group.skip,
+        skip_patterns=group.skip_patterns,
     )
+
+
+def _nvfp4(group: ConfigGroup) -> WNA16Scheme:
+    """NVFP4 weights, run with 16-bit activations: a checkpoint's FP4 activation settings
+    (W4A4) are not used."""
+    w, where = group.weights, f"{group.where}.weights"
+    if (
+        w.get("type") != "float"
+        or w.get("num_bits") != 4
+        or w.get("group_size") != 16
+        or w.get("strategy") != "tensor_group"
+        or w.get("dynamic")
+        or not w.get("symmetric", True)
+    ):
+        raise ValueError(
+            f"{where}: type {w.get('type')!r}, num_bits {w.get('num_bits')}, group_size "
+            f"{w.get('group_size')}, strategy {w.get('strategy')!r} is not supported (NVFP4: "
+            "static symmetric float, 4 bits, tensor_group of 16)"
+        )
+    a = group.input_activations
+    if a is not None and (a.get("type") != "float" or a.get("num_bits") not in (4, 8, 16)):
+        raise ValueError(f"{group.where}.input_activations: type {a.get('type')!r} is not float")
+    return WNA16Scheme(
+        "compressed-tensors", 4, 16, zero_points=False, scale_dtype=torch.float8_e4m3fn,
+        skip=group.skip, skip_patterns=group.skip_patterns, fp4=True,
+    )  # fmt: skip
 
 
 # -- packing -------------------------------------------------------------------------------
@@ -285,26 +310,37 @@ def dequantize(
     qzeros: torch.Tensor | None,
     bits: int,
     group_size: int | None,
+    global_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """The fp32 weight ``[N, K]`` a layer's packed tensors stand for."""
+    """The fp32 weight ``[N, K]`` a layer's packed tensors stand for (with ``global_scale``
+    ``[N]``: NVFP4's E2M1 codes, scaled and divided by it)."""
     q = unpack(qweight, bits)
     k = q.shape[1]
     g = group_width(group_size, k)
-    z = zero_of(bits) if qzeros is None else qzeros.to(torch.int32).repeat_interleave(g, 1)[:, :k]
     s = scales.float().repeat_interleave(g, 1)[:, :k]
+    if global_scale is not None:
+        return torch.tensor(FP4_VALUES, device=q.device)[q] * s / global_scale[:, None]
+    z = zero_of(bits) if qzeros is None else qzeros.to(torch.int32).repeat_interleave(g, 1)[:, :k]
     return (q - z).float() * s
 
 
 def quantize(
-    weight: torch.Tensor, bits: int, group_size: int | None, zero_points: bool
+    weight: torch.Tensor, bits: int, group_size: int | None, zero_points: bool, fp4: bool = False
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """Round-to-nearest ``(qweight, scales, qzeros)`` of a full-precision ``[N, K]`` weight,
-    min-max per group (zero points) or absolute-max (symmetric); scales in fp16. For dummy
-    weights and tests, not for calibrated quality."""
+    min-max per group (zero points) or absolute-max (symmetric); scales in fp16 (``fp4``: E2M1
+    codes under FP8 scales, a global scale of 1). For dummy weights and tests, not for
+    calibrated quality."""
     n, k = weight.shape
     g = group_width(group_size, k)
     w = torch.nn.functional.pad(weight.float(), (0, -k % g)).view(n, -1, g)
     top = (1 << bits) - 1
+    if fp4:
+        scale = (w.abs().amax(-1) / 6).clamp(min=2.0**-9).to(torch.float8_e4m3fn)
+        values = torch.tensor(FP4_VALUES[:8], device=w.device)
+        scaled = w / scale.float()[..., None]
+        codes = (scaled.abs()[..., None] - values).abs().argmin(-1) | ((scaled < 0).long() << 3)
+        return pack(codes.view(n, -1)[:, :k].to(torch.int32), 4), scale, None
     if zero_points:
         lo, hi = w.amin(-1).clamp(max=0), w.amax(-1).clamp(min=0)
         scale = ((hi - lo) / top).clamp(min=1e-8).half()
@@ -371,6 +407,7 @@ def wna16_forward(
     scheme: WNA16Scheme,
     bias: torch.Tensor | None,
     kernels: LayerKernels,
+    global_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """``x W^T (+ b)`` for a packed weight: the kernel set's ``wna16_mm`` (dequantising in
     registers), else the weight dequantised in fp32 for this product (the CPU's reference).
@@ -378,6 +415,8 @@ def wna16_forward(
     if perm is not None:
         x = x.index_select(-1, perm)
     if kernels.wna16_mm is not None and x.dim() == 2:
-        return kernels.wna16_mm(x, qweight, scales, qzeros, scheme.bits, scheme.group_size, bias)
-    w = dequantize(qweight, scales, qzeros, scheme.bits, scheme.group_size)
+        return kernels.wna16_mm(
+            x, qweight, scales, qzeros, scheme.bits, scheme.group_size, bias, global_scale
+        )
+    w = dequantize(qweight, scales, qzeros, scheme.bits, scheme.group_size, global_scale)
     return torch.nn.functional.linear(x, w.to(x.dtype), bias)

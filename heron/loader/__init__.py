@@ -4,13 +4,15 @@ from __future__ import annotations
 
 import logging
 
+import torch
 from torch import nn
 
 from heron.config import ModelConfig
+from heron.layers.mxfp4 import Mxfp4Scheme
 from heron.layers.quantization import describe_weights
 from heron.layers.wna16 import WNA16Scheme
 from heron.loader.dummy import initialize_dummy_weights
-from heron.loader.fp8 import fp8_expert_banks, fp8_linears
+from heron.loader.fp8 import fp8_expert_banks, fp8_linears, mxfp4_expert_banks
 from heron.loader.safetensors import iterate_weights
 from heron.loader.weights import load_weights
 
@@ -22,9 +24,13 @@ def load_model(model: nn.Module, model_config: ModelConfig, sharded: bool = Fals
     FP8 weights: read as stored from an FP8 checkpoint, else quantised from the loaded (or
     dummy) weights (but those an operator reads as matrices, ``Linear.keep_dense``). Under an
     integer scheme (AWQ, GPTQ, compressed-tensors) linear layers hold the packed weights as
-    stored, or dummy weights quantised to the scheme.
+    stored, or dummy weights quantised to the scheme. Under MXFP4 the experts hold the packed
+    stacks as stored (dummy ones random).
     A ``sharded`` (tensor-parallel) model reads only its own parts of the checkpoint."""
     scheme = model_config.quantization
+    if isinstance(scheme, Mxfp4Scheme):
+        _load_mxfp4(model, model_config, sharded)
+        return
     packed = isinstance(scheme, WNA16Scheme)
     linears = fp8_linears(model, scheme) if scheme is not None else []
     banks = fp8_expert_banks(model, scheme) if scheme is not None else []
@@ -38,16 +44,7 @@ def load_model(model: nn.Module, model_config: ModelConfig, sharded: bool = Fals
     if as_stored:
         for layer in [*linears, *banks]:
             layer.hold_wna16(scheme) if packed else layer.hold_fp8(scheme.block)
-    if dummy:
-        std = getattr(model_config.hf_config, "initializer_range", None) or 0.02
-        initialize_dummy_weights(model, std, model_config.seed)
-    else:
-        # A model reading part of the checkpoint (an MTP head) reads only the tensors it takes.
-        lazy = sharded or getattr(model, "loads_prefixes_only", False)
-        load_weights(model, iterate_weights(model_config.path, lazy=lazy))
-    for module in model.modules():  # layouts of the loaded tensors that differ from the files'
-        if hasattr(module, "finish_loading"):
-            module.finish_loading()
+    _fill(model, model_config, sharded)
     names = {m: n for n, m in model.named_modules()}
     for layer in linears:
         if packed and as_stored:
@@ -62,3 +59,34 @@ def load_model(model: nn.Module, model_config: ModelConfig, sharded: bool = Fals
         for bank in banks:
             bank.quantize_fp8(scheme.block)
     logger.info("weights: %s", describe_weights(scheme, model))
+
+
+def _load_mxfp4(model: nn.Module, model_config: ModelConfig, sharded: bool) -> None:
+    """Fill ``model`` whose experts hold MXFP4 stacks (every other weight as stored)."""
+    banks = mxfp4_expert_banks(model, model_config.quantization)
+    for bank in banks.values():  # (gpt-oss builds its banks so from the config already)
+        bank.hold_mxfp4()
+    _fill(model, model_config, sharded)
+    if model_config.load_format == "dummy":
+        generator = torch.Generator(next(model.parameters()).device)
+        generator.manual_seed(model_config.seed)
+        for bank in banks.values():
+            bank.randomize_mxfp4(_dummy_std(model_config), generator)
+    logger.info("weights: %s", describe_weights(model_config.quantization, model))
+
+
+def _dummy_std(model_config: ModelConfig) -> float:
+    return getattr(model_config.hf_config, "initializer_range", None) or 0.02
+
+
+def _fill(model: nn.Module, model_config: ModelConfig, sharded: bool) -> None:
+    """The checkpoint's tensors (or dummy ones) into ``model``, in the layouts it holds."""
+    if model_config.load_format == "dummy":
+        initialize_dummy_weights(model, _dummy_std(model_config), model_config.seed)
+    else:
+        # A model reading part of the checkpoint (an MTP head) reads only the tensors it takes.
+        lazy = sharded or getattr(model, "loads_prefixes_only", False)
+        load_weights(model, iterate_weights(model_config.path, lazy=lazy))
+    for module in model.modules():  # layouts of the loaded tensors that differ from the files'
+        if hasattr(module, "finish_loading"):
+            module.finish_loading()

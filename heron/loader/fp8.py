@@ -6,7 +6,8 @@ from __future__ import annotations
 from torch import nn
 
 from heron.layers.linear import Linear
-from heron.layers.moe import SwiGLUExperts
+from heron.layers.moe import ClampedSwiGLUExperts, ExpertBank, SwiGLUExperts
+from heron.layers.mxfp4 import Mxfp4Scheme
 from heron.layers.quantization import WeightScheme
 from heron.layers.routing import TopKRouter
 
@@ -46,6 +47,19 @@ def fp8_expert_banks(model: nn.Module, scheme: WeightScheme) -> list[SwiGLUExper
             if not _skipped(model, scheme, name, sources):
                 out.append(module)
     return out
+
+
+def mxfp4_expert_banks(model: nn.Module, scheme: Mxfp4Scheme) -> dict[str, ClampedSwiGLUExperts]:
+    """gpt-oss's expert banks of ``model`` by name, but those the scheme skips; a model with other
+    experts, or none, cannot hold an MXFP4 checkpoint (an error naming it)."""
+    banks = {n: m for n, m in model.named_modules() if isinstance(m, ExpertBank)}
+    other = [n for n, m in banks.items() if not isinstance(m, ClampedSwiGLUExperts)]
+    if other or not banks:
+        raise ValueError(
+            f"mxfp4 checkpoints hold gpt-oss's experts; {type(model).__name__} has "
+            + (f"other experts ({other[0]})" if other else "no experts")
+        )
+    return {n: m for n, m in banks.items() if not scheme.skips(n)}
 
 
 def _skipped(model: nn.Module, scheme: WeightScheme, name: str, sources: list[str]) -> bool:

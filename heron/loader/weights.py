@@ -31,7 +31,10 @@ _PACKED_NAMES = {
     "weight_scale": "scales",
     "weight_zero_point": "qzeros",
     "weight_g_idx": "g_idx",
+    "weight_global_scale": "global_scale",
 }
+# An NVFP4 checkpoint's activation scale (W4A4): Heron runs its weights with 16-bit activations.
+_INPUT_GLOBAL_SCALE = "input_global_scale"
 _PACKED_SHAPE = ".weight_shape"
 # What one expert's tensor fills in its bank: the stack itself, its scales, or (unused) the
 # input scale of a static FP8 checkpoint.
@@ -94,7 +97,7 @@ def load_weights(
         target, shard = _target([renames.get(p, p) for p in name.split(".")], packed, banks)
         owner, _, leaf = target.rpartition(".")
         if f"{owner}.qweight" in params:  # packed integer weights
-            if target.endswith(_PACKED_SHAPE):
+            if target.endswith(_PACKED_SHAPE) or leaf == _INPUT_GLOBAL_SCALE:
                 continue
             target = f"{owner}.{_PACKED_NAMES.get(leaf, leaf)}"
         if target.endswith(_INPUT_SCALE) and _scales_weights(target, params):

@@ -11,6 +11,7 @@ from transformers import PretrainedConfig
 from heron.kernels import LayerKernels
 from heron.layers.embedding import VocabEmbedding
 from heron.layers.moe import ClampedSwiGLUExperts, SparseMoE
+from heron.layers.mxfp4 import mxfp4_scheme
 from heron.layers.norm import RMSNorm
 from heron.layers.rotary import RotaryEmbedding
 from heron.layers.routing import Routing, TopKRouter
@@ -36,15 +37,29 @@ def gpt_oss_moe(
     top_k: int,
     swiglu_limit: float,
     kernels: LayerKernels,
+    mxfp4: bool = False,
 ) -> SparseMoE:
     """gpt-oss's MoE block: a router with bias whose top-k logits are softmaxed, then the
-    clamped-SwiGLU experts; no shared expert."""
+    clamped-SwiGLU experts (held as MXFP4 if ``mxfp4``); no shared expert."""
     return SparseMoE(
         TopKRouter(hidden_size, num_experts, Routing(top_k, "softmax_of_topk"), True, kernels),
         ClampedSwiGLUExperts(
-            num_experts, hidden_size, intermediate_size, swiglu_limit, kernels=kernels
-        ),
+            num_experts,
+            hidden_size,
+            intermediate_size,
+            swiglu_limit,
+            kernels=kernels,
+            mxfp4=mxfp4,
+        ),  # fmt: skip
     )
+
+
+def _mxfp4_experts(config: PretrainedConfig, name: str) -> bool:
+    """Whether the checkpoint holds bank ``name``'s experts in MXFP4 (its quantization_config,
+    as ``load_model`` reads it)."""
+    qc = getattr(config, "quantization_config", None)
+    qc = qc if qc is None or isinstance(qc, dict) else qc.to_dict()
+    return qc is not None and qc.get("quant_method") == "mxfp4" and not mxfp4_scheme(qc).skips(name)
 
 
 class GptOssDecoderLayer(PreNormDecoderLayer):
@@ -70,14 +85,18 @@ class GptOssDecoderLayer(PreNormDecoderLayer):
             o_bias=config.attention_bias,
         )
         self.post_attention_layernorm = RMSNorm(config.hidden_size, eps, kernels)
-        self.mlp = gpt_oss_moe(
-            config.hidden_size,
-            config.intermediate_size,
-            config.num_local_experts,
-            config.num_experts_per_tok,
-            getattr(config, "swiglu_limit", _DEFAULT_SWIGLU_LIMIT),
-            kernels,
-        )
+        try:
+            self.mlp = gpt_oss_moe(
+                config.hidden_size,
+                config.intermediate_size,
+                config.num_local_experts,
+                config.num_experts_per_tok,
+                getattr(config, "swiglu_limit", _DEFAULT_SWIGLU_LIMIT),
+                kernels,
+                _mxfp4_experts(config, f"{prefix}.mlp.experts"),
+            )
+        except ValueError as e:  # MXFP4 stacks this shape or rank cannot hold
+            raise ValueError(f"{prefix}.mlp.experts.{e}") from e
 
 
 class GptOssModel(DecoderModel):
@@ -95,8 +114,8 @@ class GptOssModel(DecoderModel):
 
 
 class GptOssForCausalLM(DecoderForCausalLM):
-    """Expert weights load as ``save_pretrained`` writes them (dense, fused ``gate_up_proj``);
-    MXFP4-quantized checkpoints (``*_blocks`` / ``*_scales`` tensors) are not supported."""
+    """Expert weights load as ``save_pretrained`` writes them (dense, fused ``gate_up_proj``)
+    or as published (MXFP4 ``*_blocks`` / ``*_scales``, held packed: ``load_model``)."""
 
     checkpoint_renames = {"router": "gate"}  # SparseMoE's name for it
 

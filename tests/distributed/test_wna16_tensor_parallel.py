@@ -1,5 +1,6 @@
-"""Packed integer checkpoints over two ranks (gloo): weights, scales and zero points cut along
-their words and groups, against HF on the dequantised weights; a cut inside a group refused."""
+"""Packed integer (and NVFP4) checkpoints over two ranks (gloo): weights, scales and zero points
+cut along their words and groups, against HF on the dequantised weights; a cut inside a group
+refused."""
 
 from __future__ import annotations
 
@@ -43,6 +44,7 @@ def _rank0(path: Path) -> torch.nn.Module:
     [
         ("awq", dict(group_size=32)),
         ("gptq", dict(bits=4, group_size=64, sym=False, desc_act=False)),
+        ("nvfp4-pack-quantized", {}),  # each shard's global scale on its rows of each rank
     ],
 )
 def test_two_ranks_equal_hf(fmt, opts, llama, tmp_path):

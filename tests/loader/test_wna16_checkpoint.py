@@ -9,14 +9,10 @@ import json
 import pytest
 import torch
 import transformers as tf
-from wna16_checkpoints import SHAPE, write_checkpoint
+from wna16_checkpoints import SHAPE, count_kernel_rows, write_checkpoint
 
 from heron import LLM, SamplingParams
-from heron.kernels import TORCH_KERNELS
-from heron.kernels.wna16 import wna16_linear
 from heron.layers.linear import Linear
-from heron.ops import selector
-from heron.platforms import CpuPlatform
 
 from tiny_models import (
     check_greedy_and_logprobs,
@@ -78,15 +74,7 @@ def test_checkpoint_loads_packed_and_equals_hf(family, fmt, opts, wide_models, t
 def test_triton_kernels_through_the_model_equal_hf(wide_models, tmp_path, monkeypatch):
     """The whole model on the packed-weight kernels (interpreted, fp32): AWQ and GPTQ with
     act-order, prefill through the GEMM and decode through the GEMV."""
-    calls = []
-
-    def counted(x, *args):
-        calls.append(x.shape[0])
-        return wna16_linear(x, *args)
-
-    kernels = TORCH_KERNELS.__class__("wna16", wna16_mm=counted)
-    monkeypatch.setitem(selector.LAYER_KERNELS, "wna16", lambda: kernels)
-    monkeypatch.setattr(CpuPlatform, "layer_kernels", lambda self: "wna16")
+    calls = count_kernel_rows(monkeypatch)
     src = wide_models["qwen3"]
     opts = dict(bits=4, group_size=32, sym=False, desc_act=True)
     weights = write_checkpoint(src, tmp_path / "q", "gptq", **opts)
@@ -135,10 +123,10 @@ def test_unsupported_checkpoints_are_refused_by_name(wide_models, tmp_path):
         (
             {
                 "quant_method": "compressed-tensors",
-                "format": "float-quantized",
-                "config_groups": {"g": {}},
+                "format": "marlin-24",
+                "config_groups": {"g": {"targets": ["Linear"]}},
             },
-            "format 'float-quantized' is not supported",
+            "format 'marlin-24' is not supported",
         ),
         (awq | {"unknown_knob": 1}, "unsupported fields unknown_knob"),
     ]:
