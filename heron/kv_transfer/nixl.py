@@ -205,7 +205,6 @@ class NixlScheduler(KVConnectorScheduler):
         self.block_size = block_size
         self.hold_timeout_s = hold_timeout_s
         self._held: dict[str, tuple[float, int]] = {}  # request -> (deadline, blocks)
-        self._tried: set[str] = set()  # decode: requests that loaded (or failed) once
         self._loading: dict[str, list[int]] = {}  # request -> the hashes it loads
         self._in_flight: Counter[int] = Counter()
         self._meta = NixlMeta()
@@ -284,8 +283,10 @@ class NixlScheduler(KVConnectorScheduler):
         hit = self._chain(request)[: num_device_tokens // self.block_size]
         if self._in_flight and any(h in self._in_flight for h in hit):
             return ExternalHits(0, wait=True)  # a device hit on blocks still being read
-        if request.sample_index or request.request_id in self._tried:
-            return ExternalHits(0)  # samples after the first hit the first's blocks
+        if request.sample_index or request.first_scheduled_time is not None:
+            # Samples after the first hit its blocks; a request scheduled before (its read
+            # failed, or it was preempted since) computes its prompt: the blocks may be gone.
+            return ExternalHits(0)
         return ExternalHits(max(0, request.num_prompt_tokens - 1 - num_device_tokens))
 
     def _chain(self, request: CachedSequence) -> list[int]:
@@ -319,7 +320,6 @@ class NixlScheduler(KVConnectorScheduler):
             )
         )
         self._meta.load_requests.append(request.request_id)
-        self._tried.add(request.request_id)
         loading = self._chain(request)[first:end]
         self._loading[request.request_id] = loading
         self._in_flight.update(loading)
