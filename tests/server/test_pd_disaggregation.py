@@ -8,6 +8,7 @@ recomputed. Neither side keeps a block afterwards."""
 from __future__ import annotations
 
 import os
+import signal
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -23,6 +24,7 @@ from heron.server.router import make_app
 
 from openai_server import (
     MODEL_NAME,
+    child_pids,
     free_port,
     parse_metrics,
     start_server,
@@ -120,10 +122,10 @@ def test_router_answers_as_one_instance(pd):
     assert held["heron:kv_transfer_hold_timeouts_total"] == 0
 
 
-def _prefilled(prefill) -> dict:
+def _prefilled(prefill, prompt: str = PROMPT) -> dict:
     answer = httpx.post(
         f"{prefill.base_url}/v1/completions",
-        json={"prompt": PROMPT, "kv_transfer_params": {"do_remote_decode": True}, **GREEDY},
+        json={"prompt": prompt, "kv_transfer_params": {"do_remote_decode": True}, **GREEDY},
         timeout=30,
     )
     assert answer.status_code == 200, answer.text
@@ -171,6 +173,38 @@ def test_a_failed_read_is_recomputed(pd):
     params = _prefilled(prefill) | {"remote_engine_id": "gone", "remote_agent_metadata": "AAAA"}
     got = client.completions.create(
         prompt=PROMPT, extra_body={"kv_transfer_params": params}, **GREEDY
+    )
+    assert got.choices[0].text == want
+    assert _idle(decode)["heron:kv_transfer_failed_loads_total"] == failed + 1
+
+
+def test_a_client_that_disconnects_aborts_the_decode_request(pd):
+    _, decode, url = pd
+    stream = _client(url).completions.create(
+        prompt=PROMPT,
+        stream=True,
+        **(GREEDY | {"max_tokens": 400}),
+        extra_body={"ignore_eos": True},
+    )
+    next(iter(stream))
+    stream.close()
+    m = _idle(decode)
+    assert m["heron:num_requests_running"] == 0
+
+
+def test_a_prefill_instance_that_died_is_recomputed(pd):
+    """(last: it kills the module's prefill instance) A read from a prefill instance gone
+    after its answer fails or times out; the decode instance computes the prompt itself."""
+    prefill, decode, _ = pd
+    prompt = "Every cache block that a gone instance held is recomputed by the one that reads."
+    want = _client(prefill.base_url).completions.create(prompt=prompt, **GREEDY).choices[0].text
+    params = _prefilled(prefill, prompt)
+    for pid in [*child_pids(prefill.proc.pid), prefill.proc.pid]:
+        os.kill(pid, signal.SIGKILL)
+    prefill.proc.wait(10)
+    failed = _idle(decode)["heron:kv_transfer_failed_loads_total"]
+    got = _client(decode.base_url).completions.create(
+        prompt=prompt, extra_body={"kv_transfer_params": params}, **GREEDY
     )
     assert got.choices[0].text == want
     assert _idle(decode)["heron:kv_transfer_failed_loads_total"] == failed + 1
