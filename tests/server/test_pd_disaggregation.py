@@ -20,7 +20,7 @@ import pytest
 import uvicorn
 
 from heron.cli import build_parser
-from heron.server.router import make_app
+from heron.server.router import Instances, make_app
 
 from openai_server import (
     MODEL_NAME,
@@ -208,3 +208,13 @@ def test_a_prefill_instance_that_died_is_recomputed(pd):
     )
     assert got.choices[0].text == want
     assert _idle(decode)["heron:kv_transfer_failed_loads_total"] == failed + 1
+
+
+def test_the_router_picks_the_least_loaded_instance():
+    instances = Instances("decode", ["http://a/", "http://b"])
+    assert instances.by_load() == ["http://a", "http://b"]  # ties: the order given
+    with instances.use("http://a"):
+        assert instances.by_load()[0] == "http://b"
+    assert instances.outstanding == {"http://a": 0, "http://b": 0}
+    with pytest.raises(ValueError, match="--prefill: give at least one instance URL"):
+        Instances("prefill", [])
