@@ -148,6 +148,17 @@ class NixlAgent:
             self._remotes[engine_id] = name
         return name
 
+    def release_remote(self, params: dict) -> None:
+        """Tell a prefill instance that its held blocks will not be read (they are freed
+        there at their timeout if this fails)."""
+        try:
+            name = self.remote(params["remote_engine_id"], params["remote_agent_metadata"])
+            self.agent.send_notif(name, params["remote_request_id"].encode())
+        except Exception:
+            logger.exception(
+                "request %s: the prefill instance was not told", params["remote_request_id"]
+            )
+
     def notifications(self) -> list[str]:
         return [m.decode() for ms in self.agent.get_new_notifs().values() for m in ms]
 
@@ -287,7 +298,10 @@ class NixlScheduler(KVConnectorScheduler):
             # Samples after the first hit its blocks; a request scheduled before (its read
             # failed, or it was preempted since) computes its prompt: the blocks may be gone.
             return ExternalHits(0)
-        return ExternalHits(max(0, request.num_prompt_tokens - 1 - num_device_tokens))
+        num_tokens = request.num_prompt_tokens - 1 - num_device_tokens
+        if num_tokens <= 0:  # the device holds the prompt: the prefill side may free it
+            self.agent.release_remote(params)
+        return ExternalHits(max(0, num_tokens))
 
     def _chain(self, request: CachedSequence) -> list[int]:
         """The chain hashes of the prompt's full blocks (before its last token)."""

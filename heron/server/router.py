@@ -39,13 +39,19 @@ class Instances:
         """Every instance, least loaded first (the order given breaks ties)."""
         return sorted(self.outstanding, key=self.outstanding.__getitem__)
 
+    def acquire(self, url: str) -> None:
+        self.outstanding[url] += 1
+
+    def release(self, url: str) -> None:
+        self.outstanding[url] -= 1
+
     @contextlib.contextmanager
     def use(self, url: str):
-        self.outstanding[url] += 1
+        self.acquire(url)
         try:
             yield url
         finally:
-            self.outstanding[url] -= 1
+            self.release(url)
 
 
 def _error(status: int, message: str) -> JSONResponse:
@@ -107,15 +113,14 @@ def make_app(prefill_urls: Sequence[str], decode_urls: Sequence[str]) -> FastAPI
             return params
         body["kv_transfer_params"] = params
         url = decodes.by_load()[0]
-        use = decodes.use(url)
-        use.__enter__()
+        decodes.acquire(url)
         try:
             upstream = await client.send(
                 client.build_request("POST", f"{url}{path}", json=body, headers=headers),
                 stream=True,
             )
         except httpx.TransportError as e:
-            use.__exit__(None, None, None)
+            decodes.release(url)
             return _error(502, f"decode instance {url}: {e!r}")
 
         async def relay() -> AsyncIterator[bytes]:
@@ -124,7 +129,7 @@ def make_app(prefill_urls: Sequence[str], decode_urls: Sequence[str]) -> FastAPI
                     yield chunk
             finally:  # (also when the client disconnected: the decode side then aborts)
                 await upstream.aclose()
-                use.__exit__(None, None, None)
+                decodes.release(url)
 
         return StreamingResponse(
             relay(),

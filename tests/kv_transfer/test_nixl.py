@@ -47,8 +47,10 @@ def test_a_decode_engine_reads_the_prompt_of_a_prefill_engine(models, family, mo
     first = SamplingParams(
         temperature=0.0, max_tokens=1, kv_transfer_params={"do_remote_decode": True}
     )
-    got = []
-    for prompt in PROMPTS[:3]:  # (three prefixes: each read whole)
+    got, read = [], []
+    # Three prefixes, each read whole; then the last one's first 41 tokens, whose 5 blocks
+    # before the last token the decode engine holds: nothing is read, the prefill side is told.
+    for prompt in [*PROMPTS[:3], PROMPTS[2][:41]]:
         _, answer = _run(prefill, prompt, first)
         assert prefill.scheduler.held  # kept for the decode engine
         params = SamplingParams(
@@ -59,14 +61,15 @@ def test_a_decode_engine_reads_the_prompt_of_a_prefill_engine(models, family, mo
         )
         tokens, delta = _run(decode, prompt, params)
         got.append(tokens)
+        read.append(metric(decode, "kv_transfer_blocks"))
         assert delta.num_cached_tokens == len(prompt) - 1  # all but the last, which it samples
         deadline = time.monotonic() + 10
         while prefill.scheduler.held:  # freed once the read's notification arrives
             assert time.monotonic() < deadline, "the prefill engine holds the blocks still"
             prefill.scheduler.release_held()
             time.sleep(0.01)
-    assert got == want[:3]
-    assert metric(decode, "kv_transfer_blocks") >= 3 * 5
+    assert got[:3] == want[:3]
+    assert read[0] >= 6 and read[2] == 3 * read[0] and read[3] == read[2]
     assert metric(decode, "kv_transfer_failed_loads") == 0
     assert metric(prefill, "kv_transfer_held_blocks") == 0
     check_leak_free(prefill)
