@@ -65,7 +65,9 @@ _ENGINE_FLAG_HELP = {
     "max_lora_rank": "the largest adapter rank the device slots hold",
     "max_cpu_loras": "adapters kept loaded in host memory (default: max_loras)",
     "kv_transfer_config": 'a KV connector as JSON, e.g. \'{"kv_connector": "offload", '
-    '"kv_connector_extra_config": {"num_bytes": 8000000000}}\'',
+    '"kv_connector_extra_config": {"num_bytes": 8000000000}}\', or for prefill/decode '
+    'disaggregation \'{"kv_connector": "nixl", "kv_role": "prefill"}\' (or "decode"; '
+    "extra config: hold_timeout_s, transfer_timeout_s)",
     "hf_overrides": "attributes to set on the checkpoint's config as JSON, e.g. a causal LM "
     'reranking by two tokens\' logits: \'{"architectures": ["Qwen3ForSequenceClassification"], '
     '"classifier_from_token": ["no", "yes"], "is_original_qwen3_reranker": true}\'',
@@ -314,6 +316,12 @@ def cmd_serve(args: argparse.Namespace) -> int:
         return 2
 
 
+def cmd_router(args: argparse.Namespace) -> int:
+    from heron.server.router import run_router
+
+    return run_router(args.prefill, args.decode, args.host, args.port)
+
+
 def cmd_bench(args: argparse.Namespace) -> int:
     from heron.bench.cli import run
 
@@ -432,6 +440,20 @@ def build_parser() -> argparse.ArgumentParser:
         default=DEFAULT_TIMEOUT_KEEP_ALIVE_S,
         help="seconds an idle connection stays open, and that a request's headers may take",
     )
+    router = sub.add_parser(
+        "router",
+        help="an OpenAI-compatible proxy over prefill and decode instances (prefill/decode "
+        "disaggregation)",
+    )
+    router.add_argument(
+        "--prefill", nargs="+", required=True, metavar="URL", help="prefill instances"
+    )
+    router.add_argument(
+        "--decode", nargs="+", required=True, metavar="URL", help="decode instances"
+    )
+    router.add_argument("--host", default="127.0.0.1")
+    router.add_argument("--port", type=_port, default=8000)
+    router.set_defaults(func=cmd_router)
     bench = sub.add_parser("bench", help="benchmarks: decode, throughput, serve, spec, ...")
     add_bench_parser(bench, add_engine_args)
     for p in (gen, chat, plan, serve):

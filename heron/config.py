@@ -157,15 +157,16 @@ class SpeculativeConfig:
         return config
 
 
-KV_CONNECTORS = ("offload",)
-KV_ROLES = ("kv_both", "kv_producer", "kv_consumer")
+KV_CONNECTORS = ("offload", "nixl")
+KV_ROLES = ("kv_both", "kv_producer", "kv_consumer", "prefill", "decode")
 
 
 @dataclass(frozen=True)
 class KVTransferConfig:
     """Which KV connector moves cache blocks beyond the device pool, named as vLLM names it:
-    ``kv_connector`` (``offload``: a host-memory tier), ``kv_role`` (whether this instance
-    saves, loads or both) and ``kv_connector_extra_config`` (the connector's own options,
+    ``kv_connector`` (``offload``: a host-memory tier; ``nixl``: prefill/decode
+    disaggregation), ``kv_role`` (whether this instance saves, loads or both; ``prefill`` or
+    ``decode`` for ``nixl``) and ``kv_connector_extra_config`` (the connector's own options,
     checked by the connector)."""
 
     kv_connector: str

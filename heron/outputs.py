@@ -73,6 +73,7 @@ class RequestOutput:
     num_cached_tokens: int = 0
     error: str | None = None  # set when the request was rejected (it then has no outputs)
     metrics: dict[str, float] = field(default_factory=dict)
+    kv_transfer_params: dict | None = None  # what a KV connector tells the client (finished)
 
 
 @dataclass(slots=True)

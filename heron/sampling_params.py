@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 from heron.structured.params import StructuredOutputsParams
 
@@ -45,6 +46,8 @@ class SamplingParams:
     skip_special_tokens: bool = True
     structured_outputs: StructuredOutputsParams | None = None  # a grammar the output matches
     logit_bias: dict[int, float] | None = None  # token id -> added to its logit, in [-100, 100]
+    # For a KV connector (prefill/decode disaggregation): what it needs, checked by it.
+    kv_transfer_params: dict[str, Any] | None = None
     # Filled by the engine from the model's generation config / tokenizer, not by users.
     eos_token_ids: frozenset[int] = field(default_factory=frozenset, repr=False)
 
@@ -98,6 +101,8 @@ class SamplingParams:
             _is_token_id(t) and -100.0 <= b <= 100.0 for t, b in self.logit_bias.items()
         ):
             raise bad("logit_bias", "a map of token ids in [0, 2^63) to biases in [-100, 100]")
+        if self.kv_transfer_params is not None and not isinstance(self.kv_transfer_params, dict):
+            raise bad("kv_transfer_params", "a dictionary or None")
         for name in ("logprobs", "prompt_logprobs"):
             value = getattr(self, name)
             if value is not None and (not isinstance(value, int) or not 0 <= value <= 20):

@@ -7,7 +7,8 @@ request produces ``--max-tokens`` tokens and runs compare), ``concurrency`` in f
 or, with ``--request-rate``, arriving as a Poisson process. The client is spread over several
 processes so that its own parsing does not cap what a fast server can show. Token times are
 the arrival times of content chunks. Without ``--base-url`` the server is started from this
-source tree with ``--server-arg`` passed to ``heron serve``, and stopped at the end.
+source tree with ``--server-arg`` passed to ``heron serve``, and stopped at the end; with
+``--pd``, a prefill and a decode instance (the nixl connector) behind ``heron router``.
 """
 
 from __future__ import annotations
@@ -51,6 +52,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--request-rate", type=float, default=None, help="requests/s (Poisson)")
     parser.add_argument("--client-processes", type=int, default=8)
+    parser.add_argument(
+        "--pd",
+        action="store_true",
+        help="start a prefill and a decode instance (the nixl connector; on --port + 1 and "
+        "+ 2) behind `heron router` on --port instead of one instance",
+    )
 
 
 @dataclass
@@ -160,7 +167,8 @@ def point(
     return metrics
 
 
-def start_server(port: int, server_args: list[str]) -> subprocess.Popen:
+def start_server(port: int, server_args: list[str], command: str = "serve") -> subprocess.Popen:
+    """``heron COMMAND`` (serve, router) from this source tree, once healthy on ``port``."""
     import httpx
 
     source = Path(__file__).resolve().parents[2]
@@ -168,12 +176,12 @@ def start_server(port: int, server_args: list[str]) -> subprocess.Popen:
         **os.environ,
         "PYTHONPATH": os.pathsep.join(filter(None, [str(source), os.environ.get("PYTHONPATH")])),
     }
-    cmd = [sys.executable, "-m", "heron.cli", "serve", "--port", str(port), *server_args]
+    cmd = [sys.executable, "-m", "heron.cli", command, "--port", str(port), *server_args]
     proc = subprocess.Popen(cmd, env=env)
     deadline = time.monotonic() + 900
     while time.monotonic() < deadline:
         if proc.poll() is not None:
-            raise RuntimeError(f"heron serve exited with code {proc.returncode}")
+            raise RuntimeError(f"heron {command} exited with code {proc.returncode}")
         try:
             if httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200:
                 return proc
@@ -181,11 +189,43 @@ def start_server(port: int, server_args: list[str]) -> subprocess.Popen:
             pass
         time.sleep(0.5)
     proc.kill()
-    raise RuntimeError("heron serve did not become healthy in 900 s")
+    raise RuntimeError(f"heron {command} did not become healthy in 900 s")
+
+
+def start_pd(port: int, server_args: list[str]) -> list[subprocess.Popen]:
+    """A prefill and a decode instance on ``port`` + 1 and + 2, ``heron router`` on ``port``."""
+    procs = []
+    try:
+        for offset, role in ((1, "prefill"), (2, "decode")):
+            config = json.dumps({"kv_connector": "nixl", "kv_role": role})
+            procs.append(
+                start_server(port + offset, [*server_args, "--kv-transfer-config", config])
+            )
+        urls = [f"http://127.0.0.1:{port + offset}" for offset in (1, 2)]
+        procs.append(
+            start_server(port, ["--prefill", urls[0], "--decode", urls[1]], command="router")
+        )
+    except BaseException:
+        _stop(procs)
+        raise
+    return procs
+
+
+def _stop(procs: list[subprocess.Popen]) -> None:
+    for proc in reversed(procs):
+        proc.terminate()
+        proc.wait(60)
 
 
 def run(args: argparse.Namespace, config: Any = None) -> tuple[dict[str, Any], list[Metric]]:
-    proc = None if args.base_url else start_server(args.port, args.server_arg)
+    if args.pd and args.base_url:
+        raise ValueError("--pd starts its own instances: give no --base-url")
+    if args.base_url:
+        procs = []
+    elif args.pd:
+        procs = start_pd(args.port, args.server_arg)
+    else:
+        procs = [start_server(args.port, args.server_arg)]
     client = {
         "base_url": args.base_url or f"http://127.0.0.1:{args.port}",
         "api_key": args.api_key,
@@ -201,9 +241,7 @@ def run(args: argparse.Namespace, config: Any = None) -> tuple[dict[str, Any], l
             for concurrency in args.concurrency:
                 metrics += point(pool, client, concurrency, args.rounds)
     finally:
-        if proc is not None:
-            proc.terminate()
-            proc.wait(60)
+        _stop(procs)
     keys = (
         "base_url",
         "server_arg",
@@ -212,5 +250,6 @@ def run(args: argparse.Namespace, config: Any = None) -> tuple[dict[str, Any], l
         "max_tokens",
         "request_rate",
         "client_processes",
+        "pd",
     )
     return {k: getattr(args, k) for k in keys}, metrics

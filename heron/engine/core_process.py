@@ -52,6 +52,7 @@ logger = logging.getLogger(__name__)
 STATS_INTERVAL_S = 0.1
 # How long an idle core waits for a message before it checks the front is still there.
 IDLE_POLL_MS = 1000
+HELD_POLL_MS = 20
 # Errors a user can fix (a bad path or value): reported by their message, without a traceback.
 _USER_ERRORS = (ValueError, OSError)
 
@@ -87,12 +88,21 @@ class EngineCore:
 
     def run(self) -> None:
         try:
-            while self._receive(0 if self._steps() else IDLE_POLL_MS):
+            while self._receive(self._poll_ms()):
                 if self._steps():
                     self._step()
+                elif self.engine.scheduler.held:
+                    self.engine.scheduler.release_held()
                 self._publish()
         finally:
             self.engine.on_scheduled = None  # its sockets close after this
+
+    def _poll_ms(self) -> int:
+        """How long to wait for messages: not at all while steps run; briefly while blocks
+        are held for another instance (freed when read, or at their timeout)."""
+        if self._steps():
+            return 0
+        return HELD_POLL_MS if self.engine.scheduler.held else IDLE_POLL_MS
 
     def _steps(self) -> bool:
         """Whether there is a step to run (requests, and generation not paused)."""

@@ -31,3 +31,4 @@ class RequestDelta(msgspec.Struct, array_like=True):
     prompt_logprobs: list[Logprob | None] | None = None
     first_scheduled_time: float | None = None  # monotonic (one clock for every process)
     pooled: list[float] | None = None  # a pooling request's answer (its one, final delta)
+    kv_transfer_params: dict | None = None  # with the final delta: a KV connector's answer

@@ -132,6 +132,12 @@ class LLMEngine:
         self._validate_prompt(token_ids)
         if images:
             self.validate_images(len(images))
+        if params.kv_transfer_params is not None:
+            if self.scheduler.connector is None:
+                raise ValueError(
+                    "kv_transfer_params: this instance runs no KV connector (kv_transfer_config)"
+                )
+            self.scheduler.connector.check_params(params.kv_transfer_params, len(token_ids))
         vocab = self.model_config.vocab_size
         if params.logit_bias and max(params.logit_bias) >= vocab:
             raise ValueError(
@@ -351,6 +357,8 @@ class LLMEngine:
                 self.scheduler.transfers_finished(self.runner.take_transfer_results())
             for request, n in zip(launched.sample_requests, launched.num_pending):
                 request.num_pending_tokens += n
+        elif self.scheduler.loading:  # (loads that end after their step: reads over NIXL)
+            self.scheduler.transfers_finished(self.runner.take_transfer_results())
         if previous is not None:
             self._read(previous, touched)
         if launched is not None:
@@ -380,6 +388,7 @@ class LLMEngine:
             scheduled = [c.first_scheduled_time for c in parent.children]
             delta.first_scheduled_time = min((t for t in scheduled if t is not None), default=None)
         if delta.finished:
+            delta.kv_transfer_params = first.kv_transfer_params
             del self._parents[parent.request_id]
         return delta
 

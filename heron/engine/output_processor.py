@@ -82,6 +82,7 @@ class _RequestState:
     num_cached_tokens: int = 0
     first_scheduled_time: float | None = None
     first_token_time: float | None = None
+    kv_transfer_params: dict | None = None
 
     @property
     def finished(self) -> bool:
@@ -102,6 +103,7 @@ class _RequestState:
         )
         if finished:
             output.metrics = self.timings()
+            output.kv_transfer_params = self.kv_transfer_params
         return output
 
     def timings(self) -> dict[str, float]:
@@ -201,6 +203,8 @@ class OutputProcessor:
             state.prompt_logprobs = delta.prompt_logprobs
         if delta.first_scheduled_time is not None:
             state.first_scheduled_time = delta.first_scheduled_time
+        if delta.kv_transfer_params is not None:
+            state.kv_transfer_params = delta.kv_transfer_params
         stopped = []
         for sample_delta in delta.samples:
             sample = state.samples[sample_delta.index]

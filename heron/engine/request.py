@@ -65,6 +65,8 @@ class Request:
     prefix_root: int = field(init=False)  # its prefix cache entries are its adapter's alone
     pooling_params: PoolingParams | None = None  # a pooling request's (it samples nothing)
     images: tuple[ImageItem, ...] = ()  # the prompt's images, in placeholder order
+    # What a KV connector kept its blocks for, told to the client (a decode instance's input)
+    kv_transfer_params: dict | None = None
 
     def __post_init__(self) -> None:
         self.parent_id = self.parent_id or self.request_id

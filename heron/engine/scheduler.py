@@ -8,7 +8,7 @@ from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, NamedTuple
 
 from heron.cache.coordinator import KVCacheCoordinator
-from heron.engine.request import Request, RequestStatus
+from heron.engine.request import FinishReason, Request, RequestStatus
 from heron.execution.step_plan import (
     DeviceDrafts,
     EntryCopies,
@@ -99,6 +99,8 @@ class Scheduler:
         self.running: list[Request] = []
         # Requests whose blocks a connector loads.
         self.loading: dict[str, _Loading] = {}
+        # Finished requests whose blocks a connector keeps for another instance to read.
+        self.held: dict[str, Request] = {}
         self.num_preemptions = 0
         # For the next plan: requests gone since the last one, and those whose tables were
         # dropped; how much of each table the runner holds.
@@ -118,6 +120,8 @@ class Scheduler:
         as its budget and blocks allow."""
         out = SchedulerOutput()
         budget = self.config.max_num_batched_tokens
+        if self.held:
+            self.release_held()
 
         running, allocate_slots = self.running, self.kv_cache.allocate_slots
         max_model_len = self.config.max_model_len
@@ -346,7 +350,16 @@ class Scheduler:
             self.waiting.remove(request)
         else:
             self.loading.pop(request.request_id, None)
-        self._free(request)
+        held = (
+            self.connector is not None
+            and request.finish_reason is not FinishReason.ABORT
+            and self.connector.hold(request, self.kv_cache.block_tables(request.request_id))
+        )
+        if held:
+            self._forget(request.request_id)
+            self.held[request.request_id] = request
+        else:
+            self._free(request)
         self._finished_ids.append(request.request_id)
 
     def _free(self, request: Request) -> None:
@@ -360,6 +373,13 @@ class Scheduler:
         if connector is not None:
             connector.freed(request, tables, hashes)
         self._forget(request_id)
+
+    def release_held(self) -> None:
+        """Free the held requests' blocks the connector is done with."""
+        for request_id in self.connector.released():
+            request = self.held.pop(request_id, None)
+            if request is not None:
+                self.kv_cache.free(request)
 
 
 class _Loading(NamedTuple):

@@ -1,5 +1,5 @@
-"""KV connectors: the interface (scheduler and worker sides), the layer step counter, and the
-host-memory offload connector."""
+"""KV connectors: the interface (scheduler and worker sides), the layer step counter, the
+host-memory offload connector and the NIXL prefill/decode connector."""
 
 from __future__ import annotations
 
@@ -19,6 +19,7 @@ from heron.kv_transfer.base import (
     refuse_specs,
 )
 from heron.kv_transfer.layer_steps import LayerSteps
+from heron.kv_transfer.nixl import NixlAgent, NixlScheduler, NixlWorker
 from heron.kv_transfer.offload import OffloadScheduler, OffloadWorker
 
 __all__ = [
@@ -40,6 +41,8 @@ def make_connector(
     naming what it cannot serve (a cache kind, a role, an option)."""
     if config.kv_connector == "offload":
         return _offload(config, layout, block_size)
+    if config.kv_connector == "nixl":
+        return _nixl(config, layout, block_size)
     raise ValueError(f"kv_transfer_config: no connector {config.kv_connector!r}")
 
 
@@ -63,22 +66,58 @@ def _offload(
     return OffloadScheduler(num_slots, block_size, bytes_per_slot), OffloadWorker(num_slots)
 
 
-def _extra_options(given: Mapping[str, Any], types: dict[str, type]) -> dict[str, Any]:
-    """A connector's ``kv_connector_extra_config``: every option of ``types`` required, of
-    its type, at least 1; no other."""
+def _nixl(
+    config: KVTransferConfig, layout: CacheLayout, block_size: int
+) -> tuple[NixlScheduler, NixlWorker]:
+    if config.kv_role not in ("prefill", "decode"):
+        raise ValueError(
+            f"kv_transfer_config: the 'nixl' connector's kv_role is 'prefill' or 'decode', "
+            f"got {config.kv_role!r}"
+        )
+    options = _extra_options(
+        config.kv_connector_extra_config,
+        {"hold_timeout_s": float, "transfer_timeout_s": float},
+        {"hold_timeout_s": 120.0, "transfer_timeout_s": 30.0},
+    )
+    # Paged blocks of every kind (full, window, latent) move; recurrent states do not yet.
+    refuse_specs("nixl", layout.specs, (PagedSpec,))
+    try:
+        agent = NixlAgent()
+    except ImportError as e:
+        raise ValueError(
+            "kv_transfer_config: the 'nixl' connector needs the nixl package "
+            "(pip install 'heron[pd]')"
+        ) from e
+    scheduler = NixlScheduler(config.kv_role, agent, block_size, options["hold_timeout_s"])
+    return scheduler, NixlWorker(agent, options["transfer_timeout_s"])
+
+
+def _extra_options(
+    given: Mapping[str, Any], types: dict[str, type], defaults: Mapping[str, Any] | None = None
+) -> dict[str, Any]:
+    """A connector's ``kv_connector_extra_config``: every option of ``types`` of its type
+    (an integer for a float one too), at least 1 (above 0 for a float), required unless
+    ``defaults`` has it; no other."""
     unknown = sorted(set(given) - set(types))
     if unknown:
         raise ValueError(
             f"kv_transfer_config: unknown kv_connector_extra_config field(s) "
             f"{', '.join(map(repr, unknown))} (known: {', '.join(sorted(types))})"
         )
+    options = dict(defaults or {})
     for name, kind in types.items():
-        value = given.get(name)
+        value = given.get(name, options.get(name))
         if value is None:
             raise ValueError(f"kv_transfer_config: kv_connector_extra_config {name!r} is required")
-        if isinstance(value, bool) or not isinstance(value, kind) or value < 1:
+        accepted = (int, float) if kind is float else kind
+        if (
+            isinstance(value, bool)
+            or not isinstance(value, accepted)
+            or not (value > 0 if kind is float else value >= 1)
+        ):
             raise ValueError(
-                f"kv_transfer_config: kv_connector_extra_config {name} must be an integer "
-                f">= 1, got {value!r}"
+                f"kv_transfer_config: kv_connector_extra_config {name} must be "
+                f"{'a number > 0' if kind is float else 'an integer >= 1'}, got {value!r}"
             )
-    return dict(given)
+        options[name] = value
+    return options

@@ -115,6 +115,20 @@ class KVConnectorScheduler(ABC):
     def take_step_meta(self) -> KVConnectorMeta | None:
         """This pass's transfers (None: none), for the step plan; resets them."""
 
+    def check_params(self, params: dict, num_prompt_tokens: int) -> None:
+        """Raise ``ValueError`` naming what of a request's ``kv_transfer_params`` this
+        connector cannot serve (checked when the request arrives)."""
+        raise ValueError(f"kv_transfer_params: the KV connector ({self.describe()}) takes none")
+
+    def hold(self, request: CachedSequence, tables: Sequence[Sequence[int]]) -> bool:
+        """``request`` finished (not aborted): whether its blocks stay allocated until
+        :meth:`released` names it (for another instance to read them)."""
+        return False
+
+    def released(self) -> list[str]:
+        """Held requests whose blocks may be freed now (read, or held past a timeout)."""
+        return []
+
     def describe(self) -> str:
         """The connector for the start-up log and ``heron plan``."""
         return type(self).__name__

@@ -844,6 +844,7 @@ def build_app(
                 model=served_model_name,
                 choices=choices,
                 usage=serving.usage(finals),
+                kv_transfer_params=finals[0].kv_transfer_params if len(finals) == 1 else None,
             ).model_dump()
         )
 
@@ -889,6 +890,7 @@ def build_app(
                 choices=choices,
                 usage=serving.usage([output]),
                 prompt_logprobs=serving.prompt_logprobs(output, body.prompt_logprobs),
+                kv_transfer_params=output.kv_transfer_params,
             ).model_dump()
         )
 

@@ -104,6 +104,8 @@ class _SamplingRequest(StructuredRequestFields, NullIsUnset):
     ignore_eos: bool = False
     skip_special_tokens: bool = True
     prompt_logprobs: int | None = None  # top-N per prompt token, returned apart from `logprobs`
+    # Prefill/decode disaggregation (a KV connector's), as vLLM's.
+    kv_transfer_params: dict[str, Any] | None = None
 
     def check_supported(self) -> None:
         """Raise :class:`UnsupportedFieldError` for the first field Heron cannot honour, a
@@ -155,6 +157,7 @@ class _SamplingRequest(StructuredRequestFields, NullIsUnset):
             skip_special_tokens=self.skip_special_tokens,
             logit_bias=self.logit_bias,
             structured_outputs=structured_outputs or self.structured_outputs_params(),
+            kv_transfer_params=self.kv_transfer_params,
         )
 
     @property
@@ -186,6 +189,11 @@ class CompletionRequest(_SamplingRequest):
     @property
     def requested_max_tokens(self) -> int | None:
         return self.max_tokens
+
+    def check_supported(self) -> None:
+        super().check_supported()
+        if self.kv_transfer_params is not None and len(self.prompts()) > 1:
+            raise ValueError("kv_transfer_params: a request that carries them has one prompt")
 
     def sampling_params(self) -> SamplingParams:
         # Echoed prompt tokens carry their logprobs too, as in OpenAI's API.
@@ -362,6 +370,7 @@ class CompletionResponse(BaseModel):
     model: str
     choices: list[CompletionChoice]
     usage: Usage | None = None
+    kv_transfer_params: dict[str, Any] | None = None  # what a decode instance needs
 
 
 class TopLogprob(BaseModel):
@@ -400,6 +409,7 @@ class ChatCompletionResponse(BaseModel):
     choices: list[ChatChoice]
     usage: Usage
     prompt_logprobs: PromptLogprobs | None = None
+    kv_transfer_params: dict[str, Any] | None = None  # what a decode instance needs
 
 
 class DeltaMessage(BaseModel):

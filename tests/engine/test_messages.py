@@ -39,6 +39,7 @@ NON_DEFAULT = {
     "prompt_logprobs": 0,
     "skip_special_tokens": False,
     "logit_bias": {5: -100.0, 151643: 2.5},
+    "kv_transfer_params": {"do_remote_prefill": True, "remote_block_ids": [[1, 2], [0, 3]]},
     "eos_token_ids": frozenset({2, 151645}),
 }
 # Refused together with min_tokens and ignore_eos, so round-tripped on its own, every kind.

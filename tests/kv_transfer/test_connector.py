@@ -23,7 +23,7 @@ SPEC = FullAttentionSpec(4, torch.float32, 1, 8)  # 256 bytes a block
     [
         ({"kv_role": "kv_both"}, "'kv_connector' is required"),
         ({"kv_connector": "offload", "kv_size": 1}, "unknown field.*'kv_size'"),
-        ({"kv_connector": "nixl"}, "kv_connector must be one of offload, got 'nixl'"),
+        ({"kv_connector": "lmcache"}, "kv_connector must be one of offload, nixl, got 'lmcache'"),
         ({"kv_connector": "offload", "kv_role": "sender"}, "kv_role must be one of"),
         (
             {"kv_connector": "offload", "kv_connector_extra_config": [1]},
@@ -78,6 +78,21 @@ def _layout(num_layers: int = 2) -> CacheLayout:
 )
 def test_the_offload_connector_checks_its_options(extra, role, error):
     config = KVTransferConfig("offload", role, extra)
+    with pytest.raises(ValueError, match=error):
+        make_connector(config, _layout(), 4)
+
+
+@pytest.mark.parametrize(
+    "extra, role, error",
+    [
+        ({}, "kv_both", "kv_role is 'prefill' or 'decode', got 'kv_both'"),
+        ({"hold_timeout_s": 0}, "prefill", "hold_timeout_s must be a number > 0, got 0"),
+        ({"transfer_timeout_s": "5"}, "decode", "transfer_timeout_s must be a number > 0"),
+        ({"timeout_s": 5}, "decode", "unknown kv_connector_extra_config.*'timeout_s'"),
+    ],
+)
+def test_the_nixl_connector_checks_its_options(extra, role, error):
+    config = KVTransferConfig("nixl", role, extra)
     with pytest.raises(ValueError, match=error):
         make_connector(config, _layout(), 4)
 

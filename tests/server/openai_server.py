@@ -106,7 +106,7 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def start_server(model_dir: Path, *extra: str) -> ServerHandle:
+def start_server(model_dir: Path, *extra: str, startup_s: float = 90) -> ServerHandle:
     port = free_port()
     cmd = [
         sys.executable,
@@ -133,7 +133,7 @@ def start_server(model_dir: Path, *extra: str) -> ServerHandle:
     with log_path.open("w") as log:
         proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT)
     handle = ServerHandle(proc, port, model_dir, log_path)
-    deadline = time.monotonic() + 90
+    deadline = time.monotonic() + startup_s
     while time.monotonic() < deadline:
         if proc.poll() is not None:
             raise RuntimeError(f"server exited early:\n{handle.log()}")

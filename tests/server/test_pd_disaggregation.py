@@ -1,0 +1,220 @@
+"""Prefill/decode disaggregation: a prefill and a decode `heron serve` (the nixl connector over
+UCX's TCP transport on 127.0.0.1) behind `heron router`, whose first prefill URL is dead (every
+request retries on the live one). Greedy answers through the router are the decode instance's
+own answers without disaggregation, streamed or not, through the real openai client; blocks
+nobody reads are freed at the timeout; a mismatched cache is refused; a failed read is
+recomputed. Neither side keeps a block afterwards."""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from unittest import mock
+
+import httpx
+import openai
+import pytest
+import uvicorn
+
+from heron.cli import build_parser
+from heron.server.router import Instances, make_app
+
+from openai_server import (
+    MODEL_NAME,
+    child_pids,
+    free_port,
+    parse_metrics,
+    start_server,
+    stop_server,
+)
+
+pytest.importorskip("nixl._api", reason="the nixl connector needs nixl (heron[pd])")
+
+HOLD_TIMEOUT_S = 2.0
+# 50 tokens of the test tokenizer: more than one 16-token prefill chunk, blocks of 16.
+PROMPT = "The quick brown fox jumps over the lazy dog, then runs far into the woods."
+GREEDY = dict(model=MODEL_NAME, temperature=0.0, max_tokens=8)
+
+
+def _nixl(role: str) -> str:
+    options = {"hold_timeout_s": HOLD_TIMEOUT_S, "transfer_timeout_s": 10}
+    return (
+        f'{{"kv_connector": "nixl", "kv_role": "{role}", '
+        f'"kv_connector_extra_config": {str(options).replace(chr(39), chr(34))}}}'
+    )
+
+
+@pytest.fixture(scope="module")
+def pd(tiny_model_dir):
+    """(prefill, decode, router URL)."""
+    model = tiny_model_dir("llama")
+    common = ("--block-size", "16", "--max-num-batched-tokens", "16")
+    with mock.patch.dict(os.environ, {"UCX_TLS": "tcp"}), ThreadPoolExecutor(2) as pool:
+        # (both start at once; a shared machine may take long)
+        prefill, decode = pool.map(
+            lambda role: start_server(
+                model, *common, "--kv-transfer-config", _nixl(role), startup_s=300
+            ),
+            ("prefill", "decode"),
+        )
+    # The router runs in a thread of this process (as `heron router` runs it).
+    args = build_parser().parse_args(
+        ["router", "--prefill", f"http://127.0.0.1:{free_port()}", prefill.base_url]
+        + ["--decode", decode.base_url, "--port", str(free_port())]
+    )
+    app = make_app(args.prefill, args.decode)
+    router = uvicorn.Server(uvicorn.Config(app, args.host, args.port, log_level="warning"))
+    thread = threading.Thread(target=router.run, daemon=True)
+    thread.start()
+    while not router.started:
+        assert thread.is_alive()
+        time.sleep(0.05)
+    yield prefill, decode, f"http://{args.host}:{args.port}"
+    router.should_exit = True
+    thread.join(10)
+    stop_server(prefill)
+    stop_server(decode)
+
+
+def _client(url: str) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)
+
+
+def _idle(handle) -> dict[str, float]:
+    """Metrics once every block is free again (no request and no held block left)."""
+    deadline = time.monotonic() + 10
+    while True:
+        m = parse_metrics(httpx.get(f"{handle.base_url}/metrics").text)
+        if m["heron:kv_cache_free_blocks"] == m["heron:kv_cache_total_blocks"]:
+            return m
+        assert time.monotonic() < deadline, f"blocks still in use: {m}"
+        time.sleep(0.05)
+
+
+def test_router_answers_as_one_instance(pd):
+    prefill, decode, url = pd
+    # (the reference is the prefill instance's: the decode one's prefix cache starts empty)
+    direct, routed = _client(prefill.base_url), _client(url)
+    before = _idle(decode)["heron:kv_transfer_blocks_total"]
+    want = direct.completions.create(prompt=PROMPT, n=2, **GREEDY)
+    got = routed.completions.create(prompt=PROMPT, n=2, **GREEDY)
+    assert [c.text for c in got.choices] == [c.text for c in want.choices]
+    assert want.choices[0].text and got.usage == want.usage
+    stream = routed.completions.create(prompt=PROMPT, stream=True, **GREEDY)
+    assert "".join(c.choices[0].text for c in stream if c.choices) == want.choices[0].text
+    messages = [{"role": "user", "content": PROMPT}]
+    want_chat = direct.chat.completions.create(messages=messages, **GREEDY)
+    got_chat = routed.chat.completions.create(messages=messages, **GREEDY)
+    assert got_chat.choices[0].message.content == want_chat.choices[0].message.content
+    stream = routed.chat.completions.create(messages=messages, stream=True, **GREEDY)
+    text = "".join(c.choices[0].delta.content or "" for c in stream if c.choices)
+    assert text == want_chat.choices[0].message.content
+    # Each prompt's first request reads every block of it (49 tokens: 4 blocks of 16), the
+    # stream after it the last one (its full blocks hit the decode instance's prefix cache).
+    m = _idle(decode)
+    assert m["heron:kv_transfer_blocks_total"] - before >= 2 * 4 + 2
+    assert m["heron:kv_transfer_failed_loads_total"] == 0
+    held = _idle(prefill)
+    assert held["heron:kv_transfer_held_blocks"] == 0
+    assert held["heron:kv_transfer_hold_timeouts_total"] == 0
+
+
+def _prefilled(prefill, prompt: str = PROMPT) -> dict:
+    answer = httpx.post(
+        f"{prefill.base_url}/v1/completions",
+        json={"prompt": prompt, "kv_transfer_params": {"do_remote_decode": True}, **GREEDY},
+        timeout=30,
+    )
+    assert answer.status_code == 200, answer.text
+    return answer.json()["kv_transfer_params"]
+
+
+def test_blocks_no_decode_instance_reads_are_freed_at_the_timeout(pd):
+    prefill, _, _ = pd
+    timeouts = _idle(prefill)["heron:kv_transfer_hold_timeouts_total"]
+    _prefilled(prefill)
+    m = parse_metrics(httpx.get(f"{prefill.base_url}/metrics").text)
+    assert m["heron:kv_transfer_held_blocks"] >= 3
+    assert m["heron:kv_cache_free_blocks"] < m["heron:kv_cache_total_blocks"]
+    time.sleep(HOLD_TIMEOUT_S)
+    m = _idle(prefill)
+    assert m["heron:kv_transfer_hold_timeouts_total"] == timeouts + 1
+    assert m["heron:kv_transfer_held_blocks"] == 0
+
+
+@pytest.mark.parametrize(
+    "field, value, error",
+    [
+        ("remote_block_size", 32, "block_size \\(32\\) differs from this decode instance's"),
+        ("remote_num_tokens", 3, "computed 3 prompt tokens"),
+        ("do_remote_prefill", None, "missing: do_remote_prefill"),
+    ],
+)
+def test_a_decode_instance_refuses_what_it_cannot_read(pd, field, value, error):
+    prefill, decode, _ = pd
+    params = _prefilled(prefill) | {field: value}
+    with pytest.raises(openai.BadRequestError, match=error):
+        _client(decode.base_url).completions.create(
+            prompt=PROMPT, extra_body={"kv_transfer_params": params}, **GREEDY
+        )
+    _idle(decode)
+
+
+def test_a_failed_read_is_recomputed(pd):
+    """A prefill instance gone (here: agent metadata nobody can reach) fails the read; the
+    decode instance computes the prompt itself and answers right."""
+    prefill, decode, _ = pd
+    client = _client(decode.base_url)
+    want = client.completions.create(prompt=PROMPT, **GREEDY).choices[0].text
+    failed = _idle(decode)["heron:kv_transfer_failed_loads_total"]
+    params = _prefilled(prefill) | {"remote_engine_id": "gone", "remote_agent_metadata": "AAAA"}
+    got = client.completions.create(
+        prompt=PROMPT, extra_body={"kv_transfer_params": params}, **GREEDY
+    )
+    assert got.choices[0].text == want
+    assert _idle(decode)["heron:kv_transfer_failed_loads_total"] == failed + 1
+
+
+def test_a_client_that_disconnects_aborts_the_decode_request(pd):
+    _, decode, url = pd
+    stream = _client(url).completions.create(
+        prompt=PROMPT,
+        stream=True,
+        **(GREEDY | {"max_tokens": 400}),
+        extra_body={"ignore_eos": True},
+    )
+    next(iter(stream))
+    stream.close()
+    m = _idle(decode)
+    assert m["heron:num_requests_running"] == 0
+
+
+def test_a_prefill_instance_that_died_is_recomputed(pd):
+    """(last: it kills the module's prefill instance) A read from a prefill instance gone
+    after its answer fails or times out; the decode instance computes the prompt itself."""
+    prefill, decode, _ = pd
+    prompt = "Every cache block that a gone instance held is recomputed by the one that reads."
+    want = _client(prefill.base_url).completions.create(prompt=prompt, **GREEDY).choices[0].text
+    params = _prefilled(prefill, prompt)
+    for pid in [*child_pids(prefill.proc.pid), prefill.proc.pid]:
+        os.kill(pid, signal.SIGKILL)
+    prefill.proc.wait(10)
+    failed = _idle(decode)["heron:kv_transfer_failed_loads_total"]
+    got = _client(decode.base_url).completions.create(
+        prompt=prompt, extra_body={"kv_transfer_params": params}, **GREEDY
+    )
+    assert got.choices[0].text == want
+    assert _idle(decode)["heron:kv_transfer_failed_loads_total"] == failed + 1
+
+
+def test_the_router_picks_the_least_loaded_instance():
+    instances = Instances("decode", ["http://a/", "http://b"])
+    assert instances.by_load() == ["http://a", "http://b"]  # ties: the order given
+    with instances.use("http://a"):
+        assert instances.by_load()[0] == "http://b"
+    assert instances.outstanding == {"http://a": 0, "http://b": 0}
+    with pytest.raises(ValueError, match="--prefill: give at least one instance URL"):
+        Instances("prefill", [])
