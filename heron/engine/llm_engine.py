@@ -20,7 +20,7 @@ from heron.execution.model_runner import LaunchedStep
 from heron.execution.sampler import on_device
 from heron.execution.step_plan import StepOutput
 from heron.lora.request import LoRARequest
-from heron.models.registry import accepts_images
+from heron.multimodal.architectures import accepts_images
 from heron.multimodal.inputs import ImageItem
 from heron.outputs import Logprob
 from heron.pooling_params import PoolingParams

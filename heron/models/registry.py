@@ -79,11 +79,6 @@ def model_class(architecture: str) -> type[nn.Module]:
         ) from None
 
 
-def accepts_images(architecture: str) -> bool:
-    """Whether the architecture's model reads images (an unknown one reads none)."""
-    return getattr(MODEL_REGISTRY.get(architecture), "is_multimodal", False)
-
-
 def mtp_class(architecture: str) -> type[nn.Module]:
     for cls in model_class(architecture).__mro__:
         if cls in MTP_CLASSES:

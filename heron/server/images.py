@@ -7,7 +7,7 @@ from typing import TYPE_CHECKING
 
 from transformers import AutoConfig
 
-from heron.models.registry import accepts_images
+from heron.multimodal.architectures import accepts_images
 from heron.multimodal.chat import take_images
 from heron.multimodal.media import MediaPolicy
 from heron.multimodal.processor import ImageProcessor

@@ -11,6 +11,8 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import pytest
 from mm_models import synthetic_image
 
+from heron.models.registry import MODEL_REGISTRY
+from heron.multimodal.architectures import IMAGE_ARCHITECTURES
 from heron.multimodal.media import MediaPolicy
 
 
@@ -74,3 +76,9 @@ def test_local_files_only_under_the_allowed_path(tmp_path):
         MediaPolicy().load_image(f"file://{tmp_path}/in/a.png")
     with pytest.raises(ValueError, match="unsupported URL scheme 'ftp'"):
         policy.load_image("ftp://example.com/a.png")
+
+
+def test_the_front_knows_the_registry_s_image_models():
+    """The front's list of image architectures (it imports no model code) is the registry's."""
+    readers = {a for a, cls in MODEL_REGISTRY.items() if getattr(cls, "is_multimodal", False)}
+    assert readers == IMAGE_ARCHITECTURES
