@@ -12,6 +12,7 @@ reports which loads ended and which failed. A failed load is recomputed, never h
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, NamedTuple
@@ -34,6 +35,41 @@ class ExternalHits(NamedTuple):
 
     num_tokens: int
     wait: bool = False
+
+
+class InFlightLoads:
+    """The block hashes each loading request loads, counted over the requests: a device-pool
+    hit on a block still being loaded waits for the load."""
+
+    def __init__(self) -> None:
+        self._by_request: dict[str, list[int]] = {}
+        self._count: Counter[int] = Counter()
+
+    def __bool__(self) -> bool:
+        return bool(self._count)
+
+    def __contains__(self, block_hash: int) -> bool:
+        return block_hash in self._count
+
+    def start(self, request_id: str, hashes: list[int]) -> None:
+        self._by_request[request_id] = hashes
+        self._count.update(hashes)
+
+    def end(self, request_id: str) -> list[int]:
+        """The hashes ``request_id`` was loading (none if it was not), no longer in flight."""
+        hashes = self._by_request.pop(request_id, [])
+        self._count.subtract(hashes)
+        self._count = +self._count
+        return hashes
+
+    def check_invariants(self, connector: str) -> None:
+        expected: Counter[int] = Counter()
+        for hashes in self._by_request.values():
+            expected.update(hashes)
+        if expected != self._count:
+            raise RuntimeError(
+                f"{connector}: the hashes in flight disagree with the loading requests"
+            )
 
 
 class ConnectorMetric(NamedTuple):

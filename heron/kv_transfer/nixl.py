@@ -20,7 +20,6 @@ import base64
 import logging
 import time
 import uuid
-from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, NamedTuple
@@ -29,6 +28,7 @@ from heron.cache.block_pool import NULL_BLOCK_ID, hash_block_tokens
 from heron.kv_transfer.base import (
     ConnectorMetric,
     ExternalHits,
+    InFlightLoads,
     KVConnectorMeta,
     KVConnectorScheduler,
     KVConnectorWorker,
@@ -216,8 +216,7 @@ class NixlScheduler(KVConnectorScheduler):
         self.block_size = block_size
         self.hold_timeout_s = hold_timeout_s
         self._held: dict[str, tuple[float, int]] = {}  # request -> (deadline, blocks)
-        self._loading: dict[str, list[int]] = {}  # request -> the hashes it loads
-        self._in_flight: Counter[int] = Counter()
+        self._in_flight = InFlightLoads()
         self._meta = NixlMeta()
         self.failed_loads = 0
         self.hold_timeouts = 0
@@ -335,8 +334,7 @@ class NixlScheduler(KVConnectorScheduler):
         )
         self._meta.load_requests.append(request.request_id)
         loading = self._chain(request)[first:end]
-        self._loading[request.request_id] = loading
-        self._in_flight.update(loading)
+        self._in_flight.start(request.request_id, loading)
 
     def scheduled(
         self, request: CachedSequence, tables: Sequence[Sequence[int]], hashes: Sequence[int]
@@ -344,19 +342,14 @@ class NixlScheduler(KVConnectorScheduler):
         pass
 
     def forget(self, request_id: str) -> None:
-        self._end_load(request_id)
+        self._in_flight.end(request_id)
 
     def finished(self, results: TransferResults) -> None:
         for request_id in results.failed_loads:
             self.failed_loads += 1
-            self._end_load(request_id)
+            self._in_flight.end(request_id)
         for request_id in results.loaded:
-            self._end_load(request_id)
-
-    def _end_load(self, request_id: str) -> None:
-        hashes = self._loading.pop(request_id, [])
-        self._in_flight.subtract(hashes)
-        self._in_flight = +self._in_flight
+            self._in_flight.end(request_id)
 
     def take_step_meta(self) -> NixlMeta | None:
         meta = self._meta
@@ -401,11 +394,7 @@ class NixlScheduler(KVConnectorScheduler):
         ]
 
     def check_invariants(self) -> None:
-        expected: Counter[int] = Counter()
-        for hashes in self._loading.values():
-            expected.update(hashes)
-        if expected != self._in_flight:
-            raise RuntimeError("nixl: the hashes in flight disagree with the loading requests")
+        self._in_flight.check_invariants("nixl")
 
 
 class _Read(NamedTuple):

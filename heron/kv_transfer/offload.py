@@ -11,7 +11,7 @@ side (:class:`OffloadWorker`) holds the host tensors and copies the blocks.
 from __future__ import annotations
 
 import logging
-from collections import Counter, OrderedDict
+from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
@@ -22,6 +22,7 @@ from heron.cache.block_pool import NULL_BLOCK_ID, hash_block_tokens
 from heron.kv_transfer.base import (
     ConnectorMetric,
     ExternalHits,
+    InFlightLoads,
     KVConnectorMeta,
     KVConnectorScheduler,
     KVConnectorWorker,
@@ -112,8 +113,7 @@ class OffloadScheduler(KVConnectorScheduler):
         self.index = HostBlockIndex(num_slots)
         self.block_size = block_size
         self.bytes_per_slot = bytes_per_slot
-        self._loading: dict[str, list[int]] = {}  # request -> the hashes it loads
-        self._in_flight: Counter[int] = Counter()  # hashes being loaded
+        self._in_flight = InFlightLoads()
         self._offered: dict[str, int] = {}  # request -> its blocks offered for saving
         self._looked_up: tuple[str, list[int]] = ("", [])  # the last lookup's chain
         self._meta = OffloadMeta()
@@ -156,8 +156,7 @@ class OffloadScheduler(KVConnectorScheduler):
             meta.load_slots.append(self.index.use(block_hash))
             meta.load_blocks.append([table[i] for table in tables])
         meta.load_requests.append(request.request_id)
-        self._loading[request.request_id] = loading
-        self._in_flight.update(loading)
+        self._in_flight.start(request.request_id, loading)
 
     def scheduled(
         self, request: CachedSequence, tables: Sequence[Sequence[int]], hashes: Sequence[int]
@@ -209,26 +208,17 @@ class OffloadScheduler(KVConnectorScheduler):
 
     def forget(self, request_id: str) -> None:
         self._offered.pop(request_id, None)
-        self._end_load(request_id)
+        self._in_flight.end(request_id)
 
     def finished(self, results: TransferResults) -> None:
         for request_id in results.failed_loads:  # (first: a failure outweighs a success)
             self.failed_loads += 1
-            for block_hash in self._end_load(request_id):
+            for block_hash in self._in_flight.end(request_id):
                 self.index.discard(block_hash)
         for request_id in results.loaded:
-            self.loaded_blocks += len(self._end_load(request_id))
+            self.loaded_blocks += len(self._in_flight.end(request_id))
         for block_hash in results.failed_saves:
             self.index.discard(block_hash)
-
-    def _end_load(self, request_id: str) -> list[int]:
-        """The hashes ``request_id`` was loading (none if it was not), no longer in flight."""
-        hashes = self._loading.pop(request_id, [])
-        self._in_flight.subtract(hashes)
-        for block_hash in hashes:
-            if not self._in_flight[block_hash]:
-                del self._in_flight[block_hash]
-        return hashes
 
     def take_step_meta(self) -> OffloadMeta | None:
         meta = self._meta
@@ -275,11 +265,7 @@ class OffloadScheduler(KVConnectorScheduler):
 
     def check_invariants(self) -> None:
         self.index.check_invariants()
-        expected: Counter[int] = Counter()
-        for hashes in self._loading.values():
-            expected.update(hashes)
-        if expected != self._in_flight:
-            raise RuntimeError("offload: the hashes in flight disagree with the loading requests")
+        self._in_flight.check_invariants("offload")
 
 
 class OffloadWorker(KVConnectorWorker):
