@@ -306,14 +306,14 @@ class LayerwiseSaver(OffloadWorker):
             self._thread.start()
 
     def _save_layers(self, meta, base):
-        blocks = torch.tensor(meta.save_blocks).T
+        blocks, slots = torch.tensor(meta.save_blocks).T, torch.tensor(meta.save_slots)
         for layer, (cache, host, axis, group) in enumerate(self._layers):
             if not self.steps.wait_for(base + layer + 1, timeout_s=5):
                 self.timed_out = True
                 return
-            saved = cache.index_select(axis, blocks[group])
+            saved = cache.index_select(axis, blocks[group].to(cache.device)).cpu()
             self.poisoned.append(bool((saved == POISON).any()))
-            host.index_copy_(axis, torch.tensor(meta.save_slots), saved)
+            host.index_copy_(axis, slots, saved)
 
     def end_step(self, meta):
         if self._thread is not None:
