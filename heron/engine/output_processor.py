@@ -34,27 +34,34 @@ class _Sample:
     stop_reason: str | int | None = None
 
     def output(self, index: int) -> CompletionOutput:
-        finished = self.finish_reason is not None
+        detokenizer, logprobs = self.detokenizer, self.logprobs
+        if self.finish_reason is not None:
+            return CompletionOutput(
+                index,
+                detokenizer.text,
+                list(self.token_ids),
+                self.finish_reason,
+                self.stop_reason,
+                None if logprobs is None else list(logprobs),
+            )
         # (a streamed output views the growing lists instead of copying them every step)
-        snapshot = list if finished else PrefixView
-        detokenizer = self.detokenizer
         return CompletionOutput(
             index,
-            detokenizer.text if finished else detokenizer.text_safe_to_stream,
-            snapshot(self.token_ids),
-            self.finish_reason,
-            self.stop_reason,
-            None if self.logprobs is None else snapshot(self.logprobs),
+            detokenizer.text_safe_to_stream,
+            PrefixView(self.token_ids),
+            None,
+            None,
+            None if logprobs is None else PrefixView(logprobs),
         )
 
     def apply(self, delta: SampleDelta) -> bool:
         """Take the sample's new tokens up to a stop string; True if a stop string ended a
         sample the engine still runs."""
-        detokenizer = self.detokenizer
+        detokenizer, token_ids, logprobs = self.detokenizer, self.token_ids, self.logprobs
         for i, token_id in enumerate(delta.token_ids):
-            self.token_ids.append(token_id)
-            if self.logprobs is not None:
-                self.logprobs.append(delta.logprobs[i])
+            token_ids.append(token_id)
+            if logprobs is not None:
+                logprobs.append(delta.logprobs[i])
             stop_string = detokenizer.append(token_id)
             if stop_string is not None:
                 self.finish("stop", stop_string)
@@ -92,11 +99,14 @@ class _RequestState:
         return True
 
     def output(self, finished: bool) -> RequestOutput:
+        samples = self.samples
         output = RequestOutput(
             self.request_id,
             self.prompt,
             self.prompt_token_ids,
-            [sample.output(index) for index, sample in enumerate(self.samples)],
+            [samples[0].output(0)]
+            if len(samples) == 1
+            else [sample.output(index) for index, sample in enumerate(samples)],
             finished,
             None if self.prompt_logprobs is None else list(self.prompt_logprobs),
             self.num_cached_tokens,
