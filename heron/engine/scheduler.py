@@ -138,9 +138,11 @@ class Scheduler:
                 i += 1  # finishes with the token being sampled: nothing left to compute
                 continue
             remaining = request.num_tokens - request.num_computed_tokens
-            num_new = prefills.chunk(remaining, budget)
-            if num_new > 1:
-                num_new = self.kv_cache.chunk_end(request, request.num_computed_tokens, num_new)
+            num_new = remaining  # (a decoding request's one token, or none: no call)
+            if remaining > 1:
+                num_new = prefills.chunk(remaining, budget)
+                if num_new > 1:
+                    num_new = self.kv_cache.chunk_end(request, request.num_computed_tokens, num_new)
             num_proposed = min(counts.get(request.request_id, 0), budget - 1) if counts else 0
             while not allocate_slots(request, num_new + num_proposed):
                 victim = running.pop()
