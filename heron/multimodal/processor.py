@@ -134,18 +134,17 @@ class ImageProcessor:
                 )
         rgb = [image.convert("RGB") for image in images]
         pixels = scheme.split(self.hf(images=rgb, return_tensors="pt"))
-        join = scheme.join
         expanded: list[int] = []
         items = []
         previous = 0
         for slot, image, (values, grid) in zip(slots, rgb, pixels):
-            join(expanded, token_ids[previous:slot])
-            join(expanded, scheme.before)
+            scheme.join(expanded, token_ids[previous:slot])
+            scheme.join(expanded, scheme.before)
             length = scheme.length(grid)
             digest = image_hash(image.mode, image.size, image.tobytes())
             items.append(ImageItem(digest, values, grid, len(expanded), length))
             expanded += [scheme.image_token_id] * length
             expanded += scheme.after
             previous = slot + 1
-        join(expanded, token_ids[previous:])
+        scheme.join(expanded, token_ids[previous:])
         return expanded, tuple(items)

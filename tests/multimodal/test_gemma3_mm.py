@@ -127,6 +127,8 @@ def test_two_images_and_a_batch_beside_text_prompts(llm, hf):
     for prompt, out in zip(prompts, outs):
         assert out.error is None
         assert out.outputs[0].token_ids == hf_greedy(hf, llm, prompt)
+    cache = llm.engine.runner.multimodal.cache
+    assert len(cache) == 0 and cache.num_holders == 0  # (each image's output freed)
 
 
 def test_a_chunk_never_ends_inside_an_image(llm, hf):
@@ -203,3 +205,25 @@ def test_an_image_longer_than_a_step_is_refused(model_dir):
     with LLM(str(model_dir), dtype="float32", max_num_batched_tokens=3, max_num_seqs=2) as small:
         (out,) = small.generate(long_prompt(LARGE, [50]), GREEDY, use_tqdm=False)
         assert "an image of 4 tokens does not fit one step (max_num_batched_tokens=3)" in out.error
+
+
+def test_the_published_checkpoint_layout_loads(model_dir, hf, tmp_path):
+    """Gemma 3's published checkpoints nest the tower's weights under
+    ``vision_tower.vision_model.``: the same weights so named give the same answers."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    for file in model_dir.iterdir():
+        if file.suffix != ".safetensors":
+            shutil.copy(file, tmp_path / file.name)
+    for file in model_dir.glob("*.safetensors"):
+        tensors = {
+            name.replace("vision_tower.", "vision_tower.vision_model.", 1): tensor
+            for name, tensor in load_file(file).items()
+        }
+        save_file(tensors, tmp_path / file.name, metadata={"format": "pt"})
+    with LLM(str(tmp_path), dtype="float32", max_num_batched_tokens=32) as published:
+        prompt = {"prompt": f"The quick {IMAGE} brown fox", "multi_modal_data": {"image": SMALL}}
+        (out,) = published.generate(prompt, GREEDY, use_tqdm=False)
+        assert out.outputs[0].token_ids == hf_greedy(hf, published, prompt)
