@@ -48,7 +48,7 @@ def llm(model_dir):
         yield llm
 
 
-def hf_greedy(hf, llm, prompt, bidirectional: bool = True) -> list[int]:
+def hf_greedy(hf, llm, prompt, bidirectional: bool = True, max_new: int = MAX_NEW) -> list[int]:
     """HF's greedy continuation of the prompt as Heron expands it (with token_type_ids: image
     tokens attend to their whole image; without: causally)."""
     if isinstance(prompt, dict):
@@ -65,7 +65,7 @@ def hf_greedy(hf, llm, prompt, bidirectional: bool = True) -> list[int]:
         kwargs["pixel_values"] = pixels["pixel_values"]
         if bidirectional:
             kwargs["token_type_ids"] = (ids == hf.config.image_token_index).long()
-    out = hf.generate(ids, max_new_tokens=MAX_NEW, do_sample=False, pad_token_id=0, **kwargs)
+    out = hf.generate(ids, max_new_tokens=max_new, do_sample=False, pad_token_id=0, **kwargs)
     return out[0, ids.shape[1] :].tolist()
 
 
@@ -227,3 +227,21 @@ def test_the_published_checkpoint_layout_loads(model_dir, hf, tmp_path):
         prompt = {"prompt": f"The quick {IMAGE} brown fox", "multi_modal_data": {"image": SMALL}}
         (out,) = published.generate(prompt, GREEDY, use_tqdm=False)
         assert out.outputs[0].token_ids == hf_greedy(hf, published, prompt)
+
+
+def test_preemption_recomputes_whole_images(model_dir, hf):
+    """A pool too small for three image prompts at once: requests are preempted and resume
+    (from their cached blocks, whose end may fall inside an image) with their images whole."""
+    prompts = [
+        long_prompt(synthetic_image(64, 64, 30 + seed), [50 + seed] * 6) for seed in range(3)
+    ]
+    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    options = dict(dtype="float32", max_num_batched_tokens=32, block_size=16, num_kv_blocks=9)
+    with LLM(str(model_dir), max_model_len=96, **options) as small:
+        outs = small.generate(prompts, params, use_tqdm=False)
+        assert small.engine.scheduler.num_preemptions > 0
+        cache = small.engine.runner.multimodal.cache
+        assert len(cache) == 0 and cache.num_holders == 0
+        for prompt, out in zip(prompts, outs):
+            want = hf_greedy(hf, small, prompt, max_new=24)
+            assert out.outputs[0].token_ids == want
