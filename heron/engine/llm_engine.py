@@ -132,6 +132,7 @@ class LLMEngine:
         self._validate_prompt(token_ids)
         if images:
             self.validate_images(len(images))
+            self._check_whole_images(images)
         if params.kv_transfer_params is not None:
             if self.scheduler.connector is None:
                 raise ValueError(
@@ -228,6 +229,18 @@ class LLMEngine:
         if limit is not None and count > limit:
             raise ValueError(
                 f"the prompt has {count} images, more than limit_mm_per_prompt allows ({limit})"
+            )
+
+    def _check_whole_images(self, images: tuple[ImageItem, ...]) -> None:
+        """``ValueError`` for an image one step cannot hold, where a step must hold an image's
+        every token (its tokens attend to the whole image)."""
+        config = self.scheduler.config
+        longest = max(item.length for item in images)
+        if config.whole_images and longest > config.max_num_batched_tokens:
+            raise ValueError(
+                f"an image of {longest} tokens does not fit one step (max_num_batched_tokens="
+                f"{config.max_num_batched_tokens}); this model's image tokens attend to their "
+                "whole image, so one step computes all of them"
             )
 
     def _validate_prompt(self, token_ids: list[int]) -> None:

@@ -34,6 +34,8 @@ class SchedulerConfig:
     max_num_partial_prefills: int | None = None  # None: no limit
     max_long_partial_prefills: int | None = None
     max_loras: int = 0  # LoRA adapters the running requests may use at once
+    # A chunk never ends inside an image (the model's image tokens attend to their whole image)
+    whole_images: bool = False
 
 
 class ScheduledRequest(NamedTuple):
@@ -143,6 +145,10 @@ class Scheduler:
                 num_new = prefills.chunk(remaining, budget)
                 if num_new > 1:
                     num_new = self.kv_cache.chunk_end(request, request.num_computed_tokens, num_new)
+                num_new = self._whole_images(request, request.num_computed_tokens, num_new, budget)
+                if not num_new:
+                    i += 1  # its next image does not fit this step's budget
+                    continue
             num_proposed = min(counts.get(request.request_id, 0), budget - 1) if counts else 0
             while not allocate_slots(request, num_new + num_proposed):
                 victim = running.pop()
@@ -203,6 +209,9 @@ class Scheduler:
             num_new = prefills.chunk(remaining, budget)
             if num_new > 1:
                 num_new = self.kv_cache.chunk_end(request, num_cached, num_new)
+            num_new = self._whole_images(request, num_cached, num_new, budget)
+            if not num_new:
+                break  # its first image does not fit this step's budget
             if not self.kv_cache.allocate_slots(request, num_new, computed_blocks):
                 break
             self.waiting.popleft()
@@ -217,6 +226,20 @@ class Scheduler:
         self.waiting.extendleft(reversed(passed))
         self._fill_plan(out)
         return out
+
+    def _whole_images(self, request: Request, start: int, num_new: int, budget: int) -> int:
+        """``num_new`` tokens from ``start``, cut back to before an image the chunk would
+        end inside (or stretched to its end, where that is all the chunk would hold and the
+        budget allows), when the model's image tokens attend to their whole image."""
+        if not self.config.whole_images:
+            return num_new
+        end = start + num_new
+        for item in request.images:
+            if item.offset < end < item.end:
+                if item.offset > start:
+                    return item.offset - start
+                return item.end - start if item.end - start <= budget else 0
+        return num_new
 
     def _running_adapters(self) -> set[int]:
         """The LoRA adapters of the running requests: a request of another joins them only

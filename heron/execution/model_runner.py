@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 import logging
 from collections.abc import Callable, Sequence
@@ -406,6 +407,8 @@ class ModelRunner:
         greedy_ids = None
         # A step with images runs eagerly (the encoder, placeholder features, M-RoPE positions).
         mm = None if self.multimodal is None else self.multimodal.prepare(plan, self.requests)
+        if mm is not None and mm.key_limits is not None:
+            seq = dataclasses.replace(seq, key_limits=mm.key_limits)
         # A graph computes every token's logits: it serves steps that sample every token
         # (not a prefill chunk that samples nothing, nor prompt logprobs' rows first).
         every_token_sampled = step.sample_rows == slice(0, seq.num_tokens)

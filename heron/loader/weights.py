@@ -94,7 +94,10 @@ def load_weights(
             continue
         if name.endswith(_SCALE_INV):
             name = name.removesuffix(_SCALE_INV) + ".weight_scale"
-        target, shard = _target([renames.get(p, p) for p in name.split(".")], packed, banks)
+        if name in params:  # a module kept as the checkpoint has it (a vision tower's q_proj)
+            target, shard = name, None
+        else:
+            target, shard = _target([renames.get(p, p) for p in name.split(".")], packed, banks)
         owner, _, leaf = target.rpartition(".")
         if f"{owner}.qweight" in params:  # packed integer weights
             if target.endswith(_PACKED_SHAPE) or leaf == _INPUT_GLOBAL_SCALE:
