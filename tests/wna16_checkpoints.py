@@ -158,7 +158,9 @@ def write_checkpoint(src, dst, fmt: str, **opts) -> dict[str, torch.Tensor]:
     tensors = load_file(dst / "model.safetensors")
     dequantised = {}
     ct_config = None
-    for name in [n for n in tensors if n.split(".")[-2] in FP8_PROJECTIONS]:
+    for name in [
+        n for n in tensors if n.endswith(".weight") and n.split(".")[-2] in FP8_PROJECTIONS
+    ]:
         w, module = tensors.pop(name), name.removesuffix(".weight")
         if fmt == "awq":
             packed, deq = _awq(w, opts["group_size"])
