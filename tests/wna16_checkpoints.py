@@ -20,6 +20,12 @@ from tiny_models import BASE, FP8_PROJECTIONS
 
 # Wide enough for groups of 128 along every input (hidden 128, intermediate 256).
 SHAPE = BASE | dict(hidden_size=128, intermediate_size=256, num_hidden_layers=2)
+# Qwen-MoE: every input whole groups of 32 (hidden 64; experts', dense and shared 64), on each
+# of two tensor-parallel ranks too.
+MOE_SHAPE = BASE | dict(
+    num_hidden_layers=2, intermediate_size=64, moe_intermediate_size=64, num_experts=8,
+    num_experts_per_tok=2, tie_word_embeddings=False,
+)  # fmt: skip
 AWQ_ORDER = [0, 2, 4, 6, 1, 3, 5, 7]
 
 

@@ -542,6 +542,8 @@ def fused_experts(
     """
     if activation not in ACTIVATIONS:
         raise ValueError(f"fused_experts: activation {activation!r} is not one of {ACTIVATIONS}")
+    if bits not in (None, 4, 8):
+        raise ValueError(f"fused_experts: packed integers of {bits} bits (4 or 8)")
     num_experts = gate_up.shape[0]
     n_cols, hidden = _out_in(gate_up, output_major, bits)
     inter = n_cols // 2
@@ -562,7 +564,8 @@ def fused_experts(
     if bits is not None:
         scale = _check_wna16(
             (gate_up, down), (gate_up_scale, down_scale), (gate_up_zeros, down_zeros), group_size,
-            (hidden, inter), output_major and not interleaved and gate_up_bias is None,
+            (hidden, inter),
+            output_major and not interleaved and gate_up_bias is None and scale_block is None,
         )  # fmt: skip
     else:
         scale = _check_weights(
@@ -744,7 +747,8 @@ def _check_wna16(
     inputs: tuple[int, int],
     plain_layout: bool,
 ) -> int:
-    """``SCALE`` 4 for packed integer stacks: output-major ``[gate | up]`` without biases,
+    """``SCALE`` 4 for packed integer stacks: output-major ``[gate | up]`` without biases or
+    tile scales,
     contiguous int32 words with contiguous scales (and uint8 zero points for both or neither)
     of ``[E, N, groups of the input]``; raises otherwise."""
     if not plain_layout:

@@ -97,6 +97,7 @@ def test_refuses_packed_weights_without_matching_scales():
         (dict(group_size=64), "packed gate_up weights are contiguous"),
         (dict(down_zeros=None), "both zero points or neither"),
         (dict(interleaved=True), "output-major \\[gate \\| up\\] without biases"),
+        (dict(bits=2), "packed integers of 2 bits"),
     ):
         with pytest.raises(ValueError, match=message):
             fused_experts(x, weights, indices, **(layout | change))
@@ -117,6 +118,12 @@ def test_act_order_experts_are_refused_by_name():
     bank.down_proj_g_idx.copy_(torch.zeros(2, 32))
     with pytest.raises(ValueError, match="mlp.experts.gate_up_proj: act-order \\(desc_act\\)"):
         bank.finish_wna16("mlp.experts")
+
+
+def test_nvfp4_experts_are_refused_by_name():
+    nvfp4 = WNA16Scheme("compressed-tensors", 4, 16, zero_points=False, fp4=True)
+    with pytest.raises(ValueError, match="compressed-tensors nvfp4 MoE experts are not supported"):
+        SwiGLUExperts(2, 64, 32).hold_wna16(nvfp4)
 
 
 def wna16_moe_launches() -> None:

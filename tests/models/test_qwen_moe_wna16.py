@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 import transformers as tf
-from wna16_checkpoints import write_checkpoint
+from wna16_checkpoints import MOE_SHAPE, write_checkpoint
 
 from heron import LLM, SamplingParams
 from heron.layers.moe import SparseMoE, SwiGLUExperts
@@ -16,7 +16,6 @@ from heron.ops import selector
 from heron.platforms import CpuPlatform
 
 from tiny_models import (
-    BASE,
     check_greedy_and_logprobs,
     greedy_tokens,
     hf_greedy,
@@ -26,11 +25,6 @@ from tiny_models import (
 
 PROMPTS = [list(range(10, 40)), [5, 6, 7, 8, 9]]
 GREEDY = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
-# Every input a whole number of groups of 32: hidden 64, experts' 32, dense and shared 64.
-MOE = BASE | dict(
-    num_hidden_layers=2, intermediate_size=64, moe_intermediate_size=32, num_experts=8,
-    num_experts_per_tok=2, tie_word_embeddings=False,
-)  # fmt: skip
 
 
 @pytest.fixture(scope="module")
@@ -39,9 +33,9 @@ def models(tmp_path_factory):
     root = tmp_path_factory.mktemp("qwen_moe")
     configs = {
         "qwen3_moe": tf.Qwen3MoeConfig(
-            **MOE, head_dim=32, norm_topk_prob=True, mlp_only_layers=[1]
+            **MOE_SHAPE, head_dim=32, norm_topk_prob=True, mlp_only_layers=[1]
         ),
-        "qwen2_moe": tf.Qwen2MoeConfig(**MOE, shared_expert_intermediate_size=64),
+        "qwen2_moe": tf.Qwen2MoeConfig(**MOE_SHAPE, shared_expert_intermediate_size=64),
     }
     return {name: save_random_model(config, root / name) for name, config in configs.items()}
 
@@ -69,9 +63,9 @@ def test_experts_held_packed_and_equal_hf(family, fmt, opts, models, tmp_path):
     bits = opts.get("bits", 4)
     for bank in _banks(llm):  # as packed as the file: bits / 32 words a weight
         assert bank.gate_up_proj is None and bank.down_proj is None
-        assert bank.gate_up_proj_qweight.shape == (8, 64, 64 * bits // 32)
-        assert bank.down_proj_qweight.shape == (8, 64, 32 * bits // 32)
-        assert bank.gate_up_proj_scales.shape == (8, 64, 2)
+        assert bank.gate_up_proj_qweight.shape == (8, 128, 64 * bits // 32)
+        assert bank.down_proj_qweight.shape == (8, 64, 64 * bits // 32)
+        assert bank.gate_up_proj_scales.shape == (8, 128, 2)
         assert bank.gate_up_proj_g_idx is None  # checked and dropped
     for moe in (m for m in llm.engine.runner.model.modules() if isinstance(m, SparseMoE)):
         assert moe.gate.weight is not None  # the router stays in full precision
