@@ -72,12 +72,14 @@ def _expert_matmul(
     K,
     s_ptrs,
     z_ptr,
+    p_ptr,
     OUTPUT_MAJOR: tl.constexpr,
     EVEN_K: tl.constexpr,
     SCALE: tl.constexpr,
     SCALE_BK: tl.constexpr,
     BITS: tl.constexpr,
     HAS_ZEROS: tl.constexpr,
+    HAS_PERM: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -87,18 +89,19 @@ def _expert_matmul(
     the rows' starts (``a_mask`` [BLOCK_M, 1] says which to read), ``w_ptr`` at one expert's
     weight, [N, K] if ``OUTPUT_MAJOR`` else [K, N]. With ``SCALE`` the weight is FP8 and
     ``s_ptrs`` [BLOCK_N] point at each column's scale (1) or at its row of tile scales (2);
-    packed integers (4): ``s_ptrs`` and ``z_ptr`` at the expert's scales and zero points."""
+    packed integers (4): ``s_ptrs`` and ``z_ptr`` at the expert's scales and zero points, and
+    with ``HAS_PERM`` ``p_ptr`` at the expert's order of ``a``'s columns (act-order)."""
+    if SCALE == 4:
+        return _wna16_matmul(
+            a_ptrs, a_mask, w_ptr, s_ptrs, z_ptr, p_ptr, cols, n_mask, K, BITS, SCALE_BK,
+            HAS_ZEROS, HAS_PERM, BLOCK_M, BLOCK_N, BLOCK_K, DOT_PREC,
+        )  # fmt: skip
     offs_k = tl.arange(0, BLOCK_K)
     a_ptrs = a_ptrs + offs_k[None, :]
     if SCALE == 3:
         return _mxfp4_matmul(
             a_ptrs, a_mask, w_ptr, cols, n_mask, K, s_ptrs, BLOCK_M, BLOCK_N, BLOCK_K, DOT_PREC
         )
-    if SCALE == 4:
-        return _wna16_matmul(
-            a_ptrs, a_mask, w_ptr, s_ptrs, z_ptr, cols, n_mask, K, BITS, SCALE_BK, HAS_ZEROS,
-            BLOCK_M, BLOCK_N, BLOCK_K, DOT_PREC,
-        )  # fmt: skip
     if OUTPUT_MAJOR:
         stride_k, stride_n = 1, K
     else:
@@ -165,30 +168,37 @@ def _wna16_matmul(
     w_ptr,
     s_ptr,
     z_ptr,
+    p_ptr,
     cols,
     n_mask,
     K,
     BITS: tl.constexpr,
     GROUP: tl.constexpr,
     HAS_ZEROS: tl.constexpr,
+    HAS_PERM: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     DOT_PREC: tl.constexpr,
 ):
     """``_expert_matmul`` over one expert's packed integers: words [N, K * BITS / 32], scales
-    and zero points [N, cdiv(K, GROUP)] (``GROUP`` at least ``K`` per channel). The weight
-    tile's columns past ``K`` are not zero (see ``dequant_tile``); the activations there are."""
+    and zero points [N, cdiv(K, GROUP)] (``GROUP`` at least ``K`` per channel); with
+    ``HAS_PERM`` the weight's column ``k`` multiplies ``a``'s column ``perm[k]`` (act-order: the
+    columns sorted by group at load). The weight tile's columns past ``K`` are not zero (see
+    ``dequant_tile``); the activations there are."""
     offs_k = tl.arange(0, BLOCK_K)
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for k in range(0, K, BLOCK_K):
-        a = tl.load(a_ptrs, mask=a_mask & ((k + offs_k) < K)[None, :], other=0.0)
+        k_mask = (k + offs_k) < K
+        a_cols = k + offs_k
+        if HAS_PERM:
+            a_cols = tl.load(p_ptr + a_cols, mask=k_mask, other=0)
+        a = tl.load(a_ptrs + a_cols[None, :], mask=a_mask & k_mask[None, :], other=0.0)
         w = dequant_tile(
             w_ptr, s_ptr, z_ptr, cols, n_mask, k, K, K // (32 // BITS), tl.cdiv(K, GROUP),
             BITS, GROUP, HAS_ZEROS, False, BLOCK_N, BLOCK_K,
         )  # fmt: skip
         acc = tl.dot(a, tl.trans(w.to(a.dtype)), acc=acc, input_precision=DOT_PREC)
-        a_ptrs += BLOCK_K
     return acc
 
 
@@ -241,6 +251,7 @@ def _gate_up_kernel(
     b_ptr,
     s_ptr,
     z_ptr,
+    p_ptr,
     h_ptr,
     sorted_ids_ptr,
     block_expert_ptr,
@@ -262,6 +273,7 @@ def _gate_up_kernel(
     SCALE_BK: tl.constexpr,
     BITS: tl.constexpr,
     HAS_ZEROS: tl.constexpr,
+    HAS_PERM: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -310,12 +322,14 @@ def _gate_up_kernel(
         hidden,
         s_ptrs,
         _scale_ptrs(z_ptr, expert, 0, n_cols, hidden, SCALE, SCALE_BK),
+        p_ptr + expert * hidden,
         OUTPUT_MAJOR,
         EVEN_K,
         SCALE,
         SCALE_BK,
         BITS,
         HAS_ZEROS,
+        HAS_PERM,
         BLOCK_M,
         BLOCK_N,
         BLOCK_K,
@@ -396,12 +410,14 @@ def _down_kernel(
         inter,
         _scale_ptrs(s_ptr, expert, rows, num_rows, inter, SCALE, SCALE_BK),
         _scale_ptrs(z_ptr, expert, 0, num_rows, inter, SCALE, SCALE_BK),
+        z_ptr,  # (no column order: act-order's is folded into gate_up's rows at load)
         OUTPUT_MAJOR,
         EVEN_K,
         SCALE,
         SCALE_BK,
         BITS,
         HAS_ZEROS,
+        False,
         BLOCK_M,
         BLOCK_N,
         BLOCK_K,
@@ -515,6 +531,7 @@ def fused_experts(
     down_zeros: torch.Tensor | None = None,
     bits: int | None = None,
     group_size: int | None = None,
+    input_perm: torch.Tensor | None = None,
     blocks: tuple[int, int, int] | None = None,
     add: torch.Tensor | None = None,
     add_gate: torch.Tensor | None = None,
@@ -537,7 +554,8 @@ def fused_experts(
     int32 words ``[E, 2I, hidden * bits / 32]`` and ``[E, hidden, I * bits / 32]`` with scales
     ``[E, 2I, G]`` and ``[E, hidden, G']`` per ``group_size`` inputs (None: one per channel)
     and uint8 ``gate_up_zeros`` / ``down_zeros`` of the scales' shapes (None: symmetric,
-    ``2 ** (bits - 1)``). ``blocks`` overrides
+    ``2 ** (bits - 1)``); act-order ones take ``x``'s columns in each expert's ``input_perm``
+    order (int32 [E, hidden]). ``blocks`` overrides
     ``(BLOCK_M, BLOCK_N, BLOCK_K)`` (each a power of two of at least 16).
     """
     if activation not in ACTIVATIONS:
@@ -572,6 +590,14 @@ def fused_experts(
             x, (gate_up, down), (gate_up_bias, down_bias), (gate_up_scale, down_scale),
             scale_block, output_major,
         )  # fmt: skip
+    if input_perm is not None and (
+        bits is None or input_perm.shape != (num_experts, hidden) or input_perm.dtype != torch.int32
+        or not input_perm.is_contiguous()
+    ):  # fmt: skip
+        raise ValueError(
+            f"fused_experts: input_perm is a contiguous int32 [{num_experts}, {hidden}] beside "
+            "packed integer weights"
+        )
     if x.stride(1) != 1:
         x = x.contiguous()
     if num_tokens == 0:
@@ -610,6 +636,7 @@ def fused_experts(
         gate_up_bias,
         gate_up if gate_up_scale is None else gate_up_scale,  # not read without scales
         gate_up if gate_up_zeros is None else gate_up_zeros,  # nor without zero points
+        gate_up if input_perm is None else input_perm,  # nor without an order
         h,
         sorted_ids,
         block_expert,
@@ -623,6 +650,7 @@ def fused_experts(
         limit,
         ACTIVATION=activation,
         INTERLEAVED=interleaved,
+        HAS_PERM=input_perm is not None,
         EVEN_K=hidden % block_k == 0,
         **common,
     )

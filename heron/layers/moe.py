@@ -39,7 +39,7 @@ from heron.layers.linear import Linear, whole_blocks
 from heron.layers.mlp import GatedMLP
 from heron.layers.mxfp4 import BLOCK, dequantize_mxfp4, packed_shapes
 from heron.layers.routing import Routing, TopKRouter
-from heron.layers.wna16 import WNA16Scheme, column_part, group_width
+from heron.layers.wna16 import WNA16Scheme, act_order, column_part, group_width, in_act_order
 from heron.layers.wna16 import dequantize as dequantize_wna16
 from heron.layers.wna16 import quantize as quantize_wna16
 from heron.parallel import current_tensor_parallel
@@ -251,6 +251,7 @@ class SwiGLUExperts(ExpertBank):
         self.weight_block: tuple[int, int] | None = None
         self.whole_intermediate = intermediate_size  # (all ranks')
         self.wna16: WNA16Scheme | None = None
+        self.input_perm: torch.Tensor | None = None  # act-order packed experts: x's columns
 
     def hold_fp8(self, block: tuple[int, int] | None) -> None:
         """Empty FP8 stacks and scales for an FP8 checkpoint to fill: per channel (``block``
@@ -281,7 +282,7 @@ class SwiGLUExperts(ExpertBank):
     def hold_wna16(self, scheme: WNA16Scheme) -> None:
         """Empty packed stacks for a checkpoint in ``scheme`` to fill, with each matrix's
         ``g_idx`` ([E, 2 hidden]: the gate's then the up's; [E, I]) until
-        :meth:`finish_wna16` has checked it."""
+        :meth:`finish_wna16` has used it."""
         if scheme.fp4:
             raise ValueError(f"{scheme.format} nvfp4 MoE experts are not supported")
         for name, count in self._matrices.items():
@@ -303,22 +304,50 @@ class SwiGLUExperts(ExpertBank):
         self.wna16 = scheme
 
     def finish_wna16(self, name: str) -> None:
-        """After loading: drop each matrix's ``g_idx``, which must keep the input columns in
-        order (act-order experts, GPTQ's ``desc_act``, are refused naming the stack)."""
-        for stack, count in self._matrices.items():
-            g_idx = getattr(self, f"{stack}_g_idx")
-            if g_idx is None:
-                continue
-            k = g_idx.shape[1] // count
-            down = stack == "down_proj"  # (a rank's run of the intermediate features)
-            start, whole = (self.inter_start, self.whole_intermediate) if down else (0, k)
-            cols = torch.arange(start, start + k, device=g_idx.device)
-            in_order = cols // group_width(self.wna16.group_size, whole)
-            if not (g_idx.view(-1, count, k) == in_order).all():
+        """After loading: each matrix's ``g_idx`` used, then dropped. Act-order experts (GPTQ's
+        ``desc_act``) get their columns sorted by group, as a packed ``Linear``'s are: gate's and
+        up's (one order, of their shared input) by ``input_perm`` [E, hidden], by which the
+        kernels gather ``x``; down's folded into gate's and up's rows, so that their product
+        comes out in down's order. A rank of tensor parallelism takes them in order only."""
+        gate_up, down = self.gate_up_proj_g_idx, self.down_proj_g_idx
+        if gate_up is None:
+            return
+        self.register_parameter("gate_up_proj_g_idx", None)
+        self.register_parameter("down_proj_g_idx", None)
+        gate, up = gate_up.view(gate_up.shape[0], 2, -1).unbind(1)
+        if not torch.equal(gate, up):
+            raise ValueError(f"{name}: an expert's gate_proj and up_proj g_idx differ")
+        bits, group, inter = self.wna16.bits, self.wna16.group_size, down.shape[1]
+        if self.tp is not None:  # (down's scales were cut as if in order)
+            cols = torch.arange(max(gate.shape[1], self.whole_intermediate), device=down.device)
+            down_cols = cols[self.inter_start : self.inter_start + inter]
+            if not (
+                (gate == cols[: gate.shape[1]] // group_width(group, gate.shape[1])).all()
+                and (down == down_cols // group_width(group, self.whole_intermediate)).all()
+            ):
                 raise ValueError(
-                    f"{name}.{stack}: act-order (desc_act) g_idx on MoE experts is not supported"
+                    f"{name}: act-order (desc_act) g_idx on MoE experts under tensor "
+                    "parallelism is not supported"
                 )
-            self.register_parameter(f"{stack}_g_idx", None)
+            return
+        perms = []
+        for e in range(self.num_experts):
+            perm_in, groups_in = act_order(gate[e], group, f"{name}.{e}.gate_proj")
+            perm_h, groups_h = act_order(down[e], group, f"{name}.{e}.down_proj")
+            gu = in_act_order(*self._packed("gate_up_proj", e), perm_in, groups_in, bits)
+            if perm_h is not None:  # gate's and up's rows in down's column order
+                rows = torch.cat([perm_h, perm_h + inter])
+                gu = tuple(None if t is None else t[rows] for t in gu)
+            dn = in_act_order(*self._packed("down_proj", e), perm_h, groups_h, bits)
+            for stack, tensors in (("gate_up_proj", gu), ("down_proj", dn)):
+                for held, t in zip(self._packed(stack, e), tensors, strict=True):
+                    if held is not None:
+                        held.copy_(t)
+            perms.append(perm_in)
+        if any(p is not None for p in perms):
+            whole = torch.arange(gate.shape[1], device=gate.device)
+            order = [whole if p is None else p for p in perms]
+            self.input_perm = torch.stack(order).to(torch.int32)
 
     def quantize_wna16(self, scheme: WNA16Scheme) -> None:
         """Replace the loaded full-precision stacks by each expert's round-to-nearest
@@ -360,7 +389,9 @@ class SwiGLUExperts(ExpertBank):
         return out[0], out[1]
 
     def expert(self, e: int, x: torch.Tensor) -> torch.Tensor:
-        gate_up, down = self.weights_of(e, x.dtype)
+        gate_up, down = self.weights_of(e, x.dtype)  # (as held: act-order's columns sorted)
+        if self.input_perm is not None:
+            x = x.index_select(-1, self.input_perm[e])
         gate, up = F.linear(x, gate_up).chunk(2, dim=-1)
         return F.linear(F.silu(gate) * up, down)
 
@@ -372,7 +403,8 @@ class SwiGLUExperts(ExpertBank):
                 for suffix, leaf in (("", "qweight"), ("_scale", "scales"), ("_zeros", "qzeros"))
             }
             layout = dict(activation=self.activation, output_major=True, interleaved=False)
-            return packed | layout | dict(bits=self.wna16.bits, group_size=self.wna16.group_size)
+            scheme = dict(bits=self.wna16.bits, group_size=self.wna16.group_size)
+            return packed | layout | scheme | dict(input_perm=self.input_perm)
         layout = super().fused_layout()
         if self.gate_up_proj_scale is None:
             return layout

@@ -13,8 +13,9 @@ from triton_lowering import check_lowering
 
 from heron.kernels.moe import fused_experts
 from heron.layers.moe import SwiGLUExperts
-from heron.layers.wna16 import WNA16Scheme, dequantize
+from heron.layers.wna16 import WNA16Scheme, dequantize, pack, quantize, unpack
 from heron.ops.selector import layer_kernels
+from heron.parallel import TensorParallel, tensor_parallel_scope
 
 
 def packed_bank(num_experts, hidden, inter, bits, group, zeros, seed=0):
@@ -98,25 +99,71 @@ def test_refuses_packed_weights_without_matching_scales():
         (dict(down_zeros=None), "both zero points or neither"),
         (dict(interleaved=True), "output-major \\[gate \\| up\\] without biases"),
         (dict(bits=2), "packed integers of 2 bits"),
+        (dict(input_perm=torch.zeros(4, 32, dtype=torch.int32)), "input_perm is a contiguous"),
     ):
         with pytest.raises(ValueError, match=message):
             fused_experts(x, weights, indices, **(layout | change))
 
 
-def test_act_order_experts_are_refused_by_name():
+def act_order_bank(num_experts, hidden, inter, bits, group, zeros, seed=0):
+    """A bank loaded as an act-order (``desc_act``) checkpoint stores its experts: each
+    matrix's columns grouped in a random order of its own (gate's and up's one order), the
+    words in the columns' order, ``g_idx`` the group of each; and the dequantised matrices."""
+    g = torch.Generator().manual_seed(seed)
+    scheme = WNA16Scheme("gptq", bits, group, zero_points=zeros, act_order=True)
+    bank = SwiGLUExperts(num_experts, hidden, inter, kernels=layer_kernels("triton"))
+    bank.hold_wna16(scheme)
+    dense = []
+    for e in range(num_experts):
+        matrices = []
+        for name, count in (("gate_up_proj", 2), ("down_proj", 1)):
+            n, k = (2 * inter, hidden) if count == 2 else (hidden, inter)
+            w = torch.randn(n, k, generator=g) / 4
+            perm = torch.randperm(k, generator=g)
+            qweight, scales, qzeros = quantize(w[:, perm], bits, group, zeros)  # groups sorted
+            unsorted = torch.argsort(perm)
+            getattr(bank, f"{name}_qweight")[e] = pack(unpack(qweight, bits)[:, unsorted], bits)
+            getattr(bank, f"{name}_scales")[e] = scales
+            if zeros:
+                getattr(bank, f"{name}_qzeros")[e] = qzeros
+            g_idx = torch.empty(k, dtype=torch.int32)
+            g_idx[perm] = (torch.arange(k) // group).to(torch.int32)
+            getattr(bank, f"{name}_g_idx")[e] = g_idx.repeat(count)
+            matrices.append(dequantize(qweight, scales, qzeros, bits, group)[:, unsorted])
+        dense.append(matrices)
+    bank.finish_wna16("mlp.experts")
+    return bank, dense
+
+
+@pytest.mark.parametrize("num_tokens", [1, 13])
+def test_act_order_experts_match_dequantised_fp32(num_tokens):
+    """Columns sorted by group at load: ``x`` gathered in each expert's order by the kernel,
+    down's order folded into gate's and up's rows."""
+    bank, dense = act_order_bank(4, 64, 96, 4, 32, True, seed=num_tokens)
+    assert bank.input_perm.shape == (4, 64) and bank.gate_up_proj_g_idx is None
+    x = torch.randn(num_tokens, 64, generator=torch.Generator().manual_seed(num_tokens))
+    weights, indices = routing(num_tokens, 4, 2, seed=num_tokens)
+    want = reference(x, weights, indices, dense)
+    with torch.no_grad():
+        got = fused_experts(x, weights, indices, **bank.fused_layout(), blocks=(16, 64, 32))
+        sparse = bank.forward_sparse(x, weights, indices)
+    assert rel_err(got, want) < 1e-5
+    assert rel_err(sparse, want) < 1e-5
+
+
+def test_act_order_refusals_name_the_experts():
     scheme = WNA16Scheme("gptq", 4, 32, zero_points=True, act_order=True)
-    in_order = torch.arange(64) // 32
     bank = SwiGLUExperts(2, 64, 32)
     bank.hold_wna16(scheme)
-    bank.gate_up_proj_g_idx.copy_(in_order.repeat(2, 2))
-    bank.down_proj_g_idx.copy_(torch.zeros(2, 32))
-    bank.finish_wna16("mlp.experts")  # in order: dropped
-    assert bank.gate_up_proj_g_idx is None and bank.down_proj_g_idx is None
-    bank = SwiGLUExperts(2, 64, 32)
+    bank.gate_up_proj_g_idx.copy_(torch.cat([torch.arange(64) // 32, torch.arange(64) % 2]))
+    with pytest.raises(ValueError, match="mlp.experts: an expert's gate_proj and up_proj g_idx"):
+        bank.finish_wna16("mlp.experts")
+    with tensor_parallel_scope(TensorParallel(0, 2)):
+        bank = SwiGLUExperts(2, 64, 64)
     bank.hold_wna16(scheme)
-    bank.gate_up_proj_g_idx.copy_(in_order.flip(0).repeat(2, 2))
-    bank.down_proj_g_idx.copy_(torch.zeros(2, 32))
-    with pytest.raises(ValueError, match="mlp.experts.gate_up_proj: act-order \\(desc_act\\)"):
+    bank.gate_up_proj_g_idx.copy_((torch.arange(64) // 32).flip(0).repeat(2, 2))
+    bank.down_proj_g_idx.zero_()
+    with pytest.raises(ValueError, match="experts under tensor parallelism is not supported"):
         bank.finish_wna16("mlp.experts")
 
 
@@ -128,11 +175,13 @@ def test_nvfp4_experts_are_refused_by_name():
 
 def wna16_moe_launches() -> None:
     """bf16 launches at Qwen3-30B-A3B's expert shape (128 experts of 2048 x 768, top 8) in
-    GPTQ int4 groups of 128 and int8 per channel, decode- and prefill-sized, for the lowering
-    test."""
+    GPTQ int4 groups of 128 (act-order) and int8 per channel, decode- and prefill-sized, for
+    the lowering test."""
     for bits, group, zeros in ((4, 128, True), (8, None, False)):
         bank = SwiGLUExperts(128, 2048, 768, kernels=layer_kernels("triton"))
         bank.hold_wna16(WNA16Scheme("gptq", bits, group, zero_points=zeros))
+        if zeros:
+            bank.input_perm = torch.zeros(128, 2048, dtype=torch.int32)
         for tokens in (1, 4096):
             indices = torch.randint(0, 128, (tokens, 8), generator=torch.Generator().manual_seed(0))
             x, weights = torch.empty(tokens, 2048, dtype=torch.bfloat16), torch.empty(tokens, 8)

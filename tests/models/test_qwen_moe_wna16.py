@@ -1,5 +1,5 @@
-"""Qwen-MoE checkpoints of packed integer weights (GPTQ, AWQ, compressed-tensors), one tensor
-per expert as their writers store them: the experts held packed in stacks, greedy tokens and
+"""Qwen-MoE checkpoints of packed integer weights (GPTQ with and without act-order, AWQ,
+compressed-tensors), one tensor per expert as their writers store them: the experts held packed in stacks, greedy tokens and
 prompt logprobs against HF transformers running the same weights dequantised in fp32 as a plain
 checkpoint; the fused MoE kernels reading the packed stacks through the whole model."""
 
@@ -48,13 +48,18 @@ def _banks(llm: LLM) -> list[SwiGLUExperts]:
 
 CASES = [
     ("qwen3_moe", "gptq", dict(bits=4, group_size=32, sym=False, desc_act=False)),
+    ("qwen3_moe", "gptq", dict(bits=4, group_size=32, sym=True, desc_act=True)),
     ("qwen2_moe", "gptq", dict(bits=8, group_size=32, sym=True, desc_act=False)),
     ("qwen2_moe", "awq", dict(group_size=32)),
     ("qwen3_moe", "compressed-tensors", dict(group_size=32, sym=True)),
 ]
 
 
-@pytest.mark.parametrize("family, fmt, opts", CASES, ids=[f"{c[0]}-{c[1]}" for c in CASES])
+@pytest.mark.parametrize(
+    "family, fmt, opts",
+    CASES,
+    ids=[f"{c[0]}-{c[1]}{'-act-order' * c[2].get('desc_act', 0)}" for c in CASES],
+)
 def test_experts_held_packed_and_equal_hf(family, fmt, opts, models, tmp_path):
     src = models[family]
     weights = write_checkpoint(src, tmp_path / "q", fmt, **opts)
@@ -66,7 +71,8 @@ def test_experts_held_packed_and_equal_hf(family, fmt, opts, models, tmp_path):
         assert bank.gate_up_proj_qweight.shape == (8, 128, 64 * bits // 32)
         assert bank.down_proj_qweight.shape == (8, 64, 64 * bits // 32)
         assert bank.gate_up_proj_scales.shape == (8, 128, 2)
-        assert bank.gate_up_proj_g_idx is None  # checked and dropped
+        assert bank.gate_up_proj_g_idx is None  # used and dropped
+        assert (bank.input_perm is not None) == bool(opts.get("desc_act"))
     for moe in (m for m in llm.engine.runner.model.modules() if isinstance(m, SparseMoE)):
         assert moe.gate.weight is not None  # the router stays in full precision
         if moe.shared_expert is not None:  # Qwen2-MoE's: packed linears, its gate not
@@ -98,14 +104,6 @@ def test_fused_kernels_through_the_model_equal_hf(models, tmp_path, monkeypatch)
     prompts, params = [PROMPTS[1]], SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True)
     assert greedy_tokens(llm, prompts, params) == hf_greedy(hf, prompts, params.max_tokens)
     assert calls and set(calls) == {torch.int32}
-
-
-def test_act_order_experts_are_refused_by_name(models, tmp_path):
-    opts = dict(bits=4, group_size=32, sym=True, desc_act=True)
-    write_checkpoint(models["qwen3_moe"], tmp_path / "q", "gptq", **opts)
-    message = r"layers\.0\.mlp\.experts\.gate_up_proj: act-order \(desc_act\) g_idx on MoE"
-    with pytest.raises(ValueError, match=message):
-        LLM(str(tmp_path / "q"), max_model_len=128)
 
 
 def test_dummy_weights_quantised_to_the_scheme(models, tmp_path):
