@@ -20,7 +20,8 @@ choose what differs between them:
   matrices in ``heron.layers.wna16``'s layout (``BITS``-bit values in int32 words along the
   input, scales and optional uint8 zero points per group of ``SCALE_BK`` inputs), a tile
   dequantised in fp32 registers as the dense packed kernels do (``heron.kernels.wna16``), then
-  rounded to ``x``'s dtype for the dot.
+  rounded to ``x``'s dtype for the dot; with ``HAS_PERM`` (act-order) the first kernel gathers
+  ``x``'s columns in each expert's order.
 
 Every step runs on the GPU with shapes that depend only on the token count, never on the
 routing, so there is no host sync and the whole call can be captured in a CUDA graph.

@@ -8,7 +8,8 @@ switches:
   stacks them (``gate_up_proj`` [E, 2I, hidden] as ``[gate | up]``, ``down_proj`` [E, hidden,
   I]); checkpoints holding one tensor per expert (``experts.{e}.gate_proj.weight``) load into
   the stacks through :meth:`ExpertBank.weight_loader` (Qwen-MoE, Qwen3-Next/3.5, DeepSeek).
-  They may hold FP8 weights (``hold_fp8`` / ``quantize_fp8``, as ``Linear`` does);
+  They may hold FP8 weights (``hold_fp8`` / ``quantize_fp8``, as ``Linear`` does) or packed
+  integers (GPTQ, AWQ, compressed-tensors: ``hold_wna16`` / ``quantize_wna16``);
 - ``ClampedSwiGLUExperts``: gpt-oss's, with biases, input-major, gate and up interleaved;
   or, after ``hold_mxfp4``, MXFP4 stacks as its published checkpoints store them.
 
@@ -435,8 +436,8 @@ class SwiGLUExperts(ExpertBank):
     def _packed_part(self, leaf: str, loaded: torch.Tensor, shard: tuple[int, str]) -> torch.Tensor:
         """One expert's packed tensor ``leaf`` converted, then this rank's part of it: gate's
         and up's rows, down's input columns in whole words and groups (a split inside one is
-        refused naming the tensor). ``g_idx`` must keep the columns in order
-        (:meth:`finish_wna16`), so down's groups are cut as if it were absent."""
+        refused naming the tensor). A rank's ``g_idx`` must keep the columns in order
+        (:meth:`finish_wna16` refuses others), so down's groups are cut as if it were absent."""
         converted = self.wna16.convert(leaf, loaded.load() if hasattr(loaded, "load") else loaded)
         if self.tp is None:
             return converted
