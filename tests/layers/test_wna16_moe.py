@@ -47,7 +47,7 @@ def reference(x, weights, indices, dense):
 # (hidden, intermediate, bits, group, zero points, kernel blocks): groups narrower than a K
 # step; a K tail (96 of 64) per channel at 8 bits; 2I = 192 in three column tiles and groups
 # of 32 in a K step of 64; groups wider than a K step with a ragged last one (160 in 64s) and
-# row blocks past a token's pairs.
+# row blocks past a token's pairs; at 8 bits, one group of 128 wider than gate/up's 64 inputs.
 SHAPES = [
     (64, 32, 4, 32, True, None),
     (96, 64, 8, None, False, None),
