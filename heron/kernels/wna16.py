@@ -25,7 +25,7 @@ GEMV_MAX_M = 8
 
 
 @triton.jit
-def _dequant_tile(
+def dequant_tile(
     qw_ptr,
     s_ptr,
     z_ptr,
@@ -118,7 +118,7 @@ def _wna16_gemv_kernel(
     for k in range(0, K, BLOCK_K):
         offs_k = k + tl.arange(0, BLOCK_K)
         k_mask = offs_k < K
-        w = _dequant_tile(
+        w = dequant_tile(
             qw_ptr, s_ptr, z_ptr, offs_n, n_mask, k, K, stride_qn, stride_sn,
             BITS, GROUP, HAS_ZEROS, FP4, BLOCK_N, BLOCK_K,
         )  # fmt: skip
@@ -169,7 +169,7 @@ def _wna16_gemm_kernel(
         offs_k = k + tl.arange(0, BLOCK_K)
         k_mask = offs_k < K
         x = tl.load(x_rows + offs_k[None, :], mask=m_mask[:, None] & k_mask[None, :], other=0.0)
-        w = _dequant_tile(
+        w = dequant_tile(
             qw_ptr, s_ptr, z_ptr, offs_n, n_mask, k, K, stride_qn, stride_sn,
             BITS, GROUP, HAS_ZEROS, FP4, BLOCK_N, BLOCK_K,
         )  # fmt: skip
