@@ -315,6 +315,7 @@ class LLMEngine:
         """
         previous, self._in_flight = self._in_flight, None
         touched: dict[str, RequestDelta] = {}
+        failed: list[tuple[Request, str]] = []
         if previous is not None and not self._runs_past(previous.launched):
             # Proposals start from the last token: read it before scheduling.
             self._read(previous, touched)
@@ -354,11 +355,11 @@ class LLMEngine:
             )
             self.scheduler.finish_step(schedule)
             if self.scheduler.connector is not None:
-                self.scheduler.transfers_finished(self.runner.take_transfer_results())
+                failed = self.scheduler.transfers_finished(self.runner.take_transfer_results())
             for request, n in zip(launched.sample_requests, launched.num_pending):
                 request.num_pending_tokens += n
         elif self.scheduler.loading:  # (loads that end after their step: reads over NIXL)
-            self.scheduler.transfers_finished(self.runner.take_transfer_results())
+            failed = self.scheduler.transfers_finished(self.runner.take_transfer_results())
         if previous is not None:
             self._read(previous, touched)
         if launched is not None:
@@ -371,7 +372,18 @@ class LLMEngine:
             if compiling:
                 self._grammars.wait_for_any(compiling, _GRAMMAR_WAIT_S)
 
-        return [self._complete(self._parents[i], delta) for i, delta in touched.items()]
+        deltas = [self._complete(self._parents[i], delta) for i, delta in touched.items()]
+        return deltas + self._fail(failed)
+
+    def _fail(self, failed: list[tuple[Request, str]]) -> list[RequestDelta]:
+        """Abort the user requests of ``failed`` samples; their final deltas say why."""
+        deltas = []
+        for request, error in failed:
+            delta = self.abort_request(request.parent_id)
+            if delta is not None:  # (None: a sibling's failure aborted it already)
+                delta.error = error
+                deltas.append(delta)
+        return deltas
 
     def _complete(self, parent: _UserRequest, delta: RequestDelta) -> RequestDelta:
         """Fill in what a delta says of the whole request; forget the request once finished."""

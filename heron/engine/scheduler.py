@@ -244,18 +244,26 @@ class Scheduler:
         if not self.kv_cache.allocate_slots(request, num_external, computed_blocks):
             return False
         self.waiting.popleft()
+        self.kv_cache.loads(request.request_id)
         request.num_computed_tokens = num_cached
         tables = self.kv_cache.block_tables(request.request_id)
         self.connector.load(request, tables, num_cached, num_external)
         return True
 
-    def transfers_finished(self, results: TransferResults) -> None:
+    def transfers_finished(self, results: TransferResults) -> list[tuple[Request, str]]:
         """The connector's worker side ended these transfers: a loaded request runs from past
-        its loaded tokens; one whose load failed is queued again to compute them."""
+        its loaded tokens; one whose load failed is queued again to compute them, unless the
+        connector fails it: those are returned, with why, for the caller to abort now."""
         self.connector.finished(results)
+        failed = []
         for request_id in results.failed_loads:  # (first: a failure outweighs a success)
             loading = self.loading.pop(request_id, None)
-            if loading is not None:  # (else aborted while loading)
+            if loading is None:  # (aborted while loading)
+                continue
+            error = self.connector.failed_load_error(request_id)
+            if error is not None:
+                failed.append((loading.request, error))  # (its blocks go as it is removed)
+            else:
                 # Freed at its device hit: the loaded blocks' prefix entries are dropped.
                 self._requeue(loading.request)
         for request_id in results.loaded:
@@ -267,6 +275,7 @@ class Scheduler:
                     request.num_cached_tokens += loading.num_tokens
                 request.status = RequestStatus.RUNNING
                 self.running.append(request)
+        return failed
 
     def reject(self, request: Request, num_rejected: int) -> None:
         """The step computed ``num_rejected`` proposed tokens that were refused: the request's
@@ -353,7 +362,7 @@ class Scheduler:
         held = (
             self.connector is not None
             and request.finish_reason is not FinishReason.ABORT
-            and self.connector.hold(request, self.kv_cache.block_tables(request.request_id))
+            and self.connector.hold(request, self.kv_cache.transfer_tables(request.request_id))
         )
         if held:
             self._forget(request.request_id)

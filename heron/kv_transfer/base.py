@@ -156,6 +156,11 @@ class KVConnectorScheduler(ABC):
         connector cannot serve (checked when the request arrives)."""
         raise ValueError(f"kv_transfer_params: the KV connector ({self.describe()}) takes none")
 
+    def failed_load_error(self, request_id: str) -> str | None:
+        """Why ``request_id``, whose load failed, fails too (None: it computes what the load
+        did not bring, the default)."""
+        return None
+
     def hold(self, request: CachedSequence, tables: Sequence[Sequence[int]]) -> bool:
         """``request`` finished (not aborted): whether its blocks stay allocated until
         :meth:`released` names it (for another instance to read them)."""
