@@ -262,6 +262,18 @@ class LLMEngine:
                 )
         return self._complete(parent, delta)
 
+    def release_blocks(self) -> None:
+        """Free finished requests' blocks a KV connector is done with: held for another
+        instance (read, or past the timeout), or aborted while a load was writing them."""
+        if self.scheduler.draining:
+            self.scheduler.transfers_finished(self.runner.take_transfer_results())
+        if self.scheduler.held:
+            self.scheduler.release_held()
+
+    def keeps_blocks(self) -> bool:
+        """Whether finished requests hold blocks (see :meth:`release_blocks`)."""
+        return bool(self.scheduler.held or self.scheduler.draining)
+
     def samples(self, request_id: str) -> list[Request]:
         """The sequences (one per sample) of an unfinished user request."""
         return self._parents[request_id].children
@@ -358,7 +370,7 @@ class LLMEngine:
                 failed = self.scheduler.transfers_finished(self.runner.take_transfer_results())
             for request, n in zip(launched.sample_requests, launched.num_pending):
                 request.num_pending_tokens += n
-        elif self.scheduler.loading:  # (loads that end after their step: reads over NIXL)
+        elif self.scheduler.loading or self.scheduler.draining:  # (loads outlasting a step)
             failed = self.scheduler.transfers_finished(self.runner.take_transfer_results())
         if previous is not None:
             self._read(previous, touched)

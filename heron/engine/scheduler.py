@@ -101,6 +101,9 @@ class Scheduler:
         self.loading: dict[str, _Loading] = {}
         # Finished requests whose blocks a connector keeps for another instance to read.
         self.held: dict[str, Request] = {}
+        # Requests aborted while loading: their blocks are freed once the load ends (a read
+        # in flight may still write them).
+        self.draining: dict[str, Request] = {}
         self.num_preemptions = 0
         # For the next plan: requests gone since the last one, and those whose tables were
         # dropped; how much of each table the runner holds.
@@ -255,6 +258,10 @@ class Scheduler:
         its loaded tokens; one whose load failed is queued again to compute them, unless the
         connector fails it: those are returned, with why, for the caller to abort now."""
         self.connector.finished(results)
+        for request_id in (*results.failed_loads, *results.loaded):
+            draining = self.draining.pop(request_id, None)
+            if draining is not None:
+                self._free(draining)
         failed = []
         for request_id in results.failed_loads:  # (first: a failure outweighs a success)
             loading = self.loading.pop(request_id, None)
@@ -357,8 +364,13 @@ class Scheduler:
             self.running.remove(request)
         elif request in self.waiting:
             self.waiting.remove(request)
-        else:
-            self.loading.pop(request.request_id, None)
+        elif (
+            self.loading.pop(request.request_id, None) is not None
+            and self.connector.loads_outlive_steps
+        ):
+            self.draining[request.request_id] = request
+            self._finished_ids.append(request.request_id)
+            return
         held = (
             self.connector is not None
             and request.finish_reason is not FinishReason.ABORT
@@ -384,7 +396,8 @@ class Scheduler:
         self._forget(request_id)
 
     def release_held(self) -> None:
-        """Free the held requests' blocks the connector is done with."""
+        """Free the held requests' blocks the connector is done with (see also
+        :meth:`transfers_finished`, which frees the draining ones')."""
         for request_id in self.connector.released():
             request = self.held.pop(request_id, None)
             if request is not None:

@@ -106,7 +106,13 @@ class TransferResults:
 
 
 class KVConnectorScheduler(ABC):
-    """The scheduler's half: which tokens an outside store provides, what each step moves."""
+    """The scheduler's half: which tokens an outside store provides, what each step moves.
+
+    ``loads_outlive_steps``: a load may still write its blocks after its step (a remote
+    read), so a request aborted while loading keeps them until the load ends.
+    """
+
+    loads_outlive_steps = False
 
     @abstractmethod
     def lookup(self, request: CachedSequence, num_device_tokens: int) -> ExternalHits:

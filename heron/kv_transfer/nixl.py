@@ -224,6 +224,8 @@ class NixlScheduler(KVConnectorScheduler):
     ``state_groups``: the cache groups of one entry per request (recurrent states), read
     whole: the prefill side's entry keeping the state after all but the prompt's last token."""
 
+    loads_outlive_steps = True  # (a READ runs on in UCX's threads)
+
     def __init__(
         self,
         role: str,
@@ -377,6 +379,18 @@ class NixlScheduler(KVConnectorScheduler):
         self, request: CachedSequence, tables: Sequence[Sequence[int]], hashes: Sequence[int]
     ) -> None:
         pass
+
+    def freed(
+        self, request: CachedSequence, tables: Sequence[Sequence[int]], hashes: Sequence[int]
+    ) -> None:
+        params = request.sampling_params.kv_transfer_params
+        if (
+            self.role == "decode"
+            and params
+            and not request.sample_index
+            and request.first_scheduled_time is None
+        ):  # aborted before its read started: the prefill side may free the blocks now
+            self.agent.release_remote(params)
 
     def forget(self, request_id: str) -> None:
         self._in_flight.end(request_id)

@@ -23,6 +23,7 @@ from test_offload import (
 from heron import SamplingParams
 from heron.config import EngineConfig
 from heron.engine.llm_engine import LLMEngine
+from heron.kv_transfer import TransferResults
 
 from tiny_models import QWEN3_5, hf_greedy, save_random_model
 
@@ -187,4 +188,38 @@ def test_a_failed_read_is_recomputed_or_fails_the_request(models, policy, monkey
     time.sleep(0.2)
     _wait_released(prefill)
     assert metric(prefill, "kv_transfer_hold_timeouts") == 1
+    check_leak_free(prefill)
+
+
+def test_a_request_aborted_while_its_read_is_in_flight_keeps_its_blocks_until_it_ends(
+    models, monkeypatch
+):
+    """The READ may still write the blocks: they are freed once it ended, not at the abort
+    (where another request could be given them); the read still frees the prefill side's."""
+    monkeypatch.setenv("UCX_TLS", "tcp")
+    path, _ = models("llama")
+    prefill, decode = _engine(path, "prefill"), _engine(path, "decode")
+    first = SamplingParams(
+        temperature=0.0, max_tokens=1, kv_transfer_params={"do_remote_decode": True}
+    )
+    _, answer = _run(prefill, PROMPTS[0], first)
+    worker = decode.runner.kv_connector
+    take_results = worker.take_results
+    monkeypatch.setattr(worker, "take_results", TransferResults)  # (the read seems to run on)
+    params = SamplingParams(max_tokens=MAX_NEW, kv_transfer_params=answer.kv_transfer_params)
+    decode.add_request("r", PROMPTS[0], params)
+    decode.step()
+    assert "r" in decode.scheduler.loading
+    decode.abort_request("r")
+    assert "r" in decode.scheduler.draining and decode.keeps_blocks()
+    pool = decode.kv_cache.groups[0]
+    assert pool.num_free_blocks < pool.num_blocks - 1
+    monkeypatch.setattr(worker, "take_results", take_results)
+    deadline = time.monotonic() + 10
+    while decode.keeps_blocks():
+        assert time.monotonic() < deadline, "the read never ended"
+        decode.release_blocks()
+        time.sleep(0.01)
+    check_leak_free(decode)
+    _wait_released(prefill)
     check_leak_free(prefill)
