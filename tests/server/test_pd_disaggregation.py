@@ -3,7 +3,9 @@ UCX's TCP transport on 127.0.0.1) behind `heron router`, whose first prefill URL
 request retries on the live one). Greedy answers through the router are the decode instance's
 own answers without disaggregation, streamed or not, through the real openai client; blocks
 nobody reads are freed at the timeout; a mismatched cache is refused; a failed read is
-recomputed. Neither side keeps a block afterwards."""
+recomputed, or, on a third (decode) instance with on_read_failure "abort", answered with the
+error; a client that leaves during the prefill aborts it there. Neither side keeps a block
+afterwards."""
 
 from __future__ import annotations
 
