@@ -252,6 +252,15 @@ class KVCacheCoordinator:
         tables = self._tables.get(request_id)
         return tables if tables is not None else [[] for _ in self.groups]
 
+    def loads(self, request_id: str) -> None:
+        """The request's entries just allocated are filled by a KV connector's load."""
+        for group in self.groups:
+            group.loads(request_id)
+
+    def transfer_tables(self, request_id: str) -> list[list[int]]:
+        """Per group, the entries another instance reads the request's prompt from."""
+        return [g.transfer_table(request_id) for g in self.groups]
+
     def reset_prefix_cache(self) -> bool:
         """Forget all cached content; refused (False) while any request holds blocks."""
         if any(g.num_free_blocks != g.num_blocks - 1 for g in self.groups):

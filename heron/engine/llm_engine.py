@@ -275,6 +275,18 @@ class LLMEngine:
                 )
         return self._complete(parent, delta)
 
+    def release_blocks(self) -> None:
+        """Free finished requests' blocks a KV connector is done with: held for another
+        instance (read, or past the timeout), or aborted while a load was writing them."""
+        if self.scheduler.draining:
+            self.scheduler.transfers_finished(self.runner.take_transfer_results())
+        if self.scheduler.held:
+            self.scheduler.release_held()
+
+    def keeps_blocks(self) -> bool:
+        """Whether finished requests hold blocks (see :meth:`release_blocks`)."""
+        return bool(self.scheduler.held or self.scheduler.draining)
+
     def samples(self, request_id: str) -> list[Request]:
         """The sequences (one per sample) of an unfinished user request."""
         return self._parents[request_id].children
@@ -328,6 +340,7 @@ class LLMEngine:
         """
         previous, self._in_flight = self._in_flight, None
         touched: dict[str, RequestDelta] = {}
+        failed: list[tuple[Request, str]] = []
         if previous is not None and not self._runs_past(previous.launched):
             # Proposals start from the last token: read it before scheduling.
             self._read(previous, touched)
@@ -367,11 +380,11 @@ class LLMEngine:
             )
             self.scheduler.finish_step(schedule)
             if self.scheduler.connector is not None:
-                self.scheduler.transfers_finished(self.runner.take_transfer_results())
+                failed = self.scheduler.transfers_finished(self.runner.take_transfer_results())
             for request, n in zip(launched.sample_requests, launched.num_pending):
                 request.num_pending_tokens += n
-        elif self.scheduler.loading:  # (loads that end after their step: reads over NIXL)
-            self.scheduler.transfers_finished(self.runner.take_transfer_results())
+        elif self.scheduler.loading or self.scheduler.draining:  # (loads outlasting a step)
+            failed = self.scheduler.transfers_finished(self.runner.take_transfer_results())
         if previous is not None:
             self._read(previous, touched)
         if launched is not None:
@@ -384,7 +397,18 @@ class LLMEngine:
             if compiling:
                 self._grammars.wait_for_any(compiling, _GRAMMAR_WAIT_S)
 
-        return [self._complete(self._parents[i], delta) for i, delta in touched.items()]
+        deltas = [self._complete(self._parents[i], delta) for i, delta in touched.items()]
+        return deltas + self._fail(failed)
+
+    def _fail(self, failed: list[tuple[Request, str]]) -> list[RequestDelta]:
+        """Abort the user requests of ``failed`` samples; their final deltas say why."""
+        deltas = []
+        for request, error in failed:
+            delta = self.abort_request(request.parent_id)
+            if delta is not None:  # (None: a sibling's failure aborted it already)
+                delta.error = error
+                deltas.append(delta)
+        return deltas
 
     def _complete(self, parent: _UserRequest, delta: RequestDelta) -> RequestDelta:
         """Fill in what a delta says of the whole request; forget the request once finished."""

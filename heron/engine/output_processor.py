@@ -90,6 +90,7 @@ class _RequestState:
     first_scheduled_time: float | None = None
     first_token_time: float | None = None
     kv_transfer_params: dict | None = None
+    error: str | None = None  # why it failed (with its final delta)
 
     @property
     def finished(self) -> bool:
@@ -114,6 +115,7 @@ class _RequestState:
         if finished:
             output.metrics = self.timings()
             output.kv_transfer_params = self.kv_transfer_params
+            output.error = self.error
         return output
 
     def timings(self) -> dict[str, float]:
@@ -215,6 +217,8 @@ class OutputProcessor:
             state.first_scheduled_time = delta.first_scheduled_time
         if delta.kv_transfer_params is not None:
             state.kv_transfer_params = delta.kv_transfer_params
+        if delta.error is not None:
+            state.error = delta.error
         stopped = []
         for sample_delta in delta.samples:
             sample = state.samples[sample_delta.index]

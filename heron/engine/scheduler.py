@@ -103,6 +103,9 @@ class Scheduler:
         self.loading: dict[str, _Loading] = {}
         # Finished requests whose blocks a connector keeps for another instance to read.
         self.held: dict[str, Request] = {}
+        # Requests aborted while loading: their blocks are freed once the load ends (a read
+        # in flight may still write them).
+        self.draining: dict[str, Request] = {}
         self.num_preemptions = 0
         # For the next plan: requests gone since the last one, and those whose tables were
         # dropped; how much of each table the runner holds.
@@ -269,18 +272,30 @@ class Scheduler:
         if not self.kv_cache.allocate_slots(request, num_external, computed_blocks):
             return False
         self.waiting.popleft()
+        self.kv_cache.loads(request.request_id)
         request.num_computed_tokens = num_cached
         tables = self.kv_cache.block_tables(request.request_id)
         self.connector.load(request, tables, num_cached, num_external)
         return True
 
-    def transfers_finished(self, results: TransferResults) -> None:
+    def transfers_finished(self, results: TransferResults) -> list[tuple[Request, str]]:
         """The connector's worker side ended these transfers: a loaded request runs from past
-        its loaded tokens; one whose load failed is queued again to compute them."""
+        its loaded tokens; one whose load failed is queued again to compute them, unless the
+        connector fails it: those are returned, with why, for the caller to abort now."""
         self.connector.finished(results)
+        for request_id in (*results.failed_loads, *results.loaded):
+            draining = self.draining.pop(request_id, None)
+            if draining is not None:
+                self._free(draining)
+        failed = []
         for request_id in results.failed_loads:  # (first: a failure outweighs a success)
             loading = self.loading.pop(request_id, None)
-            if loading is not None:  # (else aborted while loading)
+            if loading is None:  # (aborted while loading)
+                continue
+            error = self.connector.failed_load_error(request_id)
+            if error is not None:
+                failed.append((loading.request, error))  # (its blocks go as it is removed)
+            else:
                 # Freed at its device hit: the loaded blocks' prefix entries are dropped.
                 self._requeue(loading.request)
         for request_id in results.loaded:
@@ -292,6 +307,7 @@ class Scheduler:
                     request.num_cached_tokens += loading.num_tokens
                 request.status = RequestStatus.RUNNING
                 self.running.append(request)
+        return failed
 
     def reject(self, request: Request, num_rejected: int) -> None:
         """The step computed ``num_rejected`` proposed tokens that were refused: the request's
@@ -373,12 +389,17 @@ class Scheduler:
             self.running.remove(request)
         elif request in self.waiting:
             self.waiting.remove(request)
-        else:
-            self.loading.pop(request.request_id, None)
+        elif (
+            self.loading.pop(request.request_id, None) is not None
+            and self.connector.loads_outlive_steps
+        ):
+            self.draining[request.request_id] = request
+            self._finished_ids.append(request.request_id)
+            return
         held = (
             self.connector is not None
             and request.finish_reason is not FinishReason.ABORT
-            and self.connector.hold(request, self.kv_cache.block_tables(request.request_id))
+            and self.connector.hold(request, self.kv_cache.transfer_tables(request.request_id))
         )
         if held:
             self._forget(request.request_id)
@@ -400,7 +421,8 @@ class Scheduler:
         self._forget(request_id)
 
     def release_held(self) -> None:
-        """Free the held requests' blocks the connector is done with."""
+        """Free the held requests' blocks the connector is done with (see also
+        :meth:`transfers_finished`, which frees the draining ones')."""
         for request_id in self.connector.released():
             request = self.held.pop(request_id, None)
             if request is not None:

@@ -121,6 +121,7 @@ class ModelRunner:
         self.kv_connector: KVConnectorWorker | None = None
         self.layer_steps: LayerSteps | None = None
         self._transfer_failures = TransferResults()
+        self._loaded: set[str] = set()  # requests whose loads ended, until they run
 
     @property
     def cache_specs(self) -> list[CacheSpec]:
@@ -209,6 +210,7 @@ class ModelRunner:
         ended = self.kv_connector.take_results()
         for name in ("loaded", "failed_loads", "failed_saves"):
             getattr(results, name).extend(getattr(ended, name))
+        self._loaded.update(results.loaded)
         return results
 
     def _transfer(self, meta: KVConnectorMeta, loads: bool) -> None:
@@ -371,7 +373,7 @@ class ModelRunner:
         step = self.decode_chain.prepare(plan, previous, drafts, rollback, self.inputs.tables)
         if step is not None:
             return step, None
-        apply_plan(plan, self.requests, self.inputs.tables, self.device)
+        apply_plan(plan, self.requests, self.inputs.tables, self.device, self._loaded)
         if self.multimodal is not None:
             for request_id in plan.finished_ids:
                 self.multimodal.forget(request_id, finished=True)
@@ -506,13 +508,21 @@ def apply_plan(
     requests: dict[str, RequestState],
     tables: BlockTableRows,
     device: torch.device,
+    loaded: set[str] | None = None,
 ) -> None:
-    """Bring the per-request state and block tables up to the plan."""
+    """Bring the per-request state and block tables up to the plan; ``loaded``: requests
+    whose KV connector loads ended (their caches hold their context once they run)."""
     for request_id in plan.finished_ids:
         requests.pop(request_id, None)
         tables.drop(request_id)
     for request_id in plan.preempted_ids:
         tables.drop(request_id)
+    if loaded:
+        loaded.difference_update(plan.finished_ids, plan.preempted_ids)
+        for request_id, num_computed in zip(plan.request_ids, plan.num_computed):
+            if request_id in loaded:
+                loaded.remove(request_id)
+                tables.holds(request_id, num_computed)
     for new in plan.new_requests:
         requests[new.request_id] = RequestState(new, device)
     given_rows = [u.request_id for u in plan.table_updates if tables.apply(u)]

@@ -106,7 +106,13 @@ class TransferResults:
 
 
 class KVConnectorScheduler(ABC):
-    """The scheduler's half: which tokens an outside store provides, what each step moves."""
+    """The scheduler's half: which tokens an outside store provides, what each step moves.
+
+    ``loads_outlive_steps``: a load may still write its blocks after its step (a remote
+    read), so a request aborted while loading keeps them until the load ends.
+    """
+
+    loads_outlive_steps = False
 
     @abstractmethod
     def lookup(self, request: CachedSequence, num_device_tokens: int) -> ExternalHits:
@@ -155,6 +161,11 @@ class KVConnectorScheduler(ABC):
         """Raise ``ValueError`` naming what of a request's ``kv_transfer_params`` this
         connector cannot serve (checked when the request arrives)."""
         raise ValueError(f"kv_transfer_params: the KV connector ({self.describe()}) takes none")
+
+    def failed_load_error(self, request_id: str) -> str | None:
+        """Why ``request_id``, whose load failed, fails too (None: it computes what the load
+        did not bring, the default)."""
+        return None
 
     def hold(self, request: CachedSequence, tables: Sequence[Sequence[int]]) -> bool:
         """``request`` finished (not aborted): whether its blocks stay allocated until
