@@ -26,8 +26,8 @@ from heron.execution.step_plan import DeviceDrafts, Rollback, StepOutput, StepPl
 from heron.execution.verify import Verifier, rejected_per_row
 from heron.kv_transfer import KVConnectorMeta, KVConnectorWorker, LayerSteps, TransferResults
 from heron.loader.update import WeightSource, update_weights
+from heron.lora.attach import lora_layers
 from heron.lora.config import LoRAConfig
-from heron.lora.layer import lora_layers
 from heron.lora.request import LoRARequest
 from heron.lora.slots import AdapterSlots
 from heron.metadata import (
@@ -83,7 +83,8 @@ class ModelRunner:
         self.adapters = None
         if lora is not None:
             packed = getattr(self.model, "packed_modules", {})
-            self.adapters = AdapterSlots(lora_layers(self.model), lora, packed)
+            renames = getattr(self.model, "checkpoint_renames", {})
+            self.adapters = AdapterSlots(lora_layers(self.model), lora, packed, renames)
         self.cache = CacheLayout(
             [
                 m

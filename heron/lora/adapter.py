@@ -25,7 +25,8 @@ _PREFIX = "base_model.model."
 @dataclass(frozen=True)
 class LoRAPair:
     """One target module's update ``x A^T B^T`` (``a``: ``[r, in]``; ``b``: ``[out, r]``,
-    already multiplied by the adapter's scaling)."""
+    already multiplied by the adapter's scaling). A stack of experts' pair has one per expert
+    (``a``: ``[E, r, in]``; ``b``: ``[E, out, r]``)."""
 
     a: torch.Tensor
     b: torch.Tensor
@@ -68,6 +69,7 @@ def read_peft_adapter(request: LoRARequest, max_rank: int) -> PeftAdapter:
     if not weights_path.is_file():
         raise ValueError(f"LoRA adapter {name!r}: {path} has no {WEIGHTS_FILE}")
     tensors = load_file(weights_path)
+    stacks = bool(config.get("target_parameters"))
     pairs: dict[str, dict[str, torch.Tensor]] = {}
     for key, tensor in tensors.items():
         module, _, kind = key.removeprefix(_PREFIX).rpartition(".lora_")
@@ -82,11 +84,17 @@ def read_peft_adapter(request: LoRARequest, max_rank: int) -> PeftAdapter:
         if set(pair) != {"A", "B"}:
             raise ValueError(f"LoRA adapter {name!r}: module {module!r} lacks lora_A or lora_B")
         a, b = pair["A"], pair["B"]
-        if a.dim() != 2 or b.dim() != 2 or a.shape[0] != rank or b.shape[1] != rank:
+        # A stacked parameter's (target_parameters) holds each expert's r rows of A and
+        # columns of B, the latter interleaved (column i * E + e: expert e's i-th).
+        experts = a.shape[0] // rank if stacks and a.dim() == 2 else 1
+        if a.dim() != 2 or b.dim() != 2 or a.shape[0] != rank * experts or b.shape[1] != a.shape[0]:
             raise ValueError(
                 f"LoRA adapter {name!r}: module {module!r} has lora_A {tuple(a.shape)} and "
                 f"lora_B {tuple(b.shape)}, not of rank r={rank}"
             )
+        if experts > 1:
+            a = a.reshape(experts, rank, -1)
+            b = b.reshape(b.shape[0], rank, experts).permute(2, 0, 1)
         out[module] = LoRAPair(a.contiguous(), (b * scaling).contiguous())
     if not out:
         raise ValueError(f"LoRA adapter {name!r}: {WEIGHTS_FILE} holds no LoRA weights")
