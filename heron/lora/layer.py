@@ -69,6 +69,9 @@ class LoRALinear(MetadataOperator):
         )
         self.kernels = base.kernels
         self._builder = LoRABuilder(config.max_loras, config.max_lora_rank)
+        # The base layer's output rows as reordered after loading (``Linear.reorder_rows``):
+        # row i is the checkpoint's row_order[i] (None: the checkpoint's order).
+        self.row_order: torch.Tensor | None = None
 
     def metadata_builder(self) -> LoRABuilder:
         return self._builder
@@ -98,6 +101,13 @@ class LoRALinear(MetadataOperator):
                 a[cols].copy_(pair.a[:, self.col_start : self.col_start + self.in_features])
                 b_rows = torch.cat([pair.b[start : start + n] for start, n in runs])
                 b[offset : offset + size, cols].copy_(b_rows)
+        if self.row_order is not None:
+            b.copy_(b[self.row_order])
+
+    def reorder_rows(self, order: torch.Tensor) -> None:
+        """Follow the base layer's rows into ``order`` (every slot's B alike)."""
+        self.lora_b.copy_(self.lora_b[:, order])
+        self.row_order = order if self.row_order is None else self.row_order[order]
 
     def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         """``y`` (the base layer's output for ``x``) plus each token's update."""

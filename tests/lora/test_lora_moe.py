@@ -28,6 +28,7 @@ from heron.platforms import CpuPlatform
 
 from tiny_models import (
     BASE,
+    QWEN3_5,
     edited_adapter_copy,
     hf_greedy,
     lora_tokens,
@@ -224,3 +225,26 @@ def test_two_ranks_serve_adapters_mixed_in_one_batch(case):
         tensor_parallel_size=2,
     ) as llm:  # fmt: skip
         assert lora_tokens(llm, PROMPTS, GREEDY, [loras[n] for n in names]) == want
+
+
+def test_qwen3_5_moe_adapter_and_base_mixed_equal_peft(tmp_path):
+    """Qwen3.5-MoE (gated-delta layers around gated attention, every MLP a sparse block with
+    a gated shared expert): an adapter on the attention (whose packed projection's rows are
+    reordered after loading; B's rows follow) and both expert stacks beside the base model in
+    one batch."""
+    config = tf.Qwen3_5MoeTextConfig(
+        **QWEN3_5 | dict(num_hidden_layers=2, layer_types=QWEN3_5["layer_types"][:2]),
+        num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+        shared_expert_intermediate_size=48, tie_word_embeddings=False,
+    )  # fmt: skip
+    base = save_random_model(config, tmp_path / "base")
+    targets = ["q_proj", "k_proj", "v_proj", "o_proj"]
+    adapter = save_random_adapter(base, tmp_path / "a", 1, 8, targets, target_parameters=EXPERTS)
+    hf = tf.AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32).eval()
+    want = [
+        peft_greedy(base, adapter, PROMPTS[:1], MAX_NEW)[0],
+        hf_greedy(hf, PROMPTS[1:2], MAX_NEW)[0],
+    ]
+    llm = LLM(str(base), max_model_len=64, enable_lora=True, max_lora_rank=8)
+    request = LoRARequest("a", 1, str(adapter))
+    assert lora_tokens(llm, PROMPTS[:2], GREEDY, [request, None]) == want
