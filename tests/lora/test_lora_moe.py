@@ -29,6 +29,7 @@ from heron.platforms import CpuPlatform
 from tiny_models import (
     BASE,
     QWEN3_5,
+    cuda_graph_llm,
     edited_adapter_copy,
     hf_greedy,
     lora_tokens,
@@ -179,6 +180,17 @@ def test_triton_kernels_end_to_end_equal_peft(case, monkeypatch):
         [PROMPTS[1]] * 3, params, use_tqdm=False, lora_request=[loras[n] for n in names]
     )
     assert [o.outputs[0].token_ids for o in outputs] == [refs[n][1][:3] for n in names]
+
+
+@pytest.mark.gpu
+def test_cuda_graphs_serve_any_mix_of_adapters(case):
+    """fp32 on CUDA: decode graphs captured once (the fused experts with their LoRA addends)
+    replay steps of two adapters and the base model; outputs equal PEFT's."""
+    base, loras, refs = case
+    llm = cuda_graph_llm(base, enable_lora=True, max_loras=2, max_lora_rank=8)
+    for names in (["a", "b", None], [None, "a", "b"]):
+        want = [refs[n][i] for i, n in enumerate(names)]
+        assert lora_tokens(llm, PROMPTS, GREEDY, [loras[n] for n in names]) == want
 
 
 def test_adapters_that_do_not_fit_are_refused_by_name(case, tmp_path):
