@@ -30,13 +30,8 @@ class LoRAExperts(MetadataOperator):
         self.hidden = bank.down_proj.shape[1]
         self.inter_start, self.inter = bank.inter_start, bank.intermediate_size
         self.full_inter = bank.full_intermediate_size
-        self.max_rank = config.max_lora_rank
-        entries, r, h, i = (
-            (config.max_loras + 1) * self.num_experts,
-            self.max_rank,
-            self.hidden,
-            self.inter,
-        )
+        entries = (config.max_loras + 1) * self.num_experts
+        r, h, i = config.max_lora_rank, self.hidden, self.inter
         for name, shape in (
             ("lora_a_gate_up", (entries, r, h)),
             ("lora_b_gate_up", (entries, 2 * i, r)),
@@ -50,7 +45,7 @@ class LoRAExperts(MetadataOperator):
     def metadata_builder(self) -> LoRABuilder:
         return self._builder
 
-    def _shapes(self, stack: str) -> tuple[tuple[int, int], tuple[int, int]]:
+    def _shapes(self, stack: str) -> tuple[int, int]:
         """(in, out) features of one expert's matrix in ``stack``, unsharded."""
         if stack == "gate_up_proj":
             return self.hidden, 2 * self.full_inter
