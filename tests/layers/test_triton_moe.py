@@ -350,7 +350,7 @@ def moe_launches() -> None:
             if experts is swiglu and tokens == 4:  # LoRA updates (fp32) inside both GEMMs
                 lora = dict(
                     gate_up_add=torch.empty(tokens * top_k, 2 * 768),
-                    down_add=lambda h, pairs: torch.empty(h.shape[0], hidden),
+                    down_add=lambda h, pairs: torch.empty(h.shape[0], 2048),
                 )
                 fused_experts(x, weights.to(bf16), indices, **layout, **lora)
 

@@ -5,8 +5,10 @@ in one batch."""
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 from types import SimpleNamespace
+from unittest import mock
 
 import peft
 import pytest
@@ -63,20 +65,34 @@ def _configs() -> dict:
     }  # fmt: skip
 
 
+MLP = ["gate_proj", "up_proj", "down_proj"]
 # Per family: two adapters' (rank, target modules, other LoraConfig options); the stacked
 # experts are PEFT's target_parameters. The second targets one stack only (PEFT then nests no
-# wrappers). No dense gate/up/down targets: for these models PEFT rewrites them into the
-# stacked experts' (fused gate/up at twice the rank, a rank_pattern).
+# wrappers). The first's gate/up/down targets are the dense MLP's and DeepSeek's shared
+# experts' (see _v4_targets_kept).
 ADAPTERS = {
     "qwen3_moe": (
-        (8, ["q_proj", "v_proj", "o_proj"], dict(target_parameters=EXPERTS, lora_alpha=16)),
+        (8, ["q_proj", "v_proj", "o_proj", *MLP], dict(target_parameters=EXPERTS, lora_alpha=16)),
         (4, ["k_proj"], dict(target_parameters=EXPERTS[1:], lora_alpha=8, use_rslora=True)),
     ),
     "deepseek_v3": (
-        (8, LATENT, dict(target_parameters=EXPERTS, lora_alpha=16)),
+        (8, LATENT + MLP, dict(target_parameters=EXPERTS, lora_alpha=16)),
         (4, LATENT[1:3], dict(target_parameters=EXPERTS[:1], lora_alpha=8)),
     ),
 }
+
+
+@contextlib.contextmanager
+def _v4_targets_kept():
+    """PEFT under transformers 5 rewrites gate/up/down targets of these MoE models as if they
+    named transformers 4's per-expert modules (into the stacked experts at twice the rank, a
+    rank_pattern, dropping the dense and shared MLPs'); with its conversion off they target
+    the dense and shared MLPs' linear layers, as written."""
+    with mock.patch(
+        "peft.utils.transformers_weight_conversion.get_checkpoint_conversion_mapping",
+        return_value=None,
+    ):
+        yield
 
 
 @pytest.fixture(scope="module", params=["qwen3_moe", "deepseek_v3"])
@@ -85,12 +101,13 @@ def case(request, tmp_path_factory):
     family = request.param
     tmp = tmp_path_factory.mktemp(family)
     base = save_random_model(_configs()[family], tmp / "base")
-    paths = [
-        save_random_adapter(base, tmp / name, seed, r, targets, **options)
-        for seed, (name, (r, targets, options)) in enumerate(zip("ab", ADAPTERS[family]), 1)
-    ]
+    with _v4_targets_kept():
+        paths = [
+            save_random_adapter(base, tmp / name, seed, r, targets, **options)
+            for seed, (name, (r, targets, options)) in enumerate(zip("ab", ADAPTERS[family]), 1)
+        ]
+        refs = {n: peft_greedy(base, p, PROMPTS, MAX_NEW) for n, p in zip("ab", paths)}
     hf = tf.AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32).eval()
-    refs = {n: peft_greedy(base, p, PROMPTS, MAX_NEW) for n, p in zip("ab", paths, strict=True)}
     refs[None] = hf_greedy(hf, PROMPTS, MAX_NEW)
     assert refs["a"] != refs[None] and refs["b"] != refs[None]  # the adapters change outputs
     loras = {n: LoRARequest(n, i, str(p)) for i, (n, p) in enumerate(zip("ab", paths), 1)}
