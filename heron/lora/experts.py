@@ -5,13 +5,11 @@ from __future__ import annotations
 import torch
 
 from heron.layers.moe import SwiGLUExperts
-from heron.lora.adapter import LoRAPair
+from heron.lora.adapter import EXPERT_STACKS, LoRAPair
 from heron.lora.builder import LoRABuilder, LoRAView
 from heron.lora.config import LoRAConfig
 from heron.lora.layer import shrink_expand
 from heron.metadata import MetadataOperator
-
-STACKS = ("gate_up_proj", "down_proj")
 
 
 class LoRAExperts(MetadataOperator):
@@ -51,25 +49,14 @@ class LoRAExperts(MetadataOperator):
             return self.hidden, 2 * self.full_inter
         return self.full_inter, self.hidden
 
-    def stack_of(self, pair: LoRAPair) -> str | None:
-        """The stack whose matrices ``pair``'s shapes fit (PEFT's nested wrappers name none;
-        the two stacks' (in, out) never coincide)."""
-        size = (pair.a.shape[-1], pair.b.shape[-2])
-        return next((s for s in STACKS if self._shapes(s) == size), None)
-
     def check(self, part: str | None, pair: LoRAPair) -> str | None:
         """Why ``pair`` cannot update stack ``part`` (None: it can)."""
-        e = self.num_experts
-        if pair.a.dim() != 3 or pair.a.shape[0] != e or pair.b.shape[0] != e:
-            return (
-                f"lora_A {tuple(pair.a.shape)} / lora_B {tuple(pair.b.shape)} are not one pair "
-                f"for each of its {e} experts"
-            )
-        if part is None:
-            fits = " or ".join(
-                f"{s} ({self._shapes(s)[0]} -> {self._shapes(s)[1]})" for s in STACKS
-            )
-            return f"lora_A {tuple(pair.a.shape)} / lora_B {tuple(pair.b.shape)} do not fit {fits}"
+        if part not in EXPERT_STACKS:
+            return f"the experts have no stack {part!r}"
+        e, (n_in, n_out) = self.num_experts, self._shapes(part)
+        a, b = tuple(pair.a.shape), tuple(pair.b.shape)
+        if pair.a.dim() != 3 or a[0] != e or b[0] != e or a[2] != n_in or b[1] != n_out:
+            return f"lora_A {a} / lora_B {b} do not fit {e} experts' {n_in} -> {n_out} projections"
         return None
 
     def set_slot(self, slot: int, pairs: dict[str | None, LoRAPair]) -> None:
@@ -77,7 +64,7 @@ class LoRAExperts(MetadataOperator):
         intermediate features of each."""
         entries = slice(slot * self.num_experts, (slot + 1) * self.num_experts)
         start, n, whole = self.inter_start, self.inter, self.full_inter
-        for stack in STACKS:
+        for stack in EXPERT_STACKS:
             a = getattr(self, f"lora_a_{stack.removesuffix('_proj')}")[entries]
             b = getattr(self, f"lora_b_{stack.removesuffix('_proj')}")[entries]
             a.zero_()

@@ -17,8 +17,6 @@ from heron.lora.request import LoRARequest
 # An adapter's pairs by the model's layer name, then by part of that layer (None: unpacked;
 # an expert bank's: its stack).
 LayerPairs = dict[str, dict[str | None, LoRAPair]]
-# PEFT nests the wrappers of several parameters of one module (``experts.base_layer``).
-_NESTED = ".base_layer"
 
 
 class AdapterSlots:
@@ -100,13 +98,14 @@ class AdapterSlots:
         adapter = read_peft_adapter(request, self.config.max_lora_rank)
         out: LayerPairs = {}
         for module, pair in adapter.pairs.items():
-            path = [self.renames.get(p, p) for p in module.replace(_NESTED, "").split(".")]
-            leaf = path[-1]
-            layer_leaf, part = self.packed.get(leaf, (leaf, None))
-            name = ".".join([*path[:-1], layer_leaf])
+            path = [self.renames.get(p, p) for p in module.split(".")]
+            parent, leaf = ".".join(path[:-1]), path[-1]
+            if isinstance(self.layers.get(parent), LoRAExperts):  # a stack of its experts
+                name, part = parent, leaf
+            else:
+                layer_leaf, part = self.packed.get(leaf, (leaf, None))
+                name = f"{parent}.{layer_leaf}" if parent else layer_leaf
             layer = self.layers.get(name)
-            if isinstance(layer, LoRAExperts):
-                part = layer.stack_of(pair)
             if layer is None:
                 why = REFUSED.get(leaf, "LoRA is not supported on it")
             elif part in out.get(name, {}):

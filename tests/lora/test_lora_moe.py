@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import json
 from types import SimpleNamespace
 from unittest import mock
 
@@ -212,8 +213,8 @@ def test_cuda_graphs_serve_any_mix_of_adapters(case):
 
 def test_adapters_that_do_not_fit_are_refused_by_name(case, tmp_path):
     """An experts' pair of another model's shapes, a pair on kv_b_proj (which the latent
-    attention absorbs) and PEFT's rewrite of per-expert gate/up targets (a rank_pattern) are
-    each refused naming the adapter and what does not fit; the other prompt runs."""
+    attention absorbs) and a rank_pattern giving a stack a rank above max_lora_rank are each
+    refused naming the adapter and what does not fit; the other prompt runs."""
     base, loras, refs = case
     src = loras["a"].lora_path
     key = next(k for k in peft.load_peft_weights(src) if k.endswith("experts.lora_B.weight"))
@@ -237,7 +238,8 @@ def test_adapters_that_do_not_fit_are_refused_by_name(case, tmp_path):
     errors = [o.error for o in outputs[:3]]
     assert "'shape'" in errors[0] and "mlp.experts" in errors[0] and "do not fit" in errors[0]
     assert "'kv_b'" in errors[1] and "kv_b_proj" in errors[1]
-    assert "'pattern'" in errors[2] and "rank_pattern" in errors[2]
+    assert "'pattern'" in errors[2] and "r=16 is above max_lora_rank=8" in errors[2]
+    assert "experts.gate_up_proj" in errors[2]
     assert outputs[3].error is None and outputs[3].outputs[0].token_ids == refs["a"][1]
 
 
@@ -277,3 +279,18 @@ def test_qwen3_5_moe_adapter_and_base_mixed_equal_peft(tmp_path):
     llm = LLM(str(base), max_model_len=64, enable_lora=True, max_lora_rank=8)
     request = LoRARequest("a", 1, str(adapter))
     assert lora_tokens(llm, PROMPTS[:2], GREEDY, [request, None]) == want
+
+
+@pytest.mark.parametrize("case", ["qwen3_moe"], indirect=True)
+def test_peft_rewrite_of_gate_up_down_targets_equals_peft(case, tmp_path):
+    """Targeting gate/up/down_proj of a MoE model, PEFT writes the experts' stacks, gate and
+    up fused at twice the rank (a rank_pattern and alpha_pattern on gate_up_proj): served
+    beside the base model, equal to PEFT's."""
+    base, _, refs = case
+    adapter = save_random_adapter(base, tmp_path / "fused", 3, 4, MLP, lora_alpha=8)
+    assert json.loads((adapter / "adapter_config.json").read_text())["rank_pattern"]
+    want = peft_greedy(base, adapter, PROMPTS[:1], MAX_NEW) + refs[None][1:2]
+    llm = LLM(str(base), max_model_len=64, enable_lora=True, max_lora_rank=8)
+    request = LoRARequest("fused", 1, str(adapter))
+    assert lora_tokens(llm, PROMPTS[:2], GREEDY, [request, None]) == want
+    assert want[0] != refs[None][0]
