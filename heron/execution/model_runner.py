@@ -265,6 +265,8 @@ class ModelRunner:
         step.query_lens[0] = step.kv_lens[0] = num_tokens
         step.positions[:] = range(num_tokens)
         step.logits_indices[0] = num_tokens - 1
+        if step.adapter_slots is not None:  # under an adapter: the LoRA paths' buffers count
+            step.adapter_slots[0] = 1  # (slot 1 holds zeros until an adapter is assigned)
         step.finish()
         seq = SequenceMetadata.from_step_batch(step, self.device)
         torch.cuda.reset_peak_memory_stats(self.device)
