@@ -50,9 +50,14 @@ SMALL = BASE | dict(num_hidden_layers=2, tie_word_embeddings=False)
 
 
 def _configs() -> dict:
-    """Qwen3-MoE (a dense layer after a sparse one) and DeepSeek-V3 (a dense layer, then
-    routed experts and a shared one; the low-rank query)."""
+    """Qwen3-MoE (a dense layer after a sparse one), Qwen2-MoE (qkv bias, a sigmoid-gated
+    shared expert) and DeepSeek-V3 (a dense layer, then routed experts and a shared one; the
+    low-rank query)."""
     return {
+        "qwen2_moe": tf.Qwen2MoeConfig(
+            **SMALL, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+            shared_expert_intermediate_size=48,
+        ),
         "qwen3_moe": tf.Qwen3MoeConfig(
             **SMALL, head_dim=16, num_experts=4, num_experts_per_tok=2,
             moe_intermediate_size=32, mlp_only_layers=[1], norm_topk_prob=True,
@@ -75,6 +80,10 @@ ADAPTERS = {
     "qwen3_moe": (
         (8, ["q_proj", "v_proj", "o_proj", *MLP], dict(target_parameters=EXPERTS, lora_alpha=16)),
         (4, ["k_proj"], dict(target_parameters=EXPERTS[1:], lora_alpha=8, use_rslora=True)),
+    ),
+    "qwen2_moe": (
+        (8, ["q_proj", "o_proj", *MLP], dict(target_parameters=EXPERTS, lora_alpha=16)),
+        (4, ["v_proj"], dict(target_parameters=EXPERTS[:1], lora_alpha=8)),
     ),
     "deepseek_v3": (
         (8, LATENT + MLP, dict(target_parameters=EXPERTS, lora_alpha=16)),
@@ -115,6 +124,7 @@ def case(request, tmp_path_factory):
     return base, loras | {None: None}, refs
 
 
+@pytest.mark.parametrize("case", ["qwen3_moe", "qwen2_moe", "deepseek_v3"], indirect=True)
 def test_one_adapter_equals_peft(case):
     base, loras, refs = case
     llm = LLM(str(base), max_model_len=64, enable_lora=True, max_lora_rank=8)
