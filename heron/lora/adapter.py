@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import math
 import re
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -64,10 +65,13 @@ def adapter_dir(request: LoRARequest) -> Path:
     return path
 
 
-def read_peft_adapter(request: LoRARequest, max_rank: int) -> PeftAdapter:
+def read_peft_adapter(
+    request: LoRARequest, max_rank: int, is_experts: Callable[[str], bool] = lambda m: False
+) -> PeftAdapter:
     """The adapter's pairs, scaled by ``lora_alpha / r`` (rsLoRA: ``/ sqrt(r)``; ``r`` and
     ``lora_alpha`` per module where ``rank_pattern`` / ``alpha_pattern`` match), in fp32. A
-    stacked experts' pair is keyed by its parameter (``mlp.experts.gate_up_proj``)."""
+    stacked experts' pair (of a module ``is_experts`` says holds the stacks) is keyed by its
+    parameter (``mlp.experts.gate_up_proj``)."""
     name = request.lora_name
     path = adapter_dir(request)
     config = json.loads((path / CONFIG_FILE).read_text())
@@ -90,7 +94,7 @@ def read_peft_adapter(request: LoRARequest, max_rank: int) -> PeftAdapter:
         if set(pair) != {"A", "B"}:
             raise ValueError(f"LoRA adapter {name!r}: module {module!r} lacks lora_A or lora_B")
         a, b = pair["A"], pair["B"]
-        key, stacked = _peft_key(module, config.get("target_parameters") or [])
+        key, stacked = _peft_key(module, config.get("target_parameters") or [], is_experts)
         rank, scaling = _rank_and_scaling(name, key, config, max_rank)
         # A stacked parameter's (target_parameters) holds each expert's r rows of A and
         # columns of B, the latter interleaved (column i * E + e: expert e's i-th).
@@ -109,12 +113,16 @@ def read_peft_adapter(request: LoRARequest, max_rank: int) -> PeftAdapter:
     return PeftAdapter(request, max(p.a.shape[-2] for p in out.values()), out)
 
 
-def _peft_key(module: str, target_parameters: list[str]) -> tuple[str, bool]:
+def _peft_key(
+    module: str, target_parameters: list[str], is_experts: Callable[[str], bool]
+) -> tuple[str, bool]:
     """PEFT's name of what the pair of ``module`` (as saved) updates, and whether that is a
     stack of experts: the wrapped module's ``n``-th wrapper from outside (``n`` nested
     ``.base_layer``) wraps the ``n``-th last of its targeted stacks, as PEFT nests them."""
     depth = module.count(_NESTED)
     owner = module.replace(_NESTED, "")
+    if not is_experts(owner):
+        return module, False
     targeted = [
         stack
         for stack in EXPERT_STACKS

@@ -95,11 +95,14 @@ class AdapterSlots:
         return pairs
 
     def _map(self, request: LoRARequest) -> LayerPairs:
-        adapter = read_peft_adapter(request, self.config.max_lora_rank)
+        adapter = read_peft_adapter(
+            request,
+            self.config.max_lora_rank,
+            lambda module: isinstance(self.layers.get(self._renamed(module)), LoRAExperts),
+        )
         out: LayerPairs = {}
         for module, pair in adapter.pairs.items():
-            path = [self.renames.get(p, p) for p in module.split(".")]
-            parent, leaf = ".".join(path[:-1]), path[-1]
+            parent, _, leaf = self._renamed(module).rpartition(".")
             if isinstance(self.layers.get(parent), LoRAExperts):  # a stack of its experts
                 name, part = parent, leaf
             else:
@@ -118,3 +121,7 @@ class AdapterSlots:
                 )
             out.setdefault(name, {})[part] = pair
         return out
+
+    def _renamed(self, module: str) -> str:
+        """The model's name of checkpoint module ``module``."""
+        return ".".join(self.renames.get(p, p) for p in module.split("."))

@@ -297,7 +297,8 @@ def test_peft_rewrite_of_gate_up_down_targets_equals_peft(case, tmp_path):
     up fused at twice the rank (a rank_pattern and alpha_pattern on gate_up_proj): served
     beside the base model, equal to PEFT's."""
     base, _, refs = case
-    adapter = save_random_adapter(base, tmp_path / "fused", 3, 4, MLP, lora_alpha=8)
+    targets = ["q_proj", *MLP]  # (the attention's kept as written)
+    adapter = save_random_adapter(base, tmp_path / "fused", 3, 4, targets, lora_alpha=8)
     assert json.loads((adapter / "adapter_config.json").read_text())["rank_pattern"]
     want = peft_greedy(base, adapter, PROMPTS[:1], MAX_NEW) + refs[None][1:2]
     llm = LLM(str(base), max_model_len=64, enable_lora=True, max_lora_rank=8)
