@@ -1,7 +1,9 @@
 """LoRA on MoE experts (PEFT's ``target_parameters`` on the stacked ``gate_up_proj`` and
-``down_proj``) and on DeepSeek's latent projections, against HF transformers + PEFT on tiny
-random Qwen3-MoE and DeepSeek-V3 models: one adapter, and adapters and the base model mixed
-in one batch."""
+``down_proj``, and PEFT's rewrite of gate/up/down targets into them) and on DeepSeek's latent
+projections, against HF transformers + PEFT on tiny random Qwen2-MoE, Qwen3-MoE, Qwen3.5-MoE
+and DeepSeek-V3 models: one adapter; adapters and the base model mixed in one batch; more
+adapters than slots with chunked prefill and preemption; two tensor-parallel ranks; the
+Triton kernels (interpreted); and the bank's updates against a dense per-pair loop."""
 
 from __future__ import annotations
 
@@ -305,3 +307,18 @@ def test_peft_rewrite_of_gate_up_down_targets_equals_peft(case, tmp_path):
     request = LoRARequest("fused", 1, str(adapter))
     assert lora_tokens(llm, PROMPTS[:2], GREEDY, [request, None]) == want
     assert want[0] != refs[None][0]
+
+
+@pytest.mark.parametrize("case", ["deepseek_v3"], indirect=True)
+def test_more_adapters_than_slots_chunked_and_preempted(case):
+    """One slot for two adapters, prompts prefilled in chunks of 8 tokens, a KV pool small
+    enough that requests are preempted (and recomputed under their adapters)."""
+    base, loras, refs = case
+    names = ["b", "a", None]
+    llm = LLM(
+        str(base), max_model_len=32, enable_lora=True, max_loras=1, max_lora_rank=8,
+        max_num_batched_tokens=8, num_kv_blocks=3,
+    )  # fmt: skip
+    want = [refs[n][i] for i, n in enumerate(names)]
+    assert lora_tokens(llm, PROMPTS, GREEDY, [loras[n] for n in names]) == want
+    assert llm.engine.scheduler.num_preemptions > 0
