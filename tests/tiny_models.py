@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+import shutil
 from pathlib import Path
 
 import torch
@@ -408,7 +410,7 @@ def save_random_adapter(
 ) -> Path:
     """A PEFT LoRA adapter of ``base`` with random A and B (B non-zero, so it changes the
     outputs), saved to ``path``; ``options`` are ``peft.LoraConfig``'s (``lora_alpha``,
-    ``use_rslora``, ...)."""
+    ``use_rslora``, ``target_parameters`` for stacked experts, ...)."""
     import peft
     import transformers as tf
 
@@ -422,3 +424,32 @@ def save_random_adapter(
                 p.normal_(0.0, 0.1)
     model.save_pretrained(path)
     return path
+
+
+def edited_adapter_copy(src: str, dst: Path, config: dict, edit) -> str:
+    """A copy of adapter ``src`` with ``config`` merged into its config and ``edit`` applied
+    to its tensors (a dict, edited in place)."""
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(src, dst)
+    path = dst / "adapter_config.json"
+    path.write_text(json.dumps(json.loads(path.read_text()) | config))
+    tensors = load_file(dst / "adapter_model.safetensors")
+    edit(tensors)
+    save_file(tensors, dst / "adapter_model.safetensors")
+    return str(dst)
+
+
+def peft_greedy(base: Path, adapter: Path, prompts: list[list[int]], max_new: int):
+    """HF + PEFT's greedy continuations of ``prompts`` under ``adapter`` (fp32)."""
+    import peft
+    import transformers as tf
+
+    hf = tf.AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
+    return hf_greedy(peft.PeftModel.from_pretrained(hf, adapter).eval(), prompts, max_new)
+
+
+def lora_tokens(llm, prompts: list[list[int]], params, loras: list) -> list[list[int]]:
+    """The LLM's tokens for each prompt under its adapter (``loras``: requests or None)."""
+    outputs = llm.generate(prompts, params, use_tqdm=False, lora_request=loras)
+    return [o.outputs[0].token_ids for o in outputs]

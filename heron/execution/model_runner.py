@@ -27,8 +27,8 @@ from heron.execution.step_plan import DeviceDrafts, Rollback, StepOutput, StepPl
 from heron.execution.verify import Verifier, rejected_per_row
 from heron.kv_transfer import KVConnectorMeta, KVConnectorWorker, LayerSteps, TransferResults
 from heron.loader.update import WeightSource, update_weights
+from heron.lora.attach import lora_layers
 from heron.lora.config import LoRAConfig
-from heron.lora.layer import lora_layers
 from heron.lora.request import LoRARequest
 from heron.lora.slots import AdapterSlots
 from heron.metadata import (
@@ -84,7 +84,8 @@ class ModelRunner:
         self.adapters = None
         if lora is not None:
             packed = getattr(self.model, "packed_modules", {})
-            self.adapters = AdapterSlots(lora_layers(self.model), lora, packed)
+            renames = getattr(self.model, "checkpoint_renames", {})
+            self.adapters = AdapterSlots(lora_layers(self.model), lora, packed, renames)
         self.cache = CacheLayout(
             [
                 m
@@ -267,6 +268,8 @@ class ModelRunner:
         step.query_lens[0] = step.kv_lens[0] = num_tokens
         step.positions[:] = range(num_tokens)
         step.logits_indices[0] = num_tokens - 1
+        if step.adapter_slots is not None:  # under an adapter: the LoRA paths' buffers count
+            step.adapter_slots[0] = 1  # (slot 1 holds zeros until an adapter is assigned)
         step.finish()
         seq = SequenceMetadata.from_step_batch(step, self.device)
         torch.cuda.reset_peak_memory_stats(self.device)

@@ -48,6 +48,8 @@ zeros) but never stored by the second kernel. Accumulation is fp32 throughout.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import triton
 import triton.language as tl
@@ -253,6 +255,7 @@ def _gate_up_kernel(
     s_ptr,
     z_ptr,
     p_ptr,
+    add_ptr,
     h_ptr,
     sorted_ids_ptr,
     block_expert_ptr,
@@ -268,6 +271,7 @@ def _gate_up_kernel(
     OUTPUT_MAJOR: tl.constexpr,
     INTERLEAVED: tl.constexpr,
     HAS_BIAS: tl.constexpr,
+    HAS_ADD: tl.constexpr,
     EVEN_K: tl.constexpr,
     SCALE: tl.constexpr,
     SCALE_BN: tl.constexpr,
@@ -281,7 +285,8 @@ def _gate_up_kernel(
     DOT_PREC: tl.constexpr,
     USE_PDL: tl.constexpr,
 ):
-    """``h[rows, tile] = act(x[token(rows)] @ gate_up[e] (+ bias))`` for one row block."""
+    """``h[rows, tile] = act(x[token(rows)] @ gate_up[e] (+ bias) (+ add[pair(rows)]))`` for
+    one row block."""
     wait_for_previous_kernel(USE_PDL)
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
@@ -339,6 +344,9 @@ def _gate_up_kernel(
     if HAS_BIAS:
         bias = tl.load(b_ptr + expert * n_cols + cols, mask=n_mask, other=0.0)
         acc += bias.to(tl.float32)[None, :]
+    if HAS_ADD:
+        add_ptrs = add_ptr + tl.cast(pairs, tl.int64)[:, None] * n_cols + cols[None, :]
+        acc += tl.load(add_ptrs, mask=valid[:, None] & n_mask[None, :], other=0.0)
 
     gate, up = tl.split(tl.reshape(acc, [BLOCK_M, BLOCK_N // 2, 2]))
     if ACTIVATION == "clamped_swiglu":  # heron.layers.moe.clamped_swiglu
@@ -360,6 +368,7 @@ def _down_kernel(
     b_ptr,
     s_ptr,
     z_ptr,
+    add_ptr,
     route_ptr,
     out_ptr,
     sorted_ids_ptr,
@@ -370,6 +379,7 @@ def _down_kernel(
     hidden,
     OUTPUT_MAJOR: tl.constexpr,
     HAS_BIAS: tl.constexpr,
+    HAS_ADD: tl.constexpr,
     EVEN_K: tl.constexpr,
     SCALE: tl.constexpr,
     SCALE_BN: tl.constexpr,
@@ -382,7 +392,8 @@ def _down_kernel(
     DOT_PREC: tl.constexpr,
     USE_PDL: tl.constexpr,
 ):
-    """``out[pair(rows), tile] = route(pair) * (h[rows] @ down[e] (+ bias))``, real rows only."""
+    """``out[pair(rows), tile] = route(pair) * (h[rows] @ down[e] (+ bias) (+ add[rows]))``,
+    real rows only."""
     wait_for_previous_kernel(USE_PDL)
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
@@ -427,6 +438,9 @@ def _down_kernel(
     if HAS_BIAS:
         bias = tl.load(b_ptr + expert * hidden + offs_n, mask=n_mask, other=0.0)
         acc += bias.to(tl.float32)[None, :]
+    if HAS_ADD:
+        add_ptrs = add_ptr + offs_m[:, None] * hidden + offs_n[None, :]
+        acc += tl.load(add_ptrs, mask=n_mask[None, :], other=0.0)
     route = tl.load(route_ptr + pairs, mask=valid, other=0.0).to(tl.float32)
     acc *= route[:, None]
 
@@ -536,6 +550,8 @@ def fused_experts(
     blocks: tuple[int, int, int] | None = None,
     add: torch.Tensor | None = None,
     add_gate: torch.Tensor | None = None,
+    gate_up_add: torch.Tensor | None = None,
+    down_add: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """The experts on ``x`` [T, hidden]: the sum over each token's experts ``indices`` [T, k]
     of ``weights`` [T, k] times the expert's gated MLP, plus ``add`` [T, hidden] (a shared
@@ -558,6 +574,11 @@ def fused_experts(
     ``2 ** (bits - 1)``); act-order ones take ``x``'s columns in each expert's ``input_perm``
     order (int32 [E, hidden]). ``blocks`` overrides
     ``(BLOCK_M, BLOCK_N, BLOCK_K)`` (each a power of two of at least 16).
+
+    ``gate_up_add`` [T * k, 2I] (fp32, pair ``t * k + j`` for token ``t``'s ``j``-th expert, in
+    the weight's output order) joins each pair's gate/up outputs before the activation, and
+    ``down_add(h, pairs)`` gives fp32 rows joining the down outputs of ``h`` [rows, I] before
+    the routing weight (``pairs``: each row's pair, ``T * k`` on padding rows): a LoRA update.
     """
     if activation not in ACTIVATIONS:
         raise ValueError(f"fused_experts: activation {activation!r} is not one of {ACTIVATIONS}")
@@ -630,6 +651,8 @@ def fused_experts(
         **pdl_launch(x.device),
     )
 
+    if gate_up_add is not None and gate_up_add.shape != (num_pairs, n_cols):
+        raise ValueError(f"fused_experts: gate_up_add {tuple(gate_up_add.shape)}")
     h = torch.empty(sorted_ids.numel(), inter, dtype=x.dtype, device=x.device)
     _gate_up_kernel[(max_blocks, triton.cdiv(n_cols, block_n))](
         x,
@@ -638,6 +661,7 @@ def fused_experts(
         gate_up if gate_up_scale is None else gate_up_scale,  # not read without scales
         gate_up if gate_up_zeros is None else gate_up_zeros,  # nor without zero points
         gate_up if input_perm is None else input_perm,  # nor without an order
+        gate_up_add,
         h,
         sorted_ids,
         block_expert,
@@ -652,9 +676,11 @@ def fused_experts(
         ACTIVATION=activation,
         INTERLEAVED=interleaved,
         HAS_PERM=input_perm is not None,
+        HAS_ADD=gate_up_add is not None,
         EVEN_K=hidden % block_k == 0,
         **common,
     )
+    down_rows = None if down_add is None else down_add(h, sorted_ids).contiguous()
 
     per_slot = torch.empty(num_pairs, hidden, dtype=torch.float32, device=x.device)
     _down_kernel[(max_blocks, triton.cdiv(hidden, block_n))](
@@ -663,6 +689,7 @@ def fused_experts(
         down_bias,
         down if down_scale is None else down_scale,
         down if down_zeros is None else down_zeros,
+        down_rows,
         weights.contiguous(),
         per_slot,
         sorted_ids,
@@ -671,6 +698,7 @@ def fused_experts(
         num_pairs,
         inter,
         hidden,
+        HAS_ADD=down_rows is not None,
         EVEN_K=inter % block_k == 0,
         **common,
     )

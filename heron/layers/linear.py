@@ -199,6 +199,8 @@ class Linear(nn.Module):
         to move whole blocks."""
         if self.wna16 is not None:
             raise ValueError("a row order of packed integer weights is not supported")
+        if self.lora is not None:
+            self.lora.reorder_rows(order)
         self.weight.data.copy_(self.weight.data[order])
         if self.bias is not None:
             self.bias.data.copy_(self.bias.data[order])

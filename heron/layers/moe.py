@@ -99,7 +99,9 @@ class ExpertBank(nn.Module):
     def __init__(self, num_experts: int, intermediate_size: int, kernels: LayerKernels) -> None:
         super().__init__()
         self.num_experts = num_experts
+        self.kernels = kernels
         self.fused = kernels.fused_experts
+        self.full_intermediate_size = intermediate_size
         tp = current_tensor_parallel()
         # Tensor-parallel inside the experts: each rank holds every expert's intermediate
         # features [inter_start, inter_start + intermediate_size); the block sums the ranks.
@@ -109,9 +111,13 @@ class ExpertBank(nn.Module):
             if self.tp
             else (0, intermediate_size)
         )
+        # With LoRA (SwiGLU banks): ``lora`` gives each routed pair's update of its expert
+        # (``heron.lora.experts.LoRAExperts``).
+        self.lora: nn.Module | None = None
 
-    def expert(self, e: int, x: torch.Tensor) -> torch.Tensor:
-        """Expert ``e`` applied to the rows of ``x`` [n, hidden]."""
+    def expert(self, e: int, x: torch.Tensor, entries: torch.Tensor | None = None) -> torch.Tensor:
+        """Expert ``e`` applied to the rows of ``x`` [n, hidden], plus each row's LoRA update
+        from table ``entries`` (of ``lora``; None: none)."""
         raise NotImplementedError
 
     def fused_layout(self) -> dict:
@@ -132,19 +138,35 @@ class ExpertBank(nn.Module):
         add: torch.Tensor | None = None,
         add_gate: torch.Tensor | None = None,
     ) -> torch.Tensor:
+        entries = None if self.lora is None else self.lora.pair_entries(indices)
         if self.fused is not None:
+            updates = {} if entries is None else self._lora_addends(x, entries, indices.shape[1])
             return self.fused(
-                x, weights, indices, **self.fused_layout(), add=add, add_gate=add_gate
+                x, weights, indices, **self.fused_layout(), add=add, add_gate=add_gate, **updates
             )
-        out = self.forward_sparse(x, weights, indices)
+        out = self.forward_sparse(x, weights, indices, entries)
         if add is None:
             return out
         return out + (add if add_gate is None else torch.sigmoid(add_gate) * add)
 
+    def _lora_addends(self, x: torch.Tensor, entries: torch.Tensor, top_k: int) -> dict:
+        """The fused kernels' LoRA addends: each pair's gate/up update, and a function giving
+        the down updates of the sorted rows (a padding row's pair ``T * k``: entry 0, zeros)."""
+        padded = torch.cat([entries, entries.new_zeros(1)])
+        return dict(
+            gate_up_add=self.lora.gate_up(x.repeat_interleave(top_k, dim=0), entries),
+            down_add=lambda h, pairs: self.lora.down(h, padded[pairs]),
+        )
+
     def forward_sparse(
-        self, x: torch.Tensor, weights: torch.Tensor, indices: torch.Tensor
+        self,
+        x: torch.Tensor,
+        weights: torch.Tensor,
+        indices: torch.Tensor,
+        entries: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """The reference: each expert runs only on the tokens routed to it.
+        """The reference: each expert runs only on the tokens routed to it (with LoRA, each
+        pair's update from its table entry in ``entries`` [T * k]).
 
         The per-expert token counts are read on the host (one sync per call), so a CUDA graph
         cannot capture this path.
@@ -161,7 +183,8 @@ class ExpertBank(nn.Module):
         for e, n in enumerate(counts):
             if n:
                 rows = tokens[start : start + n]
-                y = self.expert(e, x[rows]) * pair_weights[start : start + n, None]
+                rows_entries = None if entries is None else entries[order[start : start + n]]
+                y = self.expert(e, x[rows], rows_entries) * pair_weights[start : start + n, None]
                 out.index_add_(0, rows, y.to(x.dtype))
             start += n
         return out
@@ -389,12 +412,16 @@ class SwiGLUExperts(ExpertBank):
             out.append(w.to(dtype))
         return out[0], out[1]
 
-    def expert(self, e: int, x: torch.Tensor) -> torch.Tensor:
-        gate_up, down = self.weights_of(e, x.dtype)  # (as held: act-order's columns sorted)
-        if self.input_perm is not None:
-            x = x.index_select(-1, self.input_perm[e])
-        gate, up = F.linear(x, gate_up).chunk(2, dim=-1)
-        return F.linear(F.silu(gate) * up, down)
+    def expert(self, e: int, x: torch.Tensor, entries: torch.Tensor | None = None) -> torch.Tensor:
+        gate_up_w, down_w = self.weights_of(e, x.dtype)  # (as held: act-order's columns sorted)
+        held_x = x if self.input_perm is None else x.index_select(-1, self.input_perm[e])
+        gate_up = F.linear(held_x, gate_up_w)
+        if entries is not None:  # (no LoRA on act-order experts: their rows are reordered)
+            gate_up = gate_up + self.lora.gate_up(x, entries).to(x.dtype)
+        gate, up = gate_up.chunk(2, dim=-1)
+        h = F.silu(gate) * up
+        out = F.linear(h, down_w)
+        return out if entries is None else out + self.lora.down(h, entries).to(x.dtype)
 
     def fused_layout(self) -> dict:
         if self.wna16 is not None:
@@ -587,7 +614,7 @@ class ClampedSwiGLUExperts(ExpertBank):
             for n in self._MXFP4_STACKS
         )
 
-    def expert(self, e: int, x: torch.Tensor) -> torch.Tensor:
+    def expert(self, e: int, x: torch.Tensor, entries: None = None) -> torch.Tensor:
         gate_up_w, down_w = self.weights_of(e, x.dtype)
         gate_up = x @ gate_up_w + self.gate_up_proj_bias[e]
         glu = clamped_swiglu(gate_up, self.alpha, self.limit)

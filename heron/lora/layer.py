@@ -3,28 +3,30 @@
 from __future__ import annotations
 
 import torch
-from torch import nn
 
+from heron.kernels import LayerKernels
 from heron.layers.linear import Linear, PackedLinear
 from heron.lora.adapter import LoRAPair
 from heron.lora.builder import LoRABuilder, LoRAView
 from heron.lora.config import LoRAConfig
 from heron.metadata import MetadataOperator
 
-# The linear layers an adapter may update, by their names in the model (packed ones included).
-TARGETS = frozenset(
-    {
-        "qkv_proj",
-        "q_proj",
-        "k_proj",
-        "v_proj",
-        "o_proj",
-        "gate_up_proj",
-        "gate_proj",
-        "up_proj",
-        "down_proj",
-    }
-)
+
+def shrink_expand(
+    kernels: LayerKernels,
+    x: torch.Tensor,
+    a: torch.Tensor,
+    b: torch.Tensor,
+    entries: torch.Tensor,
+    y: torch.Tensor,
+) -> torch.Tensor:
+    """``y + x[t] a[entries[t]]^T b[entries[t]]^T`` for each row ``t`` (``a`` [S, R, in], ``b``
+    [S, out, R]): the Triton kernels (``y`` updated in place) or a gather per row."""
+    if kernels.lora_shrink is not None:
+        return kernels.lora_expand(kernels.lora_shrink(x, a, entries), b, entries, y)
+    index = entries.long()
+    shrunk = torch.bmm(a[index], x.unsqueeze(2))
+    return y + torch.bmm(b[index], shrunk).squeeze(2)
 
 
 class LoRALinear(MetadataOperator):
@@ -67,6 +69,9 @@ class LoRALinear(MetadataOperator):
         )
         self.kernels = base.kernels
         self._builder = LoRABuilder(config.max_loras, config.max_lora_rank)
+        # The base layer's output rows as reordered after loading (``Linear.reorder_rows``):
+        # row i is the checkpoint's row_order[i] (None: the checkpoint's order).
+        self.row_order: torch.Tensor | None = None
 
     def metadata_builder(self) -> LoRABuilder:
         return self._builder
@@ -96,38 +101,23 @@ class LoRALinear(MetadataOperator):
                 a[cols].copy_(pair.a[:, self.col_start : self.col_start + self.in_features])
                 b_rows = torch.cat([pair.b[start : start + n] for start, n in runs])
                 b[offset : offset + size, cols].copy_(b_rows)
+        if self.row_order is not None:
+            b.copy_(b[self.row_order])
+
+    def reorder_rows(self, order: torch.Tensor) -> None:
+        """Follow the base layer's rows into ``order`` (every slot's B alike)."""
+        self.lora_b.copy_(self.lora_b[:, order])
+        self.row_order = order if self.row_order is None else self.row_order[order]
 
     def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         """``y`` (the base layer's output for ``x``) plus each token's update."""
         view: LoRAView = self.view
         if view.token_slots is None:
             return y
-        if self.kernels.lora_shrink is not None:
-            shrunk = self.kernels.lora_shrink(x, self.lora_a, view.token_slots)
-            return self.kernels.lora_expand(shrunk, self.lora_b, view.token_slots, y)
-        if view.slots is None:  # any slot: gathered per token
-            slots = view.token_slots.long()
-            shrunk = torch.bmm(self.lora_a[slots], x.unsqueeze(2))
-            return y + torch.bmm(self.lora_b[slots], shrunk).squeeze(2)
+        if self.kernels.lora_shrink is not None or view.slots is None:  # (any slot: gathered)
+            return shrink_expand(self.kernels, x, self.lora_a, self.lora_b, view.token_slots, y)
         for slot in view.slots:
             rows = (view.token_slots == slot).nonzero().squeeze(1)
             delta = (x[rows] @ self.lora_a[slot].T) @ self.lora_b[slot].T
             y = y.index_add(0, rows, delta)
         return y
-
-
-def attach_lora(model: nn.Module, config: LoRAConfig) -> None:
-    """Give every targeted linear layer of ``model`` its LoRA operator (inside the model's
-    build scope, where they register)."""
-    for name, module in list(model.named_modules()):
-        if isinstance(module, Linear) and name.rpartition(".")[2] in TARGETS:
-            module.lora = LoRALinear(f"{name}.lora", module, config)
-
-
-def lora_layers(model: nn.Module) -> dict[str, LoRALinear]:
-    """The LoRA operators of ``model``, by the name of the linear layer each updates."""
-    return {
-        name: module.lora
-        for name, module in model.named_modules()
-        if isinstance(module, Linear) and module.lora is not None
-    }

@@ -8,11 +8,14 @@ from collections.abc import Mapping, Sequence
 import numpy as np
 
 from heron.lora.adapter import LoRAPair, read_peft_adapter
+from heron.lora.attach import REFUSED
 from heron.lora.config import LoRAConfig
+from heron.lora.experts import LoRAExperts
 from heron.lora.layer import LoRALinear
 from heron.lora.request import LoRARequest
 
-# An adapter's pairs by the model's layer name, then by part of that layer (None: unpacked).
+# An adapter's pairs by the model's layer name, then by part of that layer (None: unpacked;
+# an expert bank's: its stack).
 LayerPairs = dict[str, dict[str | None, LoRAPair]]
 
 
@@ -20,15 +23,18 @@ class AdapterSlots:
     """Read adapters stay in host memory (the ``max_cpu_loras`` used last); each step's
     adapters are put in device slots first (:meth:`assign`), taking a free slot or the one
     used longest ago among those the step does not use. ``packed`` maps a checkpoint module
-    name to its packed layer and part (``q_proj`` -> ``qkv_proj``, ``q``)."""
+    name to its packed layer and part (``q_proj`` -> ``qkv_proj``, ``q``), ``renames`` a
+    checkpoint module name to the model's (``shared_experts`` -> ``shared_expert``)."""
 
     def __init__(
         self,
-        layers: Mapping[str, LoRALinear],
+        layers: Mapping[str, LoRALinear | LoRAExperts],
         config: LoRAConfig,
         packed: Mapping[str, tuple[str, str]],
+        renames: Mapping[str, str] | None = None,
     ) -> None:
         self.layers, self.config, self.packed = dict(layers), config, dict(packed)
+        self.renames = dict(renames or {})
         self._requests: dict[int, LoRARequest] = {}  # every adapter known, by its id
         self._host: OrderedDict[int, LayerPairs] = OrderedDict()
         self._slot_of: OrderedDict[int, int] = OrderedDict()  # resident ones, last used last
@@ -89,17 +95,33 @@ class AdapterSlots:
         return pairs
 
     def _map(self, request: LoRARequest) -> LayerPairs:
-        adapter = read_peft_adapter(request, self.config.max_lora_rank)
+        adapter = read_peft_adapter(
+            request,
+            self.config.max_lora_rank,
+            lambda module: isinstance(self.layers.get(self._renamed(module)), LoRAExperts),
+        )
         out: LayerPairs = {}
         for module, pair in adapter.pairs.items():
-            parent, _, leaf = module.rpartition(".")
-            layer_leaf, part = self.packed.get(leaf, (leaf, None))
-            name = f"{parent}.{layer_leaf}" if parent else layer_leaf
+            parent, _, leaf = self._renamed(module).rpartition(".")
+            if isinstance(self.layers.get(parent), LoRAExperts):  # a stack of its experts
+                name, part = parent, leaf
+            else:
+                layer_leaf, part = self.packed.get(leaf, (leaf, None))
+                name = f"{parent}.{layer_leaf}" if parent else layer_leaf
             layer = self.layers.get(name)
-            why = "LoRA is not supported on it" if layer is None else layer.check(part, pair)
+            if layer is None:
+                why = REFUSED.get(leaf, "LoRA is not supported on it")
+            elif part in out.get(name, {}):
+                why = f"a second pair for {part or name}"
+            else:
+                why = layer.check(part, pair)
             if why is not None:
                 raise ValueError(
                     f"LoRA adapter {request.lora_name!r}: target module {module!r}: {why}"
                 )
             out.setdefault(name, {})[part] = pair
         return out
+
+    def _renamed(self, module: str) -> str:
+        """The model's name of checkpoint module ``module``."""
+        return ".".join(self.renames.get(p, p) for p in module.split("."))

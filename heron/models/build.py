@@ -11,8 +11,8 @@ from torch import nn
 
 from heron.config import ModelConfig
 from heron.loader import load_model
+from heron.lora.attach import attach_lora
 from heron.lora.config import LoRAConfig
-from heron.lora.layer import attach_lora
 from heron.metadata import MetadataBuilder, MetadataOperator, StepMetadataError, StepMetaPlan
 from heron.models.pooling import DecoderForPooling
 from heron.models.registry import model_class, mtp_class

@@ -332,7 +332,8 @@ def test_gpu_cuda_graph_moe_block(family):
 
 def moe_launches() -> None:
     """bf16 launches at gpt-oss-20b's and Qwen3-30B-A3B's expert sizes, for a decode-sized and
-    a prefill-sized batch (different row blocks), for the lowering test."""
+    a prefill-sized batch (different row blocks), with and without LoRA addends, for the
+    lowering test."""
     bf16 = torch.bfloat16
     clamped = ClampedSwiGLUExperts(32, 2880, 2880, LIMIT).to(bf16)
     swiglu = SwiGLUExperts(128, 2048, 768).to(bf16)
@@ -346,6 +347,12 @@ def moe_launches() -> None:
             layout = experts.fused_layout()
             fused_experts(x, weights.to(bf16), indices, **layout, add=shared, add_gate=gate)
             fused_experts(x, weights.to(bf16), indices, **layout)
+            if experts is swiglu and tokens == 4:  # LoRA updates (fp32) inside both GEMMs
+                lora = dict(
+                    gate_up_add=torch.empty(tokens * top_k, 2 * 768),
+                    down_add=lambda h, pairs: torch.empty(h.shape[0], 2048),
+                )
+                fused_experts(x, weights.to(bf16), indices, **layout, **lora)
 
 
 def test_moe_launches_lower_for_hopper():

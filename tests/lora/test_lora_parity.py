@@ -4,22 +4,24 @@ model in one batch, more adapters than slots, the prefix cache kept apart per ad
 from __future__ import annotations
 
 import dataclasses
-import json
-import shutil
-from pathlib import Path
 
-import peft
 import pytest
 import torch
 import transformers as tf
-from safetensors.torch import load_file, save_file
 
 from heron import LLM, LoRARequest, SamplingParams
 from heron.kernels import TORCH_KERNELS, lora
 from heron.ops import selector
 from heron.platforms import CpuPlatform
 
-from tiny_models import cuda_graph_llm, hf_greedy, save_random_adapter
+from tiny_models import (
+    cuda_graph_llm,
+    edited_adapter_copy,
+    hf_greedy,
+    lora_tokens,
+    peft_greedy,
+    save_random_adapter,
+)
 
 MAX_NEW = 8
 # The first two share a 32-token prefix (two full blocks: the prefix cache's unit).
@@ -31,12 +33,6 @@ PROMPTS = [
 ]
 GREEDY = SamplingParams(temperature=0.0, max_tokens=MAX_NEW, ignore_eos=True)
 ALL = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
-
-
-def _peft_greedy(base, adapter) -> list[list[int]]:
-    hf = tf.AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
-    model = peft.PeftModel.from_pretrained(hf, adapter).eval()
-    return hf_greedy(model, PROMPTS, MAX_NEW)
 
 
 @pytest.fixture(scope="module")
@@ -52,8 +48,8 @@ def case(tiny_model_dir, tmp_path_factory):
     )
     hf = tf.AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32).eval()
     refs = {
-        "a": _peft_greedy(base, a),
-        "b": _peft_greedy(base, b),
+        "a": peft_greedy(base, a, PROMPTS, MAX_NEW),
+        "b": peft_greedy(base, b, PROMPTS, MAX_NEW),
         None: hf_greedy(hf, PROMPTS, MAX_NEW),
     }
     assert refs["a"] != refs[None] and refs["b"] != refs[None]  # the adapters change outputs
@@ -61,15 +57,10 @@ def case(tiny_model_dir, tmp_path_factory):
     return base, loras, refs
 
 
-def _tokens(llm: LLM, loras: list) -> list[list[int]]:
-    outputs = llm.generate(PROMPTS, GREEDY, use_tqdm=False, lora_request=loras)
-    return [o.outputs[0].token_ids for o in outputs]
-
-
 def test_one_adapter_equals_peft(case):
     base, loras, refs = case
     llm = LLM(str(base), max_model_len=128, enable_lora=True, max_lora_rank=8)
-    assert _tokens(llm, [loras["a"]] * len(PROMPTS)) == refs["a"]
+    assert lora_tokens(llm, PROMPTS, GREEDY, [loras["a"]] * len(PROMPTS)) == refs["a"]
 
 
 def test_adapters_and_base_mixed_in_one_batch(case):
@@ -80,13 +71,15 @@ def test_adapters_and_base_mixed_in_one_batch(case):
     names = ["a", "b", None, "a"]
     want = [refs[n][i] for i, n in enumerate(names)]
     llm = LLM(str(base), max_model_len=128, enable_lora=True, max_loras=2, max_lora_rank=8)
-    assert _tokens(llm, [loras[n] for n in names]) == want
+    assert lora_tokens(llm, PROMPTS, GREEDY, [loras[n] for n in names]) == want
     hits = llm.engine.kv_cache.prefix_cache_hits
-    assert _tokens(llm, [loras[n] for n in names]) == want
+    assert lora_tokens(llm, PROMPTS, GREEDY, [loras[n] for n in names]) == want
     assert llm.engine.kv_cache.prefix_cache_hits > hits
     # The shared prefix under the other adapter (and none) is not served from the cache.
     swapped = ["b", "a", None, None]
-    assert _tokens(llm, [loras[n] for n in swapped]) == [refs[n][i] for i, n in enumerate(swapped)]
+    assert lora_tokens(llm, PROMPTS, GREEDY, [loras[n] for n in swapped]) == [
+        refs[n][i] for i, n in enumerate(swapped)
+    ]
 
 
 def test_two_ranks_serve_adapters_mixed_in_one_batch(case):
@@ -98,9 +91,9 @@ def test_two_ranks_serve_adapters_mixed_in_one_batch(case):
     with LLM(
         str(base), max_model_len=128, enable_lora=True, max_lora_rank=8, tensor_parallel_size=2
     ) as llm:
-        assert _tokens(llm, [loras[n] for n in names]) == want
+        assert lora_tokens(llm, PROMPTS, GREEDY, [loras[n] for n in names]) == want
         llm.engine.remove_lora(2)  # (read again on the ranks when asked for)
-        assert _tokens(llm, [loras[n] for n in names]) == want
+        assert lora_tokens(llm, PROMPTS, GREEDY, [loras[n] for n in names]) == want
 
 
 def test_more_adapters_than_slots_run_over_several_steps(case):
@@ -117,7 +110,9 @@ def test_more_adapters_than_slots_run_over_several_steps(case):
         max_num_batched_tokens=16,
         num_kv_blocks=6,
     )
-    assert _tokens(llm, [loras[n] for n in names]) == [refs[n][i] for i, n in enumerate(names)]
+    assert lora_tokens(llm, PROMPTS, GREEDY, [loras[n] for n in names]) == [
+        refs[n][i] for i, n in enumerate(names)
+    ]
     assert llm.engine.scheduler.num_preemptions > 0
 
 
@@ -133,20 +128,10 @@ def test_ngram_speculation_verifies_under_each_adapter(case):
         max_lora_rank=8,
         speculative_config=spec,
     )
-    assert _tokens(llm, [loras[n] for n in names]) == [refs[n][i] for i, n in enumerate(names)]
+    assert lora_tokens(llm, PROMPTS, GREEDY, [loras[n] for n in names]) == [
+        refs[n][i] for i, n in enumerate(names)
+    ]
     assert llm.spec_decode_stats.num_draft_tokens > 0
-
-
-def _edited_copy(src: str, dst: Path, config: dict, edit) -> str:
-    """A copy of adapter ``src`` with ``config`` merged into its config and ``edit`` applied
-    to its tensors (a dict, edited in place)."""
-    shutil.copytree(src, dst)
-    path = dst / "adapter_config.json"
-    path.write_text(json.dumps(json.loads(path.read_text()) | config))
-    tensors = load_file(dst / "adapter_model.safetensors")
-    edit(tensors)
-    save_file(tensors, dst / "adapter_model.safetensors")
-    return str(dst)
 
 
 def test_adapters_that_do_not_fit_are_refused_by_name(case, tmp_path):
@@ -157,16 +142,18 @@ def test_adapters_that_do_not_fit_are_refused_by_name(case, tmp_path):
     experts = "base_model.model.model.layers.0.mlp.experts.0.gate_proj.lora_A.weight"
     wrong = {
         "rank": LoRARequest("rank", 3, loras["a"].lora_path),  # r=8 above max_lora_rank 4
-        "dora": LoRARequest("dora", 4, _edited_copy(b, tmp_path / "d", {"use_dora": True}, id)),
+        "dora": LoRARequest(
+            "dora", 4, edited_adapter_copy(b, tmp_path / "d", {"use_dora": True}, id)
+        ),
         "shape": LoRARequest(
             "shape",
             5,
-            _edited_copy(b, tmp_path / "s", {}, lambda t: t.update({key: t[key][:-1]})),
+            edited_adapter_copy(b, tmp_path / "s", {}, lambda t: t.update({key: t[key][:-1]})),
         ),
         "experts": LoRARequest(
             "experts",
             6,
-            _edited_copy(
+            edited_adapter_copy(
                 b,
                 tmp_path / "e",
                 {},
@@ -216,6 +203,10 @@ def test_cuda_graphs_serve_any_mix_of_adapters(case):
     base, loras, refs = case
     llm = cuda_graph_llm(base, enable_lora=True, max_loras=2, max_lora_rank=8)
     names = ["a", "b", None, "a"]
-    assert _tokens(llm, [loras[n] for n in names]) == [refs[n][i] for i, n in enumerate(names)]
+    assert lora_tokens(llm, PROMPTS, GREEDY, [loras[n] for n in names]) == [
+        refs[n][i] for i, n in enumerate(names)
+    ]
     swapped = names[::-1]  # each prompt under another adapter, the same graphs
-    assert _tokens(llm, [loras[n] for n in swapped]) == [refs[n][i] for i, n in enumerate(swapped)]
+    assert lora_tokens(llm, PROMPTS, GREEDY, [loras[n] for n in swapped]) == [
+        refs[n][i] for i, n in enumerate(swapped)
+    ]
