@@ -13,6 +13,7 @@ import torch
 from heron.distributed.weight_sync import WeightUpdateGroup
 from heron.engine.deltas import RequestDelta
 from heron.engine.sleep_mode import SleepMode, reset_prefix_caches
+from heron.layers.fp8 import Fp8Scheme
 from heron.loader.update import WeightSource
 
 #: pause_generation's modes: abort the unfinished requests, or keep them (and new ones) queued.
@@ -145,7 +146,9 @@ class RolloutControl:
         tensor-parallel rank, once the engine allows it."""
         engine = self._engine
         scheme = engine.model_config.quantization
-        if scheme is not None:
+        # (FP8 quantised at load is quantised again; weights stored quantised are not)
+        requantized = isinstance(scheme, Fp8Scheme) and not scheme.from_checkpoint
+        if scheme is not None and not requantized:
             raise ValueError(
                 f"cannot {action}: weights held as {scheme.describe()} are not updated in place"
             )

@@ -82,6 +82,7 @@ class Linear(nn.Module):
         self.kernels = kernels
         self.register_parameter("weight_scale", None)
         self.weight_block: tuple[int, int] | None = None
+        self.loaded_dtype: torch.dtype | None = None  # quantised to FP8 at load: from this
         # An operator reads the weight as a matrix (MLA's kv_b_proj): under an FP8 scheme it
         # stays in full precision, dequantised after loading from an FP8 checkpoint.
         self.keep_dense = False
@@ -133,6 +134,7 @@ class Linear(nn.Module):
     def quantize_fp8(self, block: tuple[int, int] | None = None) -> None:
         """Replace the loaded full-precision weight by its FP8 quantisation."""
         q, scale = quantize(self.weight.data, block)
+        self.loaded_dtype = self.weight.dtype
         self.weight, self.weight_scale, self.weight_block = _frozen(q), _frozen(scale), block
 
     def hold_wna16(self, scheme: WNA16Scheme) -> None:

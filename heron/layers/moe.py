@@ -273,6 +273,7 @@ class SwiGLUExperts(ExpertBank):
         self.register_parameter("gate_up_proj_scale", None)
         self.register_parameter("down_proj_scale", None)
         self.weight_block: tuple[int, int] | None = None
+        self.loaded_dtype: torch.dtype | None = None  # quantised to FP8 at load: from this
         self.whole_intermediate = intermediate_size  # (all ranks')
         self.wna16: WNA16Scheme | None = None
         self.input_perm: torch.Tensor | None = None  # act-order packed experts: x's columns
@@ -290,9 +291,27 @@ class SwiGLUExperts(ExpertBank):
             setattr(self, name + SCALE_SUFFIX, _frozen(scale))
         self.weight_block = block
 
+    def dequantize_fp8(self, dtype: torch.dtype) -> None:
+        """Replace the FP8 stacks and scales by the full-precision stacks they stand for."""
+        block = self.weight_block
+        for name, count in self._matrices.items():
+            scales = getattr(self, name + SCALE_SUFFIX)
+            w = torch.stack(
+                [
+                    torch.cat(
+                        [dequantize(q, s, block) for q, s in zip(qs.chunk(count), ss.chunk(count))]
+                    )
+                    for qs, ss in zip(getattr(self, name), scales)
+                ]
+            )
+            setattr(self, name, _frozen(w.to(dtype)))
+            self.register_parameter(name + SCALE_SUFFIX, None)
+        self.weight_block = None
+
     def quantize_fp8(self, block: tuple[int, int] | None = None) -> None:
         """Replace the loaded full-precision stacks by their FP8 quantisation, each expert's
         gate, up and down matrix on its own."""
+        self.loaded_dtype = self.gate_up_proj.dtype
         for name, count in self._matrices.items():
             experts = [
                 [quantize(w, block) for w in stack.chunk(count)] for stack in getattr(self, name)

@@ -81,11 +81,31 @@ def apply_update(
         if not route.names:
             continue
         finishing = _finishing_modules(model, route.parameters)
+        requantized = [
+            (module, module.weight_block, dict(module.named_parameters(recurse=False)))
+            for _, module in _touched(model, route.parameters)
+            if getattr(module, "loaded_dtype", None) is not None
+        ]
         for module in finishing:
             module.undo_finish_loading()
+        for module, _, _ in requantized:
+            module.dequantize_fp8(module.loaded_dtype)
         load_weights(model, ((n, t) for n, t in source() if n in route.names), complete=False)
         for module in finishing:
             module.finish_loading()
+        for module, block, held in requantized:
+            _quantize_into(module, block, held)
+
+
+def _quantize_into(module: nn.Module, block: tuple[int, int] | None, held: dict) -> None:
+    """Quantise ``module``'s updated weights to FP8 again, into the tensors it ``held``
+    before the update (graphs captured over them stay valid)."""
+    module.quantize_fp8(block)
+    for name, param in held.items():
+        new = getattr(module, name)
+        if new is not param:
+            param.data.copy_(new.data)
+            setattr(module, name, param)
 
 
 class UpdateRoute:
@@ -107,13 +127,20 @@ def _checked(name: str, tensor: object, mode: FakeTensorMode) -> torch.Tensor:
     return mode.from_tensor(tensor)
 
 
+def _touched(model: nn.Module, parameters: set[str]) -> list[tuple[str, nn.Module]]:
+    """The modules holding any of ``parameters`` (or holding modules that do), by name."""
+    return [
+        (prefix, module)
+        for prefix, module in model.named_modules()
+        if any(p.startswith(f"{prefix}.") for p in parameters)
+    ]
+
+
 def _finishing_modules(model: nn.Module, parameters: set[str]) -> list[nn.Module]:
     """The modules whose ``finish_loading`` layout covers any of ``parameters``."""
     found = []
-    for prefix, module in model.named_modules():
-        if hasattr(module, "finish_loading") and any(
-            p.startswith(f"{prefix}.") for p in parameters
-        ):
+    for prefix, module in _touched(model, parameters):
+        if hasattr(module, "finish_loading"):
             if not hasattr(module, "undo_finish_loading"):
                 raise ValueError(
                     f"{prefix} ({type(module).__name__}) cannot be updated in place: its "

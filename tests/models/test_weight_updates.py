@@ -16,9 +16,11 @@ from test_speculative_parity import assert_equal_up_to_exact_ties
 from heron import LLM, SamplingParams
 
 from tiny_models import (
+    BASE,
     greedy_tokens,
     hf_greedy,
     hf_on_weights,
+    save_random_model,
     save_tiny_model,
     save_truncated_draft,
 )
@@ -71,6 +73,44 @@ def test_update_resets_the_prefix_cache_and_takes_a_subset(checkpoints):
     assert llm.reload_weights() == len(load_file(first / "model.safetensors"))
     refs = hf_greedy(tf.AutoModelForCausalLM.from_pretrained(first), PROMPTS, GREEDY.max_tokens)
     assert greedy_tokens(llm, PROMPTS, GREEDY) == refs
+
+
+@pytest.mark.parametrize(
+    "config",
+    [
+        tf.Qwen3Config(**BASE, head_dim=32, tie_word_embeddings=True),
+        tf.Qwen3MoeConfig(
+            **BASE | dict(intermediate_size=64, moe_intermediate_size=64, num_hidden_layers=2),
+            num_experts=8,
+            num_experts_per_tok=2,
+            head_dim=32,
+            mlp_only_layers=[1],
+        ),  # fmt: skip
+    ],
+    ids=["dense", "moe"],
+)
+def test_fp8_weights_quantised_at_load_are_quantised_again_into_their_tensors(config, tmp_path):
+    """``quantization="fp8"``: an update loads the new tensors in the dtype the checkpoint
+    loaded in and quantises them again (linear layers and expert banks) into the tensors the
+    model held, so captured graphs stay valid: the engine then is one built on the new
+    checkpoint."""
+    first, second = (
+        save_random_model(config, tmp_path / n, seed) for n, seed in (("a", 0), ("b", 1))
+    )
+    llm = LLM(str(first), quantization="fp8", **OPTIONS)
+    model = llm.engine.runner.model
+    held = {n: p.data_ptr() for n, p in model.named_parameters()}
+    assert any(p.dtype == torch.float8_e4m3fn for p in model.parameters())
+    greedy_tokens(llm, PROMPTS, GREEDY)
+    tensors = load_file(second / "model.safetensors")
+    assert llm.update_weights(tensors.items()) == len(tensors)
+    assert {n: p.data_ptr() for n, p in model.named_parameters()} == held
+    fresh = LLM(str(second), quantization="fp8", **OPTIONS)
+    want = _state(fresh)
+    got = _state(llm)
+    assert got.keys() == want.keys()
+    assert all(torch.equal(got[n].float(), want[n].float()) for n in want)
+    assert greedy_tokens(llm, PROMPTS, GREEDY) == greedy_tokens(fresh, PROMPTS, GREEDY)
 
 
 @pytest.mark.parametrize(
