@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, NamedTuple
 
+from heron.cache.block_pool import NULL_BLOCK_ID
 from heron.cache.manager import (
     NO_HEADROOM,
     AllocationHeadroom,
@@ -150,6 +151,15 @@ class KVCacheCoordinator:
         may cut a prefill chunk where it keeps a prefix checkpoint."""
         end = start + num_new_tokens
         return min(group.chunk_end(request, start, end) for group in self.groups) - start
+
+    def without_checkpoints(self, blocks: Sequence[Sequence[int]]) -> tuple[list[int], ...]:
+        """``blocks`` (:meth:`get_computed_blocks`') with the groups outside the chain hitting
+        no checkpoint (the null entries of as long a hit): for a request whose states a KV
+        connector loads past the hit, which a restore of the checkpoint would overwrite."""
+        return tuple(
+            list(b) if spec.joins_prefix_chain else [NULL_BLOCK_ID] * len(b)
+            for b, spec in zip(blocks, self.specs)
+        )
 
     def take_state_copies(self) -> list[StateCopies]:
         """Per group, this pass's entry copies (state checkpoints); seals the pass for the

@@ -119,6 +119,8 @@ class _RequestSlot:
     # The newest checkpoint of generated tokens off the interval's grid, (boundary, entry):
     # the next one replaces it.
     latest: tuple[int, int] | None = None
+    # The last checkpoint of known tokens saved from the slot, (boundary, entry).
+    saved: tuple[int, int] | None = None
 
 
 class RecurrentStateManager(CacheManager):
@@ -176,6 +178,7 @@ class RecurrentStateManager(CacheManager):
         self._saves: list[tuple[int, int]] = []
         self._verified: list[tuple[str, int, int]] = []
         self._pending: dict[int, int] = {}  # checkpoint -> hash
+        self._confirmed: list[tuple[int, int]] = []  # this pass's (checkpoint, hash)
         # Checkpoints that are some request's latest of generated tokens (its ``latest``).
         self._latest: set[int] = set()
 
@@ -215,7 +218,7 @@ class RecurrentStateManager(CacheManager):
 
     def check_hits(self, request: CachedSequence, hits: Sequence[int]) -> None:
         # Only the last hit is a slot (a checkpoint); the null slots before it hold nothing.
-        if hits:
+        if hits and hits[-1] != NULL_SLOT:
             refuse_late_hits(request, self._requests, self._pool, hits[-1:], "a state checkpoint")
 
     def chunk_end(self, request: CachedSequence, start: int, end: int) -> int:
@@ -305,6 +308,8 @@ class RecurrentStateManager(CacheManager):
             self._verified.append((request.request_id, boundary - start - 1, checkpoint))
         if known:
             self._pending[checkpoint] = chain[index - 1]
+            if boundary == end:
+                state.saved = (boundary, checkpoint)
         else:
             state.unconfirmed.append((boundary, checkpoint))
         return checkpoint
@@ -320,7 +325,12 @@ class RecurrentStateManager(CacheManager):
         if (boundary, checkpoint) in state.unconfirmed:
             state.unconfirmed.remove((boundary, checkpoint))
             pool.release_to_head([checkpoint])
-            return
+        else:
+            self._discard(boundary, checkpoint, chain)
+
+    def _discard(self, boundary: int, checkpoint: int, chain: Sequence[int]) -> None:
+        """Make a free checkpoint unfindable if still registered under ``chain``'s hash."""
+        pool = self._pool
         index = boundary // self.chain_block_size
         if (
             index <= len(chain)
@@ -345,6 +355,7 @@ class RecurrentStateManager(CacheManager):
             else:
                 pool.register(checkpoint, block_hash)
                 pool.release([checkpoint])
+                self._confirmed.append((checkpoint, block_hash))
         state.unconfirmed = waiting
 
     def _take_slot(self, request: CachedSequence, hits: Sequence[int]) -> _RequestSlot:
@@ -354,9 +365,10 @@ class RecurrentStateManager(CacheManager):
         already in place, where the new prompt reaches the next boundary (its prefill leaves a
         checkpoint there), and so does any checkpoint that is the last free entry; another is
         kept from being handed out as the slot and moves to the queue's tail (the most
-        recently used). So a turn takes no entry beside the one its previous turn left."""
+        recently used). So a turn takes no entry beside the one its previous turn left. Hits
+        ending at the null slot restore nothing (a KV connector loads the slot's state)."""
         pool = self._pool
-        checkpoint = hits[-1] if hits else None
+        checkpoint = hits[-1] if hits and hits[-1] != NULL_SLOT else None
         passes = len(request.all_token_ids) >= (len(hits) + 1) * self.chain_block_size
         consume = checkpoint is not None and (
             (checkpoint in self._latest and passes) or pool.num_free == 1
@@ -385,12 +397,17 @@ class RecurrentStateManager(CacheManager):
     def take_state_copies(self) -> StateCopies:
         """This pass's restores and saves; seals the pass: its checkpoints of known tokens
         become findable."""
-        copies = StateCopies(self._restores, self._saves, self._verified)
-        self._restores, self._saves, self._verified = [], [], []
         pool = self._pool
+        registered = []
         for checkpoint, block_hash in self._pending.items():
             pool.register(checkpoint, block_hash)
+            if pool.block_hash[checkpoint] == block_hash:
+                registered.append((checkpoint, block_hash))
         pool.release(self._pending)
+        copies = StateCopies(
+            self._restores, self._saves, self._verified, registered, self._confirmed
+        )
+        self._restores, self._saves, self._verified, self._confirmed = [], [], [], []
         self._pending = {}
         return copies
 
@@ -443,6 +460,10 @@ class RecurrentStateManager(CacheManager):
         self._latest -= held
         # none of them a checkpoint anyone can find
         self._pool.release_to_head([state.slot, *held])
+        if state.saved is not None and state.saved[0] > request.num_computed_tokens:
+            # saved for a step that never ran (a KV connector's load failed): no state
+            self._latest.discard(state.saved[1])
+            self._discard(*state.saved, chain)
 
     def reset_prefix_cache(self) -> bool:
         if not self._pool.reset_hashes():

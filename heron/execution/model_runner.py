@@ -344,6 +344,9 @@ class ModelRunner:
         if transfers is not None:
             self._transfer(transfers, loads=True)
         step, rejected = self._prepare(plan, previous, drafts, rollback)
+        if transfers is not None:
+            for request_id, num_tokens in transfers.loaded_tokens.items():
+                self.inputs.tables.holds(request_id, num_tokens)  # (a loaded state)
         if step is None:  # (a plan that only brings the runner's requests up to date)
             launched = LaunchedStep([], result=StepOutput([], [], []))
         elif self.pooler is not None:

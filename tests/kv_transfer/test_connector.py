@@ -74,12 +74,17 @@ def _layout(num_layers: int = 2) -> CacheLayout:
         ({"num_bytes": 1 << 20, "cpu": 1}, "kv_both", "unknown kv_connector_extra_config.*'cpu'"),
         ({"num_bytes": 511}, "kv_both", "511 bytes hold no block; .* takes 512 bytes"),
         ({"num_bytes": 1 << 20}, "kv_producer", "kv_role 'kv_both'"),
+        (
+            {"num_bytes": 1 << 20, "load_timeout_s": 0},
+            "kv_both",
+            "load_timeout_s must be a number > 0, got 0",
+        ),
     ],
 )
 def test_the_offload_connector_checks_its_options(extra, role, error):
     config = KVTransferConfig("offload", role, extra)
     with pytest.raises(ValueError, match=error):
-        make_connector(config, _layout(), 4)
+        make_connector(config, _layout(), 4, [16])
 
 
 @pytest.mark.parametrize(
@@ -94,7 +99,7 @@ def test_the_offload_connector_checks_its_options(extra, role, error):
 def test_the_nixl_connector_checks_its_options(extra, role, error):
     config = KVTransferConfig("nixl", role, extra)
     with pytest.raises(ValueError, match=error):
-        make_connector(config, _layout(), 4)
+        make_connector(config, _layout(), 4, [16])
 
 
 def test_the_host_index_evicts_the_least_recently_used():
