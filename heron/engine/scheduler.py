@@ -11,7 +11,6 @@ from operator import methodcaller
 from typing import TYPE_CHECKING, NamedTuple, TypeVar
 
 from heron.cache.coordinator import KVCacheCoordinator
-from heron.cache.manager import StateCopies
 from heron.engine.request import FinishReason, Request, RequestStatus
 from heron.execution.step_plan import (
     DeviceDrafts,
@@ -21,9 +20,11 @@ from heron.execution.step_plan import (
     StepPlan,
     VerifiedCopies,
 )
-from heron.kv_transfer.base import KVConnectorMeta, KVConnectorScheduler, TransferResults
+from heron.kv_transfer.base import TransferResults
 
 if TYPE_CHECKING:
+    from heron.cache.manager import StateCopies
+    from heron.kv_transfer.base import KVConnectorMeta, KVConnectorScheduler
     from heron.speculative import Proposer
 
 logger = logging.getLogger(__name__)
