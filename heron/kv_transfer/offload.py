@@ -418,7 +418,7 @@ class OffloadWorker(KVConnectorWorker):
         if meta.freed_slots or meta.early_state_saves:  # (before the loads: they may write
             try:  # into these blocks)
                 self._save(meta.freed_slots, meta.freed_blocks, meta.early_state_saves)
-                if meta.load_slots:
+                if meta.load_slots or meta.state_loads:
                     self._place_saves()  # (a load may read what they save)
             except Exception:
                 self._results.failed_saves.extend(meta.freed_keys)
@@ -451,6 +451,19 @@ class OffloadWorker(KVConnectorWorker):
         """Copy device ``blocks`` (one per paged group each) into host ``slots``, and the
         state entries of ``states`` (entry, host slot, hash) into theirs: at once on the CPU,
         else staged in pinned memory without waiting (see :meth:`_place_saves`)."""
+        staged = self._stage(slots, blocks, states)
+        if staged and staged[0][3].is_pinned():
+            event = torch.cuda.Event()
+            event.record()
+            self._pending = (event, staged)
+        else:
+            _scatter(staged)
+
+    def _stage(
+        self, slots: list[int], blocks: list[list[int]], states: list[tuple[int, int, int]]
+    ) -> list[tuple[torch.Tensor, int, torch.Tensor, torch.Tensor]]:
+        """The saves' copies on their way to the host: (host pool, axis, its slots, what
+        goes there)."""
         staged = []
         if slots:
             device_blocks = torch.tensor(blocks).T.to(self._device)
@@ -466,14 +479,7 @@ class OffloadWorker(KVConnectorWorker):
                 (host, 0, state_slots, _to_host(tensor.index_select(0, entries)))
                 for tensor, host in self._states
             ]
-        if not staged:
-            return
-        if staged[0][3].is_pinned():
-            event = torch.cuda.Event()
-            event.record()
-            self._pending = (event, staged)
-        else:
-            _scatter(staged)
+        return staged
 
     def _place_saves(self) -> None:
         """Put the last step's saves, copied out without waiting, into their slots."""

@@ -6,6 +6,7 @@ Failing connectors recompute; a layerwise saver waits on the layer step counter.
 from __future__ import annotations
 
 import threading
+from types import SimpleNamespace
 
 import msgspec
 import pytest
@@ -278,6 +279,30 @@ def test_an_abort_or_a_shutdown_during_a_load_frees_its_blocks(models, end):
     engine.runner.kv_connector.released = True  # the aborted load's end reaches no one
     assert run_one_by_one(engine, PROMPTS[4:5])[0][0] == want[4]
     check_leak_free(engine)
+
+
+class DeferredSaves(OffloadWorker):
+    """Leaves each step's saves staged, as on CUDA, to be placed when the pools are next
+    used (or at shutdown)."""
+
+    def _save(self, slots, blocks, states):
+        self._pending = (
+            SimpleNamespace(synchronize=lambda: None),
+            self._stage(slots, blocks, states),
+        )
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3_5"])
+def test_saves_staged_as_on_cuda_serve_later_loads_and_are_placed_at_shutdown(models, family):
+    path, want = models(family)
+    engine = _with_worker(path, DeferredSaves)
+    got = run_one_by_one(engine)
+    assert [tokens for tokens, _ in got] == want
+    assert [cached for _, cached in got] == [0, 0, 0, 40, 40, 40]
+    worker = engine.runner.kv_connector
+    assert worker._pending is not None  # the last step's saves
+    engine.shutdown()
+    assert worker._pending is None
 
 
 @pytest.mark.parametrize(
