@@ -71,7 +71,7 @@ class RequestOutput:
     finished: bool
     prompt_logprobs: list[Logprob | None] | None = None
     num_cached_tokens: int = 0
-    error: str | None = None  # set when the request was rejected (it then has no outputs)
+    error: str | None = None  # set when the request was rejected or failed (no answer then)
     metrics: dict[str, float] = field(default_factory=dict)
     kv_transfer_params: dict | None = None  # what a KV connector tells the client (finished)
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import os
 import sys
 
@@ -67,6 +68,17 @@ def gpu_shared_by_workers():
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(CudaPlatform, "kv_cache_budget", shared)
         yield
+
+
+@pytest.fixture(autouse=True)
+def gpu_memory_given_back():
+    """Another worker's KV budget counts what this process holds, cached blocks included
+    (``CudaPlatform.kv_cache_budget``): after each test, engines it dropped are collected
+    and the allocator's cache is given back."""
+    yield
+    if torch.cuda.is_available():
+        gc.collect()
+        torch.cuda.empty_cache()
 
 
 def pytest_report_header(config):

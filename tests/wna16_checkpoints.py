@@ -20,6 +20,12 @@ from tiny_models import BASE, FP8_PROJECTIONS
 
 # Wide enough for groups of 128 along every input (hidden 128, intermediate 256).
 SHAPE = BASE | dict(hidden_size=128, intermediate_size=256, num_hidden_layers=2)
+# Qwen-MoE: every input whole groups of 32 (hidden 64; experts', dense and shared 64), on each
+# of two tensor-parallel ranks too.
+MOE_SHAPE = BASE | dict(
+    num_hidden_layers=2, intermediate_size=64, moe_intermediate_size=64, num_experts=8,
+    num_experts_per_tok=2, tie_word_embeddings=False,
+)  # fmt: skip
 AWQ_ORDER = [0, 2, 4, 6, 1, 3, 5, 7]
 
 
@@ -158,7 +164,9 @@ def write_checkpoint(src, dst, fmt: str, **opts) -> dict[str, torch.Tensor]:
     tensors = load_file(dst / "model.safetensors")
     dequantised = {}
     ct_config = None
-    for name in [n for n in tensors if n.split(".")[-2] in FP8_PROJECTIONS]:
+    for name in [
+        n for n in tensors if n.endswith(".weight") and n.split(".")[-2] in FP8_PROJECTIONS
+    ]:
         w, module = tensors.pop(name), name.removesuffix(".weight")
         if fmt == "awq":
             packed, deq = _awq(w, opts["group_size"])

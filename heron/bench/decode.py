@@ -13,6 +13,7 @@ each step's routing touches, counted on an eager engine of its own first.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import statistics
 import time
 from typing import Any
@@ -75,7 +76,8 @@ def run(args: argparse.Namespace, config: EngineConfig) -> tuple[dict[str, Any],
     options = dict(max_model_len=max(longest, 4096) if on_gpu else longest)
     touched = {b: 0.0 for b in args.batch}
     if shape is not None and has_experts(shape):
-        with engines.open_llm(shape, config, enforce_eager=True, **options) as llm:
+        eager = dataclasses.replace(config, enforce_eager=True)  # (hooks see no replay)
+        with engines.open_llm(shape, eager, **options) as llm:
             counts = {b: engines.touched_experts(llm, prompts(16, b)) for b in args.batch}
         touched = {b: statistics.mean(n) for b, n in counts.items()}
     metrics: list[Metric] = []

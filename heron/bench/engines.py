@@ -72,7 +72,7 @@ def open_llm(shape: Shape | None, config: EngineConfig, **options: Any) -> Itera
         try:
             yield llm
         finally:
-            llm.engine.shutdown()
+            llm.shutdown()  # (drops the engine: the caller's name for ``llm`` outlives this)
             del llm
             free_device_memory()
 

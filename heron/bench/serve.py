@@ -140,6 +140,7 @@ def _client(
 def point(
     pool: ProcessPoolExecutor, args: dict[str, Any], concurrency: int, rounds: int
 ) -> list[Metric]:
+    """One concurrency's figures (named for ``args``' setup: one instance, or PD)."""
     processes = min(args["processes"], concurrency)
     shares = [concurrency // processes + (i < concurrency % processes) for i in range(processes)]
     futures = [pool.submit(_client, args, rounds * s, s, i) for i, s in enumerate(shares)]
@@ -151,7 +152,7 @@ def point(
         if not r.ok:
             print(f"failed request: {r.error}", file=sys.stderr)
     tokens = sum(r.completion_tokens for r in ok)
-    at = f"concurrency {concurrency}"
+    at = f"concurrency {concurrency}" + (", 1 prefill + 1 decode" if args["pd"] else "")
     metrics = [
         Metric(f"output tok/s, {at}", tokens / elapsed, "tok/s"),
         Metric(f"requests/s, {at}", len(ok) / elapsed, "req/s"),
@@ -233,6 +234,7 @@ def run(args: argparse.Namespace, config: Any = None) -> tuple[dict[str, Any], l
         "max_tokens": args.max_tokens,
         "request_rate": args.request_rate,
         "processes": args.client_processes,
+        "pd": args.pd,
     }
     metrics: list[Metric] = []
     try:

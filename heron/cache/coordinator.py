@@ -5,7 +5,6 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, NamedTuple
 
-from heron.cache.block_pool import NULL_BLOCK_ID
 from heron.cache.manager import (
     NO_HEADROOM,
     AllocationHeadroom,
@@ -152,15 +151,6 @@ class KVCacheCoordinator:
         end = start + num_new_tokens
         return min(group.chunk_end(request, start, end) for group in self.groups) - start
 
-    def without_checkpoints(self, blocks: Sequence[Sequence[int]]) -> tuple[list[int], ...]:
-        """``blocks`` (:meth:`get_computed_blocks`') with the groups outside the chain hitting
-        no checkpoint (the null entries of as long a hit): for a request whose states a KV
-        connector loads past the hit, which a restore of the checkpoint would overwrite."""
-        return tuple(
-            list(b) if spec.joins_prefix_chain else [NULL_BLOCK_ID] * len(b)
-            for b, spec in zip(blocks, self.specs)
-        )
-
     def take_state_copies(self) -> list[StateCopies]:
         """Per group, this pass's entry copies (state checkpoints); seals the pass for the
         groups' checkpoints."""
@@ -261,6 +251,15 @@ class KVCacheCoordinator:
         in a list kept while the request holds blocks: read, don't mutate)."""
         tables = self._tables.get(request_id)
         return tables if tables is not None else [[] for _ in self.groups]
+
+    def loads(self, request_id: str) -> None:
+        """The request's entries just allocated are filled by a KV connector's load."""
+        for group in self.groups:
+            group.loads(request_id)
+
+    def transfer_tables(self, request_id: str) -> list[list[int]]:
+        """Per group, the entries another instance reads the request's prompt from."""
+        return [g.transfer_table(request_id) for g in self.groups]
 
     def reset_prefix_cache(self) -> bool:
         """Forget all cached content; refused (False) while any request holds blocks."""

@@ -33,6 +33,11 @@ class CachedSequence(Protocol):
     @property
     def wants_prompt_logprobs(self) -> bool: ...
 
+    @property
+    def keep_state_at(self) -> int:
+        """After how many tokens a per-request state is kept for another instance (0: not)."""
+        ...
+
     def block_extras(self, start: int, end: int) -> tuple[str, ...]:
         """What tokens ``start .. end`` depend on beside their ids (``hash_block_tokens``)."""
         ...
@@ -168,6 +173,15 @@ class CacheManager(ABC):
     @abstractmethod
     def block_table(self, request_id: str) -> list[int]:
         """The request's entries in token order (the live list: read, don't mutate)."""
+
+    def loads(self, request_id: str) -> None:
+        """The request's entries allocated this pass are filled by a KV connector's load
+        (none of this group's copies into or out of them may run)."""
+
+    def transfer_table(self, request_id: str) -> list[int]:
+        """The entries another instance reads the request's prompt from (its blocks, unless
+        the group keeps a state of its own for that)."""
+        return self.block_table(request_id)
 
     @abstractmethod
     def block_hashes(self, request_id: str) -> Sequence[int]:

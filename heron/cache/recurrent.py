@@ -52,6 +52,7 @@ class RecurrentStateSpec(CacheSpec):
 
     joins_prefix_chain = False
     per_request = True
+    block_axis = 0  # (both tensors' slot axis: what a KV connector copies along)
 
     @property
     def conv_shape(self) -> tuple[int, int]:
@@ -119,14 +120,18 @@ class _RequestSlot:
     # The newest checkpoint of generated tokens off the interval's grid, (boundary, entry):
     # the next one replaces it.
     latest: tuple[int, int] | None = None
-    # The last checkpoint of known tokens saved from the slot, (boundary, entry).
-    saved: tuple[int, int] | None = None
+    # The request's ``keep_state_at`` and the entry keeping that state (NULL_SLOT: none yet).
+    keep_at: int = 0
+    kept: int = NULL_SLOT
 
 
 class RecurrentStateManager(CacheManager):
     """Hands out state slots and keeps state checkpoints of cached prefixes, in one pool.
 
     A request takes one entry as its slot on its first allocation; :meth:`free` returns it.
+    One whose ``keep_state_at`` is set (a prefill instance's prompt, for a decode instance to
+    read) also takes an entry that keeps the state after that many tokens: its steps end
+    there (:meth:`chunk_end`) and the slot is copied into it (:meth:`transfer_table`).
     With prefix caching, a step that ends on a boundary of the prefix chain's blocks
     (``chain_block_size`` tokens) also takes an entry to save the slot's state into at step
     end, registered under the chain hash of the prefix it holds: inside the prompt where a
@@ -178,6 +183,7 @@ class RecurrentStateManager(CacheManager):
         self._saves: list[tuple[int, int]] = []
         self._verified: list[tuple[str, int, int]] = []
         self._pending: dict[int, int] = {}  # checkpoint -> hash
+        self._keeps: list[tuple[int, int]] = []  # (slot, kept) after the step
         self._confirmed: list[tuple[int, int]] = []  # this pass's (checkpoint, hash)
         # Checkpoints that are some request's latest of generated tokens (its ``latest``).
         self._latest: set[int] = set()
@@ -218,13 +224,16 @@ class RecurrentStateManager(CacheManager):
 
     def check_hits(self, request: CachedSequence, hits: Sequence[int]) -> None:
         # Only the last hit is a slot (a checkpoint); the null slots before it hold nothing.
-        if hits and hits[-1] != NULL_SLOT:
+        if hits:
             refuse_late_hits(request, self._requests, self._pool, hits[-1:], "a state checkpoint")
 
     def chunk_end(self, request: CachedSequence, start: int, end: int) -> int:
         """The last checkpoint boundary of the known tokens in ``(start, end)``, else ``end``:
         a prefill chunk (or a preempted request's recomputation) cut there leaves a state to
         save, for later prompts sharing it."""
+        keep = request.keep_state_at
+        if start < keep < end:
+            end = keep
         if not self.enable_prefix_caching:
             return end
         bs = self.chain_block_size
@@ -233,7 +242,24 @@ class RecurrentStateManager(CacheManager):
         return boundary if start < boundary < end else end
 
     def plan(self, request: CachedSequence, num_new_tokens: int, hits: Sequence[int]) -> SlotPlan:
-        return SlotPlan(0 if request.request_id in self._requests else 1)
+        state = self._requests.get(request.request_id)
+        keeps = self._keeps_now(request, state, num_new_tokens, hits)
+        return SlotPlan((state is None) + keeps)
+
+    def _keeps_now(
+        self,
+        request: CachedSequence,
+        state: _RequestSlot | None,
+        num_new_tokens: int,
+        hits: Sequence[int],
+    ) -> bool:
+        """Whether this step starts or ends at the request's ``keep_state_at`` with no entry
+        keeping that state yet."""
+        keep = request.keep_state_at
+        if not keep or (state is not None and state.kept != NULL_SLOT):
+            return False
+        start = request.num_computed_tokens + len(hits) * self.chain_block_size
+        return keep in (start, start + num_new_tokens)
 
     def commit(
         self,
@@ -244,8 +270,11 @@ class RecurrentStateManager(CacheManager):
         chain: Sequence[int] = (),
     ) -> None:
         state = self._requests.get(request.request_id)
+        keeps = self._keeps_now(request, state, num_new_tokens, hits)
         if state is None:
             state = self._take_slot(request, hits)
+        if keeps:
+            self._keep(request, state, hits)
         if not self.enable_prefix_caching:
             return
         if state.unconfirmed:
@@ -272,6 +301,18 @@ class RecurrentStateManager(CacheManager):
                 if state.latest is not None:
                     self._latest.add(checkpoint)
         state.next_checkpoint = (end // bs + 1) * bs
+
+    def _keep(self, request: CachedSequence, state: _RequestSlot, hits: Sequence[int]) -> None:
+        """Take the entry keeping the state after ``keep_state_at`` tokens: copied from the
+        slot after a step ending there, or before a step starting there, from the entry the
+        state is in then (the hit's checkpoint, or the slot it became)."""
+        taken: list[int] = []
+        self._take(taken)
+        state.kept = taken[0]
+        if request.num_computed_tokens + len(hits) * self.chain_block_size == request.keep_state_at:
+            self._restores.append((hits[-1] if hits else state.slot, state.kept))
+        else:
+            self._keeps.append((state.slot, state.kept))
 
     def _on_grid(self, boundary: int) -> bool:
         """Whether a checkpoint of generated tokens at ``boundary`` stays when the next comes."""
@@ -308,8 +349,6 @@ class RecurrentStateManager(CacheManager):
             self._verified.append((request.request_id, boundary - start - 1, checkpoint))
         if known:
             self._pending[checkpoint] = chain[index - 1]
-            if boundary == end:
-                state.saved = (boundary, checkpoint)
         else:
             state.unconfirmed.append((boundary, checkpoint))
         return checkpoint
@@ -325,12 +364,7 @@ class RecurrentStateManager(CacheManager):
         if (boundary, checkpoint) in state.unconfirmed:
             state.unconfirmed.remove((boundary, checkpoint))
             pool.release_to_head([checkpoint])
-        else:
-            self._discard(boundary, checkpoint, chain)
-
-    def _discard(self, boundary: int, checkpoint: int, chain: Sequence[int]) -> None:
-        """Make a free checkpoint unfindable if still registered under ``chain``'s hash."""
-        pool = self._pool
+            return
         index = boundary // self.chain_block_size
         if (
             index <= len(chain)
@@ -365,10 +399,9 @@ class RecurrentStateManager(CacheManager):
         already in place, where the new prompt reaches the next boundary (its prefill leaves a
         checkpoint there), and so does any checkpoint that is the last free entry; another is
         kept from being handed out as the slot and moves to the queue's tail (the most
-        recently used). So a turn takes no entry beside the one its previous turn left. Hits
-        ending at the null slot restore nothing (a KV connector loads the slot's state)."""
+        recently used). So a turn takes no entry beside the one its previous turn left."""
         pool = self._pool
-        checkpoint = hits[-1] if hits and hits[-1] != NULL_SLOT else None
+        checkpoint = hits[-1] if hits else None
         passes = len(request.all_token_ids) >= (len(hits) + 1) * self.chain_block_size
         consume = checkpoint is not None and (
             (checkpoint in self._latest and passes) or pool.num_free == 1
@@ -382,7 +415,9 @@ class RecurrentStateManager(CacheManager):
             table.append(checkpoint)
         else:
             self._take(table)
-        state = self._requests[request.request_id] = _RequestSlot(table[0], sys.maxsize)
+        state = self._requests[request.request_id] = _RequestSlot(
+            table[0], sys.maxsize, keep_at=request.keep_state_at
+        )
         self._tables[request.request_id] = table
         if checkpoint is not None and not consume:
             self._restores.append((checkpoint, state.slot))
@@ -405,10 +440,14 @@ class RecurrentStateManager(CacheManager):
                 registered.append((checkpoint, block_hash))
         pool.release(self._pending)
         copies = StateCopies(
-            self._restores, self._saves, self._verified, registered, self._confirmed
+            self._restores,
+            self._saves + self._keeps,
+            self._verified,
+            registered,
+            self._confirmed,
         )
-        self._restores, self._saves, self._verified, self._confirmed = [], [], [], []
-        self._pending = {}
+        self._restores, self._saves, self._verified, self._keeps = [], [], [], []
+        self._confirmed, self._pending = [], {}
         return copies
 
     def headroom(self, request_id: str) -> AllocationHeadroom:
@@ -416,7 +455,10 @@ class RecurrentStateManager(CacheManager):
         state = self._requests.get(request_id)
         if state is None:
             return NO_HEADROOM
-        return AllocationHeadroom(state.next_checkpoint - 1, sys.maxsize)
+        end = state.next_checkpoint
+        if state.kept == NULL_SLOT and state.keep_at:
+            end = min(end, state.keep_at)
+        return AllocationHeadroom(end - 1, sys.maxsize)
 
     def truncate(self, request: CachedSequence, num_tokens: int) -> None:
         """The slot stays (the runner puts back the state the accepted tokens left); the
@@ -432,6 +474,11 @@ class RecurrentStateManager(CacheManager):
 
     def block_table(self, request_id: str) -> list[int]:
         return self._tables.get(request_id, [])
+
+    def transfer_table(self, request_id: str) -> list[int]:
+        """The entry keeping the state after the request's ``keep_state_at`` tokens, if any."""
+        state = self._requests.get(request_id)
+        return [] if state is None or state.kept == NULL_SLOT else [state.kept]
 
     def block_hashes(self, request_id: str) -> Sequence[int]:
         return ()
@@ -449,21 +496,33 @@ class RecurrentStateManager(CacheManager):
         del self._tables[request.request_id]
         if state.unconfirmed:
             self._confirm(state, chain)
-        dropped = [c for s, c in self._saves if s == state.slot]
-        dropped += [c for r, _, c in self._verified if r == request.request_id]
-        if dropped:
-            self._saves = [(s, c) for s, c in self._saves if s != state.slot]
-            self._verified = [v for v in self._verified if v[0] != request.request_id]
-            for checkpoint in dropped:
-                self._pending.pop(checkpoint, None)
+        dropped = self._drop_saves(request.request_id, state.slot)
         held = {*dropped, *(c for _, c in state.unconfirmed)}
         self._latest -= held
+        if state.kept != NULL_SLOT:  # (its copy of this pass, if any, goes with it)
+            held.add(state.kept)
+            self._keeps = [k for k in self._keeps if k[1] != state.kept]
+            self._restores = [r for r in self._restores if r[1] != state.kept]
         # none of them a checkpoint anyone can find
         self._pool.release_to_head([state.slot, *held])
-        if state.saved is not None and state.saved[0] > request.num_computed_tokens:
-            # saved for a step that never ran (a KV connector's load failed): no state
-            self._latest.discard(state.saved[1])
-            self._discard(*state.saved, chain)
+
+    def _drop_saves(self, request_id: str, slot: int) -> list[int]:
+        """Drop the checkpoints this pass saves from the request's slot; returns them."""
+        dropped = [c for s, c in self._saves if s == slot]
+        dropped += [c for r, _, c in self._verified if r == request_id]
+        if dropped:
+            self._saves = [(s, c) for s, c in self._saves if s != slot]
+            self._verified = [v for v in self._verified if v[0] != request_id]
+            for checkpoint in dropped:
+                self._pending.pop(checkpoint, None)
+        return dropped
+
+    def loads(self, request_id: str) -> None:
+        """The slot's state arrives by a load (another instance's), not by this pass's
+        step: nothing is copied into it or saved from it."""
+        slot = self._requests[request_id].slot
+        self._restores = [r for r in self._restores if r[1] != slot]
+        self._pool.release_to_head(self._drop_saves(request_id, slot))
 
     def reset_prefix_cache(self) -> bool:
         if not self._pool.reset_hashes():
@@ -472,15 +531,15 @@ class RecurrentStateManager(CacheManager):
         return True
 
     def check_invariants(self) -> None:
-        if any(
-            table != [s.slot] for table, s in zip(self._tables.values(), self._requests.values())
-        ):
+        states = self._requests.values()
+        if any(table != [s.slot] for table, s in zip(self._tables.values(), states)):
             raise RuntimeError("a request's table is other than its one slot")
         if self._tables.keys() != self._requests.keys():
             raise RuntimeError("slot tables kept for requests holding no slot")
         unconfirmed = [c for s in self._requests.values() for _, c in s.unconfirmed]
+        kept = [s.kept for s in states if s.kept != NULL_SLOT]
         self._pool.check_invariants(
-            [[s.slot] for s in self._requests.values()] + [list(self._pending), unconfirmed]
+            [[s.slot] for s in states] + [list(self._pending), unconfirmed, kept]
         )
         if not self.enable_prefix_caching and (self._pool.cached or self._pending):
             raise RuntimeError("state checkpoints kept with prefix caching off")

@@ -18,6 +18,7 @@ from heron.engine.resolved_config import ResolvedConfig
 from heron.engine.scheduler import Scheduler, SchedulerConfig
 from heron.execution.model_runner import ModelRunner
 from heron.kv_transfer import make_connector
+from heron.multimodal.architectures import images_attend_whole
 from heron.speculative import NgramProposer, Proposer, Speculator
 from heron.speculative.draft_model import DraftModelProposer, load_draft_runner, split_kv_budget
 from heron.speculative.mtp import MTPProposer, load_mtp_runner
@@ -117,6 +118,7 @@ def build_engine(config: ResolvedConfig) -> EngineParts:
             max_num_partial_prefills=options.max_num_partial_prefills,
             max_long_partial_prefills=options.max_long_partial_prefills,
             max_loras=options.lora.max_loras if options.lora else 0,
+            whole_images=images_attend_whole(config.model.architecture),
         ),
         kv_cache,
         proposer,

@@ -68,7 +68,8 @@ class EngineDeadError(RuntimeError):
 
 
 class StepError(RuntimeError):
-    """A model step failed; the requests in flight were aborted."""
+    """A model step failed (the requests in flight were aborted), or a request did (its KV
+    read failed and the connector fails it)."""
 
 
 class EngineUnavailableError(RuntimeError):
@@ -318,7 +319,7 @@ class EngineCoreClient:
                 queue = self._streams.pop(output.request_id)
             else:
                 queue = self._streams[output.request_id]
-            queue.put_nowait(output)
+            queue.put_nowait(output if output.error is None else StepError(output.error))
 
     def _settle_call(self, done: ControlDone) -> None:
         future = self._calls.pop(done.call_id, None)

@@ -91,18 +91,18 @@ class EngineCore:
             while self._receive(self._poll_ms()):
                 if self._steps():
                     self._step()
-                elif self.engine.scheduler.held:
-                    self.engine.scheduler.release_held()
+                elif self.engine.keeps_blocks():
+                    self.engine.release_blocks()
                 self._publish()
         finally:
             self.engine.on_scheduled = None  # its sockets close after this
 
     def _poll_ms(self) -> int:
-        """How long to wait for messages: not at all while steps run; briefly while blocks
-        are held for another instance (freed when read, or at their timeout)."""
+        """How long to wait for messages: not at all while steps run; briefly while finished
+        requests hold blocks (for another instance; or a load may still write them)."""
         if self._steps():
             return 0
-        return HELD_POLL_MS if self.engine.scheduler.held else IDLE_POLL_MS
+        return HELD_POLL_MS if self.engine.keeps_blocks() else IDLE_POLL_MS
 
     def _steps(self) -> bool:
         """Whether there is a step to run (requests, and generation not paused)."""

@@ -32,3 +32,4 @@ class RequestDelta(msgspec.Struct, array_like=True):
     first_scheduled_time: float | None = None  # monotonic (one clock for every process)
     pooled: list[float] | None = None  # a pooling request's answer (its one, final delta)
     kv_transfer_params: dict | None = None  # with the final delta: a KV connector's answer
+    error: str | None = None  # with the final delta: why the request failed (no answer)

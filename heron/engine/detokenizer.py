@@ -110,8 +110,14 @@ class IncrementalDetokenizer:
         return stop
 
     def _decode_undecoded(self) -> None:
-        pieces = [self._step(token_id) for token_id in self._undecoded]
-        self._undecoded.clear()
+        undecoded = self._undecoded
+        if len(undecoded) == 1:  # (a step's one token: the common case, kept cheap)
+            piece = self._step(undecoded.pop())
+            if piece:
+                self._text += piece
+            return
+        pieces = [self._step(token_id) for token_id in undecoded]
+        undecoded.clear()
         self._text += "".join(filter(None, pieces))
 
     def _step(self, token_id: int) -> str | None:

@@ -133,6 +133,7 @@ class LLMEngine:
         self._validate_prompt(token_ids)
         if images:
             self.validate_images(len(images))
+            self._check_whole_images(images)
         if params.kv_transfer_params is not None:
             if self.scheduler.connector is None:
                 raise ValueError(
@@ -231,6 +232,18 @@ class LLMEngine:
                 f"the prompt has {count} images, more than limit_mm_per_prompt allows ({limit})"
             )
 
+    def _check_whole_images(self, images: tuple[ImageItem, ...]) -> None:
+        """``ValueError`` for an image one step cannot hold, where a step must hold an image's
+        every token (its tokens attend to the whole image)."""
+        config = self.scheduler.config
+        longest = max(item.length for item in images)
+        if config.whole_images and longest > config.max_num_batched_tokens:
+            raise ValueError(
+                f"an image of {longest} tokens does not fit one step (max_num_batched_tokens="
+                f"{config.max_num_batched_tokens}); this model's image tokens attend to their "
+                "whole image, so one step computes all of them"
+            )
+
     def _validate_prompt(self, token_ids: list[int]) -> None:
         if not token_ids:
             raise ValueError("the prompt is empty")
@@ -262,6 +275,18 @@ class LLMEngine:
                     SampleDelta(child.sample_index, [], None, FinishReason.ABORT.value, None)
                 )
         return self._complete(parent, delta)
+
+    def release_blocks(self) -> None:
+        """Free finished requests' blocks a KV connector is done with: held for another
+        instance (read, or past the timeout), or aborted while a load was writing them."""
+        if self.scheduler.draining:
+            self._collect_transfers()
+        if self.scheduler.held:
+            self.scheduler.release_held()
+
+    def keeps_blocks(self) -> bool:
+        """Whether finished requests hold blocks (see :meth:`release_blocks`)."""
+        return bool(self.scheduler.held or self.scheduler.draining)
 
     def samples(self, request_id: str) -> list[Request]:
         """The sequences (one per sample) of an unfinished user request."""
@@ -316,6 +341,7 @@ class LLMEngine:
         """
         previous, self._in_flight = self._in_flight, None
         touched: dict[str, RequestDelta] = {}
+        failed: list[tuple[Request, str]] = []
         if previous is not None and not self._runs_past(previous.launched):
             # Proposals start from the last token: read it before scheduling.
             self._read(previous, touched)
@@ -355,11 +381,11 @@ class LLMEngine:
             )
             self.scheduler.finish_step(schedule)
             if self.scheduler.connector is not None:
-                self._collect_transfers()
+                failed = self._collect_transfers()
             for request, n in zip(launched.sample_requests, launched.num_pending):
                 request.num_pending_tokens += n
-        elif self.scheduler.loading:  # (loads that end after their step: reads over NIXL)
-            self._collect_transfers()
+        elif self.scheduler.loading or self.scheduler.draining:  # (loads outlasting a step)
+            failed = self._collect_transfers()
         if previous is not None:
             self._read(previous, touched)
         if launched is not None:
@@ -372,7 +398,18 @@ class LLMEngine:
             if compiling:
                 self._grammars.wait_for_any(compiling, _GRAMMAR_WAIT_S)
 
-        return [self._complete(self._parents[i], delta) for i, delta in touched.items()]
+        deltas = [self._complete(self._parents[i], delta) for i, delta in touched.items()]
+        return deltas + self._fail(failed)
+
+    def _fail(self, failed: list[tuple[Request, str]]) -> list[RequestDelta]:
+        """Abort the user requests of ``failed`` samples; their final deltas say why."""
+        deltas = []
+        for request, error in failed:
+            delta = self.abort_request(request.parent_id)
+            if delta is not None:  # (None: a sibling's failure aborted it already)
+                delta.error = error
+                deltas.append(delta)
+        return deltas
 
     def _complete(self, parent: _UserRequest, delta: RequestDelta) -> RequestDelta:
         """Fill in what a delta says of the whole request; forget the request once finished."""
@@ -413,16 +450,17 @@ class LLMEngine:
         grammars = [None if r.is_finished else r.grammar for r in sample_requests]
         return self._grammars.token_bitmask(grammars)
 
-    def _collect_transfers(self) -> None:
-        """Hand the KV connector's ended transfers to the scheduler; a connector that raises
-        is switched off, never the engine."""
+    def _collect_transfers(self) -> list[tuple[Request, str]]:
+        """Hand the KV connector's ended transfers to the scheduler (the requests it fails, as
+        :meth:`Scheduler.transfers_finished`); a connector that raises is switched off, never
+        the engine."""
         try:
             results = self.runner.take_transfer_results()
         except Exception:
             logger.exception("KV connector failed: the engine runs on without it")
             self.scheduler.stop_transfers()
-            return
-        self.scheduler.transfers_finished(results)
+            return []
+        return self.scheduler.transfers_finished(results)
 
     def _read(self, launched: _Launched, touched: dict[str, RequestDelta]) -> None:
         """Apply a step's sampled tokens (and prompt logprobs) to its requests."""

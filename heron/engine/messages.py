@@ -31,7 +31,7 @@ class ImageData(msgspec.Struct, array_like=True):
 
     content_hash: str
     pixels: bytes
-    shape: tuple[int, int]
+    shape: tuple[int, ...]
     grid_thw: tuple[int, int, int]
     offset: int
     length: int

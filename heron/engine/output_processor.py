@@ -34,27 +34,34 @@ class _Sample:
     stop_reason: str | int | None = None
 
     def output(self, index: int) -> CompletionOutput:
-        finished = self.finish_reason is not None
+        detokenizer, logprobs = self.detokenizer, self.logprobs
+        if self.finish_reason is not None:
+            return CompletionOutput(
+                index,
+                detokenizer.text,
+                list(self.token_ids),
+                self.finish_reason,
+                self.stop_reason,
+                None if logprobs is None else list(logprobs),
+            )
         # (a streamed output views the growing lists instead of copying them every step)
-        snapshot = list if finished else PrefixView
-        detokenizer = self.detokenizer
         return CompletionOutput(
             index,
-            detokenizer.text if finished else detokenizer.text_safe_to_stream,
-            snapshot(self.token_ids),
-            self.finish_reason,
-            self.stop_reason,
-            None if self.logprobs is None else snapshot(self.logprobs),
+            detokenizer.text_safe_to_stream,
+            PrefixView(self.token_ids),
+            None,
+            None,
+            None if logprobs is None else PrefixView(logprobs),
         )
 
     def apply(self, delta: SampleDelta) -> bool:
         """Take the sample's new tokens up to a stop string; True if a stop string ended a
         sample the engine still runs."""
-        detokenizer = self.detokenizer
+        detokenizer, token_ids, logprobs = self.detokenizer, self.token_ids, self.logprobs
         for i, token_id in enumerate(delta.token_ids):
-            self.token_ids.append(token_id)
-            if self.logprobs is not None:
-                self.logprobs.append(delta.logprobs[i])
+            token_ids.append(token_id)
+            if logprobs is not None:
+                logprobs.append(delta.logprobs[i])
             stop_string = detokenizer.append(token_id)
             if stop_string is not None:
                 self.finish("stop", stop_string)
@@ -83,6 +90,7 @@ class _RequestState:
     first_scheduled_time: float | None = None
     first_token_time: float | None = None
     kv_transfer_params: dict | None = None
+    error: str | None = None  # why it failed (with its final delta)
 
     @property
     def finished(self) -> bool:
@@ -92,11 +100,14 @@ class _RequestState:
         return True
 
     def output(self, finished: bool) -> RequestOutput:
+        samples = self.samples
         output = RequestOutput(
             self.request_id,
             self.prompt,
             self.prompt_token_ids,
-            [sample.output(index) for index, sample in enumerate(self.samples)],
+            [samples[0].output(0)]
+            if len(samples) == 1
+            else [sample.output(index) for index, sample in enumerate(samples)],
             finished,
             None if self.prompt_logprobs is None else list(self.prompt_logprobs),
             self.num_cached_tokens,
@@ -104,6 +115,7 @@ class _RequestState:
         if finished:
             output.metrics = self.timings()
             output.kv_transfer_params = self.kv_transfer_params
+            output.error = self.error
         return output
 
     def timings(self) -> dict[str, float]:
@@ -205,6 +217,8 @@ class OutputProcessor:
             state.first_scheduled_time = delta.first_scheduled_time
         if delta.kv_transfer_params is not None:
             state.kv_transfer_params = delta.kv_transfer_params
+        if delta.error is not None:
+            state.error = delta.error
         stopped = []
         for sample_delta in delta.samples:
             sample = state.samples[sample_delta.index]

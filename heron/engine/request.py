@@ -114,6 +114,15 @@ class Request:
     def wants_prompt_logprobs(self) -> bool:
         return self.sampling_params.prompt_logprobs is not None
 
+    @property
+    def keep_state_at(self) -> int:
+        """A prefill instance's request (its first sample) keeps the recurrent state after all
+        but its prompt's last token: what a decode instance, computing that token, starts from."""
+        params = self.sampling_params.kv_transfer_params
+        if not params or params.get("do_remote_decode") is not True or self.sample_index:
+            return 0
+        return self.num_prompt_tokens - 1
+
     def append_output_token(self, token_id: int) -> None:
         self.output_token_ids.append(token_id)
         self.all_token_ids.append(token_id)

@@ -42,6 +42,8 @@ class SchedulerConfig:
     max_num_partial_prefills: int | None = None  # None: no limit
     max_long_partial_prefills: int | None = None
     max_loras: int = 0  # LoRA adapters the running requests may use at once
+    # A chunk never ends inside an image (the model's image tokens attend to their whole image)
+    whole_images: bool = False
 
 
 class ScheduledRequest(NamedTuple):
@@ -111,6 +113,9 @@ class Scheduler:
         self.loading: dict[str, _Loading] = {}
         # Finished requests whose blocks a connector keeps for another instance to read.
         self.held: dict[str, Request] = {}
+        # Requests aborted while loading: their blocks are freed once the load ends (a read
+        # in flight may still write them).
+        self.draining: dict[str, Request] = {}
         self.num_preemptions = 0
         # For the next plan: requests gone since the last one, and those whose tables were
         # dropped; how much of each table the runner holds.
@@ -153,9 +158,15 @@ class Scheduler:
                 i += 1  # finishes with the token being sampled: nothing left to compute
                 continue
             remaining = request.num_tokens - request.num_computed_tokens
-            num_new = prefills.chunk(remaining, budget)
-            if num_new > 1:
-                num_new = self.kv_cache.chunk_end(request, request.num_computed_tokens, num_new)
+            num_new = remaining  # (a decoding request's one token, or none: no call)
+            if remaining > 1:
+                num_new = prefills.chunk(remaining, budget)
+                if num_new > 1:
+                    num_new = self.kv_cache.chunk_end(request, request.num_computed_tokens, num_new)
+                num_new = self._whole_images(request, request.num_computed_tokens, num_new, budget)
+                if not num_new:
+                    i += 1  # its next image does not fit this step's budget
+                    continue
             num_proposed = min(counts.get(request.request_id, 0), budget - 1) if counts else 0
             while not allocate_slots(request, num_new + num_proposed):
                 victim = running.pop()
@@ -217,6 +228,9 @@ class Scheduler:
             num_new = prefills.chunk(remaining, budget)
             if num_new > 1:
                 num_new = self.kv_cache.chunk_end(request, num_cached, num_new)
+            num_new = self._whole_images(request, num_cached, num_new, budget)
+            if not num_new:
+                break  # its first image does not fit this step's budget
             if not self.kv_cache.allocate_slots(request, num_new, computed_blocks):
                 break
             self.waiting.popleft()
@@ -231,6 +245,20 @@ class Scheduler:
         self.waiting.extendleft(reversed(passed))
         self._fill_plan(out)
         return out
+
+    def _whole_images(self, request: Request, start: int, num_new: int, budget: int) -> int:
+        """``num_new`` tokens from ``start``, cut back to before an image the chunk would
+        end inside (or stretched to its end, where that is all the chunk would hold and the
+        budget allows), when the model's image tokens attend to their whole image."""
+        if not self.config.whole_images:
+            return num_new
+        end = start + num_new
+        for item in request.images:
+            if item.offset < end < item.end:
+                if item.offset > start:
+                    return item.offset - start
+                return item.end - start if item.end - start <= budget else 0
+        return num_new
 
     def _running_adapters(self) -> set[int]:
         """The LoRA adapters of the running requests: a request of another joins them only
@@ -256,13 +284,11 @@ class Scheduler:
         num_external: int,
     ) -> bool:
         """Give ``request`` blocks for ``num_external`` tokens past its ``num_cached`` on the
-        device and have the connector load them; False (nothing changed) if they do not fit.
-        The load brings every group up to the loaded tokens (a recurrent group's state too),
-        so no checkpoint of the device hit is restored under it."""
-        blocks = self.kv_cache.without_checkpoints(computed_blocks)
-        if not self.kv_cache.allocate_slots(request, num_external, blocks):
+        device and have the connector load them; False (nothing changed) if they do not fit."""
+        if not self.kv_cache.allocate_slots(request, num_external, computed_blocks):
             return False
         self.waiting.popleft()
+        self.kv_cache.loads(request.request_id)
         request.num_computed_tokens = num_cached
         first = request.first_scheduled_time is None
         self.loading[request.request_id] = _Loading(request, num_external, first)
@@ -270,13 +296,24 @@ class Scheduler:
         self._guarded(methodcaller("load", request, tables, num_cached, num_external))
         return True
 
-    def transfers_finished(self, results: TransferResults) -> None:
+    def transfers_finished(self, results: TransferResults) -> list[tuple[Request, str]]:
         """The connector's worker side ended these transfers: a loaded request runs from past
-        its loaded tokens; one whose load failed is queued again to compute them."""
+        its loaded tokens; one whose load failed is queued again to compute them, unless the
+        connector fails it: those are returned, with why, for the caller to abort now."""
         self._guarded(methodcaller("finished", results))
+        for request_id in (*results.failed_loads, *results.loaded):
+            draining = self.draining.pop(request_id, None)
+            if draining is not None:
+                self._free(draining)
+        failed = []
         for request_id in results.failed_loads:  # (first: a failure outweighs a success)
             loading = self.loading.pop(request_id, None)
-            if loading is not None:  # (else aborted while loading)
+            if loading is None:  # (aborted while loading)
+                continue
+            error = self._guarded(methodcaller("failed_load_error", request_id))
+            if error is not None:
+                failed.append((loading.request, error))  # (its blocks go as it is removed)
+            else:
                 # Freed at its device hit: the loaded blocks' prefix entries are dropped.
                 self._requeue(loading.request)
         for request_id in results.loaded:
@@ -288,6 +325,7 @@ class Scheduler:
                     request.num_cached_tokens += loading.num_tokens
                 request.status = RequestStatus.RUNNING
                 self.running.append(request)
+        return failed
 
     def reject(self, request: Request, num_rejected: int) -> None:
         """The step computed ``num_rejected`` proposed tokens that were refused: the request's
@@ -368,14 +406,15 @@ class Scheduler:
     def stop_transfers(self) -> None:
         """Stop using the KV connector (it failed, or the engine shuts down): its loading
         requests go back to the queue to compute their tokens, and the blocks it held for
-        another instance are freed."""
+        another instance or for a read in flight (aborted requests') are freed."""
         self.connector = None
         for loading in list(self.loading.values()):
             self._requeue(loading.request)
         self.loading.clear()
-        for request in self.held.values():
+        for request in (*self.held.values(), *self.draining.values()):
             self.kv_cache.free(request)
         self.held.clear()
+        self.draining.clear()
 
     def _preempt(self, request: Request) -> None:
         self._requeue(request)
@@ -410,13 +449,19 @@ class Scheduler:
             self.running.remove(request)
         elif request in self.waiting:
             self.waiting.remove(request)
-        else:
-            self.loading.pop(request.request_id, None)
+        elif (
+            self.loading.pop(request.request_id, None) is not None
+            and self.connector.loads_outlive_steps
+        ):
+            self.draining[request.request_id] = request
+            self._finished_ids.append(request.request_id)
+            return
         held = (
             self.connector is not None
             and request.finish_reason is not FinishReason.ABORT
             and self._guarded(
-                methodcaller("hold", request, self.kv_cache.block_tables(request.request_id)), False
+                methodcaller("hold", request, self.kv_cache.transfer_tables(request.request_id)),
+                False,
             )
         )
         if held:
@@ -439,7 +484,8 @@ class Scheduler:
         self._forget(request_id)
 
     def release_held(self) -> None:
-        """Free the held requests' blocks the connector is done with."""
+        """Free the held requests' blocks the connector is done with (see also
+        :meth:`transfers_finished`, which frees the draining ones')."""
         for request_id in self._guarded(methodcaller("released"), []):
             request = self.held.pop(request_id, None)
             if request is not None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 import logging
 from collections.abc import Callable, Sequence
@@ -120,6 +121,7 @@ class ModelRunner:
         self.kv_connector: KVConnectorWorker | None = None
         self.layer_steps: LayerSteps | None = None
         self._transfer_failures = TransferResults()
+        self._loaded: set[str] = set()  # requests whose loads ended, until they run
 
     @property
     def cache_specs(self) -> list[CacheSpec]:
@@ -208,6 +210,7 @@ class ModelRunner:
         ended = self.kv_connector.take_results()
         for name in ("loaded", "failed_loads", "failed_saves"):
             getattr(results, name).extend(getattr(ended, name))
+        self._loaded.update(results.loaded)
         return results
 
     def _transfer(self, meta: KVConnectorMeta, loads: bool) -> None:
@@ -344,9 +347,6 @@ class ModelRunner:
         if transfers is not None:
             self._transfer(transfers, loads=True)
         step, rejected = self._prepare(plan, previous, drafts, rollback)
-        if transfers is not None:
-            for request_id, num_tokens in transfers.loaded_tokens.items():
-                self.inputs.tables.holds(request_id, num_tokens)  # (a loaded state)
         if step is None:  # (a plan that only brings the runner's requests up to date)
             launched = LaunchedStep([], result=StepOutput([], [], []))
         elif self.pooler is not None:
@@ -373,7 +373,7 @@ class ModelRunner:
         step = self.decode_chain.prepare(plan, previous, drafts, rollback, self.inputs.tables)
         if step is not None:
             return step, None
-        apply_plan(plan, self.requests, self.inputs.tables, self.device)
+        apply_plan(plan, self.requests, self.inputs.tables, self.device, self._loaded)
         if self.multimodal is not None:
             for request_id in plan.finished_ids:
                 self.multimodal.forget(request_id, finished=True)
@@ -409,6 +409,8 @@ class ModelRunner:
         greedy_ids = None
         # A step with images runs eagerly (the encoder, placeholder features, M-RoPE positions).
         mm = None if self.multimodal is None else self.multimodal.prepare(plan, self.requests)
+        if mm is not None and mm.key_limits is not None:
+            seq = dataclasses.replace(seq, key_limits=mm.key_limits)
         # A graph computes every token's logits: it serves steps that sample every token
         # (not a prefill chunk that samples nothing, nor prompt logprobs' rows first).
         every_token_sampled = step.sample_rows == slice(0, seq.num_tokens)
@@ -506,13 +508,21 @@ def apply_plan(
     requests: dict[str, RequestState],
     tables: BlockTableRows,
     device: torch.device,
+    loaded: set[str] | None = None,
 ) -> None:
-    """Bring the per-request state and block tables up to the plan."""
+    """Bring the per-request state and block tables up to the plan; ``loaded``: requests
+    whose KV connector loads ended (their caches hold their context once they run)."""
     for request_id in plan.finished_ids:
         requests.pop(request_id, None)
         tables.drop(request_id)
     for request_id in plan.preempted_ids:
         tables.drop(request_id)
+    if loaded:
+        loaded.difference_update(plan.finished_ids, plan.preempted_ids)
+        for request_id, num_computed in zip(plan.request_ids, plan.num_computed):
+            if request_id in loaded:
+                loaded.remove(request_id)
+                tables.holds(request_id, num_computed)
     for new in plan.new_requests:
         requests[new.request_id] = RequestState(new, device)
     given_rows = [u.request_id for u in plan.table_updates if tables.apply(u)]

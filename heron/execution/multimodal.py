@@ -1,5 +1,6 @@
-"""A multimodal model's per-step inputs: M-RoPE positions and the placeholder tokens' encoder
-features, computed once per image and kept in the encoder cache while requests need them."""
+"""A multimodal model's per-step inputs: the placeholder tokens' encoder features (computed
+once per image and kept in the encoder cache while requests need them), and, as the model
+needs them, M-RoPE positions or the key limits of image tokens that see their whole image."""
 
 from __future__ import annotations
 
@@ -16,12 +17,15 @@ from heron.multimodal.inputs import ImageItem, MultimodalStep
 
 class MultimodalInputs:
     """Runs the encoder for the images whose placeholders fall in a step's chunks and hands
-    the model their features and every token's M-RoPE positions."""
+    the model their features, with every token's M-RoPE positions (a model with
+    ``mrope_positions``) or key limits (a model with ``images_attend_whole``)."""
 
     def __init__(self, model: torch.nn.Module, device: torch.device) -> None:
         self.model = model
         self.device = device
         self.cache = EncoderCache()
+        self.mrope = hasattr(model, "mrope_positions")
+        self.whole_images = getattr(model, "images_attend_whole", False)
         self._positions: dict[str, tuple[np.ndarray, int]] = {}  # request -> prompt's, delta
 
     def forget(self, request_id: str, finished: bool) -> None:
@@ -32,8 +36,8 @@ class MultimodalInputs:
             self._positions.pop(request_id, None)
 
     def prepare(self, plan: StepPlan, states: Mapping[str, RequestState]) -> MultimodalStep | None:
-        """None where no request of the step has images: its positions are the view's, and
-        the step may replay a graph."""
+        """None where the step needs nothing beside its tokens (no request has images, or,
+        without M-RoPE, none reaches a placeholder): the step may then replay a graph."""
         if not any(states[request_id].images for request_id in plan.request_ids):
             return None
         positions = []
@@ -41,12 +45,8 @@ class MultimodalInputs:
         row = 0
         for request_id, c, n in zip(plan.request_ids, plan.num_computed, plan.num_new):
             state = states[request_id]
-            prompt, delta = self._prompt_positions(state)
-            index = np.arange(c, c + n)
-            step = np.broadcast_to(index + delta, (3, n)).copy()
-            in_prompt = index < prompt.shape[1]
-            step[:, in_prompt] = prompt[:, index[in_prompt]]
-            positions.append(step)
+            if self.mrope:
+                positions.append(self._step_positions(state, c, n))
             for item in state.images:
                 if item.overlaps(c, c + n):
                     lo, hi = max(c, item.offset), min(c + n, item.end)
@@ -54,9 +54,11 @@ class MultimodalInputs:
                         (request_id, item, lo - item.offset, hi - item.offset, row + lo - c)
                     )
             row += n
-        step_positions = torch.from_numpy(np.concatenate(positions, axis=1)).to(self.device)
+        step_positions = None
+        if positions:
+            step_positions = torch.from_numpy(np.concatenate(positions, axis=1)).to(self.device)
         if not segments:
-            return MultimodalStep(step_positions)
+            return MultimodalStep(step_positions) if self.mrope else None
         self._encode([item for _, item, *_ in segments])
         rows, features = [], []
         for request_id, item, a, b, first in segments:
@@ -66,7 +68,36 @@ class MultimodalInputs:
         for request_id, item, _, b, _ in segments:
             if b == item.length:  # its last placeholder is in this step
                 self.cache.release(request_id, item.content_hash)
-        return MultimodalStep(step_positions, torch.cat(rows).to(self.device), torch.cat(features))
+        key_limits = self._key_limits(plan, segments) if self.whole_images else None
+        return MultimodalStep(
+            step_positions, torch.cat(rows).to(self.device), torch.cat(features), key_limits
+        )
+
+    def _key_limits(
+        self, plan: StepPlan, segments: list[tuple[str, ImageItem, int, int, int]]
+    ) -> torch.Tensor:
+        """Each token's last visible position: its own, or its image's last token. The
+        scheduler never ends a chunk inside such an image, so those keys are in the step."""
+        limits = np.concatenate(
+            [np.arange(c, c + n) for c, n in zip(plan.num_computed, plan.num_new)]
+        )
+        for request_id, item, a, b, first in segments:
+            if b != item.length:
+                raise RuntimeError(
+                    f"request {request_id!r}: the step ends inside an image whose tokens "
+                    "attend to the whole image"
+                )
+            limits[first : first + b - a] = item.end - 1
+        return torch.from_numpy(limits.astype(np.int32)).to(self.device)
+
+    def _step_positions(self, state: RequestState, c: int, n: int) -> np.ndarray:
+        """M-RoPE positions of the request's tokens ``c .. c + n``."""
+        prompt, delta = self._prompt_positions(state)
+        index = np.arange(c, c + n)
+        step = np.broadcast_to(index + delta, (3, n)).copy()
+        in_prompt = index < prompt.shape[1]
+        step[:, in_prompt] = prompt[:, index[in_prompt]]
+        return step
 
     def _prompt_positions(self, state: RequestState) -> tuple[np.ndarray, int]:
         known = self._positions.get(state.request_id)

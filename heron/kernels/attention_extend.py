@@ -18,10 +18,13 @@ with one new token included). Layout contract (all tensors on one device):
 * ``sinks`` (optional, gpt-oss): ``[H]``, any float dtype: one learned logit per head, in the
   units of the scaled scores, that joins every softmax's normaliser and adds nothing to the
   output.
+* ``key_limits`` (optional, Gemma 3's images): int32 ``[T]``, the last position each new token
+  sees (at least its own; past it for a token of an image whose tokens attend to the whole
+  image). Every position up to a limit must be among the request's ``kv_len`` keys.
 
 Scores are ``s = (q . k) * scale``, soft-capped to ``cap * tanh(s / cap)`` when a ``softcap`` is
-given (Gemma 2), then masked. Both features are constexpr flags of the kernel, so a layer
-without them compiles to exactly the plain kernel.
+given (Gemma 2), then masked. Soft-caps, sinks and key limits are constexpr flags of the
+kernel, so a step without them compiles to exactly the plain kernel.
 """
 
 from __future__ import annotations
@@ -61,6 +64,7 @@ def _extend_kernel(
     sinks_ptr,
     softcap,  # with HAS_SOFTCAP: cap * log2(e) (see decode.score_constants)
     v_scale,  # an FP8 cache's V scale (its K scale is in qk_scale)
+    key_limits_ptr,
     GROUP: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -69,6 +73,7 @@ def _extend_kernel(
     USE_WINDOW: tl.constexpr,
     HAS_SOFTCAP: tl.constexpr,
     HAS_SINKS: tl.constexpr,
+    HAS_KEY_LIMITS: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     USE_PDL: tl.constexpr,
 ):
@@ -104,6 +109,11 @@ def _extend_kernel(
     # Keys up to the causal end of the block's last real row, from the window start of its
     # first row (aligned down to a tile; earlier positions are masked per element).
     hi = context + tl.minimum(m0 + BLOCK_M, q_len)
+    if HAS_KEY_LIMITS:  # a row may see past itself: up to the furthest limit of the block
+        limit = tl.load(key_limits_ptr + q_start + offs_m, mask=row_mask, other=0)
+        hi = tl.maximum(hi, tl.minimum(tl.max(limit, 0) + 1, kv_len))
+    else:
+        limit = q_pos
     if USE_WINDOW:
         lo = (tl.maximum(context + m0 - window + 1, 0) // BLOCK_N) * BLOCK_N
     else:
@@ -128,7 +138,7 @@ def _extend_kernel(
         k_ptrs = kv_head + tok_off[:, None] + offs_d[None, :]
         k = tl.load(k_ptrs, mask=in_range[:, None], other=0.0).to(dt)
 
-        visible = (k_pos[None, :] <= q_pos[:, None]) & in_range[None, :]
+        visible = (k_pos[None, :] <= limit[:, None]) & in_range[None, :]
         if USE_WINDOW:
             visible &= k_pos[None, :] > q_pos[:, None] - window
         qk = scores(
@@ -171,11 +181,13 @@ def paged_extend_attention(
     sinks: torch.Tensor | None = None,
     k_scale: float = 1.0,
     v_scale: float = 1.0,
+    key_limits: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Causal attention of the new tokens over their requests' paged KV; writes, returns ``out``.
 
     Shapes are in the module docstring. A query at position ``p`` sees keys ``j`` with
-    ``p - sliding_window < j <= p`` (all ``j <= p`` when the window is None). ``softcap``
+    ``p - sliding_window < j <= p`` (all ``j <= p`` when the window is None), or up to its
+    key limit instead of ``p`` where ``key_limits`` are given. ``softcap``
     caps the scaled scores (Gemma 2), ``sinks`` [H] joins each head's softmax (gpt-oss).
     ``max_query_len`` (a host int, at least the longest request's new-token count) sizes the
     grid; programs beyond a request's new tokens return at once. An FP8 (E4M3) cache holds
@@ -191,6 +203,7 @@ def paged_extend_attention(
     assert q.stride(-1) == 1 and out.stride(-1) == 1 and kv_cache.stride(-1) == 1
     assert sinks is None or (sinks.shape == (num_heads,) and sinks.stride(0) == 1)
     assert softcap is None or softcap > 0
+    assert key_limits is None or (key_limits.shape == (num_tokens,) and key_limits.stride(0) == 1)
     if num_tokens == 0 or num_reqs == 0 or max_query_len == 0:
         return out
     qk_scale, softcap_log2 = score_constants(scale * k_scale, softcap)
@@ -221,6 +234,7 @@ def paged_extend_attention(
         out if sinks is None else sinks,  # any valid pointer when unused
         softcap_log2,
         v_scale,
+        out if key_limits is None else key_limits,  # any valid pointer when unused
         GROUP=num_heads // num_kv_heads,
         BLOCK_M=block_m,
         BLOCK_N=block_n,
@@ -229,6 +243,7 @@ def paged_extend_attention(
         USE_WINDOW=sliding_window is not None,
         HAS_SOFTCAP=softcap is not None,
         HAS_SINKS=sinks is not None,
+        HAS_KEY_LIMITS=key_limits is not None,
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         num_warps=num_warps,
         num_stages=2,

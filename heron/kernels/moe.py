@@ -16,6 +16,12 @@ choose what differs between them:
   bytes that bound decode halve, the products stay in half precision). ``SCALE`` 3 is MXFP4
   (gpt-oss): output-major FP4 E2M1 values two a byte with a uint8 E8M0 scale per output channel
   and 32 inputs (``heron.layers.mxfp4``), decoded in registers and scaled per K step of 32.
+  ``SCALE`` 4 is packed integers (W4A16, W8A16: GPTQ, AWQ, compressed-tensors), each expert's
+  matrices in ``heron.layers.wna16``'s layout (``BITS``-bit values in int32 words along the
+  input, scales and optional uint8 zero points per group of ``SCALE_BK`` inputs), a tile
+  dequantised in fp32 registers as the dense packed kernels do (``heron.kernels.wna16``), then
+  rounded to ``x``'s dtype for the dot; with ``HAS_PERM`` (act-order) the first kernel gathers
+  ``x``'s columns in each expert's order.
 
 Every step runs on the GPU with shapes that depend only on the token count, never on the
 routing, so there is no host sync and the whole call can be captured in a CUDA graph.
@@ -48,6 +54,7 @@ import triton.language as tl
 
 from heron.kernels.moe_align import align_by_expert
 from heron.kernels.pdl import pdl_launch, wait_for_previous_kernel
+from heron.kernels.wna16 import dequant_tile
 
 #: Values an MXFP4 scale covers (``heron.layers.mxfp4.BLOCK``; kernels import no layers).
 MXFP4_BLOCK = 32
@@ -65,10 +72,15 @@ def _expert_matmul(
     N,
     K,
     s_ptrs,
+    z_ptr,
+    p_ptr,
     OUTPUT_MAJOR: tl.constexpr,
     EVEN_K: tl.constexpr,
     SCALE: tl.constexpr,
     SCALE_BK: tl.constexpr,
+    BITS: tl.constexpr,
+    HAS_ZEROS: tl.constexpr,
+    HAS_PERM: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -77,7 +89,14 @@ def _expert_matmul(
     """fp32 ``a @ w[:, cols]`` [BLOCK_M, BLOCK_N] over ``K``: ``a_ptrs`` [BLOCK_M, 1] point at
     the rows' starts (``a_mask`` [BLOCK_M, 1] says which to read), ``w_ptr`` at one expert's
     weight, [N, K] if ``OUTPUT_MAJOR`` else [K, N]. With ``SCALE`` the weight is FP8 and
-    ``s_ptrs`` [BLOCK_N] point at each column's scale (1) or at its row of tile scales (2)."""
+    ``s_ptrs`` [BLOCK_N] point at each column's scale (1) or at its row of tile scales (2);
+    packed integers (4): ``s_ptrs`` and ``z_ptr`` at the expert's scales and zero points, and
+    with ``HAS_PERM`` ``p_ptr`` at the expert's order of ``a``'s columns (act-order)."""
+    if SCALE == 4:
+        return _wna16_matmul(
+            a_ptrs, a_mask, w_ptr, s_ptrs, z_ptr, p_ptr, cols, n_mask, K, BITS, SCALE_BK,
+            HAS_ZEROS, HAS_PERM, BLOCK_M, BLOCK_N, BLOCK_K, DOT_PREC,
+        )  # fmt: skip
     offs_k = tl.arange(0, BLOCK_K)
     a_ptrs = a_ptrs + offs_k[None, :]
     if SCALE == 3:
@@ -144,6 +163,47 @@ def _mxfp4_matmul(
 
 
 @triton.jit
+def _wna16_matmul(
+    a_ptrs,
+    a_mask,
+    w_ptr,
+    s_ptr,
+    z_ptr,
+    p_ptr,
+    cols,
+    n_mask,
+    K,
+    BITS: tl.constexpr,
+    GROUP: tl.constexpr,
+    HAS_ZEROS: tl.constexpr,
+    HAS_PERM: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    DOT_PREC: tl.constexpr,
+):
+    """``_expert_matmul`` over one expert's packed integers: words [N, K * BITS / 32], scales
+    and zero points [N, cdiv(K, GROUP)] (``GROUP`` at least ``K`` per channel); with
+    ``HAS_PERM`` the weight's column ``k`` multiplies ``a``'s column ``perm[k]`` (act-order: the
+    columns sorted by group at load). The weight tile's columns past ``K`` are not zero (see
+    ``dequant_tile``); the activations there are."""
+    offs_k = tl.arange(0, BLOCK_K)
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for k in range(0, K, BLOCK_K):
+        k_mask = (k + offs_k) < K
+        a_cols = k + offs_k
+        if HAS_PERM:
+            a_cols = tl.load(p_ptr + a_cols, mask=k_mask, other=0)
+        a = tl.load(a_ptrs + a_cols[None, :], mask=a_mask & k_mask[None, :], other=0.0)
+        w = dequant_tile(
+            w_ptr, s_ptr, z_ptr, cols, n_mask, k, K, K // (32 // BITS), tl.cdiv(K, GROUP),
+            BITS, GROUP, HAS_ZEROS, False, BLOCK_N, BLOCK_K,
+        )  # fmt: skip
+        acc = tl.dot(a, tl.trans(w.to(a.dtype)), acc=acc, input_precision=DOT_PREC)
+    return acc
+
+
+@triton.jit
 def _fp4_tile(packed, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     """E2M1 values of bytes ``packed`` [BLOCK_N, BLOCK_K / 2] (the low nibble first) as fp16
     [BLOCK_N, BLOCK_K] times 2 ** -14, exactly: the nibble's exponent and mantissa bits become
@@ -164,10 +224,13 @@ def _row_block(pid_m, block_expert_ptr, sorted_ids_ptr, num_pairs, BLOCK_M: tl.c
 
 
 @triton.jit
-def _weight_offset(expert, size, SCALE: tl.constexpr):
-    """Where expert ``expert``'s weight of ``size`` values starts (MXFP4: two a byte)."""
+def _weight_offset(expert, size, SCALE: tl.constexpr, BITS: tl.constexpr):
+    """Where expert ``expert``'s weight of ``size`` values starts (MXFP4: two a byte; packed
+    integers: ``32 / BITS`` a word)."""
     if SCALE == 3:
         return expert * (size // 2)
+    if SCALE == 4:
+        return expert * (size // (32 // BITS))
     return expert * size
 
 
@@ -175,7 +238,8 @@ def _weight_offset(expert, size, SCALE: tl.constexpr):
 def _scale_ptrs(s_ptr, expert, rows, num_rows, K, SCALE: tl.constexpr, SCALE_BK: tl.constexpr):
     """Pointers at the scales of one expert's weight ``rows`` [BLOCK_N] (output channels for
     ``SCALE`` 1; rows of tiles for 2 and 3, each ``cdiv(K, SCALE_BK)`` long) of ``num_rows``;
-    for ``SCALE`` 0, unread pointers off the weight that stands in for the scales."""
+    for ``SCALE`` 0, unread pointers off the weight that stands in for the scales. Packed
+    integers (4) take rows 0: the expert's first row of groups (of scales or zero points)."""
     if SCALE >= 2:
         return s_ptr + (expert * num_rows + rows) * tl.cdiv(K, SCALE_BK)
     return s_ptr + expert * num_rows + rows
@@ -187,6 +251,8 @@ def _gate_up_kernel(
     w_ptr,
     b_ptr,
     s_ptr,
+    z_ptr,
+    p_ptr,
     h_ptr,
     sorted_ids_ptr,
     block_expert_ptr,
@@ -206,6 +272,9 @@ def _gate_up_kernel(
     SCALE: tl.constexpr,
     SCALE_BN: tl.constexpr,
     SCALE_BK: tl.constexpr,
+    BITS: tl.constexpr,
+    HAS_ZEROS: tl.constexpr,
+    HAS_PERM: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -240,21 +309,28 @@ def _gate_up_kernel(
             s_ptr, expert, is_up * gate_tiles + offs_j // SCALE_BN, 2 * gate_tiles, hidden,
             SCALE, SCALE_BK,
         )  # fmt: skip
+    elif SCALE == 4:
+        s_ptrs = _scale_ptrs(s_ptr, expert, 0, n_cols, hidden, SCALE, SCALE_BK)
     else:
         s_ptrs = _scale_ptrs(s_ptr, expert, cols, n_cols, hidden, SCALE, SCALE_BK)
     acc = _expert_matmul(
         x_ptr + tokens[:, None] * stride_x,
         valid[:, None],
-        w_ptr + _weight_offset(expert, hidden * n_cols, SCALE),
+        w_ptr + _weight_offset(expert, hidden * n_cols, SCALE, BITS),
         cols,
         n_mask,
         n_cols,
         hidden,
         s_ptrs,
+        _scale_ptrs(z_ptr, expert, 0, n_cols, hidden, SCALE, SCALE_BK),
+        p_ptr + expert * hidden,
         OUTPUT_MAJOR,
         EVEN_K,
         SCALE,
         SCALE_BK,
+        BITS,
+        HAS_ZEROS,
+        HAS_PERM,
         BLOCK_M,
         BLOCK_N,
         BLOCK_K,
@@ -283,6 +359,7 @@ def _down_kernel(
     w_ptr,
     b_ptr,
     s_ptr,
+    z_ptr,
     route_ptr,
     out_ptr,
     sorted_ids_ptr,
@@ -297,6 +374,8 @@ def _down_kernel(
     SCALE: tl.constexpr,
     SCALE_BN: tl.constexpr,
     SCALE_BK: tl.constexpr,
+    BITS: tl.constexpr,
+    HAS_ZEROS: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -317,22 +396,29 @@ def _down_kernel(
     n_mask = offs_n < hidden
     if SCALE == 2:
         rows, num_rows = offs_n // SCALE_BN, tl.cdiv(hidden, SCALE_BN)
+    elif SCALE == 4:
+        rows, num_rows = 0, hidden
     else:
         rows, num_rows = offs_n, hidden
     # Every row of a used block was written by the first kernel, padding rows too.
     acc = _expert_matmul(
         h_ptr + offs_m[:, None] * inter,
         offs_m[:, None] >= 0,
-        w_ptr + _weight_offset(expert, inter * hidden, SCALE),
+        w_ptr + _weight_offset(expert, inter * hidden, SCALE, BITS),
         offs_n,
         n_mask,
         hidden,
         inter,
         _scale_ptrs(s_ptr, expert, rows, num_rows, inter, SCALE, SCALE_BK),
+        _scale_ptrs(z_ptr, expert, 0, num_rows, inter, SCALE, SCALE_BK),
+        z_ptr,  # (no column order: act-order's is folded into gate_up's rows at load)
         OUTPUT_MAJOR,
         EVEN_K,
         SCALE,
         SCALE_BK,
+        BITS,
+        HAS_ZEROS,
+        False,
         BLOCK_M,
         BLOCK_N,
         BLOCK_K,
@@ -442,6 +528,11 @@ def fused_experts(
     gate_up_scale: torch.Tensor | None = None,
     down_scale: torch.Tensor | None = None,
     scale_block: tuple[int, int] | None = None,
+    gate_up_zeros: torch.Tensor | None = None,
+    down_zeros: torch.Tensor | None = None,
+    bits: int | None = None,
+    group_size: int | None = None,
+    input_perm: torch.Tensor | None = None,
     blocks: tuple[int, int, int] | None = None,
     add: torch.Tensor | None = None,
     add_gate: torch.Tensor | None = None,
@@ -460,19 +551,26 @@ def fused_experts(
     of tiles then the up's; [E, cdiv(hidden, bn), cdiv(I, bk)]). MXFP4 weights are uint8
     blocks of output-major matrices, ``[E, 2I, hidden / 32, 16]`` and ``[E, hidden, I / 32,
     16]``, with uint8 E8M0 scales ``[E, 2I, hidden / 32]`` and ``[E, hidden, I / 32]`` (a K step
-    is then 32 values). ``blocks`` overrides
+    is then 32 values). With ``bits`` (4 or 8) the weights are packed integers, output-major
+    int32 words ``[E, 2I, hidden * bits / 32]`` and ``[E, hidden, I * bits / 32]`` with scales
+    ``[E, 2I, G]`` and ``[E, hidden, G']`` per ``group_size`` inputs (None: one per channel)
+    and uint8 ``gate_up_zeros`` / ``down_zeros`` of the scales' shapes (None: symmetric,
+    ``2 ** (bits - 1)``); act-order ones take ``x``'s columns in each expert's ``input_perm``
+    order (int32 [E, hidden]). ``blocks`` overrides
     ``(BLOCK_M, BLOCK_N, BLOCK_K)`` (each a power of two of at least 16).
     """
     if activation not in ACTIVATIONS:
         raise ValueError(f"fused_experts: activation {activation!r} is not one of {ACTIVATIONS}")
+    if bits not in (None, 4, 8):
+        raise ValueError(f"fused_experts: packed integers of {bits} bits (4 or 8)")
     num_experts = gate_up.shape[0]
-    n_cols, hidden = _out_in(gate_up, output_major)
+    n_cols, hidden = _out_in(gate_up, output_major, bits)
     inter = n_cols // 2
     num_tokens, top_k = indices.shape
     if (
         x.shape != (num_tokens, hidden)
         or down.shape[0] != num_experts
-        or _out_in(down, output_major) != (hidden, inter)
+        or _out_in(down, output_major, bits) != (hidden, inter)
     ):
         raise ValueError(
             f"fused_experts: x {tuple(x.shape)}, indices {tuple(indices.shape)}, gate_up "
@@ -482,10 +580,25 @@ def fused_experts(
         raise ValueError("fused_experts: give both biases or neither")
     if scale_block is not None and (interleaved or not output_major):
         raise ValueError("fused_experts: tile scales need output-major [gate | up] weights")
-    scale = _check_weights(
-        x, (gate_up, down), (gate_up_bias, down_bias), (gate_up_scale, down_scale), scale_block,
-        output_major,
-    )  # fmt: skip
+    if bits is not None:
+        scale = _check_wna16(
+            (gate_up, down), (gate_up_scale, down_scale), (gate_up_zeros, down_zeros), group_size,
+            (hidden, inter),
+            output_major and not interleaved and gate_up_bias is None and scale_block is None,
+        )  # fmt: skip
+    else:
+        scale = _check_weights(
+            x, (gate_up, down), (gate_up_bias, down_bias), (gate_up_scale, down_scale),
+            scale_block, output_major,
+        )  # fmt: skip
+    if input_perm is not None and (
+        bits is None or input_perm.shape != (num_experts, hidden) or input_perm.dtype != torch.int32
+        or not input_perm.is_contiguous()
+    ):  # fmt: skip
+        raise ValueError(
+            f"fused_experts: input_perm is a contiguous int32 [{num_experts}, {hidden}] beside "
+            "packed integer weights"
+        )
     if x.stride(1) != 1:
         x = x.contiguous()
     if num_tokens == 0:
@@ -493,8 +606,10 @@ def fused_experts(
     num_pairs = num_tokens * top_k
     block_m, block_n, block_k = blocks or default_blocks(num_pairs, num_experts)
     scale_bn, scale_bk = scale_block or ((1, MXFP4_BLOCK) if scale == 3 else (1, 1))
-    if scale >= 2:
+    if scale in (2, 3):
         block_k = min(block_k, scale_bk)  # one tile of scales per K step
+    if scale == 4:  # a group per channel spans both matrices' inputs and a K step
+        scale_bk = group_size or triton.next_power_of_2(max(hidden, inter, block_k))
     sorted_ids, block_expert, num_blocks = align_by_expert(indices, num_experts, block_m)
     max_blocks = block_expert.numel()
     has_bias = gate_up_bias is not None
@@ -507,6 +622,8 @@ def fused_experts(
         SCALE=scale,
         SCALE_BN=scale_bn,
         SCALE_BK=scale_bk,
+        BITS=bits or 32,
+        HAS_ZEROS=gate_up_zeros is not None,
         DOT_PREC="ieee" if x.dtype == torch.float32 else "tf32",
         num_warps=4,
         num_stages=2 if x.dtype == torch.float32 else 3,
@@ -519,6 +636,8 @@ def fused_experts(
         gate_up,
         gate_up_bias,
         gate_up if gate_up_scale is None else gate_up_scale,  # not read without scales
+        gate_up if gate_up_zeros is None else gate_up_zeros,  # nor without zero points
+        gate_up if input_perm is None else input_perm,  # nor without an order
         h,
         sorted_ids,
         block_expert,
@@ -532,6 +651,7 @@ def fused_experts(
         limit,
         ACTIVATION=activation,
         INTERLEAVED=interleaved,
+        HAS_PERM=input_perm is not None,
         EVEN_K=hidden % block_k == 0,
         **common,
     )
@@ -542,6 +662,7 @@ def fused_experts(
         down,
         down_bias,
         down if down_scale is None else down_scale,
+        down if down_zeros is None else down_zeros,
         weights.contiguous(),
         per_slot,
         sorted_ids,
@@ -556,11 +677,14 @@ def fused_experts(
     return combine_slots(per_slot, top_k, x.dtype, add, add_gate)
 
 
-def _out_in(w: torch.Tensor, output_major: bool) -> tuple[int, int]:
+def _out_in(w: torch.Tensor, output_major: bool, bits: int | None) -> tuple[int, int]:
     """(output, input) features of one expert's matrix in stack ``w``: MXFP4 blocks (uint8
-    ``[E, N, K / 32, 16]``), or values ``[E, out, in]`` (``output_major``) or ``[E, in, out]``."""
+    ``[E, N, K / 32, 16]``), ``bits``-bit packed words (``[E, N, K * bits / 32]``), or values
+    ``[E, out, in]`` (``output_major``) or ``[E, in, out]``."""
     if w.dtype == torch.uint8:
         return w.shape[1], w.shape[2] * MXFP4_BLOCK
+    if bits is not None:
+        return w.shape[1], w.shape[2] * (32 // bits)
     return tuple(w.shape[1:]) if output_major else (w.shape[2], w.shape[1])
 
 
@@ -642,3 +766,42 @@ def _check_mxfp4(
                 f"{w.dtype} {tuple(w.shape)} and {None if s is None else (s.dtype, tuple(s.shape))}"
             )
     return 3
+
+
+def _check_wna16(
+    weights: tuple[torch.Tensor, torch.Tensor],
+    scales: tuple[torch.Tensor | None, torch.Tensor | None],
+    zeros: tuple[torch.Tensor | None, torch.Tensor | None],
+    group_size: int | None,
+    inputs: tuple[int, int],
+    plain_layout: bool,
+) -> int:
+    """``SCALE`` 4 for packed integer stacks: output-major ``[gate | up]`` without biases or
+    tile scales,
+    contiguous int32 words with contiguous scales (and uint8 zero points for both or neither)
+    of ``[E, N, groups of the input]``; raises otherwise."""
+    if not plain_layout:
+        raise ValueError(
+            "fused_experts: packed integer experts are output-major [gate | up] without biases"
+        )
+    if (zeros[0] is None) != (zeros[1] is None):
+        raise ValueError("fused_experts: give both zero points or neither")
+    for which, w, s, z, k in zip(("gate_up", "down"), weights, scales, zeros, inputs, strict=True):
+        shape = (*w.shape[:2], -(-k // (group_size or k)))
+        if (
+            w.dtype != torch.int32
+            or not w.is_contiguous()
+            or s is None
+            or not s.is_contiguous()
+            or tuple(s.shape) != shape
+            or (
+                z is not None
+                and (z.dtype != torch.uint8 or z.shape != s.shape or not z.is_contiguous())
+            )
+        ):
+            raise ValueError(
+                f"fused_experts: packed {which} weights are contiguous int32 words with "
+                f"contiguous scales (and uint8 zero points) of shape {shape}; got {w.dtype} "
+                f"{tuple(w.shape)} and {None if s is None else (s.dtype, tuple(s.shape))}"
+            )
+    return 4

@@ -14,6 +14,10 @@ dividing the sum). Two kernels:
 
 from __future__ import annotations
 
+import functools
+import json
+from pathlib import Path
+
 import torch
 import triton
 import triton.language as tl
@@ -25,7 +29,7 @@ GEMV_MAX_M = 8
 
 
 @triton.jit
-def _dequant_tile(
+def dequant_tile(
     qw_ptr,
     s_ptr,
     z_ptr,
@@ -118,7 +122,7 @@ def _wna16_gemv_kernel(
     for k in range(0, K, BLOCK_K):
         offs_k = k + tl.arange(0, BLOCK_K)
         k_mask = offs_k < K
-        w = _dequant_tile(
+        w = dequant_tile(
             qw_ptr, s_ptr, z_ptr, offs_n, n_mask, k, K, stride_qn, stride_sn,
             BITS, GROUP, HAS_ZEROS, FP4, BLOCK_N, BLOCK_K,
         )  # fmt: skip
@@ -169,7 +173,7 @@ def _wna16_gemm_kernel(
         offs_k = k + tl.arange(0, BLOCK_K)
         k_mask = offs_k < K
         x = tl.load(x_rows + offs_k[None, :], mask=m_mask[:, None] & k_mask[None, :], other=0.0)
-        w = _dequant_tile(
+        w = dequant_tile(
             qw_ptr, s_ptr, z_ptr, offs_n, n_mask, k, K, stride_qn, stride_sn,
             BITS, GROUP, HAS_ZEROS, FP4, BLOCK_N, BLOCK_K,
         )  # fmt: skip
@@ -185,6 +189,41 @@ def _wna16_gemm_kernel(
 def _block(size: int, largest: int, smallest: int = 16) -> int:
     """A power-of-two tile side: ``largest``, or less for a smaller ``size``."""
     return max(smallest, min(largest, triton.next_power_of_2(size)))
+
+
+#: Measured launch configurations (``benchmarks/tune_wna16.py --write``): per device name,
+#: per ``"rows,N,K,bits,group"`` (rows 1 for the GEMV, else the GEMM's rows padded to a power
+#: of two), ``[block_m, block_n, block_k, num_warps, num_stages]``. Other shapes take the rule
+#: in :func:`launch_config`.
+TUNED_PATH = Path(__file__).parent / "configs" / "wna16.json"
+FIELDS = ["block_m", "block_n", "block_k", "num_warps", "num_stages"]
+
+
+@functools.cache
+def _tuned(device_name: str) -> dict[str, list[int]]:
+    data = json.loads(TUNED_PATH.read_text()) if TUNED_PATH.exists() else {"devices": {}}
+    return data["devices"].get(device_name, {})
+
+
+def tuned_key(rows: int, n: int, k: int, bits: int, group: int | None) -> str:
+    """A shape's key in the tuned table: the GEMV's (``rows`` up to ``GEMV_MAX_M``) is one."""
+    rows = 1 if rows <= GEMV_MAX_M else triton.next_power_of_2(rows)
+    return f"{rows},{n},{k},{bits},{group or 0}"
+
+
+def launch_config(
+    m: int, n: int, k: int, bits: int, group: int | None, device: torch.device
+) -> tuple[int, int, int, int, int]:
+    """``(block_m, block_n, block_k, num_warps, num_stages)`` of an ``[m, k] x [n, k]^T``
+    product: the measured entry for this device, else narrow column blocks for the GEMV
+    (enough programs to keep loads in flight on many SMs) and 64-square GEMM tiles."""
+    if device.type == "cuda":
+        entry = _tuned(torch.cuda.get_device_name(device)).get(tuned_key(m, n, k, bits, group))
+        if entry is not None:
+            return tuple(entry)
+    if m <= GEMV_MAX_M:
+        return 1, _block(n, 16), _block(k, 128), 4, 3
+    return _block(m, 64), _block(n, 64), _block(k, 128), 4, 3
 
 
 def wna16_linear(
@@ -225,26 +264,23 @@ def wna16_linear(
         global_scale if global_scale is not None else scales,
         out,
     )
-    block_k = _block(K, 128)
+    block_m, block_n, block_k, warps, stages = launch_config(M, N, K, bits, group_size, x.device)
+    if group_size is not None and block_k % group_size and group_size % block_k:
+        raise ValueError(f"wna16_linear: tiles of {block_k} columns across groups of {group_size}")
     # Per channel: one group as wide as a tile at least, so that a tile lies in it.
     group = group_size or max(K, block_k)
     flags = dict(
         BITS=bits, GROUP=group, HAS_ZEROS=qzeros is not None, FP4=global_scale is not None,
-        HAS_BIAS=bias is not None,
+        HAS_BIAS=bias is not None, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=warps,
+        num_stages=stages,
     )  # fmt: skip
     if M <= GEMV_MAX_M:
-        # Narrow column blocks: enough programs to keep the loads in flight on many SMs.
-        block_n = _block(N, 16)
         _wna16_gemv_kernel[(triton.cdiv(N, block_n), M)](
-            *args, *common, **flags, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=4,
-            **pdl_launch(x.device),
-        )  # fmt: skip
+            *args, *common, **flags, **pdl_launch(x.device)
+        )
         return out
-    block_m, block_n = _block(M, 64), _block(N, 64)
     _wna16_gemm_kernel[(triton.cdiv(M, block_m), triton.cdiv(N, block_n))](
-        *args, M, *common, **flags,
-        DOT_PREC="ieee" if x.dtype == torch.float32 else "tf32",
-        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=4, num_stages=3,
-        **pdl_launch(x.device),
+        *args, M, *common, **flags, BLOCK_M=block_m,
+        DOT_PREC="ieee" if x.dtype == torch.float32 else "tf32", **pdl_launch(x.device),
     )  # fmt: skip
     return out

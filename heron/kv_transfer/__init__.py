@@ -20,7 +20,7 @@ from heron.kv_transfer.base import (
     refuse_specs,
 )
 from heron.kv_transfer.layer_steps import LayerSteps
-from heron.kv_transfer.nixl import NixlAgent, NixlScheduler, NixlWorker
+from heron.kv_transfer.nixl import READ_FAILURES, NixlAgent, NixlScheduler, NixlWorker
 from heron.kv_transfer.offload import CheckpointTier, OffloadScheduler, OffloadWorker
 
 __all__ = [
@@ -111,11 +111,12 @@ def _nixl(
         )
     options = _extra_options(
         config.kv_connector_extra_config,
-        {"hold_timeout_s": float, "transfer_timeout_s": float},
-        {"hold_timeout_s": 120.0, "transfer_timeout_s": 30.0},
+        {"hold_timeout_s": float, "transfer_timeout_s": float, "on_read_failure": READ_FAILURES},
+        {"hold_timeout_s": 120.0, "transfer_timeout_s": 30.0, "on_read_failure": "recompute"},
     )
-    # Paged blocks of every kind (full, window, latent) move; recurrent states do not yet.
-    refuse_specs("nixl", layout.specs, (PagedSpec,))
+    # Paged blocks of every kind (full, window, latent) move, and recurrent states.
+    refuse_specs("nixl", layout.specs, (PagedSpec, RecurrentStateSpec))
+    state_groups = frozenset(g for g, spec in enumerate(layout.specs) if spec.per_request)
     try:
         agent = NixlAgent()
     except ImportError as e:
@@ -123,16 +124,25 @@ def _nixl(
             "kv_transfer_config: the 'nixl' connector needs the nixl package "
             "(pip install 'heron[pd]')"
         ) from e
-    scheduler = NixlScheduler(config.kv_role, agent, block_size, options["hold_timeout_s"])
+    scheduler = NixlScheduler(
+        config.kv_role,
+        agent,
+        block_size,
+        options["hold_timeout_s"],
+        state_groups,
+        options["on_read_failure"],
+    )
     return scheduler, NixlWorker(agent, options["transfer_timeout_s"])
 
 
 def _extra_options(
-    given: Mapping[str, Any], types: dict[str, type], defaults: Mapping[str, Any] | None = None
+    given: Mapping[str, Any],
+    types: dict[str, type | tuple[str, ...]],
+    defaults: Mapping[str, Any] | None = None,
 ) -> dict[str, Any]:
     """A connector's ``kv_connector_extra_config``: every option of ``types`` of its type
-    (an integer for a float one too), at least 1 (above 0 for a float), required unless
-    ``defaults`` has it; no other."""
+    (an integer for a float one too), at least 1 (above 0 for a float), or one of its tuple's
+    words; required unless ``defaults`` has it; no other."""
     unknown = sorted(set(given) - set(types))
     if unknown:
         raise ValueError(
@@ -144,6 +154,14 @@ def _extra_options(
         value = given.get(name, options.get(name))
         if value is None:
             raise ValueError(f"kv_transfer_config: kv_connector_extra_config {name!r} is required")
+        if isinstance(kind, tuple):
+            if value not in kind:
+                raise ValueError(
+                    f"kv_transfer_config: kv_connector_extra_config {name} must be one of "
+                    f"{', '.join(map(repr, kind))}, got {value!r}"
+                )
+            options[name] = value
+            continue
         accepted = (int, float) if kind is float else kind
         if (
             isinstance(value, bool)

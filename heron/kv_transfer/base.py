@@ -97,14 +97,10 @@ class KVConnectorMeta:
     """A step's transfers: whatever the connector's scheduler side tells its worker side
     (each connector adds its fields; plain data, so a plan pickles). The runner reads only
     ``load_requests`` (the requests whose loads the step carries) and ``save_keys`` (the
-    entries its saves write), to report them failed if the connector raises, and
-    ``loaded_tokens``: how many of a loading request's tokens its caches hold once its load
-    ended, where it loads a recurrent state (the runner checks that a state slot holds the
-    tokens its request's next step starts from)."""
+    entries its saves write), to report them failed if the connector raises."""
 
     load_requests: list[str] = field(default_factory=list)
     save_keys: list[int] = field(default_factory=list)
-    loaded_tokens: dict[str, int] = field(default_factory=dict)
 
 
 @dataclass
@@ -121,7 +117,13 @@ class TransferResults:
 
 
 class KVConnectorScheduler(ABC):
-    """The scheduler's half: which tokens an outside store provides, what each step moves."""
+    """The scheduler's half: which tokens an outside store provides, what each step moves.
+
+    ``loads_outlive_steps``: a load may still write its blocks after its step (a remote
+    read), so a request aborted while loading keeps them until the load ends.
+    """
+
+    loads_outlive_steps = False
 
     @abstractmethod
     def lookup(self, request: CachedSequence, num_device_tokens: int) -> ExternalHits:
@@ -179,6 +181,11 @@ class KVConnectorScheduler(ABC):
         """Raise ``ValueError`` naming what of a request's ``kv_transfer_params`` this
         connector cannot serve (checked when the request arrives)."""
         raise ValueError(f"kv_transfer_params: the KV connector ({self.describe()}) takes none")
+
+    def failed_load_error(self, request_id: str) -> str | None:
+        """Why ``request_id``, whose load failed, fails too (None: it computes what the load
+        did not bring, the default)."""
+        return None
 
     def hold(self, request: CachedSequence, tables: Sequence[Sequence[int]]) -> bool:
         """``request`` finished (not aborted): whether its blocks stay allocated until

@@ -6,9 +6,12 @@ finished, and its answer's ``kv_transfer_params`` say where they are: the instan
 agent metadata, its cache layout (one memory region per cache layer) and the request's block
 ids. A ``decode`` instance given those parameters allocates blocks for the prompt, reads them
 with one NIXL READ whose notification tells the prefill side to free them, then computes the
-prompt's last token itself and decodes. The prefill side frees blocks nobody read after
-``hold_timeout_s``; a read that fails or outlasts ``transfer_timeout_s`` is recomputed on the
-decode side (the client gets the right answer, later).
+prompt's last token itself and decodes. A model with recurrent layers also reads each layer's
+state (conv and recurrent) after all but the prompt's last token, which the prefill side
+keeps in an entry of its own (``Request.keep_state_at``). The prefill side frees blocks nobody
+read after ``hold_timeout_s``; a read that fails or outlasts ``transfer_timeout_s`` is
+recomputed on the decode side (the client gets the right answer, later) or, with
+``on_read_failure: "abort"``, fails the request (the client gets the error at once).
 
 Both halves live in the engine process and share one :class:`NixlAgent` (the scheduler side
 reads its notifications): tensor parallelism is refused for every connector.
@@ -43,6 +46,10 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
+# What a decode instance does with a request whose read failed or timed out: compute its
+# prompt itself (the right answer, later), or fail it (the client gets the error at once).
+READ_FAILURES = ("recompute", "abort")
+
 # What a prefill instance's answer carries (vLLM's names, where it has them).
 _DECODE_PARAMS = (
     "do_remote_prefill",
@@ -57,7 +64,7 @@ _DECODE_PARAMS = (
 
 
 class LayerRegion(NamedTuple):
-    """One cache layer's tensor as NIXL sees it: ``num_prefixes`` runs of ``num_blocks``
+    """One cache tensor as NIXL sees it: ``num_prefixes`` runs of ``num_blocks``
     chunks of ``chunk_bytes`` from ``address`` (a block is one chunk of every run)."""
 
     address: int
@@ -108,7 +115,12 @@ class NixlAgent:
         for handle in self._registered:
             self.agent.deregister_memory(handle)
         self._registered, self.layers, seen = [], [], set()
-        for cache, group, owner in zip(layout.caches, layout.owner_groups, layout.owners):
+        tensors = [
+            (tensor, group, owner)
+            for caches, group, owner in zip(layout.caches, layout.owner_groups, layout.owners)
+            for tensor in (caches if isinstance(caches, tuple) else (caches,))
+        ]  # (a recurrent layer's slot holds two: conv and recurrent state)
+        for cache, group, owner in tensors:
             axis = owner.cache_spec.block_axis
             if not cache.is_contiguous():
                 raise ValueError(
@@ -208,12 +220,26 @@ class NixlMeta(KVConnectorMeta):
 
 class NixlScheduler(KVConnectorScheduler):
     """The ``prefill`` side holds finished requests' blocks (until read or timed out); the
-    ``decode`` side turns a request's ``kv_transfer_params`` into a load of its prompt."""
+    ``decode`` side turns a request's ``kv_transfer_params`` into a load of its prompt.
+    ``state_groups``: the cache groups of one entry per request (recurrent states), read
+    whole: the prefill side's entry keeping the state after all but the prompt's last token."""
 
-    def __init__(self, role: str, agent: NixlAgent, block_size: int, hold_timeout_s: float) -> None:
+    loads_outlive_steps = True  # (a READ runs on in UCX's threads)
+
+    def __init__(
+        self,
+        role: str,
+        agent: NixlAgent,
+        block_size: int,
+        hold_timeout_s: float,
+        state_groups: frozenset[int] = frozenset(),
+        on_read_failure: str = "recompute",
+    ) -> None:
         self.role = role
         self.agent = agent
         self.block_size = block_size
+        self.state_groups = state_groups
+        self.on_read_failure = on_read_failure
         self.hold_timeout_s = hold_timeout_s
         self._held: dict[str, tuple[float, int]] = {}  # request -> (deadline, blocks)
         self._in_flight = InFlightLoads()
@@ -244,6 +270,12 @@ class NixlScheduler(KVConnectorScheduler):
                 f"{num_prompt_tokens} (send both the same prompt)"
             )
         self.agent.check_compatible(self.block_size, params)
+        for g in sorted(self.state_groups):
+            if num_prompt_tokens > 1 and len(params["remote_block_ids"][g]) != 1:
+                raise ValueError(
+                    f"kv_transfer_params: remote_block_ids names no recurrent state entry of "
+                    f"cache group {g} (a prefill instance's answer keeps one)"
+                )
 
     def describe(self) -> str:
         return f"NIXL prefill/decode disaggregation ({self.role}, engine {self.agent.engine_id})"
@@ -327,8 +359,8 @@ class NixlScheduler(KVConnectorScheduler):
                 params["remote_engine_id"],
                 params["remote_agent_metadata"],
                 params["remote_request_id"],
-                [list(table[first:end]) for table in tables],
-                [list(table[first:end]) for table in params["remote_block_ids"]],
+                self._loaded(tables, first, end),
+                self._loaded(params["remote_block_ids"], first, end),
                 params["remote_layers"],
             )
         )
@@ -336,10 +368,29 @@ class NixlScheduler(KVConnectorScheduler):
         loading = self._chain(request)[first:end]
         self._in_flight.start(request.request_id, loading)
 
+    def _loaded(self, tables: Sequence[Sequence[int]], first: int, end: int) -> list[list[int]]:
+        """Per group, the entries a load reads: blocks ``first:end``, a state group's entry."""
+        return [
+            list(table if g in self.state_groups else table[first:end])
+            for g, table in enumerate(tables)
+        ]
+
     def scheduled(
         self, request: CachedSequence, tables: Sequence[Sequence[int]], hashes: Sequence[int]
     ) -> None:
         pass
+
+    def freed(
+        self, request: CachedSequence, tables: Sequence[Sequence[int]], hashes: Sequence[int]
+    ) -> None:
+        params = request.sampling_params.kv_transfer_params
+        if (
+            self.role == "decode"
+            and params
+            and not request.sample_index
+            and request.first_scheduled_time is None
+        ):  # aborted before its read started: the prefill side may free the blocks now
+            self.agent.release_remote(params)
 
     def forget(self, request_id: str) -> None:
         self._in_flight.end(request_id)
@@ -350,6 +401,14 @@ class NixlScheduler(KVConnectorScheduler):
             self._in_flight.end(request_id)
         for request_id in results.loaded:
             self._in_flight.end(request_id)
+
+    def failed_load_error(self, request_id: str) -> str | None:
+        if self.on_read_failure == "recompute":
+            return None
+        return (
+            f"request {request_id}: the KV read from the prefill instance failed or timed out "
+            "(kv_connector_extra_config on_read_failure='abort')"
+        )
 
     def take_step_meta(self) -> NixlMeta | None:
         meta = self._meta
@@ -375,7 +434,7 @@ class NixlScheduler(KVConnectorScheduler):
             ),
             ConnectorMetric(
                 "kv_transfer_failed_loads",
-                "requests whose read failed or timed out (recomputed)",
+                "requests whose read failed or timed out (recomputed, or failed)",
                 self.failed_loads,
                 True,
             ),

@@ -201,7 +201,6 @@ class OffloadScheduler(KVConnectorScheduler):
         if self.states is not None:
             slot = self.states.use(loading[-1])
             meta.state_loads.append((slot, tables[self.checkpoints.group][0]))
-            meta.loaded_tokens[request.request_id] = end * self.block_size
         meta.load_requests.append(request.request_id)
         self.in_flight.start(request.request_id, loading)
 

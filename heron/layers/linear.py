@@ -31,8 +31,7 @@ from heron.layers.wna16 import (
     act_order,
     column_part,
     group_width,
-    pack,
-    unpack,
+    in_act_order,
     wna16_forward,
 )
 from heron.layers.wna16 import dequantize as dequantize_wna16
@@ -164,14 +163,11 @@ class Linear(nn.Module):
         scheme = self.wna16
         if self.g_idx is not None:
             perm, groups = act_order(self.g_idx.data, scheme.group_size, name)
-            self.scales = _frozen(self.scales.data[:, groups].contiguous())
-            if self.qzeros is not None:
-                self.qzeros = _frozen(self.qzeros.data[:, groups].contiguous())
-            if perm is not None:
-                self.perm = perm
-                reordered = unpack(self.qweight.data, scheme.bits)[:, perm]
-                self.qweight = _frozen(pack(reordered, scheme.bits))
-            self.g_idx = None
+            packed = [None if t is None else t.data for t in self._packed()]
+            qweight, scales, qzeros = in_act_order(*packed, perm, groups, scheme.bits)
+            self.qweight, self.scales = _frozen(qweight), _frozen(scales)
+            self.qzeros = None if qzeros is None else _frozen(qzeros)
+            self.perm, self.g_idx = perm, None
         if self.keep_dense:
             w = dequantize_wna16(*self._packed(), scheme.bits, scheme.group_size, self.global_scale)
             if self.perm is not None:

@@ -8,7 +8,8 @@ switches:
   stacks them (``gate_up_proj`` [E, 2I, hidden] as ``[gate | up]``, ``down_proj`` [E, hidden,
   I]); checkpoints holding one tensor per expert (``experts.{e}.gate_proj.weight``) load into
   the stacks through :meth:`ExpertBank.weight_loader` (Qwen-MoE, Qwen3-Next/3.5, DeepSeek).
-  They may hold FP8 weights (``hold_fp8`` / ``quantize_fp8``, as ``Linear`` does);
+  They may hold FP8 weights (``hold_fp8`` / ``quantize_fp8``, as ``Linear`` does) or packed
+  integers (GPTQ, AWQ, compressed-tensors: ``hold_wna16`` / ``quantize_wna16``);
 - ``ClampedSwiGLUExperts``: gpt-oss's, with biases, input-major, gate and up interleaved;
   or, after ``hold_mxfp4``, MXFP4 stacks as its published checkpoints store them.
 
@@ -25,6 +26,7 @@ otherwise maps the names with its model's ``checkpoint_renames``.
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 
 import torch
 import torch.nn.functional as F
@@ -38,10 +40,15 @@ from heron.layers.linear import Linear, whole_blocks
 from heron.layers.mlp import GatedMLP
 from heron.layers.mxfp4 import BLOCK, dequantize_mxfp4, packed_shapes
 from heron.layers.routing import Routing, TopKRouter
+from heron.layers.wna16 import WNA16Scheme, act_order, column_part, group_width, in_act_order
+from heron.layers.wna16 import dequantize as dequantize_wna16
+from heron.layers.wna16 import quantize as quantize_wna16
 from heron.parallel import current_tensor_parallel
 
 #: An FP8 stack's scales are the parameter of its name plus this (``gate_up_proj_scale``).
 SCALE_SUFFIX = "_scale"
+#: A packed integer stack's tensors (``gate_up_proj_qweight``; ``heron.layers.wna16``'s names).
+PACKED_TENSORS = ("qweight", "scales", "qzeros", "g_idx")
 #: ``fused_experts``' arguments from an MXFP4 bank's parameters.
 _MXFP4_ARGS = {
     "gate_up": "gate_up_proj_blocks",
@@ -182,9 +189,9 @@ class ExpertBank(nn.Module):
         return 1
 
     def checkpoint_shards(self, param_name: str) -> set[tuple[int, str]]:
-        """The per-expert pieces that together fill ``param_name`` (a stack or its scales)."""
-        stack = param_name.removesuffix(SCALE_SUFFIX)
-        parts = {part for target, part in self.per_expert_names.values() if target == stack}
+        """The per-expert pieces that together fill ``param_name`` (a stack, its scales or its
+        packed tensors)."""
+        parts = {p for target, p in self.per_expert_names.values() if param_name.startswith(target)}
         return {(e, part) for e in range(self.num_experts) for part in parts}
 
     def weight_loader(
@@ -212,6 +219,12 @@ class SwiGLUExperts(ExpertBank):
     ``gate_up_proj_scale`` and ``down_proj_scale``: per output channel ([E, 2I], [E, hidden])
     or per ``weight_block`` tile, where the gate's rows of tiles and the up's are kept apart
     ([E, 2 cdiv(I, bn), cdiv(hidden, bk)]) so that an ``I`` of part-blocks stacks as published.
+
+    After :meth:`hold_wna16` or :meth:`quantize_wna16` each stack is packed integers in
+    ``heron.layers.wna16``'s layout, every expert's matrix as a packed ``Linear`` holds it:
+    ``gate_up_proj_qweight`` int32 [E, 2I, hidden * bits / 32], ``gate_up_proj_scales`` and
+    ``gate_up_proj_qzeros`` (uint8, or None when symmetric) [E, 2I, groups of hidden], and
+    down's alike; the dense stacks are None.
     """
 
     activation, output_major, interleaved = "swiglu", True, False
@@ -237,6 +250,9 @@ class SwiGLUExperts(ExpertBank):
         self.register_parameter("gate_up_proj_scale", None)
         self.register_parameter("down_proj_scale", None)
         self.weight_block: tuple[int, int] | None = None
+        self.whole_intermediate = intermediate_size  # (all ranks')
+        self.wna16: WNA16Scheme | None = None
+        self.input_perm: torch.Tensor | None = None  # act-order packed experts: x's columns
 
     def hold_fp8(self, block: tuple[int, int] | None) -> None:
         """Empty FP8 stacks and scales for an FP8 checkpoint to fill: per channel (``block``
@@ -264,8 +280,106 @@ class SwiGLUExperts(ExpertBank):
             setattr(self, name + SCALE_SUFFIX, _frozen(scale))
         self.weight_block = block
 
+    def hold_wna16(self, scheme: WNA16Scheme) -> None:
+        """Empty packed stacks for a checkpoint in ``scheme`` to fill, with each matrix's
+        ``g_idx`` ([E, 2 hidden]: the gate's then the up's; [E, I]) until
+        :meth:`finish_wna16` has used it."""
+        if scheme.fp4:
+            raise ValueError(f"{scheme.format} nvfp4 MoE experts are not supported")
+        for name, count in self._matrices.items():
+            e, n, k = getattr(self, name).shape
+            if k % scheme.pack:
+                raise ValueError(f"{name}: {k} input features do not fill {scheme.bits}-bit words")
+            groups = -(-k // group_width(scheme.group_size, k))
+            device = getattr(self, name).device
+            self.register_parameter(name, None)
+            layouts = {  # (shape after the expert dimension, dtype, held)
+                "qweight": ((n, k // scheme.pack), torch.int32, True),
+                "scales": ((n, groups), scheme.scale_dtype, True),
+                "qzeros": ((n, groups), torch.uint8, scheme.zero_points),
+                "g_idx": ((count * k,), torch.int32, scheme.act_order),
+            }
+            for leaf, (shape, dtype, held) in layouts.items():
+                t = _frozen(torch.empty(e, *shape, dtype=dtype, device=device)) if held else None
+                self.register_parameter(f"{name}_{leaf}", t)
+        self.wna16 = scheme
+
+    def finish_wna16(self, name: str) -> None:
+        """After loading: each matrix's ``g_idx`` used, then dropped. Act-order experts (GPTQ's
+        ``desc_act``) get their columns sorted by group, as a packed ``Linear``'s are: gate's and
+        up's (one order, of their shared input) by ``input_perm`` [E, hidden], by which the
+        kernels gather ``x``; down's folded into gate's and up's rows, so that their product
+        comes out in down's order. A rank of tensor parallelism takes them in order only."""
+        gate_up, down = self.gate_up_proj_g_idx, self.down_proj_g_idx
+        if gate_up is None:
+            return
+        self.register_parameter("gate_up_proj_g_idx", None)
+        self.register_parameter("down_proj_g_idx", None)
+        gate, up = gate_up.view(gate_up.shape[0], 2, -1).unbind(1)
+        if not torch.equal(gate, up):
+            raise ValueError(f"{name}: an expert's gate_proj and up_proj g_idx differ")
+        bits, group, inter = self.wna16.bits, self.wna16.group_size, down.shape[1]
+        if self.tp is not None:  # (down's scales were cut as if in order)
+            cols = torch.arange(max(gate.shape[1], self.whole_intermediate), device=down.device)
+            down_cols = cols[self.inter_start : self.inter_start + inter]
+            if not (
+                (gate == cols[: gate.shape[1]] // group_width(group, gate.shape[1])).all()
+                and (down == down_cols // group_width(group, self.whole_intermediate)).all()
+            ):
+                raise ValueError(
+                    f"{name}: act-order (desc_act) g_idx on MoE experts under tensor "
+                    "parallelism is not supported"
+                )
+            return
+        perms = []
+        for e in range(self.num_experts):
+            perm_in, groups_in = act_order(gate[e], group, f"{name}.{e}.gate_proj")
+            perm_h, groups_h = act_order(down[e], group, f"{name}.{e}.down_proj")
+            gu = in_act_order(*self._packed("gate_up_proj", e), perm_in, groups_in, bits)
+            if perm_h is not None:  # gate's and up's rows in down's column order
+                rows = torch.cat([perm_h, perm_h + inter])
+                gu = tuple(None if t is None else t[rows] for t in gu)
+            dn = in_act_order(*self._packed("down_proj", e), perm_h, groups_h, bits)
+            for stack, tensors in (("gate_up_proj", gu), ("down_proj", dn)):
+                for held, t in zip(self._packed(stack, e), tensors, strict=True):
+                    if held is not None:
+                        held.copy_(t)
+            perms.append(perm_in)
+        if any(p is not None for p in perms):
+            whole = torch.arange(gate.shape[1], device=gate.device)
+            order = [whole if p is None else p for p in perms]
+            self.input_perm = torch.stack(order).to(torch.int32)
+
+    def quantize_wna16(self, scheme: WNA16Scheme) -> None:
+        """Replace the loaded full-precision stacks by each expert's round-to-nearest
+        quantisation in ``scheme`` (dummy weights of a quantised checkpoint's shape)."""
+        dense = {name: getattr(self, name).data for name in self._matrices}
+        self.hold_wna16(replace(scheme, act_order=False))
+        for name, stack in dense.items():
+            for e, w in enumerate(stack):
+                packed = quantize_wna16(w, scheme.bits, scheme.group_size, scheme.zero_points)
+                for leaf, t in zip(PACKED_TENSORS, packed):
+                    if t is not None:
+                        getattr(self, f"{name}_{leaf}")[e] = t
+
+    def _packed(self, name: str, e: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """Expert ``e``'s ``(qweight, scales, qzeros)`` of packed stack ``name``."""
+        zeros = getattr(self, f"{name}_qzeros")
+        return (
+            getattr(self, f"{name}_qweight")[e],
+            getattr(self, f"{name}_scales")[e],
+            None if zeros is None else zeros[e],
+        )
+
     def weights_of(self, e: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """Expert ``e``'s ``[gate | up]`` and down matrices in ``dtype`` (dequantised if FP8)."""
+        """Expert ``e``'s ``[gate | up]`` and down matrices in ``dtype`` (dequantised if FP8
+        or packed)."""
+        if self.wna16 is not None:
+            bits, group = self.wna16.bits, self.wna16.group_size
+            gate_up, down = (
+                dequantize_wna16(*self._packed(n, e), bits, group) for n in self._matrices
+            )
+            return gate_up.to(dtype), down.to(dtype)
         out = []
         for name, count in self._matrices.items():
             w, scale = getattr(self, name)[e], getattr(self, name + SCALE_SUFFIX)
@@ -276,11 +390,22 @@ class SwiGLUExperts(ExpertBank):
         return out[0], out[1]
 
     def expert(self, e: int, x: torch.Tensor) -> torch.Tensor:
-        gate_up, down = self.weights_of(e, x.dtype)
+        gate_up, down = self.weights_of(e, x.dtype)  # (as held: act-order's columns sorted)
+        if self.input_perm is not None:
+            x = x.index_select(-1, self.input_perm[e])
         gate, up = F.linear(x, gate_up).chunk(2, dim=-1)
         return F.linear(F.silu(gate) * up, down)
 
     def fused_layout(self) -> dict:
+        if self.wna16 is not None:
+            packed = {
+                f"{arg}{suffix}": getattr(self, f"{arg}_proj_{leaf}")
+                for arg in ("gate_up", "down")
+                for suffix, leaf in (("", "qweight"), ("_scale", "scales"), ("_zeros", "qzeros"))
+            }
+            layout = dict(activation=self.activation, output_major=True, interleaved=False)
+            scheme = dict(bits=self.wna16.bits, group_size=self.wna16.group_size)
+            return packed | layout | scheme | dict(input_perm=self.input_perm)
         layout = super().fused_layout()
         if self.gate_up_proj_scale is None:
             return layout
@@ -294,7 +419,10 @@ class SwiGLUExperts(ExpertBank):
         self, name: str, loaded: torch.Tensor, shard: tuple[int, str] | None
     ) -> torch.Tensor:
         """As for the weights; an expert's scales follow its rank's rows (gate, up) or
-        columns (down) in whole tiles, and per-tensor and down's per-channel ones are whole."""
+        columns (down) in whole tiles, and per-tensor and down's per-channel ones are whole.
+        Packed integer tensors are read whole and put in the held layout first."""
+        if self.wna16 is not None and name.rpartition("_proj_")[2] in PACKED_TENSORS:
+            return self._packed_part(name.rpartition("_proj_")[2], loaded, shard)
         if self.tp is None or not name.endswith(SCALE_SUFFIX) or shard is None:
             return super().checkpoint_part(name, loaded, shard)
         dim = self._intermediate_dim(name, shard)
@@ -304,6 +432,20 @@ class SwiGLUExperts(ExpertBank):
         if self.weight_block is not None:
             run = whole_blocks(run, self.weight_block[dim], "intermediate features")
         return loaded.narrow(dim, *run)
+
+    def _packed_part(self, leaf: str, loaded: torch.Tensor, shard: tuple[int, str]) -> torch.Tensor:
+        """One expert's packed tensor ``leaf`` converted, then this rank's part of it: gate's
+        and up's rows, down's input columns in whole words and groups (a split inside one is
+        refused naming the tensor). A rank's ``g_idx`` must keep the columns in order
+        (:meth:`finish_wna16` refuses others), so down's groups are cut as if it were absent."""
+        converted = self.wna16.convert(leaf, loaded.load() if hasattr(loaded, "load") else loaded)
+        if self.tp is None:
+            return converted
+        run = (self.inter_start, self.intermediate_size)
+        if shard[1] == "down":
+            in_order = replace(self.wna16, act_order=False)
+            return column_part(in_order, leaf, converted, run, self.whole_intermediate)
+        return converted if leaf == "g_idx" else converted.narrow(0, *run)
 
     def _intermediate_dim(self, name: str, shard: tuple[int, str] | None) -> int | None:
         if shard is not None:  # gate_proj, up_proj [I, hidden]; down_proj [hidden, I]

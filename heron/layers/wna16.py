@@ -374,6 +374,22 @@ def act_order(
     return (None if identity else perm), groups
 
 
+def in_act_order(
+    qweight: torch.Tensor,
+    scales: torch.Tensor,
+    qzeros: torch.Tensor | None,
+    perm: torch.Tensor | None,
+    groups: torch.Tensor,
+    bits: int,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """A packed matrix's ``(qweight, scales, qzeros)`` with its columns in ``perm``'s order
+    (None: as they are) and its groups in ``groups``' (what :func:`act_order` gives)."""
+    if perm is not None:
+        qweight = pack(unpack(qweight, bits)[:, perm], bits)
+    picked = scales[:, groups].contiguous()
+    return qweight, picked, None if qzeros is None else qzeros[:, groups].contiguous()
+
+
 def column_part(
     scheme: WNA16Scheme, name: str, converted: torch.Tensor, cols: tuple[int, int], k: int
 ) -> torch.Tensor:

@@ -23,9 +23,9 @@ def load_model(model: nn.Module, model_config: ModelConfig, sharded: bool = Fals
     """Fill ``model``; under an FP8 scheme its linear layers and SwiGLU experts end up holding
     FP8 weights: read as stored from an FP8 checkpoint, else quantised from the loaded (or
     dummy) weights (but those an operator reads as matrices, ``Linear.keep_dense``). Under an
-    integer scheme (AWQ, GPTQ, compressed-tensors) linear layers hold the packed weights as
-    stored, or dummy weights quantised to the scheme. Under MXFP4 the experts hold the packed
-    stacks as stored (dummy ones random).
+    integer scheme (AWQ, GPTQ, compressed-tensors) linear layers and SwiGLU experts hold the
+    packed weights as stored, or dummy weights quantised to the scheme. Under MXFP4 the
+    experts hold the packed stacks as stored (dummy ones random).
     A ``sharded`` (tensor-parallel) model reads only its own parts of the checkpoint."""
     scheme = model_config.quantization
     if isinstance(scheme, Mxfp4Scheme):
@@ -34,11 +34,6 @@ def load_model(model: nn.Module, model_config: ModelConfig, sharded: bool = Fals
     packed = isinstance(scheme, WNA16Scheme)
     linears = fp8_linears(model, scheme) if scheme is not None else []
     banks = fp8_expert_banks(model, scheme) if scheme is not None else []
-    if packed and banks:
-        raise ValueError(
-            f"{scheme.format} checkpoints of MoE experts are not supported "
-            f"({type(banks[0]).__name__} in {type(model).__name__})"
-        )
     dummy = model_config.load_format == "dummy"
     as_stored = scheme is not None and (packed or scheme.from_checkpoint) and not dummy
     if as_stored:
@@ -55,8 +50,12 @@ def load_model(model: nn.Module, model_config: ModelConfig, sharded: bool = Fals
             layer.dequantize_fp8(model_config.dtype)
         elif not layer.keep_dense and not as_stored:
             layer.quantize_fp8(scheme.block)
-    if not as_stored:
-        for bank in banks:
+    for bank in banks:
+        if packed and as_stored:
+            bank.finish_wna16(names[bank])
+        elif packed:
+            bank.quantize_wna16(scheme)
+        elif not as_stored:
             bank.quantize_fp8(scheme.block)
     logger.info("weights: %s", describe_weights(scheme, model))
 

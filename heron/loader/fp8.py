@@ -6,16 +6,18 @@ from __future__ import annotations
 from torch import nn
 
 from heron.layers.linear import Linear
-from heron.layers.moe import ClampedSwiGLUExperts, ExpertBank, SwiGLUExperts
+from heron.layers.moe import ClampedSwiGLUExperts, ExpertBank, SparseMoE, SwiGLUExperts
 from heron.layers.mxfp4 import Mxfp4Scheme
 from heron.layers.quantization import WeightScheme
 from heron.layers.routing import TopKRouter
+from heron.layers.wna16 import WNA16Scheme
 
 
 def fp8_linears(model: nn.Module, scheme: WeightScheme) -> list[Linear]:
     """Every :class:`Linear` of ``model`` except MoE routers (tiny, and their logits pick the
-    experts) and the modules the scheme skips. Embeddings and the LM head are not ``Linear``
-    and stay in full precision.
+    experts), the modules the scheme skips and, under packed integer schemes, shared-expert
+    gates (one output, which GPTQ and AWQ writers leave unquantised). Embeddings and the LM
+    head are not ``Linear`` and stay in full precision.
 
     A skip fragment matches a module by its name here or by a checkpoint name it packs
     (``q_proj`` of ``qkv_proj``); a packed module some of whose shards match is an error, as
@@ -23,9 +25,13 @@ def fp8_linears(model: nn.Module, scheme: WeightScheme) -> list[Linear]:
     (layers its family's FP8 checkpoints store unquantised).
     """
     packed: dict[str, tuple[str, str]] = getattr(model, "packed_modules", {})
+    integer = isinstance(scheme, WNA16Scheme)
+    gates = {
+        id(m.shared_expert_gate) for m in model.modules() if integer and isinstance(m, SparseMoE)
+    }
     out = []
     for name, module in model.named_modules():
-        if not isinstance(module, Linear) or isinstance(module, TopKRouter):
+        if not isinstance(module, Linear) or isinstance(module, TopKRouter) or id(module) in gates:
             continue
         parts = name.split(".")
         sources = [

@@ -11,7 +11,7 @@ from torch import nn
 
 from heron.layers.fp8 import FP8
 from heron.layers.linear import PackedLinear
-from heron.layers.moe import SCALE_SUFFIX, ExpertBank
+from heron.layers.moe import PACKED_TENSORS, SCALE_SUFFIX, ExpertBank
 from heron.loader.safetensors import LazyTensor, materialize
 from heron.ops.attention.base import AttentionOperator
 
@@ -94,8 +94,13 @@ def load_weights(
             continue
         if name.endswith(_SCALE_INV):
             name = name.removesuffix(_SCALE_INV) + ".weight_scale"
-        target, shard = _target([renames.get(p, p) for p in name.split(".")], packed, banks)
+        if name in params:  # a module kept as the checkpoint has it (a vision tower's q_proj)
+            target, shard = name, None
+        else:
+            target, shard = _target([renames.get(p, p) for p in name.split(".")], packed, banks)
         owner, _, leaf = target.rpartition(".")
+        if leaf == _PACKED_SHAPE[1:] and f"{owner}_qweight" in params:  # an expert's
+            continue
         if f"{owner}.qweight" in params:  # packed integer weights
             if target.endswith(_PACKED_SHAPE) or leaf == _INPUT_GLOBAL_SCALE:
                 continue
@@ -167,14 +172,27 @@ def _target(
     for i, part in enumerate(parts):
         bank = banks.get(".".join(parts[:i])) if part.isdigit() else None
         leaf = parts[i + 2 :]
-        if bank is not None and len(leaf) == 1 and leaf[0] in _EXPERT_TENSORS:
+        suffix = _expert_suffix(bank, leaf[0]) if bank is not None and len(leaf) == 1 else None
+        if suffix is not None:
             param, piece = bank.per_expert_names.get(parts[i + 1], (parts[i + 1], ""))
-            return ".".join([*parts[:i], param]) + _EXPERT_TENSORS[leaf[0]], (int(part), piece)
+            return ".".join([*parts[:i], param]) + suffix, (int(part), piece)
     for i, part in enumerate(parts):
         if part in packed:
             parts[i], shard = packed[part]
             return ".".join(parts), shard
     return ".".join(parts), None
+
+
+def _expert_suffix(bank: ExpertBank, leaf: str) -> str | None:
+    """What one expert's tensor ``leaf`` fills in ``bank``'s stack (None: not an expert's
+    tensor): the stack, its FP8 scales, or a packed integer tensor (in any format's names;
+    compressed-tensors' ``weight_shape`` to be skipped)."""
+    if getattr(bank, "wna16", None) is None:
+        return _EXPERT_TENSORS.get(leaf)
+    if leaf == _PACKED_SHAPE[1:]:
+        return _PACKED_SHAPE
+    leaf = _PACKED_NAMES.get(leaf, leaf)
+    return f"_{leaf}" if leaf in PACKED_TENSORS else None
 
 
 def _complete(owner: nn.Module, name: str, shards: set | None) -> bool:

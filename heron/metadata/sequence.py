@@ -171,6 +171,9 @@ class SequenceMetadata:
     # engine serves no adapters
     adapter_slots: torch.Tensor | None = None
     adapter_slots_host: np.ndarray | None = None
+    # per token, the last position it attends to (int32), where some token sees past itself
+    # (a Gemma 3 image's tokens see the whole image); None: every token is causal
+    key_limits: torch.Tensor | None = None
 
     @property
     def num_groups(self) -> int:

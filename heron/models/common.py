@@ -189,7 +189,12 @@ class DecoderModel(nn.Module):
         return self.embed_tokens(token_ids)
 
     def forward(self, token_ids: torch.Tensor) -> torch.Tensor:
-        x, residual, pending = self.embed(token_ids), None, None
+        return self.forward_embeddings(self.embed(token_ids))
+
+    def forward_embeddings(self, x: torch.Tensor) -> torch.Tensor:
+        """The layers and final norm over the step's input embeddings (a multimodal model's
+        have its image features in them)."""
+        residual, pending = None, None
         for layer in self.layers:
             x, residual = layer(x, residual, pending)
             pending = layer.output_norm

@@ -7,7 +7,7 @@ attention and MLP outputs are normed before their residual adds), an embedding s
 ``sqrt(hidden_size)``, a gelu(tanh) gated MLP, the ``query_pre_attn_scalar`` attention scale
 and soft-capped logits. Gemma 3 adds qk-norm and one RoPE table per layer type.
 
-Gemma 1 (two norms per layer) and Gemma 3's multimodal checkpoints are not covered.
+Gemma 1 (two norms per layer) is not covered; Gemma 3 with images is :mod:`heron.models.gemma3_mm`.
 """
 
 from __future__ import annotations

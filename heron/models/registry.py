@@ -8,6 +8,7 @@ from torch import nn
 
 from heron.models.deepseek import DeepseekForCausalLM, DeepseekMTP
 from heron.models.gemma import GemmaForCausalLM
+from heron.models.gemma3_mm import Gemma3ForConditionalGeneration
 from heron.models.gpt_oss import GptOssForCausalLM
 from heron.models.llama import LlamaForCausalLM
 from heron.models.qwen3_5 import (
@@ -28,6 +29,7 @@ MODEL_REGISTRY: dict[str, type[nn.Module]] = {
     "DeepseekV3ForCausalLM": DeepseekForCausalLM,
     "Gemma2ForCausalLM": GemmaForCausalLM,
     "Gemma3ForCausalLM": GemmaForCausalLM,
+    "Gemma3ForConditionalGeneration": Gemma3ForConditionalGeneration,
     "GptOssForCausalLM": GptOssForCausalLM,
     "LlamaForCausalLM": LlamaForCausalLM,
     "MistralForCausalLM": LlamaForCausalLM,

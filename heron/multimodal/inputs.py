@@ -47,10 +47,12 @@ def block_hash_extras(items: Sequence[ImageItem], start: int, end: int) -> tuple
 @dataclass(frozen=True)
 class MultimodalStep:
     """What a multimodal model reads in one step beside the token ids: each token's M-RoPE
-    positions (``[3, tokens]``), and the encoder features (``[rows, 1 + deepstack, hidden]``:
-    the embedding, then what each early layer adds) of the step's placeholder tokens
-    ``rows``."""
+    positions (``[3, tokens]``; None: the view's, for a model without M-RoPE), the encoder
+    features (``[rows, 1 + deepstack, hidden]``: the embedding, then what each early layer
+    adds) of the step's placeholder tokens ``rows``, and, for a model whose image tokens
+    attend to their whole image, each token's key limit (``SequenceMetadata.key_limits``)."""
 
-    positions: torch.Tensor
+    positions: torch.Tensor | None = None
     rows: torch.Tensor | None = None
     features: torch.Tensor | None = None
+    key_limits: torch.Tensor | None = None

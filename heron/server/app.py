@@ -9,7 +9,7 @@ import logging
 import math
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
 from dataclasses import fields, replace
@@ -42,6 +42,7 @@ from heron.outputs import CompletionOutput, PoolingRequestOutput, RequestOutput
 from heron.pooling_params import PoolingParams, cosine, pair_token_ids
 from heron.sampling_params import SamplingParams
 from heron.server.chat_output import ChatOutputConfig, ChatOutputParser
+from heron.server.disconnect import ClientDisconnected, until_disconnect, wait_for_disconnect
 from heron.server.images import ServerImages
 from heron.server.metrics import ServerMetrics
 from heron.server.pooling_protocol import (
@@ -149,10 +150,6 @@ class APIError(Exception):
         self.status, self.message, self.param, self.code = status, message, param, code
 
 
-class ClientDisconnected(Exception):
-    """The HTTP client went away; its requests are aborted."""
-
-
 def error_response(
     status: int, message: str, param: str | None = None, code: str | None = None
 ) -> JSONResponse:
@@ -177,30 +174,7 @@ def _sse(payload: str) -> str:
     return f"data: {payload}\n\n"
 
 
-async def _wait_for_disconnect(request: Request) -> None:
-    # The body has been read, so the next ASGI message is the disconnect.
-    while (await request.receive())["type"] != "http.disconnect":
-        pass
-
-
 T = TypeVar("T")
-
-
-async def _until_disconnect(request: Request, work: Awaitable[T]) -> T:
-    """Await ``work``; if the client goes away first, cancel it (which aborts the requests it
-    added) and raise :class:`ClientDisconnected`."""
-    task = asyncio.ensure_future(work)
-    watch = asyncio.ensure_future(_wait_for_disconnect(request))
-    try:
-        await asyncio.wait((task, watch), return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        watch.cancel()
-        if not task.done():
-            task.cancel()
-            await asyncio.gather(task, return_exceptions=True)
-    if task.cancelled():
-        raise ClientDisconnected()
-    return task.result()
 
 
 class OpenAIServing:
@@ -451,7 +425,7 @@ class OpenAIServing:
             queue.put_nowait((index, None))
 
         async def watch() -> None:
-            await _wait_for_disconnect(request)
+            await wait_for_disconnect(request)
             queue.put_nowait((-1, ClientDisconnected()))
 
         tasks = [asyncio.ensure_future(pump(i, *s)) for i, s in enumerate(started)]
@@ -576,7 +550,7 @@ class OpenAIServing:
             ),
             return_exceptions=True,
         )
-        outputs = await _until_disconnect(request, work)
+        outputs = await until_disconnect(request, work)
         for output in outputs:
             if isinstance(output, ValueError):
                 raise APIError(400, str(output), param=param)
@@ -804,7 +778,7 @@ def build_app(
         for ids in token_ids:
             serving.check_context(len(ids), body)
         request_id = f"cmpl-{uuid.uuid4().hex}"
-        started = await _until_disconnect(
+        started = await until_disconnect(
             request, serving.start(request_id, token_ids, params, lora)
         )
         created = int(time.time())
@@ -856,7 +830,7 @@ def build_app(
         serving.check_context(len(prompt), body)
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
         lora = serving.lora_request(body.model)
-        started = await _until_disconnect(
+        started = await until_disconnect(
             request, serving.start(request_id, [prompt], params, lora, images)
         )
         created = int(time.time())
@@ -928,7 +902,7 @@ def build_app(
         serving.check_context(len(prompt), chat)
         response_id = f"resp_{uuid.uuid4().hex}"
         lora = serving.lora_request(chat.model)
-        started = await _until_disconnect(
+        started = await until_disconnect(
             request, serving.start(response_id, [prompt], params, lora, images)
         )
         writer = ResponseWriter(new_response(body, response_id, served_model_name))

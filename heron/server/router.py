@@ -6,7 +6,9 @@ streamed, ``kv_transfer_params: {"do_remote_decode": true}``), whose answer's
 with those parameters, to a decode instance, whose answer (streamed or not) is the client's.
 Instances of each role are picked by least outstanding requests; a prefill instance that
 fails (unreachable, or a 5xx answer) is replaced by the next one. A client that disconnects
-closes the decode instance's stream, which aborts the request there.
+while the prefill instance computes closes that request, which aborts it there; later, it
+closes the decode instance's stream, which aborts the request there (and a decode instance
+that aborts a request before reading its blocks tells the prefill instance to free them).
 """
 
 from __future__ import annotations
@@ -19,6 +21,8 @@ from collections.abc import AsyncIterator, Sequence
 import httpx
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from heron.server.disconnect import ClientDisconnected, until_disconnect
 
 logger = logging.getLogger(__name__)
 
@@ -108,7 +112,11 @@ def make_app(prefill_urls: Sequence[str], decode_urls: Sequence[str]) -> FastAPI
         if not isinstance(body, dict):
             return _error(400, "the request body is not a JSON object")
         headers = {k: v for k, v in request.headers.items() if k in _FORWARDED_HEADERS}
-        params = await prefill(path, body, headers)
+        try:
+            params = await until_disconnect(request, prefill(path, body, headers))
+        except ClientDisconnected:  # (nobody reads the answer)
+            logger.info("client left during the prefill; its request there was aborted")
+            return Response(status_code=499)
         if isinstance(params, Response):
             return params
         body["kv_transfer_params"] = params

@@ -109,31 +109,6 @@ def test_a_request_freed_in_its_pass_saves_nothing():
     assert kv.get_computed_blocks(make_request("b", range(10)))[1] == 0
 
 
-@pytest.mark.parametrize("loaded", [True, False])
-def test_a_load_past_the_hit_restores_no_checkpoint_and_a_failed_one_leaves_none(loaded):
-    """A KV connector loads a request's state past its device hit: its allocation restores no
-    checkpoint (the hit's are left out), and the checkpoint saved where the load ends stays
-    only if the load ran (a failed one frees the request at its hit)."""
-    kv = CheckedCoordinator([SPEC, FULL], [6, 20])
-    a = make_request("a", range(9))
-    assert admit(kv, a, 16)
-    kv.take_state_copies()
-    a.num_computed_tokens = 8
-    kv.free(a)
-    b = make_request("b", range(13))
-    blocks, num_cached = kv.get_computed_blocks(b)
-    assert num_cached == 8 and blocks[0][-1] != NULL_SLOT
-    assert kv.allocate_slots(b, 4, kv.without_checkpoints(blocks))
-    slot_b = kv.block_tables("b")[0][0]
-    before, [(source, checkpoint)], _, registered, _ = kv.take_state_copies()[0]
-    chain = list(kv.block_hashes("b"))
-    assert before == [] and source == slot_b and registered == [(checkpoint, chain[2])]
-    b.num_computed_tokens = 12 if loaded else 8
-    kv.free(b)
-    hit = kv.groups[0].find_cached_chain(make_request("c", range(13)), chain)
-    assert hit == ([NULL_SLOT, NULL_SLOT, checkpoint] if loaded else [NULL_SLOT, blocks[0][-1]])
-
-
 def test_two_recurrent_groups_hit_where_both_hold_a_checkpoint():
     """Group 2's small pool loses a's checkpoint at 8 to f's (its state at 4 was used by f's
     hit since), so the hit is 4 tokens, served in group 0 from its checkpoint at 4 (not the

@@ -1,6 +1,6 @@
 """Packed integer (and NVFP4) checkpoints over two ranks (gloo): weights, scales and zero points
-cut along their words and groups, against HF on the dequantised weights; a cut inside a group
-refused."""
+cut along their words and groups (MoE experts' along their intermediate features), against HF
+on the dequantised weights; a cut inside a group refused."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 import transformers as tf
-from wna16_checkpoints import SHAPE, write_checkpoint
+from wna16_checkpoints import MOE_SHAPE, SHAPE, write_checkpoint
 
 from heron import LLM, SamplingParams
 from heron.config import ModelConfig
@@ -17,7 +17,13 @@ from heron.models.build import build_model
 from heron.parallel import TensorParallel
 from heron.platforms import CpuPlatform
 
-from tiny_models import greedy_tokens, hf_greedy, hf_on_weights, save_random_model
+from tiny_models import (
+    greedy_tokens,
+    hf_greedy,
+    hf_on_saved_weights,
+    hf_on_weights,
+    save_random_model,
+)
 
 PROMPTS = [list(range(10, 40)), [5, 6, 7, 8, 9]]
 GREEDY = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
@@ -26,6 +32,12 @@ GREEDY = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
 @pytest.fixture(scope="module")
 def llama(tmp_path_factory):
     return save_random_model(tf.LlamaConfig(**SHAPE), tmp_path_factory.mktemp("llama"))
+
+
+@pytest.fixture(scope="module")
+def qwen2_moe(tmp_path_factory):
+    config = tf.Qwen2MoeConfig(**MOE_SHAPE, shared_expert_intermediate_size=64)
+    return save_random_model(config, tmp_path_factory.mktemp("qwen2_moe"))
 
 
 @pytest.fixture(autouse=True)
@@ -70,3 +82,26 @@ def test_a_rank_boundary_inside_a_group_is_refused_naming_the_tensor(llama, tmp_
     write_checkpoint(llama, tmp_path / "gptq", "gptq", **opts)
     with pytest.raises(ValueError, match=r"self_attn\.o_proj: its g_idx does not put whole"):
         _rank0(tmp_path / "gptq")
+
+
+def test_moe_experts_over_two_ranks_equal_hf(qwen2_moe, tmp_path):
+    """GPTQ Qwen2-MoE: each rank holds 32 of every expert's 64 intermediate features (gate's
+    and up's rows, down's input words and one of its two groups) and half the shared expert."""
+    opts = dict(bits=4, group_size=32, sym=False, desc_act=False)
+    weights = write_checkpoint(qwen2_moe, tmp_path / "q", "gptq", **opts)
+    llm = LLM(str(tmp_path / "q"), tensor_parallel_size=2, max_model_len=96)
+    try:
+        hf = hf_on_saved_weights(qwen2_moe, weights, tmp_path / "dequantised")
+        assert greedy_tokens(llm, PROMPTS, GREEDY) == hf_greedy(hf, PROMPTS, GREEDY.max_tokens)
+    finally:
+        llm.engine.shutdown()
+
+
+def test_a_rank_boundary_inside_an_experts_group_is_refused_naming_the_tensor(qwen2_moe, tmp_path):
+    opts = dict(bits=4, group_size=64, sym=True, desc_act=False)
+    write_checkpoint(qwen2_moe, tmp_path / "q", "gptq", **opts)
+    message = (
+        r"experts\.\d+\.down_proj\.(qzeros|scales)'.* 32 of its 64 input columns, which splits"
+    )
+    with pytest.raises(ValueError, match=message):
+        _rank0(tmp_path / "q")

@@ -115,6 +115,11 @@ def test_the_offload_connector_checks_its_options(extra, role, error):
         ({"hold_timeout_s": 0}, "prefill", "hold_timeout_s must be a number > 0, got 0"),
         ({"transfer_timeout_s": "5"}, "decode", "transfer_timeout_s must be a number > 0"),
         ({"timeout_s": 5}, "decode", "unknown kv_connector_extra_config.*'timeout_s'"),
+        (
+            {"on_read_failure": "retry"},
+            "decode",
+            "on_read_failure must be one of 'recompute', 'abort', got 'retry'",
+        ),
     ],
 )
 def test_the_nixl_connector_checks_its_options(extra, role, error):

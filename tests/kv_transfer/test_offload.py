@@ -420,14 +420,14 @@ class LayerwiseSaver(OffloadWorker):
             self._thread.start()
 
     def _save_layers(self, meta, base):
-        blocks = torch.tensor(meta.save_blocks).T
+        blocks, slots = torch.tensor(meta.save_blocks).T, torch.tensor(meta.save_slots)
         for layer, (cache, host, axis, group) in enumerate(self._layers):
             if not self.steps.wait_for(base + layer + 1, timeout_s=5):
                 self.timed_out = True
                 return
-            saved = cache.index_select(axis, blocks[group])
+            saved = cache.index_select(axis, blocks[group].to(cache.device)).cpu()
             self.poisoned.append(bool((saved == POISON).any()))
-            host.index_copy_(axis, torch.tensor(meta.save_slots), saved)
+            host.index_copy_(axis, slots, saved)
 
     def end_step(self, meta):
         if self._thread is not None:
@@ -450,3 +450,29 @@ def test_a_layerwise_saver_never_sees_a_layer_before_it_was_written(models):
     # One record per owner's forward, in layer order, step after step.
     assert [count for _, count in records] == list(range(1, len(records) + 1))
     assert [i for i, _ in records] == list(range(len(owners))) * (len(records) // len(owners))
+
+
+@pytest.mark.gpu
+def test_captured_decode_graphs_record_every_layer_step(models):
+    """The records are stream operations: graphs captured with a layerwise connector repeat
+    them at every replay (a forward hook cannot fire there), so the count after a run is one
+    per cache owner for every forward, eager or replayed, and the graphs stay whole."""
+    path, want = models("llama")
+    options = dict(kv_offload_bytes=4 << 20, device="cuda", dtype="float32", **SMALL)
+    engine = LLMEngine(EngineConfig(str(path), **options))
+    saver = LayerwiseSaver(engine.runner.kv_connector.num_slots)
+    runner = engine.runner
+    runner.set_kv_connector(saver)
+    runner.rebuild_graphs()  # captured with the records in them
+    torch.cuda.synchronize()
+    start, layers = runner.layer_steps.count, len(runner.cache.owners)
+    forwards = []
+    runner.model.register_forward_hook(lambda *_: forwards.append("eager"))
+    replay = runner.graphs.run
+    runner.graphs.run = lambda seq: forwards.append("replay") or replay(seq)
+    got = run_one_by_one(engine)
+    torch.cuda.synchronize()
+    assert [tokens for tokens, _ in got] == want
+    assert forwards.count("replay") >= len(PROMPTS) * (MAX_NEW - 2)
+    assert runner.layer_steps.count - start == len(forwards) * layers
+    assert saver.poisoned and not any(saver.poisoned) and not saver.timed_out

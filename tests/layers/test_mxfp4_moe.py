@@ -149,11 +149,14 @@ def mxfp4_launches() -> None:
         fused_experts(x, weights.to(torch.bfloat16), indices, **bank.fused_layout())
 
 
+#: The launches of one fused MoE call, for the lowering tests.
+FUSED_MOE_KERNELS = (
+    "heron.kernels.moe:_gate_up_kernel",
+    "heron.kernels.moe:_down_kernel",
+    "heron.kernels.moe:_combine_kernel",
+    "heron.kernels.moe_align:_align_kernel",
+)
+
+
 def test_mxfp4_launches_lower_for_hopper():
-    assert check_lowering(
-        "layers.test_mxfp4_moe:mxfp4_launches",
-        "heron.kernels.moe:_gate_up_kernel",
-        "heron.kernels.moe:_down_kernel",
-        "heron.kernels.moe:_combine_kernel",
-        "heron.kernels.moe_align:_align_kernel",
-    )
+    assert check_lowering("layers.test_mxfp4_moe:mxfp4_launches", *FUSED_MOE_KERNELS)

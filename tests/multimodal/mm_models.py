@@ -11,7 +11,7 @@ import transformers as tf
 from models.test_qwen3_5 import randomize as randomize_qwen3_5
 from PIL import Image
 
-from tiny_models import BASE, QWEN3_5, make_tokenizer
+from tiny_models import BASE, CORPUS, QWEN3_5, make_tokenizer
 
 VISION_TOKENS = ["<|vision_start|>", "<|vision_end|>", "<|image_pad|>"]
 IMAGE = "<|vision_start|><|image_pad|><|vision_end|>"
@@ -128,3 +128,94 @@ def hf_greedy_mm(hf, processor, prompt_ids: list[int], images, max_new: int) -> 
         kwargs["mm_token_type_ids"] = (ids == hf.config.image_token_id).int()
     generated = hf.generate(ids, max_new_tokens=max_new, do_sample=False, pad_token_id=0, **kwargs)
     return generated[0, len(prompt_ids) :].tolist()
+
+
+GEMMA3_TOKENS = {
+    "boi_token": "<start_of_image>",
+    "eoi_token": "<end_of_image>",
+    "image_token": "<image_soft_token>",
+}
+# Gemma 3's chat template renders an image part as its begin-of-image token.
+GEMMA3_IMAGE = GEMMA3_TOKENS["boi_token"]
+GEMMA3_CHAT_TEMPLATE = CHAT_TEMPLATE.replace(IMAGE, GEMMA3_IMAGE)
+
+
+def gemma3_tokenizer():
+    """A BPE tokenizer shaped as Gemma's (spaces become ``▁``, a run of up to four newlines is
+    one token whatever follows it), with Gemma 3's image tokens."""
+    from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE(unk_token="<unk>"))
+    tok.normalizer = normalizers.Replace(" ", "\u2581")
+    tok.pre_tokenizer = pre_tokenizers.Split(Regex("\n+"), "isolated")
+    tok.decoder = decoders.Replace("\u2581", " ")
+    alphabet = [chr(c) for c in range(33, 127)] + ["\n", "\u2581"]
+    trainer = trainers.BpeTrainer(
+        vocab_size=320,
+        special_tokens=["<|endoftext|>", "<|end|>", "<unk>"],
+        initial_alphabet=alphabet,
+    )
+    newlines = [f"a{chr(10) * n}b" for n in (1, 2, 3, 4)]
+    tok.train_from_iterator((CORPUS + newlines * 8) * 4, trainer)
+    fast = tf.PreTrainedTokenizerFast(
+        tokenizer_object=tok, eos_token="<|endoftext|>", unk_token="<unk>"
+    )
+    fast.add_special_tokens({"additional_special_tokens": list(GEMMA3_TOKENS.values())})
+    fast.chat_template = GEMMA3_CHAT_TEMPLATE
+    return fast
+
+
+def save_gemma3(path: Path, seed: int = 0) -> Path:
+    """Gemma 3 with its SigLIP tower: a sliding-window layer (window 8, shorter than the
+    prompts) and a full one; 32x32 images of 4x4 patches pooled to 4 image tokens."""
+    torch.manual_seed(seed)
+    tokenizer = gemma3_tokenizer()
+    boi, eoi, image = tokenizer.convert_tokens_to_ids(list(GEMMA3_TOKENS.values()))
+    text = BASE | dict(
+        vocab_size=len(tokenizer),
+        num_hidden_layers=2,
+        head_dim=16,
+        layer_types=["sliding_attention", "full_attention"],
+        sliding_window=8,
+        tie_word_embeddings=False,
+    )
+    vision = dict(
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        image_size=32,
+        patch_size=8,
+    )
+    config = tf.Gemma3Config(
+        text_config=text,
+        vision_config=vision,
+        mm_tokens_per_image=4,
+        boi_token_index=boi,
+        eoi_token_index=eoi,
+        image_token_index=image,
+        tie_word_embeddings=False,
+    )
+    model = tf.Gemma3ForConditionalGeneration(config).float()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.dim() >= 2:  # the projection included: HF initialises it to zeros
+                p.normal_(0.0, 0.08)
+            elif "norm" in name:
+                p.uniform_(-0.2, 0.2)  # (Gemma's norms scale by 1 + w)
+            else:
+                p.normal_(0.0, 0.02)
+    model.generation_config.eos_token_id = None
+    model.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    tf.Gemma3ImageProcessorPil(size={"height": 32, "width": 32}).save_pretrained(path)
+    return path
+
+
+def gemma3_hf_processor(path: Path):
+    """HF's own Gemma 3 processor over the saved tokenizer and image processor."""
+    tokenizer = tf.AutoTokenizer.from_pretrained(path, extra_special_tokens=GEMMA3_TOKENS)
+    image_processor = tf.Gemma3ImageProcessorPil.from_pretrained(path)
+    return tf.Gemma3Processor(
+        image_processor=image_processor, tokenizer=tokenizer, image_seq_length=4
+    )

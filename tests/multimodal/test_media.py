@@ -12,7 +12,7 @@ import pytest
 from mm_models import synthetic_image
 
 from heron.models.registry import MODEL_REGISTRY
-from heron.multimodal.architectures import IMAGE_ARCHITECTURES
+from heron.multimodal.architectures import IMAGE_ARCHITECTURES, WHOLE_IMAGE_ARCHITECTURES
 from heron.multimodal.media import MediaPolicy
 
 
@@ -82,3 +82,5 @@ def test_the_front_knows_the_registry_s_image_models():
     """The front's list of image architectures (it imports no model code) is the registry's."""
     readers = {a for a, cls in MODEL_REGISTRY.items() if getattr(cls, "is_multimodal", False)}
     assert readers == IMAGE_ARCHITECTURES
+    whole = {a for a, cls in MODEL_REGISTRY.items() if getattr(cls, "images_attend_whole", False)}
+    assert whole == WHOLE_IMAGE_ARCHITECTURES

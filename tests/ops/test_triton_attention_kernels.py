@@ -96,11 +96,13 @@ def dense_attention(
     scale: float,
     softcap: float | None = None,
     sinks: torch.Tensor | None = None,
+    key_limits: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """q: [n, H, D], the last n of the kv_len positions; k, v: [kv_len, KVH, D]; fp32 result.
 
     ``softcap``: scores become cap * tanh(scores / cap) before the mask (Gemma 2); ``sinks``
-    [H]: one more logit per head joins the softmax, its probability dropped (gpt-oss)."""
+    [H]: one more logit per head joins the softmax, its probability dropped (gpt-oss);
+    ``key_limits`` [n]: the last position each query sees, in place of its own."""
     n, kv_len = q.shape[0], k.shape[0]
     if kv_len == 0:
         return torch.zeros(q.shape, dtype=torch.float32, device=q.device)
@@ -108,7 +110,7 @@ def dense_attention(
     k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
     q_pos = torch.arange(kv_len - n, kv_len, device=q.device)[:, None]
     k_pos = torch.arange(kv_len, device=q.device)[None, :]
-    mask = k_pos <= q_pos
+    mask = k_pos <= (q_pos if key_limits is None else key_limits[:, None])
     if window is not None:
         mask &= k_pos > q_pos - window
     if softcap is not None or sinks is not None:
@@ -213,9 +215,11 @@ def run_extend(
     device: torch.device = DEVICE,
     softcap: float | None = None,
     sinks: bool = False,
+    spans: dict[int, list[tuple[int, int]]] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(kernel output, dense reference) for one extend step (new tokens are the last q_lens);
-    ``sinks`` draws random ones."""
+    ``sinks`` draws random ones; ``spans``: per request, position ranges ``[a, b)`` whose
+    tokens see the whole range (key limits ``b - 1``)."""
     cache, tables, ks, vs = make_paged_cache(
         kv_lens, block_size, num_kv_heads, head_dim, dtype, device
     )
@@ -227,6 +231,15 @@ def run_extend(
     starts = [0]
     for n in q_lens:
         starts.append(starts[-1] + n)
+    limits = None
+    if spans is not None:
+        per_request = []
+        for r, (kv_len, n) in enumerate(zip(kv_lens, q_lens)):
+            rows = torch.arange(kv_len - n, kv_len, dtype=torch.int32)
+            for a, b in spans.get(r, []):
+                rows[(rows >= a) & (rows < b)] = b - 1
+            per_request.append(rows)
+        limits = torch.cat(per_request).to(device)
     paged_extend_attention(
         q,
         cache,
@@ -240,11 +253,19 @@ def run_extend(
         out,
         softcap=softcap,
         sinks=sink_logits,
+        key_limits=limits,
     )
     ref = torch.cat(
         [
             dense_attention(
-                q[starts[r] : starts[r + 1]], ks[r], vs[r], window, scale, softcap, sink_logits
+                q[starts[r] : starts[r + 1]],
+                ks[r],
+                vs[r],
+                window,
+                scale,
+                softcap,
+                sink_logits,
+                None if limits is None else limits[starts[r] : starts[r + 1]],
             )
             for r in range(len(kv_lens))
         ]
@@ -325,6 +346,22 @@ def test_extend_matches_dense(kv_lens, q_lens, heads):
 def test_extend_sliding_window(block_size):
     out, ref = run_extend([150, 40, 75], [80, 40, 1], 4, 2, block_size, 11, torch.float32)
     assert_close(out, ref, 1e-4)
+
+
+@pytest.mark.parametrize("window", [None, 11])
+def test_extend_key_limits(window):
+    """Spans whose tokens see one another both ways (Gemma 3's images): one across the
+    64-query tile boundary, one whose first tokens were computed in an earlier step, two in
+    one request, and a text-only request beside them."""
+    # (request 0's new tokens are positions 30..119: its 64-query tiles meet at 94)
+    spans = {0: [(20, 40), (85, 100)], 1: [(10, 25), (100, 110)]}
+    out, ref = run_extend(
+        [120, 110, 30], [90, 104, 30], 4, 2, 16, window, torch.float32, spans=spans
+    )
+    assert_close(out, ref, 1e-4)
+    causal, _ = run_extend([120, 110, 30], [90, 104, 30], 4, 2, 16, window, torch.float32)
+    assert not torch.allclose(out[:90], causal[:90])  # the spans changed the first request
+    torch.testing.assert_close(out[194:], causal[194:])  # and left the text-only one alone
 
 
 def test_extend_fp16():

@@ -3,12 +3,16 @@ UCX's TCP transport on 127.0.0.1) behind `heron router`, whose first prefill URL
 request retries on the live one). Greedy answers through the router are the decode instance's
 own answers without disaggregation, streamed or not, through the real openai client; blocks
 nobody reads are freed at the timeout; a mismatched cache is refused; a failed read is
-recomputed. Neither side keeps a block afterwards."""
+recomputed, or, on a third (decode) instance with on_read_failure "abort", answered with the
+error; a client that leaves during the prefill aborts it there. Neither side keeps a block
+afterwards."""
 
 from __future__ import annotations
 
+import json
 import os
 import signal
+import socket
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -39,26 +43,26 @@ PROMPT = "The quick brown fox jumps over the lazy dog, then runs far into the wo
 GREEDY = dict(model=MODEL_NAME, temperature=0.0, max_tokens=8)
 
 
-def _nixl(role: str) -> str:
-    options = {"hold_timeout_s": HOLD_TIMEOUT_S, "transfer_timeout_s": 10}
-    return (
-        f'{{"kv_connector": "nixl", "kv_role": "{role}", '
-        f'"kv_connector_extra_config": {str(options).replace(chr(39), chr(34))}}}'
+def _nixl(role: str, **extra) -> str:
+    options = {"hold_timeout_s": HOLD_TIMEOUT_S, "transfer_timeout_s": 10, **extra}
+    return json.dumps(
+        {"kv_connector": "nixl", "kv_role": role, "kv_connector_extra_config": options}
     )
 
 
 @pytest.fixture(scope="module")
 def pd(tiny_model_dir):
-    """(prefill, decode, router URL)."""
+    """(prefill, decode, router URL, a decode instance that fails what it cannot read)."""
     model = tiny_model_dir("llama")
     common = ("--block-size", "16", "--max-num-batched-tokens", "16")
-    with mock.patch.dict(os.environ, {"UCX_TLS": "tcp"}), ThreadPoolExecutor(2) as pool:
-        # (both start at once; a shared machine may take long)
-        prefill, decode = pool.map(
-            lambda role: start_server(
-                model, *common, "--kv-transfer-config", _nixl(role), startup_s=300
+    configs = [_nixl("prefill"), _nixl("decode"), _nixl("decode", on_read_failure="abort")]
+    with mock.patch.dict(os.environ, {"UCX_TLS": "tcp"}), ThreadPoolExecutor(3) as pool:
+        # (all start at once; a shared machine may take long)
+        prefill, decode, failing = pool.map(
+            lambda config: start_server(
+                model, *common, "--kv-transfer-config", config, startup_s=300
             ),
-            ("prefill", "decode"),
+            configs,
         )
     # The router runs in a thread of this process (as `heron router` runs it).
     args = build_parser().parse_args(
@@ -72,11 +76,11 @@ def pd(tiny_model_dir):
     while not router.started:
         assert thread.is_alive()
         time.sleep(0.05)
-    yield prefill, decode, f"http://{args.host}:{args.port}"
+    yield prefill, decode, f"http://{args.host}:{args.port}", failing
     router.should_exit = True
     thread.join(10)
-    stop_server(prefill)
-    stop_server(decode)
+    for handle in (prefill, decode, failing):
+        stop_server(handle)
 
 
 def _client(url: str) -> openai.OpenAI:
@@ -95,7 +99,7 @@ def _idle(handle) -> dict[str, float]:
 
 
 def test_router_answers_as_one_instance(pd):
-    prefill, decode, url = pd
+    prefill, decode, url, _ = pd
     # (the reference is the prefill instance's: the decode one's prefix cache starts empty)
     direct, routed = _client(prefill.base_url), _client(url)
     before = _idle(decode)["heron:kv_transfer_blocks_total"]
@@ -133,7 +137,7 @@ def _prefilled(prefill, prompt: str = PROMPT) -> dict:
 
 
 def test_blocks_no_decode_instance_reads_are_freed_at_the_timeout(pd):
-    prefill, _, _ = pd
+    prefill, *_ = pd
     timeouts = _idle(prefill)["heron:kv_transfer_hold_timeouts_total"]
     _prefilled(prefill)
     m = parse_metrics(httpx.get(f"{prefill.base_url}/metrics").text)
@@ -154,7 +158,7 @@ def test_blocks_no_decode_instance_reads_are_freed_at_the_timeout(pd):
     ],
 )
 def test_a_decode_instance_refuses_what_it_cannot_read(pd, field, value, error):
-    prefill, decode, _ = pd
+    prefill, decode, *_ = pd
     params = _prefilled(prefill) | {field: value}
     with pytest.raises(openai.BadRequestError, match=error):
         _client(decode.base_url).completions.create(
@@ -166,7 +170,7 @@ def test_a_decode_instance_refuses_what_it_cannot_read(pd, field, value, error):
 def test_a_failed_read_is_recomputed(pd):
     """A prefill instance gone (here: agent metadata nobody can reach) fails the read; the
     decode instance computes the prompt itself and answers right."""
-    prefill, decode, _ = pd
+    prefill, decode, *_ = pd
     client = _client(decode.base_url)
     want = client.completions.create(prompt=PROMPT, **GREEDY).choices[0].text
     failed = _idle(decode)["heron:kv_transfer_failed_loads_total"]
@@ -179,7 +183,7 @@ def test_a_failed_read_is_recomputed(pd):
 
 
 def test_a_client_that_disconnects_aborts_the_decode_request(pd):
-    _, decode, url = pd
+    _, decode, url, _ = pd
     stream = _client(url).completions.create(
         prompt=PROMPT,
         stream=True,
@@ -192,10 +196,66 @@ def test_a_client_that_disconnects_aborts_the_decode_request(pd):
     assert m["heron:num_requests_running"] == 0
 
 
+ABORTED = 'heron:request_success_total{finished_reason="abort"}'
+
+
+def test_a_client_that_disconnects_during_the_prefill_aborts_it(pd):
+    """The client leaves while the prefill instance computes a long prompt: the router closes
+    that request, the prefill instance aborts it (nothing held until the timeout) and the
+    decode instance never sees it."""
+    prefill, decode, url, _ = pd
+    before = _idle(prefill)
+    decoded = _idle(decode)["heron:kv_transfer_blocks_total"]
+    body = json.dumps({"prompt": PROMPT * 8, "stream": True, **GREEDY}).encode()
+    host, port = url.removeprefix("http://").split(":")
+    with socket.create_connection((host, int(port))) as conn:
+        conn.sendall(
+            b"POST /v1/completions HTTP/1.1\r\nHost: router\r\n"
+            b"Content-Type: application/json\r\n"
+            + f"Content-Length: {len(body)}\r\n\r\n".encode()
+            + body
+        )
+        deadline = time.monotonic() + 30
+        while not parse_metrics(httpx.get(f"{prefill.base_url}/metrics").text)[
+            "heron:num_requests_running"
+        ]:
+            assert time.monotonic() < deadline, "the prefill instance never ran the request"
+            time.sleep(0.01)
+    after = _idle(prefill)
+    assert after[ABORTED] == before.get(ABORTED, 0) + 1
+    assert (
+        after["heron:kv_transfer_hold_timeouts_total"]
+        == (before["heron:kv_transfer_hold_timeouts_total"])
+    )
+    assert _idle(decode)["heron:kv_transfer_blocks_total"] == decoded
+
+
+def test_a_decode_instance_that_fails_reads_answers_with_an_error(pd):
+    """(on_read_failure "abort") A read that fails ends the request at once with an error
+    naming why, streamed or not; nothing is left on the decode instance."""
+    prefill, *_, failing = pd
+    params = _prefilled(prefill) | {"remote_engine_id": "gone", "remote_agent_metadata": "AAAA"}
+    client = _client(failing.base_url)
+    error = "the KV read from the prefill instance failed.*on_read_failure='abort'"
+    with pytest.raises(openai.InternalServerError, match=error):
+        client.completions.create(
+            prompt=PROMPT, extra_body={"kv_transfer_params": params}, **GREEDY
+        )
+    with pytest.raises(openai.APIError, match=error):
+        stream = client.completions.create(
+            prompt=PROMPT, stream=True, extra_body={"kv_transfer_params": params}, **GREEDY
+        )
+        list(stream)
+    m = _idle(failing)
+    assert m["heron:kv_transfer_failed_loads_total"] == 2
+    assert m["heron:num_requests_running"] == 0
+
+
 def test_a_prefill_instance_that_died_is_recomputed(pd):
     """(last: it kills the module's prefill instance) A read from a prefill instance gone
-    after its answer fails or times out; the decode instance computes the prompt itself."""
-    prefill, decode, _ = pd
+    after its answer fails or times out; the decode instance computes the prompt itself, the
+    one that fails such reads answers with the error."""
+    prefill, decode, _, failing = pd
     prompt = "Every cache block that a gone instance held is recomputed by the one that reads."
     want = _client(prefill.base_url).completions.create(prompt=prompt, **GREEDY).choices[0].text
     params = _prefilled(prefill, prompt)
@@ -203,10 +263,21 @@ def test_a_prefill_instance_that_died_is_recomputed(pd):
         os.kill(pid, signal.SIGKILL)
     prefill.proc.wait(10)
     failed = _idle(decode)["heron:kv_transfer_failed_loads_total"]
-    got = _client(decode.base_url).completions.create(
-        prompt=prompt, extra_body={"kv_transfer_params": params}, **GREEDY
-    )
+    with ThreadPoolExecutor(2) as pool:
+        answers = [
+            pool.submit(
+                _client(handle.base_url).completions.create,
+                prompt=prompt,
+                extra_body={"kv_transfer_params": params},
+                **GREEDY,
+            )
+            for handle in (decode, failing)
+        ]
+        got = answers[0].result()
+        with pytest.raises(openai.InternalServerError, match="on_read_failure='abort'"):
+            answers[1].result()
     assert got.choices[0].text == want
+    _idle(failing)
     assert _idle(decode)["heron:kv_transfer_failed_loads_total"] == failed + 1
 
 

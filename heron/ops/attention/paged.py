@@ -37,6 +37,7 @@ class PagedAttentionView:
     kv_lens_host: np.ndarray
     max_query_len: int
     workspace: Any = None  # a backend's per-step extras (e.g. split-KV buffers)
+    key_limits: torch.Tensor | None = None  # [tokens] (SequenceMetadata.key_limits)
 
 
 @dataclass(frozen=True)
@@ -166,6 +167,8 @@ class PagedAttentionBuilder(MetadataBuilder):
 
     def fill(self, seq: SequenceMetadata, buffers: PagedGraphBuffers, batch: int) -> None:
         self._check_layout(seq)
+        if seq.key_limits is not None:
+            raise StepMetadataError("graph buffers take causal steps only (key_limits given)")
         n, q = seq.num_reqs, seq.max_query_len
         if seq.num_tokens != n * q or q > buffers.max_query_len or batch < n:
             raise StepMetadataError(
@@ -251,4 +254,5 @@ class PagedAttentionBuilder(MetadataBuilder):
             query_lens_host=seq.query_lens_host,
             kv_lens_host=seq.kv_lens_host,
             max_query_len=seq.max_query_len,
+            key_limits=seq.key_limits,
         )

@@ -15,7 +15,8 @@ class ReferenceAttention(AttentionOperator):
 
     Decode gathers each request's blocks into a padded dense tensor and masks by length, with
     no host synchronisation (so it can be captured in a graph). Extend loops over requests and
-    calls SDPA with a causal mask offset by the request's KV history.
+    calls SDPA with a causal mask offset by the request's KV history (or by the view's key
+    limits, where tokens see past themselves).
     """
 
     def make_builder(
@@ -103,7 +104,10 @@ class ReferenceAttention(AttentionOperator):
             k, v = k[: kv_len - first * bs], v[: kv_len - first * bs]
             q_pos = torch.arange(kv_len - q_len, kv_len, device=q.device)[:, None]
             k_pos = torch.arange(first * bs, kv_len, device=q.device)[None, :]
-            mask = k_pos <= q_pos
+            limits = q_pos
+            if view.key_limits is not None:
+                limits = view.key_limits[q_start : q_start + q_len, None]
+            mask = k_pos <= limits
             if view.sliding_window is not None:
                 mask &= k_pos > q_pos - view.sliding_window
             qi = q[q_start : q_start + q_len]

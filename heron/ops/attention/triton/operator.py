@@ -154,6 +154,8 @@ class TritonAttentionBuilder(PagedAttentionBuilder):
 
     def build(self, seq: SequenceMetadata) -> PagedAttentionView:
         view = super().build(seq)
+        if seq.key_limits is not None:
+            return view  # every row to the extend kernel, the only one that reads key limits
         device = seq.kv_lens.device
         queries = decode_queries(seq)
         if queries is not None:
@@ -311,6 +313,7 @@ class TritonAttention(AttentionOperator):
             sinks=self.sinks,
             k_scale=self.k_scale,
             v_scale=self.v_scale,
+            key_limits=view.key_limits,
         )
 
     def _decode(
