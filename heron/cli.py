@@ -65,7 +65,8 @@ _ENGINE_FLAG_HELP = {
     "max_lora_rank": "the largest adapter rank the device slots hold",
     "max_cpu_loras": "adapters kept loaded in host memory (default: max_loras)",
     "kv_transfer_config": 'a KV connector as JSON, e.g. \'{"kv_connector": "offload", '
-    '"kv_connector_extra_config": {"num_bytes": 8000000000}}\', or for prefill/decode '
+    '"kv_connector_extra_config": {"num_bytes": 8000000000}}\' (extra config: num_bytes, '
+    "load_timeout_s), or for prefill/decode "
     'disaggregation \'{"kv_connector": "nixl", "kv_role": "prefill"}\' (or "decode"; '
     "extra config: hold_timeout_s, transfer_timeout_s)",
     "hf_overrides": "attributes to set on the checkpoint's config as JSON, e.g. a causal LM "

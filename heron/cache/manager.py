@@ -72,11 +72,17 @@ class StateCopies(NamedTuple):
     """A scheduling pass's copies of one group's entries: ``before`` and ``after`` the step,
     ``(source, destination)``; ``verified``: ``(request_id, position, destination)``, the state
     a verification step's row reached after its token ``position`` (not its last), saved once
-    the step has verified that token (a refused one leaves nothing)."""
+    the step has verified that token (a refused one leaves nothing). ``registered`` and
+    ``confirmed``: ``(entry, hash)`` of the checkpoints that became findable this pass, their
+    states written by this step (its ``after`` or ``verified`` copies) or by earlier steps (a
+    KV connector copies the first out after the step, the second before it, since the pass may
+    hand their entries out again)."""
 
     before: list[tuple[int, int]]
     after: list[tuple[int, int]]
     verified: list[tuple[str, int, int]]
+    registered: Sequence[tuple[int, int]] = ()
+    confirmed: Sequence[tuple[int, int]] = ()
 
 
 class AllocationPlan(Protocol):

@@ -184,6 +184,7 @@ class RecurrentStateManager(CacheManager):
         self._verified: list[tuple[str, int, int]] = []
         self._pending: dict[int, int] = {}  # checkpoint -> hash
         self._keeps: list[tuple[int, int]] = []  # (slot, kept) after the step
+        self._confirmed: list[tuple[int, int]] = []  # this pass's (checkpoint, hash)
         # Checkpoints that are some request's latest of generated tokens (its ``latest``).
         self._latest: set[int] = set()
 
@@ -388,6 +389,7 @@ class RecurrentStateManager(CacheManager):
             else:
                 pool.register(checkpoint, block_hash)
                 pool.release([checkpoint])
+                self._confirmed.append((checkpoint, block_hash))
         state.unconfirmed = waiting
 
     def _take_slot(self, request: CachedSequence, hits: Sequence[int]) -> _RequestSlot:
@@ -430,13 +432,22 @@ class RecurrentStateManager(CacheManager):
     def take_state_copies(self) -> StateCopies:
         """This pass's restores and saves; seals the pass: its checkpoints of known tokens
         become findable."""
-        copies = StateCopies(self._restores, self._saves + self._keeps, self._verified)
-        self._restores, self._saves, self._verified, self._keeps = [], [], [], []
         pool = self._pool
+        registered = []
         for checkpoint, block_hash in self._pending.items():
             pool.register(checkpoint, block_hash)
+            if pool.block_hash[checkpoint] == block_hash:
+                registered.append((checkpoint, block_hash))
         pool.release(self._pending)
-        self._pending = {}
+        copies = StateCopies(
+            self._restores,
+            self._saves + self._keeps,
+            self._verified,
+            registered,
+            self._confirmed,
+        )
+        self._restores, self._saves, self._verified, self._keeps = [], [], [], []
+        self._confirmed, self._pending = [], {}
         return copies
 
     def headroom(self, request_id: str) -> AllocationHeadroom:

@@ -94,7 +94,9 @@ def build_engine(config: ResolvedConfig) -> EngineParts:
                 "kv_transfer_config: a KV connector keeps cached prefixes, and "
                 f"{config.pooling.pooling_type} pooling reads every token's hidden states"
             )
-        connector, worker = make_connector(options.kv_transfer, runner.cache, config.block_size)
+        connector, worker = make_connector(
+            options.kv_transfer, runner.cache, config.block_size, num_blocks
+        )
         runner.set_kv_connector(worker)
     proposer = speculator = None
     if speculative is not None:

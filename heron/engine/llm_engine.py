@@ -96,9 +96,10 @@ class LLMEngine:
 
     def shutdown(self) -> None:
         """Stop what runs beside this process: the tensor-parallel workers, if any; leave a
-        trainer's weight update group."""
+        trainer's weight update group; free the blocks a KV connector's transfers hold."""
         self.rollout.close_weight_update_group()
         self.runner.shutdown()
+        self.scheduler.stop_transfers()
 
     # ----------------------------------------------------------------- requests
 
@@ -279,7 +280,7 @@ class LLMEngine:
         """Free finished requests' blocks a KV connector is done with: held for another
         instance (read, or past the timeout), or aborted while a load was writing them."""
         if self.scheduler.draining:
-            self.scheduler.transfers_finished(self.runner.take_transfer_results())
+            self._collect_transfers()
         if self.scheduler.held:
             self.scheduler.release_held()
 
@@ -380,11 +381,11 @@ class LLMEngine:
             )
             self.scheduler.finish_step(schedule)
             if self.scheduler.connector is not None:
-                failed = self.scheduler.transfers_finished(self.runner.take_transfer_results())
+                failed = self._collect_transfers()
             for request, n in zip(launched.sample_requests, launched.num_pending):
                 request.num_pending_tokens += n
         elif self.scheduler.loading or self.scheduler.draining:  # (loads outlasting a step)
-            failed = self.scheduler.transfers_finished(self.runner.take_transfer_results())
+            failed = self._collect_transfers()
         if previous is not None:
             self._read(previous, touched)
         if launched is not None:
@@ -448,6 +449,18 @@ class LLMEngine:
         read (its token will be dropped) is left free."""
         grammars = [None if r.is_finished else r.grammar for r in sample_requests]
         return self._grammars.token_bitmask(grammars)
+
+    def _collect_transfers(self) -> list[tuple[Request, str]]:
+        """Hand the KV connector's ended transfers to the scheduler (the requests it fails, as
+        :meth:`Scheduler.transfers_finished`); a connector that raises is switched off, never
+        the engine."""
+        try:
+            results = self.runner.take_transfer_results()
+        except Exception:
+            logger.exception("KV connector failed: the engine runs on without it")
+            self.scheduler.stop_transfers()
+            return []
+        return self.scheduler.transfers_finished(results)
 
     def _read(self, launched: _Launched, touched: dict[str, RequestDelta]) -> None:
         """Apply a step's sampled tokens (and prompt logprobs) to its requests."""

@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import logging
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
-from typing import TYPE_CHECKING, NamedTuple
+from operator import methodcaller
+from typing import TYPE_CHECKING, NamedTuple, TypeVar
 
 from heron.cache.coordinator import KVCacheCoordinator
 from heron.engine.request import FinishReason, Request, RequestStatus
@@ -17,10 +20,15 @@ from heron.execution.step_plan import (
     StepPlan,
     VerifiedCopies,
 )
+from heron.kv_transfer.base import TransferResults
 
 if TYPE_CHECKING:
-    from heron.kv_transfer import KVConnectorScheduler, TransferResults
+    from heron.cache.manager import StateCopies
+    from heron.kv_transfer.base import KVConnectorMeta, KVConnectorScheduler
     from heron.speculative import Proposer
+
+logger = logging.getLogger(__name__)
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -82,7 +90,9 @@ class Scheduler:
     With a KV connector, a waiting request whose prefix an outside store holds past the
     device pool's hit is given blocks for it and waits in ``loading`` while the step loads
     them (other requests run); once the load ended (:meth:`transfers_finished`) it runs from
-    there, and if it failed it goes back to the queue to compute those tokens.
+    there, and if it failed or outlasted the connector's timeout it goes back to the queue to
+    compute those tokens. A connector that raises is switched off (:meth:`stop_transfers`):
+    the engine runs on without it.
     """
 
     def __init__(
@@ -127,6 +137,11 @@ class Scheduler:
         budget = self.config.max_num_batched_tokens
         if self.held:
             self.release_held()
+        if self.loading:
+            expired = self._guarded(methodcaller("timed_out"), [])
+            if expired:
+                logger.warning("KV connector: loads of %s timed out (recomputed)", expired)
+                self.transfers_finished(TransferResults(failed_loads=expired))
 
         running, allocate_slots = self.running, self.kv_cache.allocate_slots
         max_model_len = self.config.max_model_len
@@ -193,16 +208,17 @@ class Scheduler:
                 continue
             computed_blocks, num_cached = self.kv_cache.get_computed_blocks(request)
             if self.connector is not None:
-                external = self.connector.lookup(request, num_cached)
+                external = self._guarded(methodcaller("lookup", request, num_cached))
+                if external is None:
+                    continue  # (the connector failed: look up again without it)
                 if external.wait:
                     passed.append(self.waiting.popleft())
                     continue
                 if external.num_tokens:
-                    first = request.first_scheduled_time is None
                     if not self._load(request, computed_blocks, num_cached, external.num_tokens):
                         break
-                    self.loading[request.request_id] = _Loading(request, external.num_tokens, first)
-                    out.plan.new_requests.extend(self._first_scheduled(request, num_cached))
+                    if request.request_id in self.loading:  # (else the connector failed)
+                        out.plan.new_requests.extend(self._first_scheduled(request, num_cached))
                     continue
             remaining = request.num_tokens - num_cached
             if not prefills.may_start(remaining):
@@ -274,15 +290,17 @@ class Scheduler:
         self.waiting.popleft()
         self.kv_cache.loads(request.request_id)
         request.num_computed_tokens = num_cached
+        first = request.first_scheduled_time is None
+        self.loading[request.request_id] = _Loading(request, num_external, first)
         tables = self.kv_cache.block_tables(request.request_id)
-        self.connector.load(request, tables, num_cached, num_external)
+        self._guarded(methodcaller("load", request, tables, num_cached, num_external))
         return True
 
     def transfers_finished(self, results: TransferResults) -> list[tuple[Request, str]]:
         """The connector's worker side ended these transfers: a loaded request runs from past
         its loaded tokens; one whose load failed is queued again to compute them, unless the
         connector fails it: those are returned, with why, for the caller to abort now."""
-        self.connector.finished(results)
+        self._guarded(methodcaller("finished", results))
         for request_id in (*results.failed_loads, *results.loaded):
             draining = self.draining.pop(request_id, None)
             if draining is not None:
@@ -292,7 +310,7 @@ class Scheduler:
             loading = self.loading.pop(request_id, None)
             if loading is None:  # (aborted while loading)
                 continue
-            error = self.connector.failed_load_error(request_id)
+            error = self._guarded(methodcaller("failed_load_error", request_id))
             if error is not None:
                 failed.append((loading.request, error))  # (its blocks go as it is removed)
             else:
@@ -339,22 +357,64 @@ class Scheduler:
                 self._sent.updates(request_id, self.kv_cache.block_tables(request_id))
             )
         changed.clear()
+        state_copies = self.kv_cache.take_state_copies()
         if self.connector is not None:
-            for item in scheduled:
-                request_id = item.request.request_id
-                self.connector.scheduled(
-                    item.request,
-                    self.kv_cache.block_tables(request_id),
-                    self.kv_cache.block_hashes(request_id),
-                )
-            plan = out.plan = replace(plan, kv_connector=self.connector.take_step_meta())
-        for g, (before, after, verified) in enumerate(self.kv_cache.take_state_copies()):
+            meta = self._guarded(lambda c: self._step_transfers(c, scheduled, state_copies))
+            plan = out.plan = replace(plan, kv_connector=meta)
+        for g, (before, after, verified, *_) in enumerate(state_copies):
             if before:
                 plan.copies_before.append(EntryCopies(g, *map(list, zip(*before))))
             if after:
                 plan.copies_after.append(EntryCopies(g, *map(list, zip(*after))))
             if verified:
                 plan.copies_verified.append(VerifiedCopies(g, *map(list, zip(*verified))))
+
+    def _step_transfers(
+        self,
+        connector: KVConnectorScheduler,
+        scheduled: list[ScheduledRequest],
+        state_copies: list[StateCopies],
+    ) -> KVConnectorMeta | None:
+        """Tell the connector each scheduled request's tables and hashes and the pass's new
+        state checkpoints; the step's transfers."""
+        for item in scheduled:
+            request_id = item.request.request_id
+            connector.scheduled(
+                item.request,
+                self.kv_cache.block_tables(request_id),
+                self.kv_cache.block_hashes(request_id),
+            )
+        for g, copies in enumerate(state_copies):
+            if copies.registered or copies.confirmed:
+                connector.checkpointed(g, copies)
+        return connector.take_step_meta()
+
+    def _guarded(
+        self, call: Callable[[KVConnectorScheduler], T], default: T | None = None
+    ) -> T | None:
+        """``call(connector)``, or ``default`` once a connector that raised was switched off:
+        a connector's failure never stops the engine."""
+        if self.connector is None:
+            return default
+        try:
+            return call(self.connector)
+        except Exception:
+            logger.exception("KV connector failed: the engine runs on without it")
+            self.stop_transfers()
+            return default
+
+    def stop_transfers(self) -> None:
+        """Stop using the KV connector (it failed, or the engine shuts down): its loading
+        requests go back to the queue to compute their tokens, and the blocks it held for
+        another instance or for a read in flight (aborted requests') are freed."""
+        self.connector = None
+        for loading in list(self.loading.values()):
+            self._requeue(loading.request)
+        self.loading.clear()
+        for request in (*self.held.values(), *self.draining.values()):
+            self.kv_cache.free(request)
+        self.held.clear()
+        self.draining.clear()
 
     def _preempt(self, request: Request) -> None:
         self._requeue(request)
@@ -376,7 +436,7 @@ class Scheduler:
         if self._proposer is not None:
             self._proposer.forget(request_id)
         if self.connector is not None:
-            self.connector.forget(request_id)
+            self._guarded(methodcaller("forget", request_id))
 
     def finish_step(self, output: SchedulerOutput) -> None:
         """The step ran: its tokens are now in the cache."""
@@ -399,7 +459,10 @@ class Scheduler:
         held = (
             self.connector is not None
             and request.finish_reason is not FinishReason.ABORT
-            and self.connector.hold(request, self.kv_cache.transfer_tables(request.request_id))
+            and self._guarded(
+                methodcaller("hold", request, self.kv_cache.transfer_tables(request.request_id)),
+                False,
+            )
         )
         if held:
             self._forget(request.request_id)
@@ -417,13 +480,13 @@ class Scheduler:
             hashes = self.kv_cache.block_hashes(request_id)  # (live: free completes it)
         self.kv_cache.free(request)
         if connector is not None:
-            connector.freed(request, tables, hashes)
+            self._guarded(methodcaller("freed", request, tables, hashes))
         self._forget(request_id)
 
     def release_held(self) -> None:
         """Free the held requests' blocks the connector is done with (see also
         :meth:`transfers_finished`, which frees the draining ones')."""
-        for request_id in self.connector.released():
+        for request_id in self._guarded(methodcaller("released"), []):
             request = self.held.pop(request_id, None)
             if request is not None:
                 self.kv_cache.free(request)

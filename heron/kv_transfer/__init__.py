@@ -3,7 +3,7 @@ host-memory offload connector and the NIXL prefill/decode connector."""
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from heron.cache.layout import CacheLayout
@@ -21,7 +21,7 @@ from heron.kv_transfer.base import (
 )
 from heron.kv_transfer.layer_steps import LayerSteps
 from heron.kv_transfer.nixl import READ_FAILURES, NixlAgent, NixlScheduler, NixlWorker
-from heron.kv_transfer.offload import OffloadScheduler, OffloadWorker
+from heron.kv_transfer.offload import CheckpointTier, OffloadScheduler, OffloadWorker
 
 __all__ = [
     "ExternalHits",
@@ -36,35 +36,69 @@ __all__ = [
 
 
 def make_connector(
-    config: KVTransferConfig, layout: CacheLayout, block_size: int
+    config: KVTransferConfig, layout: CacheLayout, block_size: int, num_blocks: Sequence[int]
 ) -> tuple[KVConnectorScheduler, KVConnectorWorker]:
-    """The connector ``config`` names, for a model of cache ``layout``; raises ``ValueError``
-    naming what it cannot serve (a cache kind, a role, an option)."""
+    """The connector ``config`` names, for a model of cache ``layout`` (``num_blocks``: each
+    group's device pool); raises ``ValueError`` naming what it cannot serve (a cache kind, a
+    role, an option)."""
     if config.kv_connector == "offload":
-        return _offload(config, layout, block_size)
+        return _offload(config, layout, block_size, num_blocks)
     if config.kv_connector == "nixl":
         return _nixl(config, layout, block_size)
     raise ValueError(f"kv_transfer_config: no connector {config.kv_connector!r}")
 
 
 def _offload(
-    config: KVTransferConfig, layout: CacheLayout, block_size: int
+    config: KVTransferConfig, layout: CacheLayout, block_size: int, num_blocks: Sequence[int]
 ) -> tuple[OffloadScheduler, OffloadWorker]:
     if config.kv_role != "kv_both":
         raise ValueError(
             f"kv_transfer_config: the 'offload' connector saves and loads (kv_role "
             f"'kv_both'), got kv_role {config.kv_role!r}"
         )
-    num_bytes = _extra_options(config.kv_connector_extra_config, {"num_bytes": int})["num_bytes"]
-    refuse_specs("offload", layout.specs, (PagedSpec,))
-    bytes_per_slot = sum(layout.bytes_per_block())
-    num_slots = num_bytes // bytes_per_slot
+    options = _extra_options(
+        config.kv_connector_extra_config,
+        {"num_bytes": int, "load_timeout_s": float},
+        {"load_timeout_s": 30.0},
+    )
+    refuse_specs("offload", layout.specs, (PagedSpec, RecurrentStateSpec))
+    num_bytes, specs, per_block = options["num_bytes"], layout.specs, layout.bytes_per_block()
+    paged = [g for g, spec in enumerate(specs) if not spec.per_request]
+    states = [g for g, spec in enumerate(specs) if spec.per_request]
+    tier, state_bytes = None, 0
+    if not paged:
+        raise ValueError(
+            "kv_transfer_config: the 'offload' connector keeps prefixes by their blocks; the "
+            "model has no paged cache group"
+        )
+    if len(states) > 1:
+        raise ValueError(
+            f"kv_transfer_config: the 'offload' connector keeps the state checkpoints of one "
+            f"recurrent cache group; cache group {states[1]} ({specs[states[1]].describe()}) "
+            "is a second"
+        )
+    if states:  # the checkpoints get the share of the bytes they have on the device
+        g = states[0]
+        device_bytes = [n * b for n, b in zip(num_blocks, per_block)]
+        state_bytes = num_bytes * device_bytes[g] // sum(device_bytes)
+        tier = CheckpointTier(g, state_bytes // per_block[g], per_block[g])
+        if tier.num_slots < 1:
+            raise ValueError(
+                f"kv_offload_bytes: {num_bytes} bytes hold no state checkpoint; checkpoints "
+                f"get the device pool's share of them ({state_bytes} bytes), and one takes "
+                f"{per_block[g]} bytes"
+            )
+    bytes_per_slot = sum(per_block[g] for g in paged)
+    num_slots = (num_bytes - state_bytes) // bytes_per_slot
     if num_slots < 1:
         raise ValueError(
-            f"kv_offload_bytes: {num_bytes} bytes hold no block; one block of every cache "
-            f"layer takes {bytes_per_slot} bytes"
+            f"kv_offload_bytes: {num_bytes} bytes hold no block; one block of every paged "
+            f"cache layer takes {bytes_per_slot} bytes"
         )
-    return OffloadScheduler(num_slots, block_size, bytes_per_slot), OffloadWorker(num_slots)
+    scheduler = OffloadScheduler(
+        num_slots, block_size, bytes_per_slot, paged, tier, options["load_timeout_s"]
+    )
+    return scheduler, OffloadWorker(num_slots, 0 if tier is None else tier.num_slots)
 
 
 def _nixl(

@@ -11,6 +11,7 @@ reports which loads ended and which failed. A failed load is recomputed, never h
 
 from __future__ import annotations
 
+import time
 from abc import ABC, abstractmethod
 from collections import Counter
 from collections.abc import Sequence
@@ -19,7 +20,7 @@ from typing import TYPE_CHECKING, NamedTuple
 
 if TYPE_CHECKING:
     from heron.cache.layout import CacheLayout
-    from heron.cache.manager import CachedSequence
+    from heron.cache.manager import CachedSequence, StateCopies
     from heron.cache.spec import CacheSpec
     from heron.kv_transfer.layer_steps import LayerSteps
 
@@ -39,10 +40,13 @@ class ExternalHits(NamedTuple):
 
 class InFlightLoads:
     """The block hashes each loading request loads, counted over the requests: a device-pool
-    hit on a block still being loaded waits for the load."""
+    hit on a block still being loaded waits for the load. A load not ended within
+    ``timeout_s`` is given up (:meth:`expired`)."""
 
-    def __init__(self) -> None:
+    def __init__(self, timeout_s: float = float("inf")) -> None:
+        self.timeout_s = timeout_s
         self._by_request: dict[str, list[int]] = {}
+        self._started: dict[str, float] = {}
         self._count: Counter[int] = Counter()
 
     def __bool__(self) -> bool:
@@ -53,10 +57,17 @@ class InFlightLoads:
 
     def start(self, request_id: str, hashes: list[int]) -> None:
         self._by_request[request_id] = hashes
+        self._started[request_id] = time.monotonic()
         self._count.update(hashes)
+
+    def expired(self) -> list[str]:
+        """The requests whose loads started more than ``timeout_s`` ago."""
+        deadline = time.monotonic() - self.timeout_s
+        return [r for r, started in self._started.items() if started < deadline]
 
     def end(self, request_id: str) -> list[int]:
         """The hashes ``request_id`` was loading (none if it was not), no longer in flight."""
+        self._started.pop(request_id, None)
         hashes = self._by_request.pop(request_id, [])
         self._count.subtract(hashes)
         self._count = +self._count
@@ -66,7 +77,7 @@ class InFlightLoads:
         expected: Counter[int] = Counter()
         for hashes in self._by_request.values():
             expected.update(hashes)
-        if expected != self._count:
+        if expected != self._count or self._started.keys() != self._by_request.keys():
             raise RuntimeError(
                 f"{connector}: the hashes in flight disagree with the loading requests"
             )
@@ -144,6 +155,15 @@ class KVConnectorScheduler(ABC):
         ``hashes``: every full block of computed, known tokens it registered, those the pool
         registered as it freed them included). Called just before :meth:`forget`; a save of
         them must read them before this pass's step writes into any."""
+
+    def checkpointed(self, group: int, copies: StateCopies) -> None:
+        """Cache group ``group``'s state checkpoints that became findable this pass
+        (``copies.registered`` and ``copies.confirmed``)."""
+
+    def timed_out(self) -> list[str]:
+        """Loading requests whose loads outlasted the connector's timeout: the scheduler
+        recomputes their tokens, as for a failed load."""
+        return []
 
     @abstractmethod
     def forget(self, request_id: str) -> None:

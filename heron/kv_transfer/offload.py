@@ -2,19 +2,21 @@
 
 Every full block a step computes is saved, after the step, into a slot of a host pool
 (pinned on CUDA), keyed by the block's chain hash; the pool keeps the most recently used
-blocks within the bytes given. A prefix that left the device pool is found there: its blocks
-are loaded into fresh device blocks before the request computes the rest, instead of being
-recomputed. Its scheduler side (:class:`OffloadScheduler`) keeps the pool's index; its worker
-side (:class:`OffloadWorker`) holds the host tensors and copies the blocks.
+blocks within the bytes given. A hybrid model's state checkpoints (a recurrent group's) are
+saved likewise into a second pool, keyed by the hash of the prefix they end. A prefix that
+left the device pool is found there: its blocks (and the state where it ends) are loaded
+into fresh device blocks (and the request's state slot) before the request computes the
+rest, instead of being recomputed. Its scheduler side (:class:`OffloadScheduler`) keeps the
+pools' indexes; its worker side (:class:`OffloadWorker`) holds the host tensors and copies.
 """
 
 from __future__ import annotations
 
 import logging
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Container, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 
@@ -31,19 +33,31 @@ from heron.kv_transfer.base import (
 
 if TYPE_CHECKING:
     from heron.cache.layout import CacheLayout
-    from heron.cache.manager import CachedSequence
+    from heron.cache.manager import CachedSequence, StateCopies
     from heron.kv_transfer.layer_steps import LayerSteps
 
 logger = logging.getLogger(__name__)
 
 
+class CheckpointTier(NamedTuple):
+    """The host pool of state checkpoints: ``num_slots`` of ``bytes_per_slot``, for the
+    checkpoints of cache group ``group``."""
+
+    group: int
+    num_slots: int
+    bytes_per_slot: int
+
+
 @dataclass(frozen=True)
 class OffloadMeta(KVConnectorMeta):
     """A step's copies: host slot ``load_slots[i]`` into device blocks ``load_blocks[i]``
-    (one per cache group) before the forward pass; device blocks ``save_blocks[i]`` into
-    host slot ``save_slots[i]`` (holding block hash ``save_keys[i]``) after it. ``freed_*``:
-    saves of blocks their requests gave back, made before the loads (the pool may hand those
-    blocks out in this step)."""
+    (one per paged cache group) before the forward pass; device blocks ``save_blocks[i]``
+    into host slot ``save_slots[i]`` (holding block hash ``save_keys[i]``) after it.
+    ``freed_*``: saves of blocks their requests gave back, made before the loads (the pool
+    may hand those blocks out in this step). State checkpoints: ``state_loads`` (host slot,
+    device entry: a loading request's slot) before the forward pass, ``state_saves``
+    (device entry, host slot, hash) after it, ``early_state_saves`` before it (checkpoints
+    written by earlier steps, whose entries this step may reuse)."""
 
     load_slots: list[int] = field(default_factory=list)
     load_blocks: list[list[int]] = field(default_factory=list)
@@ -52,6 +66,13 @@ class OffloadMeta(KVConnectorMeta):
     freed_slots: list[int] = field(default_factory=list)
     freed_blocks: list[list[int]] = field(default_factory=list)
     freed_keys: list[int] = field(default_factory=list)
+    state_loads: list[tuple[int, int]] = field(default_factory=list)
+    state_saves: list[tuple[int, int, int]] = field(default_factory=list)
+    early_state_saves: list[tuple[int, int, int]] = field(default_factory=list)
+
+    @property
+    def state_keys(self) -> list[int]:
+        return [h for *_, h in self.state_saves + self.early_state_saves]
 
 
 class HostBlockIndex:
@@ -75,13 +96,16 @@ class HostBlockIndex:
         self._slot_of.move_to_end(block_hash)
         return self._slot_of[block_hash]
 
-    def add(self, block_hash: int) -> int:
-        """A slot for ``block_hash`` (not held yet): a free one, else the least recently
-        used one's."""
+    def add(self, block_hash: int, busy: Container[int] = ()) -> int | None:
+        """A slot for ``block_hash`` (not held yet): a free one, else that of the least
+        recently used hash not in ``busy`` (being loaded); None if every one is."""
         if self._free:
             slot = self._free.pop()
         else:
-            _, slot = self._slot_of.popitem(last=False)
+            victim = next((h for h in self._slot_of if h not in busy), None)
+            if victim is None:
+                return None
+            slot = self._slot_of.pop(victim)
             self.num_evicted += 1
         self._slot_of[block_hash] = slot
         return slot
@@ -103,28 +127,44 @@ class HostBlockIndex:
 
 
 class OffloadScheduler(KVConnectorScheduler):
-    """The host pool's index, what each step loads and saves, and the tier's counters.
+    """The host pools' indexes, what each step loads and saves, and the tier's counters.
 
     A block being loaded is registered on the device as soon as its blocks are allocated;
     a request that would hit it there waits a step (:class:`ExternalHits` ``wait``), until
-    the load has ended (or failed, and the blocks were dropped)."""
+    the load has ended (or failed, or outlasted ``load_timeout_s``, and the blocks were
+    dropped). Host slots being loaded are never handed to a save. With ``checkpoints``
+    (a hybrid model), a load ends where the host holds a state: the prefix's blocks of the
+    ``paged_groups`` and the state at its end are loaded."""
 
-    def __init__(self, num_slots: int, block_size: int, bytes_per_slot: int) -> None:
+    def __init__(
+        self,
+        num_slots: int,
+        block_size: int,
+        bytes_per_slot: int,
+        paged_groups: Sequence[int] = (0,),
+        checkpoints: CheckpointTier | None = None,
+        load_timeout_s: float = float("inf"),
+    ) -> None:
         self.index = HostBlockIndex(num_slots)
         self.block_size = block_size
         self.bytes_per_slot = bytes_per_slot
-        self._in_flight = InFlightLoads()
+        self.paged_groups = list(paged_groups)
+        self.checkpoints = checkpoints
+        self.states = None if checkpoints is None else HostBlockIndex(checkpoints.num_slots)
+        self.in_flight = InFlightLoads(load_timeout_s)
         self._offered: dict[str, int] = {}  # request -> its blocks offered for saving
         self._looked_up: tuple[str, list[int]] = ("", [])  # the last lookup's chain
         self._meta = OffloadMeta()
         self.stored_blocks = 0
         self.loaded_blocks = 0
         self.failed_loads = 0
+        self.stored_states = 0
+        self.loaded_states = 0
 
     def lookup(self, request: CachedSequence, num_device_tokens: int) -> ExternalHits:
         if request.wants_prompt_logprobs:
             return ExternalHits(0)
-        bs, tokens, in_flight = self.block_size, request.all_token_ids, self._in_flight
+        bs, tokens, in_flight = self.block_size, request.all_token_ids, self.in_flight
         first = num_device_tokens // bs
         hashes: list[int] = []
         parent = request.prefix_root
@@ -136,6 +176,9 @@ class OffloadScheduler(KVConnectorScheduler):
             elif parent not in self.index:
                 break
             hashes.append(parent)
+        if self.states is not None:  # (a load ends where the host holds the state)
+            while len(hashes) > first and hashes[-1] not in self.states:
+                hashes.pop()
         self._looked_up = (request.request_id, hashes)
         return ExternalHits((len(hashes) - first) * bs)
 
@@ -154,9 +197,12 @@ class OffloadScheduler(KVConnectorScheduler):
         meta, loading = self._meta, hashes[first:end]
         for i, block_hash in enumerate(loading, first):
             meta.load_slots.append(self.index.use(block_hash))
-            meta.load_blocks.append([table[i] for table in tables])
+            meta.load_blocks.append([tables[g][i] for g in self.paged_groups])
+        if self.states is not None:
+            slot = self.states.use(loading[-1])
+            meta.state_loads.append((slot, tables[self.checkpoints.group][0]))
         meta.load_requests.append(request.request_id)
-        self._in_flight.start(request.request_id, loading)
+        self.in_flight.start(request.request_id, loading)
 
     def scheduled(
         self, request: CachedSequence, tables: Sequence[Sequence[int]], hashes: Sequence[int]
@@ -197,46 +243,86 @@ class OffloadScheduler(KVConnectorScheduler):
             if block_hash in index:
                 index.use(block_hash)
                 continue
-            blocks = [table[i] for table in tables]
+            blocks = [tables[g][i] for g in self.paged_groups]
             if NULL_BLOCK_ID in blocks:
                 continue  # a window group released it: the block is not whole
-            slots.append(index.add(block_hash))
+            slot = index.add(block_hash, self.in_flight)
+            if slot is None:
+                continue  # every slot is being loaded
+            slots.append(slot)
             blocks_out.append(blocks)
             keys.append(block_hash)
             self.stored_blocks += 1
         self._offered[request_id] = len(hashes)
 
+    def checkpointed(self, group: int, copies: StateCopies) -> None:
+        if self.checkpoints is None or group != self.checkpoints.group:
+            return
+        self._offer_states(copies.registered, self._meta.state_saves)
+        self._offer_states(copies.confirmed, self._meta.early_state_saves)
+
+    def _offer_states(
+        self, checkpoints: Sequence[tuple[int, int]], saves: list[tuple[int, int, int]]
+    ) -> None:
+        """Save the checkpoints ``(entry, hash)`` whose hash the host holds no state of yet."""
+        states = self.states
+        for entry, block_hash in checkpoints:
+            if block_hash in states:
+                states.use(block_hash)
+                continue
+            slot = states.add(block_hash, self.in_flight)
+            if slot is not None:
+                saves.append((entry, slot, block_hash))
+                self.stored_states += 1
+
+    def timed_out(self) -> list[str]:
+        return self.in_flight.expired()
+
     def forget(self, request_id: str) -> None:
         self._offered.pop(request_id, None)
-        self._in_flight.end(request_id)
+        self.in_flight.end(request_id)
 
     def finished(self, results: TransferResults) -> None:
         for request_id in results.failed_loads:  # (first: a failure outweighs a success)
-            self.failed_loads += 1
-            for block_hash in self._in_flight.end(request_id):
-                self.index.discard(block_hash)
+            hashes = self.in_flight.end(request_id)
+            self.failed_loads += bool(hashes)  # (not again for one given up already)
+            self._discard(hashes)
         for request_id in results.loaded:
-            self.loaded_blocks += len(self._in_flight.end(request_id))
-        for block_hash in results.failed_saves:
+            hashes = self.in_flight.end(request_id)
+            self.loaded_blocks += len(hashes)
+            self.loaded_states += bool(hashes and self.states is not None)
+        self._discard(results.failed_saves)
+
+    def _discard(self, hashes: Sequence[int]) -> None:
+        """Forget the host's blocks and states of ``hashes``."""
+        for block_hash in hashes:
             self.index.discard(block_hash)
+            if self.states is not None:
+                self.states.discard(block_hash)
 
     def take_step_meta(self) -> OffloadMeta | None:
         meta = self._meta
-        if not (meta.load_requests or meta.save_keys or meta.freed_keys):
+        if not (meta.load_requests or meta.save_keys or meta.freed_keys or meta.state_keys):
             return None
         self._meta = OffloadMeta()
         return meta
 
     def describe(self) -> str:
-        bs, n = self.block_size, self.index.num_slots
+        bs, n, tier = self.block_size, self.index.num_slots, self.checkpoints
+        states = (
+            ""
+            if tier is None
+            else f", {tier.num_slots} state checkpoints "
+            f"({tier.num_slots * tier.bytes_per_slot / 2**30:.3f} GiB)"
+        )
         return (
             f"host-memory offload: {n} blocks ({n * bs} tokens, "
-            f"{n * self.bytes_per_slot / 2**30:.3f} GiB)"
+            f"{n * self.bytes_per_slot / 2**30:.3f} GiB){states}, LRU"
         )
 
     def metrics(self) -> list[ConnectorMetric]:
         index = self.index
-        return [
+        metrics = [
             ConnectorMetric(
                 "kv_offload_stored_blocks", "blocks saved to host memory", self.stored_blocks, True
             ),
@@ -262,87 +348,145 @@ class OffloadScheduler(KVConnectorScheduler):
                 "kv_offload_host_total_blocks", "the host pool's blocks", index.num_slots, False
             ),
         ]
+        if self.states is not None:
+            metrics += [
+                ConnectorMetric(
+                    "kv_offload_stored_checkpoints",
+                    "state checkpoints saved to host memory",
+                    self.stored_states,
+                    True,
+                ),
+                ConnectorMetric(
+                    "kv_offload_loaded_checkpoints",
+                    "state checkpoints loaded from host memory instead of recomputed",
+                    self.loaded_states,
+                    True,
+                ),
+                ConnectorMetric(
+                    "kv_offload_host_checkpoint_usage_perc",
+                    "fraction of the host pool's state checkpoints holding a state (0-1)",
+                    len(self.states) / self.states.num_slots,
+                    False,
+                ),
+            ]
+        return metrics
 
     def check_invariants(self) -> None:
         self.index.check_invariants()
-        self._in_flight.check_invariants("offload")
+        if self.states is not None:
+            self.states.check_invariants()
+        self.in_flight.check_invariants("offload")
 
 
 class OffloadWorker(KVConnectorWorker):
-    """The host pool's tensors (one per cache owner, ``num_slots`` blocks each) and the
-    copies. On CUDA a step's saves are gathered on the device and copied into pinned memory
-    without waiting; they are placed into their slots before the pool is next read or
-    written."""
+    """The host pools' tensors (one per paged cache owner, ``num_slots`` blocks each; one per
+    state tensor of a recurrent owner, ``num_state_slots`` entries each) and the copies. On
+    CUDA a step's saves are gathered on the device and copied into pinned memory without
+    waiting; they are placed into their slots before the pools are next read or written."""
 
-    def __init__(self, num_slots: int) -> None:
+    def __init__(self, num_slots: int, num_state_slots: int = 0) -> None:
         self.num_slots = num_slots
+        self.num_state_slots = num_state_slots
+        # (device cache, host pool, block axis, ordinal among the paged groups) per layer
         self._layers: list[tuple[torch.Tensor, torch.Tensor, int, int]] = []
+        self._states: list[tuple[torch.Tensor, torch.Tensor]] = []  # (device, host), axis 0
+        self._device = torch.device("cpu")
         self._results = TransferResults()
-        # (event, slots, per layer (host, axis, blocks)): saves copied out, not placed yet
+        # (event, [(host, axis, host slots, gathered)]): saves copied out, not placed yet
         self._pending: tuple | None = None
 
     def register_caches(self, layout: CacheLayout, layer_steps: LayerSteps) -> None:
-        self._layers = []
+        self._layers, self._states = [], []
+        paged = [g for g, spec in enumerate(layout.specs) if not spec.per_request]
         for owner, group, cache in zip(layout.owners, layout.owner_groups, layout.caches):
             spec = owner.cache_spec
-            host = torch.empty(
-                spec.tensor_shape(self.num_slots),
-                dtype=spec.dtype,
-                pin_memory=cache.is_cuda,
-            )
-            self._layers.append((cache, host, spec.block_axis, group))
+            if spec.per_request:
+                for tensor in cache:
+                    shape = (self.num_state_slots, *tensor.shape[1:])
+                    host = torch.empty(shape, dtype=tensor.dtype, pin_memory=tensor.is_cuda)
+                    self._states.append((tensor, host))
+            else:
+                host = torch.empty(
+                    spec.tensor_shape(self.num_slots), dtype=spec.dtype, pin_memory=cache.is_cuda
+                )
+                self._layers.append((cache, host, spec.block_axis, paged.index(group)))
+                self._device = cache.device
 
     def start_step(self, meta: OffloadMeta) -> None:
         self._place_saves()
-        if meta.freed_slots:  # (before the loads: they may write into these blocks)
-            try:
-                self._save(meta.freed_slots, meta.freed_blocks)
-                if meta.load_slots:
+        if meta.freed_slots or meta.early_state_saves:  # (before the loads: they may write
+            try:  # into these blocks)
+                self._save(meta.freed_slots, meta.freed_blocks, meta.early_state_saves)
+                if meta.load_slots or meta.state_loads:
                     self._place_saves()  # (a load may read what they save)
             except Exception:
                 self._results.failed_saves.extend(meta.freed_keys)
+                self._results.failed_saves.extend(h for *_, h in meta.early_state_saves)
                 raise
+        device = self._device
         if meta.load_slots:
             slots = torch.tensor(meta.load_slots)
-            blocks = torch.tensor(meta.load_blocks).T
-            device = self._layers[0][0].device
-            blocks = blocks.to(device)
+            blocks = torch.tensor(meta.load_blocks).T.to(device)
             for cache, host, axis, group in self._layers:
                 cache.index_copy_(axis, blocks[group], host.index_select(axis, slots).to(device))
+        if meta.state_loads:
+            slots, entries = torch.tensor(meta.state_loads).T
+            entries = entries.to(device)
+            for tensor, host in self._states:
+                tensor.index_copy_(0, entries, host.index_select(0, slots).to(device))
         self._results.loaded.extend(meta.load_requests)
 
     def end_step(self, meta: OffloadMeta) -> None:
         self._place_saves()
-        if meta.save_slots:
-            self._save(meta.save_slots, meta.save_blocks)
+        try:
+            self._save(meta.save_slots, meta.save_blocks, meta.state_saves)
+        except Exception:
+            self._results.failed_saves.extend(h for *_, h in meta.state_saves)
+            raise
 
-    def _save(self, slots: list[int], blocks: list[list[int]]) -> None:
-        """Copy device ``blocks`` (one per cache group each) into host ``slots``: at once on
-        the CPU, else staged in pinned memory without waiting (see :meth:`_place_saves`)."""
-        device_blocks = torch.tensor(blocks).T.to(self._layers[0][0].device)
-        host_slots = torch.tensor(slots)
-        staged = [
-            (
-                host,
-                axis,
-                cache.index_select(axis, device_blocks[group]).to("cpu", non_blocking=True),
-            )
-            for cache, host, axis, group in self._layers
-        ]
-        if staged[0][2].is_pinned():
+    def _save(
+        self, slots: list[int], blocks: list[list[int]], states: list[tuple[int, int, int]]
+    ) -> None:
+        """Copy device ``blocks`` (one per paged group each) into host ``slots``, and the
+        state entries of ``states`` (entry, host slot, hash) into theirs: at once on the CPU,
+        else staged in pinned memory without waiting (see :meth:`_place_saves`)."""
+        staged = self._stage(slots, blocks, states)
+        if staged and staged[0][3].is_pinned():
             event = torch.cuda.Event()
             event.record()
-            self._pending = (event, host_slots, staged)
+            self._pending = (event, staged)
         else:
-            _scatter(host_slots, staged)
+            _scatter(staged)
+
+    def _stage(
+        self, slots: list[int], blocks: list[list[int]], states: list[tuple[int, int, int]]
+    ) -> list[tuple[torch.Tensor, int, torch.Tensor, torch.Tensor]]:
+        """The saves' copies on their way to the host: (host pool, axis, its slots, what
+        goes there)."""
+        staged = []
+        if slots:
+            device_blocks = torch.tensor(blocks).T.to(self._device)
+            host_slots = torch.tensor(slots)
+            staged += [
+                (host, axis, host_slots, _to_host(cache.index_select(axis, device_blocks[group])))
+                for cache, host, axis, group in self._layers
+            ]
+        if states:
+            entries = torch.tensor([e for e, _, _ in states]).to(self._device)
+            state_slots = torch.tensor([slot for _, slot, _ in states])
+            staged += [
+                (host, 0, state_slots, _to_host(tensor.index_select(0, entries)))
+                for tensor, host in self._states
+            ]
+        return staged
 
     def _place_saves(self) -> None:
         """Put the last step's saves, copied out without waiting, into their slots."""
         if self._pending is not None:
-            event, slots, staged = self._pending
+            event, staged = self._pending
             self._pending = None
             event.synchronize()
-            _scatter(slots, staged)
+            _scatter(staged)
 
     def take_results(self) -> TransferResults:
         results, self._results = self._results, TransferResults()
@@ -352,6 +496,10 @@ class OffloadWorker(KVConnectorWorker):
         self._place_saves()
 
 
-def _scatter(slots: torch.Tensor, staged: list[tuple[torch.Tensor, int, torch.Tensor]]) -> None:
-    for host, axis, blocks in staged:
+def _to_host(gathered: torch.Tensor) -> torch.Tensor:
+    return gathered.to("cpu", non_blocking=True)
+
+
+def _scatter(staged: list[tuple[torch.Tensor, int, torch.Tensor, torch.Tensor]]) -> None:
+    for host, axis, slots, blocks in staged:
         host.index_copy_(axis, slots, blocks)

@@ -67,17 +67,18 @@ def test_a_saved_state_serves_later_prompts_not_the_same_pass():
     slot_a = kv.block_tables("a")[0][0]
     b = make_request("b", list(range(8)) + [50, 51, 52])
     assert kv.get_computed_blocks(b)[1] == 0  # a's state at 8 is saved at the step's end
-    (before, after, _), (paged_before, paged_after, _) = kv.take_state_copies()
+    (before, after, _, registered, _), (paged_before, paged_after, *_) = kv.take_state_copies()
     assert before == [] and len(after) == 1 and after[0][0] == slot_a
     assert paged_before == paged_after == []
     checkpoint = after[0][1]
+    assert registered == [(checkpoint, kv.block_hashes("a")[1])]  # (what a connector saves)
     assert checkpoint not in (NULL_SLOT, slot_a)
     a.num_computed_tokens = 8
     blocks, num_cached = kv.get_computed_blocks(b)
     assert num_cached == 8 and blocks[0] == [NULL_SLOT, checkpoint] and len(blocks[1]) == 2
     assert admit(kv, b, 16) and b.num_computed_tokens == 8 and b._step == 3
     slot_b = kv.block_tables("b")[0][0]
-    assert kv.take_state_copies()[0] == ([(checkpoint, slot_b)], [], [])
+    assert kv.take_state_copies()[0][:3] == ([(checkpoint, slot_b)], [], [])
     assert kv.prefix_cache_hits == 2 * 8  # the lookup above and admit's
 
 
@@ -103,7 +104,7 @@ def test_a_request_freed_in_its_pass_saves_nothing():
     a = make_request("a", range(10))
     assert admit(kv, a, 16)
     kv.free(a)  # preempted before its step ran
-    assert kv.take_state_copies()[0] == ([], [], [])
+    assert kv.take_state_copies()[0][:3] == ([], [], [])
     assert kv.groups[0].num_free_blocks == 5
     assert kv.get_computed_blocks(make_request("b", range(10)))[1] == 0
 
@@ -116,7 +117,7 @@ def test_two_recurrent_groups_hit_where_both_hold_a_checkpoint():
     kv = CheckedCoordinator([SPEC, FULL, other], [8, 30, 4])
     a = make_request("a", range(13))
     assert admit(kv, a, 4)
-    (_, [(_, at_4)], _), _, _ = kv.take_state_copies()
+    (_, [(_, at_4)], *_), _, _ = kv.take_state_copies()
     a.num_computed_tokens = 4
     assert kv.allocate_slots(a, 4)
     kv.take_state_copies()
@@ -147,7 +148,7 @@ def test_checkpoints_yield_to_slots_least_recently_used_first():
     assert admit(kv, d, 16) and len(kv.take_state_copies()[0][1]) == 1
     # With no entry left beside its slot, a step still runs, its save skipped.
     f = make_request("f", range(400, 410))
-    assert admit(kv, f, 16) and kv.take_state_copies()[0] == ([], [], [])
+    assert admit(kv, f, 16) and kv.take_state_copies()[0][:3] == ([], [], [])
     assert not kv.allocate_slots(make_request("g", range(3)), 3)
 
 
@@ -155,14 +156,14 @@ def test_a_hit_on_the_last_free_entry_takes_it_as_its_slot():
     kv = CheckedCoordinator([SPEC, FULL], [3, 40])
     a = make_request("a", range(9))
     assert admit(kv, a, 16)
-    (_, [(_, checkpoint)], _), _ = kv.take_state_copies()
+    (_, [(_, checkpoint)], *_), _ = kv.take_state_copies()
     a.num_computed_tokens = 8
     assert kv.allocate_slots(a, 1)
     kv.take_state_copies()
     b = make_request("b", range(10))
     assert admit(kv, b, 16) and b.num_computed_tokens == 8
     assert kv.block_tables("b")[0] == [checkpoint]  # the state is already in place: no copy
-    assert kv.take_state_copies()[0] == ([], [], [])
+    assert kv.take_state_copies()[0][:3] == ([], [], [])
 
 
 def test_entry_copies_read_every_source_before_writing():

@@ -11,11 +11,13 @@ import torch
 from heron.cache.block_pool import ROOT_HASH, hash_block_tokens
 from heron.cache.layout import CacheLayout
 from heron.cache.paged import FullAttentionSpec
+from heron.cache.recurrent import RecurrentStateSpec
 from heron.config import EngineConfig, KVTransferConfig
 from heron.kv_transfer import LayerSteps, TransferResults, make_connector
 from heron.kv_transfer.offload import HostBlockIndex, OffloadScheduler
 
 SPEC = FullAttentionSpec(4, torch.float32, 1, 8)  # 256 bytes a block
+STATE = RecurrentStateSpec(1, torch.float32, 4, 3, 1, 2, 4)  # 64 bytes an entry (32 + 32)
 
 
 @pytest.mark.parametrize(
@@ -60,10 +62,29 @@ def test_connector_options_that_cannot_combine_are_refused(options, error):
         EngineConfig(**options)
 
 
-def _layout(num_layers: int = 2) -> CacheLayout:
+def _layout(num_layers: int = 2, specs=(SPEC,)) -> CacheLayout:
     return CacheLayout(
-        [SimpleNamespace(layer_name=f"l{i}", cache_spec=SPEC) for i in range(num_layers)]
+        [
+            SimpleNamespace(layer_name=f"l{i}", cache_spec=specs[i % len(specs)])
+            for i in range(num_layers)
+        ]
     )
+
+
+def test_the_offload_connector_gives_state_checkpoints_their_device_share():
+    """A recurrent group of 5 entries (320 bytes) beside 9 blocks (2304 bytes) on the device:
+    of 4 x 2624 host bytes, its checkpoints get 1280 (20 of 64), the blocks the rest."""
+    config = KVTransferConfig("offload", "kv_both", {"num_bytes": 4 * 2624})
+    scheduler, worker = make_connector(config, _layout(2, (STATE, SPEC)), 4, [5, 9])
+    assert scheduler.checkpoints == (0, 20, 64) and worker.num_state_slots == 20
+    assert scheduler.index.num_slots == worker.num_slots == (4 * 2624 - 1280) // 256
+    assert scheduler.paged_groups == [1] and "20 state checkpoints" in scheduler.describe()
+    small = KVTransferConfig("offload", "kv_both", {"num_bytes": 100})
+    with pytest.raises(ValueError, match="100 bytes hold no state checkpoint"):
+        make_connector(small, _layout(2, (STATE, SPEC)), 4, [5, 9])
+    other = RecurrentStateSpec(1, torch.float32, 4, 3, 2, 2, 4)
+    with pytest.raises(ValueError, match="one recurrent cache group; cache group 2"):
+        make_connector(config, _layout(3, (STATE, SPEC, other)), 4, [5, 9, 5])
 
 
 @pytest.mark.parametrize(
@@ -74,12 +95,17 @@ def _layout(num_layers: int = 2) -> CacheLayout:
         ({"num_bytes": 1 << 20, "cpu": 1}, "kv_both", "unknown kv_connector_extra_config.*'cpu'"),
         ({"num_bytes": 511}, "kv_both", "511 bytes hold no block; .* takes 512 bytes"),
         ({"num_bytes": 1 << 20}, "kv_producer", "kv_role 'kv_both'"),
+        (
+            {"num_bytes": 1 << 20, "load_timeout_s": 0},
+            "kv_both",
+            "load_timeout_s must be a number > 0, got 0",
+        ),
     ],
 )
 def test_the_offload_connector_checks_its_options(extra, role, error):
     config = KVTransferConfig("offload", role, extra)
     with pytest.raises(ValueError, match=error):
-        make_connector(config, _layout(), 4)
+        make_connector(config, _layout(), 4, [16])
 
 
 @pytest.mark.parametrize(
@@ -99,7 +125,7 @@ def test_the_offload_connector_checks_its_options(extra, role, error):
 def test_the_nixl_connector_checks_its_options(extra, role, error):
     config = KVTransferConfig("nixl", role, extra)
     with pytest.raises(ValueError, match=error):
-        make_connector(config, _layout(), 4)
+        make_connector(config, _layout(), 4, [16])
 
 
 def test_the_host_index_evicts_the_least_recently_used():

@@ -1,11 +1,12 @@
 """Host-memory offload against HF transformers: a device pool of a few requests evicts every
 prefix, the host tier serves it back, and the tokens stay HF's greedy ones (a dense model,
-Gemma 3's window and full groups, DeepSeek-V3's latent cache). Failing connectors recompute;
-a layerwise saver waits on the layer step counter."""
+Gemma 3's window and full groups, DeepSeek-V3's latent cache, Qwen3.5's state checkpoints).
+Failing connectors recompute; a layerwise saver waits on the layer step counter."""
 
 from __future__ import annotations
 
 import threading
+from types import SimpleNamespace
 
 import msgspec
 import pytest
@@ -17,7 +18,7 @@ from heron.config import EngineConfig
 from heron.engine.llm_engine import LLMEngine
 from heron.engine.messages import EngineStats
 from heron.kv_transfer import KVTransferError
-from heron.kv_transfer.offload import OffloadWorker
+from heron.kv_transfer.offload import OffloadScheduler, OffloadWorker
 from heron.server.metrics import ServerMetrics
 
 from tiny_models import BASE, DEEPSEEK, QWEN3_5, hf_greedy, save_random_model, tiny_config
@@ -49,7 +50,9 @@ def _deepseek_v3() -> tf.PretrainedConfig:
     return tf.DeepseekV3Config(**DEEPSEEK, q_lora_rank=24, n_shared_experts=1, num_mtp_layers=0)
 
 
+# The paged kinds (what every connector moves), then with a recurrent group beside them.
 CONFIGS = {"llama": lambda: tiny_config("llama"), "gemma3": _gemma3, "deepseek_v3": _deepseek_v3}
+FAMILIES = CONFIGS | {"qwen3_5": lambda: tf.Qwen3_5TextConfig(**QWEN3_5)}
 
 
 @pytest.fixture(scope="module")
@@ -59,7 +62,7 @@ def models(tmp_path_factory):
 
     def get(family: str):
         if family not in cache:
-            path = save_random_model(CONFIGS[family](), tmp_path_factory.mktemp(family))
+            path = save_random_model(FAMILIES[family](), tmp_path_factory.mktemp(family))
             hf = tf.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
             cache[family] = path, hf_greedy(hf, PROMPTS, MAX_NEW)
         return cache[family]
@@ -67,9 +70,40 @@ def models(tmp_path_factory):
     return get
 
 
+class CheckedOffload(OffloadScheduler):
+    """The offload connector with its invariants checked after every public operation."""
+
+
+def _checked(name: str):
+    def method(self, *args):
+        result = getattr(super(CheckedOffload, self), name)(*args)
+        self.check_invariants()
+        return result
+
+    return method
+
+
+for _name in (
+    "lookup",
+    "load",
+    "scheduled",
+    "freed",
+    "checkpointed",
+    "timed_out",
+    "forget",
+    "finished",
+    "take_step_meta",
+):
+    setattr(CheckedOffload, _name, _checked(_name))
+
+
 def run_one_by_one(engine: LLMEngine, prompts=PROMPTS) -> list[tuple[list[int], int]]:
     """Each prompt's tokens and cached prompt tokens, run to its end one after the other,
-    every invariant checked after every step."""
+    every invariant checked after every step and every operation of the connector."""
+    connector = engine.scheduler.connector
+    if type(connector) is OffloadScheduler:  # (the same state, checked)
+        engine.scheduler.connector = CheckedOffload.__new__(CheckedOffload)
+        engine.scheduler.connector.__dict__.update(vars(connector))
     results = []
     for i, prompt in enumerate(prompts):
         engine.add_request(str(i), prompt, GREEDY)
@@ -95,13 +129,15 @@ def metric(engine: LLMEngine, name: str) -> float:
 
 def check_leak_free(engine: LLMEngine) -> None:
     """Nothing is held once every request ended: the device pools are free, nothing loads."""
-    assert not engine.scheduler.loading
+    assert not engine.scheduler.loading and not engine.scheduler.held
+    if isinstance(engine.scheduler.connector, OffloadScheduler):
+        assert not engine.scheduler.connector.in_flight
     for group in engine.kv_cache.groups:
         assert group.num_free_blocks == group.num_blocks - 1
     check_invariants(engine)
 
 
-@pytest.mark.parametrize("family", list(CONFIGS))
+@pytest.mark.parametrize("family", list(FAMILIES))
 def test_evicted_prefixes_come_back_from_host_memory(models, family):
     path, want = models(family)
     engine = LLMEngine(EngineConfig(str(path), kv_offload_bytes=4 << 20, **SMALL))
@@ -111,6 +147,9 @@ def test_evicted_prefixes_come_back_from_host_memory(models, family):
     assert [cached for _, cached in got] == [0, 0, 0, 40, 40, 40]
     assert metric(engine, "kv_offload_loaded_blocks") == 15
     assert metric(engine, "kv_offload_stored_blocks") >= 15
+    if family == "qwen3_5":  # each prompt's state where its 40 tokens end, from the host
+        assert metric(engine, "kv_offload_loaded_checkpoints") == 3
+        assert metric(engine, "kv_offload_stored_checkpoints") >= 3
     check_leak_free(engine)
     # /metrics, from the snapshot the engine core sends (msgpack) as a front reads it
     stats = msgspec.msgpack.decode(msgspec.msgpack.encode(EngineStats.of(engine)), type=EngineStats)
@@ -141,6 +180,23 @@ def test_the_host_pool_keeps_the_most_recent_blocks(models):
     assert engine.scheduler.connector.index.num_evicted > 0
 
 
+class HeldLoads(OffloadWorker):
+    """Reports its ended loads only once released (a connector whose loads outlast a step)."""
+
+    def __init__(self, num_slots: int, num_state_slots: int) -> None:
+        super().__init__(num_slots, num_state_slots)
+        self.held: list[str] = []
+        self.released = False
+
+    def take_results(self):
+        results = super().take_results()
+        self.held += results.loaded
+        results.loaded = []
+        if self.released:
+            results.loaded, self.held = self.held, []
+        return results
+
+
 class FailingLoads(OffloadWorker):
     def start_step(self, meta):
         if meta.load_slots:
@@ -154,23 +210,44 @@ class FailingSaves(OffloadWorker):
             raise KVTransferError("the host pool went away")
 
 
-def _with_worker(path, worker_class) -> LLMEngine:
-    engine = LLMEngine(EngineConfig(str(path), kv_offload_bytes=4 << 20, **SMALL))
-    worker = worker_class(engine.runner.kv_connector.num_slots)
+def _with_worker(path, worker_class, **options) -> LLMEngine:
+    """An engine whose offload connector's worker side is a ``worker_class``, the connector
+    given ``options`` beside its bytes."""
+    offload = {
+        "kv_connector": "offload",
+        "kv_connector_extra_config": {"num_bytes": 4 << 20, **options},
+    }
+    engine = LLMEngine(EngineConfig(str(path), kv_transfer_config=offload, **SMALL))
+    default = engine.runner.kv_connector
+    worker = worker_class(default.num_slots, default.num_state_slots)
     engine.runner.set_kv_connector(worker)
     return engine
 
 
-def test_failed_loads_are_recomputed(models, caplog):
+@pytest.mark.parametrize(
+    "worker, options, logged",
+    [
+        (FailingLoads, {}, "the host pool went away"),
+        (HeldLoads, {"load_timeout_s": 0.2}, "timed out"),
+    ],
+)
+def test_failed_or_hung_loads_are_recomputed(models, caplog, worker, options, logged):
+    """A load that raises, or never ends (past the connector's timeout): its tokens are
+    computed instead, the same ones, and nothing stays held."""
     path, want = models("llama")
-    engine = _with_worker(path, FailingLoads)
+    engine = _with_worker(path, worker, **options)
     got = run_one_by_one(engine)
     assert [tokens for tokens, _ in got] == want
     assert [cached for _, cached in got] == [0] * 6
     assert metric(engine, "kv_offload_failed_loads") == 3
     assert metric(engine, "kv_offload_loaded_blocks") == 0
-    assert "the host pool went away" in caplog.text
+    assert logged in caplog.text
     check_leak_free(engine)
+    if worker is HeldLoads:
+        engine.runner.kv_connector.released = True  # the loads' late ends reach no one
+        assert run_one_by_one(engine, PROMPTS[:1])[0][0] == want[0]
+        assert metric(engine, "kv_offload_failed_loads") == 3
+        check_leak_free(engine)
 
 
 def test_failed_saves_leave_nothing_to_load(models):
@@ -183,24 +260,8 @@ def test_failed_saves_leave_nothing_to_load(models):
     check_leak_free(engine)
 
 
-class HeldLoads(OffloadWorker):
-    """Reports its ended loads only once released (a connector whose loads outlast a step)."""
-
-    def __init__(self, num_slots: int) -> None:
-        super().__init__(num_slots)
-        self.held: list[str] = []
-        self.released = False
-
-    def take_results(self):
-        results = super().take_results()
-        self.held += results.loaded
-        results.loaded = []
-        if self.released:
-            results.loaded, self.held = self.held, []
-        return results
-
-
-def test_abort_during_a_load_frees_its_blocks(models):
+@pytest.mark.parametrize("end", ["abort", "shutdown"])
+def test_an_abort_or_a_shutdown_during_a_load_frees_its_blocks(models, end):
     path, want = models("llama")
     engine = _with_worker(path, HeldLoads)
     run_one_by_one(engine, PROMPTS[:3])
@@ -208,10 +269,66 @@ def test_abort_during_a_load_frees_its_blocks(models):
     engine.step()
     engine.step()
     assert "a" in engine.scheduler.loading  # (other requests would run meanwhile)
+    if end == "shutdown":
+        engine.shutdown()
+        assert engine.scheduler.connector is None
+        check_leak_free(engine)
+        return
     engine.abort_request("a")
     check_leak_free(engine)
     engine.runner.kv_connector.released = True  # the aborted load's end reaches no one
     assert run_one_by_one(engine, PROMPTS[4:5])[0][0] == want[4]
+    check_leak_free(engine)
+
+
+class DeferredSaves(OffloadWorker):
+    """Leaves each step's saves staged, as on CUDA, to be placed when the pools are next
+    used (or at shutdown)."""
+
+    def _save(self, slots, blocks, states):
+        self._pending = (
+            SimpleNamespace(synchronize=lambda: None),
+            self._stage(slots, blocks, states),
+        )
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3_5"])
+def test_saves_staged_as_on_cuda_serve_later_loads_and_are_placed_at_shutdown(models, family):
+    path, want = models(family)
+    engine = _with_worker(path, DeferredSaves)
+    got = run_one_by_one(engine)
+    assert [tokens for tokens, _ in got] == want
+    assert [cached for _, cached in got] == [0, 0, 0, 40, 40, 40]
+    worker = engine.runner.kv_connector
+    assert worker._pending is not None  # the last step's saves
+    engine.shutdown()
+    assert worker._pending is None
+
+
+@pytest.mark.parametrize(
+    "side, method",
+    [("scheduler", m) for m in ("lookup", "load", "scheduled", "finished")]
+    + [("worker", "take_results")],
+)
+def test_a_connector_that_raises_is_switched_off_and_the_engine_runs_on(
+    models, side, method, monkeypatch, caplog
+):
+    """Once the prefixes are on the host, a connector method raises (where the first
+    prefix comes back: its lookup, its load, the step's transfers, the results): the
+    engine logs it, computes without the connector, and the outputs stay HF's."""
+    path, want = models("llama")
+    engine = LLMEngine(EngineConfig(str(path), kv_offload_bytes=4 << 20, **SMALL))
+    got = run_one_by_one(engine, PROMPTS[:3])
+    connector = engine.scheduler.connector if side == "scheduler" else engine.runner.kv_connector
+
+    def broken(*args):
+        raise RuntimeError("the connector broke")
+
+    monkeypatch.setattr(connector, method, broken)
+    got += run_one_by_one(engine, PROMPTS[3:])
+    assert [tokens for tokens, _ in got] == want
+    assert engine.scheduler.connector is None
+    assert "the connector broke" in caplog.text
     check_leak_free(engine)
 
 
@@ -246,20 +363,21 @@ class FailingFreedSaves(OffloadWorker):
         finally:
             self.starting = False
 
-    def _save(self, slots, blocks):
+    def _save(self, slots, blocks, states):
         if self.starting:
             raise KVTransferError("the host pool went away")
-        super()._save(slots, blocks)
+        super()._save(slots, blocks, states)
 
 
+@pytest.mark.parametrize("family", ["llama", "qwen3_5"])
 @pytest.mark.parametrize("worker, num_loaded", [(OffloadWorker, 6), (FailingFreedSaves, 5)])
-def test_a_finished_conversation_turn_is_offloaded_whole(models, worker, num_loaded):
+def test_a_finished_conversation_turn_is_offloaded_whole(models, family, worker, num_loaded):
     """The block a turn's last step fills is registered only as the request is freed (its
-    last input token was still being sampled when the step was scheduled): it is saved then,
-    so the next turn, once other prompts pushed the conversation off the device, loads
-    every full block of the previous prompt and answer. If that save fails, its block is
-    forgotten and recomputed: the same tokens."""
-    path, _ = models("llama")
+    last input token was still being sampled when the step was scheduled): it is saved then
+    (and Qwen3.5's state checkpoint there), so the next turn, once other prompts pushed the
+    conversation off the device, loads every full block of the previous prompt and answer.
+    If that save fails, its block is forgotten and recomputed: the same tokens."""
+    path, _ = models(family)
     hf = tf.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
     turn = SamplingParams(temperature=0.0, max_tokens=9, ignore_eos=True)
     engine = _with_worker(path, worker)
@@ -276,13 +394,9 @@ def test_a_finished_conversation_turn_is_offloaded_whole(models, worker, num_loa
     # 40 prompt tokens and 8 computed answer tokens: 6 blocks (5 without the last)
     assert cached == num_loaded * BLOCK
     assert metric(engine, "kv_offload_loaded_blocks") == num_loaded
+    if family == "qwen3_5":  # the state after the answer's last full block, or the prompt's
+        assert metric(engine, "kv_offload_loaded_checkpoints") == 1
     check_leak_free(engine)
-
-
-def test_a_recurrent_cache_is_refused_by_name(tmp_path):
-    path = save_random_model(tf.Qwen3_5TextConfig(**QWEN3_5), tmp_path / "q")
-    with pytest.raises(ValueError, match="'offload' connector cannot transfer cache group"):
-        LLMEngine(EngineConfig(str(path), kv_offload_bytes=1 << 20, **SMALL))
 
 
 class LayerwiseSaver(OffloadWorker):
