@@ -428,12 +428,12 @@ class OffloadWorker(KVConnectorWorker):
             slots = torch.tensor(meta.load_slots)
             blocks = torch.tensor(meta.load_blocks).T.to(device)
             for cache, host, axis, group in self._layers:
-                cache.index_copy_(axis, blocks[group], host.index_select(axis, slots).to(device))
+                cache.index_copy_(axis, blocks[group], _to_device(host, axis, slots, device))
         if meta.state_loads:
             slots, entries = torch.tensor(meta.state_loads).T
             entries = entries.to(device)
             for tensor, host in self._states:
-                tensor.index_copy_(0, entries, host.index_select(0, slots).to(device))
+                tensor.index_copy_(0, entries, _to_device(host, 0, slots, device))
         self._results.loaded.extend(meta.load_requests)
 
     def end_step(self, meta: OffloadMeta) -> None:
@@ -494,6 +494,15 @@ class OffloadWorker(KVConnectorWorker):
 
     def shutdown(self) -> None:
         self._place_saves()
+
+
+def _to_device(host: torch.Tensor, axis: int, slots: torch.Tensor, device) -> torch.Tensor:
+    """``host``'s ``slots`` on ``device``: gathered into pinned memory (from a pinned pool) so
+    that the copy to the device does not wait, nor go through the driver's bounce buffer."""
+    shape = list(host.shape)
+    shape[axis] = len(slots)
+    staged = torch.empty(shape, dtype=host.dtype, pin_memory=host.is_pinned())
+    return torch.index_select(host, axis, slots, out=staged).to(device, non_blocking=True)
 
 
 def _to_host(gathered: torch.Tensor) -> torch.Tensor:
