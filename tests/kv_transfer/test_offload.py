@@ -12,6 +12,7 @@ import msgspec
 import pytest
 import torch
 import transformers as tf
+from execution.view_replay import ViewReplay
 
 from heron import SamplingParams
 from heron.config import EngineConfig
@@ -434,15 +435,23 @@ class LayerwiseSaver(OffloadWorker):
             self._thread.join()
 
 
-def test_a_layerwise_saver_never_sees_a_layer_before_it_was_written(models):
+@pytest.mark.parametrize("replayed", [False, True], ids=["eager", "graph-replays"])
+def test_a_layerwise_saver_never_sees_a_layer_before_it_was_written(models, replayed):
+    """Eagerly, and with decode steps replayed from emulated graphs (captured views over
+    graph buffers, as on CUDA)."""
     path, want = models("llama")
     engine = LLMEngine(EngineConfig(str(path), kv_offload_bytes=4 << 20, **SMALL))
-    saver = LayerwiseSaver(engine.runner.kv_connector.num_slots)
-    engine.runner.set_kv_connector(saver)
-    owners, steps = engine.runner.cache.owners, engine.runner.layer_steps
+    runner = engine.runner
+    saver = LayerwiseSaver(runner.kv_connector.num_slots)
+    runner.set_kv_connector(saver)
+    owners, steps = runner.cache.owners, runner.layer_steps
     records = []  # (cache owner, the count after its forward), hooked after the runner's
     for i, owner in enumerate(owners):
         owner.register_forward_hook(lambda *_, i=i: records.append((i, steps.count)))
+    if replayed:  # (its warm-up forwards record too)
+        runner.graphs = ViewReplay(runner.model, runner.plan, runner.device, 4, {})
+        runner.graphs.replayed = []
+        runner.graphs.capture(runner.block_size, runner.inputs.parts)
     got = run_one_by_one(engine)
     assert [tokens for tokens, _ in got] == want  # loaded back from what it saved
     assert [cached for _, cached in got][3:] == [40, 40, 40]
@@ -450,6 +459,7 @@ def test_a_layerwise_saver_never_sees_a_layer_before_it_was_written(models):
     # One record per owner's forward, in layer order, step after step.
     assert [count for _, count in records] == list(range(1, len(records) + 1))
     assert [i for i, _ in records] == list(range(len(owners))) * (len(records) // len(owners))
+    assert not replayed or len(runner.graphs.replayed) >= len(PROMPTS) * (MAX_NEW - 2)
 
 
 @pytest.mark.gpu
