@@ -566,12 +566,14 @@ class LLMEngine:
     def _sample_delta(request: Request, touched: dict[str, RequestDelta]) -> SampleDelta:
         """This step's delta of ``request``'s sample, made on its first token."""
         delta = touched.get(request.parent_id)
-        if delta is None:
-            delta = touched[request.parent_id] = RequestDelta(request.parent_id, [], False, 0)
-        for sample in delta.samples:  # (``n`` of them at most)
-            if sample.index == request.sample_index:
-                return sample
+        if delta is not None:
+            for sample in delta.samples:  # (``n`` of them at most)
+                if sample.index == request.sample_index:
+                    return sample
         wants_logprobs = request.sampling_params.logprobs is not None
         sample = SampleDelta(request.sample_index, [], [] if wants_logprobs else None, None, None)
-        delta.samples.append(sample)
+        if delta is None:
+            touched[request.parent_id] = RequestDelta(request.parent_id, [sample], False, 0)
+        else:
+            delta.samples.append(sample)
         return sample
