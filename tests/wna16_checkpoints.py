@@ -209,21 +209,22 @@ def _ct_config(groups: dict, fmt: str) -> dict:
     }
 
 
-def count_kernel_rows(monkeypatch) -> list[int]:
+def count_kernel_rows(monkeypatch) -> list[tuple[int, str | None]]:
     """Engines built after this run their packed linear layers on the Triton kernels
-    (interpreted on the CPU); returns the list each product's row count is appended to."""
+    (interpreted on the CPU); returns the list each product's row count is appended to, with
+    the gated activation it fused (``act`` on its input, ``gated_out`` on its output)."""
     from heron.kernels import TORCH_KERNELS
-    from heron.kernels.wna16 import wna16_linear
+    from heron.kernels.wna16 import gemv_serves, wna16_linear
     from heron.ops import selector
     from heron.platforms import CpuPlatform
 
     calls = []
 
-    def counted(x, *args):
-        calls.append(x.shape[0])
-        return wna16_linear(x, *args)
+    def counted(x, *args, **fused):
+        calls.append((x.shape[0], next((k for k in fused if k != "up"), None)))
+        return wna16_linear(x, *args, **fused)
 
-    kernels = TORCH_KERNELS.__class__("wna16", wna16_mm=counted)
+    kernels = TORCH_KERNELS.__class__("wna16", wna16_mm=counted, wna16_gemv_serves=gemv_serves)
     monkeypatch.setitem(selector.LAYER_KERNELS, "wna16", lambda: kernels)
     monkeypatch.setattr(CpuPlatform, "layer_kernels", lambda self: "wna16")
     return calls

@@ -28,6 +28,7 @@ class LayerKernels:
     router_logits: Callable[..., Any] | None = None  # moe_route.router_logits (fp32 routers)
     fp8_mm: Callable[..., Any] | None = None  # heron.layers.fp8.scaled_mm (FP8 weights, many rows)
     wna16_mm: Callable[..., Any] | None = None  # wna16.wna16_linear (packed integer weights)
+    wna16_gemv_serves: Callable[[int], bool] | None = None  # wna16.gemv_serves (rows it fuses)
     lora_shrink: Callable[..., Any] | None = None  # lora.lora_shrink (LoRA layers)
     lora_expand: Callable[..., Any] | None = None  # lora.lora_expand
 

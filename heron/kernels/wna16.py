@@ -22,6 +22,7 @@ import torch
 import triton
 import triton.language as tl
 
+from heron.kernels.activation import ACTIVATIONS, gated
 from heron.kernels.pdl import pdl_launch, wait_for_previous_kernel
 
 #: Up to this many rows a product takes the GEMV; more take the GEMM.
@@ -92,6 +93,7 @@ def dequant_tile(
 @triton.jit
 def _wna16_gemv_kernel(
     x_ptr,
+    u_ptr,
     qw_ptr,
     s_ptr,
     z_ptr,
@@ -101,6 +103,7 @@ def _wna16_gemv_kernel(
     N,
     K,
     stride_xm,
+    stride_um,
     stride_ym,
     stride_qn,
     stride_sn,
@@ -109,6 +112,8 @@ def _wna16_gemv_kernel(
     HAS_ZEROS: tl.constexpr,
     FP4: tl.constexpr,
     HAS_BIAS: tl.constexpr,
+    ACT: tl.constexpr,  # 0: x as given; else act(x) * u (activation.ACTIVATIONS)
+    GATED_OUT: tl.constexpr,  # 0: y; else act(y) * y' of rows n and N + n
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     USE_PDL: tl.constexpr,
@@ -116,9 +121,11 @@ def _wna16_gemv_kernel(
     wait_for_previous_kernel(USE_PDL)
     pid_n = tl.program_id(0)
     m = tl.program_id(1)
+    dtype = y_ptr.dtype.element_ty
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = offs_n < N
     acc = tl.zeros([BLOCK_N], dtype=tl.float32)
+    acc_up = tl.zeros_like(acc)  # with GATED_OUT: rows N + n
     for k in range(0, K, BLOCK_K):
         offs_k = k + tl.arange(0, BLOCK_K)
         k_mask = offs_k < K
@@ -126,13 +133,27 @@ def _wna16_gemv_kernel(
             qw_ptr, s_ptr, z_ptr, offs_n, n_mask, k, K, stride_qn, stride_sn,
             BITS, GROUP, HAS_ZEROS, FP4, BLOCK_N, BLOCK_K,
         )  # fmt: skip
-        x = tl.load(x_ptr + m * stride_xm + offs_k, mask=k_mask, other=0.0).to(tl.float32)
+        x = tl.load(x_ptr + m * stride_xm + offs_k, mask=k_mask, other=0.0)
+        if ACT != 0:  # rounded as an activation kernel would store it
+            up = tl.load(u_ptr + m * stride_um + offs_k, mask=k_mask, other=0.0)
+            x = gated(x, up, ACT, dtype).to(dtype)
+        x = x.to(tl.float32)
         acc += tl.sum(w * x[None, :], axis=1)
+        if GATED_OUT != 0:
+            w_up = dequant_tile(
+                qw_ptr, s_ptr, z_ptr, offs_n + N, n_mask, k, K, stride_qn, stride_sn,
+                BITS, GROUP, HAS_ZEROS, FP4, BLOCK_N, BLOCK_K,
+            )  # fmt: skip
+            acc_up += tl.sum(w_up * x[None, :], axis=1)
     if FP4:
         acc /= tl.load(g_ptr + offs_n, mask=n_mask, other=1.0)
+        if GATED_OUT != 0:
+            acc_up /= tl.load(g_ptr + N + offs_n, mask=n_mask, other=1.0)
     if HAS_BIAS:
         acc += tl.load(b_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)
-    tl.store(y_ptr + m * stride_ym + offs_n, acc.to(y_ptr.dtype.element_ty), mask=n_mask)
+    if GATED_OUT != 0:  # (of the products rounded as the GEMV would store them)
+        acc = gated(acc.to(dtype), acc_up.to(dtype), GATED_OUT, dtype)
+    tl.store(y_ptr + m * stride_ym + offs_n, acc.to(dtype), mask=n_mask)
 
 
 @triton.jit
@@ -226,6 +247,11 @@ def launch_config(
     return _block(m, 64), _block(n, 64), _block(k, 128), 4, 3
 
 
+def gemv_serves(m: int) -> bool:
+    """Whether a product over ``m`` rows runs as the GEMV (which fuses gated activations)."""
+    return m <= GEMV_MAX_M
+
+
 def wna16_linear(
     x: torch.Tensor,
     qweight: torch.Tensor,
@@ -235,28 +261,42 @@ def wna16_linear(
     group_size: int | None,
     bias: torch.Tensor | None = None,
     global_scale: torch.Tensor | None = None,
+    act: str | None = None,
+    up: torch.Tensor | None = None,
+    gated_out: str | None = None,
 ) -> torch.Tensor:
     """``x [M, K] @ W.T (+ bias)`` for the packed ``W [N, K]`` (``qweight`` int32
     ``[N, K * bits / 32]``, ``scales`` ``[N, G]``, ``qzeros`` uint8 ``[N, G]`` or None for
     symmetric weights; ``group_size`` None: one group a row; with ``global_scale`` fp32 [N],
-    NVFP4: 4-bit E2M1 codes whose rows it divides). Returns ``x.dtype``."""
+    NVFP4: 4-bit E2M1 codes whose rows it divides). Returns ``x.dtype``. For few rows
+    (:func:`gemv_serves`) a gated activation (a key of ``activation.ACTIVATIONS``) fuses in:
+    ``act`` on the input (``act(gate) * up`` of ``x``'s ``[gate | up]``, or of ``x`` and
+    ``up``) as it loads, ``gated_out`` on the output (``W``'s ``[gate | up]`` rows; [M, N/2])."""
+    if act is not None and up is None:
+        x, up = x.chunk(2, dim=1)
     M, K = x.shape
-    N = qweight.shape[0]
+    rows = qweight.shape[0]
+    N = rows // 2 if gated_out is not None else rows
     if qweight.dtype != torch.int32 or qweight.shape[1] * (32 // bits) != K:
         raise ValueError(f"wna16_linear: x {tuple(x.shape)}, qweight {tuple(qweight.shape)}")
     group = group_size or K
-    if scales.shape != (N, -(-K // group)) or (qzeros is not None and qzeros.shape != scales.shape):
-        raise ValueError(f"wna16_linear: scales {tuple(scales.shape)} for {N}x{K} in {group}s")
+    shape = (rows, -(-K // group))
+    if scales.shape != shape or (qzeros is not None and qzeros.shape != scales.shape):
+        raise ValueError(f"wna16_linear: scales {tuple(scales.shape)} for {rows}x{K} in {group}s")
     if not (qweight.is_contiguous() and scales.is_contiguous()):
         raise ValueError("wna16_linear: qweight and scales must be contiguous")
+    fused = act is not None or gated_out is not None
+    if fused and (not gemv_serves(M) or (gated_out is not None and bias is not None)):
+        raise ValueError(f"wna16_linear: no fused activation over {M} rows or with a bias")
     if x.stride(1) != 1:
         x = x.contiguous()
+    if up is not None and up.stride(1) != 1:
+        up = up.contiguous()
     out = torch.empty((M, N), dtype=x.dtype, device=x.device)
     if M == 0:
         return out
     common = (N, K, x.stride(0), out.stride(0), qweight.stride(0), scales.stride(0))
-    args = (
-        x,
+    weights = (
         qweight,
         scales,
         qzeros if qzeros is not None else scales,
@@ -264,7 +304,7 @@ def wna16_linear(
         global_scale if global_scale is not None else scales,
         out,
     )
-    block_m, block_n, block_k, warps, stages = launch_config(M, N, K, bits, group_size, x.device)
+    block_m, block_n, block_k, warps, stages = launch_config(M, rows, K, bits, group_size, x.device)
     if group_size is not None and block_k % group_size and group_size % block_k:
         raise ValueError(f"wna16_linear: tiles of {block_k} columns across groups of {group_size}")
     # Per channel: one group as wide as a tile at least, so that a tile lies in it.
@@ -274,13 +314,16 @@ def wna16_linear(
         HAS_BIAS=bias is not None, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=warps,
         num_stages=stages,
     )  # fmt: skip
-    if M <= GEMV_MAX_M:
+    if gemv_serves(M):
+        u = x if up is None else up
         _wna16_gemv_kernel[(triton.cdiv(N, block_n), M)](
-            *args, *common, **flags, **pdl_launch(x.device)
-        )
+            x, u, *weights, N, K, x.stride(0), u.stride(0), *common[3:], **flags,
+            ACT=ACTIVATIONS[act] if act else 0,
+            GATED_OUT=ACTIVATIONS[gated_out] if gated_out else 0, **pdl_launch(x.device),
+        )  # fmt: skip
         return out
     _wna16_gemm_kernel[(triton.cdiv(M, block_m), triton.cdiv(N, block_n))](
-        *args, M, *common, **flags, BLOCK_M=block_m,
+        x, *weights, M, *common, **flags, BLOCK_M=block_m,
         DOT_PREC="ieee" if x.dtype == torch.float32 else "tf32", **pdl_launch(x.device),
     )  # fmt: skip
     return out

@@ -219,12 +219,24 @@ class Linear(nn.Module):
         self.weight_scale.data.copy_(self.weight_scale.data[blocks])
 
     def takes_gemv(self, x: torch.Tensor) -> bool:
-        """Whether this layer's product with ``x``'s rows runs as the GEMV (packed integer
-        weights take their own kernels, unfused; so does a layer with LoRA, whose updates are
-        added before the activation)."""
-        return self.wna16 is None and self.lora is None and takes_gemv(self.kernels, x, self.weight)
+        """Whether this layer's product with ``x``'s rows runs as a GEMV that fuses gated
+        activations (packed integer weights: their own, but not in act-order, whose input
+        columns are reordered; no layer with LoRA, whose updates are added before the
+        activation)."""
+        if self.lora is not None:
+            return False
+        if self.wna16 is not None:
+            serves = self.kernels.wna16_gemv_serves
+            return self.perm is None and serves is not None and x.dim() == 2 and serves(len(x))
+        return takes_gemv(self.kernels, x, self.weight)
 
     def _gemv(self, x: torch.Tensor, **fused: Any) -> torch.Tensor:
+        if self.wna16 is not None:
+            scheme = self.wna16
+            return self.kernels.wna16_mm(
+                x, *self._packed(), scheme.bits, scheme.group_size, self.bias,
+                self.global_scale, **fused,
+            )  # fmt: skip
         if self.weight_scale is None:
             return self.kernels.gemv(x, self.weight, self.bias, **fused)
         return self.kernels.gemv(

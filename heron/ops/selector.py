@@ -40,6 +40,7 @@ def _triton_layer_kernels() -> LayerKernels:
         router_logits=moe_route.router_logits,
         fp8_mm=partial(fp8.scaled_mm, quantize_rows=fp8_quant.quantize_rows),
         wna16_mm=wna16.wna16_linear,
+        wna16_gemv_serves=wna16.gemv_serves,
         lora_shrink=lora.lora_shrink,
         lora_expand=lora.lora_expand,
     )

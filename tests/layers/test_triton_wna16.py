@@ -48,6 +48,57 @@ def test_matches_dequantised_fp32_matmul(dtype, m, n, k, bits, group, zeros):
         assert err < TOL[dtype], err
 
 
+ACTS = {
+    "silu": F.silu,
+    "gelu_tanh": lambda g: F.gelu(g, approximate="tanh"),
+    "sigmoid": torch.sigmoid,
+}
+
+
+def _gated(act: str, gate: torch.Tensor, up: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``act(gate) * up`` as an unfused activation kernel stores it in ``dtype``."""
+    return (ACTS[act](gate.float()).to(dtype).float() * up.float()).to(dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("act", sorted(ACTS))
+@pytest.mark.parametrize("m, bits, group, zeros", [(1, 4, 32, True), (GEMV_MAX_M, 8, None, False)])
+def test_fused_gated_activations_match_the_unfused_products(dtype, act, m, bits, group, zeros):
+    """The GEMV applies a gated activation to its input as it loads it (from ``[gate | up]``
+    or from two tensors), or to its ``[gate | up]`` output rows, as the unfused kernels
+    would: the activation rounded to the input's dtype first."""
+    n, k = 24, 96
+    x, qweight, scales, qzeros, _ = _case(m, n, 2 * k, bits, group, zeros, dtype)
+    qweight, scales = qweight[:, : qweight.shape[1] // 2], scales[:, : -(-k // (group or k))]
+    qweight, scales = qweight.contiguous(), scales.contiguous()
+    qzeros = None if qzeros is None else qzeros[:, : scales.shape[1]].contiguous()
+    w = dequantize(qweight, scales, qzeros, bits, group)
+    gate, up = x.chunk(2, dim=1)
+    want = F.linear(_gated(act, gate, up, dtype).float(), w)
+    for got in (
+        wna16_linear(x, qweight, scales, qzeros, bits, group, act=act),
+        wna16_linear(gate, qweight, scales, qzeros, bits, group, act=act, up=up),
+    ):
+        assert got.shape == (m, n)
+        err = ((got.float() - want).abs().max() / want.abs().max()).item()
+        assert err < TOL[dtype], err
+    # The output side: W's rows as [gate | up].
+    products = F.linear(gate.float(), w).to(dtype)
+    want = _gated(act, products[:, : n // 2], products[:, n // 2 :], dtype).float()
+    got = wna16_linear(gate, qweight, scales, qzeros, bits, group, gated_out=act)
+    assert got.shape == (m, n // 2)
+    err = ((got.float() - want).abs().max() / want.abs().max()).item()
+    assert err < 4 * TOL[dtype], err
+
+
+def test_fused_activations_are_refused_beyond_the_gemv():
+    x, qweight, scales, qzeros, bias = _case(GEMV_MAX_M + 1, 16, 64, 4, 32, True, torch.float32)
+    with pytest.raises(ValueError, match="fused activation"):
+        wna16_linear(x, qweight, scales, qzeros, 4, 32, gated_out="silu")
+    with pytest.raises(ValueError, match="fused activation"):
+        wna16_linear(x[:1], qweight, scales, qzeros, 4, 32, bias, gated_out="silu")
+
+
 def test_bad_shapes_are_refused():
     x, qweight, scales, qzeros, _ = _case(2, 16, 64, 4, 32, True, torch.float32)
     with pytest.raises(ValueError, match="qweight"):
@@ -66,6 +117,9 @@ def wna16_launches() -> None:
             for m in (1, 64):
                 x = torch.empty(m, k, dtype=torch.bfloat16)
                 wna16_linear(x, qweight, scales, qzeros, bits, group)
+            x = torch.empty(1, 2 * k, dtype=torch.bfloat16)
+            wna16_linear(x, qweight, scales, qzeros, bits, group, act="silu")
+            wna16_linear(x[:, :k], qweight, scales, qzeros, bits, group, gated_out="silu")
 
 
 def test_kernels_lower_for_sm90():

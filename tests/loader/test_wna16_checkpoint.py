@@ -71,12 +71,15 @@ def test_checkpoint_loads_packed_and_equals_hf(family, fmt, opts, wide_models, t
     _check_parity(llm, hf_on_weights(src, weights))
 
 
-def test_triton_kernels_through_the_model_equal_hf(wide_models, tmp_path, monkeypatch):
-    """The whole model on the packed-weight kernels (interpreted, fp32): AWQ and GPTQ with
-    act-order, prefill through the GEMM and decode through the GEMV."""
+@pytest.mark.parametrize("desc_act", [True, False], ids=["act-order", "in-order"])
+def test_triton_kernels_through_the_model_equal_hf(wide_models, tmp_path, monkeypatch, desc_act):
+    """The whole model on the packed-weight kernels (interpreted, fp32): GPTQ with and
+    without act-order, prefill through the GEMM and decode through the GEMV, which applies
+    the MLP's activation as it loads the down projection's input (not in act-order, whose
+    input columns are reordered)."""
     calls = count_kernel_rows(monkeypatch)
     src = wide_models["qwen3"]
-    opts = dict(bits=4, group_size=32, sym=False, desc_act=True)
+    opts = dict(bits=4, group_size=32, sym=False, desc_act=desc_act)
     weights = write_checkpoint(src, tmp_path / "q", "gptq", **opts)
     llm = LLM(str(tmp_path / "q"), max_model_len=128, enable_prefix_caching=False)
     hf = hf_on_weights(src, weights)
@@ -85,7 +88,9 @@ def test_triton_kernels_through_the_model_equal_hf(wide_models, tmp_path, monkey
         SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True),
     )
     assert greedy_tokens(llm, prompts, params) == hf_greedy(hf, prompts, params.max_tokens)
-    assert max(calls) > 8 and min(calls) == 1  # both kernels ran
+    rows = [r for r, _ in calls]
+    assert max(rows) > 8 and min(rows) == 1  # both kernels ran
+    assert ((1, "act") in calls) == (not desc_act)
 
 
 def test_plan_names_the_format_and_bytes_a_layer(wide_models, tmp_path, capsys):
