@@ -24,6 +24,7 @@ from openai_server import (
     MODEL_NAME,
     SUCCESS,
     child_pids,
+    free_port,
     kill_core_during_requests,
     pid_exists,
     start_server,
@@ -69,7 +70,7 @@ def test_start_up_error_reaches_the_command_line(tmp_path, fronts):
     missing = tmp_path / "no-such-model"
     result = subprocess.run(
         [sys.executable, "-m", "heron.cli", "serve", "--model", str(missing), "--device", "cpu"]
-        + ["--api-server-count", fronts],
+        + ["--api-server-count", fronts, "--port", str(free_port())],
         capture_output=True,
         text=True,
         timeout=120,
