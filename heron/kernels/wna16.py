@@ -295,7 +295,7 @@ def wna16_linear(
     out = torch.empty((M, N), dtype=x.dtype, device=x.device)
     if M == 0:
         return out
-    common = (N, K, x.stride(0), out.stride(0), qweight.stride(0), scales.stride(0))
+    strides = (out.stride(0), qweight.stride(0), scales.stride(0))  # (after x's, and u's)
     weights = (
         qweight,
         scales,
@@ -317,13 +317,13 @@ def wna16_linear(
     if gemv_serves(M):
         u = x if up is None else up
         _wna16_gemv_kernel[(triton.cdiv(N, block_n), M)](
-            x, u, *weights, N, K, x.stride(0), u.stride(0), *common[3:], **flags,
+            x, u, *weights, N, K, x.stride(0), u.stride(0), *strides, **flags,
             ACT=ACTIVATIONS[act] if act else 0,
             GATED_OUT=ACTIVATIONS[gated_out] if gated_out else 0, **pdl_launch(x.device),
         )  # fmt: skip
         return out
     _wna16_gemm_kernel[(triton.cdiv(M, block_m), triton.cdiv(N, block_n))](
-        x, *weights, M, *common, **flags, BLOCK_M=block_m,
+        x, *weights, M, N, K, x.stride(0), *strides, **flags, BLOCK_M=block_m,
         DOT_PREC="ieee" if x.dtype == torch.float32 else "tf32", **pdl_launch(x.device),
     )  # fmt: skip
     return out
