@@ -69,7 +69,7 @@ def plan_update(models: Sequence[nn.Module], weights: Weights) -> list[UpdateRou
                 UpdateRoute({n for n, _ in pending if n not in skipped}, loaded.parameters)
             )
             pending = [(n, t) for n, t in pending if n in skipped]
-            _finishing_modules(model, loaded.parameters)  # (refuses layouts it cannot redo)
+            _finishing_modules(_touched(model, loaded.parameters))  # (refuses what it cannot redo)
     return routes
 
 
@@ -80,10 +80,11 @@ def apply_update(
     for model, route in zip(models, routes):
         if not route.names:
             continue
-        finishing = _finishing_modules(model, route.parameters)
+        touched = _touched(model, route.parameters)
+        finishing = _finishing_modules(touched)
         requantized = [
             (module, module.weight_block, dict(module.named_parameters(recurse=False)))
-            for _, module in _touched(model, route.parameters)
+            for _, module in touched
             if getattr(module, "loaded_dtype", None) is not None
         ]
         for module in finishing:
@@ -136,10 +137,10 @@ def _touched(model: nn.Module, parameters: set[str]) -> list[tuple[str, nn.Modul
     ]
 
 
-def _finishing_modules(model: nn.Module, parameters: set[str]) -> list[nn.Module]:
-    """The modules whose ``finish_loading`` layout covers any of ``parameters``."""
+def _finishing_modules(touched: list[tuple[str, nn.Module]]) -> list[nn.Module]:
+    """The ``touched`` modules (:func:`_touched`) with a ``finish_loading`` layout."""
     found = []
-    for prefix, module in _touched(model, parameters):
+    for prefix, module in touched:
         if hasattr(module, "finish_loading"):
             if not hasattr(module, "undo_finish_loading"):
                 raise ValueError(
