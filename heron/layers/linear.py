@@ -96,10 +96,7 @@ class Linear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.wna16 is not None:
-            y = wna16_forward(
-                x, *self._packed(), self.perm, self.wna16, self.bias, self.kernels,
-                self.global_scale,
-            )  # fmt: skip
+            y = self._packed_product(x)
         elif self.weight_scale is not None:
             y = fp8_linear(
                 x, self.weight, self.weight_scale, self.weight_block, self.bias, self.kernels
@@ -230,13 +227,15 @@ class Linear(nn.Module):
             return self.perm is None and serves is not None and x.dim() == 2 and serves(len(x))
         return takes_gemv(self.kernels, x, self.weight)
 
+    def _packed_product(self, x: torch.Tensor, **fused: Any) -> torch.Tensor:
+        return wna16_forward(
+            x, *self._packed(), self.perm, self.wna16, self.bias, self.kernels,
+            self.global_scale, **fused,
+        )  # fmt: skip
+
     def _gemv(self, x: torch.Tensor, **fused: Any) -> torch.Tensor:
         if self.wna16 is not None:
-            scheme = self.wna16
-            return self.kernels.wna16_mm(
-                x, *self._packed(), scheme.bits, scheme.group_size, self.bias,
-                self.global_scale, **fused,
-            )  # fmt: skip
+            return self._packed_product(x, **fused)
         if self.weight_scale is None:
             return self.kernels.gemv(x, self.weight, self.bias, **fused)
         return self.kernels.gemv(

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 from transformers import PretrainedConfig
@@ -424,15 +424,19 @@ def wna16_forward(
     bias: torch.Tensor | None,
     kernels: LayerKernels,
     global_scale: torch.Tensor | None = None,
+    **fused: Any,
 ) -> torch.Tensor:
     """``x W^T (+ b)`` for a packed weight: the kernel set's ``wna16_mm`` (dequantising in
-    registers), else the weight dequantised in fp32 for this product (the CPU's reference).
-    Act-order weights take ``x``'s columns in ``perm``'s order."""
+    registers; ``fused``: its gated activations), else the weight dequantised in fp32 for this
+    product (the CPU's reference). Act-order weights take ``x``'s columns in ``perm``'s order."""
     if perm is not None:
         x = x.index_select(-1, perm)
     if kernels.wna16_mm is not None and x.dim() == 2:
         return kernels.wna16_mm(
-            x, qweight, scales, qzeros, scheme.bits, scheme.group_size, bias, global_scale
-        )
+            x, qweight, scales, qzeros, scheme.bits, scheme.group_size, bias, global_scale,
+            **fused,
+        )  # fmt: skip
+    if fused:
+        raise ValueError(f"packed weights fuse {', '.join(fused)} only in the kernel set's GEMV")
     w = dequantize(qweight, scales, qzeros, scheme.bits, scheme.group_size, global_scale)
     return torch.nn.functional.linear(x, w.to(x.dtype), bias)
