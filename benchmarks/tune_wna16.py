@@ -19,6 +19,7 @@ import torch
 import triton
 
 from heron.kernels import wna16
+from heron.layers.wna16 import dequantize
 
 # [N, K] of each packed linear: fused q/k/v, o, fused gate/up, down.
 SHAPES = {"qwen3-8b": [(6144, 4096), (4096, 4096), (24576, 4096), (4096, 12288)]}
@@ -46,7 +47,7 @@ def run(rows: int, n: int, k: int, device: torch.device) -> tuple[dict, list]:
     weights = [packed(n, k) for _ in range(COPIES)]
     dense = [(torch.randn(n, k, dtype=torch.bfloat16, device=device),) for _ in range(COPIES)]
     bf16 = timed(lambda w: torch.nn.functional.linear(x, w), dense)
-    want = wna16.dequantize(*weights[0], None, BITS, GROUP).to(torch.float32) @ x.float().T
+    want = dequantize(*weights[0], None, BITS, GROUP).to(torch.float32) @ x.float().T
     candidates = GEMV if rows <= wna16.GEMV_MAX_M else GEMM
     default = RULE(rows, n, k, BITS, GROUP, torch.device("cpu"))
     results = []

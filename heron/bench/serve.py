@@ -7,14 +7,17 @@ request produces ``--max-tokens`` tokens and runs compare), ``concurrency`` in f
 or, with ``--request-rate``, arriving as a Poisson process. The client is spread over several
 processes so that its own parsing does not cap what a fast server can show. Token times are
 the arrival times of content chunks. Without ``--base-url`` the server is started from this
-source tree with ``--server-arg`` passed to ``heron serve``, and stopped at the end; with
-``--pd``, a prefill and a decode instance (the nixl connector) behind ``heron router``.
+source tree with ``--server-arg`` passed to ``heron serve`` (with ``--shape``, on that shape's
+random weights), and stopped at the end; with ``--pd``, a prefill and a decode instance (the
+nixl connector) behind ``heron router``. ``--prompt-tokens`` sends prompts of that many
+random token ids (long prompts, whatever the tokenizer) instead of the short texts.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import os
 import random
@@ -28,6 +31,7 @@ from typing import Any
 
 from heron.bench.measure import percentiles
 from heron.bench.result import Metric
+from heron.bench.shapes import dummy_checkpoint, shape
 
 PROMPTS = [
     "Explain how a paged key-value cache works.",
@@ -58,6 +62,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="start a prefill and a decode instance (the nixl connector; on --port + 1 and "
         "+ 2) behind `heron router` on --port instead of one instance",
     )
+    parser.add_argument(
+        "--shape", default=None, help="the servers started serve this shape's random weights"
+    )
+    parser.add_argument(
+        "--prompt-tokens", type=int, default=None, help="prompts of this many random token ids"
+    )
 
 
 @dataclass
@@ -71,7 +81,9 @@ class Result:
     error: str = ""
 
 
-async def one_request(client, url: str, model: str | None, prompt: str, max_tokens: int) -> Result:
+async def one_request(
+    client, url: str, model: str | None, prompt: str | list[int], max_tokens: int
+) -> Result:
     """Stream one completion."""
     body = {
         "model": model,
@@ -114,7 +126,10 @@ async def requests(
 
     async def limited(client, i: int) -> Result:
         async with limit:
-            prompt = PROMPTS[i % len(PROMPTS)]
+            if args["prompt_tokens"]:  # ids past the special tokens of any tokenizer
+                prompt = [rng.randrange(1000, 10000) for _ in range(args["prompt_tokens"])]
+            else:
+                prompt = PROMPTS[i % len(PROMPTS)]
             return await one_request(client, url, args["model_name"], prompt, args["max_tokens"])
 
     # httpx pools 100 connections by default: more streams would queue in the client.
@@ -219,14 +234,24 @@ def _stop(procs: list[subprocess.Popen]) -> None:
 
 
 def run(args: argparse.Namespace, config: Any = None) -> tuple[dict[str, Any], list[Metric]]:
-    if args.pd and args.base_url:
-        raise ValueError("--pd starts its own instances: give no --base-url")
+    for started in ("pd", "shape"):
+        if getattr(args, started) and args.base_url:
+            raise ValueError(f"--{started} is for the servers started here: give no --base-url")
+    with contextlib.ExitStack() as stack:
+        server_args = list(args.server_arg)
+        if args.shape:
+            path = stack.enter_context(dummy_checkpoint(shape(args.shape)))
+            server_args = [path, "--load-format", "dummy", *server_args]
+        return _measure(args, server_args)
+
+
+def _measure(args: argparse.Namespace, server_args: list[str]) -> tuple[dict, list[Metric]]:
     if args.base_url:
         procs = []
     elif args.pd:
-        procs = start_pd(args.port, args.server_arg)
+        procs = start_pd(args.port, server_args)
     else:
-        procs = [start_server(args.port, args.server_arg)]
+        procs = [start_server(args.port, server_args)]
     client = {
         "base_url": args.base_url or f"http://127.0.0.1:{args.port}",
         "api_key": args.api_key,
@@ -235,6 +260,7 @@ def run(args: argparse.Namespace, config: Any = None) -> tuple[dict[str, Any], l
         "request_rate": args.request_rate,
         "processes": args.client_processes,
         "pd": args.pd,
+        "prompt_tokens": args.prompt_tokens,
     }
     metrics: list[Metric] = []
     try:
@@ -253,5 +279,7 @@ def run(args: argparse.Namespace, config: Any = None) -> tuple[dict[str, Any], l
         "request_rate",
         "client_processes",
         "pd",
+        "shape",
+        "prompt_tokens",
     )
     return {k: getattr(args, k) for k in keys}, metrics

@@ -1,5 +1,5 @@
 """LoRA's two products over a batch whose tokens use different adapters (token-indexed, as
-punica's BGMV): ``shrink`` gives each token ``x A[s]^T`` (fp32, ``[T, R]``) and ``expand``
+punica's BGMV): ``shrink`` gives each token ``x A[s]^T`` (fp32 partial sums) and ``expand``
 adds ``shrunk B[s]^T`` to the base layer's output, ``s`` the token's slot in the stacked
 tables. Slot 0 holds zeros (the base model), so no token needs a branch."""
 
@@ -8,6 +8,9 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+
+# Programs a shrink launch aims for: enough to spread a decode step's few tokens over the SMs.
+_PROGRAMS = 512
 
 
 @triton.jit
@@ -18,26 +21,31 @@ def _shrink_kernel(
     out_ptr,
     K,
     R,
+    CHUNKS_PER_SPLIT,
     stride_x,
     stride_as,
     stride_ar,
-    stride_out,
+    stride_out_t,
+    stride_out_split,
     BLOCK_R: tl.constexpr,
     BLOCK_K: tl.constexpr,
 ):
     token = tl.cast(tl.program_id(0), tl.int64)
-    rows = tl.program_id(1) * BLOCK_R + tl.arange(0, BLOCK_R)
+    split = tl.program_id(1)
+    rows = tl.arange(0, BLOCK_R)
     slot = tl.load(slots_ptr + token).to(tl.int64)
     a_rows = a_ptr + slot * stride_as + rows[:, None] * stride_ar
     acc = tl.zeros((BLOCK_R,), dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
+    first = split * CHUNKS_PER_SPLIT * BLOCK_K
+    for k0 in range(first, first + CHUNKS_PER_SPLIT * BLOCK_K, BLOCK_K):
         cols = k0 + tl.arange(0, BLOCK_K)
         x = tl.load(x_ptr + token * stride_x + cols, mask=cols < K, other=0.0)
         a = tl.load(
             a_rows + cols[None, :], mask=(rows[:, None] < R) & (cols[None, :] < K), other=0.0
         )
         acc += tl.sum(a.to(tl.float32) * x.to(tl.float32)[None, :], axis=1)
-    tl.store(out_ptr + token * stride_out + rows, acc, mask=rows < R)
+    out = out_ptr + token * stride_out_t + split * stride_out_split + rows
+    tl.store(out, acc, mask=rows < R)
 
 
 @triton.jit
@@ -48,7 +56,9 @@ def _expand_kernel(
     y_ptr,
     N,
     R,
-    stride_s,
+    SPLITS,
+    stride_s_t,
+    stride_s_split,
     stride_bs,
     stride_bn,
     stride_y,
@@ -59,7 +69,11 @@ def _expand_kernel(
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     ranks = tl.arange(0, BLOCK_R)
     slot = tl.load(slots_ptr + token).to(tl.int64)
-    s = tl.load(s_ptr + token * stride_s + ranks, mask=ranks < R, other=0.0)
+    s = tl.zeros((BLOCK_R,), dtype=tl.float32)
+    for split in range(SPLITS):
+        s += tl.load(
+            s_ptr + token * stride_s_t + split * stride_s_split + ranks, mask=ranks < R, other=0.0
+        )
     b = tl.load(
         b_ptr + slot * stride_bs + cols[:, None] * stride_bn + ranks[None, :],
         mask=(cols[:, None] < N) & (ranks[None, :] < R),
@@ -71,20 +85,26 @@ def _expand_kernel(
     tl.store(y_ptr + token * stride_y + cols, out.to(y_ptr.dtype.element_ty), mask=cols < N)
 
 
-def lora_shrink(
-    x: torch.Tensor, a: torch.Tensor, token_slots: torch.Tensor, block_r: int = 16
-) -> torch.Tensor:
-    """``x[t] @ a[token_slots[t]]^T`` for every token, in fp32: ``x`` [T, K], ``a`` [S, R, K]."""
+def lora_shrink(x: torch.Tensor, a: torch.Tensor, token_slots: torch.Tensor) -> torch.Tensor:
+    """``x[t] @ a[token_slots[t]]^T`` for every token as fp32 partial sums over slices of
+    ``K`` (``[T, splits, R]``, summed by :func:`lora_expand`): ``x`` [T, K], ``a`` [S, R, K].
+
+    A decode step has a token or a few, and ``R`` is small: one program a token would walk
+    all of ``K`` alone, so the input's width is split until the grid fills the device."""
     t, k = x.shape
     r = a.shape[1]
     assert a.shape[2] == k and a.stride(2) == 1 and x.stride(1) == 1
-    out = torch.empty(t, r, dtype=torch.float32, device=x.device)
+    block_r = triton.next_power_of_2(r)
+    block_k = max(16, min(128, 8192 // block_r, triton.next_power_of_2(k)))
+    chunks = triton.cdiv(k, block_k)
+    splits = max(1, min(chunks, _PROGRAMS // max(t, 1)))
+    per_split = triton.cdiv(chunks, splits)
+    splits = triton.cdiv(chunks, per_split)
+    out = torch.empty(t, splits, r, dtype=torch.float32, device=x.device)
     if t:
-        grid = (t, triton.cdiv(r, block_r))
-        strides = (x.stride(0), *a.stride()[:2], out.stride(0))
-        block_k = min(128, triton.next_power_of_2(k))
-        _shrink_kernel[grid](
-            x, a, token_slots, out, k, r, *strides, BLOCK_R=block_r, BLOCK_K=block_k
+        strides = (x.stride(0), *a.stride()[:2], *out.stride()[:2])
+        _shrink_kernel[(t, splits)](
+            x, a, token_slots, out, k, r, per_split, *strides, BLOCK_R=block_r, BLOCK_K=block_k
         )
     return out
 
@@ -96,15 +116,17 @@ def lora_expand(
     y: torch.Tensor,
     block_n: int = 64,
 ) -> torch.Tensor:
-    """``y[t] += shrunk[t] @ b[token_slots[t]]^T`` in place (``b`` [S, N, R]); returns ``y``."""
-    t, r = shrunk.shape
+    """``y[t] += shrunk[t].sum(0) @ b[token_slots[t]]^T`` in place (``shrunk`` from
+    :func:`lora_shrink`, ``b`` [S, N, R]); returns ``y``."""
+    t, splits, r = shrunk.shape
     n = b.shape[1]
     assert b.shape[2] == r and b.stride(2) == 1 and y.shape == (t, n) and y.stride(1) == 1
+    assert shrunk.stride(2) == 1
     if t:
         grid = (t, triton.cdiv(n, block_n))
-        strides = (shrunk.stride(0), *b.stride()[:2], y.stride(0))
+        strides = (*shrunk.stride()[:2], *b.stride()[:2], y.stride(0))
         block_r = triton.next_power_of_2(r)
         _expand_kernel[grid](
-            shrunk, b, token_slots, y, n, r, *strides, BLOCK_N=block_n, BLOCK_R=block_r
+            shrunk, b, token_slots, y, n, r, splits, *strides, BLOCK_N=block_n, BLOCK_R=block_r
         )
     return y
