@@ -17,8 +17,8 @@ class LoRALatent(LoRALinear):
     layer on a batch's tokens: it decompresses a request's cached latents (:meth:`decompress`)
     or absorbs the weight, so the update is absorbed likewise, per token and head:
     the query ``q_nope W_UK`` gains ``(q_nope B_K) A`` (:meth:`absorb_query`) and the values
-    ``o W_UV^T`` gain ``(o A^T) B_V^T`` (:meth:`expand_values`). The cached latents stay the
-    base model's (the prefix cache is keyed by adapter anyway).
+    ``o W_UV^T`` gain ``(o A^T) B_V^T`` (:meth:`expand_values`). The cached latents are as
+    they were (the update acts after the cache; the prefix cache is keyed by adapter anyway).
 
     Each product is a token-indexed shrink and expand over (token, head) rows, one of its two
     tables indexed by slot and the other by (slot, head) entry ``s * heads + h``; beside the

@@ -61,8 +61,8 @@ class MLAOperator(MetadataOperator):
 
     The model owns ``kv_b_proj`` and ``latent_norm`` (checkpoint weights); the operator only
     reads them. With LoRA, ``kv_b_proj.lora`` (``heron.lora.latent.LoRALatent``) adds each
-    token's adapter's update wherever the weight is read; the cached latents are the base
-    model's.
+    token's adapter's update wherever the weight is read (after the cache: the latents cached
+    are unchanged by it).
     """
 
     def __init__(
