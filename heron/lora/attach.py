@@ -1,4 +1,5 @@
-"""Which layers of a model get LoRA operators: the targeted linear layers and expert banks."""
+"""Which layers of a model get LoRA operators: the targeted linear layers, expert banks and the
+latent attention's ``kv_b_proj``."""
 
 from __future__ import annotations
 
@@ -8,7 +9,9 @@ from heron.layers.linear import Linear
 from heron.layers.moe import SwiGLUExperts
 from heron.lora.config import LoRAConfig
 from heron.lora.experts import LoRAExperts
+from heron.lora.latent import LoRALatent
 from heron.lora.layer import LoRALinear
+from heron.ops.mla.base import MLAOperator
 
 # The linear layers an adapter may update, by their names in the model (packed ones included).
 TARGETS = frozenset(
@@ -28,20 +31,18 @@ TARGETS = frozenset(
         "kv_a_proj_with_mqa",
     }
 )
-# Linear layers an adapter may not update, and why.
-REFUSED = {
-    "kv_b_proj": (
-        "LoRA on kv_b_proj is not supported (the latent attention absorbs it into the query "
-        "and output at decode)"
-    ),
-}
 
 
 def attach_lora(model: nn.Module, config: LoRAConfig) -> None:
-    """Give every targeted linear layer and SwiGLU expert bank of ``model`` its LoRA operator
-    (inside the model's build scope, where they register)."""
-    for name, module in list(model.named_modules()):
-        if isinstance(module, Linear) and name.rpartition(".")[2] in TARGETS:
+    """Give every targeted linear layer, SwiGLU expert bank and latent attention's
+    ``kv_b_proj`` of ``model`` its LoRA operator (inside the model's build scope, where they
+    register)."""
+    modules = dict(model.named_modules())
+    latent = {id(m.kv_b_proj): m.spec for m in modules.values() if isinstance(m, MLAOperator)}
+    for name, module in modules.items():
+        if id(module) in latent:
+            module.lora = LoRALatent(f"{name}.lora", module, latent[id(module)], config)
+        elif isinstance(module, Linear) and name.rpartition(".")[2] in TARGETS:
             module.lora = LoRALinear(f"{name}.lora", module, config)
         elif isinstance(module, SwiGLUExperts):
             module.lora = LoRAExperts(f"{name}.lora", module, config)

@@ -19,14 +19,16 @@ def shrink_expand(
     b: torch.Tensor,
     entries: torch.Tensor,
     y: torch.Tensor,
+    b_entries: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """``y + x[t] a[entries[t]]^T b[entries[t]]^T`` for each row ``t`` (``a`` [S, R, in], ``b``
-    [S, out, R]): the Triton kernels (``y`` updated in place) or a gather per row."""
+    """``y + x[t] a[entries[t]]^T b[b_entries[t]]^T`` for each row ``t`` (``a`` [S, R, in],
+    ``b`` [S', out, R]; ``b_entries`` None: ``entries``): the Triton kernels (``y`` updated in
+    place) or a gather per row."""
+    b_entries = entries if b_entries is None else b_entries
     if kernels.lora_shrink is not None:
-        return kernels.lora_expand(kernels.lora_shrink(x, a, entries), b, entries, y)
-    index = entries.long()
-    shrunk = torch.bmm(a[index], x.unsqueeze(2))
-    return y + torch.bmm(b[index], shrunk).squeeze(2)
+        return kernels.lora_expand(kernels.lora_shrink(x, a, entries), b, b_entries, y)
+    shrunk = torch.bmm(a[entries.long()], x.unsqueeze(2))
+    return y + torch.bmm(b[b_entries.long()], shrunk).squeeze(2)
 
 
 class LoRALinear(MetadataOperator):

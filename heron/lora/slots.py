@@ -8,7 +8,6 @@ from collections.abc import Mapping, Sequence
 import numpy as np
 
 from heron.lora.adapter import LoRAPair, read_peft_adapter
-from heron.lora.attach import REFUSED
 from heron.lora.config import LoRAConfig
 from heron.lora.experts import LoRAExperts
 from heron.lora.layer import LoRALinear
@@ -110,7 +109,7 @@ class AdapterSlots:
                 name = f"{parent}.{layer_leaf}" if parent else layer_leaf
             layer = self.layers.get(name)
             if layer is None:
-                why = REFUSED.get(leaf, "LoRA is not supported on it")
+                why = "LoRA is not supported on it"
             elif part in out.get(name, {}):
                 why = f"a second pair for {part or name}"
             else:

@@ -47,17 +47,19 @@ class ViewReplay(CudaGraphRunner):
 
 
 def replay_views(llm, max_batch: int = 2) -> ViewReplay:
-    """Make ``llm``'s engine replay (emulated) decode and verification graphs up to
-    ``max_batch`` rows, with proposals padded to ``k`` as real verification graphs have them;
-    a model proposer's runner (a draft's, an MTP head's) replays its decode graphs and those
-    of its ``1 + k``-token catch-ups (``ViewReplay.replayed`` of the returned target's and of
-    ``draft_runner.graphs``)."""
+    """Make ``llm``'s engine replay (emulated) decode graphs up to ``max_batch`` rows, and
+    under speculation verification graphs, with proposals padded to ``k`` as real
+    verification graphs have them; a model proposer's runner (a draft's, an MTP head's)
+    replays its decode graphs and those of its ``1 + k``-token catch-ups
+    (``ViewReplay.replayed`` of the returned target's and of ``draft_runner.graphs``)."""
     engine = llm.engine
     spec = engine.config.speculative
-    graphs = _replay_views(engine.runner, max_batch, 1 + spec.num_speculative_tokens)
+    query_len = 1 if spec is None else 1 + spec.num_speculative_tokens
+    graphs = _replay_views(engine.runner, max_batch, query_len)
     if engine.draft_runner is not None:
-        _replay_views(engine.draft_runner, max_batch, 1 + spec.num_speculative_tokens)
-    engine.speculator.uniform_up_to = max_batch
+        _replay_views(engine.draft_runner, max_batch, query_len)
+    if engine.speculator is not None:
+        engine.speculator.uniform_up_to = max_batch
     return graphs
 
 

@@ -1,9 +1,10 @@
 """LoRA on MoE experts (PEFT's ``target_parameters`` on the stacked ``gate_up_proj`` and
 ``down_proj``, and PEFT's rewrite of gate/up/down targets into them) and on DeepSeek's latent
-projections, against HF transformers + PEFT on tiny random Qwen2-MoE, Qwen3-MoE, Qwen3.5-MoE
-and DeepSeek-V3 models: one adapter; adapters and the base model mixed in one batch; more
-adapters than slots with chunked prefill and preemption; two tensor-parallel ranks; the
-Triton kernels (interpreted); and the bank's updates against a dense per-pair loop."""
+projections (``kv_b_proj``'s absorbed into the latent attention), against HF transformers +
+PEFT on tiny random Qwen2-MoE, Qwen3-MoE, Qwen3.5-MoE and DeepSeek-V3 models: one adapter;
+adapters and the base model mixed in one batch; more adapters than slots with chunked prefill
+and preemption; the prefix cache; two tensor-parallel ranks; the Triton kernels (interpreted);
+and the bank's and kv_b_proj's updates against dense products."""
 
 from __future__ import annotations
 
@@ -18,17 +19,21 @@ import pytest
 import torch
 import torch.nn.functional as F
 import transformers as tf
+from execution.view_replay import replay_views
 
 from heron import LLM, LoRARequest, SamplingParams
 from heron.kernels import TORCH_KERNELS, lora
 from heron.kernels.moe import fused_experts
+from heron.layers.linear import Linear
 from heron.layers.moe import SwiGLUExperts
 from heron.lora.adapter import LoRAPair
 from heron.lora.builder import LoRAView
 from heron.lora.config import LoRAConfig
 from heron.lora.experts import LoRAExperts
+from heron.lora.latent import LoRALatent
 from heron.metadata import ModelBuildContext
 from heron.ops import selector
+from heron.ops.mla.base import MLASpec
 from heron.platforms import CpuPlatform
 
 from tiny_models import (
@@ -47,7 +52,7 @@ MAX_NEW = 6
 PROMPTS = [list(range(10, 30)) + [7, 8], [3, 4, 5], [11, 12, 13, 14, 15] * 2]
 GREEDY = SamplingParams(temperature=0.0, max_tokens=MAX_NEW, ignore_eos=True)
 EXPERTS = ["experts.gate_up_proj", "experts.down_proj"]
-LATENT = ["q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "o_proj"]
+LATENT = ["q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "o_proj", "kv_b_proj"]
 SMALL = BASE | dict(num_hidden_layers=2, tie_word_embeddings=False)
 
 
@@ -197,9 +202,56 @@ def test_expert_updates_equal_dense_per_pair(kernels):
     torch.testing.assert_close(bank(x, weights, indices), want, rtol=1e-4, atol=1e-5)
 
 
+@pytest.mark.parametrize("kernels", [TORCH_KERNELS, TRITON], ids=["torch", "triton"])
+def test_kv_b_updates_absorbed_equal_the_updated_weight(kernels):
+    """The latent attention's reads of kv_b_proj under each token's adapter (the query's
+    absorption of W_UK, W_UV on the attention's latents, a request's keys and values
+    decompressed) equal the same products with each slot's whole weight W + B A, dense in
+    fp32: the PyTorch gather and the shrink/expand kernels over (slot, head) rows
+    (interpreted)."""
+    torch.manual_seed(0)
+    heads, lora_rank, nope, v = 3, 32, 16, 12
+    spec = MLASpec(heads, lora_rank, nope, 8, v, 1.0)
+    slots = [2, 0, 1, 2, 1]
+    with ModelBuildContext():
+        kv_b = Linear(lora_rank, heads * (nope + v), False, kernels)
+        kv_b.lora = LoRALatent("kv_b_proj.lora", kv_b, spec, LoRAConfig(3, 8))
+    kv_b.weight.data.normal_(0, 0.2)
+    pairs = {  # slot 3 holds an adapter no token uses
+        s: LoRAPair(torch.randn(r, lora_rank) * 0.3, torch.randn(heads * (nope + v), r) * 0.3)
+        for s, r in ((1, 8), (2, 4), (3, 8))
+    }
+    for slot, pair in pairs.items():
+        kv_b.lora.set_slot(slot, {None: pair})
+    kv_b.lora.bind(SimpleNamespace(view=LoRAView(torch.tensor(slots, dtype=torch.int32), None)))
+    # Each token's [W_UK; W_UV] per head, the update added.
+    w = torch.stack([
+        kv_b.weight + (pairs[s].b @ pairs[s].a if s else 0) for s in slots
+    ]).view(len(slots), heads, nope + v, lora_rank)  # fmt: skip
+    base_w = kv_b.weight.view(heads, nope + v, lora_rank)
+
+    q_nope = torch.randn(len(slots), heads, nope)
+    q = torch.cat([torch.einsum("thn,hnl->thl", q_nope, base_w[:, :nope]), torch.ones(5, 3, 8)], -1)
+    kv_b.lora.absorb_query(q_nope, q)
+    want = torch.einsum("thn,thnl->thl", q_nope, w[:, :, :nope])
+    torch.testing.assert_close(q, torch.cat([want, torch.ones(5, 3, 8)], -1))
+
+    latent_out = torch.randn(len(slots), heads, lora_rank)
+    values = torch.einsum("thl,hvl->thv", latent_out, base_w[:, nope:])
+    got = kv_b.lora.expand_values(latent_out, values)
+    want = torch.einsum("thl,thvl->thv", latent_out, w[:, :, nope:])
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
+
+    latent = torch.randn(7, lora_rank)  # a request's cached latents, its first token's slot 2
+    got = kv_b.lora.decompress(latent, latent @ kv_b.weight.T, 0)
+    torch.testing.assert_close(got, latent @ w[0].flatten(0, 1).T, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("case", ["qwen3_moe"], indirect=True)
 def test_triton_kernels_end_to_end_equal_peft(case, monkeypatch):
     """The fused experts and the LoRA shrink/expand kernels (interpreted) serving two
-    adapters and the base model in one batch."""
+    adapters and the base model in one batch (DeepSeek-V3's: with the Triton latent operator,
+    below)."""
     base, loras, refs = case
     monkeypatch.setitem(selector.LAYER_KERNELS, "lora-moe-triton", lambda: TRITON)
     monkeypatch.setattr(CpuPlatform, "layer_kernels", lambda self: "lora-moe-triton")
@@ -210,6 +262,27 @@ def test_triton_kernels_end_to_end_equal_peft(case, monkeypatch):
         [PROMPTS[1]] * 3, params, use_tqdm=False, lora_request=[loras[n] for n in names]
     )
     assert [o.outputs[0].token_ids for o in outputs] == [refs[n][1][:3] for n in names]
+
+
+@pytest.mark.parametrize("case", ["deepseek_v3"], indirect=True)
+def test_triton_latent_operator_in_graph_replays_equal_peft(case, monkeypatch):
+    """The Triton latent operator (its extend and decode kernels, interpreted) with the
+    shrink/expand kernels absorbing kv_b_proj's updates, decode steps as their graphs replay
+    them (emulated on the CPU: one token-slot buffer, whatever the adapters): two adapters and
+    the base model in one batch."""
+    base, loras, refs = case
+    monkeypatch.setitem(selector.LAYER_KERNELS, "lora-moe-triton", lambda: TRITON)
+    monkeypatch.setattr(CpuPlatform, "layer_kernels", lambda self: "lora-moe-triton")
+    llm = LLM(
+        str(base), attention_backend="triton", max_model_len=64, enable_lora=True, max_loras=2,
+        max_lora_rank=8,
+    )  # fmt: skip
+    graphs = replay_views(llm, max_batch=4)
+    names = ["a", "b", None]
+    params = SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True)
+    got = lora_tokens(llm, [PROMPTS[1]] * 3, params, [loras[n] for n in names])
+    assert got == [refs[n][1][:3] for n in names]
+    assert (3, 1) in graphs.replayed
 
 
 @pytest.mark.gpu
@@ -224,9 +297,10 @@ def test_cuda_graphs_serve_any_mix_of_adapters(case):
 
 
 def test_adapters_that_do_not_fit_are_refused_by_name(case, tmp_path):
-    """An experts' pair of another model's shapes, a pair on kv_b_proj (which the latent
-    attention absorbs) and a rank_pattern giving a stack a rank above max_lora_rank are each
-    refused naming the adapter and what does not fit; the other prompt runs."""
+    """An experts' pair of another model's shapes, a kv_b_proj pair of another model's (of
+    other heads than DeepSeek's; Qwen has no such layer) and a rank_pattern giving a stack a
+    rank above max_lora_rank are each refused naming the adapter and what does not fit; the
+    other prompt runs."""
     base, loras, refs = case
     src = loras["a"].lora_path
     key = next(k for k in peft.load_peft_weights(src) if k.endswith("experts.lora_B.weight"))
@@ -255,11 +329,11 @@ def test_adapters_that_do_not_fit_are_refused_by_name(case, tmp_path):
     assert outputs[3].error is None and outputs[3].outputs[0].token_ids == refs["a"][1]
 
 
-@pytest.mark.parametrize("case", ["qwen3_moe"], indirect=True)
+@pytest.mark.parametrize("case", ["qwen3_moe", "deepseek_v3"], indirect=True)
 def test_two_ranks_serve_adapters_mixed_in_one_batch(case):
     """Tensor parallelism: each rank holds its intermediate features of every expert's pair
     (rows of the gate/up B, columns of the down A), the down updates summed with the experts'
-    outputs."""
+    outputs; and its heads' rows of kv_b_proj's B (all of A)."""
     base, loras, refs = case
     names = ["a", "b", None]
     want = [refs[n][i] for i, n in enumerate(names)]
@@ -322,3 +396,27 @@ def test_more_adapters_than_slots_chunked_and_preempted(case):
     want = [refs[n][i] for i, n in enumerate(names)]
     assert lora_tokens(llm, PROMPTS, GREEDY, [loras[n] for n in names]) == want
     assert llm.engine.scheduler.num_preemptions > 0
+
+
+@pytest.mark.parametrize("case", ["deepseek_v3"], indirect=True)
+def test_kv_b_proj_alone_chunked_and_from_the_prefix_cache(case, tmp_path):
+    """An adapter on kv_b_proj alone (rsLoRA) beside another adapter and the base model, in
+    one batch: prompts prefilled in chunks of 8 tokens (each chunk decompresses the latents
+    cached before it), then decoded from the cached latents; run again, the prompts' full
+    blocks come from the prefix cache."""
+    base, loras, refs = case
+    path = save_random_adapter(
+        base, tmp_path / "kv_b", 3, 4, ["kv_b_proj"], lora_alpha=8, use_rslora=True
+    )
+    refs = refs | {"kv_b": peft_greedy(base, path, PROMPTS, MAX_NEW)}
+    assert refs["kv_b"] != refs[None]
+    loras = loras | {"kv_b": LoRARequest("kv_b", 3, str(path))}
+    llm = LLM(
+        str(base), max_model_len=64, enable_lora=True, max_loras=2, max_lora_rank=8,
+        max_num_batched_tokens=8, block_size=4,
+    )  # fmt: skip
+    for names in (["kv_b", "a", None], ["kv_b", "kv_b", "a"]):
+        want = [refs[n][i] for i, n in enumerate(names)]
+        hits = llm.engine.kv_cache.prefix_cache_hits
+        assert lora_tokens(llm, PROMPTS, GREEDY, [loras[n] for n in names]) == want
+    assert llm.engine.kv_cache.prefix_cache_hits > hits

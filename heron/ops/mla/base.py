@@ -53,13 +53,16 @@ class MLAOperator(MetadataOperator):
 
     - extend (prefill, chunks, prefix hits): here, decompresses every cached latent of the
       request through ``kv_b_proj`` into per-head keys and values and attends causally, one
-      request at a time (the reference; a backend may attend absorbed, as in decode);
+      request at a time (the reference; a backend may attend absorbed, as in decode), under
+      the request's LoRA adapter where ``kv_b_proj`` has one;
     - decode: absorbs ``kv_b_proj``'s key part into the query (``q_nope @ W_UK`` is a query in
       latent space), attends over the cached entries directly (:meth:`attend_latent`: one
       latent "KV head" shared by every query head), and applies the value part ``W_UV`` after.
 
     The model owns ``kv_b_proj`` and ``latent_norm`` (checkpoint weights); the operator only
-    reads them.
+    reads them. With LoRA, ``kv_b_proj.lora`` (``heron.lora.latent.LoRALatent``) adds each
+    token's adapter's update wherever the weight is read (after the cache: the latents cached
+    are unchanged by it).
     """
 
     def __init__(
@@ -149,9 +152,16 @@ class MLAOperator(MetadataOperator):
     ) -> torch.Tensor:
         """``q [tokens, heads, nope + rope]`` (roped) -> ``[tokens, heads, v_head_dim]``:
         ``attend`` (absorbed query, view) over the cache as stored, between the absorption of
-        ``W_UK`` into the query and ``W_UV`` on its latent output."""
+        ``W_UK`` into the query and ``W_UV`` on its latent output (each with its LoRA update,
+        where ``kv_b_proj`` has one)."""
         q_nope, q_rope = q.split([self.spec.nope_dim, self.spec.rope_dim], dim=-1)
-        return self.expand_values(attend(self.absorb_query(q_nope, q_rope), view))
+        lora = self.kv_b_proj.lora
+        q_latent = self.absorb_query(q_nope, q_rope)
+        if lora is not None:
+            lora.absorb_query(q_nope, q_latent)
+        latent_out = attend(q_latent, view)
+        values = self.expand_values(latent_out)
+        return values if lora is None else lora.expand_values(latent_out, values)
 
     def absorb_query(self, q_nope: torch.Tensor, q_rope: torch.Tensor) -> torch.Tensor:
         """``[tokens, heads, lora + rope]``: the query against a cache entry as it is stored."""
@@ -180,7 +190,10 @@ class MLAOperator(MetadataOperator):
             blocks = view.block_tables[i, : -(-kv_len // view.block_size)].long()
             entries = self.kv_cache[blocks].view(-1, self._cache_spec.entry_size)[:kv_len]
             latent, k_rope = entries.float().split([s.kv_lora_rank, s.rope_dim], dim=-1)
-            kv = (latent @ self.kv_b_proj.weight.float().T).view(kv_len, s.num_heads, -1)
+            kv = latent @ self.kv_b_proj.weight.float().T
+            if self.kv_b_proj.lora is not None:  # (the request's adapter: its tokens' slot)
+                kv = self.kv_b_proj.lora.decompress(latent, kv, q_start)
+            kv = kv.view(kv_len, s.num_heads, -1)
             k_nope, v = kv.split([s.nope_dim, s.v_head_dim], dim=-1)
             k = torch.cat([k_nope, k_rope[:, None].expand(-1, s.num_heads, -1)], dim=-1)
             q_pos = torch.arange(kv_len - q_len, kv_len, device=q.device)[:, None]
