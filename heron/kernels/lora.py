@@ -1,13 +1,17 @@
 """LoRA's two products over a batch whose tokens use different adapters (token-indexed, as
 punica's BGMV): ``shrink`` gives each token ``x A[s]^T`` (fp32 partial sums) and ``expand``
 adds ``shrunk B[s]^T`` to the base layer's output, ``s`` the token's slot in the stacked
-tables. Slot 0 holds zeros (the base model), so no token needs a branch."""
+tables. Slot 0 holds zeros (the base model), so no token needs a branch. Both take part in
+programmatic dependent launch (``heron.kernels.pdl``): a decode step's LoRA kernels sit
+between the projections', and would otherwise break their chain."""
 
 from __future__ import annotations
 
 import torch
 import triton
 import triton.language as tl
+
+from heron.kernels.pdl import pdl_launch, wait_for_previous_kernel
 
 # Programs a shrink launch aims for: enough to spread a decode step's few tokens over the SMs.
 _PROGRAMS = 512
@@ -29,7 +33,9 @@ def _shrink_kernel(
     stride_out_split,
     BLOCK_R: tl.constexpr,
     BLOCK_K: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
+    wait_for_previous_kernel(USE_PDL)
     token = tl.cast(tl.program_id(0), tl.int64)
     split = tl.program_id(1)
     rows = tl.arange(0, BLOCK_R)
@@ -64,7 +70,9 @@ def _expand_kernel(
     stride_y,
     BLOCK_N: tl.constexpr,
     BLOCK_R: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
+    wait_for_previous_kernel(USE_PDL)
     token = tl.cast(tl.program_id(0), tl.int64)
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     ranks = tl.arange(0, BLOCK_R)
@@ -104,7 +112,17 @@ def lora_shrink(x: torch.Tensor, a: torch.Tensor, token_slots: torch.Tensor) -> 
     if t:
         strides = (x.stride(0), *a.stride()[:2], *out.stride()[:2])
         _shrink_kernel[(t, splits)](
-            x, a, token_slots, out, k, r, per_split, *strides, BLOCK_R=block_r, BLOCK_K=block_k
+            x,
+            a,
+            token_slots,
+            out,
+            k,
+            r,
+            per_split,
+            *strides,
+            BLOCK_R=block_r,
+            BLOCK_K=block_k,
+            **pdl_launch(x.device),
         )
     return out
 
@@ -127,6 +145,16 @@ def lora_expand(
         strides = (*shrunk.stride()[:2], *b.stride()[:2], y.stride(0))
         block_r = triton.next_power_of_2(r)
         _expand_kernel[grid](
-            shrunk, b, token_slots, y, n, r, splits, *strides, BLOCK_N=block_n, BLOCK_R=block_r
+            shrunk,
+            b,
+            token_slots,
+            y,
+            n,
+            r,
+            splits,
+            *strides,
+            BLOCK_N=block_n,
+            BLOCK_R=block_r,
+            **pdl_launch(y.device),
         )
     return y
