@@ -152,6 +152,18 @@ def _client(
     return start, time.monotonic(), results
 
 
+def workload(args: dict[str, Any], concurrency: int) -> str:
+    """What a point's figures were measured under, for their names."""
+    parts = [f"concurrency {concurrency}"]
+    if args["prompt_tokens"]:
+        parts.append(f"{args['prompt_tokens']}-token prompts")
+    if args["request_rate"]:
+        parts.append(f"{args['request_rate']:g} req/s")
+    if args["pd"]:
+        parts.append("1 prefill + 1 decode")
+    return ", ".join(parts)
+
+
 def point(
     pool: ProcessPoolExecutor, args: dict[str, Any], concurrency: int, rounds: int
 ) -> list[Metric]:
@@ -167,7 +179,7 @@ def point(
         if not r.ok:
             print(f"failed request: {r.error}", file=sys.stderr)
     tokens = sum(r.completion_tokens for r in ok)
-    at = f"concurrency {concurrency}" + (", 1 prefill + 1 decode" if args["pd"] else "")
+    at = workload(args, concurrency)
     metrics = [
         Metric(f"output tok/s, {at}", tokens / elapsed, "tok/s"),
         Metric(f"requests/s, {at}", len(ok) / elapsed, "req/s"),
