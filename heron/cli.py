@@ -31,7 +31,8 @@ _ENGINE_FLAG_HELP = {
     "decode_checkpoint_interval": "hybrid models with prefix caching: keep the recurrent state "
     "of generated tokens every N blocks, beside each request's latest (0: the latest only; "
     "-1: none, only where prefill chunks end)",
-    "gpu_memory_utilization": "fraction of GPU memory Heron may use",
+    "gpu_memory_utilization": "fraction of the GPU this engine may use (its own share, as "
+    "vLLM's: what other processes held before it started is not counted against it)",
     "enforce_eager": "never use CUDA graphs",
     "cuda_graph_max_bs": "largest decode batch captured as a CUDA graph",
     "async_scheduling": "prepare the next step while the device runs this one",

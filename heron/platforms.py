@@ -40,6 +40,9 @@ class Platform:
         """The kernel set the layers launch (``heron.ops.selector.LAYER_KERNELS``)."""
         return "torch"
 
+    def note_memory_baseline(self) -> None:
+        """Remember the device's memory before the model is built (where budgets are measured)."""
+
     def host_kv_cache_budget(self) -> int:
         """Bytes a KV cache in host memory may take by default: a quarter of the memory
         available now (to this process's cgroup), at most 2 GiB."""
@@ -69,13 +72,30 @@ class CudaPlatform(Platform):
     def model_build_context(self) -> ModelBuildContext:
         return ModelBuildContext()
 
+    def __init__(self, device: torch.device) -> None:
+        super().__init__(device)
+        self._outside_torch_at_start: int | None = None
+
+    def note_memory_baseline(self) -> None:
+        """Remember what the device holds outside this process's allocator before the model
+        is built: other processes' memory (another engine's, on a shared device) is theirs,
+        not this engine's to count against its ``utilization``. The first call counts (a
+        draft model's runner comes after the target's)."""
+        if self._outside_torch_at_start is None:
+            free, total = torch.cuda.mem_get_info(self.device)
+            self._outside_torch_at_start = total - free - torch.cuda.memory_reserved(self.device)
+
     def kv_cache_budget(self, utilization: float, peak_bytes: int) -> int:
-        """Bytes the KV cache may take: ``utilization`` of the device, less this process's peak
-        (weights and a profiled forward) and what is used outside torch's allocator (the CUDA
-        context, other processes)."""
+        """Bytes the KV cache may take: ``utilization`` of the device for this engine (as
+        vLLM's: two engines on one device at 0.4 each both get their share), less this
+        process's peak (weights and a profiled forward) and what it added outside torch's
+        allocator since its baseline; never more than is free now."""
         free, total = torch.cuda.mem_get_info(self.device)
-        outside_torch = total - free - torch.cuda.memory_reserved(self.device)
-        return max(int(total * utilization) - peak_bytes - outside_torch, 0)
+        reserved = torch.cuda.memory_reserved(self.device)
+        outside_torch = total - free - reserved - (self._outside_torch_at_start or 0)
+        budget = int(total * utilization) - peak_bytes - max(outside_torch, 0)
+        available = free + reserved - torch.cuda.memory_allocated(self.device)
+        return max(min(budget, available), 0)
 
 
 def set_server_cpu_threads() -> None:

@@ -72,9 +72,9 @@ def gpu_shared_by_workers():
 
 @pytest.fixture(autouse=True)
 def gpu_memory_given_back():
-    """Another worker's KV budget counts what this process holds, cached blocks included
-    (``CudaPlatform.kv_cache_budget``): after each test, engines it dropped are collected
-    and the allocator's cache is given back."""
+    """Another worker's KV budget is at most what the device has free
+    (``CudaPlatform.kv_cache_budget``), which this process's cached blocks take: after each
+    test, engines it dropped are collected and the allocator's cache is given back."""
     yield
     if torch.cuda.is_available():
         gc.collect()

@@ -72,6 +72,7 @@ class ModelRunner:
         self.platform = platform
         self.device = platform.device
         self.block_size = block_size
+        platform.note_memory_baseline()
         self.model, self.plan = build(
             model_config, platform, attention_backend, block_size, tp, lora
         )
