@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import gc
 import os
 import sys
@@ -61,6 +62,7 @@ def gpu_shared_by_workers():
 
     real = CudaPlatform.kv_cache_budget
 
+    @functools.wraps(real)  # (its arithmetic's tests unwrap it)
     def shared(self, utilization: float, peak: int) -> int:
         share = int(torch.cuda.mem_get_info(self.device)[1] * utilization / _WORKERS) - peak
         return max(0, min(real(self, utilization, peak), share))
