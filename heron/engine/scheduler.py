@@ -11,7 +11,7 @@ from operator import methodcaller
 from typing import TYPE_CHECKING, NamedTuple, TypeVar
 
 from heron.cache.coordinator import KVCacheCoordinator
-from heron.engine.request import Request, RequestStatus
+from heron.engine.request import FinishReason, Request, RequestStatus
 from heron.execution.step_plan import (
     DeviceDrafts,
     EntryCopies,
@@ -463,7 +463,12 @@ class Scheduler:
             self._finished_ids.append(request.request_id)
             return
         held = self.connector is not None and self._guarded(
-            methodcaller("hold", request, self.kv_cache.transfer_tables(request.request_id)),
+            methodcaller(
+                "hold",
+                request,
+                self.kv_cache.transfer_tables(request.request_id),
+                request.finish_reason is FinishReason.ABORT,
+            ),
             False,
         )
         if held:

@@ -194,8 +194,8 @@ class KVConnectorScheduler(ABC):
         did not bring, the default)."""
         return None
 
-    def hold(self, request: CachedSequence, tables: Sequence[Sequence[int]]) -> bool:
-        """``request`` finished or was aborted: whether its blocks stay allocated until
+    def hold(self, request: CachedSequence, tables: Sequence[Sequence[int]], aborted: bool) -> bool:
+        """``request`` finished (or was ``aborted``): whether its blocks stay allocated until
         :meth:`released` names it (for another instance to read them, or while transfers
         from them are in flight)."""
         return False

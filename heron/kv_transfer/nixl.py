@@ -42,7 +42,6 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 from heron.cache.block_pool import NULL_BLOCK_ID, hash_block_tokens
-from heron.engine.request import FinishReason
 from heron.kv_transfer.base import (
     ConnectorMetric,
     ExternalHits,
@@ -234,7 +233,7 @@ class NixlScheduler(KVConnectorScheduler):
 
     # ------------------------------------------------------------------ prefill
 
-    def hold(self, request: CachedSequence, tables: Sequence[Sequence[int]]) -> bool:
+    def hold(self, request: CachedSequence, tables: Sequence[Sequence[int]], aborted: bool) -> bool:
         params = request.sampling_params.kv_transfer_params
         if self.role != "prefill" or not params:
             return False
@@ -247,7 +246,7 @@ class NixlScheduler(KVConnectorScheduler):
             self._held[request_id] = (float("inf"), num_blocks)
             request.kv_transfer_params = {"transfer_id": binding.destination.transfer_id}
             return True
-        if request.sample_index or request.finish_reason is FinishReason.ABORT:
+        if request.sample_index or aborted:
             return False
         self._held[request_id] = (time.monotonic() + self.hold_timeout_s, num_blocks)
         request.kv_transfer_params = {
@@ -296,7 +295,8 @@ class NixlScheduler(KVConnectorScheduler):
             stale = [t for t, since in self._cancelled.items() if now - since > agent.stale_s]
             for transfer_id in stale:
                 del self._cancelled[transfer_id]
-        if not agent.cancels:
+        if not agent.cancels or self.pusher is None:  # (a whole-mode instance writes nothing)
+            agent.cancels.clear()
             return
         by_transfer = {b.destination.transfer_id: r for r, b in self._bound.items()}
         for transfer_id in agent.cancels:
@@ -499,32 +499,40 @@ class NixlScheduler(KVConnectorScheduler):
         stats = self.agent.stats
         return [
             ConnectorMetric(
-                "kv_transfer_blocks", "blocks read from prefill instances", stats.blocks, True
+                "kv_transfer_blocks",
+                "blocks read or received from prefill instances, or written to decode instances",
+                stats.blocks,
+                True,
             ),
             ConnectorMetric(
-                "kv_transfer_bytes", "bytes read from prefill instances", stats.bytes, True
+                "kv_transfer_bytes",
+                "bytes read or received from prefill instances, or written to decode instances",
+                stats.bytes,
+                True,
             ),
             ConnectorMetric(
                 "kv_transfer_seconds",
-                "seconds from a read's start to its end, over all requests",
+                "seconds from a transfer's start to its end, over all requests",
                 stats.seconds,
                 True,
             ),
             ConnectorMetric(
                 "kv_transfer_failed_loads",
-                "requests whose read failed or timed out (recomputed, or failed)",
+                "requests whose transfer failed or timed out (recomputed, or failed)",
                 self.failed_loads,
                 True,
             ),
             ConnectorMetric(
                 "kv_transfer_held_blocks",
-                "blocks of finished requests kept for a decode instance to read",
+                "blocks of finished requests kept for a decode instance to read, or until "
+                "their writes ended",
                 sum(n for _, n in self._held.values()),
                 False,
             ),
             ConnectorMetric(
                 "kv_transfer_hold_timeouts",
-                "finished requests whose blocks no decode instance read in time (freed)",
+                "requests whose blocks no decode instance read in time (freed), or whose "
+                "destination no decode instance sent in time (failed)",
                 self.hold_timeouts,
                 True,
             ),
