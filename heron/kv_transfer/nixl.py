@@ -552,13 +552,17 @@ class _Read(NamedTuple):
 
 @dataclass
 class _AwaitedWrite:
-    """A layerwise transfer the decode side waits for; ``cancelled``: when it gave up."""
+    """A layerwise transfer the decode side waits for: since ``start``, and since the prefill
+    side last reported progress (``alive``); ``cancelled``: when it gave up."""
 
     write: RemoteWrite
     start: float
     num_blocks: int
     num_bytes: int
     cancelled: float | None = None
+
+    def __post_init__(self) -> None:
+        self.alive = self.start
 
 
 class NixlWorker(KVConnectorWorker):
@@ -667,16 +671,18 @@ class NixlWorker(KVConnectorWorker):
         return results
 
     def _take_written(self, now: float) -> None:
-        """End the layerwise transfers the prefill side says ended; cancel those past the
-        timeout (their blocks are kept until it confirms, or a second timeout passed)."""
+        """End the layerwise transfers the prefill side says ended; cancel those that made
+        no progress within the timeout (their blocks are kept until it confirms, or a second
+        timeout passed)."""
         self.agent.poll()
         pending = []
         for awaited in self._awaited:
             write = awaited.write
             transfer_id = write.destination.transfer_id
             written = self.agent.written.pop(transfer_id, None)
+            awaited.alive = max(awaited.alive, self.agent.progress.pop(transfer_id, 0.0))
             if written is None and awaited.cancelled is None:
-                if now - awaited.start < self.transfer_timeout_s:
+                if now - awaited.alive < self.transfer_timeout_s:
                     pending.append(awaited)
                     continue
                 logger.warning("transfer %s: the prefill instance is late; cancelled", transfer_id)

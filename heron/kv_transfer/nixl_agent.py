@@ -3,8 +3,9 @@ met, and the notifications both instances send each other.
 
 A bare notification names a request whose held blocks a decode instance has read (or will not
 read). The layerwise flow's messages are JSON behind :data:`_MESSAGE`: a decode instance's
-``destination`` (where a transfer's blocks go) and a prefill instance's ``written`` (the
-transfer ended: complete, or not); a decode instance that gave up a transfer sends ``cancel``."""
+``destination`` (where a transfer's blocks go), a prefill instance's ``progress`` (a step
+wrote some) and ``written`` (the transfer ended: complete, or not); a decode instance that gave
+up a transfer sends ``cancel``."""
 
 from __future__ import annotations
 
@@ -81,6 +82,7 @@ class NixlAgent:
         self.destinations: dict[str, tuple[float, dict]] = {}  # transfer id: (arrival, message)
         self.written: dict[str, tuple[float, bool]] = {}  # transfer id: (arrival, complete)
         self.cancels: list[str] = []  # transfer ids a decode instance gave up
+        self.progress: dict[str, float] = {}  # transfer id: when a prefill step wrote some
         self._registered: list[Any] = []
         self._remotes: dict[str, str] = {}
         self._lock = threading.Lock()  # (remotes are met from the saver's thread too)
@@ -164,6 +166,8 @@ class NixlAgent:
                 self.destinations[body["transfer_id"]] = (now, body)
             elif body["kind"] == "cancel":
                 self.cancels.append(body["transfer_id"])
+            elif body["kind"] == "progress":
+                self.progress[body["transfer_id"]] = now
             else:
                 self.written[body["transfer_id"]] = (now, body["complete"])
         for kept in (self.destinations, self.written):
@@ -171,6 +175,8 @@ class NixlAgent:
                 t for t, (arrival, _) in kept.items() if now - arrival > self.stale_s
             ]:
                 del kept[transfer_id]
+        for transfer_id in [t for t, at in self.progress.items() if now - at > self.stale_s]:
+            del self.progress[transfer_id]
 
     def check_compatible(self, block_size: int, params: dict) -> None:
         """Raise ``ValueError`` naming where a prefill instance's cache differs from ours."""

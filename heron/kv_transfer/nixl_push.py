@@ -6,8 +6,9 @@ The decode instance allocates the prompt's blocks first and sends their ids
 computes the prompt then carries a :class:`LayerwiseSave` of the destination's blocks it
 touches; the :class:`Pusher`'s thread WRITEs layer ``l`` of them once the runner's
 :class:`~heron.kv_transfer.layer_steps.LayerSteps` shows it written (blocks complete before
-the step go at once), and after the prompt's last chunk tells the decode instance that the
-transfer is complete (``written``), or that it is not.
+the step go at once), tells the decode instance of each step's writes (``progress``: it waits
+on) and, after the prompt's last chunk, that the transfer is complete (``written``), or that
+it is not.
 """
 
 from __future__ import annotations
@@ -207,6 +208,8 @@ class Pusher:
         for save in saves:
             if save.last:
                 self._tell(save.request_id, save.destination)
+            elif self._pushes[save.request_id].complete:  # (the decode side waits on)
+                self._send(save.destination, {"kind": "progress"})
 
     def _push(self, request_id: str) -> _Push:
         push = self._pushes.get(request_id)
@@ -294,11 +297,12 @@ class Pusher:
         self._tell(request_id, destination)
 
     def _notify(self, destination: Destination, complete: bool) -> None:
-        message = {"kind": "written", "transfer_id": destination.transfer_id}
+        self._send(destination, {"kind": "written", "complete": complete})
+
+    def _send(self, destination: Destination, message: dict) -> None:
+        message["transfer_id"] = destination.transfer_id
         try:
-            self.agent.send(
-                destination.engine_id, destination.agent_metadata, message | {"complete": complete}
-            )
+            self.agent.send(destination.engine_id, destination.agent_metadata, message)
         except Exception:  # (the decode side then gives up at its timeout)
             logger.exception(
                 "transfer %s: the decode instance was not told", destination.transfer_id

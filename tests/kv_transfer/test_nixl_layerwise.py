@@ -153,6 +153,27 @@ def _layer_of(layers, address: int) -> int | None:
     return None
 
 
+def test_a_long_prefill_outlasts_the_timeout_while_each_chunk_reports_progress(models, monkeypatch):
+    """The decode engine's timeout bounds the wait between the prefill engine's steps, not the
+    whole prompt: four chunks of 0.3 s each against a timeout of 0.6 s."""
+    monkeypatch.setenv("UCX_TLS", "tcp")
+    path, want = models("llama")
+    prefill = _engine(path, "prefill", **CHUNKED)
+    decode = _layerwise(path, "decode", transfer_timeout_s=0.6)
+    owners = prefill.runner.cache.owners
+    for owner in owners:
+        owner.register_forward_hook(lambda *_: time.sleep(0.3 / len(owners)))
+    _requests(prefill, decode, PROMPTS[0], "t")
+    started = time.monotonic()
+    tokens, _ = _decoded(prefill, decode)
+    assert time.monotonic() - started > 1.2
+    assert tokens == want[0]
+    _idle(prefill, decode)
+    assert metric(decode, "kv_transfer_failed_loads") == 0
+    check_leak_free(prefill)
+    check_leak_free(decode)
+
+
 def test_a_prefill_request_no_decode_engine_claims_fails_at_the_timeout(models, monkeypatch):
     monkeypatch.setenv("UCX_TLS", "tcp")
     path, _ = models("llama")
