@@ -79,7 +79,8 @@ COMMON = ("--block-size", "16", "--max-num-batched-tokens", "16")
 def pd(tiny_model_dir):
     """(prefill, decode, router URL, a decode instance that fails what it cannot read)."""
     model = tiny_model_dir("llama")
-    configs = [_nixl("prefill"), _nixl("decode"), _nixl("decode", on_read_failure="abort")]
+    failing = _nixl("decode", on_read_failure="abort", transfer_timeout_s=2)
+    configs = [_nixl("prefill"), _nixl("decode"), failing]
     with mock.patch.dict(os.environ, {"UCX_TLS": "tcp"}), ThreadPoolExecutor(3) as pool:
         # (all start at once; a shared machine may take long)
         prefill, decode, failing = pool.map(
@@ -293,16 +294,42 @@ def test_a_decode_instance_that_fails_reads_answers_with_an_error(pd):
 
 
 def test_a_prefill_instance_that_died_is_recomputed(pd):
-    """(last: it kills the module's prefill instance) A read from a prefill instance gone
-    after its answer fails or times out; the decode instance computes the prompt itself, the
-    one that fails such reads answers with the error."""
+    """(last: it kills the module's prefill instance, in the middle of a layerwise transfer
+    to the instance that fails what it cannot get: that request fails once no progress came
+    within its timeout) A read from a prefill instance gone after its answer fails or times
+    out; the decode instance computes the prompt itself, the one that fails such reads answers
+    with the error."""
     prefill, decode, _, failing = pd
     prompt = "Every cache block that a gone instance held is recomputed by the one that reads."
     want = _client(prefill.base_url).completions.create(prompt=prompt, **GREEDY).choices[0].text
     params = _prefilled(prefill, prompt)
-    for pid in [*child_pids(prefill.proc.pid), prefill.proc.pid]:
-        os.kill(pid, signal.SIGKILL)
-    prefill.proc.wait(10)
+    handshake = httpx.get(f"{prefill.base_url}/kv_transfer").json()
+    layerwise = {"transfer_id": "killed", "do_remote_prefill": True, **handshake}
+    first = {"do_remote_decode": True, "transfer_id": "killed"}
+    with ThreadPoolExecutor(2) as pool:
+        cut = pool.submit(
+            _client(failing.base_url).completions.create,
+            prompt=PROMPT * 8,
+            extra_body={"kv_transfer_params": layerwise},
+            **GREEDY,
+        )
+        pool.submit(
+            httpx.post,
+            f"{prefill.base_url}/v1/completions",
+            json={"prompt": PROMPT * 8, "kv_transfer_params": first, **GREEDY, "max_tokens": 1},
+            timeout=60,
+        )
+        deadline = time.monotonic() + 30
+        while not parse_metrics(httpx.get(f"{prefill.base_url}/metrics").text)[
+            "heron:num_requests_running"
+        ]:  # (its destination came: it computes and writes)
+            assert time.monotonic() < deadline, "the prefill instance never ran the request"
+            time.sleep(0.01)
+        for pid in [*child_pids(prefill.proc.pid), prefill.proc.pid]:
+            os.kill(pid, signal.SIGKILL)
+        prefill.proc.wait(10)
+        with pytest.raises(openai.InternalServerError, match="on_read_failure='abort'"):
+            cut.result()
     failed = _idle(decode)["heron:kv_transfer_failed_loads_total"]
     with ThreadPoolExecutor(2) as pool:
         answers = [
