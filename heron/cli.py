@@ -69,7 +69,8 @@ _ENGINE_FLAG_HELP = {
     '"kv_connector_extra_config": {"num_bytes": 8000000000}}\' (extra config: num_bytes, '
     "load_timeout_s), or for prefill/decode "
     'disaggregation \'{"kv_connector": "nixl", "kv_role": "prefill"}\' (or "decode"; '
-    "extra config: hold_timeout_s, transfer_timeout_s)",
+    "extra config: hold_timeout_s, transfer_timeout_s, on_read_failure, kv_transfer_mode "
+    '"layerwise" or "whole")',
     "hf_overrides": "attributes to set on the checkpoint's config as JSON, e.g. a causal LM "
     'reranking by two tokens\' logits: \'{"architectures": ["Qwen3ForSequenceClassification"], '
     '"classifier_from_token": ["no", "yes"], "is_original_qwen3_reranker": true}\'',

@@ -154,6 +154,7 @@ class EngineCoreClient:
         self.pooling = ready.pooling  # a pooling model's pooler; None: the model generates
         self.sleep_mode = ready.sleep_mode
         self.image_limit = ready.image_limit
+        self.kv_transfer = ready.kv_transfer  # a KV connector's handshake (None: none)
         self._calls: dict[int, asyncio.Future] = {}  # control calls waiting for the core
         self._call_ids = itertools.count()
         self._outputs = OutputProcessor(self.tokenizer, ready.eos_token_ids)

@@ -303,7 +303,7 @@ def _start(args: CoreArgs, inbox: zmq.Socket, outboxes: list[zmq.Socket]) -> Eng
             outbox.send(failed)
         return None
     core = EngineCore(engine, inbox, outboxes, sys.stdin.fileno())
-    mc = engine.model_config
+    mc, connector = engine.model_config, engine.scheduler.connector
     freeze_start_up_heap()
     core.send(
         Ready(
@@ -316,6 +316,7 @@ def _start(args: CoreArgs, inbox: zmq.Socket, outboxes: list[zmq.Socket]) -> Eng
             engine.pooling,
             args.config.enable_sleep_mode,
             (args.config.limit_mm_per_prompt or {}).get("image"),
+            None if connector is None else connector.handshake(),
         )
     )
     return core

@@ -399,7 +399,7 @@ class LLMEngine:
                 self._grammars.wait_for_any(compiling, _GRAMMAR_WAIT_S)
 
         deltas = [self._complete(self._parents[i], delta) for i, delta in touched.items()]
-        return deltas + self._fail(failed)
+        return deltas + self._fail(schedule.failed + failed)
 
     def _fail(self, failed: list[tuple[Request, str]]) -> list[RequestDelta]:
         """Abort the user requests of ``failed`` samples; their final deltas say why."""

@@ -194,6 +194,7 @@ class Ready(msgspec.Struct, tag=True, array_like=True):
     pooling: PoolerConfig | None  # a pooling model's pooler; None: the model generates
     sleep_mode: bool = False  # the engine sleeps and updates weights (Control calls)
     image_limit: int | None = None  # most images a prompt (limit_mm_per_prompt; None: any)
+    kv_transfer: dict | None = None  # a KV connector's handshake (GET /kv_transfer)
 
 
 class StartupFailed(msgspec.Struct, tag=True, array_like=True):

@@ -62,6 +62,8 @@ class SchedulerOutput:
     preempted: list[Request] = field(default_factory=list)
     plan: StepPlan = field(default_factory=StepPlan)  # what the runner is told
     drafts: DeviceDrafts | None = None  # the proposals the plan's device_drafts count
+    # requests the connector fails (with why), out of the queue: the caller aborts them
+    failed: list[tuple[Request, str]] = field(default_factory=list)
 
     @property
     def num_tokens(self) -> int:
@@ -213,6 +215,9 @@ class Scheduler:
                     continue  # (the connector failed: look up again without it)
                 if external.wait:
                     passed.append(self.waiting.popleft())
+                    continue
+                if external.error is not None:
+                    out.failed.append((self.waiting.popleft(), external.error))
                     continue
                 if external.num_tokens:
                     if not self._load(request, computed_blocks, num_cached, external.num_tokens):
@@ -383,6 +388,7 @@ class Scheduler:
                 item.request,
                 self.kv_cache.block_tables(request_id),
                 self.kv_cache.block_hashes(request_id),
+                item.num_new_tokens,
             )
         for g, copies in enumerate(state_copies):
             if copies.registered or copies.confirmed:
@@ -456,13 +462,14 @@ class Scheduler:
             self.draining[request.request_id] = request
             self._finished_ids.append(request.request_id)
             return
-        held = (
-            self.connector is not None
-            and request.finish_reason is not FinishReason.ABORT
-            and self._guarded(
-                methodcaller("hold", request, self.kv_cache.transfer_tables(request.request_id)),
-                False,
-            )
+        held = self.connector is not None and self._guarded(
+            methodcaller(
+                "hold",
+                request,
+                self.kv_cache.transfer_tables(request.request_id),
+                request.finish_reason is FinishReason.ABORT,
+            ),
+            False,
         )
         if held:
             self._forget(request.request_id)

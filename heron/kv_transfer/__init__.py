@@ -20,7 +20,9 @@ from heron.kv_transfer.base import (
     refuse_specs,
 )
 from heron.kv_transfer.layer_steps import LayerSteps
-from heron.kv_transfer.nixl import READ_FAILURES, NixlAgent, NixlScheduler, NixlWorker
+from heron.kv_transfer.nixl import READ_FAILURES, TRANSFER_MODES, NixlScheduler, NixlWorker
+from heron.kv_transfer.nixl_agent import NixlAgent
+from heron.kv_transfer.nixl_push import Pusher
 from heron.kv_transfer.offload import CheckpointTier, OffloadScheduler, OffloadWorker
 
 __all__ = [
@@ -109,21 +111,44 @@ def _nixl(
             f"kv_transfer_config: the 'nixl' connector's kv_role is 'prefill' or 'decode', "
             f"got {config.kv_role!r}"
         )
-    options = _extra_options(
-        config.kv_connector_extra_config,
-        {"hold_timeout_s": float, "transfer_timeout_s": float, "on_read_failure": READ_FAILURES},
-        {"hold_timeout_s": 120.0, "transfer_timeout_s": 30.0, "on_read_failure": "recompute"},
-    )
-    # Paged blocks of every kind (full, window, latent) move, and recurrent states.
+    # Paged blocks of every kind (full, window, latent) move, and recurrent states (whole: a
+    # state is written once, after the prompt, not layer by layer as it is computed).
     refuse_specs("nixl", layout.specs, (PagedSpec, RecurrentStateSpec))
     state_groups = frozenset(g for g, spec in enumerate(layout.specs) if spec.per_request)
+    options = _extra_options(
+        config.kv_connector_extra_config,
+        {
+            "hold_timeout_s": float,
+            "transfer_timeout_s": float,
+            "on_read_failure": READ_FAILURES,
+            "kv_transfer_mode": TRANSFER_MODES,
+        },
+        {
+            "hold_timeout_s": 120.0,
+            "transfer_timeout_s": 30.0,
+            "on_read_failure": "recompute",
+            "kv_transfer_mode": "whole" if state_groups else "layerwise",
+        },
+    )
+    mode = options["kv_transfer_mode"]
+    if mode == "layerwise" and state_groups:
+        g = min(state_groups)
+        raise ValueError(
+            f"kv_transfer_config: kv_connector_extra_config kv_transfer_mode 'layerwise' "
+            f"cannot move cache group {g} ({layout.specs[g].describe()}): a recurrent state "
+            "moves whole, after the prompt; give kv_transfer_mode 'whole'"
+        )
+    timeouts = options["hold_timeout_s"], options["transfer_timeout_s"]
     try:
-        agent = NixlAgent()
+        agent = NixlAgent(stale_s=2 * max(timeouts))
     except ImportError as e:
         raise ValueError(
             "kv_transfer_config: the 'nixl' connector needs the nixl package "
             "(pip install 'heron[pd]')"
         ) from e
+    pusher = None
+    if mode == "layerwise" and config.kv_role == "prefill":
+        pusher = Pusher(agent, options["transfer_timeout_s"])
     scheduler = NixlScheduler(
         config.kv_role,
         agent,
@@ -131,8 +156,10 @@ def _nixl(
         options["hold_timeout_s"],
         state_groups,
         options["on_read_failure"],
+        mode,
+        pusher,
     )
-    return scheduler, NixlWorker(agent, options["transfer_timeout_s"])
+    return scheduler, NixlWorker(agent, options["transfer_timeout_s"], pusher)
 
 
 def _extra_options(

@@ -31,11 +31,13 @@ class KVTransferError(RuntimeError):
 
 class ExternalHits(NamedTuple):
     """A lookup's answer: ``num_tokens`` past the device pool's hit that the store can load,
-    or ``wait``: blocks the request would hit are still being loaded for another request
-    (it waits a step, then hits them on the device)."""
+    or ``wait``: the request waits a step (blocks it would hit are still being loaded for
+    another request, or a transfer's other end has not answered yet), or ``error``: the
+    request cannot run, and fails with it."""
 
     num_tokens: int
     wait: bool = False
+    error: str | None = None
 
 
 class InFlightLoads:
@@ -143,10 +145,15 @@ class KVConnectorScheduler(ABC):
 
     @abstractmethod
     def scheduled(
-        self, request: CachedSequence, tables: Sequence[Sequence[int]], hashes: Sequence[int]
+        self,
+        request: CachedSequence,
+        tables: Sequence[Sequence[int]],
+        hashes: Sequence[int],
+        num_new: int,
     ) -> None:
-        """A step computes ``request``'s tokens; ``hashes``: the chain hashes of its full
-        blocks of known tokens (written by the end of the step), ``tables`` its tables."""
+        """A step computes ``request``'s ``num_new`` tokens after its computed ones;
+        ``hashes``: the chain hashes of its full blocks of known tokens (written by the end of
+        the step), ``tables`` its tables."""
 
     def freed(
         self, request: CachedSequence, tables: Sequence[Sequence[int]], hashes: Sequence[int]
@@ -187,10 +194,16 @@ class KVConnectorScheduler(ABC):
         did not bring, the default)."""
         return None
 
-    def hold(self, request: CachedSequence, tables: Sequence[Sequence[int]]) -> bool:
-        """``request`` finished (not aborted): whether its blocks stay allocated until
-        :meth:`released` names it (for another instance to read them)."""
+    def hold(self, request: CachedSequence, tables: Sequence[Sequence[int]], aborted: bool) -> bool:
+        """``request`` finished (or was ``aborted``): whether its blocks stay allocated until
+        :meth:`released` names it (for another instance to read them, or while transfers
+        from them are in flight)."""
         return False
+
+    def handshake(self) -> dict | None:
+        """What another instance needs to know of this one before a request's transfer
+        (served as ``GET /kv_transfer``; None: nothing)."""
+        return None
 
     def released(self) -> list[str]:
         """Held requests whose blocks may be freed now (read, or held past a timeout)."""

@@ -34,6 +34,13 @@ class LayerSteps:
         """The host copy: layer steps known written."""
         return int(self._host[0])
 
+    def settled(self) -> int:
+        """The count once every record queued so far has landed (a device wait): the next
+        forward's layer ``l`` then makes it ``settled() + l + 1``."""
+        if self._counter.is_cuda:
+            torch.cuda.current_stream(self._counter.device).synchronize()
+        return self.count
+
     def wait_for(self, count: int, timeout_s: float, poll_s: float = 1e-4) -> bool:
         """Wait until ``count`` layer steps are written; False if ``timeout_s`` passed first."""
         deadline = time.monotonic() + timeout_s

@@ -205,7 +205,11 @@ class OffloadScheduler(KVConnectorScheduler):
         self.in_flight.start(request.request_id, loading)
 
     def scheduled(
-        self, request: CachedSequence, tables: Sequence[Sequence[int]], hashes: Sequence[int]
+        self,
+        request: CachedSequence,
+        tables: Sequence[Sequence[int]],
+        hashes: Sequence[int],
+        num_new: int,
     ) -> None:
         meta = self._meta
         self._offer(

@@ -697,6 +697,13 @@ def build_app(
     async def version() -> dict[str, str]:
         return {"version": __version__}
 
+    @api.get("/kv_transfer")
+    async def kv_transfer() -> Response:
+        """What a router passes to a decode instance for a transfer from this one."""
+        if engine.kv_transfer is None:
+            return error_response(404, "this instance runs no KV connector with a handshake")
+        return JSONResponse(engine.kv_transfer)
+
     card = ModelCard(
         id=served_model_name, root=engine.model_path, max_model_len=serving.max_model_len
     )

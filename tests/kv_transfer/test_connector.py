@@ -149,7 +149,7 @@ def test_the_offload_scheduler_loads_saved_blocks_and_forgets_failed_ones():
     connector = OffloadScheduler(num_slots=4, block_size=4, bytes_per_slot=512)
     writer = Seq(request_id="w", all_token_ids=list(range(13)))
     hashes = [1, 2, 3]  # stand-ins: the connector keys what the coordinator hashed
-    connector.scheduled(writer, [[5, 6, 7, 8]], hashes)
+    connector.scheduled(writer, [[5, 6, 7, 8]], hashes, 13)
     meta = connector.take_step_meta()
     assert meta.save_slots == [0, 1, 2] and meta.save_blocks == [[5], [6], [7]]
     assert connector.take_step_meta() is None  # reset
@@ -166,7 +166,7 @@ def test_the_offload_scheduler_round_trip_and_in_flight_waits():
     for i in range(3):
         parent = hash_block_tokens(parent, tokens[4 * i : 4 * i + 4])
         chain.append(parent)
-    connector.scheduled(Seq(request_id="w", all_token_ids=tokens), [[5, 6, 7, 8]], chain)
+    connector.scheduled(Seq(request_id="w", all_token_ids=tokens), [[5, 6, 7, 8]], chain, 13)
     connector.take_step_meta()
     reader = Seq(request_id="r", all_token_ids=tokens)
     assert connector.lookup(reader, 4).num_tokens == 8  # past one block on the device

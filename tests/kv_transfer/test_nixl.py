@@ -115,6 +115,7 @@ def test_a_hybrid_model_reads_the_recurrent_state_with_the_blocks(qwen3_5, monke
     path, want = qwen3_5
     chunked = SMALL | dict(max_num_batched_tokens=16)
     prefill, decode = _engine(path, "prefill", **chunked), _engine(path, "decode", **chunked)
+    assert prefill.scheduler.connector.handshake()["kv_transfer_mode"] == "whole"  # (default)
     first = SamplingParams(
         temperature=0.0, max_tokens=1, kv_transfer_params={"do_remote_decode": True}
     )
@@ -135,6 +136,18 @@ def test_a_hybrid_model_reads_the_recurrent_state_with_the_blocks(qwen3_5, monke
     assert metric(prefill, "kv_transfer_held_blocks") == 0
     check_leak_free(prefill)
     check_leak_free(decode)
+
+
+def test_a_hybrid_model_refuses_layerwise_transfer(qwen3_5):
+    """A recurrent state is complete only after the prompt: it cannot move layer by layer."""
+    path, _ = qwen3_5
+    nixl = {
+        "kv_connector": "nixl",
+        "kv_role": "prefill",
+        "kv_connector_extra_config": {"kv_transfer_mode": "layerwise"},
+    }
+    with pytest.raises(ValueError, match="kv_transfer_mode 'layerwise' cannot move cache group"):
+        LLMEngine(EngineConfig(str(path), kv_transfer_config=nixl, **SMALL))
 
 
 @pytest.mark.parametrize("policy", ["recompute", "abort"])

@@ -1,14 +1,17 @@
 """Prefill/decode disaggregation: a prefill and a decode `heron serve` (the nixl connector over
 UCX's TCP transport on 127.0.0.1) behind `heron router`, whose first prefill URL is dead (every
 request retries on the live one). Greedy answers through the router are the decode instance's
-own answers without disaggregation, streamed or not, through the real openai client; blocks
-nobody reads are freed at the timeout; a mismatched cache is refused; a failed read is
-recomputed, or, on a third (decode) instance with on_read_failure "abort", answered with the
-error; a client that leaves during the prefill aborts it there. Neither side keeps a block
-afterwards."""
+own answers without disaggregation, streamed or not, through the real openai client, with
+the prefill instance writing each layer (kv_transfer_mode "layerwise", the default) or, from
+a prefill instance of kv_transfer_mode "whole", the decode instance reading the prompt's
+blocks; blocks nobody reads are freed at the timeout; a mismatched cache is refused; a failed
+read is recomputed, or, on a third (decode) instance with on_read_failure "abort", answered
+with the error; a client that leaves during the prefill aborts it on both sides. Neither side
+keeps a block afterwards."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -50,24 +53,12 @@ def _nixl(role: str, **extra) -> str:
     )
 
 
-@pytest.fixture(scope="module")
-def pd(tiny_model_dir):
-    """(prefill, decode, router URL, a decode instance that fails what it cannot read)."""
-    model = tiny_model_dir("llama")
-    common = ("--block-size", "16", "--max-num-batched-tokens", "16")
-    configs = [_nixl("prefill"), _nixl("decode"), _nixl("decode", on_read_failure="abort")]
-    with mock.patch.dict(os.environ, {"UCX_TLS": "tcp"}), ThreadPoolExecutor(3) as pool:
-        # (all start at once; a shared machine may take long)
-        prefill, decode, failing = pool.map(
-            lambda config: start_server(
-                model, *common, "--kv-transfer-config", config, startup_s=300
-            ),
-            configs,
-        )
-    # The router runs in a thread of this process (as `heron router` runs it).
+@contextlib.contextmanager
+def _router(prefill_urls: list[str], decode_urls: list[str]):
+    """`heron router` in a thread of this process (as `heron router` runs it): its URL."""
     args = build_parser().parse_args(
-        ["router", "--prefill", f"http://127.0.0.1:{free_port()}", prefill.base_url]
-        + ["--decode", decode.base_url, "--port", str(free_port())]
+        ["router", "--prefill", *prefill_urls, "--decode", *decode_urls]
+        + ["--port", str(free_port())]
     )
     app = make_app(args.prefill, args.decode)
     router = uvicorn.Server(uvicorn.Config(app, args.host, args.port, log_level="warning"))
@@ -76,9 +67,31 @@ def pd(tiny_model_dir):
     while not router.started:
         assert thread.is_alive()
         time.sleep(0.05)
-    yield prefill, decode, f"http://{args.host}:{args.port}", failing
+    yield f"http://{args.host}:{args.port}"
     router.should_exit = True
     thread.join(10)
+
+
+COMMON = ("--block-size", "16", "--max-num-batched-tokens", "16")
+
+
+@pytest.fixture(scope="module")
+def pd(tiny_model_dir):
+    """(prefill, decode, router URL, a decode instance that fails what it cannot read)."""
+    model = tiny_model_dir("llama")
+    failing = _nixl("decode", on_read_failure="abort", transfer_timeout_s=2)
+    configs = [_nixl("prefill"), _nixl("decode"), failing]
+    with mock.patch.dict(os.environ, {"UCX_TLS": "tcp"}), ThreadPoolExecutor(3) as pool:
+        # (all start at once; a shared machine may take long)
+        prefill, decode, failing = pool.map(
+            lambda config: start_server(
+                model, *COMMON, "--kv-transfer-config", config, startup_s=300
+            ),
+            configs,
+        )
+    dead = f"http://127.0.0.1:{free_port()}"
+    with _router([dead, prefill.base_url], [decode.base_url]) as url:
+        yield prefill, decode, url, failing
     for handle in (prefill, decode, failing):
         stop_server(handle)
 
@@ -103,6 +116,7 @@ def test_router_answers_as_one_instance(pd):
     # (the reference is the prefill instance's: the decode one's prefix cache starts empty)
     direct, routed = _client(prefill.base_url), _client(url)
     before = _idle(decode)["heron:kv_transfer_blocks_total"]
+    written = _idle(prefill)["heron:kv_transfer_blocks_total"]
     want = direct.completions.create(prompt=PROMPT, n=2, **GREEDY)
     got = routed.completions.create(prompt=PROMPT, n=2, **GREEDY)
     assert [c.text for c in got.choices] == [c.text for c in want.choices]
@@ -119,11 +133,38 @@ def test_router_answers_as_one_instance(pd):
     # Each prompt's first request reads every block of it (49 tokens: 4 blocks of 16), the
     # stream after it the last one (its full blocks hit the decode instance's prefix cache).
     m = _idle(decode)
-    assert m["heron:kv_transfer_blocks_total"] - before >= 2 * 4 + 2
+    received = m["heron:kv_transfer_blocks_total"] - before
+    assert received >= 2 * 4 + 2
     assert m["heron:kv_transfer_failed_loads_total"] == 0
     held = _idle(prefill)
+    assert held["heron:kv_transfer_blocks_total"] - written == received  # (layerwise: written)
     assert held["heron:kv_transfer_held_blocks"] == 0
     assert held["heron:kv_transfer_hold_timeouts_total"] == 0
+
+
+def test_a_whole_mode_prefill_instance_is_read_whole(pd, tiny_model_dir):
+    """A prefill instance of kv_transfer_mode "whole" behind its own router: the router sends
+    the request there first, the decode instance reads the blocks its answer names."""
+    _, decode, *_ = pd
+    config = _nixl("prefill", kv_transfer_mode="whole")
+    with mock.patch.dict(os.environ, {"UCX_TLS": "tcp"}):
+        whole = start_server(
+            tiny_model_dir("llama"), *COMMON, "--kv-transfer-config", config, startup_s=300
+        )
+    try:
+        assert httpx.get(f"{whole.base_url}/kv_transfer").json()["kv_transfer_mode"] == "whole"
+        before = _idle(decode)["heron:kv_transfer_blocks_total"]
+        prompt = "A whole prompt's blocks are read by the decode instance in one go."
+        want = _client(whole.base_url).completions.create(prompt=prompt, **GREEDY)
+        with _router([whole.base_url], [decode.base_url]) as url:
+            got = _client(url).completions.create(prompt=prompt, **GREEDY)
+        assert got.choices[0].text == want.choices[0].text
+        assert _idle(decode)["heron:kv_transfer_blocks_total"] > before
+        m = _idle(whole)
+        assert m["heron:kv_transfer_blocks_total"] == 0  # (read by the decode instance)
+        assert m["heron:kv_transfer_held_blocks"] == 0
+    finally:
+        stop_server(whole)
 
 
 def _prefilled(prefill, prompt: str = PROMPT) -> dict:
@@ -201,11 +242,10 @@ ABORTED = 'heron:request_success_total{finished_reason="abort"}'
 
 def test_a_client_that_disconnects_during_the_prefill_aborts_it(pd):
     """The client leaves while the prefill instance computes a long prompt: the router closes
-    that request, the prefill instance aborts it (nothing held until the timeout) and the
-    decode instance never sees it."""
+    its requests, both instances abort them (nothing held until the timeout), and nothing
+    reaches the decode instance's cache."""
     prefill, decode, url, _ = pd
-    before = _idle(prefill)
-    decoded = _idle(decode)["heron:kv_transfer_blocks_total"]
+    before, decoding = _idle(prefill), _idle(decode)
     body = json.dumps({"prompt": PROMPT * 8, "stream": True, **GREEDY}).encode()
     host, port = url.removeprefix("http://").split(":")
     with socket.create_connection((host, int(port))) as conn:
@@ -227,7 +267,9 @@ def test_a_client_that_disconnects_during_the_prefill_aborts_it(pd):
         after["heron:kv_transfer_hold_timeouts_total"]
         == (before["heron:kv_transfer_hold_timeouts_total"])
     )
-    assert _idle(decode)["heron:kv_transfer_blocks_total"] == decoded
+    after = _idle(decode)
+    assert after[ABORTED] == decoding.get(ABORTED, 0) + 1
+    assert after["heron:kv_transfer_blocks_total"] == decoding["heron:kv_transfer_blocks_total"]
 
 
 def test_a_decode_instance_that_fails_reads_answers_with_an_error(pd):
@@ -252,16 +294,42 @@ def test_a_decode_instance_that_fails_reads_answers_with_an_error(pd):
 
 
 def test_a_prefill_instance_that_died_is_recomputed(pd):
-    """(last: it kills the module's prefill instance) A read from a prefill instance gone
-    after its answer fails or times out; the decode instance computes the prompt itself, the
-    one that fails such reads answers with the error."""
+    """(last: it kills the module's prefill instance, in the middle of a layerwise transfer
+    to the instance that fails what it cannot get: that request fails once no progress came
+    within its timeout) A read from a prefill instance gone after its answer fails or times
+    out; the decode instance computes the prompt itself, the one that fails such reads answers
+    with the error."""
     prefill, decode, _, failing = pd
     prompt = "Every cache block that a gone instance held is recomputed by the one that reads."
     want = _client(prefill.base_url).completions.create(prompt=prompt, **GREEDY).choices[0].text
     params = _prefilled(prefill, prompt)
-    for pid in [*child_pids(prefill.proc.pid), prefill.proc.pid]:
-        os.kill(pid, signal.SIGKILL)
-    prefill.proc.wait(10)
+    handshake = httpx.get(f"{prefill.base_url}/kv_transfer").json()
+    layerwise = {"transfer_id": "killed", "do_remote_prefill": True, **handshake}
+    first = {"do_remote_decode": True, "transfer_id": "killed"}
+    with ThreadPoolExecutor(2) as pool:
+        cut = pool.submit(
+            _client(failing.base_url).completions.create,
+            prompt=PROMPT * 8,
+            extra_body={"kv_transfer_params": layerwise},
+            **GREEDY,
+        )
+        pool.submit(
+            httpx.post,
+            f"{prefill.base_url}/v1/completions",
+            json={"prompt": PROMPT * 8, "kv_transfer_params": first, **GREEDY, "max_tokens": 1},
+            timeout=60,
+        )
+        deadline = time.monotonic() + 30
+        while not parse_metrics(httpx.get(f"{prefill.base_url}/metrics").text)[
+            "heron:num_requests_running"
+        ]:  # (its destination came: it computes and writes)
+            assert time.monotonic() < deadline, "the prefill instance never ran the request"
+            time.sleep(0.01)
+        for pid in [*child_pids(prefill.proc.pid), prefill.proc.pid]:
+            os.kill(pid, signal.SIGKILL)
+        prefill.proc.wait(10)
+        with pytest.raises(openai.InternalServerError, match="on_read_failure='abort'"):
+            cut.result()
     failed = _idle(decode)["heron:kv_transfer_failed_loads_total"]
     with ThreadPoolExecutor(2) as pool:
         answers = [
