@@ -52,7 +52,7 @@ from heron.kv_transfer.base import (
     KVTransferError,
     TransferResults,
 )
-from heron.kv_transfer.nixl_agent import LayerRegion, NixlAgent
+from heron.kv_transfer.nixl_agent import LayerRegion, NixlAgent, descriptors
 from heron.kv_transfer.nixl_push import Binding, Destination, LayerwiseSave, Pusher
 
 if TYPE_CHECKING:
@@ -623,11 +623,10 @@ class NixlWorker(KVConnectorWorker):
         remote_layers = [LayerRegion(*layer) for layer in load.remote_layers]
         local, remote = [], []
         for ours, theirs in zip(agent.layers, remote_layers):
-            g = ours.group
-            for lb, rb in zip(load.local[g], load.remote[g]):
-                if NULL_BLOCK_ID not in (lb, rb):
-                    local += ours.chunks(lb)
-                    remote += theirs.chunks(rb)
+            pairs = zip(load.local[ours.group], load.remote[ours.group])
+            here, there = descriptors(ours, theirs, (p for p in pairs if NULL_BLOCK_ID not in p))
+            local += here
+            remote += there
         name = agent.remote(load.engine_id, load.agent_metadata)
         memory = agent.layers[0].memory
         handle = agent.agent.initialize_xfer(
@@ -735,3 +734,4 @@ class NixlWorker(KVConnectorWorker):
         self._reads = []
         if self.pusher is not None:
             self.pusher.shutdown()
+        self.agent.close()

@@ -15,6 +15,7 @@ import logging
 import threading
 import time
 import uuid
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, NamedTuple
 
@@ -39,16 +40,30 @@ class LayerRegion(NamedTuple):
     memory: str  # "DRAM" or "VRAM"
     device_id: int
 
-    def chunks(self, block: int) -> list[tuple[int, int, int]]:
-        """The (address, length, device) descriptors of ``block``."""
-        return [
-            (
-                self.address + (p * self.num_blocks + block) * self.chunk_bytes,
-                self.chunk_bytes,
-                self.device_id,
-            )
-            for p in range(self.num_prefixes)
-        ]
+    def span(self, prefix: int, block: int, count: int) -> tuple[int, int, int]:
+        """The (address, length, device) descriptor of ``count`` blocks from ``block`` in run
+        ``prefix``."""
+        start = self.address + (prefix * self.num_blocks + block) * self.chunk_bytes
+        return start, count * self.chunk_bytes, self.device_id
+
+
+def descriptors(
+    ours: LayerRegion, theirs: LayerRegion, pairs: Iterable[tuple[int, int]]
+) -> tuple[list[tuple[int, int, int]], list[tuple[int, int, int]]]:
+    """The local and remote descriptors moving blocks ``pairs`` (local id, remote id) of one
+    cache tensor: blocks consecutive on both sides join one descriptor (UCX pays per
+    descriptor, and a prompt's blocks are mostly allocated in order)."""
+    runs: list[list[int]] = []  # [local first, remote first, count]
+    for local, remote in pairs:
+        if runs and runs[-1][0] + runs[-1][2] == local and runs[-1][1] + runs[-1][2] == remote:
+            runs[-1][2] += 1
+        else:
+            runs.append([local, remote, 1])
+    spans = [(p, run) for p in range(ours.num_prefixes) for run in runs]
+    return (
+        [ours.span(p, local, n) for p, (local, _, n) in spans],
+        [theirs.span(p, remote, n) for p, (_, remote, n) in spans],
+    )
 
 
 @dataclass
@@ -122,6 +137,13 @@ class NixlAgent:
                     cache.device.index or 0,
                 )
             )
+
+    def close(self) -> None:
+        """Deregister the caches and end the agent: its UCX progress thread polls a core for
+        as long as it lives."""
+        for handle in self._registered:
+            self.agent.deregister_memory(handle)
+        self._registered, self.agent = [], None
 
     @property
     def metadata(self) -> str:

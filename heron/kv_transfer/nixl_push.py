@@ -23,7 +23,7 @@ from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from heron.cache.block_pool import NULL_BLOCK_ID
-from heron.kv_transfer.nixl_agent import LayerRegion
+from heron.kv_transfer.nixl_agent import LayerRegion, descriptors
 
 if TYPE_CHECKING:
     from heron.kv_transfer.layer_steps import LayerSteps
@@ -224,13 +224,12 @@ class Pusher:
             return
         agent, ours = self.agent, self.agent.layers[layer]
         theirs = LayerRegion(*save.destination.layers[layer])
-        local, remote, written = [], [], []
         g = ours.group
-        for lb, rb in zip(save.local[g][blocks], save.remote[g][blocks]):
-            if NULL_BLOCK_ID not in (lb, rb):
-                local += ours.chunks(lb)
-                remote += theirs.chunks(rb)
-                written.append((g, rb))
+        pairs = [
+            p for p in zip(save.local[g][blocks], save.remote[g][blocks]) if NULL_BLOCK_ID not in p
+        ]
+        local, remote = descriptors(ours, theirs, pairs)
+        written = [(g, rb) for _, rb in pairs]
         if not local:
             return
         try:

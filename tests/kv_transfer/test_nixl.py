@@ -24,17 +24,13 @@ from heron import SamplingParams
 from heron.config import EngineConfig
 from heron.engine.llm_engine import LLMEngine
 from heron.kv_transfer import TransferResults
+from heron.kv_transfer.nixl_agent import LayerRegion, descriptors
 
 from tiny_models import QWEN3_5, hf_greedy, save_random_model
 
 pytest.importorskip("nixl._api", reason="the nixl connector needs nixl (heron[pd])")
 
 __all__ = ["models"]  # (the fixture, shared with the offload tests)
-
-
-def _engine(path, role: str, **options) -> LLMEngine:
-    nixl = {"kv_connector": "nixl", "kv_role": role}
-    return LLMEngine(EngineConfig(str(path), kv_transfer_config=nixl, **(options or SMALL)))
 
 
 def _wait_released(prefill: LLMEngine) -> None:
@@ -59,10 +55,12 @@ def _run(engine: LLMEngine, prompt: list[int], params: SamplingParams):
 
 
 @pytest.mark.parametrize("family", list(CONFIGS))
-def test_a_decode_engine_reads_the_prompt_of_a_prefill_engine(models, family, monkeypatch):
+def test_a_decode_engine_reads_the_prompt_of_a_prefill_engine(
+    models, family, monkeypatch, nixl_engine
+):
     monkeypatch.setenv("UCX_TLS", "tcp")
     path, want = models(family)
-    prefill, decode = _engine(path, "prefill"), _engine(path, "decode")
+    prefill, decode = nixl_engine(path, "prefill"), nixl_engine(path, "decode")
     first = SamplingParams(
         temperature=0.0, max_tokens=1, kv_transfer_params={"do_remote_decode": True}
     )
@@ -107,14 +105,19 @@ def qwen3_5(tmp_path_factory):
     return path, hf_greedy(hf, HYBRID_PROMPTS, MAX_NEW)
 
 
-def test_a_hybrid_model_reads_the_recurrent_state_with_the_blocks(qwen3_5, monkeypatch):
+def test_a_hybrid_model_reads_the_recurrent_state_with_the_blocks(
+    qwen3_5, monkeypatch, nixl_engine
+):
     """The prefill engine (chunks of 16 tokens) keeps the state after all but the prompt's
     last token, also where a prefix hit ends there or just before; the decode engine reads it
     with the attention blocks, also past a prefix hit of its own, and continues as HF does."""
     monkeypatch.setenv("UCX_TLS", "tcp")
     path, want = qwen3_5
     chunked = SMALL | dict(max_num_batched_tokens=16)
-    prefill, decode = _engine(path, "prefill", **chunked), _engine(path, "decode", **chunked)
+    prefill, decode = (
+        nixl_engine(path, "prefill", **chunked),
+        nixl_engine(path, "decode", **chunked),
+    )
     assert prefill.scheduler.connector.handshake()["kv_transfer_mode"] == "whole"  # (default)
     first = SamplingParams(
         temperature=0.0, max_tokens=1, kv_transfer_params={"do_remote_decode": True}
@@ -151,34 +154,14 @@ def test_a_hybrid_model_refuses_layerwise_transfer(qwen3_5):
 
 
 @pytest.mark.parametrize("policy", ["recompute", "abort"])
-def test_a_failed_read_is_recomputed_or_fails_the_request(models, policy, monkeypatch):
+def test_a_failed_read_is_recomputed_or_fails_the_request(models, policy, monkeypatch, nixl_engine):
     """A prefill instance gone (agent metadata nobody can reach): the decode engine computes
     the prompt itself, or (``on_read_failure: "abort"``) ends the request at once with an
     error saying why; the prefill engine frees the unread blocks at its timeout."""
     monkeypatch.setenv("UCX_TLS", "tcp")
     path, want = models("llama")
-    prefill = LLMEngine(
-        EngineConfig(
-            str(path),
-            kv_transfer_config={
-                "kv_connector": "nixl",
-                "kv_role": "prefill",
-                "kv_connector_extra_config": {"hold_timeout_s": 0.2},
-            },
-            **SMALL,
-        )
-    )
-    decode = LLMEngine(
-        EngineConfig(
-            str(path),
-            kv_transfer_config={
-                "kv_connector": "nixl",
-                "kv_role": "decode",
-                "kv_connector_extra_config": {"on_read_failure": policy},
-            },
-            **SMALL,
-        )
-    )
+    prefill = nixl_engine(path, "prefill", {"hold_timeout_s": 0.2})
+    decode = nixl_engine(path, "decode", {"on_read_failure": policy})
     first = SamplingParams(
         temperature=0.0, max_tokens=1, kv_transfer_params={"do_remote_decode": True}
     )
@@ -205,13 +188,13 @@ def test_a_failed_read_is_recomputed_or_fails_the_request(models, policy, monkey
 
 
 def test_a_request_aborted_while_its_read_is_in_flight_keeps_its_blocks_until_it_ends(
-    models, monkeypatch
+    models, monkeypatch, nixl_engine
 ):
     """The READ may still write the blocks: they are freed once it ended, not at the abort
     (where another request could be given them); the read still frees the prefill side's."""
     monkeypatch.setenv("UCX_TLS", "tcp")
     path, _ = models("llama")
-    prefill, decode = _engine(path, "prefill"), _engine(path, "decode")
+    prefill, decode = nixl_engine(path, "prefill"), nixl_engine(path, "decode")
     first = SamplingParams(
         temperature=0.0, max_tokens=1, kv_transfer_params={"do_remote_decode": True}
     )
@@ -236,3 +219,20 @@ def test_a_request_aborted_while_its_read_is_in_flight_keeps_its_blocks_until_it
     check_leak_free(decode)
     _wait_released(prefill)
     check_leak_free(prefill)
+
+
+def test_blocks_consecutive_on_both_sides_move_as_one_descriptor():
+    ours = LayerRegion(1000, 2, 8, 10, "float32", 0, "DRAM", 0)  # (two runs: K and V)
+    theirs = LayerRegion(5000, 2, 16, 10, "float32", 0, "DRAM", 0)
+    local, remote = descriptors(ours, theirs, [(1, 4), (2, 5), (3, 6), (5, 7), (6, 9)])
+    # Runs (1-3 -> 4-6), (5 -> 7), (6 -> 9), in each of the two prefixes.
+    assert local == [(1010, 30, 0), (1050, 10, 0), (1060, 10, 0)] + [
+        (1090, 30, 0),
+        (1130, 10, 0),
+        (1140, 10, 0),
+    ]
+    assert remote == [(5040, 30, 0), (5070, 10, 0), (5090, 10, 0)] + [
+        (5200, 30, 0),
+        (5230, 10, 0),
+        (5250, 10, 0),
+    ]

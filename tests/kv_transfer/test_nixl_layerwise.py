@@ -9,14 +9,14 @@ request, a prefill side that goes silent mid-transfer is recomputed; nothing lea
 
 from __future__ import annotations
 
+import threading
 import time
 
 import pytest
-from test_nixl import _engine, _run
+from test_nixl import _run
 from test_offload import CONFIGS, MAX_NEW, PROMPTS, SMALL, check_leak_free, metric, models
 
 from heron import SamplingParams
-from heron.config import EngineConfig
 from heron.engine.llm_engine import LLMEngine
 
 pytest.importorskip("nixl._api", reason="the nixl connector needs nixl (heron[pd])")
@@ -78,10 +78,15 @@ def _idle(*engines: LLMEngine) -> None:
 
 
 @pytest.mark.parametrize("family", list(CONFIGS))
-def test_the_prefill_engine_writes_each_layer_to_the_decode_engine(models, family, monkeypatch):
+def test_the_prefill_engine_writes_each_layer_to_the_decode_engine(
+    models, family, monkeypatch, nixl_engine
+):
     monkeypatch.setenv("UCX_TLS", "tcp")
     path, want = models(family)
-    prefill, decode = _engine(path, "prefill", **CHUNKED), _engine(path, "decode", **CHUNKED)
+    prefill, decode = (
+        nixl_engine(path, "prefill", **CHUNKED),
+        nixl_engine(path, "decode", **CHUNKED),
+    )
     assert "layerwise" in prefill.scheduler.connector.describe()  # (the default)
     got, received = [], []
     # The fourth prompt shares 40 tokens (5 blocks) with the first: both engines hit them.
@@ -105,17 +110,21 @@ def test_the_prefill_engine_writes_each_layer_to_the_decode_engine(models, famil
     check_leak_free(decode)
 
 
-def test_writes_start_while_later_layers_compute_and_never_before_their_layer(models, monkeypatch):
-    """Each layer of the prefill engine takes 20 ms more (after its layer step is recorded):
-    the saver WRITEs a layer's blocks once the count shows that layer written, and some of
-    them while the step's later layers are still to come."""
+def test_writes_start_while_later_layers_compute_and_never_before_their_layer(
+    models, monkeypatch, nixl_engine
+):
+    """The prefill engine's first layer waits (after its layer step is recorded) until the
+    saver described its WRITE: the saver WRITEs a layer's blocks once the count shows that
+    layer written, never before, and the first while the step's later layers are to come."""
     monkeypatch.setenv("UCX_TLS", "tcp")
     path, want = models("llama")
-    prefill, decode = _engine(path, "prefill"), _engine(path, "decode")
+    prefill, decode = nixl_engine(path, "prefill"), nixl_engine(path, "decode")
     runner, agent = prefill.runner, prefill.scheduler.connector.agent
     steps, owners, layers = runner.layer_steps, runner.cache.owners, agent.layers
-    for owner in owners:  # (after the runner's hook, which records the layer step)
-        owner.register_forward_hook(lambda *_: time.sleep(0.02))
+    first_described = threading.Event()
+    # (after the runner's hook, which records the layer step; a saver that waited for the
+    # step's end would keep it waiting out the timeout, and the check below fails)
+    owners[0].register_forward_hook(lambda *_: first_described.wait(30) and None)
     bases = []  # the count as each forward starts
     runner.model.register_forward_pre_hook(lambda *_: bases.append(steps.count))
     writes = []  # (layer, the count as its WRITE's blocks are described)
@@ -125,6 +134,8 @@ def test_writes_start_while_later_layers_compute_and_never_before_their_layer(mo
         layer = _layer_of(layers, descs[0][0]) if isinstance(descs, list) and descs else None
         if layer is not None:  # (the local side of a WRITE)
             writes.append((layer, steps.count))
+            if layer == 0:
+                first_described.set()
         return describe(descs, *args)
 
     monkeypatch.setattr(agent.agent, "get_xfer_descs", recorded)
@@ -136,7 +147,7 @@ def test_writes_start_while_later_layers_compute_and_never_before_their_layer(mo
     assert sorted(layer for layer, _ in writes) == list(range(len(owners)))
     base = bases[0]
     assert all(count >= base + layer + 1 for layer, count in writes)  # never before
-    assert any(count < base + len(owners) for _, count in writes)  # while later ones compute
+    assert min(count for layer, count in writes if layer == 0) < base + len(owners)
     check_leak_free(prefill)
     check_leak_free(decode)
 
@@ -153,13 +164,15 @@ def _layer_of(layers, address: int) -> int | None:
     return None
 
 
-def test_a_long_prefill_outlasts_the_timeout_while_each_chunk_reports_progress(models, monkeypatch):
+def test_a_long_prefill_outlasts_the_timeout_while_each_chunk_reports_progress(
+    models, monkeypatch, nixl_engine
+):
     """The decode engine's timeout bounds the wait between the prefill engine's steps, not the
     whole prompt: four chunks of 0.3 s each against a timeout of 0.6 s."""
     monkeypatch.setenv("UCX_TLS", "tcp")
     path, want = models("llama")
-    prefill = _engine(path, "prefill", **CHUNKED)
-    decode = _layerwise(path, "decode", transfer_timeout_s=0.6)
+    prefill = nixl_engine(path, "prefill", **CHUNKED)
+    decode = nixl_engine(path, "decode", dict(transfer_timeout_s=0.6))
     owners = prefill.runner.cache.owners
     for owner in owners:
         owner.register_forward_hook(lambda *_: time.sleep(0.3 / len(owners)))
@@ -174,10 +187,12 @@ def test_a_long_prefill_outlasts_the_timeout_while_each_chunk_reports_progress(m
     check_leak_free(decode)
 
 
-def test_a_prefill_request_no_decode_engine_claims_fails_at_the_timeout(models, monkeypatch):
+def test_a_prefill_request_no_decode_engine_claims_fails_at_the_timeout(
+    models, monkeypatch, nixl_engine
+):
     monkeypatch.setenv("UCX_TLS", "tcp")
     path, _ = models("llama")
-    prefill = _layerwise(path, "prefill", hold_timeout_s=0.3)
+    prefill = nixl_engine(path, "prefill", dict(hold_timeout_s=0.3))
     first = SamplingParams(
         temperature=0.0,
         max_tokens=1,
@@ -193,16 +208,18 @@ def test_a_prefill_request_no_decode_engine_claims_fails_at_the_timeout(models, 
 
 
 @pytest.mark.parametrize("policy", ["recompute", "abort"])
-def test_a_prefill_engine_gone_mid_transfer_is_recomputed_or_fails(models, policy, monkeypatch):
+def test_a_prefill_engine_gone_mid_transfer_is_recomputed_or_fails(
+    models, policy, monkeypatch, nixl_engine
+):
     """The prefill engine computes its first chunk (its layers written to the decode engine),
     then stops: the decode engine gives the transfer up at its timeout (cancelled; nobody
     answers), frees its blocks after a second one, and computes the prompt itself, or fails
     the request."""
     monkeypatch.setenv("UCX_TLS", "tcp")
     path, want = models("llama")
-    prefill = _engine(path, "prefill", **CHUNKED)
+    prefill = nixl_engine(path, "prefill", **CHUNKED)
     options = {"transfer_timeout_s": 0.5, "on_read_failure": policy}
-    decode = _layerwise(path, "decode", **options)
+    decode = nixl_engine(path, "decode", options)
     _requests(prefill, decode, PROMPTS[0], "t")
     while not prefill.scheduler.running:  # (until its destination came and it runs)
         _step(decode)
@@ -220,14 +237,16 @@ def test_a_prefill_engine_gone_mid_transfer_is_recomputed_or_fails(models, polic
     check_leak_free(decode)
 
 
-def test_a_late_prefill_engine_is_cancelled_and_writes_nothing(models, monkeypatch, caplog):
+def test_a_late_prefill_engine_is_cancelled_and_writes_nothing(
+    models, monkeypatch, caplog, nixl_engine
+):
     """The prefill engine sees the request only after the decode engine gave it up: it
     confirms the cancel at once (the decode engine frees its blocks then, not a second timeout
     later), fails its request and never writes into them."""
     monkeypatch.setenv("UCX_TLS", "tcp")
     path, want = models("llama")
-    prefill = _engine(path, "prefill")
-    decode = _layerwise(path, "decode", transfer_timeout_s=0.3)
+    prefill = nixl_engine(path, "prefill")
+    decode = nixl_engine(path, "decode", dict(transfer_timeout_s=0.3))
     _requests(prefill, decode, PROMPTS[0], "t")
     while "late; cancelled" not in caplog.text:
         decode.step()  # (the prefill engine is busy elsewhere)
@@ -249,15 +268,10 @@ def test_a_late_prefill_engine_is_cancelled_and_writes_nothing(models, monkeypat
     check_leak_free(decode)
 
 
-def _layerwise(path, role: str, **options) -> LLMEngine:
-    nixl = {"kv_connector": "nixl", "kv_role": role, "kv_connector_extra_config": options}
-    return LLMEngine(EngineConfig(str(path), kv_transfer_config=nixl, **SMALL))
-
-
-def test_a_whole_mode_instance_refuses_a_layerwise_request(models, monkeypatch):
+def test_a_whole_mode_instance_refuses_a_layerwise_request(models, monkeypatch, nixl_engine):
     monkeypatch.setenv("UCX_TLS", "tcp")
     path, _ = models("llama")
-    prefill = _layerwise(path, "prefill", kv_transfer_mode="whole")
+    prefill = nixl_engine(path, "prefill", dict(kv_transfer_mode="whole"))
     assert prefill.scheduler.connector.handshake()["kv_transfer_mode"] == "whole"
     params = SamplingParams(
         max_tokens=1, kv_transfer_params={"do_remote_decode": True, "transfer_id": "t"}
