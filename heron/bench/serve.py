@@ -63,6 +63,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "+ 2) behind `heron router` on --port instead of one instance",
     )
     parser.add_argument(
+        "--kv-transfer-mode",
+        choices=("layerwise", "whole"),
+        default=None,
+        help="with --pd: how the prompt's KV moves (default: the connector's for the model)",
+    )
+    parser.add_argument(
         "--shape", default=None, help="the servers started serve this shape's random weights"
     )
     parser.add_argument(
@@ -220,12 +226,16 @@ def start_server(port: int, server_args: list[str], command: str = "serve") -> s
     raise RuntimeError(f"heron {command} did not become healthy in 900 s")
 
 
-def start_pd(port: int, server_args: list[str]) -> list[subprocess.Popen]:
-    """A prefill and a decode instance on ``port`` + 1 and + 2, ``heron router`` on ``port``."""
+def start_pd(port: int, server_args: list[str], mode: str | None = None) -> list[subprocess.Popen]:
+    """A prefill and a decode instance on ``port`` + 1 and + 2, ``heron router`` on ``port``;
+    ``mode``: their ``kv_transfer_mode`` (None: the connector's default)."""
+    extra = {} if mode is None else {"kv_transfer_mode": mode}
     procs = []
     try:
         for offset, role in ((1, "prefill"), (2, "decode")):
-            config = json.dumps({"kv_connector": "nixl", "kv_role": role})
+            config = json.dumps(
+                {"kv_connector": "nixl", "kv_role": role, "kv_connector_extra_config": extra}
+            )
             procs.append(
                 start_server(port + offset, [*server_args, "--kv-transfer-config", config])
             )
@@ -261,7 +271,7 @@ def _measure(args: argparse.Namespace, server_args: list[str]) -> tuple[dict, li
     if args.base_url:
         procs = []
     elif args.pd:
-        procs = start_pd(args.port, server_args)
+        procs = start_pd(args.port, server_args, args.kv_transfer_mode)
     else:
         procs = [start_server(args.port, server_args)]
     client = {
@@ -291,6 +301,7 @@ def _measure(args: argparse.Namespace, server_args: list[str]) -> tuple[dict, li
         "request_rate",
         "client_processes",
         "pd",
+        "kv_transfer_mode",
         "shape",
         "prompt_tokens",
     )
