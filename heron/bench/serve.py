@@ -166,7 +166,7 @@ def workload(args: dict[str, Any], concurrency: int) -> str:
     if args["request_rate"]:
         parts.append(f"{args['request_rate']:g} req/s")
     if args["pd"]:
-        parts.append("1 prefill + 1 decode")
+        parts.append(" ".join(filter(None, ["1 prefill + 1 decode", args["kv_transfer_mode"]])))
     return ", ".join(parts)
 
 
@@ -282,6 +282,7 @@ def _measure(args: argparse.Namespace, server_args: list[str]) -> tuple[dict, li
         "request_rate": args.request_rate,
         "processes": args.client_processes,
         "pd": args.pd,
+        "kv_transfer_mode": args.kv_transfer_mode,
         "prompt_tokens": args.prompt_tokens,
     }
     metrics: list[Metric] = []

@@ -217,3 +217,14 @@ def test_image_case_compares_image_and_text_requests(tmp_path):
     for name in ("encoder per 32px image", "image+text mean TTFT", "text-only mean TTFT"):
         assert values[f"vl: {name}"] > 0
     assert values["vl: image+text output throughput"] > 0
+
+
+def test_serve_figures_name_their_workload():
+    from heron.bench.serve import workload
+
+    args = {"prompt_tokens": 3000, "request_rate": 8.0, "pd": True, "kv_transfer_mode": "whole"}
+    assert workload(args, 64) == (
+        "concurrency 64, 3000-token prompts, 8 req/s, 1 prefill + 1 decode whole"
+    )
+    args |= {"prompt_tokens": None, "request_rate": None, "kv_transfer_mode": None}
+    assert workload(args, 4) == "concurrency 4, 1 prefill + 1 decode"
