@@ -3,7 +3,8 @@ punica's BGMV): ``shrink`` gives each token ``x A[s]^T`` (fp32 partial sums) and
 adds ``shrunk B[s]^T`` to the base layer's output, ``s`` the token's slot in the stacked
 tables. Slot 0 holds zeros (the base model), so no token needs a branch. Both take part in
 programmatic dependent launch (``heron.kernels.pdl``): a decode step's LoRA kernels sit
-between the projections', and would otherwise break their chain."""
+between the projections', and would otherwise break their chain; a launch that fits one wave
+lets the next kernel be scheduled while it runs, as the RMSNorm's does."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ import torch
 import triton
 import triton.language as tl
 
-from heron.kernels.pdl import pdl_launch, wait_for_previous_kernel
+from heron.kernels.pdl import fits_one_wave, pdl_launch, start_next_kernel, wait_for_previous_kernel
 
 # Programs a shrink launch aims for: enough to spread a decode step's few tokens over the SMs.
 _PROGRAMS = 512
@@ -34,8 +35,11 @@ def _shrink_kernel(
     BLOCK_R: tl.constexpr,
     BLOCK_K: tl.constexpr,
     USE_PDL: tl.constexpr,
+    START_NEXT: tl.constexpr,
 ):
     wait_for_previous_kernel(USE_PDL)
+    if START_NEXT:  # (the expand is scheduled now, and waits for this kernel to complete)
+        start_next_kernel(USE_PDL)
     token = tl.cast(tl.program_id(0), tl.int64)
     split = tl.program_id(1)
     rows = tl.arange(0, BLOCK_R)
@@ -71,8 +75,11 @@ def _expand_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_R: tl.constexpr,
     USE_PDL: tl.constexpr,
+    START_NEXT: tl.constexpr,
 ):
     wait_for_previous_kernel(USE_PDL)
+    if START_NEXT:
+        start_next_kernel(USE_PDL)
     token = tl.cast(tl.program_id(0), tl.int64)
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     ranks = tl.arange(0, BLOCK_R)
@@ -122,6 +129,7 @@ def lora_shrink(x: torch.Tensor, a: torch.Tensor, token_slots: torch.Tensor) -> 
             *strides,
             BLOCK_R=block_r,
             BLOCK_K=block_k,
+            START_NEXT=fits_one_wave(x.device, t * splits),
             **pdl_launch(x.device),
         )
     return out
@@ -155,6 +163,7 @@ def lora_expand(
             *strides,
             BLOCK_N=block_n,
             BLOCK_R=block_r,
+            START_NEXT=fits_one_wave(y.device, grid[0] * grid[1]),
             **pdl_launch(y.device),
         )
     return y
