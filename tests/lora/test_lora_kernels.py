@@ -22,12 +22,14 @@ def _tables(rank: int, k: int, n: int, dtype: torch.dtype):
     return a, b
 
 
+@pytest.mark.parametrize("wide", [16, 1])  # expand tiles of 64 columns, or 128
 @pytest.mark.parametrize("programs", [512, 12])  # K in one slice per program, or two
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize("rank", [8, 64])
-def test_shrink_expand_equal_dense_per_token(rank, dtype, programs, monkeypatch):
+def test_shrink_expand_equal_dense_per_token(rank, dtype, programs, wide, monkeypatch):
     monkeypatch.setattr(lora, "_PROGRAMS", programs)
-    k, n = 300, 40  # K: three slices of 128, the last cut short
+    monkeypatch.setattr(lora, "_WIDE_TOKENS", wide)
+    k, n = 300, 200  # K: three slices of 128, the last cut short; N: tiles cut short
     a, b = _tables(rank, k, n, dtype)
     x = torch.randn(len(SLOTS), k, dtype=dtype)
     y = torch.randn(len(SLOTS), n, dtype=dtype)
