@@ -18,7 +18,8 @@ measured slower. The exceptions call
 KV-write kernel on every decode step, before the decode attention (which loads cached keys
 before its wait); and, where their launch fits one wave (:func:`fits_one_wave`), so that the
 next kernel's programs take multiprocessors this one leaves idle, the RMSNorm kernel before the
-projection that reads it and the decode attention before its output projection. Kernels
+projection that reads it, LoRA's shrink and expand, and the decode attention before its output
+projection. Kernels
 that do not take part (PyTorch's, cuBLAS's) launch and wait as usual. ``HERON_PDL=0`` turns it
 off.
 """
