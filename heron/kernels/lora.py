@@ -16,9 +16,9 @@ from heron.kernels.pdl import fits_one_wave, pdl_launch, start_next_kernel, wait
 
 # Programs a shrink launch aims for: enough to spread a decode step's few tokens over the SMs.
 _PROGRAMS = 512
-# From this many tokens an expand program covers 128 output columns rather than 64: fewer,
-# fuller programs (measured on an H100 at 1 and 64 tokens: 3 % off a batch-64 LoRA step, 2 %
-# onto a batch-1 one).
+# From this many tokens an expand program covers 128 output columns rather than 64: the
+# tokens fill the grid anyway, and fewer, fuller programs cost less to schedule; a few tokens
+# want narrow tiles, to spread over the multiprocessors.
 _WIDE_TOKENS = 16
 
 

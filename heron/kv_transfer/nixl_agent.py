@@ -103,9 +103,8 @@ class NixlAgent:
         self._lock = threading.Lock()  # (remotes are met from the saver's thread too)
 
     def register(self, layout: CacheLayout) -> None:
-        for handle in self._registered:
-            self.agent.deregister_memory(handle)
-        self._registered, self.layers, seen = [], [], set()
+        self._deregister()
+        self.layers, seen = [], set()
         tensors = [
             (tensor, group, owner)
             for caches, group, owner in zip(layout.caches, layout.owner_groups, layout.owners)
@@ -141,9 +140,13 @@ class NixlAgent:
     def close(self) -> None:
         """Deregister the caches and end the agent: its UCX progress thread polls a core for
         as long as it lives."""
+        self._deregister()
+        self.agent = None
+
+    def _deregister(self) -> None:
         for handle in self._registered:
             self.agent.deregister_memory(handle)
-        self._registered, self.agent = [], None
+        self._registered = []
 
     @property
     def metadata(self) -> str:
