@@ -52,6 +52,39 @@ def _finish(acc, b_ptr, y_ptr, offs_m, offs_n, n_mask, out_mask, stride_ym, HAS_
 
 
 @triton.jit
+def _lora_tiles(
+    ls_ptr, lb_ptr, lslot_ptr, offs_n, n_mask, L_R, L_SPLITS,
+    stride_ls_split, stride_lb_s, stride_lb_n,
+    L_BLOCK_R: tl.constexpr, L_SPLITS_PAD: tl.constexpr,
+):  # fmt: skip
+    """The one row's LoRA operands for the tile's columns: its shrunk partial sums
+    ``[L_SPLITS_PAD, L_BLOCK_R]`` (fp32, as ``lora.lora_shrink`` leaves them) and its slot's
+    ``B`` rows ``[BLOCK_N, L_BLOCK_R]``. Loaded before the weight is streamed, they arrive
+    while it is, and the epilogue (``_lora_update``) waits on nothing."""
+    ranks = tl.arange(0, L_BLOCK_R)
+    splits = tl.arange(0, L_SPLITS_PAD)
+    shrunk = tl.load(
+        ls_ptr + splits[:, None] * stride_ls_split + ranks[None, :],
+        mask=(splits[:, None] < L_SPLITS) & (ranks[None, :] < L_R),
+        other=0.0,
+    )
+    slot = tl.load(lslot_ptr).to(tl.int64)
+    b = tl.load(
+        lb_ptr + slot * stride_lb_s + offs_n[:, None] * stride_lb_n + ranks[None, :],
+        mask=n_mask[:, None] & (ranks[None, :] < L_R),
+        other=0.0,
+    )
+    return shrunk, b
+
+
+@triton.jit
+def _lora_update(acc, shrunk, b, offs_m):
+    """``acc`` [M_PAD, BLOCK_N] with row 0's update ``sum(shrunk) B^T`` added."""
+    delta = tl.sum(b.to(tl.float32) * tl.sum(shrunk, axis=0)[None, :], axis=1)
+    return acc + tl.where(offs_m[:, None] == 0, delta[None, :], 0.0)
+
+
+@triton.jit
 def _load_tile(ptrs, n_mask, k_mask, EVEN_N: tl.constexpr, EVEN_K: tl.constexpr):
     """A weight tile [BLOCK_N, BLOCK_K], masked only where the shape needs it."""
     if EVEN_K:
@@ -97,6 +130,9 @@ def _gemv_kernel(
     part_ptr,
     cnt_ptr,
     u_ptr,
+    ls_ptr,
+    lb_ptr,
+    lslot_ptr,
     M,
     N,
     K,
@@ -105,6 +141,11 @@ def _gemv_kernel(
     stride_ym,
     k_per_split,
     stride_sn,
+    L_R,
+    L_SPLITS,
+    stride_ls_split,
+    stride_lb_s,
+    stride_lb_n,
     ACT: tl.constexpr,  # 0: x as given; else x = act(x) * u (ACTIVATIONS), u often x[:, K:]
     # 0: y = x @ w.T; else w is [2N, K], [gate; up], and y = act(x @ gate.T) * (x @ up.T)
     GATED_OUT: tl.constexpr,
@@ -114,6 +155,9 @@ def _gemv_kernel(
     SCALE: tl.constexpr,
     SCALE_BN: tl.constexpr,
     SCALE_BK: tl.constexpr,
+    # > 0: add the one row's LoRA update (``_lora_tiles``), ranks padded to L_BLOCK_R
+    L_BLOCK_R: tl.constexpr,
+    L_SPLITS_PAD: tl.constexpr,
     HAS_SPLIT: tl.constexpr,
     EVEN_N: tl.constexpr,
     EVEN_K: tl.constexpr,
@@ -145,6 +189,11 @@ def _gemv_kernel(
     else:
         acc = tl.zeros([M_PAD, BLOCK_N], dtype=tl.float32)
     acc_up = tl.zeros_like(acc)  # with GATED_OUT: the up rows' products
+    if L_BLOCK_R > 0:
+        lora_shrunk, lora_b = _lora_tiles(
+            ls_ptr, lb_ptr, lslot_ptr, offs_n, n_mask, L_R, L_SPLITS,
+            stride_ls_split, stride_lb_s, stride_lb_n, L_BLOCK_R, L_SPLITS_PAD,
+        )  # fmt: skip
     for k in tl.range(k_start, k_end, BLOCK_K, num_stages=NUM_STAGES):
         k_mask = (k + offs_k) < k_end
         if EVEN_K:
@@ -204,9 +253,13 @@ def _gemv_kernel(
             for s in range(0, split_k):
                 p_ptrs = part_ptr + (s * M + offs_m)[:, None] * N + offs_n[None, :]
                 total += tl.load(p_ptrs, mask=out_mask, other=0.0, cache_modifier=".cg")
+            if L_BLOCK_R > 0:
+                total = _lora_update(total, lora_shrunk, lora_b, offs_m)
             _finish(total, b_ptr, y_ptr, offs_m, offs_n, n_mask, out_mask, stride_ym, HAS_BIAS)
             tl.store(cnt_ptr + pid_n, 0)
     else:
+        if L_BLOCK_R > 0:
+            acc = _lora_update(acc, lora_shrunk, lora_b, offs_m)
         _finish(acc, b_ptr, y_ptr, offs_m, offs_n, n_mask, out_mask, stride_ym,
                 HAS_BIAS and GATED_OUT == 0)  # fmt: skip
 
@@ -412,6 +465,7 @@ def _launch(
     w_scale: torch.Tensor | None = None,
     w_block: tuple[int, int] | None = None,
     up: torch.Tensor | None = None,
+    lora: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
 ) -> None:
     M = x.shape[0]
     N, K = weight.shape
@@ -431,6 +485,8 @@ def _launch(
         part = cnt = out
     if up is None:  # a gated input lies in x as [gate | up]
         up = x[:, K:] if act else x
+    shrunk, lora_b, slots = lora if lora is not None else (out, out, out)
+    l_block_r = triton.next_power_of_2(lora_b.shape[2]) if lora is not None else 0
     _gemv_kernel[(n_blocks, split)](
         x,
         weight,
@@ -440,6 +496,9 @@ def _launch(
         part,
         cnt,
         up,
+        shrunk,
+        lora_b,
+        slots,
         M,
         N,
         K,
@@ -448,12 +507,18 @@ def _launch(
         out.stride(0),
         k_per_split,
         w_scale.stride(0) if w_block else 0,
+        lora_b.shape[2] if lora is not None else 0,
+        shrunk.shape[1] if lora is not None else 0,
+        shrunk.stride(1) if lora is not None else 0,
+        *(lora_b.stride()[:2] if lora is not None else (0, 0)),
         ACT=act,
         GATED_OUT=gated_out,
         HAS_BIAS=bias is not None,
         SCALE=0 if w_scale is None else 2 if w_block else 1,
         SCALE_BN=w_block[0] if w_block else 1,
         SCALE_BK=w_block[1] if w_block else 1,
+        L_BLOCK_R=l_block_r,
+        L_SPLITS_PAD=triton.next_power_of_2(shrunk.shape[1]) if lora is not None else 1,
         HAS_SPLIT=split > 1,
         EVEN_N=N % cfg.block_n == 0,
         EVEN_K=K % k_per_split == 0,
@@ -487,6 +552,7 @@ def linear_small_m(
     w_scale: torch.Tensor | None = None,
     w_block: tuple[int, int] | None = None,
     up: torch.Tensor | None = None,
+    lora: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """``x @ weight.T (+ bias)`` for few rows of ``x`` [M, K]; ``weight`` is [N, K] row-major.
 
@@ -497,7 +563,10 @@ def linear_small_m(
     the result is ``act(x @ gate.T) * (x @ up.T)`` [M, N]: the activation in the epilogue of a
     gated MLP's gate_up projection, rounded as the unfused product and activation would round. With ``w_scale`` the weight is FP8 E4M3 and stands for
     ``weight * w_scale``: fp32 ``[N]`` per output row (applied in the epilogue), or, with
-    ``w_block = (bn, bk)`` (powers of two), ``[ceil(N / bn), ceil(K / bk)]`` per block. Accumulates in fp32 and returns ``x.dtype`` (bf16,
+    ``w_block = (bn, bk)`` (powers of two), ``[ceil(N / bn), ceil(K / bk)]`` per block. With
+    ``lora = (shrunk, b, slots)`` each row ``m`` gains its LoRA update ``shrunk[m] b[slots[m]]^T``
+    in the epilogue (``shrunk`` [M, splits, R] fp32 partial sums as ``lora.lora_shrink``
+    returns them, ``b`` [S, N, R]; not with an activation). Accumulates in fp32 and returns ``x.dtype`` (bf16,
     fp16 or fp32). Rows of ``x`` and ``out`` may be strided (unit last stride). Meant for
     ``M <= MAX_M``; larger ``M`` runs ``MAX_M`` rows per launch. No host sync: capturable in a
     CUDA graph once each shape has run eagerly.
@@ -508,6 +577,8 @@ def linear_small_m(
         raise ValueError(f"linear_small_m: shapes {tuple(x.shape)} x {tuple(weight.shape)}")
     if up is not None and (act is None or up.shape != x.shape or up.stride(1) != 1):
         raise ValueError(f"linear_small_m: up {tuple(up.shape)} must be the gate's shape")
+    if lora is not None:
+        _check_lora(lora, x.shape[0], weight.shape[0], act or gated_out)
     if bias is not None and bias.dtype != x.dtype:
         raise ValueError("linear_small_m: x and bias must share a dtype")
     _check_weight(x, weight, w_scale, w_block)
@@ -549,8 +620,34 @@ def linear_small_m(
             w_scale,
             w_block,
             up[rows] if up is not None else None,
+            (lora[0][rows], lora[1], lora[2][rows]) if lora is not None else None,
         )
     return out
+
+
+def _check_lora(
+    lora: tuple[torch.Tensor, torch.Tensor, torch.Tensor], m: int, n: int, activated: bool
+) -> None:
+    """Raises unless ``lora`` is an update the epilogue adds to ``m`` rows (one) of ``n``
+    columns."""
+    shrunk, b, slots = lora
+    if (
+        activated
+        or m != 1
+        or shrunk.dim() != 3
+        or shrunk.shape[0] != m
+        or shrunk.dtype != torch.float32
+        or shrunk.stride(2) != 1
+        or b.dim() != 3
+        or b.shape[1:] != (n, shrunk.shape[2])
+        or b.stride(2) != 1
+        or slots.shape != (m,)
+    ):
+        raise ValueError(
+            f"linear_small_m: a LoRA update of shrunk {tuple(shrunk.shape)} {shrunk.dtype}, "
+            f"B {tuple(b.shape)} and slots {tuple(slots.shape)} does not fit one row of {n} "
+            f"columns ({m} rows; or it comes with an activation)"
+        )
 
 
 def _check_weight(

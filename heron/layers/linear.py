@@ -91,7 +91,8 @@ class Linear(nn.Module):
             self.register_parameter(name, None)
         self.perm: torch.Tensor | None = None  # act-order: the input columns' order
         self.g_idx_loaded = False  # a packed layer's shards each bring the same g_idx
-        # With LoRA: ``lora(x, y)`` adds the adapters' updates to this layer's output y.
+        # With LoRA: ``lora(x, y)`` adds the adapters' updates to this layer's output y (or
+        # ``lora.product`` computes both, the updates in the GEMV's epilogue).
         self.lora: nn.Module | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -101,6 +102,8 @@ class Linear(nn.Module):
             y = fp8_linear(
                 x, self.weight, self.weight_scale, self.weight_block, self.bias, self.kernels
             )
+        elif self.lora is not None and self.lora.fuses(x, self.weight):
+            return self._reduced(self.lora.product(x, self.weight, self.bias))
         else:
             y = linear(x, self.weight, self.bias, self.kernels)
         if self.lora is not None:  # (before the sum of a row-parallel layer's parts)

@@ -5,11 +5,16 @@ from __future__ import annotations
 import torch
 
 from heron.kernels import LayerKernels
-from heron.layers.linear import Linear, PackedLinear
+from heron.layers.linear import Linear, PackedLinear, takes_gemv
 from heron.lora.adapter import LoRAPair
 from heron.lora.builder import LoRABuilder, LoRAView
 from heron.lora.config import LoRAConfig
 from heron.metadata import MetadataOperator
+
+# A step of this many tokens whose base product takes the GEMV adds the update in the GEMV's
+# epilogue: a decode step of one request launches the shrink and the GEMV, and no expand (the
+# epilogue holds one token's B rows; more tokens take the expand kernel).
+_FUSED_TOKENS = 1
 
 
 def shrink_expand(
@@ -110,6 +115,26 @@ class LoRALinear(MetadataOperator):
         """Follow the base layer's rows into ``order`` (every slot's B alike)."""
         self.lora_b.copy_(self.lora_b[:, order])
         self.row_order = order if self.row_order is None else self.row_order[order]
+
+    def fuses(self, x: torch.Tensor, weight: torch.Tensor) -> bool:
+        """Whether :meth:`product` serves ``x`` (the base layer's ``weight``, in ``x``'s dtype):
+        a step with adapters, on the Triton kernels, of one token, whose base product takes
+        the GEMV."""
+        return (
+            self.kernels.lora_shrink is not None
+            and self.view.token_slots is not None
+            and x.shape[0] == _FUSED_TOKENS
+            and weight.dtype == x.dtype
+            and takes_gemv(self.kernels, x, weight)
+        )
+
+    def product(
+        self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
+    ) -> torch.Tensor:
+        """``x weight^T (+ bias)`` with each token's update, added in the GEMV's epilogue."""
+        slots = self.view.token_slots
+        shrunk = self.kernels.lora_shrink(x, self.lora_a, slots)
+        return self.kernels.gemv(x, weight, bias, lora=(shrunk, self.lora_b, slots))
 
     def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         """``y`` (the base layer's output for ``x``) plus each token's update."""

@@ -75,6 +75,34 @@ def test_forced_configs(cfg, dtype):
         assert torch.equal(out, again)
 
 
+def _lora_update(n: int, dtype: torch.dtype, slot: int, rank: int = 12, splits: int = 3):
+    """A LoRA update of one row as the epilogue takes it: fp32 partial sums ``[1, splits,
+    rank]``, ``B`` tables of four slots (slot 0 zero), the row's slot; and the update."""
+    g = torch.Generator().manual_seed(n + slot)
+    shrunk = torch.randn(1, splits, rank, generator=g).to(DEVICE)
+    b = torch.randn(4, n, rank, generator=g).to(dtype).to(DEVICE)
+    b[0] = 0
+    slots = torch.tensor([slot], dtype=torch.int32, device=DEVICE)
+    return (shrunk, b, slots), shrunk[0].sum(0) @ b[slot].float().T
+
+
+@pytest.mark.parametrize("cfg", FORCED, ids=lambda c: "-".join(map(str, c)))
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_lora_update_in_the_epilogue(cfg, dtype):
+    """The row's LoRA update (its slot's B; slot 0, nothing) added where the product is stored:
+    in one program's epilogue, or after the split-K reduction; more rows are refused."""
+    for m, n, k, slot in [(1, 96, 320, 2), (1, 64, 128, 0), (1, 96, 320, 1)]:
+        x, w, b = _inputs(m, n, k, dtype, strided=True, bias=True)
+        lora, update = _lora_update(n, dtype, slot)
+        out = torch.full((m, n), float("nan"), dtype=dtype, device=DEVICE)
+        _launch(x, w, b, out, cfg, lora=lora)
+        assert _rel_err(out, _reference(x, w, b) + update) < TOL[dtype]
+    got = linear_small_m(x, w, b, lora=lora)  # (the public entry point: the rule's config)
+    assert _rel_err(got, _reference(x, w, b) + update) < TOL[dtype]
+    with pytest.raises(ValueError, match="LoRA update"):
+        linear_small_m(x.expand(2, -1), w, lora=lora)
+
+
 def test_every_measured_config_computes_the_product():
     """Each measured configuration, at its row count less one (a masked row), on columns and a
     K that end in partial tiles, plain and with a gated input, against F.linear (fp32 in the
@@ -307,8 +335,9 @@ def test_gpu_cuda_graph_replay(k, n):
 
 
 def gemv_launches() -> None:
-    """Every measured configuration, with and without a gated input or output, and the rule's gated
-    configurations for some shapes without entries (for the lowering test)."""
+    """Every measured configuration, with and without a gated input or output (one row: with a
+    LoRA update), and the rule's gated configurations for some shapes without entries (for
+    the lowering test)."""
     from heron.kernels import gemv as g
 
     g._TUNED[torch.device("cpu")] = TUNED  # the recorded launches are CPU tensors
@@ -319,6 +348,14 @@ def gemv_launches() -> None:
         if n % 2 == 0:  # as a [gate; up] weight, the activation in the epilogue
             x = torch.empty(m, k, dtype=torch.bfloat16)
             g.linear_small_m(x, torch.empty(n, k, dtype=torch.bfloat16), gated_out="silu")
+        if m == 1:  # with a LoRA update in the epilogue
+            x = torch.empty(m, k, dtype=torch.bfloat16)
+            lora = (
+                torch.empty(m, 8, 48),
+                torch.empty(9, n, 48, dtype=torch.bfloat16),
+                torch.empty(m, dtype=torch.int32),
+            )
+            g.linear_small_m(x, torch.empty(n, k, dtype=torch.bfloat16), lora=lora)
     # The rule's gated configurations for shapes without measured entries (Qwen2.5-7B's down,
     # a mid-size and a tiny one), through the public entry point.
     for (n, k), m in itertools.product([(3584, 18944), (2048, 8192), (64, 320)], (1, 3, 16)):

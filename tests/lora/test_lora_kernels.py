@@ -1,15 +1,25 @@
 """The LoRA shrink/expand kernels under Triton's interpreter against dense per-token PyTorch
-(fp32): mixed slots, the input's width split over programs, the base model's slot 0, a slot no token uses, ranks 8 and 64, tails of
-the input and output widths; and their lowering for sm_90."""
+(fp32): mixed slots, the input's width split over programs, the base model's slot 0, a slot no
+token uses, ranks 8 and 64, tails of the input and output widths; their lowering for sm_90; a
+layer whose GEMV base product adds the update in its epilogue."""
 
 from __future__ import annotations
+
+import dataclasses
+from types import SimpleNamespace
 
 import pytest
 import torch
 from triton_lowering import check_lowering
 
-from heron.kernels import lora
+from heron.kernels import TORCH_KERNELS, gemv, lora
 from heron.kernels.lora import lora_expand, lora_shrink
+from heron.layers.linear import Linear
+from heron.lora.adapter import LoRAPair
+from heron.lora.builder import LoRAView
+from heron.lora.config import LoRAConfig
+from heron.lora.layer import LoRALinear
+from heron.metadata import ModelBuildContext
 
 SLOTS = [0, 2, 2, 1, 0, 2]  # slot 3 holds an adapter no token uses
 
@@ -68,3 +78,35 @@ def test_kernels_lower_for_sm90():
         "heron.kernels.lora:_shrink_kernel",
         "heron.kernels.lora:_expand_kernel",
     )
+
+
+def test_a_gemv_base_product_adds_the_update_in_its_epilogue(monkeypatch):
+    """A LoRA layer whose base product takes the GEMV (fp16, one token, interpreted) adds the
+    token's update in the GEMV's epilogue, launching no expand: the result equals the dense
+    product with its slot's whole weight ``W + B A`` (slot 0: ``W``)."""
+    kernels = dataclasses.replace(
+        TORCH_KERNELS,
+        gemv=gemv.linear_small_m,
+        gemv_serves=gemv.serves,
+        lora_shrink=lora_shrink,
+        lora_expand=None,  # (called, it would fail)
+    )
+    with ModelBuildContext():
+        layer = Linear(96, 80, True, kernels)
+        layer.lora = LoRALinear("proj.lora", layer, LoRAConfig(3, 8))
+    torch.manual_seed(0)
+    layer.weight.data.normal_(0, 0.1)
+    layer.bias.data.normal_(0, 0.1)
+    pairs = {s: LoRAPair(torch.randn(8, 96) * 0.1, torch.randn(80, 8) * 0.1) for s in (1, 2, 3)}
+    for slot, pair in pairs.items():
+        layer.lora.set_slot(slot, {None: pair})
+    layer.half()
+    for slot in (2, 0, 1):
+        view = LoRAView(torch.tensor([slot], dtype=torch.int32), None)
+        layer.lora.bind(SimpleNamespace(view=view))
+        x = torch.randn(1, 96).half()
+        assert layer.lora.fuses(x, layer.weight)
+        update = pairs[slot].b @ pairs[slot].a if slot else 0
+        want = x.float() @ (layer.weight.float() + update).T + layer.bias.float()
+        got = layer(x)
+        torch.testing.assert_close(got.float(), want, atol=2e-2 * want.abs().max(), rtol=2e-2)
