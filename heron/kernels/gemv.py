@@ -19,6 +19,10 @@ whatever the arrival order), writes the output and resets the counter to zero fo
 The counters live in a per-device buffer that is allocated zeroed once and never freed, so one
 launch does the whole call, with no host sync, and the call can be captured in a CUDA graph
 (calls on one stream only: two streams running split calls at once would share counters).
+
+A LoRA layer's one-token step adds its update where the output is stored (``lora=``): each
+program loads the token's shrunk vector and its adapter's ``B`` rows for its columns before it
+streams the weight, so the epilogue waits on nothing, and the step launches no expand kernel.
 """
 
 from __future__ import annotations
@@ -564,10 +568,10 @@ def linear_small_m(
     gated MLP's gate_up projection, rounded as the unfused product and activation would round. With ``w_scale`` the weight is FP8 E4M3 and stands for
     ``weight * w_scale``: fp32 ``[N]`` per output row (applied in the epilogue), or, with
     ``w_block = (bn, bk)`` (powers of two), ``[ceil(N / bn), ceil(K / bk)]`` per block. With
-    ``lora = (shrunk, b, slots)`` each row ``m`` gains its LoRA update ``shrunk[m] b[slots[m]]^T``
-    in the epilogue (``shrunk`` [M, splits, R] fp32 partial sums as ``lora.lora_shrink``
-    returns them, ``b`` [S, N, R]; not with an activation). Accumulates in fp32 and returns ``x.dtype`` (bf16,
-    fp16 or fp32). Rows of ``x`` and ``out`` may be strided (unit last stride). Meant for
+    ``lora = (shrunk, b, slots)`` the one row of ``x`` gains its LoRA update ``shrunk[0].sum(0)
+    @ b[slots[0]].T`` in the epilogue (``shrunk`` [1, splits, R] fp32 partial sums as
+    ``lora.lora_shrink`` returns them, ``b`` [S, N, R]; not with an activation). Accumulates in
+    fp32 and returns ``x.dtype`` (bf16, fp16 or fp32). Rows of ``x`` and ``out`` may be strided (unit last stride). Meant for
     ``M <= MAX_M``; larger ``M`` runs ``MAX_M`` rows per launch. No host sync: capturable in a
     CUDA graph once each shape has run eagerly.
     """
