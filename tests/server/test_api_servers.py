@@ -92,17 +92,23 @@ def test_concurrent_requests_on_both_fronts_each_get_their_answer(fronts_server)
     prompts = ["Paris is", "The quick brown fox", "Numbers: 0 1 2", "def add(a, b):"]
     alone = {p: _complete(url, p)[2] for p in prompts}  # the reference: one at a time
     before = fronts_server.metrics()
+    # Rounds of 16 at once until both fronts have answered: the fronts share one listening
+    # socket, and on a loaded machine one of them may accept a whole round.
+    results = []
     with ThreadPoolExecutor(16) as pool:
-        results = list(pool.map(lambda i: _complete(url, prompts[i % 4]), range(16)))
+        for _ in range(4):
+            results += pool.map(lambda i: _complete(url, prompts[i % 4]), range(16))
+            if {front for front, _, _ in results} == {"0", "1"}:
+                break
     assert {front for front, _, _ in results} == {"0", "1"}
     assert all(text == alone[prompt] for _, prompt, text in results)
     # Any front's scrape counts both fronts' requests.
     key = SUCCESS % "length"
     for index in "01":
         after = _metrics_of(url, index)
-        assert after[key] - before[key] == 16
+        assert after[key] - before[key] == len(results)
         generated = after["heron:generation_tokens_total"] - before["heron:generation_tokens_total"]
-        assert generated == 16 * 12
+        assert generated == len(results) * 12
 
 
 def test_a_tool_call_streams_through_a_front(fronts_server):
