@@ -489,8 +489,13 @@ def _launch(
         part = cnt = out
     if up is None:  # a gated input lies in x as [gate | up]
         up = x[:, K:] if act else x
-    shrunk, lora_b, slots = lora if lora is not None else (out, out, out)
-    l_block_r = triton.next_power_of_2(lora_b.shape[2]) if lora is not None else 0
+    if lora is None:  # (pointers the kernel never reads)
+        lora, lora_args, l_block_r, l_splits_pad = (out, out, out), (0,) * 5, 0, 1
+    else:
+        shrunk, lora_b, _ = lora
+        lora_args = (lora_b.shape[2], shrunk.shape[1], shrunk.stride(1), *lora_b.stride()[:2])
+        l_block_r = triton.next_power_of_2(lora_b.shape[2])
+        l_splits_pad = triton.next_power_of_2(shrunk.shape[1])
     _gemv_kernel[(n_blocks, split)](
         x,
         weight,
@@ -500,9 +505,7 @@ def _launch(
         part,
         cnt,
         up,
-        shrunk,
-        lora_b,
-        slots,
+        *lora,
         M,
         N,
         K,
@@ -511,10 +514,7 @@ def _launch(
         out.stride(0),
         k_per_split,
         w_scale.stride(0) if w_block else 0,
-        lora_b.shape[2] if lora is not None else 0,
-        shrunk.shape[1] if lora is not None else 0,
-        shrunk.stride(1) if lora is not None else 0,
-        *(lora_b.stride()[:2] if lora is not None else (0, 0)),
+        *lora_args,
         ACT=act,
         GATED_OUT=gated_out,
         HAS_BIAS=bias is not None,
@@ -522,7 +522,7 @@ def _launch(
         SCALE_BN=w_block[0] if w_block else 1,
         SCALE_BK=w_block[1] if w_block else 1,
         L_BLOCK_R=l_block_r,
-        L_SPLITS_PAD=triton.next_power_of_2(shrunk.shape[1]) if lora is not None else 1,
+        L_SPLITS_PAD=l_splits_pad,
         HAS_SPLIT=split > 1,
         EVEN_N=N % cfg.block_n == 0,
         EVEN_K=K % k_per_split == 0,
@@ -571,8 +571,8 @@ def linear_small_m(
     ``lora = (shrunk, b, slots)`` the one row of ``x`` gains its LoRA update ``shrunk[0].sum(0)
     @ b[slots[0]].T`` in the epilogue (``shrunk`` [1, splits, R] fp32 partial sums as
     ``lora.lora_shrink`` returns them, ``b`` [S, N, R]; not with an activation). Accumulates in
-    fp32 and returns ``x.dtype`` (bf16, fp16 or fp32). Rows of ``x`` and ``out`` may be strided (unit last stride). Meant for
-    ``M <= MAX_M``; larger ``M`` runs ``MAX_M`` rows per launch. No host sync: capturable in a
+    fp32 and returns ``x.dtype`` (bf16, fp16 or fp32). Rows of ``x`` and ``out`` may be strided
+    (unit last stride). Meant for ``M <= MAX_M``; larger ``M`` runs ``MAX_M`` rows per launch. No host sync: capturable in a
     CUDA graph once each shape has run eagerly.
     """
     packed = act is not None and up is None
@@ -582,7 +582,7 @@ def linear_small_m(
     if up is not None and (act is None or up.shape != x.shape or up.stride(1) != 1):
         raise ValueError(f"linear_small_m: up {tuple(up.shape)} must be the gate's shape")
     if lora is not None:
-        _check_lora(lora, x.shape[0], weight.shape[0], act or gated_out)
+        _check_lora(lora, x.shape[0], weight.shape[0], bool(act or gated_out))
     if bias is not None and bias.dtype != x.dtype:
         raise ValueError("linear_small_m: x and bias must share a dtype")
     _check_weight(x, weight, w_scale, w_block)
@@ -624,7 +624,7 @@ def linear_small_m(
             w_scale,
             w_block,
             up[rows] if up is not None else None,
-            (lora[0][rows], lora[1], lora[2][rows]) if lora is not None else None,
+            lora,  # (one row: the only chunk)
         )
     return out
 

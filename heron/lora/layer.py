@@ -131,7 +131,7 @@ class LoRALinear(MetadataOperator):
     def product(
         self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
     ) -> torch.Tensor:
-        """``x weight^T (+ bias)`` with each token's update, added in the GEMV's epilogue."""
+        """``x weight^T (+ bias)`` with the token's update, added in the GEMV's epilogue."""
         slots = self.view.token_slots
         shrunk = self.kernels.lora_shrink(x, self.lora_a, slots)
         return self.kernels.gemv(x, weight, bias, lora=(shrunk, self.lora_b, slots))
