@@ -31,6 +31,8 @@ class LayerKernels:
     wna16_gemv_serves: Callable[[int], bool] | None = None  # wna16.gemv_serves (rows it fuses)
     lora_shrink: Callable[..., Any] | None = None  # lora.lora_shrink (LoRA layers)
     lora_expand: Callable[..., Any] | None = None  # lora.lora_expand
+    lora_gemv: Callable[..., Any] | None = None  # lora_gemv.lora_linear (a few rows, one launch)
+    lora_gemv_serves: Callable[..., bool] | None = None  # lora_gemv.serves
 
 
 #: Plain PyTorch everywhere: the CPU's choice and every layer's default.

@@ -56,15 +56,24 @@ def _finish(acc, b_ptr, y_ptr, offs_m, offs_n, n_mask, out_mask, stride_ym, HAS_
 
 
 @triton.jit
-def _lora_tiles(
-    ls_ptr, lb_ptr, lslot_ptr, offs_n, n_mask, L_R, L_SPLITS,
-    stride_ls_split, stride_lb_s, stride_lb_n,
-    L_BLOCK_R: tl.constexpr, L_SPLITS_PAD: tl.constexpr,
-):  # fmt: skip
-    """The one row's LoRA operands for the tile's columns: its shrunk partial sums
-    ``[L_SPLITS_PAD, L_BLOCK_R]`` (fp32, as ``lora.lora_shrink`` leaves them) and its slot's
-    ``B`` rows ``[BLOCK_N, L_BLOCK_R]``. Loaded before the weight is streamed, they arrive
-    while it is, and the epilogue (``_lora_update``) waits on nothing."""
+def _lora_b_rows(lb_ptr, lslot_ptr, offs_n, n_mask, L_R, stride_lb_s, stride_lb_n,
+                 L_BLOCK_R: tl.constexpr):  # fmt: skip
+    """The one row's slot's ``B`` rows for the tile's columns, ``[BLOCK_N, L_BLOCK_R]``: loaded
+    before the weight is streamed, they arrive while it is."""
+    ranks = tl.arange(0, L_BLOCK_R)
+    slot = tl.load(lslot_ptr).to(tl.int64)
+    return tl.load(
+        lb_ptr + slot * stride_lb_s + offs_n[:, None] * stride_lb_n + ranks[None, :],
+        mask=n_mask[:, None] & (ranks[None, :] < L_R),
+        other=0.0,
+    )
+
+
+@triton.jit
+def _lora_update(acc, ls_ptr, b, offs_m, L_R, L_SPLITS, stride_ls_split,
+                 L_BLOCK_R: tl.constexpr, L_SPLITS_PAD: tl.constexpr):  # fmt: skip
+    """``acc`` [M_PAD, BLOCK_N] with row 0's update ``sum(shrunk) B^T`` added: ``b`` from
+    ``_lora_b_rows``, the shrink's partial sums ``[L_SPLITS, L_R]`` loaded here."""
     ranks = tl.arange(0, L_BLOCK_R)
     splits = tl.arange(0, L_SPLITS_PAD)
     shrunk = tl.load(
@@ -72,20 +81,24 @@ def _lora_tiles(
         mask=(splits[:, None] < L_SPLITS) & (ranks[None, :] < L_R),
         other=0.0,
     )
-    slot = tl.load(lslot_ptr).to(tl.int64)
-    b = tl.load(
-        lb_ptr + slot * stride_lb_s + offs_n[:, None] * stride_lb_n + ranks[None, :],
-        mask=n_mask[:, None] & (ranks[None, :] < L_R),
-        other=0.0,
-    )
-    return shrunk, b
+    delta = tl.sum(b.to(tl.float32) * tl.sum(shrunk, axis=0)[None, :], axis=1)
+    return acc + tl.where(offs_m[:, None] == 0, delta[None, :], 0.0)
 
 
 @triton.jit
-def _lora_update(acc, shrunk, b, offs_m):
-    """``acc`` [M_PAD, BLOCK_N] with row 0's update ``sum(shrunk) B^T`` added."""
-    delta = tl.sum(b.to(tl.float32) * tl.sum(shrunk, axis=0)[None, :], axis=1)
-    return acc + tl.where(offs_m[:, None] == 0, delta[None, :], 0.0)
+def _tile(x_ptr, w_ptr, pid_n, pid_k, M, N, K, stride_xm, k_per_split,
+          M_PAD: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):  # fmt: skip
+    """Program ``(pid_n, pid_k)``'s rows, columns, K offsets, their masks, its K range and its
+    first weight and x tiles' pointers."""
+    offs_m = tl.arange(0, M_PAD)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_k = tl.arange(0, BLOCK_K)
+    k_start = pid_k * k_per_split
+    k_end = tl.minimum(k_start + k_per_split, K)
+    # int64 row offsets: N * K can pass 2**31 for a large vocabulary times a wide hidden size.
+    w_ptrs = w_ptr + tl.cast(offs_n, tl.int64)[:, None] * K + offs_k[None, :]
+    x_ptrs = x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :]
+    return offs_m, offs_n, offs_k, offs_m < M, offs_n < N, k_start, k_end, w_ptrs, x_ptrs
 
 
 @triton.jit
@@ -99,6 +112,20 @@ def _load_tile(ptrs, n_mask, k_mask, EVEN_N: tl.constexpr, EVEN_K: tl.constexpr)
     else:
         w = tl.load(ptrs, mask=n_mask[:, None] & k_mask[None, :], other=0.0)
     return w
+
+
+@triton.jit
+def _load_tiles(w_ptrs, x_ptrs, k, k_end, offs_k, m_mask, n_mask,
+                EVEN_N: tl.constexpr, EVEN_K: tl.constexpr):  # fmt: skip
+    """The weight tile (in x's dtype) and x tile at ``k``, and the K and x masks they took."""
+    k_mask = (k + offs_k) < k_end
+    if EVEN_K:
+        x_mask = m_mask[:, None]
+    else:
+        x_mask = m_mask[:, None] & k_mask[None, :]
+    w = _load_tile(w_ptrs + k, n_mask, k_mask, EVEN_N, EVEN_K).to(x_ptrs.dtype.element_ty)
+    x = tl.load(x_ptrs + k, mask=x_mask, other=0.0)
+    return w, x, k_mask, x_mask
 
 
 @triton.jit
@@ -173,20 +200,13 @@ def _gemv_kernel(
     NUM_STAGES: tl.constexpr,
     USE_PDL: tl.constexpr,
 ):
-    wait_for_previous_kernel(USE_PDL)
+    if L_BLOCK_R == 0:
+        wait_for_previous_kernel(USE_PDL)
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
-    offs_m = tl.arange(0, M_PAD)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    offs_k = tl.arange(0, BLOCK_K)
-    m_mask = offs_m < M
-    n_mask = offs_n < N
-    k_start = pid_k * k_per_split
-    k_end = tl.minimum(k_start + k_per_split, K)
-
-    # int64 row offsets: N * K can pass 2**31 for a large vocabulary times a wide hidden size.
-    w_ptrs = w_ptr + tl.cast(offs_n, tl.int64)[:, None] * K + offs_k[None, :]
-    x_ptrs = x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :]
+    offs_m, offs_n, offs_k, m_mask, n_mask, k_start, k_end, w_ptrs, x_ptrs = _tile(
+        x_ptr, w_ptr, pid_n, pid_k, M, N, K, stride_xm, k_per_split, M_PAD, BLOCK_N, BLOCK_K
+    )
     u_ptrs = u_ptr + offs_m[:, None] * stride_um + offs_k[None, :]
     if USE_DOT:
         acc = tl.zeros([BLOCK_N, M_PAD], dtype=tl.float32)
@@ -194,18 +214,13 @@ def _gemv_kernel(
         acc = tl.zeros([M_PAD, BLOCK_N], dtype=tl.float32)
     acc_up = tl.zeros_like(acc)  # with GATED_OUT: the up rows' products
     if L_BLOCK_R > 0:
-        lora_shrunk, lora_b = _lora_tiles(
-            ls_ptr, lb_ptr, lslot_ptr, offs_n, n_mask, L_R, L_SPLITS,
-            stride_ls_split, stride_lb_s, stride_lb_n, L_BLOCK_R, L_SPLITS_PAD,
-        )  # fmt: skip
+        lora_b = _lora_b_rows(
+            lb_ptr, lslot_ptr, offs_n, n_mask, L_R, stride_lb_s, stride_lb_n, L_BLOCK_R
+        )
     for k in tl.range(k_start, k_end, BLOCK_K, num_stages=NUM_STAGES):
-        k_mask = (k + offs_k) < k_end
-        if EVEN_K:
-            x_mask = m_mask[:, None]
-        else:
-            x_mask = m_mask[:, None] & k_mask[None, :]
-        w = _load_tile(w_ptrs + k, n_mask, k_mask, EVEN_N, EVEN_K).to(x_ptr.dtype.element_ty)
-        x = tl.load(x_ptrs + k, mask=x_mask, other=0.0)
+        w, x, k_mask, x_mask = _load_tiles(
+            w_ptrs, x_ptrs, k, k_end, offs_k, m_mask, n_mask, EVEN_N, EVEN_K
+        )
         if ACT != 0:
             # Rounded to the input dtype, as an unfused activation kernel would store it.
             up = tl.load(u_ptrs + k, mask=x_mask, other=0.0)
@@ -227,6 +242,10 @@ def _gemv_kernel(
                 )
             else:
                 acc_up = _accumulate(acc_up, w_up, x, USE_DOT, DOT_PREC)
+    if L_BLOCK_R > 0:
+        # The kernel before this one is the shrink of this x, which started this one once its
+        # own wait had returned: x was complete then, and only the shrunk sums are waited for.
+        wait_for_previous_kernel(USE_PDL)
     if USE_DOT:
         acc = tl.trans(acc)
         acc_up = tl.trans(acc_up)
@@ -258,12 +277,24 @@ def _gemv_kernel(
                 p_ptrs = part_ptr + (s * M + offs_m)[:, None] * N + offs_n[None, :]
                 total += tl.load(p_ptrs, mask=out_mask, other=0.0, cache_modifier=".cg")
             if L_BLOCK_R > 0:
-                total = _lora_update(total, lora_shrunk, lora_b, offs_m)
+                total = _lora_update(
+                    total,
+                    ls_ptr,
+                    lora_b,
+                    offs_m,
+                    L_R,
+                    L_SPLITS,
+                    stride_ls_split,
+                    L_BLOCK_R,
+                    L_SPLITS_PAD,
+                )
             _finish(total, b_ptr, y_ptr, offs_m, offs_n, n_mask, out_mask, stride_ym, HAS_BIAS)
             tl.store(cnt_ptr + pid_n, 0)
     else:
         if L_BLOCK_R > 0:
-            acc = _lora_update(acc, lora_shrunk, lora_b, offs_m)
+            acc = _lora_update(
+                acc, ls_ptr, lora_b, offs_m, L_R, L_SPLITS, stride_ls_split, L_BLOCK_R, L_SPLITS_PAD
+            )
         _finish(acc, b_ptr, y_ptr, offs_m, offs_n, n_mask, out_mask, stride_ym,
                 HAS_BIAS and GATED_OUT == 0)  # fmt: skip
 
@@ -570,10 +601,11 @@ def linear_small_m(
     ``w_block = (bn, bk)`` (powers of two), ``[ceil(N / bn), ceil(K / bk)]`` per block. With
     ``lora = (shrunk, b, slots)`` the one row of ``x`` gains its LoRA update ``shrunk[0].sum(0)
     @ b[slots[0]].T`` in the epilogue (``shrunk`` [1, splits, R] fp32 partial sums as
-    ``lora.lora_shrink`` returns them, ``b`` [S, N, R]; not with an activation). Accumulates in
-    fp32 and returns ``x.dtype`` (bf16, fp16 or fp32). Rows of ``x`` and ``out`` may be strided
-    (unit last stride). Meant for ``M <= MAX_M``; larger ``M`` runs ``MAX_M`` rows per launch. No host sync: capturable in a
-    CUDA graph once each shape has run eagerly.
+    ``lora.lora_shrink`` made them in the launch just before this one, ``b`` [S, N, R]; not
+    with an activation). Accumulates in fp32 and returns ``x.dtype`` (bf16, fp16 or fp32).
+    Rows of ``x`` and ``out`` may be strided (unit last stride). Meant for ``M <= MAX_M``;
+    larger ``M`` runs ``MAX_M`` rows per launch. No host sync: capturable in a CUDA graph once
+    each shape has run eagerly.
     """
     packed = act is not None and up is None
     width = weight.shape[1] * (2 if packed else 1) if weight.dim() == 2 else -1
@@ -582,7 +614,7 @@ def linear_small_m(
     if up is not None and (act is None or up.shape != x.shape or up.stride(1) != 1):
         raise ValueError(f"linear_small_m: up {tuple(up.shape)} must be the gate's shape")
     if lora is not None:
-        _check_lora(lora, x.shape[0], weight.shape[0], bool(act or gated_out))
+        _check_lora(lora, x, weight.shape[0], bool(act or gated_out))
     if bias is not None and bias.dtype != x.dtype:
         raise ValueError("linear_small_m: x and bias must share a dtype")
     _check_weight(x, weight, w_scale, w_block)
@@ -630,14 +662,17 @@ def linear_small_m(
 
 
 def _check_lora(
-    lora: tuple[torch.Tensor, torch.Tensor, torch.Tensor], m: int, n: int, activated: bool
+    lora: tuple[torch.Tensor, torch.Tensor, torch.Tensor], x: torch.Tensor, n: int, activated: bool
 ) -> None:
-    """Raises unless ``lora`` is an update the epilogue adds to ``m`` rows (one) of ``n``
-    columns."""
+    """Raises unless ``lora`` is an update the epilogue adds to ``x``'s one row, of ``n``
+    columns: ``x`` as the shrink read it (a copy made here would be read before the kernel's
+    wait)."""
     shrunk, b, slots = lora
+    m = x.shape[0]
     if (
         activated
         or m != 1
+        or x.stride(1) != 1
         or shrunk.dim() != 3
         or shrunk.shape[0] != m
         or shrunk.dtype != torch.float32

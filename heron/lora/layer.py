@@ -11,10 +11,12 @@ from heron.lora.builder import LoRABuilder, LoRAView
 from heron.lora.config import LoRAConfig
 from heron.metadata import MetadataOperator
 
-# A step of this many tokens whose base product takes the GEMV adds the update in the GEMV's
-# epilogue: a decode step of one request launches the shrink and the GEMV, and no expand (the
-# epilogue holds one token's B rows; more tokens take the expand kernel).
-_FUSED_TOKENS = 1
+# A step of up to this many tokens adds its updates in the base product's launch: one token
+# in the GEMV's epilogue (after a shrink launch), more in ``lora_gemv``'s one launch. Either
+# replaces the shrink and expand launches, which cost a decode step as much as the products.
+_FUSED_TOKENS = 64
+# Up to this many slots: ``lora_gemv`` unrolls its update products over the slots.
+_FUSED_SLOTS = 16
 
 
 def shrink_expand(
@@ -75,6 +77,11 @@ class LoRALinear(MetadataOperator):
             "lora_b", torch.zeros(slots, self.out_features, width), persistent=False
         )
         self.kernels = base.kernels
+        # Each part's first row but the first's, in rank-column order, for ``lora_gemv``: a tile
+        # within one part reads its part's rank columns alone (empty: every tile reads all).
+        starts = [offset for offset, *_ in self.parts.values()]
+        ordered = starts == sorted(starts) and len(starts) <= 3
+        self.part_starts = tuple(starts[1:]) if ordered else ()
         self._builder = LoRABuilder(config.max_loras, config.max_lora_rank)
         # The base layer's output rows as reordered after loading (``Linear.reorder_rows``):
         # row i is the checkpoint's row_order[i] (None: the checkpoint's order).
@@ -115,24 +122,35 @@ class LoRALinear(MetadataOperator):
         """Follow the base layer's rows into ``order`` (every slot's B alike)."""
         self.lora_b.copy_(self.lora_b[:, order])
         self.row_order = order if self.row_order is None else self.row_order[order]
+        self.part_starts = ()  # (a part's rows are no longer one run)
 
     def fuses(self, x: torch.Tensor, weight: torch.Tensor) -> bool:
         """Whether :meth:`product` serves ``x`` (the base layer's ``weight``, in ``x``'s dtype):
-        a step with adapters, on the Triton kernels, of one token, whose base product takes
-        the GEMV."""
-        return (
-            self.kernels.lora_shrink is not None
-            and self.view.token_slots is not None
-            and x.shape[0] == _FUSED_TOKENS
-            and weight.dtype == x.dtype
-            and takes_gemv(self.kernels, x, weight)
+        a step with adapters, on the Triton kernels, of one token whose product takes the GEMV,
+        or of a few that ``lora_gemv`` takes."""
+        rows, k = x.shape
+        if (
+            self.kernels.lora_shrink is None
+            or self.view.token_slots is None
+            or not 0 < rows <= _FUSED_TOKENS
+            or weight.dtype != x.dtype
+            or not takes_gemv(self.kernels, x[:1], weight)  # (x's dtype and the weight's)
+        ):
+            return False
+        return rows == 1 or (
+            self.kernels.lora_gemv is not None
+            and self.lora_b.shape[0] - 1 <= _FUSED_SLOTS
+            and self.kernels.lora_gemv_serves(rows, weight.shape[0], k, x.device, x.element_size())
         )
 
     def product(
         self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
     ) -> torch.Tensor:
-        """``x weight^T (+ bias)`` with the token's update, added in the GEMV's epilogue."""
+        """``x weight^T (+ bias)`` with the tokens' updates, in the base product's launch."""
         slots = self.view.token_slots
+        if x.shape[0] > 1:
+            lora = (self.lora_a, self.lora_b, slots, self.part_starts)
+            return self.kernels.lora_gemv(x, weight, bias, *lora)
         shrunk = self.kernels.lora_shrink(x, self.lora_a, slots)
         return self.kernels.gemv(x, weight, bias, lora=(shrunk, self.lora_b, slots))
 

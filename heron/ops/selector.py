@@ -25,7 +25,17 @@ logger = logging.getLogger(__name__)
 
 def _triton_layer_kernels() -> LayerKernels:
     # Imported on demand, as the Triton attention operator is.
-    from heron.kernels import activation, fp8_quant, gemv, lora, moe, moe_route, rmsnorm, wna16
+    from heron.kernels import (
+        activation,
+        fp8_quant,
+        gemv,
+        lora,
+        lora_gemv,
+        moe,
+        moe_route,
+        rmsnorm,
+        wna16,
+    )
     from heron.layers import fp8
 
     return LayerKernels(
@@ -43,6 +53,8 @@ def _triton_layer_kernels() -> LayerKernels:
         wna16_gemv_serves=wna16.gemv_serves,
         lora_shrink=lora.lora_shrink,
         lora_expand=lora.lora_expand,
+        lora_gemv=lora_gemv.lora_linear,
+        lora_gemv_serves=lora_gemv.serves,
     )
 
 

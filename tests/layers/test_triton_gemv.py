@@ -90,7 +90,8 @@ def _lora_update(n: int, dtype: torch.dtype, slot: int, rank: int = 12, splits: 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 def test_lora_update_in_the_epilogue(cfg, dtype):
     """The row's LoRA update (its slot's B; slot 0, nothing) added where the product is stored:
-    in one program's epilogue, or after the split-K reduction; more rows are refused."""
+    in one program's epilogue, or after the split-K reduction; more rows, or an input the
+    kernel would copy, are refused."""
     for m, n, k, slot in [(1, 96, 320, 2), (1, 64, 128, 0), (1, 96, 320, 1)]:
         x, w, b = _inputs(m, n, k, dtype, strided=True, bias=True)
         lora, update = _lora_update(n, dtype, slot)
@@ -101,6 +102,8 @@ def test_lora_update_in_the_epilogue(cfg, dtype):
     assert _rel_err(got, _reference(x, w, b) + update) < TOL[dtype]
     with pytest.raises(ValueError, match="LoRA update"):
         linear_small_m(x.expand(2, -1), w, lora=lora)
+    with pytest.raises(ValueError, match="LoRA update"):  # (a copy would be read before the wait)
+        linear_small_m(torch.cat([x, x], 1)[:, ::2], w, lora=lora)
 
 
 def test_every_measured_config_computes_the_product():

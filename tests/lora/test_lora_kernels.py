@@ -12,7 +12,7 @@ import pytest
 import torch
 from triton_lowering import check_lowering
 
-from heron.kernels import TORCH_KERNELS, gemv, lora
+from heron.kernels import TORCH_KERNELS, gemv, lora, lora_gemv
 from heron.kernels.lora import lora_expand, lora_shrink
 from heron.layers.linear import Linear
 from heron.lora.adapter import LoRAPair
@@ -81,15 +81,19 @@ def test_kernels_lower_for_sm90():
 
 
 def test_a_gemv_base_product_adds_the_update_in_its_epilogue(monkeypatch):
-    """A LoRA layer whose base product takes the GEMV (fp16, one token, interpreted) adds the
-    token's update in the GEMV's epilogue, launching no expand: the result equals the dense
-    product with its slot's whole weight ``W + B A`` (slot 0: ``W``)."""
+    """A LoRA layer whose base product takes the GEMV (fp16, interpreted) adds the tokens'
+    updates in the base product's launch, launching no expand: one token in the GEMV's
+    epilogue, a step of up to 64 tokens of mixed slots in ``lora_gemv``. Each row equals the
+    dense product with its slot's whole weight ``W + B A`` (slot 0: ``W``). A step of more rows
+    is left to the expand."""
     kernels = dataclasses.replace(
         TORCH_KERNELS,
         gemv=gemv.linear_small_m,
         gemv_serves=gemv.serves,
         lora_shrink=lora_shrink,
         lora_expand=None,  # (called, it would fail)
+        lora_gemv=lora_gemv.lora_linear,
+        lora_gemv_serves=lora_gemv.serves,
     )
     with ModelBuildContext():
         layer = Linear(96, 80, True, kernels)
@@ -101,12 +105,16 @@ def test_a_gemv_base_product_adds_the_update_in_its_epilogue(monkeypatch):
     for slot, pair in pairs.items():
         layer.lora.set_slot(slot, {None: pair})
     layer.half()
-    for slot in (2, 0, 1):
-        view = LoRAView(torch.tensor([slot], dtype=torch.int32), None)
+    for slots in ([2], [0], [1], [1, 0, 3, 3, 2], [3, 1, 0, 2] * 5):
+        view = LoRAView(torch.tensor(slots, dtype=torch.int32), None)
         layer.lora.bind(SimpleNamespace(view=view))
-        x = torch.randn(1, 96).half()
+        x = torch.randn(len(slots), 96).half()
         assert layer.lora.fuses(x, layer.weight)
-        update = pairs[slot].b @ pairs[slot].a if slot else 0
-        want = x.float() @ (layer.weight.float() + update).T + layer.bias.float()
+        updates = [pairs[s].b @ pairs[s].a if s else torch.zeros(80, 96) for s in slots]
+        weights = layer.weight.float() + torch.stack(updates)
+        want = torch.einsum("tk,tnk->tn", x.float(), weights) + layer.bias.float()
         got = layer(x)
         torch.testing.assert_close(got.float(), want, atol=2e-2 * want.abs().max(), rtol=2e-2)
+    x = torch.randn(65, 96).half()
+    layer.lora.bind(SimpleNamespace(view=LoRAView(torch.ones(65, dtype=torch.int32), None)))
+    assert not layer.lora.fuses(x, layer.weight)
