@@ -21,8 +21,10 @@ launch does the whole call, with no host sync, and the call can be captured in a
 (calls on one stream only: two streams running split calls at once would share counters).
 
 A LoRA layer's one-token step adds its update where the output is stored (``lora=``): each
-program loads the token's shrunk vector and its adapter's ``B`` rows for its columns before it
-streams the weight, so the epilogue waits on nothing, and the step launches no expand kernel.
+program loads its adapter's ``B`` rows for its columns and streams the weight before it waits
+for the shrink kernel launched just before it (which started it early), then adds the token's
+shrunk vector times those rows: the shrink runs while the weight streams, and the step launches
+no expand kernel. (More tokens take ``lora_gemv``, which does the shrink too.)
 """
 
 from __future__ import annotations

@@ -10,7 +10,8 @@ path.
 Every participating kernel calls :func:`wait_for_previous_kernel` first, before it reads or
 writes anything, so each kernel still does all its work after the one before it completed (the
 order is exactly the stream's), except loads of memory no running kernel writes (the decode
-attention's cached keys, the fused GDN decode's recurrent state). Kernels do not, as a rule,
+attention's cached keys, the fused GDN decode's recurrent state, the input and weight of a
+one-token GEMV after LoRA's shrink, which started it only once that input was complete). Kernels do not, as a rule,
 signal their dependents early (``griddepcontrol.launch_dependents``): that makes the next
 kernel's programs resident while the current one runs, crowding its multiprocessors, and was
 measured slower. The exceptions call
