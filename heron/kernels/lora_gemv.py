@@ -50,7 +50,7 @@ _CHUNKS = 16
 
 @triton.jit
 def _shrink(
-    x_ptr, a_ptr, slots_ptr, ws_ptr, parts_ptr, flag_ptr, pid, M, K, WIDTH, CHUNK_K,
+    x_ptr, a_ptr, slots_ptr, ws_ptr, chunks_ptr, flag_ptr, pid, M, K, WIDTH, CHUNK_K,
     stride_xm, stride_as, stride_ar, SHRINK,
     M_PAD: tl.constexpr, W_PAD: tl.constexpr, S_BLOCK_K: tl.constexpr,
     CHUNKS_PAD: tl.constexpr, L_SLOTS: tl.constexpr, DOT_PREC: tl.constexpr,
@@ -62,7 +62,7 @@ def _shrink(
     offs_m = tl.arange(0, M_PAD)
     ranks = tl.arange(0, W_PAD)
     token_slots = tl.load(slots_ptr + offs_m, mask=offs_m < M, other=0)
-    chunk_ptrs = parts_ptr + offs_m[:, None] * W_PAD + ranks[None, :]
+    chunk_ptrs = chunks_ptr + offs_m[:, None] * W_PAD + ranks[None, :]
     chunks = tl.cdiv(K, CHUNK_K)
     for item in range(pid, chunks * L_SLOTS, SHRINK):
         slot = item % L_SLOTS + 1
