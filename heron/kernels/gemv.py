@@ -131,6 +131,26 @@ def _load_tiles(w_ptrs, x_ptrs, k, k_end, offs_k, m_mask, n_mask,
 
 
 @triton.jit
+def _split_sum(acc, part_ptr, cnt_ptr, pid_n, pid_k, split_k, M, N, offs_m, offs_n, out_mask):
+    """Stores this program's fp32 partial sums ``acc`` [M_PAD, BLOCK_N] of its column block
+    (workspace ``[split_k, M, N]``) and takes the block's ticket. The program that takes the
+    last one gets every split's sums added in split order (the same result whatever the order
+    of arrival) and hands the ticket back for the next call: ``(sums, whether it was last)``."""
+    part_ptrs = part_ptr + (pid_k * M + offs_m)[:, None] * N + offs_n[None, :]
+    tl.store(part_ptrs, acc, mask=out_mask)
+    # Every thread's partial store is done before the ticket (release) is taken.
+    tl.debug_barrier()
+    last = tl.atomic_add(cnt_ptr + pid_n, 1, sem="acq_rel", scope="gpu") == split_k - 1
+    if last:
+        acc = tl.zeros_like(acc)
+        for s in range(0, split_k):
+            p_ptrs = part_ptr + (s * M + offs_m)[:, None] * N + offs_n[None, :]
+            acc += tl.load(p_ptrs, mask=out_mask, other=0.0, cache_modifier=".cg")
+        tl.store(cnt_ptr + pid_n, 0)
+    return acc, last
+
+
+@triton.jit
 def _accumulate(acc, w, x, USE_DOT: tl.constexpr, DOT_PREC: tl.constexpr):
     """``acc`` plus the tile's products: ``w @ x.T`` ([BLOCK_N, M_PAD]) with ``USE_DOT``, else
     ``x @ w.T`` ([M_PAD, BLOCK_N]) as a broadcast multiply and a sum."""
@@ -188,7 +208,7 @@ def _gemv_kernel(
     SCALE: tl.constexpr,
     SCALE_BN: tl.constexpr,
     SCALE_BK: tl.constexpr,
-    # > 0: add the one row's LoRA update (``_lora_tiles``), ranks padded to L_BLOCK_R
+    # > 0: add the one row's LoRA update (``_lora_update``), ranks padded to L_BLOCK_R
     L_BLOCK_R: tl.constexpr,
     L_SPLITS_PAD: tl.constexpr,
     HAS_SPLIT: tl.constexpr,
@@ -266,32 +286,17 @@ def _gemv_kernel(
 
     out_mask = m_mask[:, None] & n_mask[None, :]
     if HAS_SPLIT:
-        # fp32 partial sums [SPLIT_K, M, N]; the last program of this column block adds them.
-        part_ptrs = part_ptr + (pid_k * M + offs_m)[:, None] * N + offs_n[None, :]
-        tl.store(part_ptrs, acc, mask=out_mask)
-        # Every thread's partial store is done before the ticket (release) is taken.
-        tl.debug_barrier()
-        ticket = tl.atomic_add(cnt_ptr + pid_n, 1, sem="acq_rel", scope="gpu")
-        split_k = tl.num_programs(1)
-        if ticket == split_k - 1:
-            total = tl.zeros([M_PAD, BLOCK_N], dtype=tl.float32)
-            for s in range(0, split_k):
-                p_ptrs = part_ptr + (s * M + offs_m)[:, None] * N + offs_n[None, :]
-                total += tl.load(p_ptrs, mask=out_mask, other=0.0, cache_modifier=".cg")
+        total, last = _split_sum(
+            acc, part_ptr, cnt_ptr, pid_n, pid_k, tl.num_programs(1), M, N, offs_m, offs_n,
+            out_mask,
+        )  # fmt: skip
+        if last:
             if L_BLOCK_R > 0:
                 total = _lora_update(
-                    total,
-                    ls_ptr,
-                    lora_b,
-                    offs_m,
-                    L_R,
-                    L_SPLITS,
-                    stride_ls_split,
-                    L_BLOCK_R,
+                    total, ls_ptr, lora_b, offs_m, L_R, L_SPLITS, stride_ls_split, L_BLOCK_R,
                     L_SPLITS_PAD,
-                )
+                )  # fmt: skip
             _finish(total, b_ptr, y_ptr, offs_m, offs_n, n_mask, out_mask, stride_ym, HAS_BIAS)
-            tl.store(cnt_ptr + pid_n, 0)
     else:
         if L_BLOCK_R > 0:
             acc = _lora_update(

@@ -36,6 +36,7 @@ from heron.kernels.gemv import (
     _finish,
     _load_tiles,
     _m_pad,
+    _split_sum,
     _tile,
 )
 from heron.kernels.pdl import multiprocessor_count, pdl_launch, wait_for_previous_kernel
@@ -177,16 +178,9 @@ def _lora_gemv_kernel(
         out_mask = m_mask[:, None] & n_mask[None, :]
         last = split_k == 1
         if split_k > 1:
-            part_ptrs = part_ptr + (pid_k * M + offs_m)[:, None] * N + offs_n[None, :]
-            tl.store(part_ptrs, acc, mask=out_mask)
-            tl.debug_barrier()
-            last = tl.atomic_add(cnt_ptr + pid_n, 1, sem="acq_rel", scope="gpu") == split_k - 1
-            if last:
-                acc = tl.zeros([M_PAD, BLOCK_N], dtype=tl.float32)
-                for s in range(0, split_k):
-                    p_ptrs = part_ptr + (s * M + offs_m)[:, None] * N + offs_n[None, :]
-                    acc += tl.load(p_ptrs, mask=out_mask, other=0.0, cache_modifier=".cg")
-                tl.store(cnt_ptr + pid_n, 0)
+            acc, last = _split_sum(
+                acc, part_ptr, cnt_ptr, pid_n, pid_k, split_k, M, N, offs_m, offs_n, out_mask
+            )
         if last:
             acc, ticket = _add_updates(
                 acc, ws_ptr, lb_ptr, slots_ptr, flag_ptr, offs_m, m_mask, offs_n, n_mask,
@@ -205,10 +199,10 @@ def _plan(m_pad: int, n: int, k: int, elem_size: int, device: torch.device):
 
     The GEMV's configuration on ``tl.dot`` (rows padded to 16), its ``K`` split halved until
     its programs take at most half the multiprocessors; the rest may run the shrink."""
+    sms = multiprocessor_count(device)
     cfg = _config(m_pad, n, k, elem_size, device)
     if not cfg.use_dot or cfg.block_n < 16:
-        cfg = _default_config(max(2, m_pad), n, k, elem_size, multiprocessor_count(device))
-    sms = multiprocessor_count(device)
+        cfg = _default_config(max(2, m_pad), n, k, elem_size, sms)
     n_blocks, split = triton.cdiv(n, cfg.block_n), cfg.split_k
     while split > 1 and n_blocks * split > sms // 2:
         split //= 2

@@ -11,18 +11,16 @@ Every participating kernel calls :func:`wait_for_previous_kernel` first, before 
 writes anything, so each kernel still does all its work after the one before it completed (the
 order is exactly the stream's), except loads of memory no running kernel writes (the decode
 attention's cached keys, the fused GDN decode's recurrent state, the input and weight of a
-one-token GEMV after LoRA's shrink, which started it only once that input was complete). Kernels do not, as a rule,
-signal their dependents early (``griddepcontrol.launch_dependents``): that makes the next
-kernel's programs resident while the current one runs, crowding its multiprocessors, and was
-measured slower. The exceptions call
-:func:`start_next_kernel`: the qk-norm/RoPE/
-KV-write kernel on every decode step, before the decode attention (which loads cached keys
-before its wait); and, where their launch fits one wave (:func:`fits_one_wave`), so that the
-next kernel's programs take multiprocessors this one leaves idle, the RMSNorm kernel before the
-projection that reads it, LoRA's shrink and expand, and the decode attention before its output
-projection. Kernels
-that do not take part (PyTorch's, cuBLAS's) launch and wait as usual. ``HERON_PDL=0`` turns it
-off.
+one-token GEMV after LoRA's shrink, which started it only once that input was complete).
+Kernels do not, as a rule, signal their dependents early
+(``griddepcontrol.launch_dependents``): that makes the next kernel's programs resident while
+the current one runs, crowding its multiprocessors, and was measured slower. The exceptions
+call :func:`start_next_kernel`: the qk-norm/RoPE/KV-write kernel on every decode step, before
+the decode attention (which loads cached keys before its wait); and, where their launch fits
+one wave (:func:`fits_one_wave`), so that the next kernel's programs take multiprocessors this
+one leaves idle, the RMSNorm kernel before the projection that reads it, LoRA's shrink and
+expand, and the decode attention before its output projection. Kernels that do not take part
+(PyTorch's, cuBLAS's) launch and wait as usual. ``HERON_PDL=0`` turns it off.
 """
 
 from __future__ import annotations

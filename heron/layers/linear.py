@@ -92,7 +92,7 @@ class Linear(nn.Module):
         self.perm: torch.Tensor | None = None  # act-order: the input columns' order
         self.g_idx_loaded = False  # a packed layer's shards each bring the same g_idx
         # With LoRA: ``lora(x, y)`` adds the adapters' updates to this layer's output y (or
-        # ``lora.product`` computes both, the updates in the GEMV's epilogue).
+        # ``lora.product`` computes both, the updates in the base product's launch).
         self.lora: nn.Module | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
