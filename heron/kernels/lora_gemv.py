@@ -9,7 +9,12 @@ them to finish adds the chunks in order into a workspace and raises a flag. The 
 stream the weight as ``gemv.linear_small_m`` does (``tl.dot`` on weight tiles, ``K`` split over
 programs, the last of a column block adding the partial sums) and, where they store output,
 wait for the flag and add their tiles' updates: a ``tl.dot`` per group of slots, masked to each
-slot's rows, over the ``B`` columns of the part (q, k, v; gate, up) the tile lies in.
+slot's rows, over the ``B`` columns of the part (q, k, v; gate, up) the tile lies in. Where the
+part's rank fills its columns (``DENSE_B``), a tile reads every slot's ``B`` columns, in use or
+not: a slot no row uses adds zero (its shrunk values are masked to zero, and adapters' weights
+are finite, see ``read_peft_adapter``), and a mask that leaves each slot's columns whole keeps
+the loads vectorised; masking the unused slots' columns made them scalar, which cost more than
+the bytes they save.
 
 The shrink programs have the lowest program ids and wait for nothing; the waiting programs are
 fewer than the multiprocessors (``_plan``), so a shrink program always finds room to run, and
@@ -107,7 +112,7 @@ def _add_updates(
     acc, ws_ptr, lb_ptr, slots_ptr, flag_ptr, offs_m, m_mask, offs_n, n_mask, n0,
     part1, part2, WINDOW, stride_lbs, stride_lbn,
     M_PAD: tl.constexpr, W_PAD: tl.constexpr, L_RP: tl.constexpr, L_GROUP: tl.constexpr,
-    L_SLOTS: tl.constexpr, DOT_PREC: tl.constexpr,
+    L_SLOTS: tl.constexpr, DOT_PREC: tl.constexpr, DENSE_B: tl.constexpr,
 ):  # fmt: skip
     """``acc`` [M_PAD, BLOCK_N] plus each row's update, once the shrink has signalled; and this
     program's ticket among those that add updates."""
@@ -123,11 +128,14 @@ def _add_updates(
     for group in tl.static_range(0, L_SLOTS, L_GROUP):
         col_slot = cols // L_RP + 1 + group
         rows = (token_slots[:, None] == col_slot[None, :]) & (rank < WINDOW)[None, :]
-        used = tl.max(rows.to(tl.int32), axis=0) > 0
+        if DENSE_B:  # every slot's columns of the group: loads a column mask leaves whole
+            b_cols = col_slot <= L_SLOTS
+        else:
+            b_cols = tl.max(rows.to(tl.int32), axis=0) > 0  # the slots the rows use
         b = tl.load(
             lb_ptr + col_slot[None, :] * stride_lbs + offs_n[:, None] * stride_lbn
             + first + rank[None, :],
-            mask=n_mask[:, None] & used[None, :],
+            mask=n_mask[:, None] & b_cols[None, :],
             other=0.0,
         )  # fmt: skip
         shrunk = tl.load(
@@ -148,7 +156,7 @@ def _lora_gemv_kernel(
     HAS_BIAS: tl.constexpr, EVEN_N: tl.constexpr, EVEN_K: tl.constexpr, DOT_PREC: tl.constexpr,
     M_PAD: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NUM_STAGES: tl.constexpr,
     W_PAD: tl.constexpr, S_BLOCK_K: tl.constexpr, CHUNKS_PAD: tl.constexpr, L_RP: tl.constexpr,
-    L_GROUP: tl.constexpr, L_SLOTS: tl.constexpr, USE_PDL: tl.constexpr,
+    L_GROUP: tl.constexpr, L_SLOTS: tl.constexpr, DENSE_B: tl.constexpr, USE_PDL: tl.constexpr,
 ):  # fmt: skip
     wait_for_previous_kernel(USE_PDL)
     pid = tl.program_id(0)
@@ -185,7 +193,7 @@ def _lora_gemv_kernel(
             acc, ticket = _add_updates(
                 acc, ws_ptr, lb_ptr, slots_ptr, flag_ptr, offs_m, m_mask, offs_n, n_mask,
                 pid_n * BLOCK_N, part1, part2, WINDOW, stride_lbs, stride_lbn,
-                M_PAD, W_PAD, L_RP, L_GROUP, L_SLOTS, DOT_PREC,
+                M_PAD, W_PAD, L_RP, L_GROUP, L_SLOTS, DOT_PREC, DENSE_B,
             )  # fmt: skip
             _finish(acc, b_ptr, y_ptr, offs_m, offs_n, n_mask, out_mask, stride_ym, HAS_BIAS)
             if ticket == n_blocks - 1:  # every program that waited has seen every signal
@@ -289,6 +297,7 @@ def lora_linear(
         L_RP=l_rp,
         L_GROUP=min(triton.next_power_of_2(slots_max), max(1, _GROUP_COLUMNS // l_rp)),
         L_SLOTS=slots_max,
+        DENSE_B=window == l_rp,
         num_warps=cfg.num_warps,
         **pdl_launch(x.device),
     )  # fmt: skip

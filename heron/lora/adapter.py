@@ -104,6 +104,10 @@ def read_peft_adapter(
                 f"LoRA adapter {name!r}: module {module!r} has lora_A {tuple(a.shape)} and "
                 f"lora_B {tuple(b.shape)}, not of rank r={rank}"
             )
+        if not (a.isfinite().all() and b.isfinite().all()):  # (kernels read unused slots' B)
+            raise ValueError(
+                f"LoRA adapter {name!r}: module {module!r} has weights that are not finite"
+            )
         if stacked:
             a = a.reshape(experts, rank, -1)
             b = b.reshape(b.shape[0], rank, experts).permute(2, 0, 1)

@@ -160,17 +160,25 @@ def test_adapters_that_do_not_fit_are_refused_by_name(case, tmp_path):
                 lambda t: t.update({experts: t[key.replace("B", "A")].clone()}),
             ),
         ),
+        "nan": LoRARequest(
+            "nan",
+            7,
+            edited_adapter_copy(
+                b, tmp_path / "n", {}, lambda t: t[key].view(-1)[3:4].fill_(float("nan"))
+            ),
+        ),
     }
     llm = LLM(str(base), max_model_len=128, enable_lora=True, max_lora_rank=4)
     outputs = llm.generate(
-        [PROMPTS[0]] * 5, GREEDY, use_tqdm=False, lora_request=[*wrong.values(), loras["b"]]
+        [PROMPTS[0]] * 6, GREEDY, use_tqdm=False, lora_request=[*wrong.values(), loras["b"]]
     )
-    errors = [o.error for o in outputs[:4]]
+    errors = [o.error for o in outputs[:5]]
     assert "'rank'" in errors[0] and "r=8 is above max_lora_rank=4" in errors[0]
     assert "'dora'" in errors[1] and "use_dora" in errors[1]
     assert "'shape'" in errors[2] and "q_proj" in errors[2] and "do not fit" in errors[2]
     assert "'experts'" in errors[3] and "experts.0.gate_proj" in errors[3]
-    assert outputs[4].error is None and outputs[4].outputs[0].token_ids == refs["b"][0]
+    assert "'nan'" in errors[4] and "q_proj" in errors[4] and "not finite" in errors[4]
+    assert outputs[5].error is None and outputs[5].outputs[0].token_ids == refs["b"][0]
     with pytest.raises(ValueError, match="lora_int_id 2 is adapter 'b'"):
         llm.engine.add_lora(LoRARequest("other", 2, loras["a"].lora_path))
 
