@@ -12,9 +12,9 @@ wait for the flag and add their tiles' updates: a ``tl.dot`` per group of slots,
 slot's rows, over the ``B`` columns of the part (q, k, v; gate, up) the tile lies in. Where the
 part's rank fills its columns (``DENSE_B``), a tile reads every slot's ``B`` columns, in use or
 not: a slot no row uses adds zero (its shrunk values are masked to zero, and adapters' weights
-are finite, see ``read_peft_adapter``), and a mask that leaves each slot's columns whole keeps
-the loads vectorised; masking the unused slots' columns made them scalar, which cost more than
-the bytes they save.
+are finite in the tables' dtype: ``read_peft_adapter``, ``LoRALinear.check``), and a mask
+that leaves each slot's columns whole keeps the loads vectorised; masking the unused slots'
+columns made them scalar, which cost more than the bytes they save.
 
 The shrink programs have the lowest program ids and wait for nothing; the waiting programs are
 fewer than the multiprocessors (``_plan``), so a shrink program always finds room to run, and

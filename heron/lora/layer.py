@@ -100,6 +100,9 @@ class LoRALinear(MetadataOperator):
                 f"lora_A {tuple(pair.a.shape)} / lora_B {tuple(pair.b.shape)} do not fit a "
                 f"{self.full_in_features} -> {rows} projection"
             )
+        largest = max(pair.a.abs().max().item(), pair.b.abs().max().item())
+        if largest > torch.finfo(self.lora_b.dtype).max:  # (kernels read unused slots' B)
+            return f"a weight of magnitude {largest:.3g} (scaled) overflows {self.lora_b.dtype}"
         return None
 
     def set_slot(self, slot: int, pairs: dict[str | None, LoRAPair]) -> None:

@@ -118,3 +118,16 @@ def test_a_gemv_base_product_adds_the_update_in_its_epilogue(monkeypatch):
     x = torch.randn(65, 96).half()
     layer.lora.bind(SimpleNamespace(view=LoRAView(torch.ones(65, dtype=torch.int32), None)))
     assert not layer.lora.fuses(x, layer.weight)
+
+
+def test_a_pair_beyond_the_tables_dtype_is_refused():
+    """A pair whose (scaled) weights overflow the layer's half-precision tables is refused at
+    load, by what overflows: an unused slot's B is read (times zero) by every row's product."""
+    with ModelBuildContext():
+        layer = Linear(96, 80, True, TORCH_KERNELS)
+        layer.lora = LoRALinear("proj.lora", layer, LoRAConfig(3, 8))
+    layer.half()
+    fits = LoRAPair(torch.randn(8, 96), torch.randn(80, 8))
+    assert layer.lora.check(None, fits) is None
+    fits.b[3, 1] = 1e5
+    assert "overflows torch.float16" in layer.lora.check(None, fits)
