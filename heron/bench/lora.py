@@ -76,7 +76,9 @@ def run(args: argparse.Namespace, config: EngineConfig) -> tuple[dict[str, Any],
                     ]
                     ms, ms_spread = median_of([ms for ms, _ in runs])
                     tps, tps_spread = median_of([tps for _, tps in runs])
-                    case = f"{on}, {_adapters(k)}, context {context}, batch {b}"
+                    case = (
+                        f"{on}, {_adapters(k, lora_config.max_loras)}, context {context}, batch {b}"
+                    )
                     metrics.append(Metric(f"{case}: ms/step", ms, "ms", note=ms_spread))
                     metrics.append(Metric(f"{case}: output tok/s", tps, "tok/s", note=tps_spread))
         if args.throughput:
@@ -86,8 +88,12 @@ def run(args: argparse.Namespace, config: EngineConfig) -> tuple[dict[str, Any],
     return settings | cases | {"repeats": args.repeats}, metrics
 
 
-def _adapters(k: int) -> str:
-    return "base model" if k == 0 else f"{k} adapter{'s' * (k > 1)}"
+def _adapters(k: int, slots: int) -> str:
+    """The case's name: ``k`` adapters in the engine's ``slots`` (its ``max_loras``), which the
+    LoRA kernels' work grows with whether or not a step uses them all."""
+    if k == 0:
+        return "base model"
+    return f"{k} adapter{'s' * (k > 1)} in {slots} slot{'s' * (slots > 1)}"
 
 
 def _workload_a(args, shape, config, lora_config, loras, on) -> list[Metric]:
@@ -103,7 +109,11 @@ def _workload_a(args, shape, config, lora_config, loras, on) -> list[Metric]:
             llm.generate(prompts_a[:8], engines.greedy(8), use_tqdm=False)
             seconds, generated = throughput.timed_generate(llm, prompts_a, params, given)
         metrics.append(
-            Metric(f"{on}, {_adapters(k)}: workload A output tok/s", generated / seconds, "tok/s")
+            Metric(
+                f"{on}, {_adapters(k, lora_config.max_loras)}: workload A output tok/s",
+                generated / seconds,
+                "tok/s",
+            )
         )
     return metrics
 

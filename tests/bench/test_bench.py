@@ -156,7 +156,7 @@ def test_lora_cases_run_their_adapters(tmp_path, capsys):
     argv += ["--adapters", "2", "--new-tokens", "3", "--device", "cpu", "--dtype", "bfloat16"]
     assert main([*argv, "--output-json", str(out)]) == 0
     names = [m["name"] for m in json.loads(out.read_text())["metrics"]]
-    case = "qwen3-0.6b (1 layer), 2 adapters, context 16, batch 2"
+    case = "qwen3-0.6b (1 layer), 2 adapters in 2 slots, context 16, batch 2"
     assert names == [f"{case}: ms/step", f"{case}: output tok/s"]
 
 
