@@ -496,6 +496,14 @@ def _counters(device: torch.device, n_blocks: int) -> torch.Tensor:
     return buf
 
 
+def _split_layout(n: int, k: int, cfg: GemvConfig) -> tuple[int, int, int]:
+    """``(K per program, programs per column block, column blocks)`` of ``cfg`` over an
+    ``[n, k]`` weight: ``K`` split in whole tiles (the last split may be shorter, and fewer
+    splits than asked may cover ``K``)."""
+    k_per_split = triton.cdiv(triton.cdiv(k, cfg.split_k), cfg.block_k) * cfg.block_k
+    return k_per_split, triton.cdiv(k, k_per_split), triton.cdiv(n, cfg.block_n)
+
+
 def _launch(
     x: torch.Tensor,
     weight: torch.Tensor,
@@ -517,9 +525,7 @@ def _launch(
     m_pad = _m_pad(M)
     if cfg.use_dot:
         m_pad = max(16, m_pad)
-    k_per_split = triton.cdiv(triton.cdiv(K, cfg.split_k), cfg.block_k) * cfg.block_k
-    split = triton.cdiv(K, k_per_split)
-    n_blocks = triton.cdiv(N, cfg.block_n)
+    k_per_split, split, n_blocks = _split_layout(N, K, cfg)
     if split > 1:
         part = torch.empty(split * M * N, dtype=torch.float32, device=x.device)
         cnt = _counters(x.device, n_blocks)

@@ -41,6 +41,7 @@ from heron.kernels.gemv import (
     _finish,
     _load_tiles,
     _m_pad,
+    _split_layout,
     _split_sum,
     _tile,
 )
@@ -264,9 +265,7 @@ def lora_linear(
         parts = ()
     window = width // (len(parts) + 1)
     part1, part2 = (*parts, n, n)[:2]
-    k_per_split = triton.cdiv(triton.cdiv(k, cfg.split_k), cfg.block_k) * cfg.block_k
-    split = triton.cdiv(k, k_per_split)
-    n_blocks = triton.cdiv(n, cfg.block_n)
+    k_per_split, split, n_blocks = _split_layout(n, k, cfg)
     w_pad = max(16, triton.next_power_of_2(width))
     s_block_k = max(16, min(_SHRINK_K, triton.next_power_of_2(k)))
     # At most _CHUNKS partial sums a row (the last shrink program adds them), each some tiles.
