@@ -14,7 +14,9 @@ part's rank fills its columns (``DENSE_B``), a tile reads every slot's ``B`` col
 not: a slot no row uses adds zero (its shrunk values are masked to zero, and adapters' weights
 are finite in the tables' dtype: ``read_peft_adapter``, ``LoRALinear.check``), and a mask
 that leaves each slot's columns whole keeps the loads vectorised; masking the unused slots'
-columns made them scalar, which cost more than the bytes they save.
+columns made them scalar, which cost more than the bytes they save. Where the rows use one
+adapter (or none), a tile reads that slot's columns alone: a step of one adapter costs the same
+whatever the engine's number of slots.
 
 The shrink programs have the lowest program ids and wait for nothing; the waiting programs are
 fewer than the multiprocessors (``_plan``), so a shrink program always finds room to run, and
@@ -123,9 +125,50 @@ def _add_updates(
     ticket = tl.atomic_add(flag_ptr + 1, 1, sem="acq_rel", scope="gpu")
     # The tile's part: its rank columns start at part * WINDOW (one part: WINDOW is the width).
     first = ((n0 >= part1).to(tl.int32) + (n0 >= part2).to(tl.int32)) * WINDOW
+    token_slots = tl.load(slots_ptr + offs_m, mask=m_mask, other=0)
+    top = tl.max(token_slots, axis=0)
+    if tl.min(tl.where(token_slots == 0, top, token_slots), axis=0) == top:
+        acc = _one_slot_update(
+            acc, ws_ptr, lb_ptr, top, token_slots, offs_m, offs_n, n_mask, first, WINDOW,
+            stride_lbs, stride_lbn, W_PAD, L_RP, DOT_PREC, DENSE_B,
+        )  # fmt: skip
+    else:
+        acc = _every_slot_update(
+            acc, ws_ptr, lb_ptr, token_slots, offs_m, offs_n, n_mask, first, WINDOW,
+            stride_lbs, stride_lbn, W_PAD, L_RP, L_GROUP, L_SLOTS, DOT_PREC, DENSE_B,
+        )  # fmt: skip
+    return acc, ticket
+
+
+@triton.jit
+def _one_slot_update(
+    acc, ws_ptr, lb_ptr, slot, token_slots, offs_m, offs_n, n_mask, first, WINDOW,
+    stride_lbs, stride_lbn,
+    W_PAD: tl.constexpr, L_RP: tl.constexpr, DOT_PREC: tl.constexpr, DENSE_B: tl.constexpr,
+):  # fmt: skip
+    """The update where the rows use one adapter, ``slot`` (or none: slot 0's zeros): its
+    columns alone, a slot the program knows, where every slot's would cost ``L_SLOTS`` times
+    the reads and products."""
+    rank = tl.arange(0, L_RP)
+    b_ptrs = lb_ptr + slot * stride_lbs + offs_n[:, None] * stride_lbn + first + rank[None, :]
+    if DENSE_B:
+        b = tl.load(b_ptrs, mask=n_mask[:, None], other=0.0)
+    else:
+        b = tl.load(b_ptrs, mask=n_mask[:, None] & (rank < WINDOW)[None, :], other=0.0)
+    rows = (token_slots != 0)[:, None] & (rank < WINDOW)[None, :]
+    return _add_update(acc, b, ws_ptr, offs_m, first, rank, rows, W_PAD, DOT_PREC)
+
+
+@triton.jit
+def _every_slot_update(
+    acc, ws_ptr, lb_ptr, token_slots, offs_m, offs_n, n_mask, first, WINDOW,
+    stride_lbs, stride_lbn,
+    W_PAD: tl.constexpr, L_RP: tl.constexpr, L_GROUP: tl.constexpr, L_SLOTS: tl.constexpr,
+    DOT_PREC: tl.constexpr, DENSE_B: tl.constexpr,
+):  # fmt: skip
+    """The update where the rows use several adapters: a product per group of slots."""
     cols = tl.arange(0, L_GROUP * L_RP)
     rank = cols % L_RP
-    token_slots = tl.load(slots_ptr + offs_m, mask=m_mask, other=0)
     for group in tl.static_range(0, L_SLOTS, L_GROUP):
         col_slot = cols // L_RP + 1 + group
         rows = (token_slots[:, None] == col_slot[None, :]) & (rank < WINDOW)[None, :]
@@ -139,14 +182,23 @@ def _add_updates(
             mask=n_mask[:, None] & b_cols[None, :],
             other=0.0,
         )  # fmt: skip
-        shrunk = tl.load(
-            ws_ptr + offs_m[:, None] * W_PAD + first + rank[None, :],
-            mask=rows,
-            other=0.0,
-            cache_modifier=".cg",
-        )
-        acc = tl.dot(shrunk.to(b.dtype), tl.trans(b), acc=acc, input_precision=DOT_PREC)
-    return acc, ticket
+        acc = _add_update(acc, b, ws_ptr, offs_m, first, rank, rows, W_PAD, DOT_PREC)
+    return acc
+
+
+@triton.jit
+def _add_update(
+    acc, b, ws_ptr, offs_m, first, rank, rows, W_PAD: tl.constexpr, DOT_PREC: tl.constexpr
+):
+    """``acc`` plus the rows' shrunk values (where ``rows``, at rank columns ``first + rank``)
+    times ``b`` [BLOCK_N, those columns]."""
+    shrunk = tl.load(
+        ws_ptr + offs_m[:, None] * W_PAD + first + rank[None, :],
+        mask=rows,
+        other=0.0,
+        cache_modifier=".cg",
+    )
+    return tl.dot(shrunk.to(b.dtype), tl.trans(b), acc=acc, input_precision=DOT_PREC)
 
 
 @triton.jit

@@ -64,7 +64,13 @@ def test_one_launch_equals_dense_per_row(case, dtype, monkeypatch):
     tol = 1e-4 if dtype == torch.float32 else 2e-2
     for parts, rank in [((), 12), ((32, 64), 8), ((48,), 16)]:
         a, b = _tables(k, n, rank, parts, dtype)
-        for slots, bias in [([1, 0, 3, 3, 2], True), ([2, 2], False), ([3, 1, 0, 2] * 5, True)]:
+        for slots, bias in [
+            ([1, 0, 3, 3, 2], True),
+            ([2, 2], False),  # one adapter: its slot's columns alone
+            ([0, 3, 0, 0, 3], True),  # one adapter and the base model
+            ([0, 0, 0], False),  # the base model alone (a graph's step without adapters)
+            ([3, 1, 0, 2] * 5, True),
+        ]:
             g = torch.Generator().manual_seed(len(slots))
             x = torch.randn(len(slots), k, generator=g).to(dtype)
             w = (torch.randn(n, k, generator=g) * 0.1).to(dtype)
@@ -145,10 +151,12 @@ def test_gpu_bf16_graph_replays_any_mix_of_slots():
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         out = lora_linear(x, w, None, a, b, slots, parts)
-    for step in range(3):
-        slots.copy_(torch.tensor([(i + step) % SLOTS for i in range(64)], dtype=torch.int32))
+    mixes = [[(i + step) % SLOTS for i in range(64)] for step in range(3)]
+    mixes += [[2] * 64, [0, 3] * 32, [0] * 64]  # one adapter; one and the base; none
+    for mix in mixes:
+        slots.copy_(torch.tensor(mix, dtype=torch.int32))
         graph.replay()
         torch.cuda.synchronize()
         assert torch.equal(out, lora_linear(x, w, None, a, b, slots, parts))
-        want = _reference(x, w, None, a, b, slots.tolist())
+        want = _reference(x, w, None, a, b, mix)
         assert ((out.float() - want).abs().max() / want.abs().max()).item() < 2e-2
