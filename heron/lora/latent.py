@@ -22,15 +22,15 @@ class LoRALatent(LoRALinear):
 
     Each product is a token-indexed shrink and expand over (token, head) rows, one of its two
     tables indexed by slot and the other by (slot, head) entry ``s * heads + h``; beside the
-    linear layer's tables, ``lora_bk_t`` ``[slots * heads, max_rank, nope]`` holds each
-    ``B_K^T`` and ``lora_a_t`` ``[slots, lora, max_rank]`` each ``A^T`` (the kernels read rows
+    linear layer's tables, ``lora_bk_t`` ``[slots * heads, window, nope]`` holds each
+    ``B_K^T`` and ``lora_a_t`` ``[slots, lora, window]`` each ``A^T`` (the kernels read rows
     of unit stride; ``B_V`` is a view of ``lora_b``). Under tensor parallelism ``kv_b_proj`` is
     column-parallel by heads: a rank holds its heads' rows of ``B`` and all of ``A``."""
 
     def __init__(self, layer_name: str, base: Linear, spec: MLASpec, config: LoRAConfig) -> None:
         super().__init__(layer_name, base, config)
         self.heads, self.nope, self.v_dim = spec.num_heads, spec.nope_dim, spec.v_head_dim
-        slots, rank = config.max_loras + 1, config.max_lora_rank
+        slots, rank = config.max_loras + 1, self.window
         self.register_buffer(
             "lora_bk_t", torch.zeros(slots * self.heads, rank, self.nope), persistent=False
         )
@@ -46,7 +46,7 @@ class LoRALatent(LoRALinear):
 
     def _b_heads(self) -> torch.Tensor:
         """``lora_b`` per slot and head: ``[slots, heads, nope + v, rank]`` (a view)."""
-        return self.lora_b.view(-1, self.heads, self.nope + self.v_dim, self.max_rank)
+        return self.lora_b.view(-1, self.heads, self.nope + self.v_dim, self.window)
 
     def _rows(self) -> tuple[torch.Tensor, torch.Tensor] | None:
         """Each (token, head) row's slot and (slot, head) entry, rows ``t * heads + h``; None

@@ -42,10 +42,11 @@ class LoRALinear(MetadataOperator):
     """``y + x A[s]^T B[s]^T`` for each token's slot ``s`` (its group's view says which).
 
     Slot ``s`` holds one adapter's pairs in fixed-size tables (``lora_a``: ``[slots, parts *
-    max_rank, in]``, ``lora_b``: ``[slots, out, parts * max_rank]``, slot 0 zero), so a
-    captured graph stays valid whatever the slots hold. A packed layer (qkv, gate_up) keeps
-    each part's pair in its own rank columns and output rows: one shrink and one expand serve
-    every part."""
+    window, in]``, ``lora_b``: ``[slots, out, parts * window]``, slot 0 zero), so a captured
+    graph stays valid whatever the slots hold. A packed layer (qkv, gate_up) keeps each part's
+    pair in its own ``window`` rank columns and output rows: one shrink and one expand serve
+    every part. The window is ``max_lora_rank`` rounded up to a power of two of at least 16,
+    which ``lora_gemv`` reads with whole-row (vectorised) loads; the padding holds zeros."""
 
     def __init__(self, layer_name: str, base: Linear, config: LoRAConfig) -> None:
         super().__init__(layer_name)
@@ -67,8 +68,8 @@ class LoRALinear(MetadataOperator):
         self.col_start = base.col_start
         self.in_features, self.out_features = base.in_features, base.out_features
         self.full_in_features = base.in_features * (base.tp.size if base.parallel == "row" else 1)
-        self.max_rank = config.max_lora_rank
-        width = len(self.parts) * self.max_rank
+        self.window = max(16, 1 << (config.max_lora_rank - 1).bit_length())
+        width = len(self.parts) * self.window
         slots = config.max_loras + 1
         self.register_buffer(
             "lora_a", torch.zeros(slots, width, self.in_features), persistent=False
@@ -114,7 +115,7 @@ class LoRALinear(MetadataOperator):
         for i, (part, (offset, size, runs, _)) in enumerate(self.parts.items()):
             pair = pairs.get(part)
             if pair is not None:
-                cols = slice(i * self.max_rank, i * self.max_rank + pair.a.shape[0])
+                cols = slice(i * self.window, i * self.window + pair.a.shape[0])
                 a[cols].copy_(pair.a[:, self.col_start : self.col_start + self.in_features])
                 b_rows = torch.cat([pair.b[start : start + n] for start, n in runs])
                 b[offset : offset + size, cols].copy_(b_rows)
