@@ -15,8 +15,8 @@ not: a slot no row uses adds zero (its shrunk values are masked to zero, and ada
 are finite in the tables' dtype: ``read_peft_adapter``, ``LoRALinear.check``), and a mask
 that leaves each slot's columns whole keeps the loads vectorised; masking the unused slots'
 columns made them scalar, which cost more than the bytes they save. Where the rows use one
-adapter (or none), a tile reads that slot's columns alone: a step of one adapter costs the same
-whatever the engine's number of slots.
+adapter (or none), a tile reads and multiplies that slot's columns alone, not every slot's:
+the update's work for one adapter does not grow with the engine's number of slots.
 
 The shrink programs have the lowest program ids and wait for nothing; the waiting programs are
 fewer than the multiprocessors (``_plan``), so a shrink program always finds room to run, and
