@@ -28,7 +28,7 @@ from torch import nn
 from heron.cache.layout import CacheLayout
 from heron.cache.spec import CacheSpec
 from heron.config import ModelConfig
-from heron.distributed.rendezvous import Rendezvous, join, min_over_ranks
+from heron.distributed.rendezvous import Rendezvous, host_store, join, min_over_ranks
 from heron.execution.cuda_graph import CudaGraphRunner
 from heron.execution.model_runner import LaunchedStep, ModelRunner
 from heron.execution.step_plan import DeviceDrafts, StepPlan
@@ -97,8 +97,9 @@ class TensorParallelRunner:
         rv = Rendezvous.from_env()
         _check_devices(platform, size, rv)
         self._ranks = _Ranks()
+        store = None
         if rv is None:
-            rv = Rendezvous.on_this_host(size)
+            rv, store = host_store(size)
             for rank in range(1, size):
                 self._workers[rank] = _start_worker(rv.for_rank(rank), platform.device.type)
         elif rv.world_size != size or rv.rank != 0:
@@ -108,7 +109,7 @@ class TensorParallelRunner:
                 "`python -m heron.distributed.launch` with the same arguments on every rank"
             )
         try:
-            self.tp, self.control = join(rv, platform.device.type, self._check_workers)
+            self.tp, self.control = join(rv, platform.device.type, self._check_workers, store)
             with self._guarded():
                 dist.broadcast_object_list([args], src=0, group=self.control)
             self.local = args.build(platform, self.tp)

@@ -1,4 +1,4 @@
-"""How the ranks find each other: torchrun's environment, or a local port rank 0 picks.
+"""How the ranks find each other: torchrun's environment, or a local port rank 0's store binds.
 
 Rank 0 hosts the ``TCPStore``; every rank announces itself there before the process groups
 form, so rank 0 can watch the workers it started while it waits (one that dies during start-up
@@ -8,7 +8,6 @@ is reported by rank, not waited for until a timeout).
 from __future__ import annotations
 
 import os
-import socket
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, replace
@@ -54,16 +53,22 @@ class Rendezvous:
             int(env.get("LOCAL_RANK", rank)),
         )
 
-    @classmethod
-    def on_this_host(cls, world_size: int) -> Rendezvous:
-        """Rank 0 of ``world_size`` ranks started here, on a free port of 127.0.0.1."""
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        return cls("127.0.0.1", port, world_size)
-
     def for_rank(self, rank: int) -> Rendezvous:
         return replace(self, rank=rank, local_rank=rank)
+
+
+def host_store(world_size: int) -> tuple[Rendezvous, dist.TCPStore]:
+    """Rank 0 of ``world_size`` ranks started here, and its store, listening on a port of
+    127.0.0.1 the OS picks as the store binds (a port found free and released first can be
+    taken by another process before the store binds it)."""
+    store = _store("127.0.0.1", 0, world_size, True)
+    return Rendezvous("127.0.0.1", store.port, world_size), store
+
+
+def _store(addr: str, port: int, world_size: int, is_master: bool) -> dist.TCPStore:
+    return dist.TCPStore(
+        addr, port, world_size, is_master=is_master, timeout=JOIN_TIMEOUT, wait_for_workers=False
+    )
 
 
 def _joined(rank: int) -> str:
@@ -71,19 +76,17 @@ def _joined(rank: int) -> str:
 
 
 def join(
-    rv: Rendezvous, device_type: str, watch: Callable[[], None] | None = None
+    rv: Rendezvous,
+    device_type: str,
+    watch: Callable[[], None] | None = None,
+    store: dist.TCPStore | None = None,
 ) -> tuple[TensorParallel, dist.ProcessGroup]:
     """Form the process groups: the model's (NCCL on CUDA, gloo on the CPU) and the control
-    channel (gloo, host memory). Rank 0 calls ``watch`` while it waits for the others to join;
-    it raises for a worker that died."""
-    store = dist.TCPStore(
-        rv.master_addr,
-        rv.master_port,
-        rv.world_size,
-        is_master=rv.rank == 0,
-        timeout=JOIN_TIMEOUT,
-        wait_for_workers=False,
-    )
+    channel (gloo, host memory), through ``store`` (rank 0's, from :func:`host_store`) or one
+    made from ``rv``. Rank 0 calls ``watch`` while it waits for the others to join; it raises
+    for a worker that died."""
+    if store is None:
+        store = _store(rv.master_addr, rv.master_port, rv.world_size, rv.rank == 0)
     store.set(_joined(rv.rank), "1")
     if rv.rank == 0:
         deadline = time.monotonic() + JOIN_TIMEOUT.total_seconds()

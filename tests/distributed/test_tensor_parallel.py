@@ -4,6 +4,7 @@ shards against the whole weights, and the workers' ends (shutdown, death, torchr
 from __future__ import annotations
 
 import os
+import socket
 import subprocess
 import sys
 import threading
@@ -12,12 +13,13 @@ from pathlib import Path
 import pytest
 import torch
 import transformers as tf
+from ports import free_port
 from tp_models import tiny_config
 
 from heron import LLM, SamplingParams
 from heron.config import ModelConfig
 from heron.distributed.executor import WorkerDiedError
-from heron.distributed.rendezvous import Rendezvous
+from heron.distributed.rendezvous import host_store
 from heron.layers.activation import SiluAndMul
 from heron.layers.mlp import GatedMLP
 from heron.layers.moe import SparseMoE, SwiGLUExperts
@@ -246,14 +248,21 @@ def test_a_dropped_llm_leaves_the_process_group_to_the_next(saved):
     assert not torch.distributed.is_initialized()
 
 
+def test_rank_zero_store_holds_its_port_from_the_start():
+    """No other process can take the port between rank 0 choosing it and its store binding it."""
+    rv, store = host_store(2)
+    assert rv.master_port == store.port
+    with socket.socket() as s, pytest.raises(OSError):
+        s.bind((rv.master_addr, rv.master_port))
+
+
 def test_ranks_rendezvous_through_torchrun_environment(saved):
     """Two processes started as torchrun starts one rank per host, meeting on 127.0.0.1."""
     path = saved("llama")
     prompt, flags = "The quick brown fox", ["--max-model-len", "96", "--max-tokens", "8"]
-    rv = Rendezvous.on_this_host(2)
     env = os.environ | {
-        "MASTER_ADDR": rv.master_addr,
-        "MASTER_PORT": str(rv.master_port),
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": str(free_port()),
         "WORLD_SIZE": "2",
         "PYTHONPATH": os.pathsep.join(sys.path),
     }

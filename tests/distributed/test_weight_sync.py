@@ -3,13 +3,13 @@ the update (sent in two chunks) are HF transformers' on the trainer's weights.""
 
 from __future__ import annotations
 
-import socket
 import subprocess
 import sys
 
 import pytest
 import torch
 import transformers as tf
+from ports import free_port
 from safetensors.torch import load_file
 
 from heron import LLM, SamplingParams
@@ -43,12 +43,6 @@ GREEDY = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
 PROMPTS = [list(range(10, 30)), [3, 4, 5]]
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.mark.parametrize("tensor_parallel_size", [1, 2])
 def test_update_from_a_trainer_process_over_gloo(tiny_model_dir, tmp_path, tensor_parallel_size):
     """With two ranks, rank 0 receives the broadcast and each rank writes its own shards."""
@@ -60,7 +54,7 @@ def test_update_from_a_trainer_process_over_gloo(tiny_model_dir, tmp_path, tenso
         tensor_parallel_size=tensor_parallel_size,
     )
     greedy_tokens(llm, PROMPTS, GREEDY)
-    port = _free_port()
+    port = free_port()
     trainer = subprocess.Popen([sys.executable, "-c", TRAINER, str(second), str(port)])
     try:
         llm.init_weight_update_group("127.0.0.1", port, 1, 2, backend="gloo")
@@ -81,9 +75,9 @@ def test_bad_group_and_chunk_arguments(tiny_model_dir):
     with pytest.raises(RuntimeError, match="init_weight_update_group\\(\\) first"):
         llm.update_weights_from_distributed(["model.norm.weight"], ["float32"], [[64]])
     with pytest.raises(ValueError, match="backend must be one of nccl, gloo, got 'mpi'"):
-        llm.init_weight_update_group("127.0.0.1", _free_port(), 1, 2, backend="mpi")
+        llm.init_weight_update_group("127.0.0.1", free_port(), 1, 2, backend="mpi")
     with pytest.raises(ValueError, match="rank_offset must be >= 1"):
-        llm.init_weight_update_group("127.0.0.1", _free_port(), 0, 2, backend="gloo")
+        llm.init_weight_update_group("127.0.0.1", free_port(), 0, 2, backend="gloo")
     with pytest.raises(ValueError, match="'int8' is not a floating-point torch dtype"):
         parse_dtype("int8")
     assert parse_dtype("torch.bfloat16") is torch.bfloat16

@@ -6,7 +6,6 @@ import concurrent.futures
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -17,6 +16,7 @@ from pathlib import Path
 import httpx
 import openai
 import pytest
+from ports import free_port
 
 API_KEY = "test-key"
 MODEL_NAME = "tiny"
@@ -98,12 +98,6 @@ def pid_exists(pid: int) -> bool:
     except OSError:
         return False
     return state != "Z"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def start_server(model_dir: Path, *extra: str, startup_s: float = 90) -> ServerHandle:
