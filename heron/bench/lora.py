@@ -32,6 +32,9 @@ from heron.bench.shapes import Shape
 from heron.config import EngineConfig
 from heron.platforms import resolve_device
 
+#: The adapters' rank unless ``--lora-rank`` says otherwise (case names say any other).
+RANK = 16
+
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--batch", type=int, nargs="+", default=[1, 64], help="requests at once")
@@ -39,7 +42,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--adapters", type=int, nargs="+", default=[0, 1, 8],
         help="distinct adapters in the batch (0: the base model, LoRA off)",
     )  # fmt: skip
-    parser.add_argument("--lora-rank", type=int, default=16, help="the adapters' rank")
+    parser.add_argument("--lora-rank", type=int, default=RANK, help="the adapters' rank")
     parser.add_argument("--context", type=int, default=None, help="prompt tokens per request")
     parser.add_argument("--new-tokens", type=int, default=None, help="generated per request")
     parser.add_argument(
@@ -76,9 +79,8 @@ def run(args: argparse.Namespace, config: EngineConfig) -> tuple[dict[str, Any],
                     ]
                     ms, ms_spread = median_of([ms for ms, _ in runs])
                     tps, tps_spread = median_of([tps for _, tps in runs])
-                    case = (
-                        f"{on}, {_adapters(k, lora_config.max_loras)}, context {context}, batch {b}"
-                    )
+                    adapters = _adapters(k, args.lora_rank, lora_config.max_loras)
+                    case = f"{on}, {adapters}, context {context}, batch {b}"
                     metrics.append(Metric(f"{case}: ms/step", ms, "ms", note=ms_spread))
                     metrics.append(Metric(f"{case}: output tok/s", tps, "tok/s", note=tps_spread))
         if args.throughput:
@@ -88,12 +90,14 @@ def run(args: argparse.Namespace, config: EngineConfig) -> tuple[dict[str, Any],
     return settings | cases | {"repeats": args.repeats}, metrics
 
 
-def _adapters(k: int, slots: int) -> str:
-    """The case's name: ``k`` adapters in the engine's ``slots`` (its ``max_loras``), which the
-    LoRA kernels' work grows with whether or not a step uses them all."""
+def _adapters(k: int, rank: int, slots: int) -> str:
+    """The case's name: ``k`` adapters (their rank where it is not ``RANK``) in the engine's
+    ``slots`` (its ``max_loras``), which the LoRA kernels' work grows with whether or not a
+    step uses them all."""
     if k == 0:
         return "base model"
-    return f"{k} adapter{'s' * (k > 1)} in {slots} slot{'s' * (slots > 1)}"
+    of_rank = f" of rank {rank}" if rank != RANK else ""
+    return f"{k} adapter{'s' * (k > 1)}{of_rank} in {slots} slot{'s' * (slots > 1)}"
 
 
 def _workload_a(args, shape, config, lora_config, loras, on) -> list[Metric]:
@@ -110,7 +114,8 @@ def _workload_a(args, shape, config, lora_config, loras, on) -> list[Metric]:
             seconds, generated = throughput.timed_generate(llm, prompts_a, params, given)
         metrics.append(
             Metric(
-                f"{on}, {_adapters(k, lora_config.max_loras)}: workload A output tok/s",
+                f"{on}, {_adapters(k, args.lora_rank, lora_config.max_loras)}: "
+                "workload A output tok/s",
                 generated / seconds,
                 "tok/s",
             )

@@ -150,13 +150,14 @@ def test_turns_count_what_each_turn_computes_with_and_without_decode_checkpoints
 
 
 def test_lora_cases_run_their_adapters(tmp_path, capsys):
-    """Two random adapters of a one-layer shape (written by the benchmark) in one batch."""
+    """Two random adapters of a one-layer shape (written by the benchmark) in one batch; the
+    case names a rank other than the default."""
     out = tmp_path / "lora.json"
     argv = ["bench", "lora", "--shape", "qwen3-0.6b", "--num-layers", "1", "--batch", "2"]
-    argv += ["--adapters", "2", "--new-tokens", "3", "--device", "cpu", "--dtype", "bfloat16"]
-    assert main([*argv, "--output-json", str(out)]) == 0
+    argv += ["--adapters", "2", "--lora-rank", "8", "--new-tokens", "3", "--device", "cpu"]
+    assert main([*argv, "--dtype", "bfloat16", "--output-json", str(out)]) == 0
     names = [m["name"] for m in json.loads(out.read_text())["metrics"]]
-    case = "qwen3-0.6b (1 layer), 2 adapters in 2 slots, context 16, batch 2"
+    case = "qwen3-0.6b (1 layer), 2 adapters of rank 8 in 2 slots, context 16, batch 2"
     assert names == [f"{case}: ms/step", f"{case}: output tok/s"]
 
 
