@@ -33,7 +33,7 @@ from heron.config import EngineConfig
 from heron.platforms import resolve_device
 
 #: The adapters' rank unless ``--lora-rank`` says otherwise (case names say any other).
-RANK = 16
+DEFAULT_RANK = 16
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -42,7 +42,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--adapters", type=int, nargs="+", default=[0, 1, 8],
         help="distinct adapters in the batch (0: the base model, LoRA off)",
     )  # fmt: skip
-    parser.add_argument("--lora-rank", type=int, default=RANK, help="the adapters' rank")
+    parser.add_argument("--lora-rank", type=int, default=DEFAULT_RANK, help="the adapters' rank")
     parser.add_argument("--context", type=int, default=None, help="prompt tokens per request")
     parser.add_argument("--new-tokens", type=int, default=None, help="generated per request")
     parser.add_argument(
@@ -91,12 +91,12 @@ def run(args: argparse.Namespace, config: EngineConfig) -> tuple[dict[str, Any],
 
 
 def _adapters(k: int, rank: int, slots: int) -> str:
-    """The case's name: ``k`` adapters (their rank where it is not ``RANK``) in the engine's
-    ``slots`` (its ``max_loras``), which the LoRA kernels' work grows with whether or not a
-    step uses them all."""
+    """The case's name: ``k`` adapters (their rank where it is not ``DEFAULT_RANK``) in the
+    engine's ``slots`` (its ``max_loras``), which the LoRA kernels' work grows with whether or
+    not a step uses them all."""
     if k == 0:
         return "base model"
-    of_rank = f" of rank {rank}" if rank != RANK else ""
+    of_rank = f" of rank {rank}" if rank != DEFAULT_RANK else ""
     return f"{k} adapter{'s' * (k > 1)}{of_rank} in {slots} slot{'s' * (slots > 1)}"
 
 

@@ -54,8 +54,7 @@ _GROUP_COLUMNS = 128
 #: ``K`` per shrink ``tl.dot`` (over the rows of one slot).
 _SHRINK_K = 256
 #: Partial sums of the shrink a row may have (chunks of ``K``, each a work item per slot):
-#: more make each item shorter, fewer leave the last shrink program less to add (8 measured
-#: ahead of 4 and 16 on Qwen3-0.6B's projections).
+#: more make each item shorter, fewer leave the last shrink program less to add.
 _CHUNKS = 8
 
 

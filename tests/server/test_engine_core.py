@@ -13,6 +13,7 @@ from pathlib import Path
 
 import openai
 import pytest
+from ports import free_port
 
 from heron.config import EngineConfig
 from heron.engine.core_client import EngineCoreClient, EngineDeadError
@@ -24,7 +25,6 @@ from openai_server import (
     MODEL_NAME,
     SUCCESS,
     child_pids,
-    free_port,
     kill_core_during_requests,
     pid_exists,
     start_server,

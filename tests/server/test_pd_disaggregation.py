@@ -25,6 +25,7 @@ import httpx
 import openai
 import pytest
 import uvicorn
+from ports import free_port
 
 from heron.cli import build_parser
 from heron.server.router import Instances, make_app
@@ -32,7 +33,6 @@ from heron.server.router import Instances, make_app
 from openai_server import (
     MODEL_NAME,
     child_pids,
-    free_port,
     parse_metrics,
     start_server,
     stop_server,

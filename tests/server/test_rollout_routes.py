@@ -15,8 +15,9 @@ import pytest
 import torch
 import transformers as tf
 from distributed.test_weight_sync import TRAINER, chunks
+from ports import free_port
 
-from openai_server import MODEL_NAME, free_port
+from openai_server import MODEL_NAME
 from tiny_models import hf_greedy, save_tiny_model
 
 PROMPT = [5, 17, 33, 2, 41, 9]
