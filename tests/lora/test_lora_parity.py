@@ -187,6 +187,29 @@ def test_adapters_that_do_not_fit_are_refused_by_name(case, tmp_path):
     assert "enable_lora" in output.error
 
 
+def test_adapters_survive_sleep_and_a_weight_reload(case):
+    """The slots' tables are kept through sleep (level 1; level 2 with the weights reloaded
+    after wake-up), and adapters added or removed while asleep are read when next asked for."""
+    base, loras, refs = case
+    names = ["a", "b", None, "a"]
+    requests = [loras[n] for n in names]
+    want = [refs[n][i] for i, n in enumerate(names)]
+    llm = LLM(
+        str(base), max_model_len=128, enable_lora=True, max_loras=2, max_lora_rank=8,
+        enable_sleep_mode=True,
+    )  # fmt: skip
+    assert lora_tokens(llm, PROMPTS, GREEDY, requests) == want
+    llm.sleep(level=1)
+    llm.wake_up()
+    assert lora_tokens(llm, PROMPTS, GREEDY, requests) == want
+    llm.sleep(level=2)
+    llm.engine.remove_lora(2)
+    llm.engine.add_lora(loras["b"])
+    llm.wake_up()
+    assert llm.reload_weights() > 0
+    assert lora_tokens(llm, PROMPTS, GREEDY, requests) == want
+
+
 def test_triton_kernels_end_to_end_equal_peft(case, monkeypatch):
     """The LoRA layers on the Triton shrink/expand kernels (interpreted), two adapters and the
     base model in one batch."""
