@@ -187,6 +187,25 @@ def test_adapters_that_do_not_fit_are_refused_by_name(case, tmp_path):
     assert "enable_lora" in output.error
 
 
+def test_adapters_on_the_lm_head_or_embeddings_are_refused_by_name(case, tmp_path):
+    """PEFT's own adapters of ``lm_head`` and of ``embed_tokens`` (saved with the embedding):
+    each refused naming its adapter and the module or tensor; a known adapter still runs."""
+    base, loras, refs = case
+    head = save_random_adapter(base, tmp_path / "head", 3, 4, ["q_proj", "lm_head"])
+    embed = save_random_adapter(base, tmp_path / "embed", 4, 4, ["embed_tokens"])
+    llm = LLM(str(base), max_model_len=128, enable_lora=True, max_lora_rank=8)
+    requests = [LoRARequest("head", 3, str(head)), LoRARequest("embed", 4, str(embed))]
+    outputs = llm.generate(
+        [PROMPTS[0]] * 3, GREEDY, use_tqdm=False, lora_request=[*requests, loras["a"]]
+    )
+    head_error, embed_error = outputs[0].error, outputs[1].error
+    # (The model ties its embeddings: PEFT saves the LM head's weight with its pair.)
+    assert "'head'" in head_error and "lm_head" in head_error and "embeddings" in head_error
+    assert "'embed'" in embed_error and "embed_tokens" in embed_error
+    assert "embeddings" in embed_error
+    assert outputs[2].error is None and outputs[2].outputs[0].token_ids == refs["a"][0]
+
+
 def test_adapters_survive_sleep_and_a_weight_reload(case):
     """The slots' tables are kept through sleep (level 1; level 2 with the weights reloaded
     after wake-up), and adapters added or removed while asleep are read when next asked for."""
