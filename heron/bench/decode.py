@@ -30,7 +30,7 @@ from heron.bench.measure import (
     step_bytes,
 )
 from heron.bench.result import Metric
-from heron.bench.shapes import dummy_checkpoint
+from heron.bench.shapes import Shape, dummy_checkpoint
 from heron.config import EngineConfig
 from heron.layers.mxfp4 import bytes_per_weight as mxfp4_bytes_per_weight
 from heron.layers.wna16 import wna16_scheme
@@ -59,6 +59,22 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--repeats", type=int, default=1, help="timed runs of every case, in turn; the median"
     )
+
+
+def floor_bytes(
+    shape: Shape, config: EngineConfig, batch: int, context: float, experts_read: float = 0.0
+) -> float:
+    """:func:`step_bytes` of a step under ``config``: its weights' bytes per element (FP8, a
+    W4A16 scheme's or MXFP4 experts' with their scales), its cache's, its share under TP."""
+    weight_bytes, expert_bytes = (1 if config.quantization else 2), None
+    qc = shape.fields.get("quantization_config")
+    if qc and qc["quant_method"] == "mxfp4":  # the experts', with their scales
+        expert_bytes = mxfp4_bytes_per_weight()
+    elif qc:  # --weight-format: with scales and zeros
+        weight_bytes = wna16_scheme(qc, None).bytes_per_weight(shape.fields["hidden_size"])
+    kv_bytes = 1 if config.kv_cache_dtype == "fp8" else 2
+    tp = config.tensor_parallel_size
+    return step_bytes(shape, batch, context, experts_read, weight_bytes, kv_bytes, tp, expert_bytes)
 
 
 def prompts(context: int, batch: int) -> list[list[int]]:
@@ -94,20 +110,8 @@ def run(args: argparse.Namespace, config: EngineConfig) -> tuple[dict[str, Any],
     floors = dict.fromkeys(cases)
     if on_gpu and shape is not None:
         bandwidth = copy_bandwidth(device)
-        weight_bytes, expert_bytes = (1 if config.quantization else 2), None
-        qc = shape.fields.get("quantization_config")
-        if qc and qc["quant_method"] == "mxfp4":  # the experts', with their scales
-            expert_bytes = mxfp4_bytes_per_weight()
-        elif qc:  # --weight-format: with scales and zeros
-            scheme = wna16_scheme(qc, None)
-            weight_bytes = scheme.bytes_per_weight(shape.fields["hidden_size"])
-        kv_bytes = 1 if config.kv_cache_dtype == "fp8" else 2
-        tp = config.tensor_parallel_size
         for c, b in cases:
-            nbytes = step_bytes(
-                shape, b, c + new / 2, touched[b], weight_bytes, kv_bytes, tp, expert_bytes
-            )
-            floors[c, b] = nbytes / bandwidth * 1e3
+            floors[c, b] = floor_bytes(shape, config, b, c + new / 2, touched[b]) / bandwidth * 1e3
     on = engines.label(args, config)
     for (c, b), results in runs.items():
         ms, ms_spread = median_of([ms for ms, _ in results])

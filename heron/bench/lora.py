@@ -8,7 +8,8 @@ model), the others on one with ``enable_lora`` (``max_loras`` the largest ``k``)
 are random rank-``--lora-rank`` adapters in PEFT's format over every attention and MLP
 projection (attention only for an MoE shape), written for the run. ``--throughput`` adds
 workload A (``heron bench throughput``'s, shrunk by its flags) with the largest ``k``'s
-adapters in turn, and without.
+adapters in turn, and without. A step's floor is the base model's (``heron bench decode``'s)
+and the adapters it uses read once each.
 """
 
 from __future__ import annotations
@@ -25,8 +26,15 @@ from safetensors.torch import save_file
 
 from heron import LoRARequest
 from heron.bench import engines, throughput
-from heron.bench.decode import CPU_CONTEXT, CPU_NEW_TOKENS, GPU_CONTEXT, GPU_NEW_TOKENS, prompts
-from heron.bench.measure import has_experts, median_of
+from heron.bench.decode import (
+    CPU_CONTEXT,
+    CPU_NEW_TOKENS,
+    GPU_CONTEXT,
+    GPU_NEW_TOKENS,
+    floor_bytes,
+    prompts,
+)
+from heron.bench.measure import copy_bandwidth, has_experts, median_of
 from heron.bench.result import Metric
 from heron.bench.shapes import Shape
 from heron.config import EngineConfig
@@ -56,7 +64,8 @@ def run(args: argparse.Namespace, config: EngineConfig) -> tuple[dict[str, Any],
     shape = engines.resolve_shape(args, config)
     if shape is None:
         raise ValueError("heron bench lora writes adapters for a --shape")
-    on_gpu = resolve_device(config.device).type == "cuda"
+    device = resolve_device(config.device)
+    on_gpu = device.type == "cuda"
     context = args.context or (GPU_CONTEXT if on_gpu else CPU_CONTEXT)
     new = args.new_tokens or (GPU_NEW_TOKENS if on_gpu else CPU_NEW_TOKENS)
     most = max(args.adapters)
@@ -64,6 +73,9 @@ def run(args: argparse.Namespace, config: EngineConfig) -> tuple[dict[str, Any],
         config, enable_lora=True, max_loras=max(most, 1), max_lora_rank=args.lora_rank
     )
     on = engines.label(args, config)
+    # The floor: the base model's step and the adapters in use once each (an MoE shape's
+    # experts touched are not counted here: no floor).
+    bandwidth = copy_bandwidth(device) if on_gpu and not has_experts(shape) else None
     metrics: list[Metric] = []
     with tempfile.TemporaryDirectory(prefix="heron-bench-lora-") as tmp:
         loras = write_adapters(shape, most, args.lora_rank, Path(tmp))
@@ -81,7 +93,12 @@ def run(args: argparse.Namespace, config: EngineConfig) -> tuple[dict[str, Any],
                     tps, tps_spread = median_of([tps for _, tps in runs])
                     adapters = _adapters(k, args.lora_rank, lora_config.max_loras)
                     case = f"{on}, {adapters}, context {context}, batch {b}"
-                    metrics.append(Metric(f"{case}: ms/step", ms, "ms", note=ms_spread))
+                    floor = None
+                    if bandwidth is not None:
+                        nbytes = floor_bytes(shape, config, b, context + new / 2)
+                        nbytes += min(k, b) * adapter_bytes(shape, args.lora_rank)
+                        floor = nbytes / bandwidth * 1e3
+                    metrics.append(Metric(f"{case}: ms/step", ms, "ms", floor, ms_spread))
                     metrics.append(Metric(f"{case}: output tok/s", tps, "tok/s", note=tps_spread))
         if args.throughput:
             metrics += _workload_a(args, shape, config, lora_config, loras, on)
@@ -123,8 +140,8 @@ def _workload_a(args, shape, config, lora_config, loras, on) -> list[Metric]:
     return metrics
 
 
-def write_adapters(shape: Shape, count: int, rank: int, root: Path) -> list[LoRARequest]:
-    """``count`` random rank-``rank`` PEFT adapters of ``shape``'s projections under ``root``."""
+def _projections(shape: Shape) -> dict[str, tuple[int, int]]:
+    """The projections an adapter of ``shape`` updates, by PEFT's module name: (in, out)."""
     if shape.family not in ("dense", "moe"):
         raise ValueError(
             f"heron bench lora writes adapters of Llama-like shapes, not {shape.family}"
@@ -146,6 +163,18 @@ def write_adapters(shape: Shape, count: int, rank: int, root: Path) -> list[LoRA
             "mlp.up_proj": (hidden, inter),
             "mlp.down_proj": (inter, hidden),
         }
+    return projections
+
+
+def adapter_bytes(shape: Shape, rank: int) -> int:
+    """The bytes of one rank-``rank`` adapter's A and B over every layer, in bf16."""
+    columns = sum(k + n for k, n in _projections(shape).values())
+    return 2 * rank * columns * shape.fields["num_hidden_layers"]
+
+
+def write_adapters(shape: Shape, count: int, rank: int, root: Path) -> list[LoRARequest]:
+    """``count`` random rank-``rank`` PEFT adapters of ``shape``'s projections under ``root``."""
+    projections = _projections(shape)
     targets = sorted({name.rpartition(".")[2] for name in projections})
     generator = torch.Generator().manual_seed(0)
     loras = []
@@ -155,7 +184,7 @@ def write_adapters(shape: Shape, count: int, rank: int, root: Path) -> list[LoRA
         config = {"peft_type": "LORA", "r": rank, "lora_alpha": 2 * rank, "target_modules": targets}
         (path / "adapter_config.json").write_text(json.dumps(config))
         tensors = {}
-        for layer in range(f["num_hidden_layers"]):
+        for layer in range(shape.fields["num_hidden_layers"]):
             for name, (k, n) in projections.items():
                 key = f"base_model.model.model.layers.{layer}.{name}"
                 tensors[f"{key}.lora_A.weight"] = torch.randn(rank, k, generator=generator) * 0.01

@@ -3,6 +3,7 @@ nano-vllm's published totals, the floors' weight bytes against HF's models, and 
 BENCHMARKS.md is made from the results."""
 
 import json
+import math
 import subprocess
 import sys
 from pathlib import Path
@@ -159,6 +160,19 @@ def test_lora_cases_run_their_adapters(tmp_path, capsys):
     names = [m["name"] for m in json.loads(out.read_text())["metrics"]]
     case = "qwen3-0.6b (1 layer), 2 adapters of rank 8 in 2 slots, context 16, batch 2"
     assert names == [f"{case}: ms/step", f"{case}: output tok/s"]
+
+
+def test_lora_floor_counts_the_adapters_written(tmp_path):
+    """An adapter's floor bytes are two per element of the tensors the benchmark writes."""
+    from safetensors import safe_open
+
+    from heron.bench.lora import adapter_bytes, write_adapters
+
+    shape = SHAPES["qwen3-0.6b"].with_fields(num_hidden_layers=2)
+    (lora,) = write_adapters(shape, 1, 16, tmp_path)
+    with safe_open(Path(lora.lora_path) / "adapter_model.safetensors", "pt") as f:
+        elements = sum(math.prod(f.get_slice(key).get_shape()) for key in f.keys())
+    assert adapter_bytes(shape, 16) == 2 * elements
 
 
 def test_rollout_times_sleep_wake_up_and_updates(monkeypatch, capsys):
